@@ -1,0 +1,267 @@
+"""The YAML that ops edit: schema, validation with field paths and line numbers, key hashing."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from proxy.ticket import DEFAULT_SECRET_ENV
+
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+def hash_key(key: str) -> str:
+    """The stored form of an API key: lowercase hex sha256 of its UTF-8 bytes."""
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Listen(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+
+
+class Limits(_Strict):
+    max_body_bytes: int = Field(8 * 1024 * 1024, gt=0)
+    # Hard ceiling for any max_tokens a client may ask for, whatever its tier.
+    max_tokens_ceiling: int = Field(1_000_000, gt=0)
+
+
+class Scheduling(_Strict):
+    # Inside a tenant, short requests go first; a request is never overtaken by one that arrived
+    # more than aging_s seconds after it.
+    aging_s: float = Field(30.0, gt=0)
+    # Cost at which a request counts as "as long as they come" for the short-first order.
+    reference_tokens: int = Field(8192, gt=0)
+    chars_per_token: float = Field(4.0, gt=0)
+    # Expected output when the client sets no max_tokens (the tier cap wins when lower).
+    default_expected_output: int = Field(256, gt=0)
+
+
+class Tier(_Strict):
+    priority: int
+    weight: float = Field(gt=0)
+    max_queue: int = Field(ge=0)
+    queue_timeout_s: float = Field(gt=0)
+    request_timeout_s: float = Field(gt=0)
+    max_tokens: int | None = Field(None, gt=0)
+    # Share of a vLLM step that this tier's prefills may take while better tiers decode.
+    # None: 1.0 for the best tier, 0.2 for the others.
+    prefill_share: float | None = Field(None, gt=0, le=1)
+
+
+class KeySpec(_Strict):
+    sha256: str | None = None
+    env: str | None = None
+
+    @field_validator("sha256")
+    @classmethod
+    def _hex(cls, value: str | None) -> str | None:
+        if value is not None and not _SHA256_RE.match(value.lower()):
+            raise ValueError("must be 64 hex characters (see `tierproxy hash-key`)")
+        return value.lower() if value else value
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> KeySpec:
+        if (self.sha256 is None) == (self.env is None):
+            raise ValueError("give exactly one of sha256 or env")
+        return self
+
+
+class Tenant(_Strict):
+    name: str = Field(min_length=1)
+    tier: str
+    keys: list[KeySpec] = Field(min_length=1)
+    weight: float = Field(1.0, gt=0)
+    requests_per_minute: float | None = Field(None, gt=0)
+    tokens_per_minute: float | None = Field(None, gt=0)
+    max_concurrent: int | None = Field(None, gt=0)
+    on_limit: Literal["reject", "queue"] = "reject"
+
+
+class Backend(_Strict):
+    url: str
+    name: str | None = None
+    max_inflight: int = Field(64, gt=0)
+    # Optional budget of prompt + expected output tokens in flight on this backend.
+    max_tokens_inflight: int | None = Field(None, gt=0)
+    # Also pass the tier's priority as vLLM's own `priority` (needs --scheduling-policy priority).
+    send_priority: bool = True
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        if not re.match(r"^https?://[^/\s]+", value):
+            raise ValueError("must be an http(s) URL such as http://127.0.0.1:8100")
+        return value.rstrip("/")
+
+    @property
+    def label(self) -> str:
+        return self.name or self.url
+
+
+class Config(_Strict):
+    listen: Listen = Listen()
+    ticket_secret_env: str = DEFAULT_SECRET_ENV
+    limits: Limits = Limits()
+    scheduling: Scheduling = Scheduling()
+    tiers: dict[str, Tier] = Field(min_length=1)
+    tenants: list[Tenant] = Field(default_factory=list)
+    backends: list[Backend] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> Config:
+        names: set[str] = set()
+        for tenant in self.tenants:
+            if tenant.tier not in self.tiers:
+                raise ValueError(
+                    f"tenant {tenant.name!r} names unknown tier {tenant.tier!r}"
+                    f" (tiers: {', '.join(self.tiers)})"
+                )
+            if tenant.name in names:
+                raise ValueError(f"tenant name {tenant.name!r} appears twice")
+            names.add(tenant.name)
+        urls = [b.url for b in self.backends]
+        if len(set(urls)) != len(urls):
+            raise ValueError("a backend url appears twice")
+        return self
+
+    def prefill_share(self, tier: str) -> float:
+        explicit = self.tiers[tier].prefill_share
+        if explicit is not None:
+            return explicit
+        best = min(t.priority for t in self.tiers.values())
+        return 1.0 if self.tiers[tier].priority == best else 0.2
+
+    @property
+    def lowest_priority(self) -> int:
+        """The worst configured priority: what an unticketed request gets in vLLM."""
+        return max(t.priority for t in self.tiers.values())
+
+
+@dataclass(frozen=True)
+class LoadedConfig:
+    """A validated config plus what was derived from it at load time."""
+
+    config: Config
+    tenant_by_key_hash: Mapping[str, Tenant]
+    source: str
+
+    def tenant_for_key(self, key: str) -> Tenant | None:
+        return self.tenant_by_key_hash.get(hash_key(key))
+
+
+class ConfigError(Exception):
+    """Every problem found in one config file, each naming its field and line."""
+
+    def __init__(self, source: str, problems: list[str]) -> None:
+        self.source = source
+        self.problems = problems
+        super().__init__(f"{source}: " + "; ".join(problems))
+
+
+def _line_of(root: yaml.Node | None, loc: tuple[int | str, ...]) -> int | None:
+    """The 1-based line of the deepest YAML node that ``loc`` reaches."""
+    node = root
+    line = node.start_mark.line + 1 if node is not None else None
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            match = next((v for k, v in node.value if getattr(k, "value", None) == part), None)
+            if match is None:
+                break
+            node = match
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int):
+            if part >= len(node.value):
+                break
+            node = node.value[part]
+        else:
+            break
+        line = node.start_mark.line + 1
+    return line
+
+
+def _resolve_keys(config: Config, root: yaml.Node | None) -> tuple[dict[str, Tenant], list[str]]:
+    by_hash: dict[str, Tenant] = {}
+    problems: list[str] = []
+    for t_index, tenant in enumerate(config.tenants):
+        for k_index, spec in enumerate(tenant.keys):
+            line = _line_of(root, ("tenants", t_index, "keys", k_index))
+            where = f"tenants.{t_index}.keys.{k_index} (line {line})"
+            if spec.env is not None:
+                raw = os.environ.get(spec.env)
+                if not raw:
+                    problems.append(f"{where}: environment variable {spec.env} is not set")
+                    continue
+                digest = hash_key(raw)
+            else:
+                assert spec.sha256 is not None
+                digest = spec.sha256
+            owner = by_hash.get(digest)
+            if owner is not None and owner.name != tenant.name:
+                problems.append(f"{where}: key already belongs to tenant {owner.name!r}")
+                continue
+            by_hash[digest] = tenant
+    return by_hash, problems
+
+
+def parse_config(text: str, source: str = "<config>") -> LoadedConfig:
+    """Validate YAML text; raises ConfigError listing every problem with its line."""
+    try:
+        root = yaml.compose(text)
+        data: Any = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(source, [f"not valid YAML: {exc}"]) from exc
+    if not isinstance(data, dict):
+        raise ConfigError(source, ["the file must be a mapping with tiers, tenants and backends"])
+    try:
+        config = Config.model_validate(data)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            loc = tuple(err["loc"])
+            path = ".".join(str(p) for p in loc) or "(top level)"
+            line = _line_of(root, loc)
+            problems.append(f"{path} (line {line}): {err['msg']}")
+        raise ConfigError(source, problems) from exc
+    by_hash, problems = _resolve_keys(config, root)
+    if problems:
+        raise ConfigError(source, problems)
+    return LoadedConfig(config=config, tenant_by_key_hash=by_hash, source=source)
+
+
+def load_config(path: str | Path) -> LoadedConfig:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(str(p), [f"cannot read: {exc.strerror}"]) from exc
+    return parse_config(text, source=str(p))
+
+
+def summarize(loaded: LoadedConfig) -> str:
+    cfg = loaded.config
+    lines = [f"{loaded.source}: ok"]
+    lines.append(f"  listen {cfg.listen.host}:{cfg.listen.port}")
+    for name, tier in sorted(cfg.tiers.items(), key=lambda kv: kv[1].priority):
+        tenants = [t.name for t in cfg.tenants if t.tier == name]
+        lines.append(
+            f"  tier {name}: priority {tier.priority}, weight {tier.weight:g},"
+            f" queue {tier.max_queue}, wait {tier.queue_timeout_s:g}s,"
+            f" run {tier.request_timeout_s:g}s, prefill share {cfg.prefill_share(name):g},"
+            f" tenants {len(tenants)}"
+        )
+    lines.append(f"  tenants {len(cfg.tenants)}, keys {len(loaded.tenant_by_key_hash)}")
+    for b in cfg.backends:
+        lines.append(f"  backend {b.label}: max_inflight {b.max_inflight}")
+    return "\n".join(lines)

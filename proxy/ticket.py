@@ -1,0 +1,100 @@
+"""The ticket: the one header contract between the proxy and the vLLM plugin.
+
+The proxy signs what it decided about a request (tier, priority, tenant, deadline, prefill
+share, output budget); the plugin inside vLLM verifies the signature and trusts nothing else a
+caller sends. Both sides import this module; it must stay free of aiohttp and vLLM imports.
+
+Wire format (ASCII, one header)::
+
+    X-Tierproxy-Ticket: v1.<base64url(json payload)>.<base64url(HMAC-SHA256(secret, "v1." + payload_b64))>
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+import json
+import os
+from dataclasses import asdict, dataclass
+
+TICKET_HEADER = "X-Tierproxy-Ticket"
+TICKET_VERSION = "v1"
+DEFAULT_SECRET_ENV = "TIERPROXY_TICKET_SECRET"
+
+# Keys the plugin's middleware writes into the body's ``vllm_xargs``; vLLM hands them to the
+# scheduler as ``request.sampling_params.extra_args``.
+XARG_TIER = "tierproxy_tier"
+XARG_PRIORITY = "tierproxy_priority"
+XARG_DEADLINE = "tierproxy_deadline"
+XARG_PREFILL_SHARE = "tierproxy_prefill_share"
+XARG_BUDGET = "tierproxy_budget"
+XARG_TRUSTED = "tierproxy_trusted"
+
+
+class TicketError(ValueError):
+    """The header is missing, malformed, forged or for another version."""
+
+
+@dataclass(frozen=True, slots=True)
+class Ticket:
+    tier: str
+    priority: int  # vLLM convention: lower runs earlier
+    tenant: str
+    deadline: float  # unix epoch seconds; past it nobody waits for the answer
+    prefill_share: float  # max share of a step's tokens for this request's tier prefill
+    budget: int  # max output tokens the proxy allowed
+    request_id: str
+
+    def expired(self, now_epoch: float) -> bool:
+        return now_epoch >= self.deadline
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def _signature(secret: bytes, signed: str) -> str:
+    return _b64(hmac.new(secret, signed.encode("ascii"), hashlib.sha256).digest())
+
+
+def encode_ticket(ticket: Ticket, secret: bytes) -> str:
+    if not secret:
+        raise ValueError("ticket secret must not be empty")
+    payload = json.dumps(asdict(ticket), separators=(",", ":"), sort_keys=True)
+    signed = f"{TICKET_VERSION}.{_b64(payload.encode('utf-8'))}"
+    return f"{signed}.{_signature(secret, signed)}"
+
+
+def decode_ticket(value: str, secret: bytes) -> Ticket:
+    """Verify and parse a header value; raises TicketError on anything but a valid ticket."""
+    if not secret:
+        raise TicketError("no ticket secret configured")
+    parts = value.strip().split(".")
+    if len(parts) != 3 or parts[0] != TICKET_VERSION:
+        raise TicketError("malformed ticket")
+    signed = f"{parts[0]}.{parts[1]}"
+    if not hmac.compare_digest(_signature(secret, signed), parts[2]):
+        raise TicketError("bad ticket signature")
+    try:
+        raw = json.loads(_unb64(parts[1]))
+        return Ticket(
+            tier=str(raw["tier"]),
+            priority=int(raw["priority"]),
+            tenant=str(raw["tenant"]),
+            deadline=float(raw["deadline"]),
+            prefill_share=float(raw["prefill_share"]),
+            budget=int(raw["budget"]),
+            request_id=str(raw["request_id"]),
+        )
+    except (KeyError, TypeError, ValueError, binascii.Error) as exc:
+        raise TicketError(f"unreadable ticket payload: {exc}") from exc
+
+
+def secret_from_env(env_name: str = DEFAULT_SECRET_ENV) -> bytes:
+    return os.environ.get(env_name, "").encode("utf-8")
