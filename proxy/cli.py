@@ -1,0 +1,211 @@
+"""The `tierproxy` command."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+EXAMPLE_CONFIG = "configs/example.yaml"
+DEMO_KEYS = {"high": "demo-high-key", "normal": "demo-normal-key", "low": "demo-low-key"}
+
+
+def _cmd_tiny_model(args: argparse.Namespace) -> int:
+    from proxy.tiny_model import make_tiny_model
+
+    print(make_tiny_model(args.dir))
+    return 0
+
+
+def _cmd_hash_key(args: argparse.Namespace) -> int:
+    from proxy.config import hash_key
+
+    key = sys.stdin.readline().rstrip("\r\n")
+    if not key:
+        print("tierproxy hash-key: read no key on standard input", file=sys.stderr)
+        return 1
+    print(hash_key(key))
+    return 0
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    from proxy.config import ConfigError, load_config, summarize
+
+    try:
+        loaded = load_config(args.config)
+    except ConfigError as exc:
+        print(f"{exc.source}: {len(exc.problems)} problem(s)", file=sys.stderr)
+        for problem in exc.problems:
+            print(f"  {problem}", file=sys.stderr)
+        return 1
+    print(summarize(loaded))
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from proxy.app import serve
+    from proxy.config import ConfigError
+
+    try:
+        serve(args.config, host=args.host, port=args.port)
+    except ConfigError as exc:
+        for problem in exc.problems:
+            print(f"{exc.source}: {problem}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _install_stop_handlers() -> None:
+    def _raise(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _raise)
+
+
+def _cmd_engine(args: argparse.Namespace) -> int:
+    from proxy.engine import EngineProcess, EngineSpec, ensure_model
+
+    model, served = ensure_model(args.model)
+    extra = [a for a in args.vllm_args if a != "--"]
+    spec = EngineSpec(
+        port=args.port,
+        host=args.host,
+        model=model,
+        served_name=served,
+        max_num_seqs=args.max_num_seqs,
+        plugin=not args.no_plugin,
+        extra_args=extra,
+    )
+    engine = EngineProcess(spec)
+    _install_stop_handlers()
+    print("starting:", " ".join(spec.command()), flush=True)
+    try:
+        engine.start().wait_ready(args.ready_timeout)
+        print(f"vLLM ready on {spec.url} (pid {engine.pid}); Ctrl-C stops it", flush=True)
+        while engine.alive():
+            time.sleep(0.5)
+        print("vLLM exited", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        engine.stop()
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    """The embedded default: local CPU engine(s) plus the proxy on configs/example.yaml."""
+    from proxy.app import serve
+    from proxy.config import load_config
+    from proxy.engine import EngineProcess, EngineSpec, ensure_model
+
+    os.environ.setdefault("TIERPROXY_TICKET_SECRET", secrets.token_urlsafe(32))
+    loaded = load_config(args.config)
+    model, served = ensure_model(args.model)
+    log_dir = Path(".tierproxy/logs")
+    engines = []
+    for backend in loaded.config.backends[: args.engines]:
+        port = int(backend.url.rsplit(":", 1)[1])
+        spec = EngineSpec(port=port, model=model, served_name=served,
+                          max_num_seqs=args.max_num_seqs)
+        engines.append(EngineProcess(spec, log_dir / f"vllm-{port}.log"))
+    _install_stop_handlers()
+    try:
+        for engine in engines:
+            print(f"starting vLLM on {engine.spec.url} (log: {engine.log_path})", flush=True)
+            engine.start()
+        for engine in engines:
+            engine.wait_ready(args.ready_timeout)
+        cfg = loaded.config
+        base = f"http://{cfg.listen.host}:{cfg.listen.port}"
+        name = served or model
+        print(_snippet(base, name), flush=True)
+        serve(args.config)
+        return 0
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        for engine in engines:
+            engine.stop()
+
+
+def _snippet(base: str, model: str) -> str:
+    return f"""
+tierproxy is up on {base}  (Ctrl-C stops the proxy and the engines)
+
+  curl -s {base}/v1/chat/completions \\
+    -H 'Authorization: Bearer {DEMO_KEYS["high"]}' -H 'Content-Type: application/json' \\
+    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "hello"}}], "max_tokens": 16}}'
+
+  from openai import OpenAI
+  client = OpenAI(base_url="{base}/v1", api_key="{DEMO_KEYS["high"]}")
+  print(client.chat.completions.create(model="{model}", max_tokens=16,
+        messages=[{{"role": "user", "content": "hello"}}]).choices[0].message.content)
+
+Demo keys by tier: {", ".join(f"{t}={k}" for t, k in DEMO_KEYS.items())}
+Metrics: {base}/metrics
+"""
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from proxy.bench.cli import main as bench_main
+
+    return bench_main(args.bench_args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tierproxy", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="run the proxy")
+    p.add_argument("-c", "--config", required=True)
+    p.add_argument("--host", help="override listen.host")
+    p.add_argument("--port", type=int, help="override listen.port")
+    p.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser("check", help="validate a config; print a summary or every error")
+    p.add_argument("-c", "--config", required=True)
+    p.set_defaults(func=_cmd_check)
+
+    p = sub.add_parser("hash-key", help="print the sha256 form of a key read from stdin")
+    p.set_defaults(func=_cmd_hash_key)
+
+    p = sub.add_parser("tiny-model", help="write a tiny random Llama model for CPU vLLM")
+    p.add_argument("dir")
+    p.set_defaults(func=_cmd_tiny_model)
+
+    p = sub.add_parser("engine", help="run a stock vLLM OpenAI server with the plugin wired in")
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--model", help="model path or name (default: the tiny local model)")
+    p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--no-plugin", action="store_true", help="stock vLLM without the plugin")
+    p.add_argument("--ready-timeout", type=float, default=300.0)
+    p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- then extra vLLM arguments")
+    p.set_defaults(func=_cmd_engine)
+
+    p = sub.add_parser("up", help="local engine(s) plus the proxy on the example config")
+    p.add_argument("-c", "--config", default=EXAMPLE_CONFIG)
+    p.add_argument("--engines", type=int, default=1, help="how many of the config's backends to start")
+    p.add_argument("--model", help="model path or name (default: the tiny local model)")
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--ready-timeout", type=float, default=300.0)
+    p.set_defaults(func=_cmd_up)
+
+    p = sub.add_parser("bench", help="mixed-tenant load generator and report", add_help=False)
+    p.add_argument("bench_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""Start, watch and stop a stock vLLM OpenAI server (CPU build here, GPU build elsewhere).
+
+Used by `tierproxy engine`, `tierproxy up` and the test suite, so that all three start vLLM
+the same way: same flags, same readiness check, same teardown of the whole process tree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+DEFAULT_MODEL_DIR = Path(".tierproxy/tiny-model")
+TINY_SERVED_NAME = "tiny"
+
+# The plugin's extension points in stock vLLM (see proxy/vllm_plugin). The scheduling policy
+# flag is what makes vLLM honour the priority the plugin (or the proxy) sets.
+PLUGIN_ARGS: tuple[str, ...] = (
+    "--middleware",
+    "proxy.vllm_plugin.middleware.TicketMiddleware",
+    "--scheduler-cls",
+    "proxy.vllm_plugin.scheduler.TierScheduler",
+)
+PRIORITY_ARGS: tuple[str, ...] = ("--scheduling-policy", "priority")
+
+
+def plugin_available() -> bool:
+    """The plugin's modules are importable (they are, once vllm is installed beside us)."""
+    try:
+        import proxy.vllm_plugin.middleware  # noqa: F401
+        import proxy.vllm_plugin.scheduler  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass
+class EngineSpec:
+    port: int
+    model: str
+    served_name: str | None = None
+    host: str = "127.0.0.1"
+    max_model_len: int = 2048
+    max_num_seqs: int | None = None
+    plugin: bool = True
+    extra_args: Sequence[str] = ()
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--max-model-len",
+            str(self.max_model_len),
+            "--disable-uvicorn-access-log",
+        ]
+        if self.served_name:
+            cmd += ["--served-model-name", self.served_name]
+        if _on_cpu():
+            cmd.append("--enforce-eager")  # starts in ~25 s instead of ~60 s
+        if self.max_num_seqs is not None:
+            cmd += ["--max-num-seqs", str(self.max_num_seqs)]
+        cmd += PRIORITY_ARGS
+        if self.plugin and plugin_available():
+            cmd += PLUGIN_ARGS
+        cmd += list(self.extra_args)
+        return cmd
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        env.setdefault("VLLM_NO_USAGE_STATS", "1")
+        env.setdefault("DO_NOT_TRACK", "1")
+        env.update(self.env)
+        return env
+
+
+def _on_cpu() -> bool:
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+
+        version("vllm-cpu")
+    except PackageNotFoundError:
+        return False
+    return True
+
+
+class EngineProcess:
+    """One vLLM server in its own process group, so that stopping it stops its children too."""
+
+    def __init__(self, spec: EngineSpec, log_path: Path | None = None) -> None:
+        self.spec = spec
+        self.log_path = log_path
+        self._log: IO[bytes] | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> EngineProcess:
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            self.spec.command(),
+            env=self.spec.environment(),
+            stdout=self._log if self._log is not None else None,
+            stderr=subprocess.STDOUT if self._log is not None else None,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        return self
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def wait_ready(self, timeout_s: float = 240.0) -> None:
+        """Block until /v1/models answers; raises if the process dies or time runs out."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RuntimeError(f"vLLM on {self.spec.url} exited early; {self._log_hint()}")
+            if http_ok(f"{self.spec.url}/v1/models", timeout_s=2.0):
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"vLLM on {self.spec.url} not ready in {timeout_s:.0f}s; {self._log_hint()}")
+
+    def _log_hint(self) -> str:
+        if self.log_path is None:
+            return "see its output above"
+        return f"log: {self.log_path}\n{tail(self.log_path)}"
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            assert self.proc is not None
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        if self.proc is None:
+            return
+        if self.alive():
+            self.signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                self.signal(signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        # Children left behind in the group (engine core, workers) go too.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+def http_ok(url: str, timeout_s: float) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return 200 <= int(resp.status) < 300
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def tail(path: Path, lines: int = 40) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join(text[-lines:])
+
+
+def ensure_model(model: str | None) -> tuple[str, str | None]:
+    """(model path or name, served name): with no model given, make and use the tiny one."""
+    if model:
+        return model, None
+    from proxy.tiny_model import make_tiny_model
+
+    return str(make_tiny_model(DEFAULT_MODEL_DIR).resolve()), TINY_SERVED_NAME
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])

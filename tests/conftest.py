@@ -1,0 +1,121 @@
+"""Shared fixtures: real stock vLLM servers (CPU build, tiny model) started by the suite.
+
+Engines are started once per distinct setting and shared across tests; at most
+``MAX_LIVE_ENGINES`` run at once (each holds ~3 GB), the least recently used one is stopped
+to make room. Every engine logs to a file; when a test fails, the tails of the logs of the
+engines it used are printed. All engines are stopped by PID at the end, also on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+from proxy.engine import EngineProcess, EngineSpec, free_port, tail
+
+REPO = Path(__file__).resolve().parent.parent
+TINY_MODEL_DIR = REPO / ".tierproxy" / "tiny-model"
+MAX_LIVE_ENGINES = int(os.environ.get("TIERPROXY_TEST_MAX_ENGINES", "3"))
+
+
+def _engines_available() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+class EngineFarm:
+    """Starts and caches real vLLM servers keyed by their settings."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.live: OrderedDict[tuple[object, ...], EngineProcess] = OrderedDict()
+        self.used_by_current_test: list[EngineProcess] = []
+
+    def model_dir(self) -> Path:
+        from proxy.tiny_model import make_tiny_model
+
+        return make_tiny_model(TINY_MODEL_DIR)
+
+    def get(
+        self,
+        name: str,
+        *,
+        max_num_seqs: int = 4,
+        plugin: bool = False,
+        extra_args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+        fresh: bool = False,
+    ) -> EngineProcess:
+        key = (name, max_num_seqs, plugin, tuple(extra_args), tuple(sorted((env or {}).items())))
+        engine = self.live.get(key)
+        if engine is not None and (fresh or not engine.alive()):
+            engine.stop()
+            del self.live[key]
+            engine = None
+        if engine is None:
+            while len(self.live) >= MAX_LIVE_ENGINES:
+                _, oldest = self.live.popitem(last=False)
+                oldest.stop()
+            spec = EngineSpec(
+                port=free_port(),
+                model=str(self.model_dir()),
+                served_name="tiny",
+                max_num_seqs=max_num_seqs,
+                plugin=plugin,
+                extra_args=extra_args,
+                env=env or {},
+            )
+            engine = EngineProcess(spec, self.log_dir / f"vllm-{name}-{spec.port}.log").start()
+            self.live[key] = engine
+            engine.wait_ready()
+        self.live.move_to_end(key)
+        self.used_by_current_test.append(engine)
+        return engine
+
+    def stop_all(self) -> None:
+        while self.live:
+            _, engine = self.live.popitem()
+            engine.stop()
+
+
+@pytest.fixture(scope="session")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineFarm]:
+    if not _engines_available():
+        pytest.fail("vLLM is not installed: run `make test`, which installs the engine extra")
+    farm = EngineFarm(tmp_path_factory.mktemp("engine-logs"))
+    atexit.register(farm.stop_all)  # also on interpreter exit after Ctrl-C
+    try:
+        yield farm
+    finally:
+        farm.stop_all()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    farm = _farm_of(item)
+    if farm is None:
+        return
+    if report.failed:
+        for engine in farm.used_by_current_test:
+            if engine.log_path is not None:
+                report.sections.append(
+                    (f"vLLM log tail ({engine.spec.url})", tail(engine.log_path, 60))
+                )
+    if report.when == "teardown":
+        farm.used_by_current_test.clear()
+
+
+def _farm_of(item: pytest.Item) -> EngineFarm | None:
+    funcargs = getattr(item, "funcargs", {})
+    farm = funcargs.get("engines")
+    return farm if isinstance(farm, EngineFarm) else None
