@@ -110,8 +110,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
     engines = []
     for backend in loaded.config.backends[: args.engines]:
         port = int(backend.url.rsplit(":", 1)[1])
-        spec = EngineSpec(port=port, model=model, served_name=served,
-                          max_num_seqs=args.max_num_seqs)
+        spec = EngineSpec(
+            port=port, model=model, served_name=served, max_num_seqs=args.max_num_seqs
+        )
         engines.append(EngineProcess(spec, log_dir / f"vllm-{port}.log"))
     _install_stop_handlers()
     try:
@@ -139,7 +140,8 @@ tierproxy is up on {base}  (Ctrl-C stops the proxy and the engines)
 
   curl -s {base}/v1/chat/completions \\
     -H 'Authorization: Bearer {DEMO_KEYS["high"]}' -H 'Content-Type: application/json' \\
-    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "hello"}}], "max_tokens": 16}}'
+    -d '{{"model": "{model}", "max_tokens": 16,
+         "messages": [{{"role": "user", "content": "hello"}}]}}'
 
   from openai import OpenAI
   client = OpenAI(base_url="{base}/v1", api_key="{DEMO_KEYS["high"]}")
@@ -154,7 +156,7 @@ Metrics: {base}/metrics
 def _cmd_bench(args: argparse.Namespace) -> int:
     from proxy.bench.cli import main as bench_main
 
-    return bench_main(args.bench_args)
+    return int(bench_main(args.bench_args))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -190,7 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("up", help="local engine(s) plus the proxy on the example config")
     p.add_argument("-c", "--config", default=EXAMPLE_CONFIG)
-    p.add_argument("--engines", type=int, default=1, help="how many of the config's backends to start")
+    p.add_argument(
+        "--engines", type=int, default=1, help="how many of the config's backends to start"
+    )
     p.add_argument("--model", help="model path or name (default: the tiny local model)")
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--ready-timeout", type=float, default=300.0)

@@ -49,6 +49,24 @@ class Scheduling(_Strict):
     default_expected_output: int = Field(256, gt=0)
 
 
+class BackendHealth(_Strict):
+    health_interval_s: float = Field(1.0, gt=0)
+    metrics_interval_s: float = Field(0.5, gt=0)
+    models_interval_s: float = Field(10.0, gt=0)
+    # Scraped load older than this is ignored (the proxy's own counts decide alone).
+    stale_after_s: float = Field(2.0, gt=0)
+    # A backend whose own waiting queue exceeds this gets no new work until it drains.
+    max_backend_waiting: int = Field(1, ge=0)
+    # After an ejection ends, the backend's room ramps from 25% to 100% over this long.
+    ramp_s: float = Field(5.0, ge=0)
+    eject_base_s: float = Field(1.0, gt=0)
+    eject_max_s: float = Field(30.0, gt=0)
+    connect_timeout_s: float = Field(3.0, gt=0)
+    probe_timeout_s: float = Field(2.0, gt=0)
+    # Attempts for a request that has sent nothing to its client yet (refused, reset, 503).
+    max_attempts: int = Field(3, ge=1)
+
+
 class Tier(_Strict):
     priority: int
     weight: float = Field(gt=0)
@@ -116,6 +134,7 @@ class Config(_Strict):
     ticket_secret_env: str = DEFAULT_SECRET_ENV
     limits: Limits = Limits()
     scheduling: Scheduling = Scheduling()
+    backend_health: BackendHealth = BackendHealth()
     tiers: dict[str, Tier] = Field(min_length=1)
     tenants: list[Tenant] = Field(default_factory=list)
     backends: list[Backend] = Field(min_length=1)

@@ -34,13 +34,13 @@ PRIORITY_ARGS: tuple[str, ...] = ("--scheduling-policy", "priority")
 
 
 def plugin_available() -> bool:
-    """The plugin's modules are importable (they are, once vllm is installed beside us)."""
+    """The plugin's modules can be loaded (they can once vllm is installed beside us)."""
     try:
-        import proxy.vllm_plugin.middleware  # noqa: F401
-        import proxy.vllm_plugin.scheduler  # noqa: F401
+        import proxy.vllm_plugin.middleware as _middleware
+        import proxy.vllm_plugin.scheduler as _scheduler
     except ImportError:
         return False
-    return True
+    return bool(_middleware and _scheduler)
 
 
 @dataclass
@@ -145,7 +145,9 @@ class EngineProcess:
             if http_ok(f"{self.spec.url}/v1/models", timeout_s=2.0):
                 return
             time.sleep(0.5)
-        raise TimeoutError(f"vLLM on {self.spec.url} not ready in {timeout_s:.0f}s; {self._log_hint()}")
+        raise TimeoutError(
+            f"vLLM on {self.spec.url} not ready in {timeout_s:.0f}s; {self._log_hint()}"
+        )
 
     def _log_hint(self) -> str:
         if self.log_path is None:

@@ -6,7 +6,9 @@ caller sends. Both sides import this module; it must stay free of aiohttp and vL
 
 Wire format (ASCII, one header)::
 
-    X-Tierproxy-Ticket: v1.<base64url(json payload)>.<base64url(HMAC-SHA256(secret, "v1." + payload_b64))>
+    X-Tierproxy-Ticket: v1.<payload>.<signature>
+    payload   = base64url(JSON of the Ticket fields)
+    signature = base64url(HMAC-SHA256(secret, "v1." + payload))
 """
 
 from __future__ import annotations

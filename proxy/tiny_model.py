@@ -93,7 +93,7 @@ def make_tiny_model(out_dir: str | Path) -> Path:
         eos_token_id=fast.eos_token_id,
         pad_token_id=fast.pad_token_id,
         tie_word_embeddings=False,
-        torch_dtype="float32",
+        dtype="float32",
     )
     model = LlamaForCausalLM(config)
     model.save_pretrained(out, safe_serialization=True)

@@ -1,0 +1,1 @@
+"""tierproxy: tiered, fair, priority-aware proxy and scheduler plugin for stock vLLM."""

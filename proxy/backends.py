@@ -1,0 +1,232 @@
+"""Backend state and the choice of backend at dispatch time. Pure logic, no I/O.
+
+The proxy's own in-flight counts come first (exact, instant); the load scraped from each vLLM's
+``/metrics`` corrects them (a backend whose own waiting queue grows gets no new work until it
+drains); scraped load older than ``stale_after_s`` is ignored on purpose and its age exported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from proxy.config import Backend, BackendHealth
+
+
+@dataclass(frozen=True)
+class ScrapedLoad:
+    waiting: float
+    running: float
+    kv_usage: float  # 0..1
+    at: float  # monotonic time of the scrape
+
+
+@dataclass(eq=False)
+class BackendState:
+    cfg: Backend
+    inflight: int = 0
+    tokens_inflight: float = 0.0
+    healthy: bool = True  # optimistic until a probe or a request says otherwise
+    ejected_until: float = 0.0
+    failures: int = 0  # consecutive
+    reinstated_at: float | None = None
+    draining: bool = False  # gets no new work; in-flight work finishes
+    removed: bool = False  # left the config: dropped once idle
+    models: frozenset[str] | None = None  # None: not known yet, accept any
+    load: ScrapedLoad | None = None
+    dispatched_total: int = 0
+
+    @property
+    def label(self) -> str:
+        return self.cfg.label
+
+    def serves(self, model: str | None) -> bool:
+        return model is None or self.models is None or model in self.models
+
+    def available(self, now: float) -> bool:
+        return self.healthy and not self.draining and now >= self.ejected_until
+
+    def fresh_load(self, now: float, stale_after_s: float) -> ScrapedLoad | None:
+        if self.load is None or now - self.load.at > stale_after_s:
+            return None
+        return self.load
+
+
+class BackendPool:
+    """All backends, their room, their health transitions."""
+
+    def __init__(self, backends: Iterable[Backend], health: BackendHealth) -> None:
+        self.health = health
+        self.states: dict[str, BackendState] = {}
+        self.reconfigure(backends, health)
+
+    def reconfigure(self, backends: Iterable[Backend], health: BackendHealth) -> None:
+        """Keep the state of backends that stay; drain those that left (they finish their work
+        and are dropped once idle)."""
+        self.health = health
+        wanted = {b.url: b for b in backends}
+        for url, state in list(self.states.items()):
+            if url in wanted:
+                state.cfg = wanted[url]
+                if state.removed:
+                    state.removed = state.draining = False
+            elif state.inflight == 0:
+                del self.states[url]
+            else:
+                state.removed = state.draining = True
+        for url, cfg in wanted.items():
+            self.states.setdefault(url, BackendState(cfg=cfg))
+
+    def all(self) -> list[BackendState]:
+        return list(self.states.values())
+
+    # -- choice --------------------------------------------------------------------------
+    def room(self, state: BackendState, now: float) -> float:
+        """Free request slots on this backend now (may be fractional during a ramp)."""
+        if not state.available(now):
+            return 0.0
+        cap = float(state.cfg.max_inflight)
+        if state.reinstated_at is not None and self.health.ramp_s > 0:
+            ramp = min(1.0, 0.25 + 0.75 * (now - state.reinstated_at) / self.health.ramp_s)
+            cap *= ramp
+        load = state.fresh_load(now, self.health.stale_after_s)
+        if load is not None and load.waiting > self.health.max_backend_waiting and state.inflight:
+            # vLLM is queueing on its own: hold new work here, where the tiers order it.
+            cap = min(cap, float(state.inflight))
+        return max(0.0, cap - state.inflight)
+
+    def fits_tokens(self, state: BackendState, tokens: float) -> bool:
+        budget = state.cfg.max_tokens_inflight
+        # A request larger than the whole budget still runs when the backend is idle.
+        return (
+            budget is None or state.tokens_inflight == 0 or state.tokens_inflight + tokens <= budget
+        )
+
+    def choose(self, model: str | None, tokens: float, now: float) -> BackendState | None:
+        """The backend with the most room for this request, or None if none has room."""
+        best: BackendState | None = None
+        best_score = 0.0
+        for state in self.states.values():
+            if not state.serves(model) or not self.fits_tokens(state, tokens):
+                continue
+            room = self.room(state, now)
+            if room < 1.0:
+                continue
+            score = room / state.cfg.max_inflight
+            load = state.fresh_load(now, self.health.stale_after_s)
+            if load is not None:
+                score -= 0.1 * load.kv_usage  # break near-ties toward free KV cache
+            if best is None or score > best_score:
+                best, best_score = state, score
+        return best
+
+    def any_room(self, now: float) -> bool:
+        return any(self.room(s, now) >= 1.0 for s in self.states.values())
+
+    def any_available(self, now: float) -> bool:
+        return any(s.available(now) for s in self.states.values())
+
+    def known_models(self) -> set[str]:
+        models: set[str] = set()
+        for state in self.states.values():
+            if state.models:
+                models |= state.models
+        return models
+
+    def model_known(self, model: str | None) -> bool:
+        """False only when every backend has told us its models and none serves this one."""
+        if model is None:
+            return True
+        return any(s.models is None or model in s.models for s in self.states.values())
+
+    # -- bookkeeping ---------------------------------------------------------------------
+    def acquire(self, state: BackendState, tokens: float) -> None:
+        state.inflight += 1
+        state.tokens_inflight += tokens
+        state.dispatched_total += 1
+
+    def release(self, state: BackendState, tokens: float) -> None:
+        state.inflight -= 1
+        state.tokens_inflight = max(0.0, state.tokens_inflight - tokens)
+        if state.removed and state.inflight == 0 and self.states.get(state.cfg.url) is state:
+            del self.states[state.cfg.url]
+
+    def drain(self, url: str, draining: bool = True) -> BackendState | None:
+        """Admin drain: stop new work to a backend and let in-flight work finish."""
+        state = self.states.get(url.rstrip("/"))
+        if state is not None and not state.removed:
+            state.draining = draining
+        return state
+
+    # -- health --------------------------------------------------------------------------
+    def record_failure(self, state: BackendState, now: float) -> None:
+        """Passive ejection: connection errors and 5xx push the backend out for a backoff."""
+        state.failures += 1
+        backoff = min(self.health.eject_max_s, self.health.eject_base_s * 2 ** (state.failures - 1))
+        state.ejected_until = now + backoff
+        state.reinstated_at = None
+
+    def record_success(self, state: BackendState, now: float) -> None:
+        if state.failures:
+            state.failures = 0
+            state.reinstated_at = now
+
+    def probe_result(self, state: BackendState, ok: bool, now: float) -> None:
+        if ok and not state.healthy:
+            state.healthy = True
+            state.failures = 0
+            state.ejected_until = 0.0
+            state.reinstated_at = now
+        elif ok and state.failures and now >= state.ejected_until:
+            state.failures = 0
+            state.reinstated_at = now
+        elif not ok:
+            if state.healthy:
+                state.reinstated_at = None
+            state.healthy = False
+
+
+@dataclass
+class _Counts:
+    waiting: float = 0.0
+    running: float = 0.0
+    kv_usage: float = 0.0
+    kv_samples: int = 0
+    seen: set[str] = field(default_factory=set)
+
+
+_WANTED = {
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:num_requests_running": "running",
+    "vllm:kv_cache_usage_perc": "kv_usage",
+}
+
+
+def parse_vllm_load(text: str, now: float) -> ScrapedLoad | None:
+    """Read the three gauges we steer by from vLLM's Prometheus text (summed over engines;
+    KV usage averaged). None when the text holds none of them (not a vLLM server)."""
+    counts = _Counts()
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        name_end = line.find("{")
+        if name_end < 0:
+            name_end = line.find(" ")
+        name = line[:name_end]
+        attr = _WANTED.get(name)
+        if attr is None:
+            continue
+        try:
+            value = float(line.rsplit(" ", 1)[1])
+        except (IndexError, ValueError):
+            continue
+        counts.seen.add(attr)
+        if attr == "kv_usage":
+            counts.kv_usage += value
+            counts.kv_samples += 1
+        else:
+            setattr(counts, attr, getattr(counts, attr) + value)
+    if not counts.seen:
+        return None
+    kv = counts.kv_usage / counts.kv_samples if counts.kv_samples else 0.0
+    return ScrapedLoad(waiting=counts.waiting, running=counts.running, kv_usage=kv, at=now)

@@ -1,0 +1,146 @@
+"""The dispatcher: hands queued requests to backends with room, in the queue's order.
+
+One task, owned by the app. It wakes when a request arrives, a slot frees, a backend's state
+changes or the next queue deadline comes, and never busy-loops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from proxy.admission import AdmissionQueue, QueuedRequest
+from proxy.backends import BackendPool, BackendState
+from proxy.metrics import ProxyMetrics
+
+# While something waits and room depends on time (ejection backoff, ramp), look again this often.
+_RECHECK_S = 0.1
+
+
+class QueueTimeoutError(Exception):
+    def __init__(self, waited_s: float) -> None:
+        super().__init__(f"waited {waited_s:.1f}s")
+        self.waited_s = waited_s
+
+
+@dataclass
+class Lease:
+    """A slot on a backend; released exactly once."""
+
+    backend: BackendState
+    tokens: float
+    _dispatcher: Dispatcher
+    released: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self._dispatcher.pool.release(self.backend, self.tokens)
+            self._dispatcher.kick()
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        queue: AdmissionQueue,
+        pool: BackendPool,
+        metrics: ProxyMetrics,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.queue = queue
+        self.pool = pool
+        self.metrics = metrics
+        self.clock = clock
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="tierproxy-dispatcher")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    def kick(self) -> None:
+        self._wake.set()
+
+    def enqueue(self, req: QueuedRequest, *, force: bool = False) -> asyncio.Future[Lease]:
+        """Queue a request (QueueFull propagates) and return the future of its lease."""
+        req.waiter = asyncio.get_running_loop().create_future()
+        self.queue.push(req, self.clock(), force=force)
+        self.metrics.queue_depth.labels(req.tier).set(self.queue.depth(req.tier))
+        self.kick()
+        waiter: asyncio.Future[Lease] = req.waiter
+        return waiter
+
+    def withdraw(self, req: QueuedRequest) -> None:
+        """The handler gave up on a request (client left): out of the queue, slot back."""
+        if self.queue.remove(req):
+            self.metrics.queue_depth.labels(req.tier).set(self.queue.depth(req.tier))
+            self.metrics.queue_wait.labels(req.tier).observe(self.clock() - req.arrival_s)
+            return
+        waiter = req.waiter
+        if (
+            waiter is not None
+            and waiter.done()
+            and not waiter.cancelled()
+            and not waiter.exception()
+        ):
+            waiter.result().release()
+
+    async def _run(self) -> None:
+        while True:
+            self._wake.clear()
+            self.dispatch_ready()
+            await self._sleep()
+
+    async def _sleep(self) -> None:
+        timeout: float | None = None
+        deadline = self.queue.next_deadline()
+        if deadline is not None:
+            timeout = max(0.0, deadline - self.clock())
+        if len(self.queue) and not self.pool.any_room(self.clock()):
+            timeout = _RECHECK_S if timeout is None else min(timeout, _RECHECK_S)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await self._wake.wait()
+
+    def dispatch_ready(self) -> int:
+        """Expire what waited too long, then dispatch while some backend has room."""
+        now = self.clock()
+        touched: set[str] = set()
+        for req in self.queue.expire(now):
+            touched.add(req.tier)
+            self.metrics.queue_wait.labels(req.tier).observe(now - req.arrival_s)
+            if req.waiter is not None and not req.waiter.done():
+                req.waiter.set_exception(QueueTimeoutError(now - req.arrival_s))
+        dispatched = 0
+        while len(self.queue):
+            popped = self.queue.pop(lambda r: self._choose(r, now) is not None)
+            if popped is None:
+                break
+            req = popped
+            backend = self._choose(req, now)
+            assert backend is not None
+            touched.add(req.tier)
+            tokens = float(req.prompt_tokens + req.expected_output)
+            self.pool.acquire(backend, tokens)
+            lease = Lease(backend, tokens, self)
+            if req.waiter is None or req.waiter.done():
+                lease.release()  # its handler is gone
+                continue
+            self.metrics.queue_wait.labels(req.tier).observe(now - req.arrival_s)
+            req.waiter.set_result(lease)
+            dispatched += 1
+        for tier in touched:
+            self.metrics.queue_depth.labels(tier).set(self.queue.depth(tier))
+        return dispatched
+
+    def _choose(self, req: QueuedRequest, now: float) -> BackendState | None:
+        return self.pool.choose(req.model, float(req.prompt_tokens + req.expected_output), now)

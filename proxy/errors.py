@@ -1,0 +1,119 @@
+"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}`` with an HTTP status."""
+
+from __future__ import annotations
+
+import math
+
+import orjson
+from aiohttp import web
+
+
+class ProxyError(Exception):
+    """An answer to the client that is not the backend's: status, OpenAI error body, headers."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.code = code
+        self.param = param
+        self.retry_after_s = retry_after_s
+
+    def body(self) -> dict[str, object]:
+        return error_body(self.message, type=self.type, code=self.code, param=self.param)
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after_s is None:
+            return {}
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+
+    def response(self) -> web.Response:
+        return web.Response(
+            status=self.status,
+            body=orjson.dumps(self.body()),
+            content_type="application/json",
+            headers=self.headers(),
+        )
+
+    def sse_event(self) -> bytes:
+        """The error as it appears inside a stream, followed by the stream's end."""
+        return b"data: " + orjson.dumps(self.body()) + b"\n\ndata: [DONE]\n\n"
+
+
+def error_body(
+    message: str, *, type: str, code: str | None = None, param: str | None = None
+) -> dict[str, object]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, *, param: str | None = None, code: str | None = None) -> ProxyError:
+    return ProxyError(400, message, param=param, code=code)
+
+
+def unauthorized() -> ProxyError:
+    return ProxyError(
+        401,
+        "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.",
+        type="authentication_error",
+        code="invalid_api_key",
+    )
+
+
+def queue_full(tier: str, retry_after_s: float) -> ProxyError:
+    return ProxyError(
+        429,
+        f"The {tier} tier's queue is full; retry later.",
+        type="rate_limit_error",
+        code="queue_full",
+        retry_after_s=retry_after_s,
+    )
+
+
+def rate_limited(what: str, retry_after_s: float) -> ProxyError:
+    return ProxyError(
+        429,
+        f"Rate limit reached for your key ({what}); retry after the indicated time.",
+        type="rate_limit_error",
+        code="rate_limit_exceeded",
+        retry_after_s=retry_after_s,
+    )
+
+
+def queue_timeout(tier: str, waited_s: float, retry_after_s: float) -> ProxyError:
+    return ProxyError(
+        503,
+        f"The request waited {waited_s:.1f}s in the {tier} tier's queue without a free backend;"
+        " the service is overloaded, retry later.",
+        type="server_error",
+        code="queue_timeout",
+        retry_after_s=retry_after_s,
+    )
+
+
+def execution_timeout(limit_s: float) -> ProxyError:
+    return ProxyError(
+        504,
+        f"The request did not finish within its tier's limit of {limit_s:g}s.",
+        type="server_error",
+        code="request_timeout",
+    )
+
+
+def no_backend(message: str) -> ProxyError:
+    return ProxyError(
+        503, message, type="server_error", code="backend_unavailable", retry_after_s=1
+    )
+
+
+def upstream_failed(message: str) -> ProxyError:
+    return ProxyError(502, message, type="server_error", code="upstream_error")
