@@ -234,6 +234,22 @@ def _resolve_keys(config: Config, root: yaml.Node | None) -> tuple[dict[str, Ten
     return by_hash, problems
 
 
+def _missing_env_keys(data: dict[str, Any], root: yaml.Node | None) -> list[str]:
+    problems = []
+    tenants = data.get("tenants")
+    for t_index, tenant in enumerate(tenants if isinstance(tenants, list) else []):
+        keys = tenant.get("keys") if isinstance(tenant, dict) else None
+        for k_index, spec in enumerate(keys if isinstance(keys, list) else []):
+            env = spec.get("env") if isinstance(spec, dict) else None
+            if isinstance(env, str) and not os.environ.get(env):
+                line = _line_of(root, ("tenants", t_index, "keys", k_index))
+                problems.append(
+                    f"tenants.{t_index}.keys.{k_index} (line {line}):"
+                    f" environment variable {env} is not set"
+                )
+    return problems
+
+
 def parse_config(text: str, source: str = "<config>") -> LoadedConfig:
     """Validate YAML text; raises ConfigError listing every problem with its line."""
     try:
@@ -250,8 +266,9 @@ def parse_config(text: str, source: str = "<config>") -> LoadedConfig:
         for err in exc.errors():
             loc = tuple(err["loc"])
             path = ".".join(str(p) for p in loc) or "(top level)"
-            line = _line_of(root, loc)
-            problems.append(f"{path} (line {line}): {err['msg']}")
+            problems.append(f"{path} (line {_line_of(root, loc)}): {err['msg']}")
+        # Report missing key variables too, so one `tierproxy check` shows everything.
+        problems += _missing_env_keys(data, root)
         raise ConfigError(source, problems) from exc
     by_hash, problems = _resolve_keys(config, root)
     if problems:

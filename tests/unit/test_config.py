@@ -1,0 +1,102 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from proxy.config import ConfigError, hash_key, load_config, parse_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+GOOD = """
+listen: {host: 127.0.0.1, port: 8000}
+tiers:
+  high:   {priority: 0,  weight: 10, max_queue: 200,  queue_timeout_s: 10, request_timeout_s: 300}
+  low:    {priority: 10, weight: 1,  max_queue: 5000, queue_timeout_s: 600, request_timeout_s: 1800,
+           max_tokens: 2048}
+tenants:
+  - name: chat-app
+    tier: high
+    keys: [{sha256: "%s"}]
+  - name: batch
+    tier: low
+    keys: [{env: BATCH_KEY}]
+backends:
+  - {url: "http://127.0.0.1:8100/", max_inflight: 64}
+""" % hash_key("chat-secret")
+
+
+def test_good_config_resolves_keys_to_tenants(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BATCH_KEY", "batch-secret")
+    loaded = parse_config(GOOD)
+    assert loaded.tenant_for_key("chat-secret").name == "chat-app"  # type: ignore[union-attr]
+    assert loaded.tenant_for_key("batch-secret").name == "batch"  # type: ignore[union-attr]
+    assert loaded.tenant_for_key("nope") is None
+    cfg = loaded.config
+    assert cfg.backends[0].url == "http://127.0.0.1:8100"
+    assert cfg.prefill_share("high") == 1.0 and cfg.prefill_share("low") == 0.2
+    assert cfg.lowest_priority == 10
+    # Only hashes are kept.
+    assert "batch-secret" not in repr(loaded) and "chat-secret" not in repr(loaded)
+
+
+def test_every_error_names_field_and_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("BATCH_KEY", raising=False)
+    bad = GOOD.replace("weight: 10", "weight: -1").replace("max_queue: 5000", "max_queue: lots")
+    with pytest.raises(ConfigError) as exc:
+        parse_config(bad, "x.yaml")
+    problems = exc.value.problems
+    assert any(p.startswith("tiers.high.weight (line 4)") for p in problems), problems
+    assert any(p.startswith("tiers.low.max_queue (line 5)") for p in problems), problems
+
+
+def test_unknown_tier_missing_env_and_bad_hash(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("BATCH_KEY", raising=False)
+    with pytest.raises(ConfigError) as exc:
+        parse_config(GOOD.replace("tier: low", "tier: gold"))
+    assert "unknown tier 'gold'" in str(exc.value)
+    with pytest.raises(ConfigError) as exc:
+        parse_config(GOOD)
+    assert "BATCH_KEY is not set" in str(exc.value) and "line 13" in str(exc.value)
+    with pytest.raises(ConfigError) as exc:
+        parse_config(GOOD.replace(hash_key("chat-secret"), "abc"))
+    assert "64 hex" in str(exc.value)
+
+
+def test_same_key_for_two_tenants_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BATCH_KEY", "chat-secret")
+    with pytest.raises(ConfigError) as exc:
+        parse_config(GOOD)
+    assert "already belongs to tenant 'chat-app'" in str(exc.value)
+
+
+def test_unknown_field_and_not_yaml() -> None:
+    with pytest.raises(ConfigError) as exc:
+        parse_config(GOOD.replace("listen:", "lisen:"))
+    assert "lisen" in str(exc.value)
+    with pytest.raises(ConfigError):
+        parse_config("tiers: [unclosed")
+    with pytest.raises(ConfigError):
+        parse_config("- just a list")
+
+
+def test_example_config_is_valid() -> None:
+    loaded = load_config(REPO / "configs" / "example.yaml")
+    assert set(loaded.config.tiers) == {"high", "normal", "low"}
+    assert loaded.tenant_for_key("demo-high-key").tier == "high"  # type: ignore[union-attr]
+
+
+def test_cli_check_and_hash_key(tmp_path: Path) -> None:
+    exe = [sys.executable, "-m", "proxy.cli"]
+    ok = subprocess.run([*exe, "check", "-c", str(REPO / "configs/example.yaml")],
+                        capture_output=True, text=True, check=False)
+    assert ok.returncode == 0 and "tier high: priority 0" in ok.stdout
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(GOOD.replace("weight: 1,", "weight: 0,"))
+    bad = subprocess.run([*exe, "check", "-c", str(broken)], capture_output=True, text=True,
+                         check=False, env={"PATH": "/usr/bin"})
+    assert bad.returncode == 1
+    assert "tiers.low.weight (line 5)" in bad.stderr and "BATCH_KEY" in bad.stderr
+    hashed = subprocess.run([*exe, "hash-key"], input="chat-secret\n", capture_output=True,
+                            text=True, check=True)
+    assert hashed.stdout.strip() == hash_key("chat-secret")

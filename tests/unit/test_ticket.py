@@ -1,0 +1,53 @@
+import dataclasses
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from proxy.ticket import Ticket, TicketError, decode_ticket, encode_ticket
+
+SECRET = b"shared-secret"
+T = Ticket(tier="high", priority=0, tenant="chat-app", deadline=1.8e9, prefill_share=1.0,
+           budget=256, request_id="abc")
+
+
+def test_round_trip() -> None:
+    assert decode_ticket(encode_ticket(T, SECRET), SECRET) == T
+
+
+def test_wrong_secret_and_tampering_are_refused() -> None:
+    value = encode_ticket(T, SECRET)
+    with pytest.raises(TicketError):
+        decode_ticket(value, b"other")
+    forged = encode_ticket(dataclasses.replace(T, priority=-1000), b"guess")
+    with pytest.raises(TicketError):
+        decode_ticket(forged, SECRET)
+    version, payload, sig = value.split(".")
+    better = encode_ticket(dataclasses.replace(T, priority=-5), SECRET).split(".")[1]
+    with pytest.raises(TicketError):
+        decode_ticket(f"{version}.{better}.{sig}", SECRET)  # payload swapped, old signature
+
+
+@pytest.mark.parametrize("value", ["", "v1", "v1.a.b.c", "v2.abc.def", "v1.!!.??"])
+def test_malformed(value: str) -> None:
+    with pytest.raises(TicketError):
+        decode_ticket(value, SECRET)
+
+
+def test_no_secret_never_verifies() -> None:
+    with pytest.raises(TicketError):
+        decode_ticket(encode_ticket(T, SECRET), b"")
+    with pytest.raises(ValueError):
+        encode_ticket(T, b"")
+
+
+def test_expiry() -> None:
+    assert T.expired(1.8e9) and not T.expired(1.8e9 - 1)
+
+
+@given(st.text(max_size=200))
+def test_arbitrary_input_never_crashes_decoder(value: str) -> None:
+    try:
+        decode_ticket(value, SECRET)
+    except TicketError:
+        pass
