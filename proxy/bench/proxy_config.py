@@ -1,0 +1,71 @@
+"""A proxy config that holds a scenario's tenants and keys, so the proxy knows every tenant.
+
+`tierproxy bench --scenario S --write-proxy-config FILE --backend URL` writes it;
+`tierproxy serve -c FILE` runs the proxy on it. Keys go in as sha256 only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from proxy.bench.scenario import Scenario
+from proxy.config import LoadedConfig, hash_key, parse_config
+
+# Like configs/example.yaml, with waits and run times short enough that a benchmark run ends:
+# a request is answered, rejected or timed out within queue_timeout_s + request_timeout_s.
+DEFAULT_TIERS: dict[str, dict[str, Any]] = {
+    "high": {"priority": 0, "weight": 10, "max_queue": 200, "queue_timeout_s": 10,
+             "request_timeout_s": 60},
+    "normal": {"priority": 5, "weight": 5, "max_queue": 1000, "queue_timeout_s": 30,
+               "request_timeout_s": 60},
+    "low": {"priority": 10, "weight": 1, "max_queue": 5000, "queue_timeout_s": 60,
+            "request_timeout_s": 60, "max_tokens": 2048},
+}
+_FALLBACK_TIER: dict[str, Any] = {"priority": 10, "weight": 1, "max_queue": 1000,
+                                  "queue_timeout_s": 30, "request_timeout_s": 60}
+
+
+def proxy_config(
+    scenario: Scenario,
+    backends: list[str],
+    *,
+    port: int = 8000,
+    max_inflight: int = 4,
+) -> dict[str, Any]:
+    """The config as a plain mapping (validated by proxy.config before it is returned)."""
+    if not backends:
+        raise ValueError("a proxy config needs at least one backend URL")
+    tiers = dict(scenario.proxy_tiers or {})
+    for tier in scenario.tiers:
+        tiers.setdefault(tier, dict(DEFAULT_TIERS.get(tier, _FALLBACK_TIER)))
+    data: dict[str, Any] = {
+        "listen": {"host": "127.0.0.1", "port": port},
+        "tiers": tiers,
+        "tenants": [
+            {"name": t.name, "tier": t.tier, "keys": [{"sha256": hash_key(t.api_key)}]}
+            for t in scenario.tenants
+        ],
+        "backends": [{"url": url, "max_inflight": max_inflight} for url in backends],
+    }
+    validate(data)
+    return data
+
+
+def validate(data: dict[str, Any]) -> LoadedConfig:
+    """Raises proxy.config.ConfigError when the proxy would refuse this config."""
+    return parse_config(yaml.safe_dump(data, sort_keys=False), source="<bench proxy config>")
+
+
+def write_proxy_config(data: dict[str, Any], path: Path, scenario: Scenario) -> Path:
+    header = (
+        f"# Proxy config for the bench scenario {scenario.name!r}, written by `tierproxy bench`.\n"
+        "# Tenant keys (bench-only): "
+        + ", ".join(f"{t.name}={t.api_key}" for t in scenario.tenants)
+        + "\n"
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(header + yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
+    return path

@@ -1,0 +1,123 @@
+"""A local stack for a benchmark: one stock vLLM (tiny CPU model by default) and the proxy.
+
+The proxy runs as its own process (`python -m proxy.cli serve`), as it would in production, so
+that it does not share an event loop or a core with the load generator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import IO
+
+from proxy.bench.proxy_config import proxy_config, write_proxy_config
+from proxy.bench.scenario import Scenario
+from proxy.engine import EngineProcess, EngineSpec, ensure_model, free_port, http_ok, tail
+from proxy.ticket import DEFAULT_SECRET_ENV
+
+
+class LocalStack:
+    def __init__(
+        self,
+        scenario: Scenario,
+        out_dir: Path,
+        *,
+        model: str | None = None,
+        max_num_seqs: int = 4,
+        max_inflight: int = 4,
+        plugin: bool = True,
+        engine_args: list[str] | None = None,
+    ) -> None:
+        self.scenario = scenario
+        self.out_dir = out_dir
+        self.model = model
+        self.max_num_seqs = max_num_seqs
+        self.max_inflight = max_inflight
+        self.plugin = plugin
+        self.engine_args = engine_args or []
+        self.engine: EngineProcess | None = None
+        self.proxy: subprocess.Popen[bytes] | None = None
+        self._proxy_log: IO[bytes] | None = None
+        self.proxy_port = 0
+        self.served_name = ""
+        self.config_path = out_dir / "proxy.yaml"
+
+    @property
+    def engine_url(self) -> str:
+        assert self.engine is not None
+        return self.engine.spec.url
+
+    @property
+    def proxy_url(self) -> str:
+        return f"http://127.0.0.1:{self.proxy_port}"
+
+    def start(self, ready_timeout_s: float = 300.0) -> LocalStack:
+        env_name = DEFAULT_SECRET_ENV
+        secret = os.environ.get(env_name) or secrets.token_urlsafe(32)
+        model, served = ensure_model(self.model)
+        self.served_name = served or model
+        spec = EngineSpec(
+            port=free_port(), model=model, served_name=served, max_num_seqs=self.max_num_seqs,
+            plugin=self.plugin, extra_args=self.engine_args, env={env_name: secret},
+        )
+        self.engine = EngineProcess(spec, self.out_dir / "vllm.log")
+        print(f"starting vLLM on {spec.url} (log {self.engine.log_path})", file=sys.stderr)
+        self.engine.start().wait_ready(ready_timeout_s)
+
+        self.proxy_port = free_port()
+        data = proxy_config(self.scenario, [spec.url], port=self.proxy_port,
+                            max_inflight=self.max_inflight)
+        write_proxy_config(data, self.config_path, self.scenario)
+        log_path = self.out_dir / "proxy.log"
+        self._proxy_log = log_path.open("ab")
+        print(f"starting the proxy on {self.proxy_url} (config {self.config_path}, log {log_path})",
+              file=sys.stderr)
+        self.proxy = subprocess.Popen(
+            [sys.executable, "-m", "proxy.cli", "serve", "-c", str(self.config_path)],
+            env={**os.environ, env_name: secret},
+            stdout=self._proxy_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + 60.0
+        while not http_ok(f"{self.proxy_url}/healthz", timeout_s=2.0):
+            if self.proxy.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the proxy did not come up; log {log_path}:\n{tail(log_path)}")
+            time.sleep(0.3)
+        return self
+
+    def stop(self) -> None:
+        if self.proxy is not None:
+            if self.proxy.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proxy.pid, signal.SIGTERM)
+                try:
+                    self.proxy.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(self.proxy.pid, signal.SIGKILL)
+                    self.proxy.wait(timeout=10)
+            self.proxy = None
+        if self._proxy_log is not None:
+            self._proxy_log.close()
+            self._proxy_log = None
+        if self.engine is not None:
+            self.engine.stop()
+            self.engine = None
+
+    def __enter__(self) -> LocalStack:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
