@@ -87,7 +87,7 @@ async def measure_capacity(
             rec = await send(session, _at(planned, now), settings)
             done.append(rec)
 
-    connector = aiohttp.TCPConnector(limit=concurrency + 4)
+    connector = aiohttp.TCPConnector(limit=concurrency + 4, force_close=True)
     async with aiohttp.ClientSession(connector=connector) as session:
         workers = [asyncio.create_task(worker(session)) for _ in range(concurrency)]
         try:

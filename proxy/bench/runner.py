@@ -92,7 +92,9 @@ async def run_plan(
     drain_s = settings.drain_timeout_s
     if drain_s is None:
         drain_s = settings.request_timeout_s + 15.0
-    connector = aiohttp.TCPConnector(limit=settings.max_connections, force_close=False)
+    # A fresh connection per request: a pooled keep-alive connection that the server is
+    # closing as it is reused fails with "Server disconnected", which is a client artefact.
+    connector = aiohttp.TCPConnector(limit=settings.max_connections, force_close=True)
     records: dict[int, RequestRecord] = {}
     tasks: dict[asyncio.Task[RequestRecord], PlannedRequest] = {}
     inflight: Counter[str] = Counter()

@@ -1,0 +1,163 @@
+"""The client and the open loop against a fake OpenAI server on 127.0.0.1: outcomes, timings,
+bounds. Fast: the fake answers at once (or never, for the timeout case, bounded by 0.3 s)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp import web
+
+from proxy.bench.client import ClientSettings, send
+from proxy.bench.records import Outcome, PlannedRequest
+from proxy.bench.runner import RunSettings, run_plan
+
+
+def _chunk(data: object) -> bytes:
+    return b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+async def _handler(request: web.Request) -> web.StreamResponse:
+    body = await request.json()
+    mode = body["messages"][0]["content"]
+    assert request.headers["Authorization"].startswith("Bearer bench-")
+    if mode in ("429", "503", "504", "400"):
+        return web.json_response({"error": {"message": mode, "code": int(mode)}},
+                                 status=int(mode))
+    if mode == "hang":
+        await asyncio.sleep(5)
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    await resp.write(_chunk({"choices": [{"delta": {"role": "assistant", "content": ""}}]}))
+    for i in range(body["max_tokens"]):
+        await resp.write(_chunk({"choices": [{"delta": {"content": f"t{i}"}}]}))
+    if mode == "cut":
+        return resp  # no [DONE]: the answer never became definitive
+    if mode == "error-event":
+        await resp.write(_chunk({"error": {"message": "request timed out", "code": 504}}))
+    elif mode == "bad-event":
+        await resp.write(_chunk({"error": {"message": "boom", "code": 500}}))
+    else:
+        await resp.write(_chunk({"choices": [], "usage": {
+            "prompt_tokens": 7, "completion_tokens": body["max_tokens"]}}))
+    await resp.write(b"data: [DONE]\n\n")
+    return resp
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    return web.Response(text='tierproxy_queue_depth{tier="high"} 3.0\n'
+                             'tierproxy_queue_depth{tier="low"} 9.0\n')
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[str]:
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", _handler)
+    app.router.add_get("/metrics", _metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+def planned(mode: str, index: int = 0, at: float = 0.0, tier: str = "high") -> PlannedRequest:
+    return PlannedRequest(index=index, at=at, tenant=f"t-{tier}", tier=tier,
+                          key=f"bench-t-{tier}-key", prompt=mode, max_tokens=5)
+
+
+@pytest.mark.parametrize(
+    ("mode", "outcome"),
+    [
+        ("ok", Outcome.OK),
+        ("429", Outcome.RATE_LIMITED),
+        ("503", Outcome.UNAVAILABLE),
+        ("504", Outcome.TIMEOUT),
+        ("400", Outcome.ERROR),
+        ("error-event", Outcome.TIMEOUT),
+        ("bad-event", Outcome.ERROR),
+        ("cut", Outcome.LOST),
+    ],
+)
+async def test_outcomes(server: str, mode: str, outcome: Outcome) -> None:
+    loop = asyncio.get_running_loop()
+    settings = ClientSettings(base_url=server, model="m", t0=loop.time(), request_timeout_s=5)
+    async with aiohttp.ClientSession() as session:
+        rec = await send(session, planned(mode), settings)
+    assert rec.outcome is outcome, rec.error
+    assert rec.end is not None
+
+
+async def test_ok_timings_and_usage(server: str) -> None:
+    loop = asyncio.get_running_loop()
+    settings = ClientSettings(base_url=server, model="m", t0=loop.time())
+    async with aiohttp.ClientSession() as session:
+        rec = await send(session, planned("ok"), settings)
+    assert rec.status == 200
+    assert rec.prompt_tokens == 7
+    assert rec.output_tokens == 5
+    assert len(rec.token_times) == 5  # the empty role chunk is not a token
+    assert rec.ttft is not None and rec.e2e is not None
+    assert 0 <= rec.ttft <= rec.e2e
+    assert len(rec.itls) == 4
+
+
+async def test_no_answer_in_time_is_lost(server: str) -> None:
+    loop = asyncio.get_running_loop()
+    settings = ClientSettings(base_url=server, model="m", t0=loop.time(), request_timeout_s=0.3)
+    async with aiohttp.ClientSession() as session:
+        rec = await send(session, planned("hang"), settings)
+    assert rec.outcome is Outcome.LOST
+    assert "0.3" in (rec.error or "")
+
+
+async def test_refused_connection_is_an_error() -> None:
+    loop = asyncio.get_running_loop()
+    settings = ClientSettings(base_url="http://127.0.0.1:9", model="m", t0=loop.time())
+    async with aiohttp.ClientSession() as session:
+        rec = await send(session, planned("ok"), settings)
+    assert rec.outcome is Outcome.ERROR
+
+
+async def test_open_loop_sends_on_schedule_and_accounts_for_everything(server: str) -> None:
+    modes = ["ok", "429", "503", "ok", "hang", "ok"]
+    plan = [planned(m, index=i, at=0.02 * i, tier="high" if i % 2 else "low")
+            for i, m in enumerate(modes)]
+    settings = RunSettings(label="proxy", base_url=server, model="m", request_timeout_s=0.5,
+                           drain_timeout_s=2.0, sample_interval_s=0.05)
+    result = await run_plan(plan, settings)
+    assert [r.index for r in result.records] == list(range(len(plan)))
+    outcomes = [r.outcome for r in result.records]
+    assert outcomes == [Outcome.OK, Outcome.RATE_LIMITED, Outcome.UNAVAILABLE, Outcome.OK,
+                        Outcome.LOST, Outcome.OK]
+    for p, r in zip(plan, result.records, strict=True):
+        assert r.scheduled == p.at
+        assert r.sent is not None and r.sent >= p.at - 0.005  # never early
+    assert result.wall_s < 2.0
+    assert any(s.queue_depth == {"high": 3.0, "low": 9.0} for s in result.samples)
+
+
+async def test_drain_deadline_cancels_and_counts_lost(server: str) -> None:
+    plan = [planned("hang", index=0), planned("ok", index=1, at=0.01)]
+    settings = RunSettings(label="direct", base_url=server, model="m", request_timeout_s=30,
+                           drain_timeout_s=0.3, sample_interval_s=0.05)
+    result = await run_plan(plan, settings)
+    assert result.records[0].outcome is Outcome.LOST
+    assert "drain" in (result.records[0].error or "")
+    assert result.records[1].outcome is Outcome.OK
+    assert result.wall_s < 3.0
+    # Nothing of the bench's is left running (the fake server's own handler may still be).
+    assert not [t for t in asyncio.all_tasks() if "proxy/bench" in _where(t)]
+
+
+def _where(task: asyncio.Task[object]) -> str:
+    coro = task.get_coro()
+    code = getattr(coro, "cr_code", None)
+    return "" if code is None else str(code.co_filename)
