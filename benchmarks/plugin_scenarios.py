@@ -1,0 +1,384 @@
+"""Client-side scenarios for the vLLM plugin, shared by its integration tests and benchmark.
+
+Each scenario talks to one vLLM OpenAI server (stock or with the plugin) straight over HTTP,
+with tickets signed as the proxy would sign them, and returns what a client measured.
+Prompts are lists of token ids, so lengths are exact and no two prompts share a prefix
+(vLLM's prefix cache would otherwise make repeated prompts free).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from proxy.ticket import TICKET_HEADER, Ticket, encode_ticket
+
+MODEL = "tiny"
+VOCAB = 1024  # the tiny model's vocabulary
+HIGH_PRIORITY, LOW_PRIORITY = 0, 10  # the example config's best and worst tiers
+
+# Fine ITL buckets, 0.5 ms .. 2 s: vLLM's defaults start at 10 ms, coarser than a CPU step.
+ITL_BUCKETS: list[float] = [round(0.0005 * 1.25**i, 6) for i in range(38)]
+
+STEP_TOKEN_BUCKETS: list[float] = [1, 8, 64, 256, 512, 1024, 2048, 4096, 8192]
+
+# Settings shared by the stock and the plugin engine, so that only the plugin differs.
+# Latencies are read from vLLM itself (engine-core timestamps: per-request metrics and the ITL
+# histogram), not from this client: on a loaded 2-core machine a client reads SSE late and in
+# bursts, which would blur exactly the step times being compared.
+ENGINE_ARGS: tuple[str, ...] = (
+    "--max-model-len",
+    "4096",  # the tiny model's max_position_embeddings: low-tier answers can be long
+    "--max-num-batched-tokens",
+    "4096",  # a whole long prompt fits one step: what stock vLLM does to decoders beside it
+    "--enable-per-request-metrics",
+    "--custom-histogram-buckets",
+    json.dumps({"inter_token_latency": ITL_BUCKETS, "iteration_tokens": STEP_TOKEN_BUCKETS}),
+)
+
+
+def ticket_headers(
+    secret: bytes,
+    *,
+    tier: str,
+    priority: int,
+    deadline_s: float = 300.0,
+    prefill_share: float = 1.0,
+    budget: int = 4096,
+) -> dict[str, str]:
+    ticket = Ticket(
+        tier=tier,
+        priority=priority,
+        tenant="bench",
+        deadline=time.time() + deadline_s,
+        prefill_share=prefill_share,
+        budget=budget,
+        request_id=f"{tier}-{random.getrandbits(32):08x}",
+    )
+    return {TICKET_HEADER: encode_ticket(ticket, secret)}
+
+
+def high(secret: bytes, **kw: Any) -> dict[str, str]:
+    return ticket_headers(secret, tier="high", priority=HIGH_PRIORITY, prefill_share=1.0, **kw)
+
+
+def low(secret: bytes, **kw: Any) -> dict[str, str]:
+    return ticket_headers(secret, tier="low", priority=LOW_PRIORITY, prefill_share=0.2, **kw)
+
+
+_rng = random.Random(1234)
+
+
+def token_prompt(length: int) -> list[int]:
+    return [_rng.randrange(3, VOCAB) for _ in range(length)]
+
+
+@dataclass
+class StreamResult:
+    status: int
+    sent_at: float
+    token_times: list[float] = field(default_factory=list)
+    done_at: float = 0.0
+    finish_reason: str | None = None
+    completion_tokens: int | None = None
+    error: Any = None
+    done_marker: bool = False  # saw `data: [DONE]`: the stream ended properly
+    metrics: dict[str, Any] = field(default_factory=dict)  # vLLM's per-request metrics
+
+    @property
+    def server_ttft(self) -> float:
+        """Queued to first token, in seconds, by the engine's own clock."""
+        queue_ms = self.metrics.get("queue_time_ms") or 0.0
+        ttft_ms = self.metrics.get("time_to_first_token_ms")
+        if ttft_ms is None:
+            raise AssertionError(f"no per-request metrics (status {self.status}, {self.error})")
+        return float(queue_ms + ttft_ms) / 1000
+
+    @property
+    def ttft(self) -> float:
+        if not self.token_times:
+            raise AssertionError(f"no token received (status {self.status}, {self.error})")
+        return self.token_times[0] - self.sent_at
+
+    @property
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:], strict=False)]
+
+
+async def stream_completion(
+    session: aiohttp.ClientSession,
+    url: str,
+    *,
+    prompt: list[int] | str,
+    max_tokens: int,
+    headers: dict[str, str] | None = None,
+    extra: dict[str, Any] | None = None,
+    started: asyncio.Event | None = None,
+) -> StreamResult:
+    """POST /v1/completions with stream=true; one timestamp per content chunk."""
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    body.update(extra or {})
+    result = StreamResult(status=0, sent_at=time.perf_counter())
+    async with session.post(f"{url}/v1/completions", json=body, headers=headers) as resp:
+        result.status = resp.status
+        if resp.status != 200:
+            result.error = await resp.text()
+            result.done_at = time.perf_counter()
+            return result
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                result.done_marker = True
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                result.error = chunk["error"]
+                continue
+            if chunk.get("usage"):
+                result.completion_tokens = chunk["usage"]["completion_tokens"]
+            if chunk.get("metrics"):
+                result.metrics = chunk["metrics"]
+            for choice in chunk.get("choices", []):
+                if choice.get("text"):
+                    result.token_times.append(time.perf_counter())
+                    if started is not None:
+                        started.set()
+                if choice.get("finish_reason"):
+                    result.finish_reason = choice["finish_reason"]
+    result.done_at = time.perf_counter()
+    return result
+
+
+@dataclass
+class Completion:
+    """A non-streaming answer: what the client finally got."""
+
+    status: int
+    body: dict[str, Any]
+    done_at: float
+
+    @property
+    def finish_reason(self) -> str | None:
+        choices = self.body.get("choices") or [{}]
+        reason = choices[0].get("finish_reason")
+        return str(reason) if reason is not None else None
+
+    @property
+    def completion_tokens(self) -> int | None:
+        usage = self.body.get("usage") or {}
+        value = usage.get("completion_tokens")
+        return int(value) if value is not None else None
+
+    @property
+    def queue_time(self) -> float:
+        return float((self.body.get("metrics") or {}).get("queue_time_ms") or 0.0) / 1000
+
+
+async def complete(
+    session: aiohttp.ClientSession,
+    url: str,
+    *,
+    prompt: list[int] | str,
+    max_tokens: int,
+    headers: dict[str, str] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> Completion:
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+    }
+    body.update(extra or {})
+    async with session.post(f"{url}/v1/completions", json=body, headers=headers) as resp:
+        payload = await resp.json(content_type=None)
+        return Completion(status=resp.status, body=payload, done_at=time.perf_counter())
+
+
+async def wait_running(
+    session: aiohttp.ClientSession, url: str, n: int, timeout_s: float = 60.0
+) -> None:
+    """Until vLLM itself reports ``n`` running requests (the client's view can lag)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        samples = await scrape(session, url)
+        if samples.get("vllm:num_requests_running", 0.0) >= n:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"vLLM never ran {n} requests at once")
+
+
+async def fill_slots_with_low(
+    session: aiohttp.ClientSession, url: str, secret: bytes, *, n: int, max_tokens: int
+) -> list[asyncio.Task[Completion]]:
+    """Start ``n`` long low-tier generations; return once vLLM runs all of them."""
+    tasks = [
+        asyncio.create_task(
+            complete(
+                session, url, prompt=token_prompt(16), max_tokens=max_tokens, headers=low(secret)
+            )
+        )
+        for _ in range(n)
+    ]
+    await wait_running(session, url, n)
+    if any(t.done() for t in tasks):
+        raise AssertionError("a low-tier request ended before all were running: make them longer")
+    return tasks
+
+
+@dataclass
+class PreemptOutcome:
+    high: StreamResult
+    lows: list[Completion]
+    preemptions: float  # vllm:num_preemptions_total during the scenario
+
+
+async def preempt_scenario(
+    url: str, secret: bytes, *, slots: int = 4, low_tokens: int = 2000, high_tokens: int = 16
+) -> PreemptOutcome:
+    """``slots`` long low-tier generations fill vLLM; then one high-tier request arrives."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+        before = await scrape(session, url)
+        lows = await fill_slots_with_low(session, url, secret, n=slots, max_tokens=low_tokens)
+        high_result = await stream_completion(
+            session, url, prompt=token_prompt(16), max_tokens=high_tokens, headers=high(secret)
+        )
+        low_results = list(await asyncio.gather(*lows))
+        after = await scrape(session, url)
+    return PreemptOutcome(
+        high=high_result,
+        lows=low_results,
+        preemptions=delta(after, before, "vllm:num_preemptions_total"),
+    )
+
+
+async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    """vLLM's Prometheus samples, keyed by name plus the labels that matter here."""
+    async with session.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    samples: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        name, _, labels = name_labels.partition("{")
+        key = name
+        for label in ("le", "finished_reason"):
+            marker = f'{label}="'
+            if marker in labels:
+                key += f"|{labels.split(marker, 1)[1].split(chr(34), 1)[0]}"
+        try:
+            samples[key] = samples.get(key, 0.0) + float(value)
+        except ValueError:
+            continue
+    return samples
+
+
+def delta(after: dict[str, float], before: dict[str, float], key: str) -> float:
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def histogram_quantile(
+    after: dict[str, float], before: dict[str, float], name: str, q: float
+) -> tuple[float, int]:
+    """(upper bound of the bucket holding quantile q, sample count) of a histogram's delta."""
+    buckets = sorted(
+        (float(k.split("|", 1)[1]), delta(after, before, k))
+        for k in after
+        if k.startswith(f"{name}_bucket|") and not k.endswith("+Inf")
+    )
+    total = int(delta(after, before, f"{name}_count"))
+    if total == 0:
+        raise AssertionError(f"no {name} samples")
+    for bound, count in buckets:
+        if count >= q * total:
+            return bound, total
+    return float("inf"), total
+
+
+@dataclass
+class ItlOutcome:
+    p50: float  # seconds, bucket upper bounds of vLLM's inter-token latency histogram
+    p99: float
+    samples: int
+    big_steps: int  # engine steps that scheduled more than 1024 tokens
+    highs: list[StreamResult]
+    longs: list[StreamResult]
+
+
+async def itl_scenario(
+    url: str,
+    secret: bytes,
+    *,
+    n_high: int = 2,
+    high_tokens: int = 1000,
+    n_long: int = 20,
+    long_len: int = 4000,
+    spacing_s: float = 0.02,
+) -> ItlOutcome:
+    """High-tier requests decode while long low-tier prompts keep arriving.
+
+    The long prompts ask for one token each, so every ITL sample vLLM records in the window
+    belongs to a high-tier request. They are sent on a fixed schedule, not one after another,
+    so that a client that reads late cannot let the high-tier requests finish first.
+    """
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+        before = await scrape(session, url)
+        highs = [
+            asyncio.create_task(
+                stream_completion(
+                    session,
+                    url,
+                    prompt=token_prompt(16),
+                    max_tokens=high_tokens,
+                    headers=high(secret),
+                )
+            )
+            for _ in range(n_high)
+        ]
+        await asyncio.sleep(spacing_s)  # let them in first
+        long_tasks = []
+        for _ in range(n_long):
+            long_tasks.append(
+                asyncio.create_task(
+                    stream_completion(
+                        session,
+                        url,
+                        prompt=token_prompt(long_len),
+                        max_tokens=1,
+                        headers=low(secret),
+                    )
+                )
+            )
+            await asyncio.sleep(spacing_s)
+        longs = list(await asyncio.gather(*long_tasks))
+        high_results = list(await asyncio.gather(*highs))
+        after = await scrape(session, url)
+    name = "vllm:inter_token_latency_seconds"
+    p50, n = histogram_quantile(after, before, name, 0.50)
+    p99, _ = histogram_quantile(after, before, name, 0.99)
+    steps = "vllm:iteration_tokens_total"
+    big_steps = int(
+        delta(after, before, f"{steps}_count") - delta(after, before, f"{steps}_bucket|1024.0")
+    )
+    return ItlOutcome(
+        p50=p50, p99=p99, samples=n, big_steps=big_steps, highs=high_results, longs=longs
+    )

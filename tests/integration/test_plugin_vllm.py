@@ -1,0 +1,171 @@
+"""The plugin on real vLLM (CPU build, tiny model), beside stock vLLM with the same settings.
+
+Two engines, started once for the module: ``stock`` (priority scheduling, no plugin) and
+``plugin`` (same flags plus --middleware / --scheduler-cls). Latencies are read from vLLM's own
+engine-side numbers (per-request metrics, ITL histogram), see benchmarks/plugin_scenarios.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import aiohttp
+import pytest
+
+from proxy.engine import EngineProcess
+
+pytestmark = pytest.mark.integration
+
+SECRET = "plugin-test-secret"
+ENV = {"TIERPROXY_TICKET_SECRET": SECRET, "TIERPROXY_PLUGIN_STATS_INTERVAL_S": "1"}
+
+
+def _load_scenarios() -> ModuleType:
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "plugin_scenarios.py"
+    spec = importlib.util.spec_from_file_location("plugin_scenarios", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["plugin_scenarios"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+sc: Any = _load_scenarios()
+KEY = SECRET.encode()
+
+
+@pytest.fixture(scope="module")
+def stock(engines: Any) -> EngineProcess:
+    return engines.get("plugin-stock", plugin=False, extra_args=sc.ENGINE_ARGS, env=ENV)  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def plugin(engines: Any) -> EngineProcess:
+    return engines.get("plugin-on", plugin=True, extra_args=sc.ENGINE_ARGS, env=ENV)  # type: ignore[no-any-return]
+
+
+async def test_high_tier_preempts_long_low_tier_generations(
+    stock: EngineProcess, plugin: EngineProcess
+) -> None:
+    with_stock = await sc.preempt_scenario(stock.spec.url, KEY)
+    with_plugin = await sc.preempt_scenario(plugin.spec.url, KEY)
+    print(
+        f"\nhigh-tier TTFT behind 4 long low-tier generations: "
+        f"stock {with_stock.high.server_ttft * 1000:.1f} ms, "
+        f"plugin {with_plugin.high.server_ttft * 1000:.1f} ms "
+        f"(client-side {with_stock.high.ttft * 1000:.0f} / {with_plugin.high.ttft * 1000:.0f} ms)"
+    )
+    assert with_stock.preemptions == 0  # stock vLLM never preempts for priority alone
+    assert with_plugin.preemptions >= 1
+    assert with_plugin.high.server_ttft * 10 <= with_stock.high.server_ttft
+    for outcome in (with_stock, with_plugin):
+        assert outcome.high.finish_reason == "length" and outcome.high.completion_tokens == 16
+        for low in outcome.lows:  # preempted ones included: full output, normal end
+            assert low.status == 200
+            assert (low.finish_reason, low.completion_tokens) == ("length", 2000)
+
+
+async def test_forged_or_unsigned_priority_gains_nothing(plugin: EngineProcess) -> None:
+    url = plugin.spec.url
+    forged = sc.ticket_headers(b"not-the-secret", tier="high", priority=0)
+    attacks: dict[str, dict[str, Any]] = {
+        "forged ticket": {"headers": forged},
+        "body priority -1000": {"headers": {}, "extra": {"priority": -1000}},
+        "X-Vllm-Priority -1000": {"headers": {"X-Vllm-Priority": "-1000"}},
+        "unsigned xargs": {
+            "headers": {},
+            "extra": {"vllm_xargs": {"tierproxy_priority": -1000, "tierproxy_trusted": 1}},
+        },
+    }
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        before = await sc.scrape(session, url)
+        lows = await sc.fill_slots_with_low(session, url, KEY, n=4, max_tokens=2000)
+        attack_tasks = {
+            name: asyncio.create_task(
+                sc.complete(session, url, prompt=sc.token_prompt(8), max_tokens=4, **kw)
+            )
+            for name, kw in attacks.items()
+        }
+        control = await sc.complete(
+            session, url, prompt=sc.token_prompt(8), max_tokens=4, headers=sc.high(KEY)
+        )
+        low_results = await asyncio.gather(*lows)
+        results = {name: await task for name, task in attack_tasks.items()}
+        after = await sc.scrape(session, url)
+    first_low_done = min(r.done_at for r in low_results)
+    print(f"\ncontrol (signed high) queued {control.queue_time * 1000:.1f} ms")
+    for name, r in results.items():
+        print(f"{name}: queued {r.queue_time * 1000:.1f} ms")
+        assert r.status == 200 and r.completion_tokens == 4
+        # Ran at the lowest tier: behind the running low-tier requests, not before them.
+        assert r.done_at >= first_low_done
+        assert r.queue_time > 10 * control.queue_time
+    assert control.done_at < first_low_done
+    # Only the signed high-tier request preempted anything.
+    assert sc.delta(after, before, "vllm:num_preemptions_total") == 1
+
+
+async def test_request_whose_deadline_passes_while_waiting_never_runs(
+    plugin: EngineProcess,
+) -> None:
+    url = plugin.spec.url
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        before = await sc.scrape(session, url)
+        lows = await sc.fill_slots_with_low(session, url, KEY, n=4, max_tokens=2000)
+        sent = time.perf_counter()
+        streamed, plain = await asyncio.gather(
+            sc.stream_completion(
+                session,
+                url,
+                prompt=sc.token_prompt(8),
+                max_tokens=50,
+                headers=sc.low(KEY, deadline_s=0.3),
+            ),
+            sc.complete(
+                session,
+                url,
+                prompt=sc.token_prompt(8),
+                max_tokens=50,
+                headers=sc.low(KEY, deadline_s=0.3),
+            ),
+        )
+        low_results = await asyncio.gather(*lows)
+        after = await sc.scrape(session, url)
+    print(f"\ndeadline requests answered after {(plain.done_at - sent) * 1000:.0f} ms")
+    # Both ended properly (200, [DONE] for the stream) without a single generated token.
+    assert streamed.status == 200 and streamed.done_marker and not streamed.error
+    assert streamed.completion_tokens == 0 and streamed.token_times == []
+    assert plain.status == 200 and plain.finish_reason == "abort"
+    assert plain.completion_tokens == 0
+    # ... and well before a slot freed up: they were dropped, not run late.
+    assert max(streamed.done_at, plain.done_at) < min(r.done_at for r in low_results)
+    assert sc.delta(after, before, "vllm:request_success_total|abort") == 2
+    assert all(r.completion_tokens == 2000 for r in low_results)
+
+
+async def test_long_low_prompt_raises_high_itl_p99_less_with_plugin(
+    stock: EngineProcess, plugin: EngineProcess
+) -> None:
+    with_stock = await sc.itl_scenario(stock.spec.url, KEY)
+    with_plugin = await sc.itl_scenario(plugin.spec.url, KEY)
+    print(
+        f"\nhigh-tier ITL while long low-tier prompts arrive (vLLM histogram): "
+        f"stock p50 {with_stock.p50 * 1000:.2f} ms p99 {with_stock.p99 * 1000:.2f} ms; "
+        f"plugin p50 {with_plugin.p50 * 1000:.2f} ms p99 {with_plugin.p99 * 1000:.2f} ms"
+    )
+    print(f"steps over 1024 tokens: stock {with_stock.big_steps}, plugin {with_plugin.big_steps}")
+    for outcome in (with_stock, with_plugin):
+        assert all(h.completion_tokens == 1000 for h in outcome.highs)
+        assert all(r.status == 200 and r.completion_tokens == 1 for r in outcome.longs)
+    # The mechanism, exactly: stock runs whole long prefills beside the decodes, the plugin
+    # never lets low-tier prefill take more than its share (0.2 * 4096) of a step.
+    assert with_stock.big_steps > 0
+    assert with_plugin.big_steps == 0
+    # The effect on the high tier.
+    assert with_plugin.p99 < with_stock.p99
