@@ -131,14 +131,14 @@ async def _read_stream(
         if usage:
             rec.prompt_tokens = usage.get("prompt_tokens")
             rec.output_tokens = usage.get("completion_tokens")
-        for choice in event.get("choices") or ():
-            delta = choice.get("delta") or {}
-            if delta.get("content") or delta.get("reasoning_content"):
-                t = now()
-                if rec.first_token is None:
-                    rec.first_token = t
-                rec.token_times.append(t)
-                break
+        if event.get("choices"):
+            # As `vllm bench serve` counts: every chunk with choices is a token event, the
+            # first one (vLLM sends the role with the first token) is the first token.
+            # Counting only non-empty text would miss tokens that decode to "" on their own.
+            t = now()
+            if rec.first_token is None:
+                rec.first_token = t
+            rec.token_times.append(t)
     rec.end = now()
     if not done and outcome is Outcome.OK:
         rec.outcome = Outcome.LOST

@@ -43,8 +43,7 @@ class LocalStack:
         self.plugin = plugin
         self.engine_args = engine_args or []
         self.engine: EngineProcess | None = None
-        self.proxy: subprocess.Popen[bytes] | None = None
-        self._proxy_log: IO[bytes] | None = None
+        self.proxy: ProxyProcess | None = None
         self.proxy_port = 0
         self.served_name = ""
         self.config_path = out_dir / "proxy.yaml"
@@ -75,43 +74,89 @@ class LocalStack:
         data = proxy_config(self.scenario, [spec.url], port=self.proxy_port,
                             max_inflight=self.max_inflight)
         write_proxy_config(data, self.config_path, self.scenario)
-        log_path = self.out_dir / "proxy.log"
-        self._proxy_log = log_path.open("ab")
-        print(f"starting the proxy on {self.proxy_url} (config {self.config_path}, log {log_path})",
-              file=sys.stderr)
-        self.proxy = subprocess.Popen(
-            [sys.executable, "-m", "proxy.cli", "serve", "-c", str(self.config_path)],
-            env={**os.environ, env_name: secret},
-            stdout=self._proxy_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        deadline = time.monotonic() + 60.0
-        while not http_ok(f"{self.proxy_url}/healthz", timeout_s=2.0):
-            if self.proxy.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the proxy did not come up; log {log_path}:\n{tail(log_path)}")
-            time.sleep(0.3)
+        self.proxy = ProxyProcess(self.config_path, self.proxy_port, self.out_dir / "proxy.log",
+                                  env={env_name: secret})
+        print(f"starting the proxy on {self.proxy_url} (config {self.config_path},"
+              f" log {self.proxy.log_path})", file=sys.stderr)
+        self.proxy.start()
         return self
 
     def stop(self) -> None:
         if self.proxy is not None:
-            if self.proxy.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proxy.pid, signal.SIGTERM)
-                try:
-                    self.proxy.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(self.proxy.pid, signal.SIGKILL)
-                    self.proxy.wait(timeout=10)
+            self.proxy.stop()
             self.proxy = None
-        if self._proxy_log is not None:
-            self._proxy_log.close()
-            self._proxy_log = None
         if self.engine is not None:
             self.engine.stop()
             self.engine = None
 
     def __enter__(self) -> LocalStack:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+class ProxyProcess:
+    """`python -m proxy.cli serve -c CONFIG` in its own process group, up when /healthz is."""
+
+    def __init__(
+        self, config_path: Path, port: int, log_path: Path, env: dict[str, str] | None = None
+    ) -> None:
+        self.config_path = config_path
+        self.port = port
+        self.log_path = log_path
+        self.env = env or {}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, ready_timeout_s: float = 60.0) -> ProxyProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = self.log_path.open("ab")
+        env = {**os.environ, **self.env}
+        env.setdefault(DEFAULT_SECRET_ENV, secrets.token_urlsafe(32))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "proxy.cli", "serve", "-c", str(self.config_path),
+             "--port", str(self.port)],
+            env=env, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + ready_timeout_s
+        while not http_ok(f"{self.url}/healthz", timeout_s=2.0):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(
+                    f"the proxy did not come up; log {self.log_path}:\n{tail(self.log_path)}"
+                )
+            time.sleep(0.3)
+        return self
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        proc = self.proc
+        if proc is not None:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=grace_s)
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait(timeout=10)
+            self.proc = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> ProxyProcess:
         return self
 
     def __exit__(
