@@ -31,8 +31,9 @@ from proxy.bench.capacity import Capacity, measure_capacity
 from proxy.bench.plan import build_plan
 from proxy.bench.progress import TerminalProgress
 from proxy.bench.proxy_config import proxy_config, write_proxy_config
+from proxy.bench.records import RequestRecord
 from proxy.bench.report import comparison, render_comparison, render_run, run_report
-from proxy.bench.runner import RunResult, RunSettings, run_plan
+from proxy.bench.runner import RunResult, RunSettings, Sample, run_plan
 from proxy.bench.scenario import (
     Scenario,
     ScenarioError,
@@ -72,13 +73,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "request counts as lost")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--list-scenarios", action="store_true")
+    p.add_argument("--report", type=Path, metavar="RESULTS_JSON",
+                   help="print the tables and redraw the plots of a stored results.json")
     p.add_argument("--write-proxy-config", type=Path, metavar="FILE",
                    help="write a proxy config holding the scenario's tenants and keys, and stop")
     p.add_argument("--backend", action="append", default=[],
                    help="vLLM URL for --write-proxy-config (repeatable)")
     p.add_argument("--proxy-port", type=int, default=8000, help="for --write-proxy-config")
-    p.add_argument("--max-inflight", type=int, default=4,
-                   help="per-backend max_inflight in a written proxy config (near vLLM's "
+    p.add_argument("--max-inflight", type=int, default=6,
+                   help="per-backend max_inflight in the proxy config (a little above vLLM's "
                         "--max-num-seqs)")
     p.add_argument("--max-num-seqs", type=int, default=4, help="--local: vLLM's --max-num-seqs")
     p.add_argument("--no-plugin", action="store_true", help="--local: vLLM without the plugin")
@@ -94,6 +97,8 @@ def main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.list_scenarios:
         return _list()
+    if args.report is not None:
+        return rerender(args.report, not args.no_plots)
     try:
         scenario = load_scenario(args.scenario)
         if args.write_proxy_config is not None:
@@ -219,31 +224,68 @@ async def _bench(
         )
         results[label] = await run_plan(plan, settings, TerminalProgress())
 
-    slos: dict[str, Slo] = {t: s for t in scenario.tiers if (s := scenario.slo_for(t))}
-    reports = {label: run_report(r, slos, scenario.tiers) for label, r in results.items()}
+    reports = _print_reports(scenario, results)
     rows = comparison(reports)
-    for rep in reports.values():
-        print()
-        print(render_run(rep))
-    if len(reports) > 1:
-        print()
-        print(render_comparison(rows, list(reports)))
     results_path = out / "results.json"
     results_path.write_bytes(orjson.dumps(_results_json(
         args, scenario, model, rate, duration, capacity, results, reports, rows,
     )))
     print(f"\nresults: {results_path}")
     if not args.no_plots:
-        cdf = plots.ttft_cdf({k: r.records for k, r in results.items()}, scenario.tiers,
-                             out / "ttft_cdf.png")
-        depth = plots.queue_depth({k: r.samples for k, r in results.items()}, scenario.tiers,
-                                  out / "queue_depth.png")
-        print(f"plots: {cdf} {depth}")
+        _plot(scenario, results, out)
+    return _exit_code(reports)
+
+
+def _print_reports(
+    scenario: Scenario, results: dict[str, RunResult]
+) -> dict[str, dict[str, Any]]:
+    slos: dict[str, Slo] = {t: s for t in scenario.tiers if (s := scenario.slo_for(t))}
+    reports = {label: run_report(r, slos, scenario.tiers) for label, r in results.items()}
+    for rep in reports.values():
+        print()
+        print(render_run(rep))
+    if len(reports) > 1:
+        print()
+        print(render_comparison(comparison(reports), list(reports)))
+    return reports
+
+
+def _plot(scenario: Scenario, results: dict[str, RunResult], out: Path) -> None:
+    cdf = plots.ttft_cdf({k: r.records for k, r in results.items()}, scenario.tiers,
+                         out / "ttft_cdf.png")
+    depth = plots.queue_depth({k: r.samples for k, r in results.items()}, scenario.tiers,
+                              out / "queue_depth.png")
+    print(f"plots: {cdf} {depth}")
+
+
+def _exit_code(reports: dict[str, dict[str, Any]]) -> int:
     lost = sum(rep["total"]["outcomes"]["lost"] for rep in reports.values())
     if lost:
         print(f"LOST REQUESTS: {lost} (see 'error' in results.json)", file=sys.stderr)
         return 2
     return 0
+
+
+def rerender(path: Path, with_plots: bool) -> int:
+    """Tables (and plots, next to the file) again from a stored results.json."""
+    data = orjson.loads(path.read_bytes())
+    scenario = Scenario.model_validate(data["scenario"])
+    results = {
+        label: RunResult(
+            label=label,
+            base_url=run["report"]["base_url"],
+            records=[RequestRecord.from_json(r) for r in run["requests"]],
+            samples=[Sample(**s) for s in run["samples"]],
+            planned_duration=float(data["duration_s"]),
+            wall_s=float(run["report"]["wall_s"]),
+        )
+        for label, run in data["runs"].items()
+    }
+    print(f"scenario {scenario.name}: {data['rate_rps']:.2f} req/s for {data['duration_s']:.0f}s")
+    reports = _print_reports(scenario, results)
+    if with_plots:
+        _plot(scenario, results, path.parent)
+    return _exit_code(reports)
 
 
 def _results_json(
