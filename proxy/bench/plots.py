@@ -71,7 +71,7 @@ def queue_depth(
             ax.plot(ts, [s.inflight.get(tier, 0) for s in ss], color=color, linestyle="--",
                     linewidth=0.8, label=f"{tier} in flight (client)")
         waiting = [s.engine_waiting for s in ss]
-        if any(w is not None for w in waiting):
+        if any(w for w in waiting):  # some vLLM builds leave this gauge at 0: then hide it
             ax.plot(ts, [w or 0.0 for w in waiting], color="black", linestyle=":",
                     label="vLLM waiting")
         ax.set_title(label, fontsize=9)

@@ -181,6 +181,15 @@ def _lost(planned: PlannedRequest, why: str) -> RequestRecord:
     )
 
 
+@dataclass
+class _Scraped:
+    """The latest values read from /metrics (they may lag the client-side counts a little)."""
+
+    depth: dict[str, float] | None = None
+    running: float | None = None
+    waiting: float | None = None
+
+
 async def _sample(
     session: aiohttp.ClientSession,
     settings: RunSettings,
@@ -190,39 +199,60 @@ async def _sample(
     status: Any,
     progress: ProgressSink | None,
 ) -> None:
-    """Every sample interval: in-flight per tier, the proxy's queue depth, vLLM's queue."""
-    scrape_target = True
+    """Every sample interval: in-flight per tier, the proxy's queue depth, vLLM's queue.
+
+    Scraping runs in its own task, so that a slow /metrics under load never delays the
+    client-side samples or the progress bar.
+    """
+    latest = _Scraped()
+    scraper = asyncio.create_task(_scrape(session, settings, latest))
+    try:
+        while True:
+            samples.append(
+                Sample(
+                    t=time.monotonic() - t0,
+                    inflight={k: v for k, v in inflight.items() if v},
+                    queue_depth=latest.depth,
+                    engine_running=latest.running,
+                    engine_waiting=latest.waiting,
+                )
+            )
+            if progress is not None:
+                progress.update(status())
+            await asyncio.sleep(settings.sample_interval_s)
+    finally:
+        scraper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await scraper
+
+
+async def _scrape(session: aiohttp.ClientSession, settings: RunSettings, latest: _Scraped) -> None:
     engine_url = settings.engine_url
+    target_alive = True
+    target_seen = False
+    failures = 0
     while True:
-        t = time.monotonic() - t0
-        want_target = scrape_target
         want_engine = engine_url is not None and engine_url != settings.base_url
         target_text, engine_text = await asyncio.gather(
-            scrape.fetch_metrics(session, settings.base_url) if want_target else _none(),
+            scrape.fetch_metrics(session, settings.base_url) if target_alive else _none(),
             scrape.fetch_metrics(session, engine_url) if want_engine and engine_url else _none(),
         )
-        if want_target and target_text is None:
-            scrape_target = False  # no /metrics here: do not ask again every tick
+        if target_alive and target_text is None:
+            failures += 1
+            if not target_seen and failures >= 3:
+                target_alive = False  # this target has no /metrics: stop asking
+        elif target_text is not None:
+            target_seen = True
+            latest.depth = scrape.gauge_by(target_text, scrape.PROXY_QUEUE_DEPTH, "tier") or None
         if engine_url == settings.base_url:
             engine_text = target_text
-        depth: dict[str, float] | None = None
-        if target_text is not None:
-            depth = scrape.gauge_by(target_text, scrape.PROXY_QUEUE_DEPTH, "tier") or None
-        running = waiting = None
         if engine_text is not None:
-            running = sum(scrape.gauge_by(engine_text, scrape.VLLM_RUNNING, "engine").values())
-            waiting = sum(scrape.gauge_by(engine_text, scrape.VLLM_WAITING, "engine").values())
-        samples.append(
-            Sample(
-                t=t,
-                inflight={k: v for k, v in inflight.items() if v},
-                queue_depth=depth,
-                engine_running=running,
-                engine_waiting=waiting,
+            latest.running = sum(
+                scrape.gauge_by(engine_text, scrape.VLLM_RUNNING, "engine").values()
             )
-        )
-        if progress is not None:
-            progress.update(status())
+            latest.waiting = sum(
+                scrape.gauge_by(engine_text, scrape.VLLM_WAITING, "engine").values()
+            )
         await asyncio.sleep(settings.sample_interval_s)
 
 
