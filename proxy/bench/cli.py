@@ -17,6 +17,7 @@ import asyncio
 import datetime as dt
 import resource
 import sys
+import textwrap
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -124,8 +125,10 @@ def _list() -> int:
     for name in available_scenarios():
         s = load_scenario(name)
         rate = f"{s.load_factor:g}x capacity" if s.relative else f"{s.rate_rps:g} req/s"
-        first = s.description.strip().splitlines()[0] if s.description.strip() else ""
-        print(f"{name:<14} {rate:<14} {s.total_duration():>5.0f}s  {first}")
+        about = textwrap.shorten(" ".join(s.description.split()), 96, placeholder=" ...")
+        print(f"{name:<12} {rate:<15} {s.total_duration():>3.0f}s  {len(s.tenants)} tenants")
+        if about:
+            print(f"    {about}")
     return 0
 
 
