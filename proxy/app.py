@@ -19,7 +19,14 @@ from proxy.admission import AdmissionQueue, QueuedRequest, QueueFull, TierLimits
 from proxy.backends import BackendPool
 from proxy.config import Config, ConfigError, LoadedConfig, Tenant, load_config
 from proxy.dispatch import Dispatcher, Lease, QueueTimeoutError
-from proxy.errors import ProxyError, no_backend, queue_full, queue_timeout, unauthorized
+from proxy.errors import (
+    ProxyError,
+    no_backend,
+    queue_full,
+    queue_timeout,
+    rate_limited,
+    unauthorized,
+)
 from proxy.forward import RelayResult, UpstreamCall, UpstreamUnavailable, relay
 from proxy.inbound import (
     Endpoint,
@@ -29,6 +36,7 @@ from proxy.inbound import (
     too_large,
     upstream_headers,
 )
+from proxy.limits import LimitRegistry
 from proxy.metrics import ProxyMetrics
 from proxy.monitor import BackendMonitor
 from proxy.policy import weighted_tokens
@@ -67,6 +75,8 @@ class ProxyState:
         )
         self.pool = BackendPool(cfg.backends, cfg.backend_health)
         self.dispatcher = Dispatcher(self.queue, self.pool, self.metrics, clock)
+        self.limits = LimitRegistry()
+        self.limits.configure(cfg.tenants, clock())
         self.session: aiohttp.ClientSession | None = None
         self.monitor: BackendMonitor | None = None
         self.metrics.config_generation.set(1)
@@ -85,6 +95,7 @@ class ProxyState:
         )
         self.queue.fairness.forget(t.name for t in cfg.tenants)
         self.pool.reconfigure(cfg.backends, cfg.backend_health)
+        self.limits.configure(cfg.tenants, self.clock())
         self.loaded = loaded
         self.metrics.config_generation.inc()
         self.dispatcher.kick()
@@ -235,6 +246,39 @@ async def _read_body(request: web.Request, limit: int) -> bytes:
 
 
 async def _run(request: web.Request, state: ProxyState, adm: _Admitted) -> RelayResult:
+    reserved = float(adm.parsed.prompt_tokens + adm.parsed.expected_output)
+    await _pass_tenant_limits(state, adm, reserved)
+    used: float | None = None
+    try:
+        result = await _queue_and_forward(request, state, adm)
+        usage = result.usage or {}
+        if isinstance(usage.get("total_tokens"), int):
+            used = float(usage["total_tokens"])
+        return result
+    finally:
+        state.limits.settle(adm.tenant.name, reserved, used, state.clock())
+
+
+async def _pass_tenant_limits(state: ProxyState, adm: _Admitted, tokens: float) -> None:
+    """Take the tenant's rate and concurrency allowance, or wait for it (``on_limit: queue``,
+    within the tier's queue timeout), or refuse with 429 and the exact wait."""
+    tenant = adm.tenant
+    give_up_at = adm.arrival + state.queue.limits(adm.tier_name).queue_timeout_s
+    while True:
+        verdict = state.limits.try_admit(tenant.name, tokens, state.clock())
+        if verdict.allowed:
+            return
+        state.metrics.rate_limited.labels(tenant.name, verdict.limit).inc()
+        wait = verdict.retry_after_s
+        if tenant.on_limit != "queue" or state.clock() + wait > give_up_at:
+            raise rate_limited(verdict.limit, wait)
+        # Not a network wait: the bucket refills on the clock (or a slot frees).
+        await asyncio.sleep(min(wait, 0.25) if verdict.limit == "max_concurrent" else wait)
+
+
+async def _queue_and_forward(
+    request: web.Request, state: ProxyState, adm: _Admitted
+) -> RelayResult:
     cfg = state.config
     tier = cfg.tiers[adm.tier_name]
     queued = QueuedRequest(

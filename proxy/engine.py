@@ -122,6 +122,7 @@ class EngineProcess:
         self.proc = subprocess.Popen(
             self.spec.command(),
             env=self.spec.environment(),
+            preexec_fn=_die_with_parent,
             stdout=self._log if self._log is not None else None,
             stderr=subprocess.STDOUT if self._log is not None else None,
             stdin=subprocess.DEVNULL,
@@ -176,6 +177,17 @@ class EngineProcess:
         if self._log is not None:
             self._log.close()
             self._log = None
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM when the process that started us dies, however it dies, so a
+    crashed test run or launcher never leaves a 3 GB engine behind (Linux only)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        with contextlib.suppress(OSError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def http_ok(url: str, timeout_s: float) -> bool:

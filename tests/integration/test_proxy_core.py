@@ -1,0 +1,239 @@
+"""The proxy core against real stock vLLM (CPU, tiny model, --max-num-seqs 4 to saturate)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import aiohttp
+import openai
+import orjson
+import pytest
+
+from proxyrun import auth, make_config, running_proxy
+
+pytestmark = pytest.mark.integration
+TIMEOUT = aiohttp.ClientTimeout(total=120)
+
+
+def _chat(max_tokens: int, stream: bool = False, content: str = "hello") -> dict[str, Any]:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens, "ignore_eos": True, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+async def _vllm_gauge(session: aiohttp.ClientSession, url: str, name: str) -> float:
+    async with session.get(f"{url}/metrics") as r:
+        text = await r.text()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{"))
+
+
+async def _wait_gauge(session: aiohttp.ClientSession, url: str, name: str, want: float,
+                      timeout_s: float = 10.0) -> float:
+    deadline = time.monotonic() + timeout_s
+    value = await _vllm_gauge(session, url, name)
+    while value != want and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+        value = await _vllm_gauge(session, url, name)
+    return value
+
+
+async def _stream_timed(session: aiohttp.ClientSession, base: str, tier: str,
+                        body: dict[str, Any]) -> dict[str, Any]:
+    start = time.monotonic()
+    first = None
+    tokens = 0  # from the final usage chunk (vLLM may merge several tokens into one chunk)
+    async with session.post(f"{base}/v1/chat/completions", json=body, headers=auth(tier)) as r:
+        status = r.status
+        async for line in r.content:
+            if line.startswith(b"data: {"):
+                event = orjson.loads(line[6:])
+                if event.get("choices") and first is None:
+                    first = time.monotonic()
+                if event.get("usage"):
+                    tokens = event["usage"]["completion_tokens"]
+    return {"status": status, "ttft_at": first, "done_at": time.monotonic(), "start": start,
+            "tokens": tokens}
+
+
+async def test_high_tier_overtakes_40_queued_low_requests(engines) -> None:  # type: ignore[no-untyped-def]
+    engine = engines.get("core")
+    cfg = make_config([{"url": engine.spec.url, "max_inflight": 4}])
+    async with running_proxy(cfg) as (base, state), aiohttp.ClientSession(timeout=TIMEOUT) as s:
+        lows = [asyncio.create_task(_stream_timed(s, base, "low", _chat(48, stream=True)))
+                for _ in range(40)]
+        while state.queue.depth("low") < 30:
+            await asyncio.sleep(0.02)
+        high = await _stream_timed(s, base, "high", _chat(8, stream=True))
+        low_results = await asyncio.gather(*lows)
+    assert high["status"] == 200 and high["ttft_at"] is not None
+    assert [(r["status"], r["tokens"]) for r in low_results] == [(200, 48)] * 40
+    finished_before_high = sum(1 for r in low_results if r["done_at"] < high["ttft_at"])
+    # The high request waits for one slot to free, not for the backlog of 40 to drain.
+    assert finished_before_high <= 8, finished_before_high
+    assert max(r["done_at"] for r in low_results) > high["done_at"]
+
+
+async def test_queue_full_is_an_immediate_429_with_retry_after(engines) -> None:  # type: ignore[no-untyped-def]
+    engine = engines.get("core")
+    cfg = make_config([{"url": engine.spec.url, "max_inflight": 1}],
+                      tiers={"low": {"max_queue": 3}})
+    async with running_proxy(cfg) as (base, state), aiohttp.ClientSession(timeout=TIMEOUT) as s:
+        async def post() -> aiohttp.ClientResponse:
+            async with s.post(f"{base}/v1/chat/completions", json=_chat(64),
+                              headers=auth("low")) as r:
+                await r.read()
+                return r
+        started = [asyncio.create_task(post()) for _ in range(4)]  # 1 running + 3 queued
+        while state.queue.depth("low") < 3:
+            await asyncio.sleep(0.02)
+        t0 = time.monotonic()
+        async with s.post(f"{base}/v1/chat/completions", json=_chat(4), headers=auth("low")) as r:
+            body = await r.json()
+            assert r.status == 429 and int(r.headers["Retry-After"]) >= 1
+        assert time.monotonic() - t0 < 0.5
+        assert body["error"]["code"] == "queue_full" and body["error"]["type"] == "rate_limit_error"
+        # Another tier is not affected by the low tier's cap.
+        async with s.post(f"{base}/v1/chat/completions", json=_chat(2), headers=auth("high")) as r:
+            assert r.status == 200
+        assert [r.status for r in await asyncio.gather(*started)] == [200] * 4
+        assert len(state.queue) == 0
+
+
+async def test_queue_timeout_503_and_execution_timeout_504(engines) -> None:  # type: ignore[no-untyped-def]
+    engine = engines.get("core")
+    cfg = make_config(
+        [{"url": engine.spec.url, "max_inflight": 1}],
+        tiers={"low": {"queue_timeout_s": 0.5, "request_timeout_s": 1.0}},
+    )
+    async with running_proxy(cfg) as (base, state), aiohttp.ClientSession(timeout=TIMEOUT) as s:
+        # A long non-streaming generation outlives the low tier's 1 s execution limit: 504.
+        long_req = asyncio.create_task(s.post(f"{base}/v1/chat/completions",
+                                              json=_chat(1900), headers=auth("low")))
+        while state.pool.all()[0].inflight == 0:
+            await asyncio.sleep(0.01)
+        # Meanwhile one more waits in the queue past its 0.5 s: 503.
+        async with s.post(f"{base}/v1/chat/completions", json=_chat(4), headers=auth("low")) as r:
+            body = await r.json()
+            assert r.status == 503, body
+            assert body["error"]["code"] == "queue_timeout" and "Retry-After" in r.headers
+        resp = await long_req
+        body = await resp.json()
+        assert resp.status == 504 and body["error"]["code"] == "request_timeout"
+        # And vLLM stopped working on it (the proxy closed the connection).
+        assert await _wait_gauge(s, engine.spec.url, "vllm:num_requests_running", 0) == 0
+
+        # Streaming: the timeout arrives as an error event, then [DONE].
+        async with s.post(f"{base}/v1/chat/completions", json=_chat(1900, stream=True),
+                          headers=auth("low")) as r:
+            assert r.status == 200
+            raw = await r.read()
+        events = [e for e in raw.split(b"\n\n") if e.strip()]
+        assert events[-1] == b"data: [DONE]"
+        assert b'"request_timeout"' in events[-2]
+        assert await _wait_gauge(s, engine.spec.url, "vllm:num_requests_running", 0) == 0
+        assert len(state.queue) == 0 and state.pool.all()[0].inflight == 0
+
+
+async def test_client_leaving_mid_stream_or_in_queue_frees_everything(engines) -> None:  # type: ignore[no-untyped-def]
+    engine = engines.get("core")
+    cfg = make_config([{"url": engine.spec.url, "max_inflight": 1}])
+    async with running_proxy(cfg) as (base, state), aiohttp.ClientSession(timeout=TIMEOUT) as s:
+        leaver = aiohttp.ClientSession(timeout=TIMEOUT)
+        r = await leaver.post(f"{base}/v1/chat/completions", json=_chat(1900, stream=True),
+                              headers=auth("normal"))
+        await r.content.readline()  # bytes are flowing
+        assert await _vllm_gauge(s, engine.spec.url, "vllm:num_requests_running") == 1
+        queued = asyncio.create_task(leaver.post(f"{base}/v1/chat/completions",
+                                                 json=_chat(8), headers=auth("normal")))
+        while state.queue.depth("normal") < 1:
+            await asyncio.sleep(0.01)
+        await leaver.close()  # both clients vanish
+        queued.cancel()
+        assert await _wait_gauge(s, engine.spec.url, "vllm:num_requests_running", 0) == 0
+        deadline = time.monotonic() + 5
+        while (len(state.queue) or state.pool.all()[0].inflight) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert len(state.queue) == 0 and state.pool.all()[0].inflight == 0
+        async with s.get(f"{base}/metrics") as m:
+            text = await m.text()
+        assert 'tierproxy_requests_total{outcome="client_gone",tier="normal"} 2.0' in text
+
+
+async def test_openai_sdk_works_unchanged_and_sees_retryable_errors(engines) -> None:  # type: ignore[no-untyped-def]
+    engine = engines.get("core")
+    cfg = make_config([{"url": engine.spec.url, "max_inflight": 1}],
+                      tiers={"low": {"max_queue": 1, "queue_timeout_s": 0.5}})
+    async with running_proxy(cfg) as (base, state):
+        client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="key-high", max_retries=0)
+        reply = await client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+            extra_body={"ignore_eos": True})
+        assert reply.usage is not None and reply.usage.completion_tokens == 5
+        stream = await client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        chunks = [c async for c in stream]
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
+        comp = await client.completions.create(model="tiny", prompt="hi", max_tokens=3)
+        assert comp.choices[0].text is not None
+        models = await client.models.list()
+        assert [m.id for m in models.data] == ["tiny"]
+
+        with pytest.raises(openai.AuthenticationError):
+            await openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0
+                                     ).models.list()
+
+        low = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="key-low", max_retries=0)
+        busy = asyncio.create_task(low.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=600,
+            extra_body={"ignore_eos": True}))
+        while state.pool.all()[0].inflight == 0:
+            await asyncio.sleep(0.01)
+        waiting = asyncio.create_task(low.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2))
+        while state.queue.depth("low") == 0:
+            await asyncio.sleep(0.01)
+        with pytest.raises(openai.RateLimitError):  # queue full: 429
+            await low.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+        with pytest.raises(openai.InternalServerError) as exc:  # queue timeout: 503
+            await waiting
+        assert exc.value.status_code == 503
+        await busy
+        await client.close()
+        await low.close()
+
+
+async def test_bad_input_and_unknown_paths(engines) -> None:  # type: ignore[no-untyped-def]
+    engine = engines.get("core")
+    cfg = make_config([{"url": engine.spec.url, "max_inflight": 4}],
+                      limits={"max_body_bytes": 2000})
+    async with running_proxy(cfg) as (base, state), aiohttp.ClientSession(timeout=TIMEOUT) as s:
+        await asyncio.sleep(0.3)  # the monitor learns the backend's models
+        cases = [
+            (b"{", 400, "invalid_json"),
+            (orjson.dumps({**_chat(5), "max_tokens": -3}), 400, None),
+            (orjson.dumps({**_chat(5), "content": "x" * 5000}), 413, "request_too_large"),
+            (orjson.dumps({**_chat(5), "model": "nope"}), 404, "model_not_found"),
+        ]
+        for raw, status, code in cases:
+            async with s.post(f"{base}/v1/chat/completions", data=raw, headers=auth("high")) as r:
+                body = await r.json()
+                assert r.status == status, body
+                assert set(body["error"]) == {"message", "type", "param", "code"}
+                if code:
+                    assert body["error"]["code"] == code
+        async with s.post(f"{base}/v1/embeddings", json={}, headers=auth("high")) as r:
+            assert r.status == 404 and (await r.json())["error"]["code"] == "unknown_url"
+        async with s.get(f"{base}/readyz") as r:
+            assert r.status == 200
+        # vLLM's own errors come through unchanged (over max_model_len: 400 from vLLM).
+        big = _chat(5000, content="hi")
+        async with s.post(f"{base}/v1/chat/completions", json=big, headers=auth("high")) as r:
+            assert r.status == 400 and "error" in await r.json()
+        assert len(state.queue) == 0 and state.pool.all()[0].inflight == 0

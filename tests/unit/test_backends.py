@@ -1,0 +1,126 @@
+import pytest
+
+from proxy.backends import BackendPool, ScrapedLoad, parse_vllm_load
+from proxy.config import Backend, BackendHealth
+
+HEALTH = BackendHealth(stale_after_s=2.0, max_backend_waiting=1, ramp_s=4.0, eject_base_s=1.0,
+                       eject_max_s=8.0)
+
+
+def _pool(*caps: int) -> BackendPool:
+    return BackendPool([Backend(url=f"http://b{i}:80", max_inflight=c) for i, c in enumerate(caps)], HEALTH)
+
+
+def _fill(pool: BackendPool, n: int, now: float = 0.0) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for _ in range(n):
+        b = pool.choose(None, 10, now)
+        if b is None:
+            break
+        pool.acquire(b, 10)
+        counts[b.cfg.url] = counts.get(b.cfg.url, 0) + 1
+    return counts
+
+
+def test_spreads_evenly_and_in_proportion_to_room() -> None:
+    assert _fill(_pool(8, 8), 16) == {"http://b0:80": 8, "http://b1:80": 8}
+    assert _fill(_pool(4, 12), 100) == {"http://b0:80": 4, "http://b1:80": 12}
+    pool = _pool(4, 12)
+    counts = _fill(pool, 8)  # half full: both at 50%
+    assert counts == {"http://b0:80": 2, "http://b1:80": 6}
+
+
+def test_no_room_means_none_and_release_gives_it_back() -> None:
+    pool = _pool(1)
+    b = pool.choose(None, 1, 0)
+    assert b is not None
+    pool.acquire(b, 1)
+    assert pool.choose(None, 1, 0) is None and not pool.any_room(0)
+    pool.release(b, 1)
+    assert pool.choose(None, 1, 0) is b
+
+
+def test_fresh_waiting_queue_holds_new_work_stale_is_ignored() -> None:
+    pool = _pool(8)
+    b = pool.all()[0]
+    pool.acquire(b, 1)
+    b.load = ScrapedLoad(waiting=3, running=8, kv_usage=0.5, at=10.0)
+    assert pool.choose(None, 1, now=10.5) is None  # vLLM queues on its own: hold work here
+    assert pool.choose(None, 1, now=12.5) is b  # stale: own counts decide
+    pool.release(b, 1)
+    b.load = ScrapedLoad(waiting=3, running=8, kv_usage=0.5, at=20.0)
+    assert pool.choose(None, 1, now=20.1) is b  # nothing of ours in flight: never stall
+
+
+def test_passive_ejection_backoff_and_ramp_on_return() -> None:
+    pool = _pool(8, 8)
+    bad, good = pool.all()
+    pool.record_failure(bad, now=0.0)
+    assert not bad.available(0.5) and bad.available(1.0)
+    pool.record_failure(bad, now=1.0)
+    assert not bad.available(2.5) and bad.available(3.0)  # backoff doubled
+    assert _fill(pool, 4, now=0.5) == {"http://b1:80": 4}
+    pool.record_success(bad, now=3.0)
+    assert pool.room(bad, 3.0) == pytest.approx(2.0)  # 25% of 8 right after return
+    assert pool.room(bad, 7.0) == pytest.approx(8.0)
+
+
+def test_active_probe_down_and_up() -> None:
+    pool = _pool(4)
+    b = pool.all()[0]
+    pool.probe_result(b, False, 0.0)
+    assert not pool.any_available(0.0) and pool.choose(None, 1, 0.0) is None
+    pool.probe_result(b, True, 1.0)
+    assert pool.any_available(1.0) and pool.room(b, 1.0) == pytest.approx(1.0)
+
+
+def test_model_routing() -> None:
+    pool = _pool(4, 4)
+    a, b = pool.all()
+    a.models, b.models = frozenset({"llama"}), frozenset({"qwen"})
+    assert pool.choose("qwen", 1, 0) is b
+    assert pool.choose("mistral", 1, 0) is None
+    assert not pool.model_known("mistral") and pool.model_known("llama")
+
+
+def test_token_budget() -> None:
+    pool = BackendPool([Backend(url="http://x:1", max_inflight=10, max_tokens_inflight=1000)], HEALTH)
+    b = pool.all()[0]
+    pool.acquire(pool.choose(None, 600, 0), 600)  # type: ignore[arg-type]
+    assert pool.choose(None, 600, 0) is None
+    assert pool.choose(None, 300, 0) is b
+    pool.release(b, 600)
+    assert pool.choose(None, 5000, 0) is b  # too big for the budget, but the backend is idle
+
+
+def test_reconfigure_drains_removed_backend_until_idle() -> None:
+    pool = _pool(4, 4)
+    old, keep = pool.all()
+    pool.acquire(old, 1)
+    pool.reconfigure([keep.cfg], HEALTH)
+    assert old.draining and pool.choose(None, 1, 0) is keep
+    pool.release(old, 1)
+    assert pool.all() == [keep]
+
+
+def test_admin_drain() -> None:
+    pool = _pool(4)
+    b = pool.all()[0]
+    pool.drain(b.cfg.url)
+    assert pool.choose(None, 1, 0) is None
+    pool.drain(b.cfg.url, False)
+    assert pool.choose(None, 1, 0) is b
+
+
+def test_parse_vllm_metrics_text() -> None:
+    text = """# HELP vllm:num_requests_waiting Number of requests waiting.
+vllm:num_requests_waiting{engine="0",model_name="tiny"} 3.0
+vllm:num_requests_waiting{engine="1",model_name="tiny"} 1.0
+vllm:num_requests_running{engine="0",model_name="tiny"} 4.0
+vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.25
+vllm:kv_cache_usage_perc{engine="1",model_name="tiny"} 0.75
+vllm:num_preemptions_total{engine="0",model_name="tiny"} 9.0
+"""
+    load = parse_vllm_load(text, now=5.0)
+    assert load == ScrapedLoad(waiting=4.0, running=4.0, kv_usage=0.5, at=5.0)
+    assert parse_vllm_load("process_cpu_seconds_total 1.0\n", 0.0) is None

@@ -1,0 +1,95 @@
+import orjson
+import pytest
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from proxy.config import Limits, Scheduling, Tier
+from proxy.errors import ProxyError
+from proxy.inbound import api_key_from, parse_body, upstream_headers
+
+HIGH = Tier(priority=0, weight=10, max_queue=10, queue_timeout_s=10, request_timeout_s=60)
+LOW = Tier(priority=10, weight=1, max_queue=10, queue_timeout_s=10, request_timeout_s=60, max_tokens=100)
+LIMITS = Limits(max_body_bytes=1000, max_tokens_ceiling=10_000)
+SCHED = Scheduling()
+
+
+def _chat(**extra: object) -> bytes:
+    body = {"model": "m", "messages": [{"role": "user", "content": "x" * 400}], **extra}
+    return orjson.dumps(body)
+
+
+def _error(raw: bytes, endpoint: str = "chat", tier: Tier = HIGH) -> ProxyError:
+    with pytest.raises(ProxyError) as exc:
+        parse_body(raw, endpoint, tier, LIMITS, SCHED)  # type: ignore[arg-type]
+    return exc.value
+
+
+def test_client_cannot_raise_its_priority() -> None:
+    parsed = parse_body(_chat(priority=-1000, vllm_xargs={"tierproxy_priority": -5}), "chat", HIGH, LIMITS, SCHED)
+    assert "priority" not in parsed.body and "vllm_xargs" not in parsed.body
+    headers = CIMultiDictProxy(CIMultiDict({
+        "Authorization": "Bearer k", "X-Vllm-Priority": "-1000", "x-tierproxy-ticket": "forged",
+        "X-Request-Id": "mine", "User-Agent": "sdk",
+    }))
+    out = upstream_headers(headers)
+    assert dict(out) == {"User-Agent": "sdk"}
+
+
+def test_estimates_and_clamp() -> None:
+    parsed = parse_body(_chat(max_tokens=5000), "chat", LOW, LIMITS, SCHED)
+    assert parsed.body["max_tokens"] == 100 and parsed.max_tokens == 100
+    assert parsed.prompt_tokens == pytest.approx(102, abs=3)
+    assert parsed.expected_output == 100
+    unset = parse_body(_chat(), "chat", LOW, LIMITS, SCHED)
+    assert unset.body["max_tokens"] == 100  # the tier cap applies when the client sets none
+    free = parse_body(_chat(), "chat", HIGH, LIMITS, SCHED)
+    assert "max_tokens" not in free.body and free.expected_output == SCHED.default_expected_output
+
+
+def test_stream_asks_for_usage_and_remembers_whether_client_did() -> None:
+    parsed = parse_body(_chat(stream=True), "chat", HIGH, LIMITS, SCHED)
+    assert parsed.body["stream_options"] == {"include_usage": True}
+    assert parsed.client_wants_usage is False
+    asked = parse_body(_chat(stream=True, stream_options={"include_usage": True}), "chat", HIGH, LIMITS, SCHED)
+    assert asked.client_wants_usage is True
+
+
+@pytest.mark.parametrize(
+    ("raw", "param"),
+    [
+        (b"{not json", None),
+        (b"[1, 2]", None),
+        (_chat(max_tokens=-1), "max_tokens"),
+        (_chat(max_tokens=0), "max_tokens"),
+        (_chat(max_tokens="10"), "max_tokens"),
+        (_chat(max_tokens=True), "max_tokens"),
+        (_chat(max_tokens=10**9), "max_tokens"),
+        (_chat(max_completion_tokens=2.5), "max_completion_tokens"),
+        (_chat(stream="yes"), "stream"),
+        (_chat(model=5), "model"),
+        (_chat(n=0), "n"),
+        (orjson.dumps({"model": "m", "messages": []}), "messages"),
+        (orjson.dumps({"model": "m", "messages": [{"content": "no role"}]}), "messages.[0]"),
+    ],
+)
+def test_bad_chat_input_is_a_clear_400(raw: bytes, param: str | None) -> None:
+    err = _error(raw)
+    assert err.status == 400 and err.param == param
+    body = err.body()["error"]
+    assert isinstance(body, dict) and body["type"] == "invalid_request_error" and body["message"]
+
+
+def test_completions_prompt_shapes() -> None:
+    ok = [{"prompt": "hi"}, {"prompt": ["a", "b"]}, {"prompt": [1, 2, 3]}, {"prompt": [[1, 2], [3]]}]
+    for body in ok:
+        parse_body(orjson.dumps(body), "completions", HIGH, LIMITS, SCHED)
+    for body in [{}, {"prompt": 5}, {"prompt": []}, {"prompt": ["a", 1]}]:
+        assert _error(orjson.dumps(body), "completions").param == "prompt"
+
+
+def test_api_key_sources() -> None:
+    assert api_key_from({"Authorization": "Bearer abc "}) == "abc"
+    assert api_key_from({"Authorization": "bearer abc"}) == "abc"
+    assert api_key_from({"api-key": "xyz"}) == "xyz"
+    assert api_key_from({"Authorization": "Basic abc"}) is None
+    assert api_key_from({"Authorization": "Bearer "}) is None
+    assert api_key_from({}) is None
