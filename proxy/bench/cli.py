@@ -16,8 +16,10 @@ import argparse
 import asyncio
 import datetime as dt
 import resource
+import signal
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -92,6 +94,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str]) -> int:
+    """`tierproxy bench ARGS`; SIGTERM unwinds like Ctrl-C meanwhile (engines get stopped)."""
+    if threading.current_thread() is not threading.main_thread():
+        return _main(argv)
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def _raise(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _raise)
+    try:
+        return _main(argv)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: Sequence[str]) -> int:
     argv = list(argv)
     if argv[:1] == ["--"]:  # `tierproxy bench -- --scenario ...`
         argv = argv[1:]

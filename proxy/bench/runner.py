@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import resource
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -30,7 +31,6 @@ class RunSettings:
     request_timeout_s: float = 180.0
     drain_timeout_s: float | None = None  # after the last send; default request timeout + 15 s
     sample_interval_s: float = 0.5
-    max_connections: int = 1000
     engine_url: str | None = None  # a vLLM to scrape for running/waiting (the direct target)
     run_id: str = "bench"
 
@@ -89,12 +89,16 @@ async def run_plan(
 ) -> RunResult:
     """Run ``plan`` open-loop against ``settings.base_url``; one record per planned request."""
     duration = max((p.at for p in plan), default=0.0)
+    check_fd_budget(len(plan))
     drain_s = settings.drain_timeout_s
     if drain_s is None:
         drain_s = settings.request_timeout_s + 15.0
+    # One connection per outstanding request, never a client-side pool queue: a request held
+    # back here would be invisible to the proxy's scheduler (a high-tier request could wait
+    # behind low-tier ones in our pool) and would not be an open loop any more.
     # A fresh connection per request: a pooled keep-alive connection that the server is
     # closing as it is reused fails with "Server disconnected", which is a client artefact.
-    connector = aiohttp.TCPConnector(limit=settings.max_connections, force_close=True)
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
     records: dict[int, RequestRecord] = {}
     tasks: dict[asyncio.Task[RequestRecord], PlannedRequest] = {}
     inflight: Counter[str] = Counter()
@@ -168,6 +172,16 @@ async def run_plan(
         planned_duration=duration,
         wall_s=time.monotonic() - t0,
     )
+
+
+def check_fd_budget(outstanding: int) -> None:
+    """Each outstanding request holds a socket: refuse a plan the file limit cannot hold."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and outstanding + 256 > soft:
+        raise ValueError(
+            f"the plan has {outstanding} requests but only {soft} open files are allowed: "
+            "raise `ulimit -n` or shorten the run"
+        )
 
 
 def _lost(planned: PlannedRequest, why: str) -> RequestRecord:
