@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -15,7 +14,7 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from proxy.admission import AdmissionQueue, QueuedRequest, QueueFull, TierLimits
+from proxy.admission import AdmissionQueue, QueuedRequest, QueueFull, TierLimits, UnknownTier
 from proxy.backends import BackendPool
 from proxy.config import Config, ConfigError, LoadedConfig, Tenant, load_config
 from proxy.dispatch import Dispatcher, Lease, QueueTimeoutError
@@ -40,6 +39,7 @@ from proxy.limits import LimitRegistry
 from proxy.metrics import ProxyMetrics
 from proxy.monitor import BackendMonitor
 from proxy.policy import weighted_tokens
+from proxy.reload import ConfigWatcher
 from proxy.ticket import TICKET_HEADER, Ticket, encode_ticket, secret_from_env
 
 log = logging.getLogger("tierproxy")
@@ -79,6 +79,7 @@ class ProxyState:
         self.limits.configure(cfg.tenants, clock())
         self.session: aiohttp.ClientSession | None = None
         self.monitor: BackendMonitor | None = None
+        self.watcher: ConfigWatcher | None = None
         self.metrics.config_generation.set(1)
 
     @property
@@ -106,6 +107,7 @@ STATE = web.AppKey("tierproxy_state", ProxyState)
 
 @dataclass
 class _Admitted:
+    config: Config  # the config the request was admitted under, kept across reloads
     tenant: Tenant
     tier_name: str
     parsed: ParsedRequest
@@ -118,7 +120,10 @@ def create_app(
     *,
     secret: bytes | None = None,
     clock: Callable[[], float] = time.monotonic,
+    watch_config: bool = False,
 ) -> web.Application:
+    """The proxy app; with ``watch_config``, the file in ``loaded.source`` is reloaded on SIGHUP
+    and whenever it changes."""
     secret = secret if secret is not None else secret_from_env(loaded.config.ticket_secret_env)
     if not secret:
         raise ConfigError(
@@ -132,6 +137,8 @@ def create_app(
     app = web.Application(client_max_size=2**62)
     state = ProxyState(loaded, secret, clock)
     app[STATE] = state
+    if watch_config:
+        state.watcher = ConfigWatcher(loaded.source, state.apply, state.metrics)
     app.cleanup_ctx.append(_lifecycle)
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_post("/v1/completions", _completions)
@@ -157,9 +164,13 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     )
     state.dispatcher.start()
     state.monitor.start()
+    if state.watcher is not None:
+        state.watcher.start()
     try:
         yield
     finally:
+        if state.watcher is not None:
+            await state.watcher.stop()
         await state.monitor.stop()
         await state.dispatcher.stop()
         await state.session.close()
@@ -230,7 +241,7 @@ async def _admit(
             param="model",
             code="model_not_found",
         )
-    return _Admitted(tenant, tenant.tier, parsed, request_id, arrival)
+    return _Admitted(cfg, tenant, tenant.tier, parsed, request_id, arrival)
 
 
 async def _read_body(request: web.Request, limit: int) -> bytes:
@@ -263,7 +274,7 @@ async def _pass_tenant_limits(state: ProxyState, adm: _Admitted, tokens: float) 
     """Take the tenant's rate and concurrency allowance, or wait for it (``on_limit: queue``,
     within the tier's queue timeout), or refuse with 429 and the exact wait."""
     tenant = adm.tenant
-    give_up_at = adm.arrival + state.queue.limits(adm.tier_name).queue_timeout_s
+    give_up_at = adm.arrival + adm.config.tiers[adm.tier_name].queue_timeout_s
     while True:
         verdict = state.limits.try_admit(tenant.name, tokens, state.clock())
         if verdict.allowed:
@@ -279,7 +290,7 @@ async def _pass_tenant_limits(state: ProxyState, adm: _Admitted, tokens: float) 
 async def _queue_and_forward(
     request: web.Request, state: ProxyState, adm: _Admitted
 ) -> RelayResult:
-    cfg = state.config
+    cfg = adm.config
     tier = cfg.tiers[adm.tier_name]
     queued = QueuedRequest(
         tier=adm.tier_name,
@@ -335,11 +346,20 @@ def _give_up(exc: UpstreamUnavailable) -> ProxyError:
 
 
 async def _wait_for_turn(state: ProxyState, queued: QueuedRequest, *, force: bool) -> Lease:
-    limits = state.queue.limits(queued.tier)
     try:
+        limits = state.queue.limits(queued.tier)
         waiter = state.dispatcher.enqueue(queued, force=force)
     except QueueFull:
         raise queue_full(queued.tier, _retry_after(state, queued.tier)) from None
+    except UnknownTier:
+        # A reload removed the tier between this request's admission and its queueing.
+        raise ProxyError(
+            503,
+            "The service's configuration changed; retry.",
+            type="server_error",
+            code="config_changed",
+            retry_after_s=1,
+        ) from None
     try:
         # The dispatcher resolves the waiter by the queue deadline; the guard is a backstop.
         async with asyncio.timeout(limits.queue_timeout_s + 5.0):
@@ -359,7 +379,11 @@ async def _wait_for_turn(state: ProxyState, queued: QueuedRequest, *, force: boo
 def _retry_after(state: ProxyState, tier: str) -> float:
     """A rough wait before retrying: the tier's backlog over the slots that serve it."""
     slots = sum(b.cfg.max_inflight for b in state.pool.all()) or 1
-    return max(1.0, min(state.queue.limits(tier).queue_timeout_s, state.queue.depth(tier) / slots))
+    try:
+        ceiling = state.queue.limits(tier).queue_timeout_s
+    except UnknownTier:
+        return 1.0
+    return max(1.0, min(ceiling, state.queue.depth(tier) / slots))
 
 
 async def _forward_once(
@@ -371,7 +395,7 @@ async def _forward_once(
     priority: int,
 ) -> RelayResult:
     assert state.session is not None
-    cfg = state.config
+    cfg = adm.config
     parsed = adm.parsed
     body = dict(parsed.body)
     if lease.backend.cfg.send_priority:
@@ -512,7 +536,7 @@ async def _unsupported(request: web.Request) -> web.Response:
 def serve(config_path: str, *, host: str | None = None, port: int | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     loaded = load_config(config_path)
-    app = create_app(loaded)
+    app = create_app(loaded, watch_config=True)
     listen = loaded.config.listen
     web.run_app(
         app,
@@ -522,7 +546,3 @@ def serve(config_path: str, *, host: str | None = None, port: int | None = None)
         handler_cancellation=True,  # a client that leaves cancels its handler: queue + upstream
         print=lambda msg: log.info("%s", msg),
     )
-
-
-with contextlib.suppress(Exception):
-    pass

@@ -1,0 +1,91 @@
+"""docker-compose.yml stays consistent with the code: `docker compose config` where a docker
+client with compose exists, and a structural check everywhere."""
+
+from __future__ import annotations
+
+import importlib
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from proxy.config import load_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _compose() -> dict[str, Any]:
+    data = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+    assert isinstance(data, dict)
+    return data
+
+
+def _has_compose() -> bool:
+    if shutil.which("docker") is None:
+        return False
+    probe = subprocess.run(["docker", "compose", "version"], capture_output=True, check=False)
+    return probe.returncode == 0
+
+
+def test_compose_structure_matches_the_code(monkeypatch: pytest.MonkeyPatch) -> None:
+    services = _compose()["services"]
+    assert {"proxy", "vllm-0", "vllm-1", "prometheus"} <= set(services)
+    for name in ("vllm-0", "vllm-1"):
+        svc = services[name]
+        args = dict(a.removeprefix("--").split("=", 1) for a in svc["command"])
+        assert args["scheduling-policy"] == "priority"
+        for flag in ("middleware", "scheduler-cls"):
+            module, _, cls = args[flag].rpartition(".")
+            assert module.startswith("proxy.vllm_plugin")
+            # The named class exists (importing needs vllm, which the engine extra brings).
+            source = (REPO / (module.replace(".", "/") + ".py")).read_text()
+            assert f"class {cls}(" in source or f"class {cls}:" in source
+        assert svc["healthcheck"]["test"]
+        assert svc["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+        assert (REPO / svc["build"]["dockerfile"]).exists()
+        assert svc["env_file"] == ".env"
+
+    proxy = services["proxy"]
+    assert (REPO / proxy["build"]["dockerfile"]).exists()
+    assert proxy["depends_on"]["vllm-0"]["condition"] == "service_healthy"
+    host_config = proxy["volumes"][0].split(":")[0]
+    # The mounted config is valid and points at the compose services.
+    env = (REPO / "configs/tierproxy.env.example").read_text().splitlines()
+    for line in env:
+        if "=" in line and not line.startswith("#"):
+            key, value = line.split("=", 1)
+            monkeypatch.setenv(key, value)
+    loaded = load_config(REPO / host_config)
+    assert {b.url for b in loaded.config.backends} == {"http://vllm-0:8000", "http://vllm-1:8000"}
+    assert loaded.config.listen.host == "0.0.0.0"
+
+    prom = yaml.safe_load((REPO / "configs/prometheus.yml").read_text())
+    targets = {t for job in prom["scrape_configs"] for sc in job["static_configs"]
+               for t in sc["targets"]}
+    assert targets == {"proxy:8000", "vllm-0:8000", "vllm-1:8000"}
+
+
+def test_plugin_classes_named_in_compose_import() -> None:
+    pytest.importorskip("vllm", reason="the engine extra is not installed")
+    for name in ("vllm-0",):
+        for arg in _compose()["services"][name]["command"]:
+            if arg.startswith(("--middleware=", "--scheduler-cls=")):
+                module, _, cls = arg.split("=", 1)[1].rpartition(".")
+                assert hasattr(importlib.import_module(module), cls)
+
+
+@pytest.mark.skipif(not _has_compose(), reason="no docker compose client on this machine")
+def test_docker_compose_config_accepts_the_file(tmp_path: Path) -> None:
+    # A copy of the project's compose files beside the example .env (env_file: .env).
+    shutil.copytree(REPO / "configs", tmp_path / "configs")
+    shutil.copytree(REPO / "docker", tmp_path / "docker")
+    shutil.copy(REPO / "docker-compose.yml", tmp_path)
+    shutil.copy(REPO / "configs/tierproxy.env.example", tmp_path / ".env")
+    result = subprocess.run(
+        ["docker", "compose", "--project-directory", str(tmp_path), "config", "--quiet"],
+        capture_output=True, text=True, check=False,
+    )
+    assert result.returncode == 0, result.stderr
