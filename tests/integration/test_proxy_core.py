@@ -10,7 +10,6 @@ import aiohttp
 import openai
 import orjson
 import pytest
-
 from proxyrun import auth, make_config, running_proxy
 
 pytestmark = pytest.mark.integration

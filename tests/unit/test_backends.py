@@ -54,7 +54,7 @@ def test_fresh_waiting_queue_holds_new_work_stale_is_ignored() -> None:
 
 def test_passive_ejection_backoff_and_ramp_on_return() -> None:
     pool = _pool(8, 8)
-    bad, good = pool.all()
+    bad, _good = pool.all()
     pool.record_failure(bad, now=0.0)
     assert not bad.available(0.5) and bad.available(1.0)
     pool.record_failure(bad, now=1.0)

@@ -9,21 +9,21 @@ from proxy.config import ConfigError, hash_key, load_config, parse_config
 REPO = Path(__file__).resolve().parents[2]
 
 GOOD = """
-listen: {host: 127.0.0.1, port: 8000}
+listen: {{host: 127.0.0.1, port: 8000}}
 tiers:
-  high:   {priority: 0,  weight: 10, max_queue: 200,  queue_timeout_s: 10, request_timeout_s: 300}
-  low:    {priority: 10, weight: 1,  max_queue: 5000, queue_timeout_s: 600, request_timeout_s: 1800,
-           max_tokens: 2048}
+  high:   {{priority: 0,  weight: 10, max_queue: 200,  queue_timeout_s: 10, request_timeout_s: 300}}
+  low:    {{priority: 10, weight: 1,  max_queue: 5000, queue_timeout_s: 600, request_timeout_s: 1800,
+           max_tokens: 2048}}
 tenants:
   - name: chat-app
     tier: high
-    keys: [{sha256: "%s"}]
+    keys: [{{sha256: "{}"}}]
   - name: batch
     tier: low
-    keys: [{env: BATCH_KEY}]
+    keys: [{{env: BATCH_KEY}}]
 backends:
-  - {url: "http://127.0.0.1:8100/", max_inflight: 64}
-""" % hash_key("chat-secret")
+  - {{url: "http://127.0.0.1:8100/", max_inflight: 64}}
+""".format(hash_key("chat-secret"))
 
 
 def test_good_config_resolves_keys_to_tenants(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,149 @@
+"""Metering into several backends: real vLLM servers, plus in-process fakes only for a hang and
+a mid-stream death (which real vLLM cannot show on demand)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+from fakes import dies_mid_stream_backend, hung_backend
+from proxyrun import auth, make_config, running_proxy
+
+pytestmark = pytest.mark.integration
+TIMEOUT = aiohttp.ClientTimeout(total=180)
+
+
+def _chat(max_tokens: int, stream: bool = False) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": "tiny", "max_tokens": max_tokens, "ignore_eos": True,
+                            "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+async def _call(s: aiohttp.ClientSession, base: str, body: dict[str, Any],
+                tier: str = "normal") -> dict[str, Any]:
+    """One request's definitive answer: status, completion tokens, and how a stream ended."""
+    async with s.post(f"{base}/v1/chat/completions", json=body, headers=auth(tier)) as r:
+        raw = await r.read()
+    out: dict[str, Any] = {"status": r.status, "tokens": None, "ended": None}
+    if r.status != 200:
+        return out
+    if not body.get("stream"):
+        out["tokens"] = orjson.loads(raw)["usage"]["completion_tokens"]
+        return out
+    events = [e for e in raw.split(b"\n\n") if e.strip()]
+    out["ended"] = "done" if events and events[-1] == b"data: [DONE]" else "cut"
+    for e in events:
+        if b'"usage"' in e and b'"choices":[]' in e:
+            out["tokens"] = orjson.loads(e[6:])["usage"]["completion_tokens"]
+        if e.startswith(b'data: {"error"'):
+            out["error_event"] = True
+    return out
+
+
+async def test_load_spreads_evenly_and_by_room(engines) -> None:  # type: ignore[no-untyped-def]
+    a, b = engines.get("pair-a"), engines.get("pair-b")
+    for caps, want_share_a in (((4, 4), 0.5), ((2, 6), 0.25)):
+        cfg = make_config([{"url": a.spec.url, "max_inflight": caps[0]},
+                           {"url": b.spec.url, "max_inflight": caps[1]}])
+        async with running_proxy(cfg) as (base, state), aiohttp.ClientSession(timeout=TIMEOUT) as s:
+            results = await asyncio.gather(*(_call(s, base, _chat(24)) for _ in range(80)))
+            assert all(r["status"] == 200 and r["tokens"] == 24 for r in results)
+            counts = {st.cfg.url: st.dispatched_total for st in state.pool.all()}
+        share_a = counts[a.spec.url] / 80
+        assert abs(share_a - want_share_a) <= 0.1, counts
+
+
+async def test_killed_backend_loses_nothing_and_comes_back(engines) -> None:  # type: ignore[no-untyped-def]
+    a = engines.get("pair-a")
+    b = engines.get("pair-b")
+    cfg = make_config(
+        [{"url": a.spec.url, "max_inflight": 4}, {"url": b.spec.url, "max_inflight": 4}],
+        backend_health={"health_interval_s": 0.5, "eject_base_s": 0.5, "ramp_s": 1.0},
+    )
+    async with running_proxy(cfg) as (base, state), aiohttp.ClientSession(timeout=TIMEOUT) as s:
+        calls = [asyncio.create_task(_call(s, base, _chat(64, stream=i % 2 == 0)))
+                 for i in range(40)]
+        victim = state.pool.states[b.spec.url]
+        while victim.inflight < 4 or len(state.queue) < 10:
+            await asyncio.sleep(0.01)
+        b.signal(signal.SIGKILL)  # the whole process tree, mid-run
+        results = await asyncio.gather(*calls)
+        # Nothing lost: each request completed in full, or (stream already started) ended with
+        # an error event and [DONE]; none were cut silently or left hanging.
+        for r in results:
+            assert r["status"] == 200, r
+            if r["tokens"] != 64:
+                assert r.get("error_event") and r["ended"] == "done", r
+        completed = sum(r["tokens"] == 64 for r in results)
+        assert completed >= 40 - 4, results  # at most the ones streaming on the victim
+        assert len(state.queue) == 0 and all(st.inflight == 0 for st in state.pool.all())
+        assert not victim.available(state.clock())
+
+        # Restart on the same port: the health checks bring it back into rotation.
+        await asyncio.to_thread(b.stop)
+        await asyncio.to_thread(lambda: b.start().wait_ready())
+        before = victim.dispatched_total
+        deadline = time.monotonic() + 30
+        while not victim.available(state.clock()):
+            assert time.monotonic() < deadline, "restarted backend never came back"
+            await asyncio.sleep(0.2)
+        results = await asyncio.gather(*(_call(s, base, _chat(8)) for _ in range(20)))
+        assert all(r["status"] == 200 for r in results)
+        assert victim.dispatched_total > before
+
+
+async def test_hung_backend_is_ejected_by_probe_timeout(engines) -> None:  # type: ignore[no-untyped-def]
+    real = engines.get("pair-a")
+    async with hung_backend() as hung_url:
+        cfg = make_config(
+            [{"url": hung_url, "max_inflight": 4}, {"url": real.spec.url, "max_inflight": 4}],
+            backend_health={"health_interval_s": 0.2, "probe_timeout_s": 0.5},
+            tiers={"normal": {"request_timeout_s": 3}},
+        )
+        async with running_proxy(cfg) as (base, state), aiohttp.ClientSession(timeout=TIMEOUT) as s:
+            hung = state.pool.states[hung_url]
+            # A request that reaches the hung backend before its ejection ends by the tier's
+            # execution limit: a clean 504, not a hang.
+            hung.models = None
+            first = await asyncio.gather(*(_call(s, base, _chat(4)) for _ in range(2)))
+            assert {r["status"] for r in first} <= {200, 504}
+            deadline = time.monotonic() + 5
+            while hung.available(state.clock()):
+                assert time.monotonic() < deadline, "hung backend never ejected"
+                await asyncio.sleep(0.1)
+            sent_to_hung = hung.dispatched_total
+            results = await asyncio.gather(*(_call(s, base, _chat(4)) for _ in range(12)))
+            assert all(r["status"] == 200 for r in results)
+            assert hung.dispatched_total == sent_to_hung
+            async with s.get(f"{base}/readyz") as r:
+                assert r.status == 200
+
+
+async def test_backend_dying_mid_stream_gives_an_error_event(engines) -> None:  # type: ignore[no-untyped-def]
+    async with dies_mid_stream_backend(events=3) as url:
+        cfg = make_config([{"url": url, "max_inflight": 2}])
+        async with running_proxy(cfg) as (base, _), aiohttp.ClientSession(timeout=TIMEOUT) as s:
+            r = await _call(s, base, _chat(16, stream=True))
+        assert r["status"] == 200 and r.get("error_event") and r["ended"] == "done"
+
+
+async def test_refused_connection_before_first_byte_is_retried_elsewhere(engines) -> None:  # type: ignore[no-untyped-def]
+    from proxy.engine import free_port
+
+    real = engines.get("pair-a")
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    cfg = make_config([{"url": dead, "max_inflight": 8}, {"url": real.spec.url, "max_inflight": 1}],
+                      backend_health={"health_interval_s": 60})
+    async with running_proxy(cfg) as (base, state), aiohttp.ClientSession(timeout=TIMEOUT) as s:
+        results = await asyncio.gather(*(_call(s, base, _chat(4, stream=i % 2 == 1))
+                                         for i in range(6)))
+        assert all(r["status"] == 200 and r["tokens"] == 4 for r in results), results
+        assert state.metrics.retries._value.get() >= 1
+        assert not state.pool.states[dead].available(state.clock())
