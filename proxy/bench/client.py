@@ -95,9 +95,16 @@ async def send(
                     rec.error = body.decode("utf-8", "replace")[:300]
                     return rec
                 await _read_stream(resp, rec, now)
+    except aiohttp.ConnectionTimeoutError:
+        # Never accepted (e.g. the server's listen backlog overflowed): a definitive failure,
+        # the request did not reach the server. Checked before TimeoutError, its base class.
+        rec.end = now()
+        rec.outcome = Outcome.ERROR
+        rec.error = f"connect timeout: not accepted within {settings.connect_timeout_s:g}s"
     except TimeoutError:
         rec.outcome = Outcome.LOST
-        rec.error = f"no answer within {settings.request_timeout_s:g}s"
+        where = "before a status" if rec.status is None else "mid-stream"
+        rec.error = f"no answer within {settings.request_timeout_s:g}s ({where})"
     except aiohttp.ClientConnectorError as exc:
         rec.end = now()
         rec.outcome = Outcome.ERROR
