@@ -14,7 +14,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -179,15 +179,27 @@ class EngineProcess:
             self._log = None
 
 
+def _load_prctl() -> Callable[[int, int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl  # type: ignore[no-any-return]
+    except (OSError, AttributeError):
+        return None
+
+
+# Looked up here, in the parent: the child, between fork and exec, must not import or load.
+_PRCTL = _load_prctl()
+_PR_SET_PDEATHSIG = 1
+
+
 def _die_with_parent() -> None:
     """In the child: get SIGTERM when the process that started us dies, however it dies, so a
     crashed test run or launcher never leaves a 3 GB engine behind (Linux only)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        pr_set_pdeathsig = 1
-        with contextlib.suppress(OSError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def http_ok(url: str, timeout_s: float) -> bool:

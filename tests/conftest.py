@@ -119,3 +119,25 @@ def _farm_of(item: pytest.Item) -> EngineFarm | None:
     funcargs = getattr(item, "funcargs", {})
     farm = funcargs.get("engines")
     return farm if isinstance(farm, EngineFarm) else None
+
+
+def _dump_asyncio_tasks(signum: int, frame: object) -> None:
+    """`kill -USR1 <pytest pid>` prints every asyncio task's stack: for diagnosing a hang."""
+    import asyncio
+    import sys
+
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        loop = None
+    tasks = asyncio.all_tasks(loop) if loop is not None else set()
+    for task in tasks:
+        print(f"--- {task.get_name()}: {task!r}", file=sys.stderr)
+        task.print_stack(file=sys.stderr)
+    sys.stderr.flush()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    import signal
+
+    signal.signal(signal.SIGUSR1, _dump_asyncio_tasks)

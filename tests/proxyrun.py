@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import yaml
 from aiohttp import web
 
 from proxy.app import STATE, ProxyState, create_app
-from proxy.config import hash_key, parse_config
+from proxy.config import hash_key, load_config, parse_config
 from proxy.engine import free_port
 
 SECRET = b"integration-test-secret"
@@ -48,10 +49,18 @@ def make_config(
 
 
 @contextlib.asynccontextmanager
-async def running_proxy(config: dict[str, Any]) -> AsyncIterator[tuple[str, ProxyState]]:
-    """Yields (base URL, the app's state) with the proxy serving as `tierproxy serve` does."""
-    loaded = parse_config(yaml.safe_dump(config), "test-config")
-    app = create_app(loaded, secret=SECRET)
+async def running_proxy(
+    config: dict[str, Any], config_path: Path | None = None
+) -> AsyncIterator[tuple[str, ProxyState]]:
+    """Yields (base URL, the app's state) with the proxy serving as `tierproxy serve` does.
+    With ``config_path``, the config is written there and watched for live reloads."""
+    text = yaml.safe_dump(config)
+    if config_path is not None:
+        config_path.write_text(text)
+        loaded = load_config(config_path)
+    else:
+        loaded = parse_config(text, "test-config")
+    app = create_app(loaded, secret=SECRET, watch_config=config_path is not None)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     port = free_port()
