@@ -87,7 +87,11 @@ def main() -> int:
     engines = [
         EngineProcess(
             EngineSpec(
-                port=free_port(), model=model, served_name=served, max_num_seqs=args.max_num_seqs
+                port=free_port(),
+                model=model,
+                served_name=served,
+                max_num_seqs=args.max_num_seqs,
+                cpu_bind=spread_cores(i),
             ),
             Path(f".tierproxy/logs/two-backends-{i}.log"),
         )

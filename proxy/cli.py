@@ -101,7 +101,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     """The embedded default: local CPU engine(s) plus the proxy on configs/example.yaml."""
     from proxy.app import serve
     from proxy.config import load_config
-    from proxy.engine import EngineProcess, EngineSpec, ensure_model
+    from proxy.engine import EngineProcess, EngineSpec, ensure_model, spread_cores
 
     os.environ.setdefault("TIERPROXY_TICKET_SECRET", secrets.token_urlsafe(32))
     loaded = load_config(args.config)

@@ -59,6 +59,9 @@ class EngineSpec:
     plugin: bool = True
     extra_args: Sequence[str] = ()
     env: dict[str, str] = field(default_factory=dict)
+    # CPU build: cores for the engine's OMP threads, e.g. "1" or "2-3". vLLM's "auto" binds every
+    # engine on a machine to the same first core, so co-located engines must be told apart.
+    cpu_bind: str | None = None
 
     @property
     def url(self) -> str:
@@ -97,6 +100,8 @@ class EngineSpec:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
         env.setdefault("DO_NOT_TRACK", "1")
+        if self.cpu_bind is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_bind
         env.update(self.env)
         return env
 
@@ -230,6 +235,12 @@ def ensure_model(model: str | None) -> tuple[str, str | None]:
     from proxy.tiny_model import make_tiny_model
 
     return str(make_tiny_model(DEFAULT_MODEL_DIR).resolve()), TINY_SERVED_NAME
+
+
+def spread_cores(index: int) -> str | None:
+    """Core for the index-th of several co-located CPU engines (None: leave vLLM's default)."""
+    cores = os.cpu_count() or 1
+    return str(index % cores) if cores > 1 else None
 
 
 def free_port(host: str = "127.0.0.1") -> int:

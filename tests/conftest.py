@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.engine import EngineProcess, EngineSpec, free_port, tail
+from proxy.engine import EngineProcess, EngineSpec, free_port, spread_cores, tail
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_MODEL_DIR = REPO / ".tierproxy" / "tiny-model"
@@ -38,6 +38,7 @@ class EngineFarm:
         self.log_dir = log_dir
         self.live: OrderedDict[tuple[object, ...], EngineProcess] = OrderedDict()
         self.used_by_current_test: list[EngineProcess] = []
+        self.started = 0
 
     def model_dir(self) -> Path:
         from proxy.tiny_model import make_tiny_model
@@ -72,7 +73,9 @@ class EngineFarm:
                 plugin=plugin,
                 extra_args=extra_args,
                 env=env or {},
+                cpu_bind=spread_cores(self.started),
             )
+            self.started += 1
             engine = EngineProcess(spec, self.log_dir / f"vllm-{name}-{spec.port}.log").start()
             self.live[key] = engine
             engine.wait_ready()
