@@ -23,7 +23,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from proxyrun import auth, make_config, running_proxy
 
-from proxy.engine import EngineProcess, EngineSpec, ensure_model, free_port
+from proxy.engine import (  # noqa: E402
+    EngineProcess,
+    EngineSpec,
+    ensure_model,
+    free_port,
+    spread_cores,
+)
 
 
 async def _closed_loop(

@@ -108,10 +108,14 @@ def _cmd_up(args: argparse.Namespace) -> int:
     model, served = ensure_model(args.model)
     log_dir = Path(".tierproxy/logs")
     engines = []
-    for backend in loaded.config.backends[: args.engines]:
+    for index, backend in enumerate(loaded.config.backends[: args.engines]):
         port = int(backend.url.rsplit(":", 1)[1])
         spec = EngineSpec(
-            port=port, model=model, served_name=served, max_num_seqs=args.max_num_seqs
+            port=port,
+            model=model,
+            served_name=served,
+            max_num_seqs=args.max_num_seqs,
+            cpu_bind=spread_cores(index) if args.engines > 1 else None,
         )
         engines.append(EngineProcess(spec, log_dir / f"vllm-{port}.log"))
     _install_stop_handlers()
