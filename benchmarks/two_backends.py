@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from proxyrun import auth, make_config, running_proxy
 
-from proxy.engine import (  # noqa: E402
+from proxy.engine import (
     EngineProcess,
     EngineSpec,
     ensure_model,

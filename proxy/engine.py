@@ -24,15 +24,13 @@ TINY_SERVED_NAME = "tiny"
 
 # The plugin's extension points in stock vLLM (see proxy/vllm_plugin). The scheduling policy
 # flag is what makes vLLM honour the priority the plugin (or the proxy) sets.
-MIDDLEWARE_CLS = "proxy.vllm_plugin.middleware.TicketMiddleware"
-# vLLM schedules synchronously on CPU and asynchronously on GPU; each has its own subclass.
-SCHEDULER_CLS_SYNC = "proxy.vllm_plugin.scheduler.TierScheduler"
-SCHEDULER_CLS_ASYNC = "proxy.vllm_plugin.scheduler.AsyncTierScheduler"
-
-
-def plugin_args(on_cpu: bool) -> tuple[str, ...]:
-    scheduler = SCHEDULER_CLS_SYNC if on_cpu else SCHEDULER_CLS_ASYNC
-    return ("--middleware", MIDDLEWARE_CLS, "--scheduler-cls", scheduler)
+# One scheduler class for CPU and GPU: it follows vLLM's async-scheduling choice by itself.
+PLUGIN_ARGS: tuple[str, ...] = (
+    "--middleware",
+    "proxy.vllm_plugin.middleware.TicketMiddleware",
+    "--scheduler-cls",
+    "proxy.vllm_plugin.scheduler.TierScheduler",
+)
 
 
 PRIORITY_ARGS: tuple[str, ...] = ("--scheduling-policy", "priority")
@@ -90,7 +88,7 @@ class EngineSpec:
             cmd += ["--max-num-seqs", str(self.max_num_seqs)]
         cmd += PRIORITY_ARGS
         if self.plugin and plugin_available():
-            cmd += plugin_args(_on_cpu())
+            cmd += PLUGIN_ARGS
         cmd += list(self.extra_args)
         return cmd
 
