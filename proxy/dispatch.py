@@ -39,7 +39,8 @@ class Lease:
         if not self.released:
             self.released = True
             self._dispatcher.pool.release(self.backend, self.tokens)
-            self._dispatcher.kick()
+            # Hand the slot on now, so that a burst never sees a full queue beside a free slot.
+            self._dispatcher.dispatch_ready()
 
 
 class Dispatcher:
@@ -71,11 +72,15 @@ class Dispatcher:
         self._wake.set()
 
     def enqueue(self, req: QueuedRequest, *, force: bool = False) -> asyncio.Future[Lease]:
-        """Queue a request (QueueFull propagates) and return the future of its lease."""
+        """Queue a request (QueueFull propagates) and return the future of its lease, which is
+        already resolved when a backend had room: dispatch happens here, synchronously."""
         req.waiter = asyncio.get_running_loop().create_future()
+        limits = self.queue.limits(req.tier)
+        if not force and self.queue.depth(req.tier) >= limits.max_queue:
+            self.dispatch_ready()  # room may have appeared since (ramp, probe): use it first
         self.queue.push(req, self.clock(), force=force)
+        self.dispatch_ready()
         self.metrics.queue_depth.labels(req.tier).set(self.queue.depth(req.tier))
-        self.kick()
         waiter: asyncio.Future[Lease] = req.waiter
         return waiter
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -74,3 +75,12 @@ async def running_proxy(
 
 def auth(tier: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {KEYS[tier]}"}
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 30.0, what: str = "") -> None:
+    """Poll a condition on running servers; fail (never hang) when it does not come true."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what or condition}")
+        await asyncio.sleep(0.01)

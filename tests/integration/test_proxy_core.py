@@ -10,7 +10,7 @@ import aiohttp
 import openai
 import orjson
 import pytest
-from proxyrun import auth, make_config, running_proxy
+from proxyrun import auth, make_config, running_proxy, until
 
 pytestmark = pytest.mark.integration
 TIMEOUT = aiohttp.ClientTimeout(total=120)
@@ -65,8 +65,7 @@ async def test_high_tier_overtakes_40_queued_low_requests(engines) -> None:  # t
     async with running_proxy(cfg) as (base, state), aiohttp.ClientSession(timeout=TIMEOUT) as s:
         lows = [asyncio.create_task(_stream_timed(s, base, "low", _chat(48, stream=True)))
                 for _ in range(40)]
-        while state.queue.depth("low") < 30:
-            await asyncio.sleep(0.02)
+        await until(lambda: state.queue.depth("low") >= 30, what="30 queued low requests")
         high = await _stream_timed(s, base, "high", _chat(8, stream=True))
         low_results = await asyncio.gather(*lows)
     assert high["status"] == 200 and high["ttft_at"] is not None
@@ -88,8 +87,7 @@ async def test_queue_full_is_an_immediate_429_with_retry_after(engines) -> None:
                 await r.read()
                 return r
         started = [asyncio.create_task(post()) for _ in range(4)]  # 1 running + 3 queued
-        while state.queue.depth("low") < 3:
-            await asyncio.sleep(0.02)
+        await until(lambda: state.queue.depth("low") == 3, what="3 queued low requests")
         t0 = time.monotonic()
         async with s.post(f"{base}/v1/chat/completions", json=_chat(4), headers=auth("low")) as r:
             body = await r.json()
@@ -113,8 +111,7 @@ async def test_queue_timeout_503_and_execution_timeout_504(engines) -> None:  # 
         # A long non-streaming generation outlives the low tier's 1 s execution limit: 504.
         long_req = asyncio.create_task(s.post(f"{base}/v1/chat/completions",
                                               json=_chat(1900), headers=auth("low")))
-        while state.pool.all()[0].inflight == 0:
-            await asyncio.sleep(0.01)
+        await until(lambda: state.pool.all()[0].inflight == 1, what="the long request running")
         # Meanwhile one more waits in the queue past its 0.5 s: 503.
         async with s.post(f"{base}/v1/chat/completions", json=_chat(4), headers=auth("low")) as r:
             body = await r.json()
@@ -149,14 +146,12 @@ async def test_client_leaving_mid_stream_or_in_queue_frees_everything(engines) -
         assert await _vllm_gauge(s, engine.spec.url, "vllm:num_requests_running") == 1
         queued = asyncio.create_task(leaver.post(f"{base}/v1/chat/completions",
                                                  json=_chat(8), headers=auth("normal")))
-        while state.queue.depth("normal") < 1:
-            await asyncio.sleep(0.01)
+        await until(lambda: state.queue.depth("normal") == 1, what="one queued request")
         await leaver.close()  # both clients vanish
         queued.cancel()
         assert await _wait_gauge(s, engine.spec.url, "vllm:num_requests_running", 0) == 0
-        deadline = time.monotonic() + 5
-        while (len(state.queue) or state.pool.all()[0].inflight) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        await until(lambda: not len(state.queue) and not state.pool.all()[0].inflight, 5,
+                    "queue and backend slots to empty")
         assert len(state.queue) == 0 and state.pool.all()[0].inflight == 0
         async with s.get(f"{base}/metrics") as m:
             text = await m.text()
@@ -191,12 +186,10 @@ async def test_openai_sdk_works_unchanged_and_sees_retryable_errors(engines) -> 
         busy = asyncio.create_task(low.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=600,
             extra_body={"ignore_eos": True}))
-        while state.pool.all()[0].inflight == 0:
-            await asyncio.sleep(0.01)
+        await until(lambda: state.pool.all()[0].inflight == 1, what="the long request running")
         waiting = asyncio.create_task(low.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2))
-        while state.queue.depth("low") == 0:
-            await asyncio.sleep(0.01)
+        await until(lambda: state.queue.depth("low") == 1, what="one queued low request")
         with pytest.raises(openai.RateLimitError):  # queue full: 429
             await low.chat.completions.create(
                 model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2)
