@@ -116,6 +116,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
             served_name=served,
             max_num_seqs=args.max_num_seqs,
             cpu_bind=spread_cores(index) if args.engines > 1 else None,
+            # Requests that reach vLLM without the proxy's ticket run as the lowest tier.
+            env={"TIERPROXY_UNTICKETED_PRIORITY": str(loaded.config.lowest_priority)},
         )
         engines.append(EngineProcess(spec, log_dir / f"vllm-{port}.log"))
     _install_stop_handlers()
