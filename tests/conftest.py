@@ -1,7 +1,7 @@
 """Shared fixtures: real stock vLLM servers (CPU build, tiny model) started by the suite.
 
 Engines are started once per distinct setting and shared across tests; at most
-``MAX_LIVE_ENGINES`` run at once (each holds ~3 GB), the least recently used one is stopped
+``MAX_LIVE_ENGINES`` (4) run at once (each holds ~3 GB; the suite needs 4), the least recently used one is stopped
 to make room. Every engine logs to a file; when a test fails, the tails of the logs of the
 engines it used are printed. All engines are stopped by PID at the end, also on Ctrl-C.
 """
@@ -20,7 +20,7 @@ from proxy.engine import EngineProcess, EngineSpec, free_port, spread_cores, tai
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_MODEL_DIR = REPO / ".tierproxy" / "tiny-model"
-MAX_LIVE_ENGINES = int(os.environ.get("TIERPROXY_TEST_MAX_ENGINES", "3"))
+MAX_LIVE_ENGINES = int(os.environ.get("TIERPROXY_TEST_MAX_ENGINES", "4"))
 
 
 def _engines_available() -> bool:

@@ -47,7 +47,7 @@ async def _call(s: aiohttp.ClientSession, base: str, body: dict[str, Any],
 
 
 async def test_load_spreads_evenly_and_by_room(engines) -> None:  # type: ignore[no-untyped-def]
-    a, b = engines.get("pair-a"), engines.get("pair-b")
+    a, b = engines.get("core"), engines.get("pair-b")
     for caps, want_share_a in (((4, 4), 0.5), ((2, 6), 0.25)):
         cfg = make_config([{"url": a.spec.url, "max_inflight": caps[0]},
                            {"url": b.spec.url, "max_inflight": caps[1]}])
@@ -60,7 +60,7 @@ async def test_load_spreads_evenly_and_by_room(engines) -> None:  # type: ignore
 
 
 async def test_killed_backend_loses_nothing_and_comes_back(engines) -> None:  # type: ignore[no-untyped-def]
-    a = engines.get("pair-a")
+    a = engines.get("core")
     b = engines.get("pair-b")
     cfg = make_config(
         [{"url": a.spec.url, "max_inflight": 4}, {"url": b.spec.url, "max_inflight": 4}],
@@ -96,7 +96,7 @@ async def test_killed_backend_loses_nothing_and_comes_back(engines) -> None:  # 
 
 
 async def test_hung_backend_is_ejected_by_probe_timeout(engines) -> None:  # type: ignore[no-untyped-def]
-    real = engines.get("pair-a")
+    real = engines.get("core")
     async with hung_backend() as hung_url:
         cfg = make_config(
             [{"url": hung_url, "max_inflight": 4}, {"url": real.spec.url, "max_inflight": 4}],
@@ -129,7 +129,7 @@ async def test_backend_dying_mid_stream_gives_an_error_event(engines) -> None:  
 async def test_refused_connection_before_first_byte_is_retried_elsewhere(engines) -> None:  # type: ignore[no-untyped-def]
     from proxy.engine import free_port
 
-    real = engines.get("pair-a")
+    real = engines.get("core")
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     cfg = make_config([{"url": dead, "max_inflight": 8}, {"url": real.spec.url, "max_inflight": 1}],
                       backend_health={"health_interval_s": 60})
