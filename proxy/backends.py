@@ -28,7 +28,8 @@ class BackendState:
     tokens_inflight: float = 0.0
     healthy: bool = True  # optimistic until a probe or a request says otherwise
     ejected_until: float = 0.0
-    failures: int = 0  # consecutive
+    failures: int = 0  # consecutive request failures
+    probe_failures: int = 0  # consecutive failed /health probes
     reinstated_at: float | None = None
     draining: bool = False  # gets no new work; in-flight work finishes
     removed: bool = False  # left the config: dropped once idle
@@ -88,7 +89,7 @@ class BackendPool:
         cap = float(state.cfg.max_inflight)
         if state.reinstated_at is not None and self.health.ramp_s > 0:
             ramp = min(1.0, 0.25 + 0.75 * (now - state.reinstated_at) / self.health.ramp_s)
-            cap *= ramp
+            cap = max(1.0, cap * ramp)  # a returning backend always takes at least one
         load = state.fresh_load(now, self.health.stale_after_s)
         if load is not None and load.waiting > self.health.max_backend_waiting and state.inflight:
             # vLLM is queueing on its own: hold new work here, where the tiers order it.
@@ -172,6 +173,9 @@ class BackendPool:
             state.reinstated_at = now
 
     def probe_result(self, state: BackendState, ok: bool, now: float) -> None:
+        state.probe_failures = 0 if ok else state.probe_failures + 1
+        if not ok and state.probe_failures < self.health.unhealthy_after:
+            return
         if ok and not state.healthy:
             state.healthy = True
             state.failures = 0

@@ -62,6 +62,10 @@ def test_passive_ejection_backoff_and_ramp_on_return() -> None:
     assert _fill(pool, 4, now=0.5) == {"http://b1:80": 4}
     pool.record_success(bad, now=3.0)
     assert pool.room(bad, 3.0) == pytest.approx(2.0)  # 25% of 8 right after return
+    small = _pool(1).all()[0]
+    pool.probe_result(small, True, 0.0)
+    small.reinstated_at = 3.0
+    assert pool.room(small, 3.0) == pytest.approx(1.0)  # but always at least one
     assert pool.room(bad, 7.0) == pytest.approx(8.0)
 
 
@@ -69,7 +73,12 @@ def test_active_probe_down_and_up() -> None:
     pool = _pool(4)
     b = pool.all()[0]
     pool.probe_result(b, False, 0.0)
-    assert not pool.any_available(0.0) and pool.choose(None, 1, 0.0) is None
+    assert pool.any_available(0.0)  # one slow or failed probe is not an outage
+    pool.probe_result(b, True, 0.5)
+    pool.probe_result(b, False, 0.6)
+    assert pool.any_available(0.6)
+    pool.probe_result(b, False, 0.7)  # two in a row are
+    assert not pool.any_available(0.7) and pool.choose(None, 1, 0.7) is None
     pool.probe_result(b, True, 1.0)
     assert pool.any_available(1.0) and pool.room(b, 1.0) == pytest.approx(1.0)
 
