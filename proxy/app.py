@@ -103,6 +103,7 @@ class ProxyState:
 
 
 STATE = web.AppKey("tierproxy_state", ProxyState)
+_TENANT = "tierproxy_tenant"
 
 
 @dataclass
@@ -208,7 +209,7 @@ async def _generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
         outcome, status = "client_gone", 499
         raise
     finally:
-        _log_access(state, request_id, admitted, outcome, status, arrival)
+        _log_access(state, request_id, admitted or request.get(_TENANT), outcome, status, arrival)
 
 
 def _outcome_of(err: ProxyError) -> str:
@@ -229,6 +230,7 @@ async def _admit(
     tenant = loaded.tenant_for_key(key) if key else None
     if tenant is None:
         raise unauthorized()
+    request[_TENANT] = tenant  # for the access log, should the input be refused
     cfg = loaded.config
     tier = cfg.tiers[tenant.tier]
     raw = await _read_body(request, cfg.limits.max_body_bytes)
@@ -454,16 +456,18 @@ def _account(
 def _log_access(
     state: ProxyState,
     request_id: str,
-    adm: _Admitted | None,
+    who: _Admitted | Tenant | None,
     outcome: str,
     status: int,
     arrival: float,
 ) -> None:
     elapsed = state.clock() - arrival
-    tier = adm.tier_name if adm else "-"
-    tenant = adm.tenant.name if adm else "-"
-    if adm is not None:
+    tenant_obj = who.tenant if isinstance(who, _Admitted) else who
+    tier = tenant_obj.tier if tenant_obj else "-"
+    tenant = tenant_obj.name if tenant_obj else "-"
+    if tenant_obj is not None:
         state.metrics.requests.labels(tier, outcome).inc()
+    if isinstance(who, _Admitted):
         state.metrics.e2e.labels(tier).observe(elapsed)
     # Never the key: only the tenant it resolved to.
     access_log.info(
