@@ -45,7 +45,10 @@ def ttft_cdf(
         ax.set_ylim(0, 1.01)
         ax.grid(alpha=0.3)
         ax.tick_params(labelsize=7)
-        ax.legend(fontsize=7, loc="lower right")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7, loc="lower right")
+        else:
+            ax.text(0.5, 0.5, "no ok requests", ha="center", transform=ax.transAxes, fontsize=8)
     axes[0][0].set_ylabel("fraction of ok requests", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
