@@ -27,16 +27,15 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
-import orjson
 
 from proxy.bench import plots, scrape
+from proxy.bench import results as results_file
 from proxy.bench.capacity import Capacity, measure_capacity
 from proxy.bench.plan import build_plan
 from proxy.bench.progress import TerminalProgress
 from proxy.bench.proxy_config import proxy_config, write_proxy_config
-from proxy.bench.records import RequestRecord
 from proxy.bench.report import comparison, render_comparison, render_run, run_report
-from proxy.bench.runner import RunResult, RunSettings, Sample, run_plan
+from proxy.bench.runner import RunResult, RunSettings, run_plan
 from proxy.bench.scenario import (
     Scenario,
     ScenarioError,
@@ -247,10 +246,11 @@ async def _bench(
 
     reports = _print_reports(scenario, results)
     rows = comparison(reports)
-    results_path = out / "results.json"
-    results_path.write_bytes(orjson.dumps(_results_json(
-        args, scenario, model, rate, duration, capacity, results, reports, rows,
-    )))
+    meta = results_file.RunMeta(model=model, seed=args.seed, rate_rps=rate,
+                                duration_s=duration, capacity=capacity)
+    results_path = results_file.write(
+        out / "results.json", results_file.document(scenario, meta, results, reports, rows)
+    )
     print(f"\nresults: {results_path}")
     if not args.no_plots:
         _plot(scenario, results, out)
@@ -289,51 +289,13 @@ def _exit_code(reports: dict[str, dict[str, Any]]) -> int:
 
 def rerender(path: Path, with_plots: bool) -> int:
     """Tables (and plots, next to the file) again from a stored results.json."""
-    data = orjson.loads(path.read_bytes())
-    scenario = Scenario.model_validate(data["scenario"])
-    results = {
-        label: RunResult(
-            label=label,
-            base_url=run["report"]["base_url"],
-            records=[RequestRecord.from_json(r) for r in run["requests"]],
-            samples=[Sample(**s) for s in run["samples"]],
-            planned_duration=float(data["duration_s"]),
-            wall_s=float(run["report"]["wall_s"]),
-        )
-        for label, run in data["runs"].items()
-    }
-    print(f"scenario {scenario.name}: {data['rate_rps']:.2f} req/s for {data['duration_s']:.0f}s")
-    reports = _print_reports(scenario, results)
+    loaded = results_file.load(path)
+    print(f"scenario {loaded.scenario.name}: {loaded.rate_rps:.2f} req/s"
+          f" for {loaded.duration_s:.0f}s")
+    reports = _print_reports(loaded.scenario, loaded.results)
     if with_plots:
-        _plot(scenario, results, path.parent)
+        _plot(loaded.scenario, loaded.results, path.parent)
     return _exit_code(reports)
-
-
-def _results_json(
-    args: argparse.Namespace, scenario: Scenario, model: str, rate: float, duration: float,
-    capacity: Capacity | None, results: dict[str, RunResult],
-    reports: dict[str, dict[str, Any]], rows: dict[str, dict[str, float | None]],
-) -> dict[str, Any]:
-    return {
-        "tool": "tierproxy bench",
-        "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "argv": sys.argv,
-        "scenario": scenario.model_dump(mode="json"),
-        "model": model,
-        "seed": args.seed,
-        "rate_rps": rate,
-        "duration_s": duration,
-        "capacity": None if capacity is None else capacity.to_json(),
-        "comparison": rows,
-        "runs": {
-            label: {
-                "report": reports[label],
-                "requests": [r.to_json() for r in res.records],
-                "samples": [s.to_json() for s in res.samples],
-            }
-            for label, res in results.items()
-        },
-    }
 
 
 async def detect_model(base_url: str, key: str, timeout_s: float = 10.0) -> str:

@@ -3,7 +3,6 @@ bounds. Fast: the fake answers at once (or never, for the timeout case, bounded 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import resource
 from collections.abc import AsyncIterator
@@ -14,7 +13,8 @@ import orjson
 import pytest
 from aiohttp import web
 
-from proxy.bench.cli import _results_json, rerender
+from proxy.bench import results as results_file
+from proxy.bench.cli import rerender
 from proxy.bench.client import ClientSettings, send
 from proxy.bench.records import Outcome, PlannedRequest, RequestRecord
 from proxy.bench.report import comparison, run_report
@@ -181,10 +181,11 @@ async def test_results_json_round_trip_and_rerender(server: str, tmp_path: Path)
     results = {"proxy": result}
     slos = {t: s for t in scenario.tiers if (s := scenario.slo_for(t))}
     reports = {"proxy": run_report(result, slos, scenario.tiers)}
-    data = _results_json(argparse.Namespace(seed=1), scenario, "m", 6.0, 0.07, None, results,
-                         reports, comparison(reports))
-    path = tmp_path / "results.json"
-    path.write_bytes(orjson.dumps(data))
+    meta = results_file.RunMeta(model="m", seed=1, rate_rps=6.0, duration_s=0.07)
+    path = results_file.write(
+        tmp_path / "results.json",
+        results_file.document(scenario, meta, results, reports, comparison(reports)),
+    )
     assert rerender(path, with_plots=True) == 0
     assert (tmp_path / "ttft_cdf.png").exists()
     assert (tmp_path / "queue_depth.png").exists()
