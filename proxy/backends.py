@@ -104,7 +104,8 @@ class BackendPool:
         )
 
     def choose(self, model: str | None, tokens: float, now: float) -> BackendState | None:
-        """The backend with the most room for this request, or None if none has room."""
+        """The backend that stays least utilised after taking this request (so work spreads in
+        proportion to each backend's room), or None if none has room."""
         best: BackendState | None = None
         best_score = 0.0
         for state in self.states.values():
@@ -113,10 +114,10 @@ class BackendPool:
             room = self.room(state, now)
             if room < 1.0:
                 continue
-            score = room / state.cfg.max_inflight
+            score = (room - 1.0) / state.cfg.max_inflight  # free share left after this one
             load = state.fresh_load(now, self.health.stale_after_s)
             if load is not None:
-                score -= 0.1 * load.kv_usage  # break near-ties toward free KV cache
+                score -= 0.01 * load.kv_usage  # break ties toward free KV cache
             if best is None or score > best_score:
                 best, best_score = state, score
         return best

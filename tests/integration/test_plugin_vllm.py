@@ -7,15 +7,12 @@ engine-side numbers (per-request metrics, ITL histogram), see benchmarks/plugin_
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 import sys
-import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import aiohttp
 import pytest
 
 from proxy.engine import EngineProcess
@@ -57,7 +54,7 @@ async def test_high_tier_preempts_long_low_tier_generations(
     with_stock = await sc.preempt_scenario(stock.spec.url, KEY)
     with_plugin = await sc.preempt_scenario(plugin.spec.url, KEY)
     print(
-        f"\nhigh-tier TTFT behind 4 long low-tier generations: "
+        f"\nhigh-tier TTFT behind 4 long low-tier generations (engine clock): "
         f"stock {with_stock.high.server_ttft * 1000:.1f} ms, "
         f"plugin {with_plugin.high.server_ttft * 1000:.1f} ms "
         f"(client-side {with_stock.high.ttft * 1000:.0f} / {with_plugin.high.ttft * 1000:.0f} ms)"
@@ -73,81 +70,35 @@ async def test_high_tier_preempts_long_low_tier_generations(
 
 
 async def test_forged_or_unsigned_priority_gains_nothing(plugin: EngineProcess) -> None:
-    url = plugin.spec.url
-    forged = sc.ticket_headers(b"not-the-secret", tier="high", priority=0)
-    attacks: dict[str, dict[str, Any]] = {
-        "forged ticket": {"headers": forged},
-        "body priority -1000": {"headers": {}, "extra": {"priority": -1000}},
-        "X-Vllm-Priority -1000": {"headers": {"X-Vllm-Priority": "-1000"}},
-        "unsigned xargs": {
-            "headers": {},
-            "extra": {"vllm_xargs": {"tierproxy_priority": -1000, "tierproxy_trusted": 1}},
-        },
-    }
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
-        before = await sc.scrape(session, url)
-        lows = await sc.fill_slots_with_low(session, url, KEY, n=4, max_tokens=LOW_TOKENS)
-        attack_tasks = {
-            name: asyncio.create_task(
-                sc.complete(session, url, prompt=sc.token_prompt(8), max_tokens=4, **kw)
-            )
-            for name, kw in attacks.items()
-        }
-        control = await sc.complete(
-            session, url, prompt=sc.token_prompt(8), max_tokens=4, headers=sc.high(KEY)
-        )
-        low_results = await asyncio.gather(*lows)
-        results = {name: await task for name, task in attack_tasks.items()}
-        after = await sc.scrape(session, url)
-    first_low_done = min(r.done_at for r in low_results)
-    print(f"\ncontrol (signed high) queued {control.queue_time * 1000:.1f} ms")
-    for name, r in results.items():
+    outcome = await sc.forged_scenario(plugin.spec.url, KEY)
+    control = outcome.control
+    print(f"\ncontrol (signed high) queued {control.queue_time * 1000:.1f} ms (engine clock)")
+    for name, r in outcome.attacks.items():
         print(f"{name}: queued {r.queue_time * 1000:.1f} ms")
+    assert control.status == 200 and control.completion_tokens == 4
+    for r in outcome.attacks.values():
         assert r.status == 200 and r.completion_tokens == 4
-        # Ran at the lowest tier: behind the running low-tier requests, not before them.
-        assert r.done_at >= first_low_done
+        # Ran at the lowest tier: queued until a low-tier request left, while the signed
+        # high-tier request, sent after them, got in at once.
         assert r.queue_time > 10 * control.queue_time
-    assert control.done_at < first_low_done
     # Only the signed high-tier request preempted anything.
-    assert sc.delta(after, before, "vllm:num_preemptions_total") == 1
+    assert outcome.preemptions == 1
 
 
 async def test_request_whose_deadline_passes_while_waiting_never_runs(
     plugin: EngineProcess,
 ) -> None:
-    url = plugin.spec.url
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
-        before = await sc.scrape(session, url)
-        lows = await sc.fill_slots_with_low(session, url, KEY, n=4, max_tokens=LOW_TOKENS)
-        sent = time.perf_counter()
-        streamed, plain = await asyncio.gather(
-            sc.stream_completion(
-                session,
-                url,
-                prompt=sc.token_prompt(8),
-                max_tokens=50,
-                headers=sc.low(KEY, deadline_s=0.3),
-            ),
-            sc.complete(
-                session,
-                url,
-                prompt=sc.token_prompt(8),
-                max_tokens=50,
-                headers=sc.low(KEY, deadline_s=0.3),
-            ),
-        )
-        low_results = await asyncio.gather(*lows)
-        after = await sc.scrape(session, url)
-    print(f"\ndeadline requests answered after {(plain.done_at - sent) * 1000:.0f} ms")
-    # Both ended properly (200, [DONE] for the stream) without a single generated token.
+    outcome = await sc.deadline_scenario(plugin.spec.url, KEY)
+    streamed, plain = outcome.streamed, outcome.plain
+    print(f"\ndeadline requests answered after {outcome.answered_after_s * 1000:.0f} ms")
+    # Both ended properly (200, [DONE] for the stream) without a single generated token ...
     assert streamed.status == 200 and streamed.done_marker and not streamed.error
     assert streamed.completion_tokens == 0 and streamed.token_times == []
     assert plain.status == 200 and plain.finish_reason == "abort"
     assert plain.completion_tokens == 0
-    # ... and well before a slot freed up: they were dropped, not run late.
-    assert max(streamed.done_at, plain.done_at) < min(r.done_at for r in low_results)
-    assert sc.delta(after, before, "vllm:request_success_total|abort") == 2
-    assert all(r.completion_tokens == LOW_TOKENS for r in low_results)
+    # ... finished by the engine as aborted (not run later: vLLM counts each request once).
+    assert outcome.aborted == 2
+    assert all(r.completion_tokens == LOW_TOKENS for r in outcome.lows)
 
 
 async def test_long_low_prompt_raises_high_itl_p99_less_with_plugin(
@@ -156,13 +107,18 @@ async def test_long_low_prompt_raises_high_itl_p99_less_with_plugin(
     with_stock = await sc.itl_scenario(stock.spec.url, KEY)
     with_plugin = await sc.itl_scenario(plugin.spec.url, KEY)
     print(
-        f"\nhigh-tier ITL while long low-tier prompts arrive (vLLM histogram): "
-        f"stock p50 {with_stock.p50 * 1000:.2f} ms p99 {with_stock.p99 * 1000:.2f} ms; "
-        f"plugin p50 {with_plugin.p50 * 1000:.2f} ms p99 {with_plugin.p99 * 1000:.2f} ms"
+        f"\nhigh-tier ITL while 4000-token low-tier prompts arrive (vLLM histogram): "
+        f"stock p50 {with_stock.p50 * 1000:.2f} ms p99 {with_stock.p99 * 1000:.2f} ms "
+        f"({with_stock.samples} samples, {with_stock.big_steps} steps over 1024 tokens); "
+        f"plugin p50 {with_plugin.p50 * 1000:.2f} ms p99 {with_plugin.p99 * 1000:.2f} ms "
+        f"({with_plugin.samples} samples, {with_plugin.big_steps} steps over 1024 tokens)"
     )
     for outcome in (with_stock, with_plugin):
         assert all(r.status == 200 and r.completion_tokens == 1 for r in outcome.longs)
         assert outcome.highs_outlived_window  # the samples are of decodes beside the prefills
     # Stock runs each 4000-token prefill in one step beside the decodes; the plugin lets it
-    # take at most 0.2 of a step while a better tier decodes.
+    # take at most 0.2 of a step (819 tokens) while a better tier decodes ...
+    assert with_stock.big_steps >= len(with_stock.longs) // 2
+    assert with_plugin.big_steps == 0
+    # ... so the decodes' inter-token latency stays low.
     assert with_plugin.p99 < with_stock.p99

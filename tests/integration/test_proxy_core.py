@@ -81,12 +81,15 @@ async def test_queue_full_is_an_immediate_429_with_retry_after(engines) -> None:
     cfg = make_config([{"url": engine.spec.url, "max_inflight": 1}],
                       tiers={"low": {"max_queue": 3}})
     async with running_proxy(cfg) as (base, state), aiohttp.ClientSession(timeout=TIMEOUT) as s:
-        async def post() -> aiohttp.ClientResponse:
-            async with s.post(f"{base}/v1/chat/completions", json=_chat(64),
+        async def post(max_tokens: int) -> aiohttp.ClientResponse:
+            async with s.post(f"{base}/v1/chat/completions", json=_chat(max_tokens),
                               headers=auth("low")) as r:
                 await r.read()
                 return r
-        started = [asyncio.create_task(post()) for _ in range(4)]  # 1 running + 3 queued
+        # One long request holds the only slot; three more wait (the cap).
+        started = [asyncio.create_task(post(1500))]
+        await until(lambda: state.pool.all()[0].inflight == 1, what="the long request running")
+        started += [asyncio.create_task(post(8)) for _ in range(3)]
         await until(lambda: state.queue.depth("low") == 3, what="3 queued low requests")
         t0 = time.monotonic()
         async with s.post(f"{base}/v1/chat/completions", json=_chat(4), headers=auth("low")) as r:
@@ -184,7 +187,7 @@ async def test_openai_sdk_works_unchanged_and_sees_retryable_errors(engines) -> 
 
         low = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="key-low", max_retries=0)
         busy = asyncio.create_task(low.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=600,
+            model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=1900,
             extra_body={"ignore_eos": True}))
         await until(lambda: state.pool.all()[0].inflight == 1, what="the long request running")
         waiting = asyncio.create_task(low.chat.completions.create(
@@ -196,7 +199,7 @@ async def test_openai_sdk_works_unchanged_and_sees_retryable_errors(engines) -> 
         with pytest.raises(openai.InternalServerError) as exc:  # queue timeout: 503
             await waiting
         assert exc.value.status_code == 503
-        await busy
+        busy.cancel()
         await client.close()
         await low.close()
 

@@ -20,7 +20,7 @@ BODY = {"model": "tiny", "max_tokens": 16, "ignore_eos": True,
         "messages": [{"role": "user", "content": "hi"}]}
 
 
-async def _generation(state: Any, after: float, timeout_s: float = 5.0) -> float:
+async def _generation(state: Any, after: float, timeout_s: float = 15.0) -> float:
     deadline = time.monotonic() + timeout_s
     while state.metrics.config_generation._value.get() <= after:
         assert time.monotonic() < deadline, "the config was not reloaded"
@@ -60,17 +60,17 @@ async def test_edits_during_load_apply_atomically_and_broken_file_changes_nothin
         await asyncio.sleep(1.0)
 
         # 2. Revoke the normal tenant's key (SIGHUP this time): 401 at once.
+        revoked_at = len(statuses)  # every request answered before this was sent before it
         cfg["tenants"][1]["keys"] = [{"sha256": "0" * 64}]
         path.write_text(yaml.safe_dump(cfg))
         os.kill(os.getpid(), signal.SIGHUP)
         gen = await _generation(state, gen)
         async with s.post(f"{base}/v1/chat/completions", json=BODY, headers=auth("normal")) as r:
             assert r.status == 401
-        revoked_at = len(statuses)
 
         # 3. A broken file: the old config stays, the failure shows in /metrics.
         path.write_text(yaml.safe_dump(cfg).replace("weight: 10", "weight: -10"))
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 15
         while state.metrics.config_reloads.labels("error")._value.get() < 1:
             assert time.monotonic() < deadline
             await asyncio.sleep(0.05)
