@@ -9,7 +9,15 @@ plugin one adds --middleware / --scheduler-cls) one after the other, and stops t
 - TTFT of a high-tier request arriving while 4 long low-tier generations fill --max-num-seqs 4
   (queued to first token, engine clock), and whether the low-tier requests still completed;
 - high-tier inter-token latency p50 / p99 (vLLM's ITL histogram) while 4000-token low-tier
-  prompts keep arriving, and how many steps scheduled more than 1024 tokens.
+  prompts keep arriving, and the number of ITL samples in the window;
+- forged / unsigned priority claims (forged ticket, body ``priority: -1000``,
+  ``X-Vllm-Priority: -1000``, unsigned ``vllm_xargs``) sent beside 4 running low-tier requests:
+  how long they queued (engine clock) against a signed high-tier request, and preemptions;
+- two low-tier requests whose deadline passes while they wait behind 4 running ones: how they
+  ended and how many tokens they produced.
+
+Stock vLLM has no tickets: there the "signed high-tier" control is an ordinary request, the
+attacks' priority claims are honoured, and deadlines mean nothing (the requests run late).
 """
 
 from __future__ import annotations
@@ -39,7 +47,13 @@ class Figures:
     preemptions: list[float] = field(default_factory=list)
     itl_p50_ms: list[float] = field(default_factory=list)
     itl_p99_ms: list[float] = field(default_factory=list)
-    big_steps: list[int] = field(default_factory=list)
+    itl_samples: list[int] = field(default_factory=list)
+    forged_queue_ms: list[float] = field(default_factory=list)  # slowest-queued attack
+    forged_min_queue_ms: list[float] = field(default_factory=list)  # fastest-queued attack
+    control_queue_ms: list[float] = field(default_factory=list)
+    forged_preemptions: list[float] = field(default_factory=list)
+    deadline_finish: list[str] = field(default_factory=list)
+    deadline_tokens: list[int] = field(default_factory=list)
 
 
 async def measure(url: str, repeats: int) -> Figures:
@@ -58,7 +72,18 @@ async def measure(url: str, repeats: int) -> Figures:
         itl = await sc.itl_scenario(url, key)
         fig.itl_p50_ms.append(itl.p50 * 1000)
         fig.itl_p99_ms.append(itl.p99 * 1000)
-        fig.big_steps.append(itl.big_steps)
+        fig.itl_samples.append(itl.samples)
+    forged = await sc.forged_scenario(url, key)
+    queues = [r.queue_time * 1000 for r in forged.attacks.values()]
+    fig.forged_queue_ms.append(max(queues))
+    fig.forged_min_queue_ms.append(min(queues))
+    fig.control_queue_ms.append(forged.control.queue_time * 1000)
+    fig.forged_preemptions.append(forged.preemptions)
+    dl = await sc.deadline_scenario(url, key)
+    fig.deadline_finish.append(f"{dl.plain.finish_reason}/{dl.streamed.finish_reason}")
+    fig.deadline_tokens.append(
+        (dl.plain.completion_tokens or 0) + (dl.streamed.completion_tokens or 0)
+    )
     return fig
 
 
@@ -120,7 +145,32 @@ def report(stock: Figures, plugin: Figures) -> str:
             _med(plugin.itl_p99_ms),
         ),
         ("  all runs p99 (ms)", _runs(stock.itl_p99_ms), _runs(plugin.itl_p99_ms)),
-        ("steps over 1024 tokens per run", _runs(stock.big_steps), _runs(plugin.big_steps)),
+        ("  ITL samples per run", _runs(stock.itl_samples), _runs(plugin.itl_samples)),
+        (
+            "forged/unsigned priority: attacks queued (ms)",
+            f"{_med(stock.forged_min_queue_ms)}..{_med(stock.forged_queue_ms)}",
+            f"{_med(plugin.forged_min_queue_ms)}..{_med(plugin.forged_queue_ms)}",
+        ),
+        (
+            "  signed high control queued (ms)",
+            _med(stock.control_queue_ms),
+            _med(plugin.control_queue_ms),
+        ),
+        (
+            "  preemptions (control only = 1)",
+            _runs(stock.forged_preemptions),
+            _runs(plugin.forged_preemptions),
+        ),
+        (
+            "deadline passed while waiting: finish",
+            " ".join(stock.deadline_finish),
+            " ".join(plugin.deadline_finish),
+        ),
+        (
+            "  tokens generated for them",
+            _runs(stock.deadline_tokens),
+            _runs(plugin.deadline_tokens),
+        ),
     ]
     width = max(len(r[0]) for r in rows)
     lines = [f"{'':<{width}}  {'stock':>22}  {'plugin':>22}"]

@@ -12,8 +12,9 @@ import asyncio
 import json
 import random
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 
@@ -22,6 +23,8 @@ from proxy.ticket import TICKET_HEADER, Ticket, encode_ticket
 MODEL = "tiny"
 VOCAB = 1024  # the tiny model's vocabulary
 HIGH_PRIORITY, LOW_PRIORITY = 0, 10  # the example config's best and worst tiers
+
+T = TypeVar("T")
 
 # Fine ITL buckets, 0.5 ms .. 2 s: vLLM's defaults start at 10 ms, coarser than a CPU step.
 ITL_BUCKETS: list[float] = [round(0.0005 * 1.25**i, 6) for i in range(38)]
@@ -216,28 +219,45 @@ async def complete(
         return Completion(status=resp.status, body=payload, done_at=time.perf_counter())
 
 
-async def wait_running(
-    session: aiohttp.ClientSession, url: str, n: int, timeout_s: float = 3.0
-) -> bool:
-    """Until vLLM's own gauge reports ``n`` running requests (the client's view can lag).
+RUNNING, WAITING = "vllm:num_requests_running", "vllm:num_requests_waiting"
 
-    False when the gauge did not show it in time; callers then rely on their requests being
-    long enough to still be running (the gauge is refreshed from engine stats, which a starved
-    API server can deliver late).
+
+async def wait_gauges(
+    session: aiohttp.ClientSession,
+    url: str,
+    *,
+    running: int,
+    waiting: int = 0,
+    timeout_s: float = 30.0,
+    while_pending: list[asyncio.Task[Any]] | None = None,
+) -> bool:
+    """Until vLLM's own gauges show ``running`` requests running and ``waiting`` waiting.
+
+    The gauges come from the engine core's stats of each step, so this states what vLLM was
+    doing, however late this client gets the CPU. False when not seen within ``timeout_s``, or
+    once any of ``while_pending`` is done (the state can no longer appear).
     """
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         samples = await scrape(session, url)
-        if samples.get("vllm:num_requests_running", 0.0) >= n:
+        if samples.get(RUNNING, 0.0) >= running and samples.get(WAITING, 0.0) >= waiting:
             return True
-        await asyncio.sleep(0.01)
+        if while_pending and any(t.done() for t in while_pending):
+            return False
+        await asyncio.sleep(0.05)  # each /metrics costs the API server a few ms of CPU
     return False
 
 
 async def fill_slots_with_low(
-    session: aiohttp.ClientSession, url: str, secret: bytes, *, n: int, max_tokens: int
+    session: aiohttp.ClientSession,
+    url: str,
+    secret: bytes,
+    *,
+    n: int,
+    max_tokens: int,
+    timeout_s: float = 60.0,
 ) -> list[asyncio.Task[Completion]]:
-    """Start ``n`` long low-tier generations; return once vLLM runs all of them."""
+    """Start ``n`` long low-tier generations; return once vLLM's gauge shows all running."""
     tasks = [
         asyncio.create_task(
             complete(
@@ -246,10 +266,39 @@ async def fill_slots_with_low(
         )
         for _ in range(n)
     ]
-    await wait_running(session, url, n)
-    if any(t.done() for t in tasks):
-        raise AssertionError("a low-tier request ended before all were running: make them longer")
+    if not await wait_gauges(session, url, running=n, timeout_s=timeout_s, while_pending=tasks):
+        ended = sum(t.done() for t in tasks)
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        summary = f"{[_brief(r) for r in results]}"
+        if ended:  # the API server answered /metrics too late (starved): not the engine's fault
+            raise NotEstablished(f"lows ended before vLLM showed {n} running: {summary}")
+        raise AssertionError(f"vLLM never reported {n} running low-tier requests: {summary}")
     return tasks
+
+
+def _brief(result: object) -> str:
+    if isinstance(result, Completion):
+        return f"{result.status} {result.finish_reason} {result.completion_tokens} tokens"
+    return repr(result)
+
+
+class NotEstablished(Exception):
+    """A scenario's precondition did not hold (the machine delayed this client): run it again."""
+
+
+async def retry_scenario(attempts: int, run: Callable[[], Awaitable[T]], what: str) -> T:
+    """Run a scenario until its precondition, checked on vLLM's gauges, held (at most attempts).
+
+    Only the precondition is retried: the outcome's assertions are the caller's, on the one
+    run whose precondition held.
+    """
+    reasons = []
+    for _ in range(attempts):
+        try:
+            return await run()
+        except NotEstablished as exc:
+            reasons.append(str(exc))
+    raise AssertionError(f"{what}: precondition never held in {attempts} attempts: {reasons}")
 
 
 @dataclass
@@ -260,22 +309,185 @@ class PreemptOutcome:
 
 
 async def preempt_scenario(
-    url: str, secret: bytes, *, slots: int = 4, low_tokens: int = LOW_TOKENS, high_tokens: int = 16
+    url: str,
+    secret: bytes,
+    *,
+    slots: int = 4,
+    low_tokens: int = LOW_TOKENS,
+    high_tokens: int = 16,
+    attempts: int = 4,
 ) -> PreemptOutcome:
     """``slots`` long low-tier generations fill vLLM; then one high-tier request arrives."""
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
-        before = await scrape(session, url)
-        lows = await fill_slots_with_low(session, url, secret, n=slots, max_tokens=low_tokens)
-        high_result = await stream_completion(
-            session, url, prompt=token_prompt(16), max_tokens=high_tokens, headers=high(secret)
+
+    async def once() -> PreemptOutcome:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+            await wait_idle(session, url)
+            before = await scrape(session, url)
+            lows = await fill_slots_with_low(session, url, secret, n=slots, max_tokens=low_tokens)
+            high_task = asyncio.create_task(
+                stream_completion(
+                    session,
+                    url,
+                    prompt=token_prompt(16),
+                    max_tokens=high_tokens,
+                    headers=high(secret),
+                )
+            )
+            # Stock (or a plugin that does not preempt): vLLM shows the high request waiting
+            # beside `slots` running low-tier ones. The plugin preempts at the next step, which
+            # the preemption counter shows instead.
+            queued = await wait_gauges(
+                session, url, running=slots, waiting=1, timeout_s=300, while_pending=[high_task]
+            )
+            high_result = await high_task
+            low_results = list(await asyncio.gather(*lows))
+            after = await scrape(session, url)
+        preemptions = delta(after, before, "vllm:num_preemptions_total")
+        if not queued and preemptions == 0:
+            raise NotEstablished(
+                f"the high-tier request reached vLLM after the low-tier ones had left "
+                f"(TTFT {high_result.server_ttft * 1000:.1f} ms)"
+            )
+        return PreemptOutcome(high=high_result, lows=low_results, preemptions=preemptions)
+
+    return await retry_scenario(attempts, once, "preempt scenario")
+
+
+@dataclass
+class ForgedOutcome:
+    control: Completion  # a signed high-tier request, sent after the attacks
+    attacks: dict[str, Completion]
+    preemptions: float
+
+
+FORGED_ATTACKS: dict[str, dict[str, Any]] = {
+    "forged ticket": {"forged": True},
+    "body priority -1000": {"extra": {"priority": -1000}},
+    "X-Vllm-Priority -1000": {"headers": {"X-Vllm-Priority": "-1000"}},
+    "unsigned xargs": {
+        "extra": {"vllm_xargs": {"tierproxy_priority": -1000, "tierproxy_trusted": 1}}
+    },
+}
+
+
+async def forged_scenario(url: str, secret: bytes, *, attempts: int = 4) -> ForgedOutcome:
+    """Four long low-tier generations run; forged / unsigned priority claims arrive, then a
+    signed high-tier request. Each attack should queue like the lowest tier."""
+
+    async def once() -> ForgedOutcome:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+            await wait_idle(session, url)
+            before = await scrape(session, url)
+            lows = await fill_slots_with_low(session, url, secret, n=4, max_tokens=LOW_TOKENS)
+            tasks = {}
+            for name, attack in FORGED_ATTACKS.items():
+                headers = dict(attack.get("headers", {}))
+                if attack.get("forged"):
+                    headers.update(
+                        ticket_headers(b"not-the-secret", tier="high", priority=HIGH_PRIORITY)
+                    )
+                tasks[name] = asyncio.create_task(
+                    complete(
+                        session,
+                        url,
+                        prompt=token_prompt(8),
+                        max_tokens=4,
+                        headers=headers,
+                        extra=attack.get("extra"),
+                    )
+                )
+            # Every attack waiting beside the four running lows, by vLLM's own gauges (an
+            # attack that preempted a low shows in the preemption counter instead).
+            queued = await wait_gauges(
+                session,
+                url,
+                running=4,
+                waiting=len(tasks),
+                timeout_s=300,
+                while_pending=[*lows, *tasks.values()],
+            )
+            middle = await scrape(session, url)
+            control = await complete(
+                session, url, prompt=token_prompt(8), max_tokens=4, headers=high(secret)
+            )
+            await asyncio.gather(*lows)
+            attacks = {name: await task for name, task in tasks.items()}
+            after = await scrape(session, url)
+        if not queued and delta(middle, before, "vllm:num_preemptions_total") == 0:
+            raise NotEstablished("the low-tier requests left before the attacks reached vLLM")
+        return ForgedOutcome(
+            control=control,
+            attacks=attacks,
+            preemptions=delta(after, before, "vllm:num_preemptions_total"),
         )
-        low_results = list(await asyncio.gather(*lows))
-        after = await scrape(session, url)
-    return PreemptOutcome(
-        high=high_result,
-        lows=low_results,
-        preemptions=delta(after, before, "vllm:num_preemptions_total"),
-    )
+
+    return await retry_scenario(attempts, once, "forged-priority scenario")
+
+
+@dataclass
+class DeadlineOutcome:
+    streamed: StreamResult
+    plain: Completion
+    lows: list[Completion]
+    aborted: float  # vllm:request_success_total{finished_reason="abort"} during the scenario
+    answered_after_s: float  # client clock, for the report only
+
+
+async def deadline_scenario(
+    url: str, secret: bytes, *, deadline_s: float = 1.5, attempts: int = 4
+) -> DeadlineOutcome:
+    """Four long low-tier generations run; two low-tier requests (one streaming) arrive with a
+    deadline that passes while they wait behind them."""
+
+    async def once() -> DeadlineOutcome:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+            await wait_idle(session, url)
+            before = await scrape(session, url)
+            lows = await fill_slots_with_low(session, url, secret, n=4, max_tokens=LOW_TOKENS)
+            sent = time.perf_counter()
+            streamed_task = asyncio.create_task(
+                stream_completion(
+                    session,
+                    url,
+                    prompt=token_prompt(8),
+                    max_tokens=LOW_TOKENS,
+                    headers=low(secret, deadline_s=deadline_s),
+                )
+            )
+            plain_task = asyncio.create_task(
+                complete(
+                    session,
+                    url,
+                    prompt=token_prompt(8),
+                    max_tokens=LOW_TOKENS,
+                    headers=low(secret, deadline_s=deadline_s),
+                )
+            )
+            # Both waiting behind the four running lows, by vLLM's gauges.
+            queued = await wait_gauges(
+                session,
+                url,
+                running=4,
+                waiting=2,
+                timeout_s=300,
+                while_pending=[*lows, streamed_task, plain_task],
+            )
+            streamed, plain = await streamed_task, await plain_task
+            low_results = list(await asyncio.gather(*lows))
+            after = await scrape(session, url)
+        if not queued:
+            raise NotEstablished(
+                "the deadline requests were never seen waiting behind four running low-tier ones"
+            )
+        return DeadlineOutcome(
+            streamed=streamed,
+            plain=plain,
+            lows=low_results,
+            aborted=delta(after, before, "vllm:request_success_total|abort"),
+            answered_after_s=max(streamed.done_at, plain.done_at) - sent,
+        )
+
+    return await retry_scenario(attempts, once, "deadline scenario")
 
 
 async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
@@ -335,8 +547,7 @@ async def wait_idle(session: aiohttp.ClientSession, url: str, timeout_s: float =
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         samples = await scrape(session, url)
-        busy = samples.get("vllm:num_requests_running", 0.0)
-        busy += samples.get("vllm:num_requests_waiting", 0.0)
+        busy = samples.get(RUNNING, 0.0) + samples.get(WAITING, 0.0)
         if busy == 0:
             return
         await asyncio.sleep(0.05)
@@ -348,54 +559,77 @@ async def itl_scenario(
     secret: bytes,
     *,
     n_high: int = 2,
-    n_long: int = 8,
+    n_long: int = 24,
     long_len: int = 4000,
     spacing_s: float = 0.01,
+    attempts: int = 4,
 ) -> ItlOutcome:
     """High-tier requests decode while long low-tier prompts arrive.
 
-    The ITL window opens once the high-tier requests run and closes when the last long prompt
+    The ITL window opens once vLLM runs the high-tier requests and closes when the last long prompt
     is answered; the long prompts ask for one token each, so every ITL sample vLLM records in
     the window belongs to a high-tier request. Nothing streams: the API server's CPU goes to
     admitting the long prompts, not to SSE, so they reach the engine while the highs decode.
     The high-tier requests are cut off (client disconnect, vLLM aborts them) after the window.
     """
     name = "vllm:inter_token_latency_seconds"
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
-        await wait_idle(session, url)
-        before = await scrape(session, url)
-        highs = [
-            asyncio.create_task(
-                complete(
-                    session, url, prompt=token_prompt(16), max_tokens=4000, headers=high(secret)
-                )
-            )
-            for _ in range(n_high)
-        ]
-        # No waiting on the client's clock here: on a loaded machine a client sleep can
-        # overshoot by seconds. The highs are sent first and outlast the longs by far.
-        await asyncio.sleep(0)
-        long_tasks = []
-        for _ in range(n_long):
-            long_tasks.append(
+
+    async def once() -> ItlOutcome:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+            await wait_idle(session, url)
+            highs = [
                 asyncio.create_task(
                     complete(
                         session,
                         url,
-                        prompt=token_prompt(long_len),
-                        max_tokens=1,
-                        headers=low(secret),
+                        prompt=token_prompt(16),
+                        max_tokens=4000,
+                        headers=high(secret),
                     )
                 )
+                for _ in range(n_high)
+            ]
+            # The window opens once vLLM runs the highs (its gauge, not this client's clock):
+            # every long prompt then arrives while they decode; their own prefill is not in it.
+            running = await wait_gauges(
+                session, url, running=n_high, timeout_s=60, while_pending=highs
             )
-            await asyncio.sleep(spacing_s)
-        longs = list(await asyncio.gather(*long_tasks))
-        after = await scrape(session, url)
-        outlived = not any(t.done() for t in highs)
-        for task in highs:
-            task.cancel()
-        await asyncio.gather(*highs, return_exceptions=True)
-        await wait_idle(session, url)
-    p50, n = histogram_quantile(after, before, name, 0.50)
-    p99, _ = histogram_quantile(after, before, name, 0.99)
-    return ItlOutcome(p50=p50, p99=p99, samples=n, longs=longs, highs_outlived_window=outlived)
+            if not running:
+                await _cancel(highs)
+                raise NotEstablished("the high-tier requests ended before vLLM showed them running")
+            before = await scrape(session, url)
+            long_tasks = []
+            for _ in range(n_long):
+                long_tasks.append(
+                    asyncio.create_task(
+                        complete(
+                            session,
+                            url,
+                            prompt=token_prompt(long_len),
+                            max_tokens=1,
+                            headers=low(secret),
+                        )
+                    )
+                )
+                await asyncio.sleep(spacing_s)
+            longs = list(await asyncio.gather(*long_tasks))
+            # The highs (4000 tokens each) were still being answered when the last long prompt
+            # was: they decoded through the whole window. Cut them off (vLLM aborts them)
+            # before reading the histogram, so that no decode-only samples dilute the window.
+            outlived = not any(t.done() for t in highs)
+            await _cancel(highs)
+            await wait_idle(session, url)
+            after = await scrape(session, url)
+        if not outlived:  # e.g. the API server, starved, handed the long prompts on late
+            raise NotEstablished("a high-tier request ended before the last long prompt")
+        p50, n = histogram_quantile(after, before, name, 0.50)
+        p99, _ = histogram_quantile(after, before, name, 0.99)
+        return ItlOutcome(p50=p50, p99=p99, samples=n, longs=longs, highs_outlived_window=outlived)
+
+    return await retry_scenario(attempts, once, "ITL scenario")
+
+
+async def _cancel(tasks: list[asyncio.Task[Any]]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
