@@ -15,11 +15,12 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from proxy.admission import AdmissionQueue, QueuedRequest, QueueFull, TierLimits, UnknownTier
-from proxy.backends import BackendPool
+from proxy.backends import BackendPool, BackendState
 from proxy.config import Config, ConfigError, LoadedConfig, Tenant, load_config
 from proxy.dispatch import Dispatcher, Lease, QueueTimeoutError
 from proxy.errors import (
     ProxyError,
+    bad_request,
     no_backend,
     queue_full,
     queue_timeout,
@@ -147,6 +148,8 @@ def create_app(
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/admin/backends", _admin_backends)
+    app.router.add_post("/admin/backends/drain", _admin_drain)
     app.router.add_route("*", "/v1/{tail:.*}", _unsupported)
     return app
 
@@ -521,6 +524,67 @@ async def _metrics(request: web.Request) -> web.Response:
         state.monitor.export_gauges()
     body = generate_latest(state.metrics.registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def _check_admin(request: web.Request) -> ProxyError | None:
+    loaded = request.app[STATE].loaded
+    if not loaded.admin_key_hashes:
+        return ProxyError(
+            404, "The admin API is off (no admin_keys in the config).", code="admin_disabled"
+        )
+    key = api_key_from(request.headers)
+    if key is None or not loaded.is_admin_key(key):
+        return unauthorized()
+    return None
+
+
+def _backend_view(state: ProxyState, backend: BackendState) -> dict[str, object]:
+    now = state.clock()
+    load = backend.load
+    return {
+        "url": backend.cfg.url,
+        "name": backend.label,
+        "available": backend.available(now),
+        "healthy": backend.healthy,
+        "draining": backend.draining,
+        "ejected_for_s": max(0.0, backend.ejected_until - now),
+        "inflight": backend.inflight,
+        "max_inflight": backend.cfg.max_inflight,
+        "dispatched_total": backend.dispatched_total,
+        "models": sorted(backend.models) if backend.models is not None else None,
+        "vllm_waiting": load.waiting if load else None,
+        "vllm_running": load.running if load else None,
+        "metrics_age_s": now - load.at if load else None,
+    }
+
+
+async def _admin_backends(request: web.Request) -> web.Response:
+    if (err := _check_admin(request)) is not None:
+        return err.response()
+    state = request.app[STATE]
+    views = [_backend_view(state, b) for b in state.pool.all()]
+    return web.json_response({"backends": views})
+
+
+async def _admin_drain(request: web.Request) -> web.Response:
+    """Stop new work to a backend (in-flight work finishes), or take it back."""
+    if (err := _check_admin(request)) is not None:
+        return err.response()
+    state = request.app[STATE]
+    try:
+        async with asyncio.timeout(_BODY_READ_TIMEOUT_S):
+            body = orjson.loads(await request.read())
+        url, drain = body["url"], body.get("drain", True)
+        if not isinstance(url, str) or not isinstance(drain, bool):
+            raise TypeError
+    except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
+        return bad_request('Send {"url": "<backend url>", "drain": true|false}').response()
+    backend = state.pool.drain(url, drain)
+    if backend is None:
+        return ProxyError(404, f"No backend {url!r}", code="unknown_backend").response()
+    log.warning("admin: backend %s %s", backend.label, "draining" if drain else "back in service")
+    state.dispatcher.kick()
+    return web.json_response(_backend_view(state, backend))
 
 
 async def _unsupported(request: web.Request) -> web.Response:

@@ -159,6 +159,36 @@ Metrics: {base}/metrics
 """
 
 
+def _cmd_drain(args: argparse.Namespace) -> int:
+    """Ask a running proxy to stop (or resume) new work to one backend."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    key = os.environ.get("TIERPROXY_ADMIN_KEY", "")
+    if not key:
+        print(
+            "tierproxy drain: set TIERPROXY_ADMIN_KEY to one of the config's admin_keys",
+            file=sys.stderr,
+        )
+        return 1
+    req = urllib.request.Request(
+        args.proxy.rstrip("/") + "/admin/backends/drain",
+        data=json.dumps({"url": args.backend, "drain": not args.undo}).encode(),
+        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            print(resp.read().decode())
+            return 0
+    except urllib.error.HTTPError as exc:
+        print(f"tierproxy drain: {exc.code} {exc.read().decode()}", file=sys.stderr)
+    except (urllib.error.URLError, OSError) as exc:
+        print(f"tierproxy drain: cannot reach {args.proxy}: {exc}", file=sys.stderr)
+    return 1
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from proxy.bench.cli import main as bench_main
 
@@ -205,6 +235,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--ready-timeout", type=float, default=300.0)
     p.set_defaults(func=_cmd_up)
+
+    p = sub.add_parser("drain", help="stop (or with --undo resume) new work to a backend")
+    p.add_argument("--proxy", default="http://127.0.0.1:8000", help="the proxy's base URL")
+    p.add_argument("--backend", required=True, help="the backend's URL as in the config")
+    p.add_argument("--undo", action="store_true", help="put the backend back in service")
+    p.set_defaults(func=_cmd_drain)
 
     p = sub.add_parser("bench", help="mixed-tenant load generator and report", add_help=False)
     p.add_argument("bench_args", nargs=argparse.REMAINDER)

@@ -141,6 +141,8 @@ class Config(_Strict):
     tiers: dict[str, Tier] = Field(min_length=1)
     tenants: list[Tenant] = Field(default_factory=list)
     backends: list[Backend] = Field(min_length=1)
+    # Keys for the /admin endpoints (backend drain); none: the admin API is off.
+    admin_keys: list[KeySpec] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
@@ -178,10 +180,14 @@ class LoadedConfig:
 
     config: Config
     tenant_by_key_hash: Mapping[str, Tenant]
+    admin_key_hashes: frozenset[str]
     source: str
 
     def tenant_for_key(self, key: str) -> Tenant | None:
         return self.tenant_by_key_hash.get(hash_key(key))
+
+    def is_admin_key(self, key: str) -> bool:
+        return hash_key(key) in self.admin_key_hashes
 
 
 class ConfigError(Exception):
@@ -213,28 +219,45 @@ def _line_of(root: yaml.Node | None, loc: tuple[int | str, ...]) -> int | None:
     return line
 
 
-def _resolve_keys(config: Config, root: yaml.Node | None) -> tuple[dict[str, Tenant], list[str]]:
+def _digest_of(spec: KeySpec, where: str) -> tuple[str | None, str | None]:
+    """(sha256 of the key, None) or (None, the problem)."""
+    if spec.env is not None:
+        raw = os.environ.get(spec.env)
+        if not raw:
+            return None, f"{where}: environment variable {spec.env} is not set"
+        return hash_key(raw), None
+    return spec.sha256, None
+
+
+def _resolve_keys(
+    config: Config, root: yaml.Node | None
+) -> tuple[dict[str, Tenant], frozenset[str], list[str]]:
     by_hash: dict[str, Tenant] = {}
     problems: list[str] = []
     for t_index, tenant in enumerate(config.tenants):
         for k_index, spec in enumerate(tenant.keys):
             line = _line_of(root, ("tenants", t_index, "keys", k_index))
             where = f"tenants.{t_index}.keys.{k_index} (line {line})"
-            if spec.env is not None:
-                raw = os.environ.get(spec.env)
-                if not raw:
-                    problems.append(f"{where}: environment variable {spec.env} is not set")
-                    continue
-                digest = hash_key(raw)
-            else:
-                assert spec.sha256 is not None
-                digest = spec.sha256
+            digest, problem = _digest_of(spec, where)
+            if digest is None:
+                problems.append(str(problem))
+                continue
             owner = by_hash.get(digest)
             if owner is not None and owner.name != tenant.name:
                 problems.append(f"{where}: key already belongs to tenant {owner.name!r}")
                 continue
             by_hash[digest] = tenant
-    return by_hash, problems
+    admin: set[str] = set()
+    for index, spec in enumerate(config.admin_keys):
+        where = f"admin_keys.{index} (line {_line_of(root, ('admin_keys', index))})"
+        digest, problem = _digest_of(spec, where)
+        if digest is None:
+            problems.append(str(problem))
+        elif digest in by_hash:
+            problems.append(f"{where}: an admin key must not also be a tenant's key")
+        else:
+            admin.add(digest)
+    return by_hash, frozenset(admin), problems
 
 
 def _missing_env_keys(data: dict[str, Any], root: yaml.Node | None) -> list[str]:
@@ -273,10 +296,12 @@ def parse_config(text: str, source: str = "<config>") -> LoadedConfig:
         # Report missing key variables too, so one `tierproxy check` shows everything.
         problems += _missing_env_keys(data, root)
         raise ConfigError(source, problems) from exc
-    by_hash, problems = _resolve_keys(config, root)
+    by_hash, admin, problems = _resolve_keys(config, root)
     if problems:
         raise ConfigError(source, problems)
-    return LoadedConfig(config=config, tenant_by_key_hash=by_hash, source=source)
+    return LoadedConfig(
+        config=config, tenant_by_key_hash=by_hash, admin_key_hashes=admin, source=source
+    )
 
 
 def load_config(path: str | Path) -> LoadedConfig:

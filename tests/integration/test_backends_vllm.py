@@ -143,3 +143,34 @@ async def test_refused_connection_before_first_byte_is_retried_elsewhere(engines
         assert all(r["status"] == 200 and r["tokens"] == 4 for r in results), results
         assert state.metrics.retries._value.get() >= 1
         assert not state.pool.states[dead].available(state.clock())
+
+
+async def test_admin_drain_lets_inflight_finish_and_sends_no_new_work(engines) -> None:  # type: ignore[no-untyped-def]
+    from proxy.config import hash_key
+
+    a, b = engines.get("core"), engines.get("pair-b")
+    cfg = make_config([{"url": a.spec.url, "max_inflight": 2}, {"url": b.spec.url, "max_inflight": 2}],
+                      admin_keys=[{"sha256": hash_key("admin-secret")}])
+    admin = {"Authorization": "Bearer admin-secret"}
+    async with running_proxy(cfg) as (base, state), aiohttp.ClientSession(timeout=TIMEOUT) as s:
+        running = [asyncio.create_task(_call(s, base, _chat(400))) for _ in range(4)]
+        victim = state.pool.states[b.spec.url]
+        await until(lambda: victim.inflight == 2, what="two requests on the backend to drain")
+        async with s.post(f"{base}/admin/backends/drain", json={"url": b.spec.url},
+                          headers=auth("high")) as r:
+            assert r.status == 401  # a tenant key is not an admin key
+        async with s.post(f"{base}/admin/backends/drain", json={"url": b.spec.url},
+                          headers=admin) as r:
+            view = await r.json()
+            assert r.status == 200 and view["draining"] is True and view["inflight"] == 2
+        sent = victim.dispatched_total
+        more = await asyncio.gather(*(_call(s, base, _chat(4)) for _ in range(6)))
+        assert all(r["status"] == 200 for r in more) and victim.dispatched_total == sent
+        # The drained backend's in-flight requests completed in full.
+        assert all(r["status"] == 200 and r["tokens"] == 400 for r in await asyncio.gather(*running))
+        async with s.get(f"{base}/admin/backends", headers=admin) as r:
+            listed = {v["url"]: v for v in (await r.json())["backends"]}
+        assert listed[b.spec.url]["inflight"] == 0 and not listed[b.spec.url]["available"]
+        async with s.post(f"{base}/admin/backends/drain", json={"url": b.spec.url, "drain": False},
+                          headers=admin) as r:
+            assert (await r.json())["available"] is True
