@@ -108,21 +108,26 @@ async def test_queue_timeout_503_and_execution_timeout_504(engines) -> None:  # 
     engine = engines.get("core")
     cfg = make_config(
         [{"url": engine.spec.url, "max_inflight": 1}],
-        tiers={"low": {"queue_timeout_s": 0.5, "request_timeout_s": 1.0}},
+        tiers={"low": {"queue_timeout_s": 0.5, "request_timeout_s": 0.5}},
     )
     async with running_proxy(cfg) as (base, state), aiohttp.ClientSession(timeout=TIMEOUT) as s:
-        # A long non-streaming generation outlives the low tier's 1 s execution limit: 504.
-        long_req = asyncio.create_task(s.post(f"{base}/v1/chat/completions",
-                                              json=_chat(1900), headers=auth("low")))
+        # A long normal-tier generation holds the only slot; a low request waits past its
+        # 0.5 s in the queue: 503 with Retry-After.
+        holder = asyncio.create_task(s.post(f"{base}/v1/chat/completions", json=_chat(1900),
+                                            headers=auth("normal")))
         await until(lambda: state.pool.all()[0].inflight == 1, what="the long request running")
-        # Meanwhile one more waits in the queue past its 0.5 s: 503.
         async with s.post(f"{base}/v1/chat/completions", json=_chat(4), headers=auth("low")) as r:
             body = await r.json()
             assert r.status == 503, body
             assert body["error"]["code"] == "queue_timeout" and "Retry-After" in r.headers
-        resp = await long_req
-        body = await resp.json()
-        assert resp.status == 504 and body["error"]["code"] == "request_timeout"
+        holder.cancel()
+        await until(lambda: state.pool.all()[0].inflight == 0, what="the holder gone")
+
+        # A long low-tier generation outlives the tier's 0.5 s execution limit: 504.
+        async with s.post(f"{base}/v1/chat/completions", json=_chat(1900),
+                          headers=auth("low")) as r:
+            body = await r.json()
+            assert r.status == 504 and body["error"]["code"] == "request_timeout"
         # And vLLM stopped working on it (the proxy closed the connection).
         assert await _wait_gauge(s, engine.spec.url, "vllm:num_requests_running", 0) == 0
 
@@ -146,7 +151,7 @@ async def test_client_leaving_mid_stream_or_in_queue_frees_everything(engines) -
         r = await leaver.post(f"{base}/v1/chat/completions", json=_chat(1900, stream=True),
                               headers=auth("normal"))
         await r.content.readline()  # bytes are flowing
-        assert await _vllm_gauge(s, engine.spec.url, "vllm:num_requests_running") == 1
+        assert await _wait_gauge(s, engine.spec.url, "vllm:num_requests_running", 1) == 1
         queued = asyncio.create_task(leaver.post(f"{base}/v1/chat/completions",
                                                  json=_chat(8), headers=auth("normal")))
         await until(lambda: state.queue.depth("normal") == 1, what="one queued request")
