@@ -160,7 +160,7 @@ async def test_drain_deadline_cancels_and_counts_lost(server: str) -> None:
     assert result.records[0].outcome is Outcome.LOST
     assert "drain" in (result.records[0].error or "")
     assert result.records[1].outcome is Outcome.OK
-    assert result.wall_s < 3.0
+    assert result.wall_s < 8.0  # the drain deadline, not the 30 s request timeout, ended it
     # Nothing of the bench's is left running (the fake server's own handler may still be).
     assert not [t for t in asyncio.all_tasks() if "proxy/bench" in _where(t)]
 
