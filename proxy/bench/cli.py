@@ -48,6 +48,17 @@ from proxy.config import ConfigError
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
+def _capacity_arg(value: str) -> str:
+    if value != "measure":
+        try:
+            ok = float(value) > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            raise argparse.ArgumentTypeError("give a positive rate in requests/s, or nothing")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tierproxy bench", description=__doc__,
@@ -61,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start a local vLLM (tiny model unless --model) and the proxy, run both")
     p.add_argument("--duration", type=float, help="seconds of offered load (scales phases)")
     p.add_argument("--rate", type=float, help="requests/s offered (overrides the scenario's)")
-    p.add_argument("--capacity", nargs="?", const="measure", metavar="RPS",
+    p.add_argument("--capacity", nargs="?", const="measure", metavar="RPS", type=_capacity_arg,
                    help="measure the saturation rate first (or give it): load-relative "
                         "scenarios run at load x capacity")
     p.add_argument("--capacity-only", action="store_true", help="measure capacity and stop")
