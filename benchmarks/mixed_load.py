@@ -17,8 +17,15 @@ import sys
 
 from proxy.bench.cli import main
 
-DEFAULTS = ["--local", "--scenario", "overload-2x", "--duration", "30",
-            "--out", ".tierproxy/bench/mixed_load"]
+DEFAULTS = [
+    "--local",
+    "--scenario",
+    "overload-2x",
+    "--duration",
+    "30",
+    "--out",
+    ".tierproxy/bench/mixed_load",
+]
 
 if __name__ == "__main__":
     sys.exit(main(DEFAULTS + sys.argv[1:]))
