@@ -79,11 +79,18 @@ async def measure(url: str, repeats: int) -> Figures:
     fig.forged_min_queue_ms.append(min(queues))
     fig.control_queue_ms.append(forged.control.queue_time * 1000)
     fig.forged_preemptions.append(forged.preemptions)
-    dl = await sc.deadline_scenario(url, key)
-    fig.deadline_finish.append(f"{dl.plain.finish_reason}/{dl.streamed.finish_reason}")
-    fig.deadline_tokens.append(
-        (dl.plain.completion_tokens or 0) + (dl.streamed.completion_tokens or 0)
-    )
+    try:
+        dl = await sc.deadline_scenario(url, key)
+    except AssertionError as exc:
+        # Stock vLLM runs them late, so only seeing them wait on the gauges establishes the
+        # scenario there; a starved API server may not show it in time.
+        print(f"deadline scenario on {url}: {exc}", file=sys.stderr)
+        fig.deadline_finish.append("n/a")
+    else:
+        fig.deadline_finish.append(f"{dl.plain.finish_reason}/{dl.streamed.finish_reason}")
+        fig.deadline_tokens.append(
+            (dl.plain.completion_tokens or 0) + (dl.streamed.completion_tokens or 0)
+        )
     return fig
 
 
