@@ -88,6 +88,7 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument("--no-plugin", action="store_true", help="stock vLLM, without the plugin")
     args = parser.parse_args()
     model, served = ensure_model(None)
     engines = [
@@ -98,6 +99,7 @@ def main() -> int:
                 served_name=served,
                 max_num_seqs=args.max_num_seqs,
                 cpu_bind=spread_cores(i),
+                plugin=not args.no_plugin,
             ),
             Path(f".tierproxy/logs/two-backends-{i}.log"),
         )

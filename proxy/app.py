@@ -612,5 +612,6 @@ def serve(config_path: str, *, host: str | None = None, port: int | None = None)
         port=port if port is not None else listen.port,
         access_log=None,  # our own access line names tenant and tier, never the key
         handler_cancellation=True,  # a client that leaves cancels its handler: queue + upstream
+        backlog=2048,  # bursts of new connections wait in the kernel, not in connect errors
         print=lambda msg: log.info("%s", msg),
     )

@@ -189,12 +189,6 @@ def _cmd_drain(args: argparse.Namespace) -> int:
     return 1
 
 
-def _cmd_bench(args: argparse.Namespace) -> int:
-    from proxy.bench.cli import main as bench_main
-
-    return int(bench_main(args.bench_args))
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tierproxy", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -242,13 +236,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--undo", action="store_true", help="put the backend back in service")
     p.set_defaults(func=_cmd_drain)
 
-    p = sub.add_parser("bench", help="mixed-tenant load generator and report", add_help=False)
-    p.add_argument("bench_args", nargs=argparse.REMAINDER)
-    p.set_defaults(func=_cmd_bench)
+    # Listed for --help; `main` hands every argument after "bench" to the bench's parser.
+    sub.add_parser("bench", help="mixed-tenant load generator and report (tierproxy bench -h)")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        # Every option belongs to the bench's own parser (argparse's REMAINDER drops options).
+        from proxy.bench.cli import main as bench_main
+
+        return int(bench_main(argv[1:]))
     args = build_parser().parse_args(argv)
     return int(args.func(args))
 
