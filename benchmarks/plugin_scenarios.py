@@ -293,6 +293,16 @@ def _brief(result: object) -> str:
     return repr(result)
 
 
+def new_session() -> aiohttp.ClientSession:
+    """One connection per request: a pooled keep-alive connection that uvicorn closes (its 5 s
+    idle timeout, easily reached by a starved server) as a request goes out on it would fail
+    that request with "Server disconnected"."""
+    return aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=300),
+        connector=aiohttp.TCPConnector(force_close=True),
+    )
+
+
 class NotEstablished(Exception):
     """A scenario's precondition did not hold (the machine delayed this client): run it again."""
 
@@ -331,7 +341,7 @@ async def preempt_scenario(
     """``slots`` long low-tier generations fill vLLM; then one high-tier request arrives."""
 
     async def once() -> PreemptOutcome:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+        async with new_session() as session:
             await wait_idle(session, url)
             before = await scrape(session, url)
             lows = await fill_slots_with_low(session, url, secret, n=slots, max_tokens=low_tokens)
@@ -384,7 +394,7 @@ async def forged_scenario(url: str, secret: bytes, *, attempts: int = 4) -> Forg
     signed high-tier request. Each attack should queue like the lowest tier."""
 
     async def once() -> ForgedOutcome:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+        async with new_session() as session:
             await wait_idle(session, url)
             before = await scrape(session, url)
             lows = await fill_slots_with_low(session, url, secret, n=4, max_tokens=LOW_TOKENS)
@@ -451,7 +461,7 @@ async def deadline_scenario(
     deadline that passes while they wait behind them."""
 
     async def once() -> DeadlineOutcome:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+        async with new_session() as session:
             await wait_idle(session, url)
             before = await scrape(session, url)
             lows = await fill_slots_with_low(session, url, secret, n=4, max_tokens=LOW_TOKENS)
@@ -593,7 +603,7 @@ async def itl_scenario(
     name = "vllm:inter_token_latency_seconds"
 
     async def once() -> ItlOutcome:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+        async with new_session() as session:
             await wait_idle(session, url)
             before = await scrape(session, url)
             # The highs first: a long prompt that lands in the highs' own first step (nothing
@@ -638,6 +648,14 @@ async def itl_scenario(
             raise NotEstablished("a high-tier request ended before the last long prompt")
         p50, n = histogram_quantile(after, before, name, 0.50)
         p99, _ = histogram_quantile(after, before, name, 0.99)
+        # Each long prompt's prefill shares at least one step with the highs' decodes: those
+        # samples must be more than 2% of the window for its p99 to be about them. Many more
+        # samples mean the highs mostly decoded alone (a starved API server handed the long
+        # prompts on slowly).
+        if n > 50 * n_high * n_long:
+            raise NotEstablished(
+                f"{n} ITL samples: the highs mostly decoded without a long prompt beside them"
+            )
         return ItlOutcome(p50=p50, p99=p99, samples=n, longs=longs, highs_outlived_window=outlived)
 
     return await retry_scenario(attempts, once, "ITL scenario")
