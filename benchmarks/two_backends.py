@@ -3,7 +3,8 @@
 Starts two stock vLLM CPU servers (tiny model, --max-num-seqs N), then runs the same
 closed-loop load (C concurrent clients, non-streaming, fixed output length) for D seconds:
   1. directly, half the clients on each engine (the best a client-side split can do);
-  2. through the proxy, all clients on one URL, the proxy metering into both engines.
+  2. through the proxy (its own process), all clients on one URL, metering into both engines.
+The two alternate for --rounds rounds, so drift in a shared machine's load hits both alike.
 Prints requests/s and output tokens/s of both runs and their ratio (aim: >= 0.95).
 
     .venv/bin/python benchmarks/two_backends.py --duration 30 --clients 16
@@ -13,21 +14,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import aiohttp
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from proxyrun import auth, make_config, running_proxy
+from proxyrun import SECRET, auth, make_config
 
 from proxy.engine import (
     EngineProcess,
     EngineSpec,
     ensure_model,
     free_port,
+    http_ok,
     spread_cores,
 )
 
@@ -61,23 +66,51 @@ async def _closed_loop(
     return done, tokens, failed
 
 
-async def _run(args: argparse.Namespace, engines: list[EngineProcess]) -> None:
+async def _run(args: argparse.Namespace, engines: list[EngineProcess], proxy_url: str) -> None:
     urls = [e.spec.url for e in engines]
     warm = await _closed_loop(urls, 4, 3.0, args.max_tokens, {})
     print(f"warm-up: {warm[0]} requests")
-    d_done, d_tok, d_fail = await _closed_loop(
-        urls, args.clients, args.duration, args.max_tokens, {}
-    )
-    cfg = make_config([{"url": u, "max_inflight": args.max_num_seqs} for u in urls])
-    async with running_proxy(cfg) as (base, _):
-        p_done, p_tok, p_fail = await _closed_loop(
-            [base], args.clients, args.duration, args.max_tokens, auth("normal")
-        )
     d = args.duration
-    print(f"\n{'':18}{'requests/s':>12}{'output tok/s':>14}{'failed':>8}")
-    print(f"{'direct (2 engines)':18}{d_done / d:12.1f}{d_tok / d:14.1f}{d_fail:8d}")
-    print(f"{'through the proxy':18}{p_done / d:12.1f}{p_tok / d:14.1f}{p_fail:8d}")
-    print(f"\nratio proxy/direct (output tokens/s): {p_tok / max(d_tok, 1):.3f}")
+    rows = []
+    # Alternate the two paths so that drift in a shared machine's load hits both alike.
+    for round_ in range(args.rounds):
+        direct = await _closed_loop(urls, args.clients, d, args.max_tokens, {})
+        proxied = await _closed_loop([proxy_url], args.clients, d, args.max_tokens, auth("normal"))
+        rows.append((round_, direct, proxied))
+    print(f"\n{'':24}{'requests/s':>12}{'output tok/s':>14}{'failed':>8}")
+    for round_, direct, proxied in rows:
+        for label, (done, tokens, failed) in (("direct (2 engines)", direct), ("proxy", proxied)):
+            name = f"{label} #{round_ + 1}"
+            print(f"{name:24}{done / d:12.1f}{tokens / d:14.1f}{failed:8d}")
+    d_total = sum(r[1][1] for r in rows)
+    p_total = sum(r[2][1] for r in rows)
+    print(f"\nratio proxy/direct (output tokens/s, all rounds): {p_total / max(d_total, 1):.3f}")
+
+
+def _start_proxy(
+    args: argparse.Namespace, urls: list[str], workdir: Path
+) -> tuple[subprocess.Popen[bytes], str]:
+    """The proxy in its own process, as in production (not sharing the load generator's core)."""
+    port = free_port()
+    cfg = make_config([{"url": u, "max_inflight": args.max_num_seqs} for u in urls])
+    cfg["listen"] = {"host": "127.0.0.1", "port": port}
+    path = workdir / "two-backends-proxy.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "TIERPROXY_TICKET_SECRET": SECRET.decode()}
+    log = (workdir / "two-backends-proxy.log").open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "proxy.cli", "serve", "-c", str(path)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while not http_ok(f"{url}/readyz", timeout_s=1.0):
+        if time.monotonic() > deadline or proc.poll() is not None:
+            raise RuntimeError(f"the proxy did not start; see {workdir / 'two-backends-proxy.log'}")
+        time.sleep(0.2)
+    return proc, url
 
 
 def main() -> int:
@@ -89,6 +122,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--no-plugin", action="store_true", help="stock vLLM, without the plugin")
+    parser.add_argument("--rounds", type=int, default=2, help="direct/proxy pairs, alternated")
     args = parser.parse_args()
     model, served = ensure_model(None)
     engines = [
@@ -105,13 +139,20 @@ def main() -> int:
         )
         for i in range(2)
     ]
+    proxy: subprocess.Popen[bytes] | None = None
     try:
         for e in engines:
             e.start()
         for e in engines:
             e.wait_ready()
-        asyncio.run(_run(args, engines))
+        proxy, proxy_url = _start_proxy(
+            args, [e.spec.url for e in engines], Path(".tierproxy/logs")
+        )
+        asyncio.run(_run(args, engines, proxy_url))
     finally:
+        if proxy is not None:
+            proxy.terminate()
+            proxy.wait(timeout=15)
         for e in engines:
             e.stop()
     return 0
