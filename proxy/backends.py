@@ -91,9 +91,13 @@ class BackendPool:
             ramp = min(1.0, 0.25 + 0.75 * (now - state.reinstated_at) / self.health.ramp_s)
             cap = max(1.0, cap * ramp)  # a returning backend always takes at least one
         load = state.fresh_load(now, self.health.stale_after_s)
-        if load is not None and load.waiting > self.health.max_backend_waiting and state.inflight:
-            # vLLM is queueing on its own: hold new work here, where the tiers order it.
-            cap = min(cap, float(state.inflight))
+        if load is not None:
+            # vLLM's own queue beyond the allowance means this backend holds more than it runs:
+            # shrink its room by that excess, so the backlog stays here, where the tiers order
+            # it. (Its queue always holds a request or two between steps; that is no signal.)
+            excess = load.waiting - self.health.max_backend_waiting
+            if excess > 0:
+                cap = max(1.0, cap - excess)
         return max(0.0, cap - state.inflight)
 
     def fits_tokens(self, state: BackendState, tokens: float) -> bool:

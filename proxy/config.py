@@ -55,8 +55,9 @@ class BackendHealth(_Strict):
     models_interval_s: float = Field(10.0, gt=0)
     # Scraped load older than this is ignored (the proxy's own counts decide alone).
     stale_after_s: float = Field(2.0, gt=0)
-    # A backend whose own waiting queue exceeds this gets no new work until it drains.
-    max_backend_waiting: int = Field(1, ge=0)
+    # Requests a backend may hold in its own waiting queue; beyond this its room shrinks by the
+    # excess until it drains.
+    max_backend_waiting: int = Field(2, ge=0)
     # After an ejection ends, the backend's room ramps from 25% to 100% over this long.
     ramp_s: float = Field(5.0, ge=0)
     eject_base_s: float = Field(1.0, gt=0)

@@ -40,16 +40,28 @@ def test_no_room_means_none_and_release_gives_it_back() -> None:
     assert pool.choose(None, 1, 0) is b
 
 
-def test_fresh_waiting_queue_holds_new_work_stale_is_ignored() -> None:
+def test_fresh_waiting_queue_shrinks_room_stale_is_ignored() -> None:
     pool = _pool(8)
     b = pool.all()[0]
-    pool.acquire(b, 1)
-    b.load = ScrapedLoad(waiting=3, running=8, kv_usage=0.5, at=10.0)
-    assert pool.choose(None, 1, now=10.5) is None  # vLLM queues on its own: hold work here
-    assert pool.choose(None, 1, now=12.5) is b  # stale: own counts decide
+    for _ in range(6):
+        pool.acquire(b, 1)
+    # vLLM queues 3 of its own beyond the allowance of 1: room shrinks by the excess of 2.
+    b.load = ScrapedLoad(waiting=3, running=4, kv_usage=0.5, at=10.0)
+    assert pool.room(b, now=10.5) == pytest.approx(0.0)
+    assert pool.choose(None, 1, now=10.5) is None  # hold the backlog here
+    assert pool.room(b, now=12.5) == pytest.approx(2.0)  # stale: own counts decide
+    # A request or two waiting between steps is no signal: the room stays.
+    b.load = ScrapedLoad(waiting=1, running=5, kv_usage=0.5, at=20.0)
+    assert pool.room(b, now=20.1) == pytest.approx(2.0)
+    # A completion frees a slot at once, without waiting for the next scrape.
+    b.load = ScrapedLoad(waiting=3, running=4, kv_usage=0.5, at=30.0)
     pool.release(b, 1)
-    b.load = ScrapedLoad(waiting=3, running=8, kv_usage=0.5, at=20.0)
-    assert pool.choose(None, 1, now=20.1) is b  # nothing of ours in flight: never stall
+    assert pool.choose(None, 1, now=30.1) is b
+    # Never stall an idle backend on a queue that is not ours.
+    for _ in range(5):
+        pool.release(b, 1)
+    b.load = ScrapedLoad(waiting=50, running=8, kv_usage=0.9, at=40.0)
+    assert pool.choose(None, 1, now=40.1) is b
 
 
 def test_passive_ejection_backoff_and_ramp_on_return() -> None:
