@@ -104,7 +104,7 @@ class ProxyState:
 
 
 STATE = web.AppKey("tierproxy_state", ProxyState)
-_TENANT = "tierproxy_tenant"
+_TENANT = web.RequestKey("tierproxy_tenant", Tenant)
 
 
 @dataclass
@@ -159,7 +159,9 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     health = state.config.backend_health
     state.session = aiohttp.ClientSession(
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=health.connect_timeout_s),
-        connector=aiohttp.TCPConnector(limit=0, force_close=False),
+        # Idle upstream connections close before uvicorn's 5 s keep-alive would close them under
+        # us (a request written into a connection the server is closing fails for nothing).
+        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0),
         read_bufsize=2**20,
         auto_decompress=False,
     )
@@ -317,7 +319,9 @@ async def _queue_and_forward(
             )
         except UpstreamUnavailable as exc:
             last_unavailable = exc
-            state.pool.record_failure(lease.backend, state.clock())
+            state.pool.record_failure(
+                lease.backend, state.clock(), definitive=exc.kind == "connect"
+            )
             state.metrics.backend_errors.labels(lease.backend.label, exc.kind).inc()
             log.warning(
                 "request %s: backend %s unavailable (%s); attempt %d",
@@ -326,10 +330,10 @@ async def _queue_and_forward(
                 exc.kind,
                 attempts,
             )
-            if attempts >= cfg.backend_health.max_attempts or not state.pool.any_available(
-                state.clock()
-            ):
+            if attempts >= cfg.backend_health.max_attempts:
                 raise _give_up(last_unavailable) from None
+            # Back into the queue at its old place: another backend takes it, or this one once
+            # its short ejection ends (a single backend's hiccup is no reason to fail).
             state.metrics.retries.inc()
             continue
         finally:

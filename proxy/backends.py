@@ -165,10 +165,16 @@ class BackendPool:
         return state
 
     # -- health --------------------------------------------------------------------------
-    def record_failure(self, state: BackendState, now: float) -> None:
-        """Passive ejection: connection errors and 5xx push the backend out for a backoff."""
+    def record_failure(self, state: BackendState, now: float, *, definitive: bool = False) -> None:
+        """Passive ejection, with a doubling backoff: at once when nothing listens
+        (``definitive``), after two failures in a row otherwise (a reset or a 5xx can be one
+        request's bad luck)."""
         state.failures += 1
-        backoff = min(self.health.eject_max_s, self.health.eject_base_s * 2 ** (state.failures - 1))
+        if not definitive and state.failures < 2:
+            return
+        backoff = min(
+            self.health.eject_max_s, self.health.eject_base_s * 2 ** (state.failures - 1)
+        )
         state.ejected_until = now + backoff
         state.reinstated_at = None
 

@@ -59,8 +59,15 @@ class BackendMonitor:
 
     async def probe_all(self) -> None:
         states = self.pool.all()
-        await asyncio.gather(*(self._probe(s) for s in states))
+        await asyncio.gather(*(self._probe_safely(s) for s in states))
         self.export_gauges()
+
+    async def _probe_safely(self, state: BackendState) -> None:
+        # One backend's odd answer must never stop the watching of all of them.
+        try:
+            await self._probe(state)
+        except Exception:
+            log.exception("probing backend %s failed", state.label)
 
     def export_gauges(self) -> None:
         now = self.clock()
