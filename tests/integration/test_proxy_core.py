@@ -24,20 +24,22 @@ def _chat(max_tokens: int, stream: bool = False, content: str = "hello") -> dict
     return body
 
 
-async def _vllm_gauge(session: aiohttp.ClientSession, url: str, name: str) -> float:
+async def _aborted(session: aiohttp.ClientSession, url: str) -> float:
+    """Requests vLLM finished as aborted (a client that left), from its own counter."""
     async with session.get(f"{url}/metrics") as r:
         text = await r.text()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{"))
+               if line.startswith("vllm:request_success_total{")
+               and 'finished_reason="abort"' in line)
 
 
-async def _wait_gauge(session: aiohttp.ClientSession, url: str, name: str, want: float,
-                      timeout_s: float = 10.0) -> float:
+async def _wait_aborted(session: aiohttp.ClientSession, url: str, want: float,
+                        timeout_s: float = 15.0) -> float:
     deadline = time.monotonic() + timeout_s
-    value = await _vllm_gauge(session, url, name)
-    while value != want and time.monotonic() < deadline:
+    value = await _aborted(session, url)
+    while value < want and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
-        value = await _vllm_gauge(session, url, name)
+        value = await _aborted(session, url)
     return value
 
 
@@ -111,6 +113,7 @@ async def test_queue_timeout_503_and_execution_timeout_504(engines) -> None:  # 
         tiers={"low": {"queue_timeout_s": 0.5, "request_timeout_s": 0.5}},
     )
     async with running_proxy(cfg) as (base, state), aiohttp.ClientSession(timeout=TIMEOUT) as s:
+        aborted = await _aborted(s, engine.spec.url)
         # A long normal-tier generation holds the only slot; a low request waits past its
         # 0.5 s in the queue: 503 with Retry-After.
         holder = asyncio.create_task(s.post(f"{base}/v1/chat/completions", json=_chat(1900),
@@ -122,14 +125,15 @@ async def test_queue_timeout_503_and_execution_timeout_504(engines) -> None:  # 
             assert body["error"]["code"] == "queue_timeout" and "Retry-After" in r.headers
         holder.cancel()
         await until(lambda: state.pool.all()[0].inflight == 0, what="the holder gone")
+        aborted = await _wait_aborted(s, engine.spec.url, aborted + 1)  # the holder's abort
 
         # A long low-tier generation outlives the tier's 0.5 s execution limit: 504.
         async with s.post(f"{base}/v1/chat/completions", json=_chat(1900),
                           headers=auth("low")) as r:
             body = await r.json()
             assert r.status == 504 and body["error"]["code"] == "request_timeout"
-        # And vLLM stopped working on it (the proxy closed the connection).
-        assert await _wait_gauge(s, engine.spec.url, "vllm:num_requests_running", 0) == 0
+        # And vLLM stopped working on it: the proxy closed the connection, vLLM aborted it.
+        assert await _wait_aborted(s, engine.spec.url, aborted + 1) >= aborted + 1
 
         # Streaming: the timeout arrives as an error event, then [DONE].
         async with s.post(f"{base}/v1/chat/completions", json=_chat(1900, stream=True),
@@ -139,7 +143,7 @@ async def test_queue_timeout_503_and_execution_timeout_504(engines) -> None:  # 
         events = [e for e in raw.split(b"\n\n") if e.strip()]
         assert events[-1] == b"data: [DONE]"
         assert b'"request_timeout"' in events[-2]
-        assert await _wait_gauge(s, engine.spec.url, "vllm:num_requests_running", 0) == 0
+        assert await _wait_aborted(s, engine.spec.url, aborted + 2) >= aborted + 2
         assert len(state.queue) == 0 and state.pool.all()[0].inflight == 0
 
 
@@ -147,20 +151,21 @@ async def test_client_leaving_mid_stream_or_in_queue_frees_everything(engines) -
     engine = engines.get("core")
     cfg = make_config([{"url": engine.spec.url, "max_inflight": 1}])
     async with running_proxy(cfg) as (base, state), aiohttp.ClientSession(timeout=TIMEOUT) as s:
+        aborted_before = await _aborted(s, engine.spec.url)
         leaver = aiohttp.ClientSession(timeout=TIMEOUT)
         r = await leaver.post(f"{base}/v1/chat/completions", json=_chat(1900, stream=True),
                               headers=auth("normal"))
-        await r.content.readline()  # bytes are flowing
-        assert await _wait_gauge(s, engine.spec.url, "vllm:num_requests_running", 1) == 1
+        await r.content.readline()  # bytes are flowing: vLLM is generating for this client
         queued = asyncio.create_task(leaver.post(f"{base}/v1/chat/completions",
                                                  json=_chat(8), headers=auth("normal")))
         await until(lambda: state.queue.depth("normal") == 1, what="one queued request")
         await leaver.close()  # both clients vanish
         queued.cancel()
-        assert await _wait_gauge(s, engine.spec.url, "vllm:num_requests_running", 0) == 0
+        # vLLM aborted the streaming request (its own counter), long before 1900 tokens...
+        assert await _wait_aborted(s, engine.spec.url, aborted_before + 1) == aborted_before + 1
+        # ...and the proxy holds nothing for either client.
         await until(lambda: not len(state.queue) and not state.pool.all()[0].inflight, 5,
                     "queue and backend slots to empty")
-        assert len(state.queue) == 0 and state.pool.all()[0].inflight == 0
         async with s.get(f"{base}/metrics") as m:
             text = await m.text()
         assert 'tierproxy_requests_total{outcome="client_gone",tier="normal"} 2.0' in text
@@ -169,7 +174,7 @@ async def test_client_leaving_mid_stream_or_in_queue_frees_everything(engines) -
 async def test_openai_sdk_works_unchanged_and_sees_retryable_errors(engines) -> None:  # type: ignore[no-untyped-def]
     engine = engines.get("core")
     cfg = make_config([{"url": engine.spec.url, "max_inflight": 1}],
-                      tiers={"low": {"max_queue": 1, "queue_timeout_s": 0.5}})
+                      tiers={"low": {"max_queue": 1, "queue_timeout_s": 3}})
     async with running_proxy(cfg) as (base, state):
         client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="key-high", max_retries=0)
         reply = await client.chat.completions.create(
@@ -191,20 +196,22 @@ async def test_openai_sdk_works_unchanged_and_sees_retryable_errors(engines) -> 
                                      ).models.list()
 
         low = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="key-low", max_retries=0)
-        busy = asyncio.create_task(low.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=1900,
-            extra_body={"ignore_eos": True}))
-        await until(lambda: state.pool.all()[0].inflight == 1, what="the long request running")
-        waiting = asyncio.create_task(low.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2))
-        await until(lambda: state.queue.depth("low") == 1, what="one queued low request")
-        with pytest.raises(openai.RateLimitError):  # queue full: 429
-            await low.chat.completions.create(
-                model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2)
-        with pytest.raises(openai.InternalServerError) as exc:  # queue timeout: 503
-            await waiting
-        assert exc.value.status_code == 503
-        busy.cancel()
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+            # A long stream from another tier holds the only slot...
+            holder = await s.post(f"{base}/v1/chat/completions", json=_chat(1900, stream=True),
+                                  headers=auth("normal"))
+            await holder.content.readline()
+            # ...one low request waits (the low queue holds one)...
+            waiting = asyncio.create_task(low.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2))
+            await until(lambda: state.queue.depth("low") == 1, what="one queued low request")
+            with pytest.raises(openai.RateLimitError):  # ...so the next is refused: 429
+                await low.chat.completions.create(
+                    model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+            with pytest.raises(openai.InternalServerError) as exc:  # queue timeout: 503
+                await waiting
+            assert exc.value.status_code == 503
+            holder.close()
         await client.close()
         await low.close()
 
