@@ -63,10 +63,10 @@ class BackendHealth(_Strict):
     eject_base_s: float = Field(1.0, gt=0)
     eject_max_s: float = Field(30.0, gt=0)
     connect_timeout_s: float = Field(3.0, gt=0)
-    probe_timeout_s: float = Field(2.0, gt=0)
-    # Consecutive failed /health probes before a backend counts as down (one slow answer from a
-    # busy server is not an outage; refused connections on requests eject at once anyway).
-    unhealthy_after: int = Field(2, ge=1)
+    probe_timeout_s: float = Field(5.0, gt=0)
+    # Consecutive failed /health probes before a backend counts as down (a slow answer from a
+    # busy API server is not an outage; refused connections on requests eject at once anyway).
+    unhealthy_after: int = Field(3, ge=1)
     # Attempts for a request that has sent nothing to its client yet (refused, reset, 503).
     max_attempts: int = Field(3, ge=1)
 

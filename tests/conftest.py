@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -93,7 +94,9 @@ class EngineFarm:
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineFarm]:
     if not _engines_available():
         pytest.fail("vLLM is not installed: run `make test`, which installs the engine extra")
-    farm = EngineFarm(tmp_path_factory.mktemp("engine-logs"))
+    # Not under pytest's basetemp: concurrent pytest runs prune each other's basetemp dirs.
+    log_dir = REPO / ".tierproxy" / "test-logs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    farm = EngineFarm(log_dir)
     atexit.register(farm.stop_all)  # also on interpreter exit after Ctrl-C
     try:
         yield farm

@@ -3,7 +3,7 @@ import pytest
 from proxy.backends import BackendPool, ScrapedLoad, parse_vllm_load
 from proxy.config import Backend, BackendHealth
 
-HEALTH = BackendHealth(stale_after_s=2.0, max_backend_waiting=1, ramp_s=4.0, eject_base_s=1.0,
+HEALTH = BackendHealth(stale_after_s=2.0, max_backend_waiting=1, unhealthy_after=2, ramp_s=4.0, eject_base_s=1.0,
                        eject_max_s=8.0)
 
 
