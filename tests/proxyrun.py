@@ -77,10 +77,19 @@ def auth(tier: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {KEYS[tier]}"}
 
 
-async def until(condition: Callable[[], bool], timeout_s: float = 30.0, what: str = "") -> None:
-    """Poll a condition on running servers; fail (never hang) when it does not come true."""
+async def until(
+    condition: Callable[[], bool],
+    timeout_s: float = 30.0,
+    what: str = "",
+    state: ProxyState | None = None,
+) -> None:
+    """Poll a condition on running servers; fail (never hang) when it does not come true,
+    saying what the proxy held at that moment."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     while not condition():
         if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what or condition}")
+            held = ""
+            if state is not None:
+                held = f"; queue {len(state.queue)}, backends {state.pool.all()}"
+            raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}{held}")
         await asyncio.sleep(0.01)
