@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import plugin_scenarios as sc
 
-from proxy.engine import EngineProcess, EngineSpec, free_port, spread_cores
+from proxy.engine import EngineProcess, EngineSpec, engine_cores, free_port, spread_cores
 
 SECRET = os.environ.get("TIERPROXY_TICKET_SECRET") or "plugin-bench-secret"
 
@@ -107,6 +107,7 @@ def start_engine(plugin: bool, log_dir: Path) -> EngineProcess:
         extra_args=sc.ENGINE_ARGS,
         env={"TIERPROXY_TICKET_SECRET": SECRET},
         cpu_bind=spread_cores(1 if plugin else 0),  # as the tests do; vLLM's "auto" picks core 0
+        cpus=engine_cores(),
     )
     name = "plugin" if plugin else "stock"
     engine = EngineProcess(spec, log_dir / f"vllm-{name}.log").start()

@@ -30,6 +30,7 @@ from proxyrun import SECRET, auth, make_config
 from proxy.engine import (
     EngineProcess,
     EngineSpec,
+    engine_cores,
     ensure_model,
     free_port,
     http_ok,
@@ -133,6 +134,7 @@ def main() -> int:
                 served_name=served,
                 max_num_seqs=args.max_num_seqs,
                 cpu_bind=spread_cores(i),
+                cpus=engine_cores(),
                 plugin=not args.no_plugin,
             ),
             Path(f".tierproxy/logs/two-backends-{i}.log"),

@@ -101,7 +101,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     """The embedded default: local CPU engine(s) plus the proxy on configs/example.yaml."""
     from proxy.app import serve
     from proxy.config import load_config
-    from proxy.engine import EngineProcess, EngineSpec, ensure_model, spread_cores
+    from proxy.engine import EngineProcess, EngineSpec, engine_cores, ensure_model, spread_cores
 
     os.environ.setdefault("TIERPROXY_TICKET_SECRET", secrets.token_urlsafe(32))
     loaded = load_config(args.config)
@@ -116,6 +116,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
             served_name=served,
             max_num_seqs=args.max_num_seqs,
             cpu_bind=spread_cores(index) if args.engines > 1 else None,
+            cpus=engine_cores(),  # the last core stays for the proxy
             # Requests that reach vLLM without the proxy's ticket run as the lowest tier.
             env={"TIERPROXY_UNTICKETED_PRIORITY": str(loaded.config.lowest_priority)},
         )

@@ -60,6 +60,8 @@ class EngineSpec:
     # CPU build: cores for the engine's OMP threads, e.g. "1" or "2-3". vLLM's "auto" binds every
     # engine on a machine to the same first core, so co-located engines must be told apart.
     cpu_bind: str | None = None
+    # Cores the engine's whole process tree may run on (None: any); see engine_cores().
+    cpus: frozenset[int] | None = None
 
     @property
     def url(self) -> str:
@@ -98,8 +100,11 @@ class EngineSpec:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
         env.setdefault("DO_NOT_TRACK", "1")
-        if self.cpu_bind is not None:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_bind
+        bind = self.cpu_bind
+        if bind is None and self.cpus is not None:  # "auto" may reserve the only allowed core
+            bind = ",".join(str(core) for core in sorted(self.cpus))
+        if bind is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = bind
         env.update(self.env)
         return env
 
@@ -127,10 +132,17 @@ class EngineProcess:
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log = self.log_path.open("ab")
+        cpus = self.spec.cpus
+
+        def in_child() -> None:
+            _die_with_parent()
+            if cpus is not None:
+                os.sched_setaffinity(0, cpus)
+
         self.proc = subprocess.Popen(
             self.spec.command(),
             env=self.spec.environment(),
-            preexec_fn=_die_with_parent,
+            preexec_fn=in_child,
             stdout=self._log if self._log is not None else None,
             stderr=subprocess.STDOUT if self._log is not None else None,
             stdin=subprocess.DEVNULL,
@@ -235,10 +247,23 @@ def ensure_model(model: str | None) -> tuple[str, str | None]:
     return str(make_tiny_model(DEFAULT_MODEL_DIR).resolve()), TINY_SERVED_NAME
 
 
+def engine_cores() -> frozenset[int] | None:
+    """Where local CPU engines run: every core but the last, which stays for the proxy and its
+    clients (None on a single core: nothing to keep apart).
+
+    vLLM's engine-core process spins on sched_yield while its worker computes. On a small VM
+    that spinner starved the timers of other processes on its core for seconds (a 0.5 s sleep
+    in the proxy's process woke 12 s late, so a 0.5 s execution timeout fired after vLLM had
+    finished the request); confined with its engine, it starves nothing else."""
+    allowed = sorted(os.sched_getaffinity(0))
+    return frozenset(allowed[:-1]) if len(allowed) > 1 else None
+
+
 def spread_cores(index: int) -> str | None:
-    """Core for the index-th of several co-located CPU engines (None: leave vLLM's default)."""
-    cores = os.cpu_count() or 1
-    return str(index % cores) if cores > 1 else None
+    """OMP core for the index-th of several co-located CPU engines, among engine_cores()
+    (None: leave vLLM's default)."""
+    cores = engine_cores()
+    return str(sorted(cores)[index % len(cores)]) if cores else None
 
 
 def free_port(host: str = "127.0.0.1") -> int:

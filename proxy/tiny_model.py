@@ -16,7 +16,9 @@ NUM_LAYERS = 2
 NUM_HEADS = 2
 NUM_KV_HEADS = 1
 VOCAB_SIZE = 1024
-MAX_POSITIONS = 4096
+# Long enough that a generation of a whole context holds a vLLM slot for many seconds even on a
+# fast machine (tests and benchmarks need work that is still running when they probe it).
+MAX_POSITIONS = 16384
 SEED = 1234
 
 CHAT_TEMPLATE = (
@@ -35,6 +37,8 @@ _CORPUS_WORDS = (
 )
 
 MARKER_FILE = ".tierproxy-tiny-model"
+# Written into the marker: a model made by an older recipe is made again.
+RECIPE = f"tiny model made by tierproxy: positions={MAX_POSITIONS} layers={NUM_LAYERS}\n"
 
 
 def _corpus() -> list[str]:
@@ -44,18 +48,19 @@ def _corpus() -> list[str]:
 
 
 def is_tiny_model(path: Path) -> bool:
-    return (path / MARKER_FILE).exists() and (path / "config.json").exists()
+    marker = path / MARKER_FILE
+    return marker.exists() and marker.read_text() == RECIPE and (path / "config.json").exists()
 
 
 def make_tiny_model(out_dir: str | Path) -> Path:
     """Write the model to ``out_dir`` (idempotent: an existing complete model is kept)."""
+    out = Path(out_dir)
+    if is_tiny_model(out):
+        return out
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    out = Path(out_dir)
-    if is_tiny_model(out):
-        return out
     out.mkdir(parents=True, exist_ok=True)
 
     special = ["<unk>", "<s>", "</s>", "<pad>"]
@@ -101,5 +106,5 @@ def make_tiny_model(out_dir: str | Path) -> Path:
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": fast.bos_token_id, "eos_token_id": fast.eos_token_id})
     )
-    (out / MARKER_FILE).write_text("tiny model made by tierproxy\n")
+    (out / MARKER_FILE).write_text(RECIPE)
     return out

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.engine import EngineProcess, EngineSpec, free_port, spread_cores, tail
+from proxy.engine import EngineProcess, EngineSpec, engine_cores, free_port, spread_cores, tail
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_MODEL_DIR = REPO / ".tierproxy" / "tiny-model"
@@ -75,6 +75,7 @@ class EngineFarm:
                 extra_args=extra_args,
                 env=env or {},
                 cpu_bind=spread_cores(self.started),
+                cpus=engine_cores(),  # off the core of this process, which runs the proxy
             )
             self.started += 1
             engine = EngineProcess(spec, self.log_dir / f"vllm-{name}-{spec.port}.log").start()

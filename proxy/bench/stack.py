@@ -19,7 +19,15 @@ from typing import IO
 
 from proxy.bench.proxy_config import proxy_config, write_proxy_config
 from proxy.bench.scenario import Scenario
-from proxy.engine import EngineProcess, EngineSpec, ensure_model, free_port, http_ok, tail
+from proxy.engine import (
+    EngineProcess,
+    EngineSpec,
+    engine_cores,
+    ensure_model,
+    free_port,
+    http_ok,
+    tail,
+)
 from proxy.ticket import DEFAULT_SECRET_ENV
 
 
@@ -65,6 +73,7 @@ class LocalStack:
         spec = EngineSpec(
             port=free_port(), model=model, served_name=served, max_num_seqs=self.max_num_seqs,
             plugin=self.plugin, extra_args=self.engine_args, env={env_name: secret},
+            cpus=engine_cores(),  # the last core stays for the proxy and the load generator
         )
         self.engine = EngineProcess(spec, self.out_dir / "vllm.log")
         print(f"starting vLLM on {spec.url} (log {self.engine.log_path})", file=sys.stderr)
