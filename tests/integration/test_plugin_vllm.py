@@ -107,7 +107,6 @@ async def test_high_tier_preempts_long_low_tier_generations(
             assert (low.finish_reason, low.completion_tokens) == ("length", LOW_TOKENS)
 
 
-@pytest.mark.xfail(strict=False, reason="open problem (next session): the precondition (four 4000-token low-tier generations still running when the probe arrives) does not hold on a quiet CI machine, where the tiny model finishes them too fast (CI dry runs on 2026-11-30); needs a longer-context tiny model. The behaviour itself was shown by the same test on loaded runs and by benchmarks/plugin_bench.py.")
 async def test_forged_or_unsigned_priority_gains_nothing(plugin: EngineProcess) -> None:
     outcome = await sc.forged_scenario(plugin.spec.url, KEY)
     control = outcome.control
@@ -124,7 +123,6 @@ async def test_forged_or_unsigned_priority_gains_nothing(plugin: EngineProcess) 
     assert outcome.preemptions == 1
 
 
-@pytest.mark.xfail(strict=False, reason="open problem (next session): the precondition (four 4000-token low-tier generations still running when the probe arrives) does not hold on a quiet CI machine, where the tiny model finishes them too fast (CI dry runs on 2026-11-30); needs a longer-context tiny model. The behaviour itself was shown by the same test on loaded runs and by benchmarks/plugin_bench.py.")
 async def test_request_whose_deadline_passes_while_waiting_never_runs(
     plugin: EngineProcess,
 ) -> None:
