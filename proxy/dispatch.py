@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from proxy.admission import AdmissionQueue, QueuedRequest
 from proxy.backends import BackendPool, BackendState
 from proxy.metrics import ProxyMetrics
+from proxy.tasks import OwnedTask
 
 # While something waits and room depends on time (ejection backoff, ramp), look again this often.
 _RECHECK_S = 0.1
@@ -56,17 +57,13 @@ class Dispatcher:
         self.metrics = metrics
         self.clock = clock
         self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
+        self._task = OwnedTask("tierproxy-dispatcher")
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="tierproxy-dispatcher")
+        self._task.start(self._run)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._task.stop()
 
     def kick(self) -> None:
         self._wake.set()

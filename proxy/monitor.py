@@ -7,7 +7,6 @@ the probes of the others.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -17,6 +16,7 @@ import orjson
 
 from proxy.backends import BackendPool, BackendState, parse_vllm_load
 from proxy.metrics import ProxyMetrics
+from proxy.tasks import OwnedTask
 
 log = logging.getLogger("tierproxy.monitor")
 
@@ -35,19 +35,15 @@ class BackendMonitor:
         self.metrics = metrics
         self.on_change = on_change
         self.clock = clock
-        self._task: asyncio.Task[None] | None = None
+        self._task = OwnedTask("tierproxy-backend-monitor")
         self._last_health: dict[str, float] = {}
         self._last_models: dict[str, float] = {}
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="tierproxy-backend-monitor")
+        self._task.start(self._run)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._task.stop()
 
     async def _run(self) -> None:
         while True:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from proxy.config import ConfigError, LoadedConfig, load_config
 from proxy.metrics import ProxyMetrics
+from proxy.tasks import OwnedTask
 
 log = logging.getLogger("tierproxy.reload")
 
@@ -35,7 +36,7 @@ class ConfigWatcher:
         self.metrics = metrics
         self.interval_s = interval_s
         self._digest = self._read_digest()
-        self._task: asyncio.Task[None] | None = None
+        self._task = OwnedTask("tierproxy-config-watcher")
         self._lock = asyncio.Lock()
         self._sighup_installed = False
 
@@ -50,17 +51,13 @@ class ConfigWatcher:
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
             self._sighup_installed = True
-        self._task = asyncio.create_task(self._poll(), name="tierproxy-config-watcher")
+        self._task.start(self._poll)
 
     async def stop(self) -> None:
         if self._sighup_installed:
             with contextlib.suppress(Exception):
                 asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._task.stop()
 
     def _on_sighup(self) -> None:
         log.info("SIGHUP: reloading %s", self.path)
