@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -21,6 +22,7 @@ class State(Enum):
     DISPATCHED = "dispatched"
     REMOVED = "removed"  # the client left or the handler gave up
     EXPIRED = "expired"  # waited past its tier's queue timeout
+    DISPLACED = "displaced"  # pushed out of a full tier by a tenant with a smaller share
 
 
 @dataclass(frozen=True)
@@ -53,10 +55,11 @@ class QueuedRequest:
 
 
 class QueueFull(Exception):
-    def __init__(self, tier: str, depth: int) -> None:
+    def __init__(self, tier: str, depth: int, *, displaced: bool = False) -> None:
         super().__init__(f"tier {tier!r} queue is full ({depth})")
         self.tier = tier
         self.depth = depth
+        self.displaced = displaced  # it had been queued, then made room for a smaller tenant
 
 
 class UnknownTier(KeyError):
@@ -87,6 +90,9 @@ class AdmissionQueue:
         # tier -> tenant -> heap of (key, seq, request); removed entries are dropped lazily.
         self._heaps: dict[str, dict[str, list[_Entry]]] = {t: {} for t in tiers}
         self._tenant_depth: dict[tuple[str, str], int] = {}
+        # (tier, tenant) -> its requests in arrival order, to find its newest; stale entries
+        # are dropped lazily (a request leaves within its queue timeout, so this stays bounded).
+        self._arrivals: dict[tuple[str, str], deque[QueuedRequest]] = {}
         self._tier_depth: dict[str, int] = {t: 0 for t in tiers}
         self._deadlines: list[tuple[float, int, QueuedRequest]] = []
 
@@ -132,13 +138,26 @@ class AdmissionQueue:
         return self._deadlines[0][0] if self._deadlines else None
 
     # -- changes -------------------------------------------------------------------------
-    def push(self, req: QueuedRequest, now: float, *, force: bool = False) -> None:
-        """Queue a request; raises QueueFull when the tier is at its cap (unless ``force``,
-        used to put back a request that was already admitted once, e.g. for failover)."""
+    def push(
+        self, req: QueuedRequest, now: float, *, force: bool = False
+    ) -> QueuedRequest | None:
+        """Queue a request (``force``: past the cap, for one already admitted once, e.g. on
+        failover).
+
+        A full tier makes room when one tenant holds a bigger share of it (queued requests
+        over tenant weight) than the newcomer's tenant would: that tenant's newest request
+        is displaced and returned, for its client to get the 429 instead (longest-queue
+        drop), so that a flooding tenant cannot lock the others out of their tier. Otherwise
+        QueueFull."""
         limits = self.limits(req.tier)
         depth = self._tier_depth[req.tier]
+        displaced = None
         if not force and depth >= limits.max_queue:
-            raise QueueFull(req.tier, depth)
+            displaced = self._displaceable_for(req)
+            if displaced is None:
+                raise QueueFull(req.tier, depth)
+            self._forget(displaced, State.DISPLACED)
+            depth -= 1
         req.seq = next(self._seq)
         req.key = short_first_key(
             req.cost, req.arrival_s, reference_tokens=self.reference_tokens, aging_s=self.aging_s
@@ -152,8 +171,13 @@ class AdmissionQueue:
             self.fairness.activate(req.tenant, self.backlogged_tenants(req.tier))
         heapq.heappush(self._heaps[req.tier].setdefault(req.tenant, []), (req.key, req.seq, req))
         heapq.heappush(self._deadlines, (req.deadline_s, req.seq, req))
+        arrivals = self._arrivals.setdefault(tenant_key, deque())
+        while arrivals and arrivals[0].state is not State.QUEUED:
+            arrivals.popleft()
+        arrivals.append(req)
         self._tier_depth[req.tier] = depth + 1
         self._tenant_depth[tenant_key] = self._tenant_depth.get(tenant_key, 0) + 1
+        return displaced
 
     def remove(self, req: QueuedRequest) -> bool:
         """Take a still-queued request out (client left); False if it is no longer queued."""
@@ -202,6 +226,24 @@ class AdmissionQueue:
                         yield req
 
     # -- internals -----------------------------------------------------------------------
+    def _displaceable_for(self, req: QueuedRequest) -> QueuedRequest | None:
+        """The newest request of the tenant holding the largest weighted share of the tier,
+        if that share exceeds what the newcomer's tenant would hold with one more."""
+        mine = self._tenant_depth.get((req.tier, req.tenant), 0) + 1
+        my_share = mine / req.tenant_weight
+        best: tuple[float, deque[QueuedRequest]] | None = None
+        for (tier, tenant), depth in self._tenant_depth.items():
+            if tier != req.tier or tenant == req.tenant or depth == 0:
+                continue
+            arrivals = self._arrivals[(tier, tenant)]
+            while arrivals[-1].state is not State.QUEUED:
+                arrivals.pop()
+            # Strictly more than the newcomer's even after losing one: no ping-pong.
+            share = (depth - 1) / arrivals[-1].tenant_weight
+            if share >= my_share and (best is None or share > best[0]):
+                best = (share, arrivals)
+        return best[1].pop() if best is not None else None
+
     def _pop_from_tier(
         self, tier: str, accept: Callable[[QueuedRequest], bool] | None
     ) -> QueuedRequest | None:
@@ -230,6 +272,7 @@ class AdmissionQueue:
             del self._tenant_depth[tenant_key]
             # The heap holds only stale entries now; drop it so memory follows the backlog.
             self._heaps[req.tier].pop(req.tenant, None)
+            self._arrivals.pop(tenant_key, None)
 
     def _drop_stale_deadlines(self) -> None:
         while self._deadlines and self._deadlines[0][2].state is not State.QUEUED:

@@ -373,6 +373,8 @@ async def _wait_for_turn(state: ProxyState, queued: QueuedRequest, *, force: boo
         # The dispatcher resolves the waiter by the queue deadline; the guard is a backstop.
         async with asyncio.timeout(limits.queue_timeout_s + 5.0):
             return await waiter
+    except QueueFull:  # displaced by a tenant with a smaller share of the full tier
+        raise queue_full(queued.tier, _retry_after(state, queued.tier), displaced=True) from None
     except QueueTimeoutError as exc:
         raise queue_timeout(queued.tier, exc.waited_s, _retry_after(state, queued.tier)) from None
     except TimeoutError:

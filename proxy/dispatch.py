@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from proxy.admission import AdmissionQueue, QueuedRequest
+from proxy.admission import AdmissionQueue, QueuedRequest, QueueFull
 from proxy.backends import BackendPool, BackendState
 from proxy.metrics import ProxyMetrics
 from proxy.tasks import OwnedTask
@@ -70,12 +70,20 @@ class Dispatcher:
 
     def enqueue(self, req: QueuedRequest, *, force: bool = False) -> asyncio.Future[Lease]:
         """Queue a request (QueueFull propagates) and return the future of its lease, which is
-        already resolved when a backend had room: dispatch happens here, synchronously."""
+        already resolved when a backend had room: dispatch happens here, synchronously. A
+        request it displaces from a full tier gets QueueFull through its own future."""
         req.waiter = asyncio.get_running_loop().create_future()
         limits = self.queue.limits(req.tier)
         if not force and self.queue.depth(req.tier) >= limits.max_queue:
             self.dispatch_ready()  # room may have appeared since (ramp, probe): use it first
-        self.queue.push(req, self.clock(), force=force)
+        displaced = self.queue.push(req, self.clock(), force=force)
+        if displaced is not None:
+            self.metrics.queue_wait.labels(displaced.tier).observe(
+                self.clock() - displaced.arrival_s
+            )
+            if displaced.waiter is not None and not displaced.waiter.done():
+                depth = self.queue.depth(displaced.tier)
+                displaced.waiter.set_exception(QueueFull(displaced.tier, depth, displaced=True))
         self.dispatch_ready()
         self.metrics.queue_depth.labels(req.tier).set(self.queue.depth(req.tier))
         waiter: asyncio.Future[Lease] = req.waiter

@@ -69,10 +69,11 @@ def unauthorized() -> ProxyError:
     )
 
 
-def queue_full(tier: str, retry_after_s: float) -> ProxyError:
+def queue_full(tier: str, retry_after_s: float, *, displaced: bool = False) -> ProxyError:
+    why = " and your tenant held the largest share of it" if displaced else ""
     return ProxyError(
         429,
-        f"The {tier} tier's queue is full; retry later.",
+        f"The {tier} tier's queue is full{why}; retry later.",
         type="rate_limit_error",
         code="queue_full",
         retry_after_s=retry_after_s,

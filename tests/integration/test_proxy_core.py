@@ -12,6 +12,8 @@ import orjson
 import pytest
 from proxyrun import auth, make_config, running_proxy, until
 
+from proxy.config import hash_key
+
 pytestmark = pytest.mark.integration
 # The tiny model's whole context: a "long" request then holds its slot for 15 s or more even on
 # a quiet machine (the tiny model generates ~900 tokens/s), so tests do not race it. Tests
@@ -93,21 +95,22 @@ async def test_high_tier_overtakes_40_queued_low_requests(engines) -> None:  # t
     assert max(r["done_at"] for r in low_results) > high["done_at"]
 
 
-async def test_queue_full_is_an_immediate_429_with_retry_after(engines) -> None:  # type: ignore[no-untyped-def]
+async def test_queue_full_is_an_immediate_429_and_no_tenant_locks_others_out(engines) -> None:  # type: ignore[no-untyped-def]
     engine = engines.get("proxy-core", extra_args=LONG)
+    tenants = make_config([])["tenants"] + [
+        {"name": "batch-b", "tier": "low", "keys": [{"sha256": hash_key("key-batch-b")}]}]
     cfg = make_config([{"url": engine.spec.url, "max_inflight": 1}],
-                      tiers={"low": {"max_queue": 3}})
+                      tiers={"low": {"max_queue": 3}}, tenants=tenants)
     async with running_proxy(cfg) as (base, state), aiohttp.ClientSession(timeout=TIMEOUT) as s:
-        async def post(max_tokens: int) -> aiohttp.ClientResponse:
+        async def post(max_tokens: int, headers: dict[str, str]) -> tuple[int, dict[str, Any]]:
             async with s.post(f"{base}/v1/chat/completions", json=_chat(max_tokens),
-                              headers=auth("low")) as r:
-                await r.read()
-                return r
-        # One long request holds the only slot; three more wait (the cap).
+                              headers=headers) as r:
+                return r.status, await r.json()
+        # One long request holds the only slot; three more of one tenant wait (the cap).
         holder = await s.post(f"{base}/v1/chat/completions", json=_chat(LONG_TOKENS, stream=True),
                               headers=auth("low"))
         await holder.content.readline()
-        started = [asyncio.create_task(post(8)) for _ in range(3)]
+        started = [asyncio.create_task(post(8, auth("low"))) for _ in range(3)]
         await until(lambda: state.queue.depth("low") == 3, what="3 queued low requests", state=state)
         t0 = time.monotonic()
         async with s.post(f"{base}/v1/chat/completions", json=_chat(4), headers=auth("low")) as r:
@@ -115,11 +118,21 @@ async def test_queue_full_is_an_immediate_429_with_retry_after(engines) -> None:
             assert r.status == 429 and int(r.headers["Retry-After"]) >= 1
         assert time.monotonic() - t0 < 0.5
         assert body["error"]["code"] == "queue_full" and body["error"]["type"] == "rate_limit_error"
+        # Another tenant of the full tier still gets in: the tenant holding the whole queue
+        # loses its newest request (a 429 for that client) instead.
+        other = asyncio.create_task(post(4, {"Authorization": "Bearer key-batch-b"}))
+        await until(lambda: any(t.done() for t in started), 5, "a request displaced", state)
+        assert state.queue.depth("low") == 3
         holder.close()  # the slot frees: the queued requests run
         # Another tier is not affected by the low tier's cap.
         async with s.post(f"{base}/v1/chat/completions", json=_chat(2), headers=auth("high")) as r:
             assert r.status == 200
-        assert [r.status for r in await asyncio.gather(*started)] == [200] * 3
+        results = await asyncio.gather(*started)
+        assert sorted(status for status, _ in results) == [200, 200, 429]
+        displaced = next(body for status, body in results if status == 429)
+        assert displaced["error"]["code"] == "queue_full"
+        assert "largest share" in displaced["error"]["message"]
+        assert (await other)[0] == 200
         assert len(state.queue) == 0
 
 

@@ -109,3 +109,55 @@ def test_reconfigure_changes_caps_and_keeps_draining_removed_tier() -> None:
         q.push(_req("high", clock), clock())
     # The low tier left the config but its request is still served.
     assert {q.pop().tier, q.pop().tier} == {"high", "low"}  # type: ignore[union-attr]
+
+
+def _fill(q: AdmissionQueue, clock: FakeClock, tier: str, tenant: str, n: int,
+          weight: float = 1.0) -> list[QueuedRequest]:
+    reqs = []
+    for _ in range(n):
+        r = _req(tier, clock, tenant)
+        r.tenant_weight = weight
+        assert q.push(r, clock()) is None
+        reqs.append(r)
+        clock.now += 0.1
+    return reqs
+
+
+def test_full_tier_displaces_the_newest_of_the_tenant_holding_most_of_it() -> None:
+    clock, q = FakeClock(), _queue()
+    heavy = _fill(q, clock, "high", "heavy", 3)  # the whole cap
+    light = _req("high", clock, "light")
+    displaced = q.push(light, clock())
+    assert displaced is heavy[-1] and displaced.state is State.DISPLACED
+    assert q.depth("high") == 3 and light.state is State.QUEUED
+    # Nothing displaced is handed out later, and the rest is all there.
+    popped = [q.pop(), q.pop(), q.pop()]
+    assert set(map(id, popped)) == {id(heavy[0]), id(heavy[1]), id(light)} and q.pop() is None
+
+
+def test_full_tier_refuses_the_tenant_holding_most_of_it_and_equal_shares() -> None:
+    clock, q = FakeClock(), _queue()
+    _fill(q, clock, "high", "heavy", 2)
+    _fill(q, clock, "high", "light", 1)
+    with pytest.raises(QueueFull):  # the flooding tenant itself
+        q.push(_req("high", clock, "heavy"), clock())
+    with pytest.raises(QueueFull):  # 2 vs 1+1: displacing would only swap the imbalance
+        q.push(_req("high", clock, "light"), clock())
+    assert q.depth("high") == 3
+
+
+def test_displacement_weighs_shares_by_tenant_weight() -> None:
+    clock, q = FakeClock(), _queue()
+    _fill(q, clock, "high", "big", 3, weight=4.0)  # 3 queued for weight 4: under its share
+    small = _req("high", clock, "small")
+    with pytest.raises(QueueFull):
+        q.push(small, clock())
+
+
+def test_displaced_requests_leave_no_trace_behind() -> None:
+    clock, q = FakeClock(), _queue()
+    for _ in range(50):  # a flood keeps being displaced by arrivals of other tenants
+        _fill(q, clock, "low", "heavy", 2 - q.depth("low"))
+        q.push(_req("low", clock, "light"), clock())
+        assert q.pop() is not None and q.pop() is not None
+    assert len(q) == 0 and not q._arrivals and not q._tenant_depth

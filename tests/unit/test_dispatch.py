@@ -83,3 +83,20 @@ async def test_dispatcher_task_wakes_for_deadlines_and_stops_cleanly() -> None:
     with pytest.raises(QueueTimeoutError):
         await asyncio.wait_for(waiting, 1.0)
     await d.stop()
+
+
+async def test_a_displaced_waiter_gets_queue_full_and_its_slot_goes_to_the_newcomer() -> None:
+    clock = FakeClock()
+    d = _dispatcher(slots=1, cap=2, clock=clock)
+    running = d.enqueue(_req("low", clock))
+    flood = [d.enqueue(_req("low", clock)) for _ in range(2)]
+    other = _req("low", clock)
+    other.tenant = "other"
+    mine = d.enqueue(other)
+    with pytest.raises(QueueFull) as exc:
+        flood[-1].result()
+    assert exc.value.displaced and not flood[0].done() and not mine.done()
+    running.result().release()
+    running2 = flood[0] if flood[0].done() else mine
+    running2.result().release()
+    assert flood[0].done() and mine.done() and len(d.queue) == 0
