@@ -228,7 +228,8 @@ class AdmissionQueue:
     # -- internals -----------------------------------------------------------------------
     def _displaceable_for(self, req: QueuedRequest) -> QueuedRequest | None:
         """The newest request of the tenant holding the largest weighted share of the tier,
-        if that share exceeds what the newcomer's tenant would hold with one more."""
+        if that share, less that request, is still at least what the newcomer's tenant would
+        hold with one more."""
         mine = self._tenant_depth.get((req.tier, req.tenant), 0) + 1
         my_share = mine / req.tenant_weight
         best: tuple[float, deque[QueuedRequest]] | None = None
@@ -238,7 +239,7 @@ class AdmissionQueue:
             arrivals = self._arrivals[(tier, tenant)]
             while arrivals[-1].state is not State.QUEUED:
                 arrivals.pop()
-            # Strictly more than the newcomer's even after losing one: no ping-pong.
+            # Compared after losing one: a swap never just reverses the imbalance (ping-pong).
             share = (depth - 1) / arrivals[-1].tenant_weight
             if share >= my_share and (best is None or share > best[0]):
                 best = (share, arrivals)

@@ -31,8 +31,6 @@ PLUGIN_ARGS: tuple[str, ...] = (
     "--scheduler-cls",
     "proxy.vllm_plugin.scheduler.TierScheduler",
 )
-
-
 PRIORITY_ARGS: tuple[str, ...] = ("--scheduling-policy", "priority")
 
 
