@@ -25,7 +25,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from proxyrun import SECRET, auth, make_config
+from tests.proxyrun import SECRET, auth, make_config
 
 from proxy.engine import (
     EngineProcess,

@@ -10,8 +10,8 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
-from fakes import dies_mid_stream_backend, hung_backend
-from proxyrun import auth, make_config, running_proxy, until
+from tests.fakes import dies_mid_stream_backend, hung_backend
+from tests.proxyrun import auth, make_config, running_proxy, until
 
 pytestmark = pytest.mark.integration
 TIMEOUT = aiohttp.ClientTimeout(total=180)

@@ -10,7 +10,7 @@ import aiohttp
 import openai
 import orjson
 import pytest
-from proxyrun import auth, make_config, running_proxy, until
+from tests.proxyrun import auth, make_config, running_proxy, until
 
 from proxy.config import hash_key
 

@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
-from proxyrun import KEYS, auth, make_config, running_proxy
+from tests.proxyrun import KEYS, auth, make_config, running_proxy
 
 pytestmark = pytest.mark.integration
 TIMEOUT = aiohttp.ClientTimeout(total=180)

@@ -1,14 +1,7 @@
 import pytest
 
 from proxy.admission import AdmissionQueue, QueuedRequest, QueueFull, State, TierLimits
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.clock import FakeClock
 
 
 def _queue() -> AdmissionQueue:

@@ -11,14 +11,7 @@ from proxy.backends import BackendPool
 from proxy.config import Backend, BackendHealth
 from proxy.dispatch import Dispatcher, Lease, QueueTimeoutError
 from proxy.metrics import ProxyMetrics
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.clock import FakeClock
 
 
 def _dispatcher(slots: int, cap: int, clock: FakeClock) -> Dispatcher:
