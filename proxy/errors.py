@@ -60,6 +60,41 @@ def bad_request(message: str, *, param: str | None = None, code: str | None = No
     return ProxyError(400, message, param=param, code=code)
 
 
+def too_large(limit: int) -> ProxyError:
+    return ProxyError(
+        413, f"The request body is larger than {limit} bytes.", code="request_too_large"
+    )
+
+
+def model_not_found(model: str | None) -> ProxyError:
+    return ProxyError(
+        404,
+        f"The model `{model}` does not exist.",
+        type="NotFoundError",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def unknown_url(method: str, path: str) -> ProxyError:
+    return ProxyError(
+        404,
+        f"{method} {path} is not served by tierproxy; it serves"
+        " /v1/chat/completions, /v1/completions and /v1/models.",
+        code="unknown_url",
+    )
+
+
+def admin_disabled() -> ProxyError:
+    return ProxyError(
+        404, "The admin API is off (no admin_keys in the config).", code="admin_disabled"
+    )
+
+
+def unknown_backend(url: str) -> ProxyError:
+    return ProxyError(404, f"No backend {url!r}", code="unknown_backend")
+
+
 def unauthorized() -> ProxyError:
     return ProxyError(
         401,
@@ -113,6 +148,28 @@ def execution_timeout(limit_s: float) -> ProxyError:
 def no_backend(message: str) -> ProxyError:
     return ProxyError(
         503, message, type="server_error", code="backend_unavailable", retry_after_s=1
+    )
+
+
+def backend_overloaded() -> ProxyError:
+    """Every attempt met a backend answering 503 (vLLM's own overload answer)."""
+    return ProxyError(
+        503,
+        "Every backend tried is overloaded; retry later.",
+        type="server_error",
+        code="backend_overloaded",
+        retry_after_s=1,
+    )
+
+
+def config_changed() -> ProxyError:
+    """A reload removed the request's tier between its admission and its queueing."""
+    return ProxyError(
+        503,
+        "The service's configuration changed; retry.",
+        type="server_error",
+        code="config_changed",
+        retry_after_s=1,
     )
 
 

@@ -20,6 +20,7 @@ import orjson
 from aiohttp import web
 
 from proxy.errors import ProxyError, execution_timeout, upstream_failed
+from proxy.outcome import Outcome
 
 DONE_EVENT = b"data: [DONE]\n\n"
 
@@ -42,7 +43,7 @@ class RelayResult:
     """What the caller needs for accounting and metrics."""
 
     response: web.StreamResponse
-    outcome: str  # ok | backend_error | upstream_error | timeout | client_gone
+    outcome: Outcome  # ok | backend_error | client_error | upstream_error | timeout | client_gone
     status: int
     usage: dict[str, Any] | None = None
     first_token_at: float | None = None
@@ -122,7 +123,9 @@ async def _relay_whole(
         usage = _usage_of(body)
     out = web.Response(status=resp.status, body=body, headers=_response_headers(resp))
     outcome = (
-        "ok" if resp.status < 400 else ("backend_error" if resp.status >= 500 else "client_error")
+        Outcome.OK
+        if resp.status < 400
+        else (Outcome.BACKEND_ERROR if resp.status >= 500 else Outcome.CLIENT_ERROR)
     )
     return RelayResult(out, outcome, resp.status, usage=usage, backend_failed=resp.status >= 500)
 
@@ -177,7 +180,7 @@ async def _relay_stream(
     out = web.StreamResponse(status=200, headers=_response_headers(resp))
     out.headers["Content-Type"] = "text/event-stream"
     out.headers["Cache-Control"] = "no-cache"
-    result = RelayResult(out, "ok", 200, first_token_at=now())
+    result = RelayResult(out, Outcome.OK, 200, first_token_at=now())
     try:
         await out.prepare(request)
         event: bytes | None = first
@@ -194,27 +197,27 @@ async def _relay_stream(
             async with asyncio.timeout_at(call.deadline):
                 event = await anext(events, None)
         if not saw_done:
-            result.outcome, result.backend_failed = "upstream_error", True
+            result.outcome, result.backend_failed = Outcome.UPSTREAM_ERROR, True
             await out.write(
                 upstream_failed("The backend ended the stream without [DONE].").sse_event()
             )
     except TimeoutError:
-        result.outcome = "timeout"
+        result.outcome = Outcome.TIMEOUT
         await _try_write(out, execution_timeout(call.timeout_s))
     except (
         aiohttp.ClientPayloadError,
         aiohttp.ServerDisconnectedError,
         aiohttp.ClientOSError,
     ) as exc:
-        result.outcome, result.backend_failed = "upstream_error", True
+        result.outcome, result.backend_failed = Outcome.UPSTREAM_ERROR, True
         await _try_write(out, upstream_failed(f"The backend failed mid-stream: {exc}"))
     except (ConnectionResetError, aiohttp.ClientConnectionResetError):
-        result.outcome = "client_gone"
-    if result.outcome != "client_gone":
+        result.outcome = Outcome.CLIENT_GONE
+    if result.outcome != Outcome.CLIENT_GONE:
         try:
             await out.write_eof()
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
-            result.outcome = "client_gone"
+            result.outcome = Outcome.CLIENT_GONE
     return result
 
 

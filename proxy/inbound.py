@@ -6,18 +6,22 @@ Clients can never raise their own priority: the body's ``priority`` and ``vllm_x
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import orjson
+from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from proxy.config import Limits, Scheduling, Tier
-from proxy.errors import ProxyError, bad_request
+from proxy.config import Limits, LoadedConfig, Scheduling, Tenant, Tier
+from proxy.errors import admin_disabled, bad_request, too_large, unauthorized
 
 Endpoint = Literal["chat", "completions"]
+
+BODY_READ_TIMEOUT_S = 30.0
 
 STRIPPED_BODY_FIELDS = ("priority", "vllm_xargs")
 STRIPPED_HEADER_PREFIXES = ("x-vllm-", "x-tierproxy-")
@@ -48,6 +52,37 @@ def api_key_from(headers: Mapping[str, str]) -> str | None:
         return token.strip()
     key = headers.get("api-key", "").strip()
     return key or None
+
+
+def authenticate(headers: Mapping[str, str], loaded: LoadedConfig) -> Tenant:
+    """The tenant whose key the request carries, or 401."""
+    key = api_key_from(headers)
+    tenant = loaded.tenant_for_key(key) if key else None
+    if tenant is None:
+        raise unauthorized()
+    return tenant
+
+
+def authenticate_admin(headers: Mapping[str, str], loaded: LoadedConfig) -> None:
+    """Pass an admin key, or 404 when the admin API is off, or 401."""
+    if not loaded.admin_key_hashes:
+        raise admin_disabled()
+    key = api_key_from(headers)
+    if key is None or not loaded.is_admin_key(key):
+        raise unauthorized()
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it passes ``limit`` (never read whole first)."""
+    if request.content_length is not None and request.content_length > limit:
+        raise too_large(limit)
+    body = bytearray()
+    async with asyncio.timeout(BODY_READ_TIMEOUT_S):
+        async for chunk in request.content.iter_chunked(64 * 1024):
+            body += chunk
+            if len(body) > limit:
+                raise too_large(limit)
+    return bytes(body)
 
 
 def upstream_headers(client_headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
@@ -208,8 +243,3 @@ def _clamped_max_tokens(body: dict[str, Any], tier: Tier, limits: Limits) -> int
             body["max_tokens"] = chosen
     return chosen
 
-
-def too_large(limit: int) -> ProxyError:
-    return ProxyError(
-        413, f"The request body is larger than {limit} bytes.", code="request_too_large"
-    )

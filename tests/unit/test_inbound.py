@@ -2,9 +2,15 @@ import orjson
 import pytest
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from proxy.config import Limits, Scheduling, Tier
+from proxy.config import Limits, LoadedConfig, Scheduling, Tier, hash_key, parse_config
 from proxy.errors import ProxyError
-from proxy.inbound import api_key_from, parse_body, upstream_headers
+from proxy.inbound import (
+    api_key_from,
+    authenticate,
+    authenticate_admin,
+    parse_body,
+    upstream_headers,
+)
 
 HIGH = Tier(priority=0, weight=10, max_queue=10, queue_timeout_s=10, request_timeout_s=60)
 LOW = Tier(priority=10, weight=1, max_queue=10, queue_timeout_s=10, request_timeout_s=60, max_tokens=100)
@@ -93,3 +99,34 @@ def test_api_key_sources() -> None:
     assert api_key_from({"Authorization": "Basic abc"}) is None
     assert api_key_from({"Authorization": "Bearer "}) is None
     assert api_key_from({}) is None
+
+
+def _loaded(admin: bool) -> LoadedConfig:
+    tenants = [{"name": "t", "tier": "high", "keys": [{"sha256": hash_key("tenant-key")}]}]
+    admin_keys = [{"sha256": hash_key("admin-key")}] if admin else []
+    config = {
+        "tiers": {"high": HIGH.model_dump()},
+        "tenants": tenants,
+        "backends": [{"url": "http://127.0.0.1:1"}],
+        "admin_keys": admin_keys,
+    }
+    return parse_config(orjson.dumps(config).decode())  # JSON is YAML
+
+
+def test_authenticate_finds_the_tenant_or_refuses() -> None:
+    loaded = _loaded(admin=True)
+    assert authenticate({"Authorization": "Bearer tenant-key"}, loaded).name == "t"
+    for headers in ({}, {"Authorization": "Bearer admin-key"}, {"api-key": "other"}):
+        with pytest.raises(ProxyError) as exc:
+            authenticate(headers, loaded)
+        assert exc.value.status == 401 and exc.value.code == "invalid_api_key"
+
+
+def test_authenticate_admin() -> None:
+    authenticate_admin({"api-key": "admin-key"}, _loaded(admin=True))
+    with pytest.raises(ProxyError) as exc:
+        authenticate_admin({"api-key": "tenant-key"}, _loaded(admin=True))
+    assert exc.value.status == 401
+    with pytest.raises(ProxyError) as exc:
+        authenticate_admin({"api-key": "admin-key"}, _loaded(admin=False))
+    assert exc.value.status == 404 and exc.value.code == "admin_disabled"

@@ -1,0 +1,79 @@
+"""The admin API: see the backends, drain one (in-flight work finishes) or take it back."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+import orjson
+from aiohttp import web
+
+from proxy.backends import BackendState
+from proxy.errors import ProxyError, bad_request, unknown_backend
+from proxy.inbound import BODY_READ_TIMEOUT_S, authenticate_admin
+
+if TYPE_CHECKING:
+    from proxy.app import ProxyState
+
+log = logging.getLogger("tierproxy")
+
+
+class AdminEndpoints:
+    def __init__(self, state: ProxyState) -> None:
+        self.state = state
+
+    async def backends(self, request: web.Request) -> web.Response:
+        try:
+            authenticate_admin(request.headers, self.state.loaded)
+        except ProxyError as err:
+            return err.response()
+        views = [self.backend_view(b) for b in self.state.pool.all()]
+        return web.json_response({"backends": views})
+
+    async def drain(self, request: web.Request) -> web.Response:
+        """``{"url": ..., "drain": true|false}``: stop new work to a backend, or take it back."""
+        try:
+            authenticate_admin(request.headers, self.state.loaded)
+            url, drain = await _drain_request(request)
+        except ProxyError as err:
+            return err.response()
+        backend = self.state.pool.drain(url, drain)
+        if backend is None:
+            return unknown_backend(url).response()
+        log.warning(
+            "admin: backend %s %s", backend.label, "draining" if drain else "back in service"
+        )
+        self.state.dispatcher.kick()
+        return web.json_response(self.backend_view(backend))
+
+    def backend_view(self, backend: BackendState) -> dict[str, object]:
+        now = self.state.clock()
+        load = backend.load
+        return {
+            "url": backend.cfg.url,
+            "name": backend.label,
+            "available": backend.available(now),
+            "healthy": backend.healthy,
+            "draining": backend.draining,
+            "ejected_for_s": max(0.0, backend.ejected_until - now),
+            "inflight": backend.inflight,
+            "max_inflight": backend.cfg.max_inflight,
+            "dispatched_total": backend.dispatched_total,
+            "models": sorted(backend.models) if backend.models is not None else None,
+            "vllm_waiting": load.waiting if load else None,
+            "vllm_running": load.running if load else None,
+            "metrics_age_s": now - load.at if load else None,
+        }
+
+
+async def _drain_request(request: web.Request) -> tuple[str, bool]:
+    try:
+        async with asyncio.timeout(BODY_READ_TIMEOUT_S):
+            body = orjson.loads(await request.read())
+        url, drain = body["url"], body.get("drain", True)
+        if not isinstance(url, str) or not isinstance(drain, bool):
+            raise TypeError
+    except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
+        raise bad_request('Send {"url": "<backend url>", "drain": true|false}') from None
+    return url, drain

@@ -1,0 +1,377 @@
+"""The path of a generation request, one named step per method, in request order:
+
+authenticate → parse → tenant limits → queue → dispatch → forward → account → log
+
+``RequestPipeline.handle`` reads top to bottom as that list (the flat ``HandleRequest`` of the
+Gateway API Inference Extension). Every collaborator is injected — the clock, the sleep of the
+tenant-limit wait, the relay, the limits, the queue, the dispatcher, the pool, the metrics — so
+the whole path runs in unit tests against an in-process upstream with a fake clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from proxy.admission import AdmissionQueue, QueuedRequest, QueueFull, UnknownTier
+from proxy.backends import BackendPool
+from proxy.config import Config, LoadedConfig, Tenant
+from proxy.dispatch import Dispatcher, Lease, QueueTimeoutError
+from proxy.errors import (
+    ProxyError,
+    backend_overloaded,
+    config_changed,
+    model_not_found,
+    no_backend,
+    queue_full,
+    queue_timeout,
+    rate_limited,
+)
+from proxy.forward import RelayResult, UpstreamCall, UpstreamUnavailable, relay
+from proxy.inbound import (
+    Endpoint,
+    ParsedRequest,
+    authenticate,
+    parse_body,
+    read_body,
+    upstream_headers,
+)
+from proxy.limits import LimitRegistry
+from proxy.metrics import ProxyMetrics
+from proxy.outcome import Outcome, outcome_of
+from proxy.policy import weighted_tokens
+from proxy.ticket import TICKET_HEADER, Ticket, encode_ticket
+
+log = logging.getLogger("tierproxy")
+access_log = logging.getLogger("tierproxy.access")
+
+# Beyond the queue's own deadline (the dispatcher resolves the waiter by it): a backstop only.
+_DISPATCH_GUARD_S = 5.0
+UPSTREAM_PATHS: dict[Endpoint, str] = {
+    "chat": "/v1/chat/completions",
+    "completions": "/v1/completions",
+}
+
+
+class Relay(Protocol):
+    """The upstream call and the relay of its answer (``proxy.forward.relay``)."""
+
+    async def __call__(
+        self, call: UpstreamCall, request: web.Request, *, stream: bool, now: Callable[[], float]
+    ) -> RelayResult: ...
+
+
+@dataclass
+class Trace:
+    """What the access log needs, whatever step the request ended in."""
+
+    request_id: str
+    arrival: float
+    tenant: Tenant | None = None  # known once authenticated
+    admitted: bool = False  # parsed and its model known
+    outcome: Outcome = Outcome.ERROR
+    status: int = 500
+
+
+@dataclass
+class Admitted:
+    """A request that passed authentication and parsing."""
+
+    config: Config  # the config it was admitted under, kept across reloads
+    tenant: Tenant
+    parsed: ParsedRequest
+    request_id: str
+    arrival: float
+    queued: QueuedRequest = field(init=False)
+    attempts: int = 0  # backends tried so far
+
+    def __post_init__(self) -> None:
+        self.queued = QueuedRequest(
+            tier=self.tier,
+            tenant=self.tenant.name,
+            prompt_tokens=self.parsed.prompt_tokens,
+            expected_output=self.parsed.expected_output,
+            arrival_s=self.arrival,
+            model=self.parsed.model,
+            tenant_weight=self.tenant.weight,
+        )
+
+    @property
+    def tier(self) -> str:
+        return self.tenant.tier
+
+    @property
+    def reserved_tokens(self) -> float:
+        """What the tenant's token limit is charged up front (given back once usage is known)."""
+        return float(self.parsed.prompt_tokens + self.parsed.expected_output)
+
+
+class RequestPipeline:
+    def __init__(
+        self,
+        *,
+        config: Callable[[], LoadedConfig],
+        secret: bytes,
+        clock: Callable[[], float],
+        limits: LimitRegistry,
+        queue: AdmissionQueue,
+        dispatcher: Dispatcher,
+        pool: BackendPool,
+        metrics: ProxyMetrics,
+        session: Callable[[], aiohttp.ClientSession],
+        relay: Relay = relay,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        self.config = config  # the current config; read once per request
+        self.secret = secret
+        self.clock = clock
+        self.limits = limits
+        self.queue = queue
+        self.dispatcher = dispatcher
+        self.pool = pool
+        self.metrics = metrics
+        self.session = session  # exists once the app has started
+        self.relay = relay
+        self.sleep = sleep
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self.handle(request, "chat")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.handle(request, "completions")
+
+    async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+        trace = Trace(uuid.uuid4().hex, self.clock())
+        loaded = self.config()  # one config for the whole request, even if a reload happens
+        try:
+            trace.tenant = authenticate(request.headers, loaded)
+            adm = await self.parse(request, endpoint, loaded.config, trace.tenant, trace)
+            trace.admitted = True
+            await self.pass_tenant_limits(adm)
+            result: RelayResult | None = None
+            try:
+                while result is None:  # None: a backend failed before its first byte, again
+                    lease = await self.dispatch(adm, self.enqueue(adm))
+                    result = await self.forward(request, adm, lease)
+                self.account(adm, result)
+            finally:
+                self.settle_tenant_limits(adm, result)
+            return self.respond(trace, result)
+        except ProxyError as err:
+            return self.refuse(trace, err)
+        except asyncio.CancelledError:
+            trace.outcome, trace.status = Outcome.CLIENT_GONE, 499
+            raise
+        finally:
+            self.log(trace)
+
+    # -- parse ---------------------------------------------------------------------------
+
+    async def parse(
+        self,
+        request: web.Request,
+        endpoint: Endpoint,
+        config: Config,
+        tenant: Tenant,
+        trace: Trace,
+    ) -> Admitted:
+        raw = await read_body(request, config.limits.max_body_bytes)
+        parsed = parse_body(
+            raw, endpoint, config.tiers[tenant.tier], config.limits, config.scheduling
+        )
+        if not self.pool.model_known(parsed.model):
+            raise model_not_found(parsed.model)
+        return Admitted(config, tenant, parsed, trace.request_id, trace.arrival)
+
+    # -- tenant limits -------------------------------------------------------------------
+
+    async def pass_tenant_limits(self, adm: Admitted) -> None:
+        """Take the tenant's rate and concurrency allowance, or wait for it (``on_limit: queue``,
+        within the tier's queue timeout), or refuse with 429 and the exact wait."""
+        tenant = adm.tenant
+        give_up_at = adm.arrival + adm.config.tiers[adm.tier].queue_timeout_s
+        while True:
+            verdict = self.limits.try_admit(tenant.name, adm.reserved_tokens, self.clock())
+            if verdict.allowed:
+                return
+            self.metrics.rate_limited.labels(tenant.name, verdict.limit).inc()
+            wait = verdict.retry_after_s
+            if tenant.on_limit != "queue" or self.clock() + wait > give_up_at:
+                raise rate_limited(verdict.limit, wait)
+            # Not a network wait: the bucket refills on the clock (or a slot frees).
+            await self.sleep(min(wait, 0.25) if verdict.limit == "max_concurrent" else wait)
+
+    def settle_tenant_limits(self, adm: Admitted, result: RelayResult | None) -> None:
+        usage = result.usage if result is not None and result.usage else {}
+        total = usage.get("total_tokens")
+        used = float(total) if isinstance(total, int) else None
+        self.limits.settle(adm.tenant.name, adm.reserved_tokens, used, self.clock())
+
+    # -- queue and dispatch --------------------------------------------------------------
+
+    def enqueue(self, adm: Admitted) -> asyncio.Future[Lease]:
+        """Into the tier's queue; a retry goes back at its old place, past the cap."""
+        try:
+            return self.dispatcher.enqueue(adm.queued, force=adm.attempts > 0)
+        except QueueFull:
+            raise queue_full(adm.tier, self.retry_after(adm.tier)) from None
+        except UnknownTier:
+            # A reload removed the tier between this request's admission and its queueing.
+            raise config_changed() from None
+
+    async def dispatch(self, adm: Admitted, waiter: asyncio.Future[Lease]) -> Lease:
+        """Wait for the dispatcher to hand the request a slot on a backend."""
+        queued = adm.queued
+        # The tier is there: the request was queued without an await since.
+        waited_at_most = self.queue.limits(queued.tier).queue_timeout_s
+        try:
+            async with asyncio.timeout(waited_at_most + _DISPATCH_GUARD_S):
+                return await waiter
+        except QueueFull:  # displaced by a tenant with a smaller share of the full tier
+            raise queue_full(adm.tier, self.retry_after(adm.tier), displaced=True) from None
+        except QueueTimeoutError as exc:
+            raise queue_timeout(adm.tier, exc.waited_s, self.retry_after(adm.tier)) from None
+        except TimeoutError:
+            self.dispatcher.withdraw(queued)
+            raise queue_timeout(adm.tier, waited_at_most, self.retry_after(adm.tier)) from None
+        except asyncio.CancelledError:
+            self.dispatcher.withdraw(queued)
+            raise
+
+    def retry_after(self, tier: str) -> float:
+        """A rough wait before retrying: the tier's backlog over the slots that serve it."""
+        slots = sum(b.cfg.max_inflight for b in self.pool.all()) or 1
+        try:
+            ceiling = self.queue.limits(tier).queue_timeout_s
+        except UnknownTier:
+            return 1.0
+        return max(1.0, min(ceiling, self.queue.depth(tier) / slots))
+
+    # -- forward -------------------------------------------------------------------------
+
+    async def forward(
+        self, request: web.Request, adm: Admitted, lease: Lease
+    ) -> RelayResult | None:
+        """Send the request to the leased backend and relay the answer; None when the backend
+        failed before anything reached the client (retry), 503 once attempts run out."""
+        adm.attempts += 1
+        try:
+            return await self.relay_once(request, adm, lease)
+        except UpstreamUnavailable as exc:
+            self.pool.record_failure(lease.backend, self.clock(), definitive=exc.kind == "connect")
+            self.metrics.backend_errors.labels(lease.backend.label, exc.kind).inc()
+            log.warning(
+                "request %s: backend %s unavailable (%s); attempt %d",
+                adm.request_id,
+                lease.backend.label,
+                exc.kind,
+                adm.attempts,
+            )
+            if adm.attempts >= adm.config.backend_health.max_attempts:
+                raise _give_up(exc) from None
+            # Back into the queue at its old place: another backend takes it, or this one once
+            # its short ejection ends (a single backend's hiccup is no reason to fail).
+            self.metrics.retries.inc()
+            return None
+        finally:
+            lease.release()
+
+    async def relay_once(self, request: web.Request, adm: Admitted, lease: Lease) -> RelayResult:
+        cfg, parsed, tier = adm.config, adm.parsed, adm.config.tiers[adm.tier]
+        body = dict(parsed.body)
+        if lease.backend.cfg.send_priority:
+            body["priority"] = tier.priority
+        ticket = Ticket(
+            tier=adm.tier,
+            priority=tier.priority,
+            tenant=adm.tenant.name,
+            deadline=time.time() + tier.request_timeout_s,
+            prefill_share=cfg.prefill_share(adm.tier),
+            budget=parsed.max_tokens or cfg.limits.max_tokens_ceiling,
+            request_id=adm.request_id,
+        )
+        headers = upstream_headers(request.headers)
+        headers["Content-Type"] = "application/json"
+        headers["X-Request-Id"] = adm.request_id
+        headers[TICKET_HEADER] = encode_ticket(ticket, self.secret)
+        call = UpstreamCall(
+            session=self.session(),
+            url=lease.backend.cfg.url + UPSTREAM_PATHS[parsed.endpoint],
+            body=orjson.dumps(body),
+            headers=headers,
+            deadline=asyncio.get_running_loop().time() + tier.request_timeout_s,
+            timeout_s=tier.request_timeout_s,
+            strip_usage_chunk=parsed.stream and not parsed.client_wants_usage,
+        )
+        result = await self.relay(call, request, stream=parsed.stream, now=self.clock)
+        if result.backend_failed:
+            self.pool.record_failure(lease.backend, self.clock())
+            self.metrics.backend_errors.labels(lease.backend.label, result.outcome).inc()
+        else:
+            self.pool.record_success(lease.backend, self.clock())
+        return result
+
+    # -- account -------------------------------------------------------------------------
+
+    def account(self, adm: Admitted, result: RelayResult) -> None:
+        """Metrics of the answer, and the fairness charge corrected to the real usage."""
+        m = self.metrics
+        if result.first_token_at is not None:
+            m.ttft.labels(adm.tier).observe(result.first_token_at - adm.arrival)
+        usage = result.usage or {}
+        prompt = usage.get("prompt_tokens")
+        completion = usage.get("completion_tokens")
+        if isinstance(prompt, int) and isinstance(completion, int):
+            m.tokens.labels(adm.tier, "prompt").inc(prompt)
+            m.tokens.labels(adm.tier, "completion").inc(completion)
+            self.queue.correct_charge(adm.queued, weighted_tokens(prompt, completion))
+        elif result.outcome != Outcome.OK:
+            # Nothing was generated that we know of: give back the estimate charged at dispatch.
+            self.queue.correct_charge(adm.queued, 0.0)
+
+    # -- the answer and the log ----------------------------------------------------------
+
+    def respond(self, trace: Trace, result: RelayResult) -> web.StreamResponse:
+        trace.outcome, trace.status = result.outcome, result.status
+        result.response.headers.setdefault("X-Request-Id", trace.request_id)
+        return result.response
+
+    def refuse(self, trace: Trace, err: ProxyError) -> web.Response:
+        trace.outcome, trace.status = outcome_of(err), err.status
+        resp = err.response()
+        resp.headers["X-Request-Id"] = trace.request_id
+        return resp
+
+    def log(self, trace: Trace) -> None:
+        elapsed = self.clock() - trace.arrival
+        tenant = trace.tenant
+        tier = tenant.tier if tenant else "-"
+        if tenant is not None:
+            self.metrics.requests.labels(tier, trace.outcome).inc()
+        if trace.admitted:
+            self.metrics.e2e.labels(tier).observe(elapsed)
+        # Never the key: only the tenant it resolved to.
+        access_log.info(
+            "request_id=%s tenant=%s tier=%s status=%d outcome=%s duration_s=%.3f",
+            trace.request_id,
+            tenant.name if tenant else "-",
+            tier,
+            trace.status,
+            trace.outcome,
+            elapsed,
+        )
+
+
+def _give_up(exc: UpstreamUnavailable) -> ProxyError:
+    if exc.status == 503:
+        return backend_overloaded()
+    return no_backend(f"No backend could take the request ({exc.kind}); retry later.")
