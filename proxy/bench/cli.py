@@ -274,7 +274,8 @@ def _print_reports(
     scenario: Scenario, results: dict[str, RunResult]
 ) -> dict[str, dict[str, Any]]:
     slos: dict[str, Slo] = {t: s for t in scenario.tiers if (s := scenario.slo_for(t))}
-    reports = {label: run_report(r, slos, scenario.tiers) for label, r in results.items()}
+    peers = scenario.peers()
+    reports = {label: run_report(r, slos, scenario.tiers, peers) for label, r in results.items()}
     for rep in reports.values():
         print()
         print(render_run(rep))
