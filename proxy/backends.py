@@ -8,7 +8,7 @@ drains); scraped load older than ``stale_after_s`` is ignored on purpose and its
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from proxy.config import Backend, BackendHealth
 
@@ -200,48 +200,3 @@ class BackendPool:
                 state.reinstated_at = None
             state.healthy = False
 
-
-@dataclass
-class _Counts:
-    waiting: float = 0.0
-    running: float = 0.0
-    kv_usage: float = 0.0
-    kv_samples: int = 0
-    seen: set[str] = field(default_factory=set)
-
-
-_WANTED = {
-    "vllm:num_requests_waiting": "waiting",
-    "vllm:num_requests_running": "running",
-    "vllm:kv_cache_usage_perc": "kv_usage",
-}
-
-
-def parse_vllm_load(text: str, now: float) -> ScrapedLoad | None:
-    """Read the three gauges we steer by from vLLM's Prometheus text (summed over engines;
-    KV usage averaged). None when the text holds none of them (not a vLLM server)."""
-    counts = _Counts()
-    for line in text.splitlines():
-        if not line.startswith("vllm:"):
-            continue
-        name_end = line.find("{")
-        if name_end < 0:
-            name_end = line.find(" ")
-        name = line[:name_end]
-        attr = _WANTED.get(name)
-        if attr is None:
-            continue
-        try:
-            value = float(line.rsplit(" ", 1)[1])
-        except (IndexError, ValueError):
-            continue
-        counts.seen.add(attr)
-        if attr == "kv_usage":
-            counts.kv_usage += value
-            counts.kv_samples += 1
-        else:
-            setattr(counts, attr, getattr(counts, attr) + value)
-    if not counts.seen:
-        return None
-    kv = counts.kv_usage / counts.kv_samples if counts.kv_samples else 0.0
-    return ScrapedLoad(waiting=counts.waiting, running=counts.running, kv_usage=kv, at=now)

@@ -13,7 +13,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from proxy.ticket import DEFAULT_SECRET_ENV
+from proxy.ticket import DEFAULT_PREFILL_SHARE, DEFAULT_SECRET_ENV
 
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
@@ -167,7 +167,7 @@ class Config(_Strict):
         if explicit is not None:
             return explicit
         best = min(t.priority for t in self.tiers.values())
-        return 1.0 if self.tiers[tier].priority == best else 0.2
+        return 1.0 if self.tiers[tier].priority == best else DEFAULT_PREFILL_SHARE
 
     @property
     def lowest_priority(self) -> int:

@@ -6,33 +6,32 @@ the same way: same flags, same readiness check, same teardown of the whole proce
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
-import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+
+from proxy.process import ManagedProcess, free_port, http_ok, tail
+from proxy.ticket import PLUGIN_CLASS_FLAGS, PRIORITY_FLAGS
+
+# Re-exported: tests and tools import these from here.
+__all__ = [
+    "DEFAULT_MODEL_DIR",
+    "TINY_SERVED_NAME",
+    "EngineProcess",
+    "EngineSpec",
+    "engine_cores",
+    "ensure_model",
+    "free_port",
+    "http_ok",
+    "plugin_available",
+    "spread_cores",
+    "tail",
+]
 
 DEFAULT_MODEL_DIR = Path(".tierproxy/tiny-model")
 TINY_SERVED_NAME = "tiny"
-
-# The plugin's extension points in stock vLLM (see proxy/vllm_plugin). The scheduling policy
-# flag is what makes vLLM honour the priority the plugin (or the proxy) sets.
-# One scheduler class for CPU and GPU: it follows vLLM's async-scheduling choice by itself.
-PLUGIN_ARGS: tuple[str, ...] = (
-    "--middleware",
-    "proxy.vllm_plugin.middleware.TicketMiddleware",
-    "--scheduler-cls",
-    "proxy.vllm_plugin.scheduler.TierScheduler",
-)
-PRIORITY_ARGS: tuple[str, ...] = ("--scheduling-policy", "priority")
-
 
 def plugin_available() -> bool:
     """The plugin's modules can be loaded (they can once vllm is installed beside us)."""
@@ -86,9 +85,10 @@ class EngineSpec:
             cmd.append("--enforce-eager")  # starts in ~25 s instead of ~60 s
         if self.max_num_seqs is not None:
             cmd += ["--max-num-seqs", str(self.max_num_seqs)]
-        cmd += PRIORITY_ARGS
+        # Priority scheduling also without the plugin: the proxy sets vLLM's own priority.
+        cmd += PRIORITY_FLAGS
         if self.plugin and plugin_available():
-            cmd += PLUGIN_ARGS
+            cmd += PLUGIN_CLASS_FLAGS
         cmd += list(self.extra_args)
         return cmd
 
@@ -117,123 +117,23 @@ def _on_cpu() -> bool:
     return True
 
 
-class EngineProcess:
+class EngineProcess(ManagedProcess):
     """One vLLM server in its own process group, so that stopping it stops its children too."""
 
     def __init__(self, spec: EngineSpec, log_path: Path | None = None) -> None:
-        self.spec = spec
-        self.log_path = log_path
-        self._log: IO[bytes] | None = None
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> EngineProcess:
-        if self.log_path is not None:
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            self._log = self.log_path.open("ab")
-        cpus = self.spec.cpus
-
-        def in_child() -> None:
-            _die_with_parent()
-            if cpus is not None:
-                os.sched_setaffinity(0, cpus)
-
-        self.proc = subprocess.Popen(
-            self.spec.command(),
-            env=self.spec.environment(),
-            preexec_fn=in_child,
-            stdout=self._log if self._log is not None else None,
-            stderr=subprocess.STDOUT if self._log is not None else None,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
+        super().__init__(
+            spec.command(),
+            env=spec.environment(),
+            log_path=log_path,
+            cpus=spec.cpus,
+            name=f"vLLM on {spec.url}",
         )
-        return self
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc is not None else None
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        self.spec = spec
 
     def wait_ready(self, timeout_s: float = 240.0) -> None:
         """Block until /v1/models answers; raises if the process dies or time runs out."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if not self.alive():
-                raise RuntimeError(f"vLLM on {self.spec.url} exited early; {self._log_hint()}")
-            if http_ok(f"{self.spec.url}/v1/models", timeout_s=2.0):
-                return
-            time.sleep(0.5)
-        raise TimeoutError(
-            f"vLLM on {self.spec.url} not ready in {timeout_s:.0f}s; {self._log_hint()}"
-        )
-
-    def _log_hint(self) -> str:
-        if self.log_path is None:
-            return "see its output above"
-        return f"log: {self.log_path}\n{tail(self.log_path)}"
-
-    def signal(self, sig: int) -> None:
-        if self.alive():
-            assert self.proc is not None
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, sig)
-
-    def stop(self, grace_s: float = 15.0) -> None:
-        if self.proc is None:
-            return
-        if self.alive():
-            self.signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                self.signal(signal.SIGKILL)
-                self.proc.wait(timeout=10)
-        # Children left behind in the group (engine core, workers) go too.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-
-def _load_prctl() -> Callable[[int, int], int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl  # type: ignore[no-any-return]
-    except (OSError, AttributeError):
-        return None
-
-
-# Looked up here, in the parent: the child, between fork and exec, must not import or load.
-_PRCTL = _load_prctl()
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM when the process that started us dies, however it dies, so a
-    crashed test run or launcher never leaves a 3 GB engine behind (Linux only)."""
-    if _PRCTL is not None:
-        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def http_ok(url: str, timeout_s: float) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-            return 200 <= int(resp.status) < 300
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
-
-
-def tail(path: Path, lines: int = 40) -> str:
-    try:
-        text = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return ""
-    return "\n".join(text[-lines:])
+        url = f"{self.spec.url}/v1/models"
+        self.wait_until(lambda: http_ok(url, timeout_s=2.0), timeout_s, "ready", poll_s=0.5)
 
 
 def ensure_model(model: str | None) -> tuple[str, str | None]:
@@ -262,11 +162,3 @@ def spread_cores(index: int) -> str | None:
     (None: leave vLLM's default)."""
     cores = engine_cores()
     return str(sorted(cores)[index % len(cores)]) if cores else None
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])

@@ -14,8 +14,9 @@ from collections.abc import Callable
 import aiohttp
 import orjson
 
-from proxy.backends import BackendPool, BackendState, parse_vllm_load
+from proxy.backends import BackendPool, BackendState
 from proxy.metrics import ProxyMetrics
+from proxy.prometheus import parse_vllm_load
 from proxy.tasks import OwnedTask
 
 log = logging.getLogger("tierproxy.monitor")

@@ -25,14 +25,34 @@ TICKET_HEADER = "X-Tierproxy-Ticket"
 TICKET_VERSION = "v1"
 DEFAULT_SECRET_ENV = "TIERPROXY_TICKET_SECRET"
 
+# vLLM flags that load the plugin into a stock server: the middleware (API server), the
+# scheduler (engine core; one class for CPU and GPU, it follows vLLM's async-scheduling choice)
+# and priority scheduling, which makes vLLM honour the priority the ticket sets.
+MIDDLEWARE_CLASS = "proxy.vllm_plugin.middleware.TicketMiddleware"
+SCHEDULER_CLASS = "proxy.vllm_plugin.scheduler.TierScheduler"
+PRIORITY_FLAGS: tuple[str, ...] = ("--scheduling-policy", "priority")
+PLUGIN_CLASS_FLAGS: tuple[str, ...] = (
+    "--middleware",
+    MIDDLEWARE_CLASS,
+    "--scheduler-cls",
+    SCHEDULER_CLASS,
+)
+PLUGIN_FLAGS: tuple[str, ...] = PRIORITY_FLAGS + PLUGIN_CLASS_FLAGS
+
+# Share of a step's token budget a worse tier's prefill may take while a better tier decodes:
+# the proxy's default for every tier but the best, and the plugin's for requests without one.
+DEFAULT_PREFILL_SHARE = 0.2
+
 # Keys the plugin's middleware writes into the body's ``vllm_xargs``; vLLM hands them to the
-# scheduler as ``request.sampling_params.extra_args``.
-XARG_TIER = "tierproxy_tier"
-XARG_PRIORITY = "tierproxy_priority"
-XARG_DEADLINE = "tierproxy_deadline"
-XARG_PREFILL_SHARE = "tierproxy_prefill_share"
-XARG_BUDGET = "tierproxy_budget"
-XARG_TRUSTED = "tierproxy_trusted"
+# scheduler as ``request.sampling_params.extra_args``. Every key with the prefix is ours: the
+# middleware drops a caller's.
+XARG_PREFIX = "tierproxy_"
+XARG_TIER = f"{XARG_PREFIX}tier"
+XARG_PRIORITY = f"{XARG_PREFIX}priority"
+XARG_DEADLINE = f"{XARG_PREFIX}deadline"
+XARG_PREFILL_SHARE = f"{XARG_PREFIX}prefill_share"
+XARG_BUDGET = f"{XARG_PREFIX}budget"
+XARG_TRUSTED = f"{XARG_PREFIX}trusted"
 
 
 class TicketError(ValueError):

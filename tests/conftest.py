@@ -12,7 +12,7 @@ import atexit
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -105,13 +105,14 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineFarm]:
         farm.stop_all()
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
-    outcome = yield
-    report = outcome.get_result()
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
     farm = _farm_of(item)
     if farm is None:
-        return
+        return report
     if report.failed:
         for engine in farm.used_by_current_test:
             if engine.log_path is not None:
@@ -120,6 +121,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
                 )
     if report.when == "teardown":
         farm.used_by_current_test.clear()
+    return report
 
 
 def _farm_of(item: pytest.Item) -> EngineFarm | None:

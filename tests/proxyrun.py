@@ -1,80 +1,14 @@
-"""Run the real proxy app in-process on a free port, for integration tests and benchmarks."""
+"""Run the real proxy app in-process for integration tests: proxy.bench.inproc, plus a poll."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Callable
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable
 
-import yaml
-from aiohttp import web
+from proxy.app import ProxyState
+from proxy.bench.inproc import KEYS, SECRET, auth, make_config, running_proxy
 
-from proxy.app import STATE, ProxyState, create_app
-from proxy.config import hash_key, load_config, parse_config
-from proxy.engine import free_port
-
-SECRET = b"integration-test-secret"
-KEYS = {"high": "key-high", "normal": "key-normal", "low": "key-low"}
-
-
-def make_config(
-    backends: list[dict[str, Any]],
-    *,
-    tiers: dict[str, dict[str, Any]] | None = None,
-    tenants: list[dict[str, Any]] | None = None,
-    **extra: Any,
-) -> dict[str, Any]:
-    default_tiers = {
-        "high": {"priority": 0, "weight": 10, "max_queue": 200, "queue_timeout_s": 60,
-                 "request_timeout_s": 120},
-        "normal": {"priority": 5, "weight": 5, "max_queue": 200, "queue_timeout_s": 60,
-                   "request_timeout_s": 120},
-        "low": {"priority": 10, "weight": 1, "max_queue": 500, "queue_timeout_s": 120,
-                "request_timeout_s": 120},
-    }
-    for name, overrides in (tiers or {}).items():
-        default_tiers[name] = {**default_tiers.get(name, {}), **overrides}
-    default_tenants = [
-        {"name": f"tenant-{tier}", "tier": tier, "keys": [{"sha256": hash_key(key)}]}
-        for tier, key in KEYS.items()
-    ]
-    return {
-        "listen": {"host": "127.0.0.1", "port": 0},
-        "tiers": default_tiers,
-        "tenants": tenants if tenants is not None else default_tenants,
-        "backends": backends,
-        **extra,
-    }
-
-
-@contextlib.asynccontextmanager
-async def running_proxy(
-    config: dict[str, Any], config_path: Path | None = None
-) -> AsyncIterator[tuple[str, ProxyState]]:
-    """Yields (base URL, the app's state) with the proxy serving as `tierproxy serve` does.
-    With ``config_path``, the config is written there and watched for live reloads."""
-    text = yaml.safe_dump(config)
-    if config_path is not None:
-        config_path.write_text(text)
-        loaded = load_config(config_path)
-    else:
-        loaded = parse_config(text, "test-config")
-    app = create_app(loaded, secret=SECRET, watch_config=config_path is not None)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    port = free_port()
-    site = web.TCPSite(runner, "127.0.0.1", port)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{port}", app[STATE]
-    finally:
-        await runner.cleanup()
-
-
-def auth(tier: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {KEYS[tier]}"}
+__all__ = ["KEYS", "SECRET", "auth", "make_config", "running_proxy", "until"]
 
 
 async def until(

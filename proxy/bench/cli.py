@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from proxy.bench import plots, scrape
+from proxy.bench import plots
 from proxy.bench import results as results_file
 from proxy.bench.capacity import Capacity, measure_capacity
 from proxy.bench.plan import build_plan
@@ -42,6 +42,7 @@ from proxy.bench.scenario import (
     available_scenarios,
     load_scenario,
 )
+from proxy.bench.scrape import wait_idle
 from proxy.bench.stats import Slo
 from proxy.config import ConfigError
 
@@ -248,7 +249,8 @@ async def _bench(
     results: dict[str, RunResult] = {}
     for i, (label, url) in enumerate(runs):
         if i > 0 and direct:
-            await wait_idle(direct)
+            async with aiohttp.ClientSession() as session:
+                await wait_idle(session, direct)
         settings = RunSettings(
             label=label, base_url=url, model=model, request_timeout_s=args.request_timeout,
             engine_url=direct, run_id=f"bench-{label}-{int(time.time())}",
@@ -272,7 +274,8 @@ def _print_reports(
     scenario: Scenario, results: dict[str, RunResult]
 ) -> dict[str, dict[str, Any]]:
     slos: dict[str, Slo] = {t: s for t in scenario.tiers if (s := scenario.slo_for(t))}
-    reports = {label: run_report(r, slos, scenario.tiers) for label, r in results.items()}
+    peers = scenario.peers()
+    reports = {label: run_report(r, slos, scenario.tiers, peers) for label, r in results.items()}
     for rep in reports.values():
         print()
         print(render_run(rep))
@@ -326,18 +329,3 @@ async def detect_model(base_url: str, key: str, timeout_s: float = 10.0) -> str:
         raise RuntimeError(f"{base_url}/v1/models lists no model; pass --model")
     return str(models[0]["id"])
 
-
-async def wait_idle(engine_url: str, timeout_s: float = 120.0) -> bool:
-    """Wait until vLLM runs and holds nothing (the previous run's tail is gone)."""
-    deadline = time.monotonic() + timeout_s
-    async with aiohttp.ClientSession() as session:
-        while time.monotonic() < deadline:
-            text = await scrape.fetch_metrics(session, engine_url)
-            if text is None:
-                return False
-            busy = sum(scrape.gauge_by(text, scrape.VLLM_RUNNING, "engine").values())
-            busy += sum(scrape.gauge_by(text, scrape.VLLM_WAITING, "engine").values())
-            if busy == 0:
-                return True
-            await asyncio.sleep(0.5)
-    return False

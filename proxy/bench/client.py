@@ -11,6 +11,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from proxy import sse
 from proxy.bench.records import Outcome, PlannedRequest, RequestRecord
 
 
@@ -121,12 +122,8 @@ async def _read_stream(
 ) -> None:
     done = False
     outcome = Outcome.OK
-    async for raw in resp.content:
-        line = raw.strip()
-        if not line.startswith(b"data:"):
-            continue
-        payload = line[5:].strip()
-        if payload == b"[DONE]":
+    async for payload in sse.data_of(resp):
+        if payload.strip() == sse.DONE:
             done = True
             break
         event = orjson.loads(payload)

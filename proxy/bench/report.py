@@ -13,6 +13,7 @@ from proxy.bench.stats import (
     Summary,
     backlogged_fairness,
     goodput,
+    latency_spread,
     makespan,
     summarize,
 )
@@ -55,9 +56,14 @@ def _summary(s: Summary | None) -> dict[str, Any] | None:
 
 
 def run_report(
-    result: RunResult, slos: Mapping[str, Slo], tier_order: Sequence[str]
+    result: RunResult,
+    slos: Mapping[str, Slo],
+    tier_order: Sequence[str],
+    peers: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """The summary of one run (proxy or direct), as stored in results.json."""
+    """The summary of one run (proxy or direct), as stored in results.json. ``peers`` maps a
+    tenant to its group of equal demand (Scenario.peers()): the TTFT spread inside each group
+    is reported as latency fairness."""
     records = result.records
     window = makespan(records) or result.planned_duration
     by_tier: dict[str, list[RequestRecord]] = defaultdict(list)
@@ -97,7 +103,32 @@ def run_report(
             )
         },
         "fairness": fairness,
+        "latency_fairness": latency_fairness(by_tenant, peers or {}),
     }
+
+
+def latency_fairness(
+    by_tenant: Mapping[str, Sequence[RequestRecord]], peers: Mapping[str, str]
+) -> dict[str, Any]:
+    """Per group of equal-demand tenants: each one's TTFT p50 / p99 (ok requests) and the
+    max/min ratio of each (1.0: all served alike)."""
+    groups: dict[str, dict[str, list[float]]] = defaultdict(dict)
+    for tenant, records in by_tenant.items():
+        if tenant in peers:
+            ok = [r.ttft for r in records if r.outcome is Outcome.OK and r.ttft is not None]
+            groups[peers[tenant]][tenant] = ok
+    out: dict[str, Any] = {}
+    for group, ttfts in sorted(groups.items()):
+        spread = latency_spread(ttfts)
+        if spread is None:
+            continue
+        out[group] = {
+            "ttft_p50_s": {t: round(v, 4) for t, v in spread.p50.items()},
+            "ttft_p99_s": {t: round(v, 4) for t, v in spread.p99.items()},
+            "p50_ratio": round(spread.p50_ratio, 3),
+            "p99_ratio": round(spread.p99_ratio, 3),
+        }
+    return out
 
 
 def _fmt(value: float | None) -> str:
@@ -158,6 +189,13 @@ def render_run(report: Mapping[str, Any]) -> str:
         lines.append(
             f"fairness {tier}: Jain {jain} (weighted tokens/s while backlogged: {rates})"
         )
+    for spread in report.get("latency_fairness", {}).values():
+        p50 = " / ".join(f"{v:.2f}" for v in spread["ttft_p50_s"].values())
+        p99 = " / ".join(f"{v:.2f}" for v in spread["ttft_p99_s"].values())
+        lines.append(
+            f"latency fairness ({', '.join(spread['ttft_p50_s'])}): TTFT p50 {p50} s"
+            f" (max/min {spread['p50_ratio']:.2f}), p99 {p99} s (max/min {spread['p99_ratio']:.2f})"
+        )
     return "\n".join(lines)
 
 
@@ -177,6 +215,8 @@ def comparison(reports: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, 
         rows.setdefault("total ok requests/s", {})[label] = total["throughput_rps"]
         for tier, f in rep["fairness"].items():
             rows.setdefault(f"{tier} fairness (Jain)", {})[label] = f["jain"]
+        for group, spread in rep.get("latency_fairness", {}).items():
+            rows.setdefault(f"{group} peers TTFT p50 max/min", {})[label] = spread["p50_ratio"]
         for outcome in ("429", "503", "504", "error", "lost"):
             rows.setdefault(f"{outcome} count", {})[label] = total["outcomes"][outcome]
     return rows

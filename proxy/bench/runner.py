@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 import aiohttp
 
+from proxy import prometheus
 from proxy.bench import scrape
 from proxy.bench.client import ClientSettings, send
 from proxy.bench.records import Outcome, PlannedRequest, RequestRecord
@@ -257,16 +258,13 @@ async def _scrape(session: aiohttp.ClientSession, settings: RunSettings, latest:
                 target_alive = False  # this target has no /metrics: stop asking
         elif target_text is not None:
             target_seen = True
-            latest.depth = scrape.gauge_by(target_text, scrape.PROXY_QUEUE_DEPTH, "tier") or None
+            depth = prometheus.sum_by(target_text, prometheus.PROXY_QUEUE_DEPTH, "tier")
+            latest.depth = depth or None
         if engine_url == settings.base_url:
             engine_text = target_text
         if engine_text is not None:
-            latest.running = sum(
-                scrape.gauge_by(engine_text, scrape.VLLM_RUNNING, "engine").values()
-            )
-            latest.waiting = sum(
-                scrape.gauge_by(engine_text, scrape.VLLM_WAITING, "engine").values()
-            )
+            latest.running = prometheus.total(engine_text, prometheus.VLLM_RUNNING)
+            latest.waiting = prometheus.total(engine_text, prometheus.VLLM_WAITING)
         await asyncio.sleep(settings.sample_interval_s)
 
 

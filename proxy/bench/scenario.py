@@ -126,6 +126,17 @@ class Scenario(_Strict):
     def total_duration(self, duration_s: float | None = None) -> float:
         return sum(p.duration_s for p in self.timeline(duration_s))
 
+    def peers(self) -> dict[str, str]:
+        """Tenant -> its group of equal demand (same tier, hence same weight, and the same
+        offered load: share, sizes, arrival process), named after the group's first tenant.
+        Tenants of one group should see the same latency from a fair proxy."""
+        first: dict[str, str] = {}
+        out: dict[str, str] = {}
+        for t in self.tenants:
+            demand = t.model_dump_json(exclude={"name", "key"})
+            out[t.name] = first.setdefault(demand, t.name)
+        return out
+
     def slo_for(self, tier: str) -> Slo | None:
         spec = self.slo.get(tier)
         return spec.to_slo() if spec is not None else None

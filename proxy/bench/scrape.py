@@ -1,46 +1,13 @@
-"""Read gauges out of Prometheus text: the proxy's queue depth, vLLM's running and waiting."""
+"""Reading a server's /metrics over HTTP, and waiting until vLLM holds no request."""
 
 from __future__ import annotations
 
-import re
+import asyncio
+import time
 
 import aiohttp
 
-PROXY_QUEUE_DEPTH = "tierproxy_queue_depth"
-VLLM_RUNNING = "vllm:num_requests_running"
-VLLM_WAITING = "vllm:num_requests_waiting"
-
-_SAMPLE = re.compile(
-    r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)"
-)
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-
-def parse_samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
-    """Every sample of metric ``name``: (labels, value). Unparseable lines are skipped."""
-    out: list[tuple[dict[str, str], float]] = []
-    for line in text.splitlines():
-        if not line.startswith(name):
-            continue
-        m = _SAMPLE.match(line)
-        if m is None or m.group("name") != name:
-            continue
-        try:
-            value = float(m.group("value"))
-        except ValueError:
-            continue
-        labels = dict(_LABEL.findall(m.group("labels") or ""))
-        out.append((labels, value))
-    return out
-
-
-def gauge_by(text: str, name: str, label: str) -> dict[str, float]:
-    """Metric ``name`` summed per value of ``label`` (``""`` when the label is absent)."""
-    out: dict[str, float] = {}
-    for labels, value in parse_samples(text, name):
-        key = labels.get(label, "")
-        out[key] = out.get(key, 0.0) + value
-    return out
+from proxy.prometheus import vllm_busy
 
 
 async def fetch_metrics(
@@ -56,3 +23,33 @@ async def fetch_metrics(
             return await resp.text()
     except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
         return None
+
+
+async def wait_idle(
+    session: aiohttp.ClientSession,
+    url: str,
+    *,
+    timeout_s: float = 120.0,
+    settle_s: float = 0.0,
+    poll_s: float = 0.1,
+) -> str | None:
+    """Wait until vLLM at ``url`` runs and holds waiting nothing (running + waiting == 0 by its
+    own gauges), for ``settle_s`` in a row. Returns the /metrics text read at that moment, or
+    None when the server has no /metrics or stays busy past ``timeout_s``.
+
+    A starved server may answer /metrics late: a read may take all the time that is left."""
+    deadline = time.monotonic() + timeout_s
+    idle_since: float | None = None
+    while (left := deadline - time.monotonic()) > 0:
+        text = await fetch_metrics(session, url, timeout_s=left)
+        if text is None:
+            return None
+        now = time.monotonic()
+        if vllm_busy(text):
+            idle_since = None
+        elif idle_since is None:
+            idle_since = now
+        if idle_since is not None and now - idle_since >= settle_s:
+            return text
+        await asyncio.sleep(poll_s)
+    return None

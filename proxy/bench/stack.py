@@ -6,28 +6,17 @@ that it does not share an event loop or a core with the load generator.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import secrets
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 from types import TracebackType
-from typing import IO
+from typing import Self
 
 from proxy.bench.proxy_config import proxy_config, write_proxy_config
 from proxy.bench.scenario import Scenario
-from proxy.engine import (
-    EngineProcess,
-    EngineSpec,
-    engine_cores,
-    ensure_model,
-    free_port,
-    http_ok,
-    tail,
-)
+from proxy.engine import EngineProcess, EngineSpec, engine_cores, ensure_model
+from proxy.process import ManagedProcess, free_port, http_ok
 from proxy.ticket import DEFAULT_SECRET_ENV
 
 
@@ -110,68 +99,35 @@ class LocalStack:
         self.stop()
 
 
-class ProxyProcess:
+class ProxyProcess(ManagedProcess):
     """`python -m proxy.cli serve -c CONFIG` in its own process group, up when /healthz is."""
 
     def __init__(
         self, config_path: Path, port: int, log_path: Path, env: dict[str, str] | None = None
     ) -> None:
+        environment = {**os.environ, **(env or {})}
+        environment.setdefault(DEFAULT_SECRET_ENV, secrets.token_urlsafe(32))
+        super().__init__(
+            [sys.executable, "-m", "proxy.cli", "serve", "-c", str(config_path),
+             "--port", str(port)],
+            env=environment, log_path=log_path, name="the proxy",
+        )
         self.config_path = config_path
         self.port = port
-        self.log_path = log_path
-        self.env = env or {}
-        self.proc: subprocess.Popen[bytes] | None = None
-        self._log: IO[bytes] | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, ready_timeout_s: float = 60.0) -> ProxyProcess:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = self.log_path.open("ab")
-        env = {**os.environ, **self.env}
-        env.setdefault(DEFAULT_SECRET_ENV, secrets.token_urlsafe(32))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "proxy.cli", "serve", "-c", str(self.config_path),
-             "--port", str(self.port)],
-            env=env, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        deadline = time.monotonic() + ready_timeout_s
-        while not http_ok(f"{self.url}/healthz", timeout_s=2.0):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(
-                    f"the proxy did not come up; log {self.log_path}:\n{tail(self.log_path)}"
-                )
-            time.sleep(0.3)
+    def start(self, ready_timeout_s: float = 60.0) -> Self:
+        super().start()
+        try:
+            self.wait_until(lambda: http_ok(f"{self.url}/healthz", timeout_s=2.0),
+                            ready_timeout_s, "/healthz answering")
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def stop(self, grace_s: float = 10.0) -> None:
-        proc = self.proc
-        if proc is not None:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(timeout=grace_s)
-                except subprocess.TimeoutExpired:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait(timeout=10)
-            self.proc = None
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-    def __enter__(self) -> ProxyProcess:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
+        super().stop(grace_s)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -199,3 +199,31 @@ def _add_cover(cover: list[float], origin: float, bin_s: float, start: float, en
         overlap = min(end, lo + bin_s) - max(start, lo)
         if overlap > 0:
             cover[b] += overlap
+
+
+@dataclass(frozen=True)
+class LatencySpread:
+    """TTFT of tenants that asked for the same service: a fair proxy serves them alike."""
+
+    p50: dict[str, float]
+    p99: dict[str, float]
+    p50_ratio: float  # slowest tenant's p50 over the fastest's; 1.0 is equal
+    p99_ratio: float
+
+
+def latency_spread(ttft_by_tenant: Mapping[str, Sequence[float]]) -> LatencySpread | None:
+    """p50 / p99 TTFT per tenant and their max/min ratios; None with fewer than two tenants
+    that have latencies (or a zero p50, which no ratio can compare)."""
+    measured = {t: v for t, v in sorted(ttft_by_tenant.items()) if v}
+    if len(measured) < 2:
+        return None
+    p50 = {t: percentile(v, 50) for t, v in measured.items()}
+    p99 = {t: percentile(v, 99) for t, v in measured.items()}
+    if min(p50.values()) <= 0 or min(p99.values()) <= 0:
+        return None
+    return LatencySpread(
+        p50=p50,
+        p99=p99,
+        p50_ratio=max(p50.values()) / min(p50.values()),
+        p99_ratio=max(p99.values()) / min(p99.values()),
+    )

@@ -1,26 +1,24 @@
-"""tierproxy's vLLM plugin: runs inside vLLM's processes, imports vLLM, nothing of the proxy.
+"""tierproxy's vLLM plugin: runs inside vLLM's processes, imports vLLM and of the proxy
+only its side of the contract, ``proxy.ticket``.
 
 - ``proxy.vllm_plugin.middleware.TicketMiddleware``: ``--middleware`` for the API server;
 - ``proxy.vllm_plugin.scheduler.TierScheduler``: ``--scheduler-cls`` for the engine core.
 
 ``register()`` is the ``vllm.general_plugins`` entry point, which vLLM runs in every one of its
 processes as soon as this package is installed beside it. It therefore changes nothing by
-itself: a server uses the plugin only when started with the two flags above (and
-``--scheduling-policy priority``), so other vLLM servers in the same environment stay stock.
+itself: a server uses the plugin only when started with ``proxy.ticket.PLUGIN_FLAGS`` (the
+two classes above and ``--scheduling-policy priority``), so other vLLM servers in the same
+environment stay stock.
 """
 
 from __future__ import annotations
 
 import logging
 
+from proxy.ticket import PLUGIN_FLAGS
+
 logger = logging.getLogger("vllm.tierproxy")
 
-PLUGIN_FLAGS: tuple[str, ...] = (
-    "--middleware",
-    "proxy.vllm_plugin.middleware.TicketMiddleware",
-    "--scheduler-cls",
-    "proxy.vllm_plugin.scheduler.TierScheduler",
-)
 
 _registered = False
 

@@ -24,6 +24,7 @@ from proxy.ticket import (
     XARG_BUDGET,
     XARG_DEADLINE,
     XARG_PREFILL_SHARE,
+    XARG_PREFIX,
     XARG_PRIORITY,
     XARG_TIER,
     XARG_TRUSTED,
@@ -59,7 +60,6 @@ PRIORITY_ONLY_PATHS: frozenset[str] = frozenset(
     }
 )
 BUDGET_FIELDS: tuple[str, ...] = ("max_tokens", "max_completion_tokens", "max_output_tokens")
-XARG_PREFIX = "tierproxy_"  # every XARG_* key starts with it; all of them are ours to set
 
 _TICKET_HEADER_RAW = TICKET_HEADER.lower().encode("latin-1")
 _PRIORITY_HEADER_RAW = b"x-vllm-priority"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from proxy.ticket import DEFAULT_SECRET_ENV, secret_from_env
+from proxy.ticket import DEFAULT_PREFILL_SHARE, DEFAULT_SECRET_ENV, secret_from_env
 
 ENV_UNTICKETED_PRIORITY = "TIERPROXY_UNTICKETED_PRIORITY"
 ENV_REQUIRE_TICKET = "TIERPROXY_REQUIRE_TICKET"
@@ -20,7 +20,6 @@ ENV_STATS_INTERVAL_S = "TIERPROXY_PLUGIN_STATS_INTERVAL_S"
 # The example config's lowest tier ("low") has priority 10; an unticketed caller gets no more.
 DEFAULT_UNTICKETED_PRIORITY = 10
 DEFAULT_MAX_PREEMPTIONS = 2
-DEFAULT_PREFILL_SHARE = 0.2
 DEFAULT_STATS_INTERVAL_S = 10.0
 
 

@@ -10,6 +10,9 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+
+from proxy import sse
+from tests.conftest import EngineFarm
 from tests.fakes import dies_mid_stream_backend, hung_backend
 from tests.proxyrun import auth, make_config, running_proxy, until
 
@@ -28,25 +31,25 @@ def _chat(max_tokens: int, stream: bool = False) -> dict[str, Any]:
 async def _call(s: aiohttp.ClientSession, base: str, body: dict[str, Any],
                 tier: str = "normal") -> dict[str, Any]:
     """One request's definitive answer: status, completion tokens, and how a stream ended."""
+    out: dict[str, Any] = {"tokens": None, "ended": None}
     async with s.post(f"{base}/v1/chat/completions", json=body, headers=auth(tier)) as r:
-        raw = await r.read()
-    out: dict[str, Any] = {"status": r.status, "tokens": None, "ended": None}
-    if r.status != 200:
-        return out
-    if not body.get("stream"):
-        out["tokens"] = orjson.loads(raw)["usage"]["completion_tokens"]
-        return out
-    events = [e for e in raw.split(b"\n\n") if e.strip()]
-    out["ended"] = "done" if events and events[-1] == b"data: [DONE]" else "cut"
-    for e in events:
-        if b'"usage"' in e and b'"choices":[]' in e:
-            out["tokens"] = orjson.loads(e[6:])["usage"]["completion_tokens"]
-        if e.startswith(b'data: {"error"'):
+        out["status"] = r.status
+        if r.status != 200:
+            return out
+        if not body.get("stream"):
+            out["tokens"] = orjson.loads(await r.read())["usage"]["completion_tokens"]
+            return out
+        data = [d async for d in sse.data_of(r)]
+    out["ended"] = "done" if data and data[-1] == sse.DONE else "cut"
+    for d in data:
+        if b'"usage"' in d and b'"choices":[]' in d:
+            out["tokens"] = orjson.loads(d)["usage"]["completion_tokens"]
+        if d.startswith(b'{"error"'):
             out["error_event"] = True
     return out
 
 
-async def test_load_spreads_evenly_and_by_room(engines) -> None:  # type: ignore[no-untyped-def]
+async def test_load_spreads_evenly_and_by_room(engines: EngineFarm) -> None:
     """Waves of half the total room: each wave is placed by the meter alone (no slot frees
     mid-wave), so the split shows the choice, not the two engines' relative speed."""
     a, b = engines.get("core"), engines.get("pair-b")
@@ -63,7 +66,7 @@ async def test_load_spreads_evenly_and_by_room(engines) -> None:  # type: ignore
         assert abs(share_a - want_a) <= 0.1, counts
 
 
-async def test_killed_backend_loses_nothing_and_comes_back(engines) -> None:  # type: ignore[no-untyped-def]
+async def test_killed_backend_loses_nothing_and_comes_back(engines: EngineFarm) -> None:
     a = engines.get("core")
     b = engines.get("pair-b")
     cfg = make_config(
@@ -99,7 +102,7 @@ async def test_killed_backend_loses_nothing_and_comes_back(engines) -> None:  # 
         assert victim.dispatched_total > before
 
 
-async def test_hung_backend_is_ejected_by_probe_timeout(engines) -> None:  # type: ignore[no-untyped-def]
+async def test_hung_backend_is_ejected_by_probe_timeout(engines: EngineFarm) -> None:
     real = engines.get("core")
     async with hung_backend() as hung_url:
         cfg = make_config(
@@ -122,7 +125,7 @@ async def test_hung_backend_is_ejected_by_probe_timeout(engines) -> None:  # typ
                 assert r.status == 200
 
 
-async def test_backend_dying_mid_stream_gives_an_error_event(engines) -> None:  # type: ignore[no-untyped-def]
+async def test_backend_dying_mid_stream_gives_an_error_event(engines: EngineFarm) -> None:
     async with dies_mid_stream_backend(events=3) as url:
         cfg = make_config([{"url": url, "max_inflight": 2}])
         async with running_proxy(cfg) as (base, _), aiohttp.ClientSession(timeout=TIMEOUT) as s:
@@ -130,7 +133,7 @@ async def test_backend_dying_mid_stream_gives_an_error_event(engines) -> None:  
         assert r["status"] == 200 and r.get("error_event") and r["ended"] == "done"
 
 
-async def test_refused_connection_before_first_byte_is_retried_elsewhere(engines) -> None:  # type: ignore[no-untyped-def]
+async def test_refused_connection_before_first_byte_is_retried_elsewhere(engines: EngineFarm) -> None:
     from proxy.engine import free_port
 
     real = engines.get("core")
@@ -145,7 +148,7 @@ async def test_refused_connection_before_first_byte_is_retried_elsewhere(engines
         assert not state.pool.states[dead].available(state.clock())
 
 
-async def test_admin_drain_lets_inflight_finish_and_sends_no_new_work(engines) -> None:  # type: ignore[no-untyped-def]
+async def test_admin_drain_lets_inflight_finish_and_sends_no_new_work(engines: EngineFarm) -> None:
     from proxy.config import hash_key
 
     a, b = engines.get("core"), engines.get("pair-b")

@@ -3,23 +3,24 @@ shapes and token counts (what every other integration test stands on)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import aiohttp
 import orjson
 import pytest
+
+from proxy import sse
+from tests.conftest import EngineFarm
 
 pytestmark = pytest.mark.integration
 TIMEOUT = aiohttp.ClientTimeout(total=60)
 
 
-async def _sse(resp: aiohttp.ClientResponse) -> list[dict[str, object]]:
-    events = []
-    async for line in resp.content:
-        if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
-            events.append(orjson.loads(line[6:]))
-    return events
+async def _sse(resp: aiohttp.ClientResponse) -> list[dict[str, Any]]:
+    return [orjson.loads(data) async for data in sse.data_of(resp) if data != sse.DONE]
 
 
-async def test_chat_and_completions_shapes_and_counts(engines) -> None:  # type: ignore[no-untyped-def]
+async def test_chat_and_completions_shapes_and_counts(engines: EngineFarm) -> None:
     url = engines.get("core").spec.url
     async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
         chat = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}],
@@ -41,10 +42,10 @@ async def test_chat_and_completions_shapes_and_counts(engines) -> None:  # type:
         async with s.post(f"{url}/v1/completions", json=stream) as r:
             assert r.headers["Content-Type"].startswith("text/event-stream")
             events = await _sse(r)
-        assert events[-1]["usage"]["completion_tokens"] == 5  # type: ignore[index]
+        assert events[-1]["usage"]["completion_tokens"] == 5
         assert sum(1 for e in events if e["choices"]) >= 5
 
         async with s.post(f"{url}/v1/chat/completions", json={**chat, "stream": True}) as r:
             events = await _sse(r)
         assert all(e["object"] == "chat.completion.chunk" for e in events)
-        assert events[-1]["choices"][0]["finish_reason"] == "length"  # type: ignore[index]
+        assert events[-1]["choices"][0]["finish_reason"] == "length"

@@ -2,47 +2,32 @@
 
 Two engines, started once for the module: ``stock`` (priority scheduling, no plugin) and
 ``plugin`` (same flags plus --middleware / --scheduler-cls). Latencies are read from vLLM's own
-engine-side numbers (per-request metrics, ITL histogram), see benchmarks/plugin_scenarios.py.
+engine-side numbers (per-request metrics, ITL histogram), see proxy/bench/plugin/.
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import sys
 import time
-from pathlib import Path
-from types import ModuleType
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 import pytest
 
+from proxy.bench.plugin import scenarios as sc
+from proxy.bench.plugin.requests import ENGINE_ARGS, LOW_TOKENS
 from proxy.engine import EngineProcess
+from tests.conftest import EngineFarm
 
 pytestmark = pytest.mark.integration
 
 SECRET = "plugin-test-secret"
 ENV = {"TIERPROXY_TICKET_SECRET": SECRET, "TIERPROXY_PLUGIN_STATS_INTERVAL_S": "1"}
-
-
-def _load_scenarios() -> ModuleType:
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "plugin_scenarios.py"
-    spec = importlib.util.spec_from_file_location("plugin_scenarios", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["plugin_scenarios"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-sc: Any = _load_scenarios()
 KEY = SECRET.encode()
-LOW_TOKENS = sc.LOW_TOKENS
 
 
 @pytest.fixture(scope="module")
-def stock(engines: Any) -> EngineProcess:
-    return engines.get("plugin-stock", plugin=False, extra_args=sc.ENGINE_ARGS, env=ENV)  # type: ignore[no-any-return]
+def stock(engines: EngineFarm) -> EngineProcess:
+    return engines.get("plugin-stock", plugin=False, extra_args=ENGINE_ARGS, env=ENV)
 
 
 # Read handles on the plugin engines' logs, opened as soon as the engine is: a concurrent
@@ -51,10 +36,8 @@ _LOGS: dict[str, BinaryIO] = {}
 
 
 @pytest.fixture(scope="module")
-def plugin(engines: Any) -> EngineProcess:
-    engine: EngineProcess = engines.get(
-        "plugin-on", plugin=True, extra_args=sc.ENGINE_ARGS, env=ENV
-    )
+def plugin(engines: EngineFarm) -> EngineProcess:
+    engine = engines.get("plugin-on", plugin=True, extra_args=ENGINE_ARGS, env=ENV)
     if engine.spec.url not in _LOGS and engine.log_path is not None:
         _LOGS[engine.spec.url] = engine.log_path.open("rb")
     return engine

@@ -10,9 +10,12 @@ import aiohttp
 import openai
 import orjson
 import pytest
-from tests.proxyrun import auth, make_config, running_proxy, until
 
+from proxy import prometheus, sse
+from proxy.bench.scrape import wait_idle
 from proxy.config import hash_key
+from tests.conftest import EngineFarm
+from tests.proxyrun import auth, make_config, running_proxy, until
 
 pytestmark = pytest.mark.integration
 # The tiny model's whole context: a "long" request then holds its slot for 15 s or more even on
@@ -31,13 +34,6 @@ def _chat(max_tokens: int, stream: bool = False, content: str = "hello") -> dict
     return body
 
 
-async def _vllm_samples(session: aiohttp.ClientSession, url: str, *prefixes: str) -> float:
-    async with session.get(f"{url}/metrics") as r:
-        text = await r.text()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(prefixes))
-
-
 async def _finished_when_idle(session: aiohttp.ClientSession, url: str,
                               timeout_s: float = 120.0) -> float:
     """vLLM's count of requests it finished normally, once nothing runs or waits there (1 s).
@@ -45,19 +41,9 @@ async def _finished_when_idle(session: aiohttp.ClientSession, url: str,
     A request whose client left is aborted by vLLM and never counted here; one that vLLM
     kept generating finishes later with reason "length" and is. (vLLM's generated-token
     counter cannot tell: it skips the tokens of aborted requests.)"""
-    deadline = time.monotonic() + timeout_s
-    idle_since = None
-    while time.monotonic() < deadline:
-        busy = await _vllm_samples(session, url, "vllm:num_requests_running{",
-                                   "vllm:num_requests_waiting{")
-        if busy:
-            idle_since = None
-        elif idle_since is None:
-            idle_since = time.monotonic()
-        elif time.monotonic() - idle_since >= 1.0:
-            return await _vllm_samples(session, url, "vllm:request_success_total{")
-        await asyncio.sleep(0.1)
-    raise AssertionError("vLLM kept working: a request the proxy gave up on still runs")
+    text = await wait_idle(session, url, timeout_s=timeout_s, settle_s=1.0)
+    assert text is not None, "vLLM kept working: a request the proxy gave up on still runs"
+    return prometheus.total(text, "vllm:request_success_total")
 
 
 async def _stream_timed(session: aiohttp.ClientSession, base: str, tier: str,
@@ -67,9 +53,9 @@ async def _stream_timed(session: aiohttp.ClientSession, base: str, tier: str,
     tokens = 0  # from the final usage chunk (vLLM may merge several tokens into one chunk)
     async with session.post(f"{base}/v1/chat/completions", json=body, headers=auth(tier)) as r:
         status = r.status
-        async for line in r.content:
-            if line.startswith(b"data: {"):
-                event = orjson.loads(line[6:])
+        async for data in sse.data_of(r):
+            if data.startswith(b"{"):
+                event = orjson.loads(data)
                 if event.get("choices") and first is None:
                     first = time.monotonic()
                 if event.get("usage"):
@@ -78,7 +64,7 @@ async def _stream_timed(session: aiohttp.ClientSession, base: str, tier: str,
             "tokens": tokens}
 
 
-async def test_high_tier_overtakes_40_queued_low_requests(engines) -> None:  # type: ignore[no-untyped-def]
+async def test_high_tier_overtakes_40_queued_low_requests(engines: EngineFarm) -> None:
     engine = engines.get("proxy-core", extra_args=LONG)
     cfg = make_config([{"url": engine.spec.url, "max_inflight": 4}])
     async with running_proxy(cfg) as (base, state), aiohttp.ClientSession(timeout=TIMEOUT) as s:
@@ -95,7 +81,7 @@ async def test_high_tier_overtakes_40_queued_low_requests(engines) -> None:  # t
     assert max(r["done_at"] for r in low_results) > high["done_at"]
 
 
-async def test_queue_full_is_an_immediate_429_and_no_tenant_locks_others_out(engines) -> None:  # type: ignore[no-untyped-def]
+async def test_queue_full_is_an_immediate_429_and_no_tenant_locks_others_out(engines: EngineFarm) -> None:
     engine = engines.get("proxy-core", extra_args=LONG)
     tenants = make_config([])["tenants"] + [
         {"name": "batch-b", "tier": "low", "keys": [{"sha256": hash_key("key-batch-b")}]}]
@@ -136,7 +122,7 @@ async def test_queue_full_is_an_immediate_429_and_no_tenant_locks_others_out(eng
         assert len(state.queue) == 0
 
 
-async def test_queue_timeout_503_and_execution_timeout_504(engines) -> None:  # type: ignore[no-untyped-def]
+async def test_queue_timeout_503_and_execution_timeout_504(engines: EngineFarm) -> None:
     engine = engines.get("proxy-core", extra_args=LONG)
     cfg = make_config(
         [{"url": engine.spec.url, "max_inflight": 1}],
@@ -177,7 +163,7 @@ async def test_queue_timeout_503_and_execution_timeout_504(engines) -> None:  # 
         assert len(state.queue) == 0 and state.pool.all()[0].inflight == 0
 
 
-async def test_client_leaving_mid_stream_or_in_queue_frees_everything(engines) -> None:  # type: ignore[no-untyped-def]
+async def test_client_leaving_mid_stream_or_in_queue_frees_everything(engines: EngineFarm) -> None:
     engine = engines.get("proxy-core", extra_args=LONG)
     cfg = make_config([{"url": engine.spec.url, "max_inflight": 1}])
     async with running_proxy(cfg) as (base, state), aiohttp.ClientSession(timeout=TIMEOUT) as s:
@@ -201,7 +187,7 @@ async def test_client_leaving_mid_stream_or_in_queue_frees_everything(engines) -
         assert 'tierproxy_requests_total{outcome="client_gone",tier="normal"} 2.0' in text
 
 
-async def test_openai_sdk_works_unchanged_and_sees_retryable_errors(engines) -> None:  # type: ignore[no-untyped-def]
+async def test_openai_sdk_works_unchanged_and_sees_retryable_errors(engines: EngineFarm) -> None:
     engine = engines.get("proxy-core", extra_args=LONG)
     cfg = make_config([{"url": engine.spec.url, "max_inflight": 1}],
                       tiers={"low": {"max_queue": 1, "queue_timeout_s": 3}})
@@ -246,12 +232,13 @@ async def test_openai_sdk_works_unchanged_and_sees_retryable_errors(engines) -> 
         await low.close()
 
 
-async def test_bad_input_and_unknown_paths(engines) -> None:  # type: ignore[no-untyped-def]
+async def test_bad_input_and_unknown_paths(engines: EngineFarm) -> None:
     engine = engines.get("proxy-core", extra_args=LONG)
     cfg = make_config([{"url": engine.spec.url, "max_inflight": 4}],
                       limits={"max_body_bytes": 2000})
     async with running_proxy(cfg) as (base, state), aiohttp.ClientSession(timeout=TIMEOUT) as s:
-        await asyncio.sleep(0.3)  # the monitor learns the backend's models
+        await until(lambda: "tiny" in (state.pool.all()[0].models or ()), what="its models",
+                    state=state)
         cases = [
             (b"{", 400, "invalid_json"),
             (orjson.dumps({**_chat(5), "max_tokens": -3}), 400, None),

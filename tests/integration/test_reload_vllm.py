@@ -5,14 +5,15 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import pytest
 import yaml
-from tests.proxyrun import KEYS, auth, make_config, running_proxy
+
+from proxy.app import ProxyState
+from tests.conftest import EngineFarm
+from tests.proxyrun import KEYS, auth, make_config, running_proxy, until
 
 pytestmark = pytest.mark.integration
 TIMEOUT = aiohttp.ClientTimeout(total=180)
@@ -20,16 +21,17 @@ BODY = {"model": "tiny", "max_tokens": 16, "ignore_eos": True,
         "messages": [{"role": "user", "content": "hi"}]}
 
 
-async def _generation(state: Any, after: float, timeout_s: float = 15.0) -> float:
-    deadline = time.monotonic() + timeout_s
-    while state.metrics.config_generation._value.get() <= after:
-        assert time.monotonic() < deadline, "the config was not reloaded"
-        await asyncio.sleep(0.05)
+def _generation(state: ProxyState) -> float:
     return float(state.metrics.config_generation._value.get())
 
 
+async def _reloaded(state: ProxyState, after: float) -> float:
+    await until(lambda: _generation(state) > after, 15, "the config reloaded", state)
+    return _generation(state)
+
+
 async def test_edits_during_load_apply_atomically_and_broken_file_changes_nothing(
-    engines, tmp_path: Path  # type: ignore[no-untyped-def]
+    engines: EngineFarm, tmp_path: Path
 ) -> None:
     engine = engines.get("core")
     path = tmp_path / "tierproxy.yaml"
@@ -46,39 +48,43 @@ async def test_edits_during_load_apply_atomically_and_broken_file_changes_nothin
                     await r.read()
                     statuses.append(r.status)
 
+        async def answered(more: int) -> None:
+            """Until ``more`` requests more were answered: load runs across the next step."""
+            goal = len(statuses) + more
+            await until(lambda: len(statuses) >= goal, 60, f"{more} more answers", state)
+
         workers = [asyncio.create_task(load(t)) for t in ("high", "normal", "low") for _ in range(3)]
-        gen = float(state.metrics.config_generation._value.get())
-        await asyncio.sleep(1.0)
+        gen = _generation(state)
+        await answered(20)
 
         # 1. Move the low tenant to the high tier and lower the normal tier's cap.
         cfg["tenants"][2]["tier"] = "high"
         cfg["tiers"]["normal"]["max_queue"] = 50
         path.write_text(yaml.safe_dump(cfg))
-        gen = await _generation(state, gen)
-        assert state.loaded.tenant_for_key(KEYS["low"]).tier == "high"
+        gen = await _reloaded(state, gen)
+        moved = state.loaded.tenant_for_key(KEYS["low"])
+        assert moved is not None and moved.tier == "high"
         assert state.queue.limits("normal").max_queue == 50
-        await asyncio.sleep(1.0)
+        await answered(20)
 
         # 2. Revoke the normal tenant's key (SIGHUP this time): 401 at once.
         revoked_at = len(statuses)  # every request answered before this was sent before it
         cfg["tenants"][1]["keys"] = [{"sha256": "0" * 64}]
         path.write_text(yaml.safe_dump(cfg))
         os.kill(os.getpid(), signal.SIGHUP)
-        gen = await _generation(state, gen)
+        gen = await _reloaded(state, gen)
         async with s.post(f"{base}/v1/chat/completions", json=BODY, headers=auth("normal")) as r:
             assert r.status == 401
 
         # 3. A broken file: the old config stays, the failure shows in /metrics.
         path.write_text(yaml.safe_dump(cfg).replace("weight: 10", "weight: -10"))
-        deadline = time.monotonic() + 15
-        while state.metrics.config_reloads.labels("error")._value.get() < 1:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.05)
+        await until(lambda: state.metrics.config_reloads.labels("error")._value.get() >= 1, 15,
+                    "the broken file refused", state)
         assert state.metrics.config_generation._value.get() == gen
         assert state.config.tiers["high"].weight == 10
         async with s.get(f"{base}/metrics") as r:
             assert 'tierproxy_config_reloads_total{result="error"} 1.0' in await r.text()
-        await asyncio.sleep(0.5)
+        await answered(10)
         stop.set()
         await asyncio.gather(*workers)
 

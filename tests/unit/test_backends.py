@@ -1,6 +1,6 @@
 import pytest
 
-from proxy.backends import BackendPool, ScrapedLoad, parse_vllm_load
+from proxy.backends import BackendPool, ScrapedLoad
 from proxy.config import Backend, BackendHealth
 
 HEALTH = BackendHealth(stale_after_s=2.0, max_backend_waiting=1, unhealthy_after=2, ramp_s=4.0, eject_base_s=1.0,
@@ -134,16 +134,3 @@ def test_admin_drain() -> None:
     pool.drain(b.cfg.url, False)
     assert pool.choose(None, 1, 0) is b
 
-
-def test_parse_vllm_metrics_text() -> None:
-    text = """# HELP vllm:num_requests_waiting Number of requests waiting.
-vllm:num_requests_waiting{engine="0",model_name="tiny"} 3.0
-vllm:num_requests_waiting{engine="1",model_name="tiny"} 1.0
-vllm:num_requests_running{engine="0",model_name="tiny"} 4.0
-vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.25
-vllm:kv_cache_usage_perc{engine="1",model_name="tiny"} 0.75
-vllm:num_preemptions_total{engine="0",model_name="tiny"} 9.0
-"""
-    load = parse_vllm_load(text, now=5.0)
-    assert load == ScrapedLoad(waiting=4.0, running=4.0, kv_usage=0.5, at=5.0)
-    assert parse_vllm_load("process_cpu_seconds_total 1.0\n", 0.0) is None

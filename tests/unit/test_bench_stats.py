@@ -10,11 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.bench.records import Outcome, RequestRecord
+from proxy.bench.report import latency_fairness, render_run
 from proxy.bench.stats import (
     Slo,
     backlogged_fairness,
     goodput,
     jain_index,
+    latency_spread,
     makespan,
     percentile,
     summarize,
@@ -186,3 +188,46 @@ def test_fairness_not_backlogged_tenant_does_not_count() -> None:
     assert "c" not in f.rates
     assert f.index == pytest.approx(1.0)
     assert math.isclose(f.rates["a"], 20.0)
+
+
+def test_latency_spread_of_equal_tenants_served_unequally() -> None:
+    # The fairness run of issue #11: three identical light tenants, TTFT p50 2.15 / 4.08 / 5.19 s.
+    spread = latency_spread({"light-c": [5.19] * 3, "light-a": [2.15] * 3, "light-b": [4.08] * 3})
+    assert spread is not None
+    assert list(spread.p50) == ["light-a", "light-b", "light-c"]
+    assert spread.p50["light-b"] == pytest.approx(4.08)
+    assert spread.p50_ratio == pytest.approx(5.19 / 2.15)
+    assert spread.p99_ratio == pytest.approx(5.19 / 2.15)
+
+
+def test_latency_spread_of_alike_tenants_is_one_and_needs_two() -> None:
+    spread = latency_spread({"a": [1.0, 2.0, 3.0], "b": [3.0, 1.0, 2.0]})
+    assert spread is not None and spread.p50_ratio == 1.0 and spread.p99_ratio == 1.0
+    assert latency_spread({"a": [1.0]}) is None
+    assert latency_spread({"a": [1.0], "b": []}) is None  # b got no answer: nothing to compare
+
+
+def test_report_latency_fairness_per_group_of_peers() -> None:
+    by_tenant = {
+        "heavy": [rec("heavy", first=9.0)],
+        "light-a": [rec("light-a", first=1.0), rec("light-a", first=3.0)],
+        "light-b": [rec("light-b", first=4.0), rec("light-b", first=4.0, outcome=Outcome.LOST)],
+    }
+    peers = {"heavy": "heavy", "light-a": "light-a", "light-b": "light-a"}
+    report = latency_fairness(by_tenant, peers)
+    assert set(report) == {"light-a"}  # the heavy tenant has no peer
+    group = report["light-a"]
+    assert group["ttft_p50_s"] == {"light-a": 2.0, "light-b": 4.0}
+    assert group["p50_ratio"] == 2.0
+    assert group["p99_ratio"] == pytest.approx(4.0 / 2.98, abs=1e-3)
+    assert latency_fairness(by_tenant, {}) == {}
+    text = render_run({"label": "proxy", "base_url": "u", "window_s": 1.0, "tiers": {},
+                       "total": _empty_group(), "tenants": {}, "fairness": {},
+                       "latency_fairness": report})
+    assert "latency fairness (light-a, light-b): TTFT p50 2.00 / 4.00 s (max/min 2.00)" in text
+
+
+def _empty_group() -> dict[str, object]:
+    outcomes = {o.value: 0 for o in Outcome}
+    return {"requests": 0, "outcomes": outcomes, "ttft_s": None, "itl_s": None, "e2e_s": None,
+            "throughput_rps": 0.0, "output_tokens_per_s": 0.0}

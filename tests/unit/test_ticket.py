@@ -1,10 +1,13 @@
+import ast
 import contextlib
 import dataclasses
+from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from proxy import ticket
 from proxy.ticket import Ticket, TicketError, decode_ticket, encode_ticket
 
 SECRET = b"shared-secret"
@@ -50,3 +53,26 @@ def test_expiry() -> None:
 def test_arbitrary_input_never_crashes_decoder(value: str) -> None:
     with contextlib.suppress(TicketError):
         decode_ticket(value, SECRET)
+
+
+def test_every_xarg_key_carries_the_prefix_the_middleware_strips() -> None:
+    keys = [value for name, value in vars(ticket).items() if name.startswith("XARG_")]
+    assert len(keys) == 7  # the prefix and six keys
+    assert all(key.startswith(ticket.XARG_PREFIX) for key in keys)
+
+
+def test_plugin_flags_load_both_classes_with_priority_scheduling() -> None:
+    flags = dict(zip(ticket.PLUGIN_FLAGS[::2], ticket.PLUGIN_FLAGS[1::2], strict=True))
+    assert flags == {
+        "--scheduling-policy": "priority",
+        "--middleware": ticket.MIDDLEWARE_CLASS,
+        "--scheduler-cls": ticket.SCHEDULER_CLASS,
+    }
+
+
+def test_the_contract_module_imports_neither_aiohttp_nor_vllm() -> None:
+    tree = ast.parse(Path(ticket.__file__).read_text())
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert {name.split(".")[0] for name in imported}.isdisjoint({"aiohttp", "vllm", "proxy"})

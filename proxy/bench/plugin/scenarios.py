@@ -1,257 +1,38 @@
-"""Client-side scenarios for the vLLM plugin, shared by its integration tests and benchmark.
+"""The plugin's scenarios: each fills one vLLM server (stock or with the plugin) with long
+low-tier generations, sends what the scenario is about, and returns what was measured, read
+from vLLM's own engine-side numbers where the client's clock would blur them.
 
-Each scenario talks to one vLLM OpenAI server (stock or with the plugin) straight over HTTP,
-with tickets signed as the proxy would sign them, and returns what a client measured.
-Prompts are lists of token ids, so lengths are exact and no two prompts share a prefix
-(vLLM's prefix cache would otherwise make repeated prompts free).
+Shared by the plugin's integration tests (tests/integration/test_plugin_vllm.py) and its
+benchmark (benchmarks/plugin_bench.py). A scenario whose precondition did not hold (the machine
+delayed this client) is run again, at most ``attempts`` times.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import random
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import aiohttp
 
-from proxy.ticket import TICKET_HEADER, Ticket, encode_ticket
-
-MODEL = "tiny"
-VOCAB = 1024  # the tiny model's vocabulary
-HIGH_PRIORITY, LOW_PRIORITY = 0, 10  # the example config's best and worst tiers
-
-T = TypeVar("T")
-
-# Fine ITL buckets, 0.5 ms .. 2 s: vLLM's defaults start at 10 ms, coarser than a CPU step.
-ITL_BUCKETS: list[float] = [round(0.0005 * 1.25**i, 6) for i in range(38)]
-
-# Low-tier answers as long as --max-model-len allows (16-token prompts): the four of them must
-# still be running when the high-tier request arrives, however late this client gets the CPU.
-LOW_TOKENS = 4000
-
-# Settings shared by the stock and the plugin engine, so that only the plugin differs.
-# Latencies are read from vLLM itself (engine-core timestamps: per-request metrics and the ITL
-# histogram), not from this client: on a loaded 2-core machine a client reads SSE late and in
-# bursts, which would blur exactly the step times being compared.
-ENGINE_ARGS: tuple[str, ...] = (
-    "--max-model-len",
-    "4096",  # the tiny model's max_position_embeddings: low-tier answers can be long
-    "--max-num-batched-tokens",
-    "4096",  # a whole long prompt fits one step: what stock vLLM does to decoders beside it
-    "--enable-per-request-metrics",
-    "--custom-histogram-buckets",
-    json.dumps({"inter_token_latency": ITL_BUCKETS}),
+from proxy.bench.plugin.gauges import delta, histogram_quantile, scrape, settle, wait_gauges
+from proxy.bench.plugin.requests import (
+    HIGH_PRIORITY,
+    LOW_TOKENS,
+    Completion,
+    StreamResult,
+    complete,
+    high,
+    low,
+    new_session,
+    stream_completion,
+    ticket_headers,
+    token_prompt,
 )
 
-
-def ticket_headers(
-    secret: bytes,
-    *,
-    tier: str,
-    priority: int,
-    deadline_s: float = 300.0,
-    prefill_share: float = 1.0,
-    budget: int = 4096,
-) -> dict[str, str]:
-    ticket = Ticket(
-        tier=tier,
-        priority=priority,
-        tenant="bench",
-        deadline=time.time() + deadline_s,
-        prefill_share=prefill_share,
-        budget=budget,
-        request_id=f"{tier}-{random.getrandbits(32):08x}",
-    )
-    return {TICKET_HEADER: encode_ticket(ticket, secret)}
-
-
-def high(secret: bytes, **kw: Any) -> dict[str, str]:
-    return ticket_headers(secret, tier="high", priority=HIGH_PRIORITY, prefill_share=1.0, **kw)
-
-
-def low(secret: bytes, **kw: Any) -> dict[str, str]:
-    return ticket_headers(secret, tier="low", priority=LOW_PRIORITY, prefill_share=0.2, **kw)
-
-
-# Unseeded: a rerun against the same engine must not hit its prefix cache.
-_rng = random.Random()
-
-
-def token_prompt(length: int) -> list[int]:
-    return [_rng.randrange(3, VOCAB) for _ in range(length)]
-
-
-@dataclass
-class StreamResult:
-    status: int
-    sent_at: float
-    token_times: list[float] = field(default_factory=list)
-    done_at: float = 0.0
-    finish_reason: str | None = None
-    completion_tokens: int | None = None
-    error: Any = None
-    done_marker: bool = False  # saw `data: [DONE]`: the stream ended properly
-    metrics: dict[str, Any] = field(default_factory=dict)  # vLLM's per-request metrics
-
-    @property
-    def server_ttft(self) -> float:
-        """Queued to first token, in seconds, by the engine's own clock."""
-        queue_ms = self.metrics.get("queue_time_ms") or 0.0
-        ttft_ms = self.metrics.get("time_to_first_token_ms")
-        if ttft_ms is None:
-            raise AssertionError(f"no per-request metrics (status {self.status}, {self.error})")
-        return float(queue_ms + ttft_ms) / 1000
-
-    @property
-    def ttft(self) -> float:
-        if not self.token_times:
-            raise AssertionError(f"no token received (status {self.status}, {self.error})")
-        return self.token_times[0] - self.sent_at
-
-    @property
-    def itls(self) -> list[float]:
-        return [b - a for a, b in zip(self.token_times, self.token_times[1:], strict=False)]
-
-
-async def stream_completion(
-    session: aiohttp.ClientSession,
-    url: str,
-    *,
-    prompt: list[int] | str,
-    max_tokens: int,
-    headers: dict[str, str] | None = None,
-    extra: dict[str, Any] | None = None,
-    started: asyncio.Event | None = None,
-) -> StreamResult:
-    """POST /v1/completions with stream=true; one timestamp per content chunk."""
-    body: dict[str, Any] = {
-        "model": MODEL,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "ignore_eos": True,
-        "temperature": 0.0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    body.update(extra or {})
-    result = StreamResult(status=0, sent_at=time.perf_counter())
-    async with session.post(f"{url}/v1/completions", json=body, headers=headers) as resp:
-        result.status = resp.status
-        if resp.status != 200:
-            result.error = await resp.text()
-            result.done_at = time.perf_counter()
-            return result
-        async for raw in resp.content:
-            line = raw.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                result.done_marker = True
-                break
-            chunk = json.loads(data)
-            if "error" in chunk:
-                result.error = chunk["error"]
-                continue
-            if chunk.get("usage"):
-                result.completion_tokens = chunk["usage"]["completion_tokens"]
-            if chunk.get("metrics"):
-                result.metrics = chunk["metrics"]
-            for choice in chunk.get("choices", []):
-                if choice.get("text"):
-                    result.token_times.append(time.perf_counter())
-                    if started is not None:
-                        started.set()
-                if choice.get("finish_reason"):
-                    result.finish_reason = choice["finish_reason"]
-    result.done_at = time.perf_counter()
-    return result
-
-
-@dataclass
-class Completion:
-    """A non-streaming answer: what the client finally got."""
-
-    status: int
-    body: dict[str, Any]
-    done_at: float
-
-    @property
-    def finish_reason(self) -> str | None:
-        choices = self.body.get("choices") or [{}]
-        reason = choices[0].get("finish_reason")
-        return str(reason) if reason is not None else None
-
-    @property
-    def completion_tokens(self) -> int | None:
-        usage = self.body.get("usage") or {}
-        value = usage.get("completion_tokens")
-        return int(value) if value is not None else None
-
-    @property
-    def queue_time(self) -> float:
-        return float((self.body.get("metrics") or {}).get("queue_time_ms") or 0.0) / 1000
-
-
-async def complete(
-    session: aiohttp.ClientSession,
-    url: str,
-    *,
-    prompt: list[int] | str,
-    max_tokens: int,
-    headers: dict[str, str] | None = None,
-    extra: dict[str, Any] | None = None,
-) -> Completion:
-    body: dict[str, Any] = {
-        "model": MODEL,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "ignore_eos": True,
-        "temperature": 0.0,
-    }
-    body.update(extra or {})
-    async with session.post(f"{url}/v1/completions", json=body, headers=headers) as resp:
-        payload = await resp.json(content_type=None)
-        return Completion(status=resp.status, body=payload, done_at=time.perf_counter())
-
-
-RUNNING, WAITING = "vllm:num_requests_running", "vllm:num_requests_waiting"
-
-
-async def wait_gauges(
-    session: aiohttp.ClientSession,
-    url: str,
-    *,
-    running: int,
-    waiting: int = 0,
-    timeout_s: float = 30.0,
-    while_pending: list[asyncio.Task[Any]] | None = None,
-) -> bool:
-    """Until vLLM's own gauges show ``running`` requests running and ``waiting`` waiting.
-
-    The gauges come from the engine core's stats of each step, so this states what vLLM was
-    doing, however late this client gets the CPU. False when not seen within ``timeout_s``, or
-    once any of ``while_pending`` is done (the state can no longer appear).
-    """
-    deadline = time.monotonic() + timeout_s
-    while (left := deadline - time.monotonic()) > 0:
-        try:  # a starved API server may hold /metrics for seconds: give up at the deadline
-            samples = await asyncio.wait_for(scrape(session, url), timeout=left)
-        except TimeoutError:
-            return False
-        if samples.get(RUNNING, 0.0) >= running and samples.get(WAITING, 0.0) >= waiting:
-            return True
-        if while_pending and any(t.done() for t in while_pending):
-            return False
-        # Straight on to the next read, woken by its answer, not by a timer: on the loaded
-        # VM this was measured on, a client timer (asyncio.sleep) often fired only when the
-        # next socket event came, i.e. when the long low-tier answers arrived.
-        await asyncio.sleep(0)
-    return False
+T = TypeVar("T")
 
 
 async def fill_slots_with_low(
@@ -296,15 +77,6 @@ def _brief(result: object) -> str:
     return repr(result)
 
 
-def new_session() -> aiohttp.ClientSession:
-    """One connection per request: a pooled keep-alive connection that uvicorn closes (its 5 s
-    idle timeout, easily reached by a starved server) as a request goes out on it would fail
-    that request with "Server disconnected"."""
-    return aiohttp.ClientSession(
-        timeout=aiohttp.ClientTimeout(total=300),
-        connector=aiohttp.TCPConnector(force_close=True),
-    )
-
 
 class NotEstablished(Exception):
     """A scenario's precondition did not hold (the machine delayed this client): run it again."""
@@ -345,7 +117,7 @@ async def preempt_scenario(
 
     async def once() -> PreemptOutcome:
         async with new_session() as session:
-            await wait_idle(session, url)
+            await settle(session, url)
             before = await scrape(session, url)
             lows = await fill_slots_with_low(session, url, secret, n=slots, max_tokens=low_tokens)
             high_task = asyncio.create_task(
@@ -398,7 +170,7 @@ async def forged_scenario(url: str, secret: bytes, *, attempts: int = 4) -> Forg
 
     async def once() -> ForgedOutcome:
         async with new_session() as session:
-            await wait_idle(session, url)
+            await settle(session, url)
             before = await scrape(session, url)
             lows = await fill_slots_with_low(session, url, secret, n=4, max_tokens=LOW_TOKENS)
             tasks = {}
@@ -458,7 +230,7 @@ async def deadline_scenario(
 
     async def once() -> DeadlineOutcome:
         async with new_session() as session:
-            await wait_idle(session, url)
+            await settle(session, url)
             before = await scrape(session, url)
             lows = await fill_slots_with_low(session, url, secret, n=4, max_tokens=LOW_TOKENS)
             sent = time.perf_counter()
@@ -514,50 +286,6 @@ async def deadline_scenario(
     return await retry_scenario(attempts, once, "deadline scenario")
 
 
-async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
-    """vLLM's Prometheus samples, keyed by name plus the labels that matter here."""
-    async with session.get(f"{url}/metrics") as resp:
-        text = await resp.text()
-    samples: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line.startswith("vllm:"):
-            continue
-        name_labels, _, value = line.rpartition(" ")
-        name, _, labels = name_labels.partition("{")
-        key = name
-        for label in ("le", "finished_reason"):
-            marker = f'{label}="'
-            if marker in labels:
-                key += f"|{labels.split(marker, 1)[1].split(chr(34), 1)[0]}"
-        try:
-            samples[key] = samples.get(key, 0.0) + float(value)
-        except ValueError:
-            continue
-    return samples
-
-
-def delta(after: dict[str, float], before: dict[str, float], key: str) -> float:
-    return after.get(key, 0.0) - before.get(key, 0.0)
-
-
-def histogram_quantile(
-    after: dict[str, float], before: dict[str, float], name: str, q: float
-) -> tuple[float, int]:
-    """(upper bound of the bucket holding quantile q, sample count) of a histogram's delta."""
-    buckets = sorted(
-        (float(k.split("|", 1)[1]), delta(after, before, k))
-        for k in after
-        if k.startswith(f"{name}_bucket|") and not k.endswith("+Inf")
-    )
-    total = int(delta(after, before, f"{name}_count"))
-    if total == 0:
-        raise AssertionError(f"no {name} samples")
-    for bound, count in buckets:
-        if count >= q * total:
-            return bound, total
-    return float("inf"), total
-
-
 @dataclass
 class ItlOutcome:
     p50: float  # seconds, bucket upper bounds of vLLM's inter-token latency histogram
@@ -566,16 +294,6 @@ class ItlOutcome:
     longs: list[Completion]
     highs_outlived_window: bool  # the high-tier requests decoded through the whole window
 
-
-async def wait_idle(session: aiohttp.ClientSession, url: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        samples = await scrape(session, url)
-        busy = samples.get(RUNNING, 0.0) + samples.get(WAITING, 0.0)
-        if busy == 0:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError("vLLM did not become idle")
 
 
 async def itl_scenario(
@@ -600,7 +318,7 @@ async def itl_scenario(
 
     async def once() -> ItlOutcome:
         async with new_session() as session:
-            await wait_idle(session, url)
+            await settle(session, url)
             before = await scrape(session, url)
             # The highs first: a long prompt that lands in the highs' own first step (nothing
             # decodes yet, so the plugin does not cap it) only delays their first token, which
@@ -638,7 +356,7 @@ async def itl_scenario(
             # before reading the histogram, so that no decode-only samples dilute the window.
             outlived = not any(t.done() for t in highs)
             await _cancel(highs)
-            await wait_idle(session, url)
+            await settle(session, url)
             after = await scrape(session, url)
         if not outlived:  # e.g. the API server, starved, handed the long prompts on late
             raise NotEstablished("a high-tier request ended before the last long prompt")

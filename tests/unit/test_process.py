@@ -1,0 +1,110 @@
+"""ManagedProcess: one stop path for a whole process group, a log, death with the parent."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+import proxy
+from proxy.process import ManagedProcess, tail
+
+# Forks a grandchild that would outlive a plain kill of its parent, prints both pids.
+FAMILY = """
+import os, signal, time
+child = os.fork()
+if child == 0:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(600)
+    os._exit(0)
+print(os.getpid(), child, flush=True)
+time.sleep(600)
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # A zombie of an exited child counts as gone.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except OSError:
+        return True
+
+
+def _wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_stop_ends_the_whole_group_even_a_child_that_ignores_sigterm(tmp_path: Path) -> None:
+    log = tmp_path / "family.log"
+    proc = ManagedProcess([sys.executable, "-c", FAMILY], log_path=log).start()
+    try:
+        assert _wait_for(lambda: len(log.read_text().split()) == 2)
+        parent, child = (int(p) for p in log.read_text().split())
+        assert proc.pid == parent and proc.alive()
+        assert os.getpgid(child) == parent  # its own group, led by the process itself
+    finally:
+        proc.stop(grace_s=5.0)
+    assert not proc.alive()
+    assert _wait_for(lambda: _gone(child))
+    proc.stop()  # idempotent
+
+
+def test_wait_until_reports_an_early_exit_with_the_log_tail(tmp_path: Path) -> None:
+    log = tmp_path / "early.log"
+    proc = ManagedProcess([sys.executable, "-c", "print('bad flag'); raise SystemExit(3)"],
+                          log_path=log, name="the thing").start()
+    with pytest.raises(RuntimeError, match="the thing exited before ready") as exc:
+        proc.wait_until(lambda: False, timeout_s=30.0, what="ready", poll_s=0.01)
+    assert "bad flag" in str(exc.value) and "bad flag" in tail(log)
+    proc.stop()
+
+
+def test_wait_until_times_out_and_cpus_confine_the_child(tmp_path: Path) -> None:
+    core = min(os.sched_getaffinity(0))
+    script = "import os, time; print(sorted(os.sched_getaffinity(0)), flush=True); time.sleep(60)"
+    log = tmp_path / "cpus.log"
+    with ManagedProcess([sys.executable, "-c", script], log_path=log,
+                        cpus=frozenset({core})) as proc:
+        proc.start()
+        with pytest.raises(TimeoutError):
+            proc.wait_until(lambda: False, timeout_s=0.05, what="never", poll_s=0.01)
+        assert _wait_for(lambda: log.read_text().strip() == f"[{core}]")
+    assert not proc.alive()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_the_child_dies_with_its_parent(tmp_path: Path) -> None:
+    # A middle process starts a ManagedProcess, prints its pid, and is killed hard.
+    middle = """
+import sys, time
+from proxy.process import ManagedProcess
+p = ManagedProcess([sys.executable, "-c", "import time; time.sleep(600)"]).start()
+print(p.pid, flush=True)
+time.sleep(600)
+"""
+    log = tmp_path / "middle.log"
+    repo = str(Path(proxy.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": repo}
+    outer = ManagedProcess([sys.executable, "-c", middle], env=env, log_path=log).start()
+    try:
+        assert _wait_for(lambda: log.read_text().strip().isdigit())
+        grandchild = int(log.read_text())
+        assert outer.proc is not None
+        os.kill(outer.proc.pid, signal.SIGKILL)  # only the middle process, not its group
+        assert _wait_for(lambda: _gone(grandchild))
+    finally:
+        outer.stop()
