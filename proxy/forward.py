@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +19,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from proxy import sse
 from proxy.errors import ProxyError, execution_timeout, upstream_failed
 from proxy.outcome import Outcome
 
@@ -139,18 +140,6 @@ def _usage_of(body: bytes) -> dict[str, Any] | None:
     return usage if isinstance(usage, dict) else None
 
 
-async def _events(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-    """Complete SSE events (each ending in a blank line) as they arrive."""
-    pending: list[bytes] = []
-    async for line in resp.content:
-        pending.append(line)
-        if line in (b"\n", b"\r\n"):
-            yield b"".join(pending)
-            pending.clear()
-    if pending and b"".join(pending).strip():
-        yield b"".join(pending) + b"\n"
-
-
 def _is_usage_chunk(event: bytes) -> bool:
     return b'"choices":[]' in event and b'"usage"' in event
 
@@ -161,7 +150,7 @@ async def _relay_stream(
     request: web.Request,
     now: Callable[[], float],
 ) -> RelayResult:
-    events = _events(resp).__aiter__()
+    events = sse.events(resp).__aiter__()
     # Hold the client's response until the first event: a failure before it can be retried.
     try:
         async with asyncio.timeout_at(call.deadline):
