@@ -15,7 +15,8 @@ from proxy.bench.cli import main
 from proxy.bench.proxy_config import proxy_config, write_proxy_config
 from proxy.bench.scenario import load_scenario
 from proxy.bench.stack import ProxyProcess
-from proxy.engine import free_port
+from proxy.engine import EngineProcess, free_port
+from tests.conftest import EngineFarm
 
 pytestmark = pytest.mark.integration
 
@@ -34,13 +35,13 @@ tenants:
 
 
 @pytest.fixture
-def engine(engines):  # type: ignore[no-untyped-def]
+def engine(engines: EngineFarm) -> EngineProcess:
     """The shared tiny engine; started here so that its start-up counts as setup, not as the
     smoke run."""
     return engines.get("core")
 
 
-def test_bench_direct_and_through_the_proxy(engine, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_bench_direct_and_through_the_proxy(engine: EngineProcess, tmp_path: Path) -> None:
     scenario_path = tmp_path / "smoke.yaml"
     scenario_path.write_text(SCENARIO)
     scenario = load_scenario(str(scenario_path))
@@ -85,7 +86,7 @@ def test_bench_direct_and_through_the_proxy(engine, tmp_path: Path) -> None:  # 
     assert (out / "queue_depth.png").stat().st_size > 1000
 
 
-def test_capacity_step(engine) -> None:  # type: ignore[no-untyped-def]
+def test_capacity_step(engine: EngineProcess) -> None:
     scenario = load_scenario("seed-mixed")
     cap = asyncio.run(measure_capacity(scenario, engine.spec.url, "tiny", duration_s=5.0,
                                        warmup_s=1.0, concurrency=16))

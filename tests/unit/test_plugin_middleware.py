@@ -148,7 +148,8 @@ async def call(
     incoming: list[Message] = [
         {"type": "http.request", "body": p, "more_body": i < len(parts) - 1}
         for i, p in enumerate(parts)
-    ] + [{"type": "http.disconnect"}]
+    ]
+    incoming.append({"type": "http.disconnect"})
     received: list[Message] = []
     sent: list[Message] = []
 

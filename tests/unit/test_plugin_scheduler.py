@@ -233,7 +233,8 @@ def test_preempted_requests_complete_with_full_output(model_dir: Path) -> None:
     run.until_done()
     for r in lows + highs:
         assert run.finish[r.request_id] == FinishReason.LENGTH
-        assert run.tokens[r.request_id] == [TOKEN] * r.sampling_params.max_tokens  # type: ignore[union-attr]
+        assert r.sampling_params is not None and r.sampling_params.max_tokens is not None
+        assert run.tokens[r.request_id] == [TOKEN] * r.sampling_params.max_tokens
     assert run.s.plugin_counters.preemptions == 2  # type: ignore[attr-defined]
     assert run.s.kv_cache_manager.usage == 0.0
 
