@@ -14,10 +14,10 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from proxy.admission import AdmissionQueue, QueuedRequest, QueueFull, TierLimits, UnknownTier
-from proxy.backends import BackendPool, BackendState
+from proxy.admission import QueuedRequest, QueueFull, TierLimits, UnknownTier
+from proxy.backends import BackendState
 from proxy.config import Config, ConfigError, LoadedConfig, Tenant, load_config
-from proxy.dispatch import Dispatcher, Lease, QueueTimeoutError
+from proxy.dispatch import Lease, QueueTimeoutError
 from proxy.errors import (
     ProxyError,
     bad_request,
@@ -39,7 +39,8 @@ from proxy.inbound import (
 from proxy.limits import LimitRegistry
 from proxy.metrics import ProxyMetrics
 from proxy.monitor import BackendMonitor
-from proxy.policy import weighted_tokens
+from proxy.policies.build import build_scheduling
+from proxy.policies.cost import weighted_tokens
 from proxy.reload import ConfigWatcher
 from proxy.ticket import TICKET_HEADER, Ticket, encode_ticket, secret_from_env
 
@@ -69,13 +70,10 @@ class ProxyState:
         self.clock = clock
         self.metrics = ProxyMetrics()
         cfg = loaded.config
-        self.queue = AdmissionQueue(
-            tier_limits(cfg),
-            aging_s=cfg.scheduling.aging_s,
-            reference_tokens=cfg.scheduling.reference_tokens,
-        )
-        self.pool = BackendPool(cfg.backends, cfg.backend_health)
-        self.dispatcher = Dispatcher(self.queue, self.pool, self.metrics, clock)
+        self.scheduling = build_scheduling(cfg, self.metrics, clock)
+        self.queue = self.scheduling.queue
+        self.pool = self.scheduling.pool
+        self.dispatcher = self.scheduling.dispatcher
         self.limits = LimitRegistry()
         self.limits.configure(cfg.tenants, clock())
         self.session: aiohttp.ClientSession | None = None
@@ -90,13 +88,7 @@ class ProxyState:
     def apply(self, loaded: LoadedConfig) -> None:
         """Swap in a validated config; queued and running requests keep going."""
         cfg = loaded.config
-        self.queue.reconfigure(
-            tier_limits(cfg),
-            aging_s=cfg.scheduling.aging_s,
-            reference_tokens=cfg.scheduling.reference_tokens,
-        )
-        self.queue.fairness.forget(t.name for t in cfg.tenants)
-        self.pool.reconfigure(cfg.backends, cfg.backend_health)
+        self.scheduling.reconfigure(cfg)
         self.limits.configure(cfg.tenants, self.clock())
         self.loaded = loaded
         self.metrics.config_generation.inc()

@@ -7,6 +7,7 @@ import heapq
 import random
 
 from proxy.admission import AdmissionQueue, QueuedRequest, TierLimits
+from proxy.policies.build import default_queue_policies
 
 
 def _jain(values: list[float]) -> float:
@@ -16,7 +17,8 @@ def _jain(values: list[float]) -> float:
 def _simulate(heavy_rate: float, light_rate: float, seconds: float, slots: int = 4,
               tokens_per_s: float = 400.0, seed: int = 7) -> dict[str, object]:
     rng = random.Random(seed)
-    q = AdmissionQueue({"normal": TierLimits(1.0, 10**6, 10**6)}, aging_s=60, reference_tokens=8192)
+    q = AdmissionQueue({"normal": TierLimits(1.0, 10**6, 10**6)},
+                       default_queue_policies(aging_s=60, reference_tokens=8192))
     arrivals: list[tuple[float, str]] = []
     for tenant, rate in (("heavy", heavy_rate), ("light", light_rate)):
         t = 0.0
