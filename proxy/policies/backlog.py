@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from proxy.admission import QueuedRequest
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class TenantBacklog:
     """One tenant's queued requests in one tier, as the policies see them."""
 
@@ -32,14 +32,14 @@ _SLACK = 2
 
 
 class KeyedHeap:
-    """Names ordered by a key that changes: ``set`` pushes a fresh entry and makes older ones
-    stale (lazy invalidation). Every operation is O(log n) amortised; stale entries are dropped
-    when they surface or when they outnumber the live ones (then the heap is rebuilt)."""
+    """Names ordered by a key (a tuple) that changes: ``set`` pushes a fresh entry and makes
+    the older one stale (lazy invalidation); stale entries are dropped when they surface, or all
+    at once when they outnumber the live ones. O(log n) amortised per operation."""
 
     __slots__ = ("_heap", "_live", "_version")
 
     def __init__(self) -> None:
-        self._heap: list[tuple[Any, int, str]] = []
+        self._heap: list[tuple[Any, ...]] = []  # (*key, version, name)
         self._live: dict[str, int] = {}  # name -> version of its one valid entry
         self._version = itertools.count()
 
@@ -49,10 +49,10 @@ class KeyedHeap:
     def __contains__(self, name: str) -> bool:
         return name in self._live
 
-    def set(self, name: str, key: Any) -> None:
+    def set(self, name: str, key: tuple[Any, ...]) -> None:
         version = next(self._version)
         self._live[name] = version
-        heapq.heappush(self._heap, (key, version, name))
+        heapq.heappush(self._heap, (*key, version, name))
         if len(self._heap) > _SLACK * len(self._live) + 64:
             self._compact()
 
@@ -62,17 +62,19 @@ class KeyedHeap:
         ):
             self._compact()
 
-    def first(self, accept: Callable[[str], bool] | None = None) -> tuple[Any, str] | None:
-        """The (key, name) with the smallest key among the names ``accept`` allows."""
+    def first(self, accept: Callable[[str], bool] | None = None) -> tuple[Any, ...] | None:
+        """The entry (*key, version, name) with the smallest key among the names ``accept``
+        allows."""
         heap, live = self._heap, self._live
-        skipped: list[tuple[Any, int, str]] = []
-        found: tuple[Any, str] | None = None
+        skipped: list[tuple[Any, ...]] = []
+        found: tuple[Any, ...] | None = None
         while heap:
-            key, version, name = heap[0]
-            if live.get(name) != version:
+            entry = heap[0]
+            name = entry[-1]
+            if live.get(name) != entry[-2]:
                 heapq.heappop(heap)
             elif accept is None or accept(name):
-                found = (key, name)
+                found = entry
                 break
             else:
                 skipped.append(heapq.heappop(heap))
@@ -82,5 +84,5 @@ class KeyedHeap:
 
     def _compact(self) -> None:
         live = self._live
-        self._heap = [e for e in self._heap if live.get(e[2]) == e[1]]
+        self._heap = [e for e in self._heap if live.get(e[-1]) == e[-2]]
         heapq.heapify(self._heap)

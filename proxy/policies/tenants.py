@@ -32,38 +32,47 @@ class VirtualTokenCounter:
 
     def __init__(self) -> None:
         self._counter: dict[str, float] = {}
+        # tenant -> {tier where it is backlogged: arrival of its oldest request there}
+        self._oldest: dict[str, dict[str, float]] = {}
         self._by_tier: dict[str, KeyedHeap] = {}  # backlogged tenants by (counter, oldest, name)
-        self._oldest: dict[tuple[str, str], float] = {}  # (tier, tenant) -> oldest arrival
-        self._tiers_of: dict[str, set[str]] = {}  # tenant -> tiers where it is backlogged
-        self._highest = KeyedHeap()  # every counter, by (-counter, name): the idle lift's floor
+        self._highest = KeyedHeap()  # every counter, by -counter: the idle lift's floor
+        # Whose oldest request changed since their heap entry was made. Repositioned at the
+        # next pick, unless a charge does it first (a dispatch changes both: one heap push).
+        self._moved: set[tuple[str, str]] = set()
 
     def counter(self, tenant: str) -> float:
         return self._counter.get(tenant, 0.0)
 
     def backlog_changed(self, tier: str, tenant: str, backlog: TenantBacklog | None) -> None:
-        heap = self._by_tier.setdefault(tier, KeyedHeap())
+        tiers = self._oldest.get(tenant)
         if backlog is None:
-            heap.discard(tenant)
-            self._oldest.pop((tier, tenant), None)
-            tiers = self._tiers_of.get(tenant)
-            if tiers is not None:
-                tiers.discard(tier)
+            if tiers is not None and tiers.pop(tier, None) is not None:
+                self._by_tier[tier].discard(tenant)
+                self._moved.discard((tier, tenant))
                 if not tiers:
-                    del self._tiers_of[tenant]
+                    del self._oldest[tenant]
             return
         arrival = backlog.oldest.arrival_s
-        if tenant not in heap:
-            self._lift(tenant, heap)
-            self._tiers_of.setdefault(tenant, set()).add(tier)
-        elif self._oldest[(tier, tenant)] == arrival:
-            return
-        self._oldest[(tier, tenant)] = arrival
-        heap.set(tenant, (self._counter.get(tenant, 0.0), arrival, tenant))
+        if tiers is None:
+            tiers = self._oldest[tenant] = {}
+        previous = tiers.get(tier)
+        tiers[tier] = arrival
+        if previous is None:
+            heap = self._by_tier.get(tier)
+            if heap is None:
+                heap = self._by_tier[tier] = KeyedHeap()
+            self._flush()
+            self._lift(tenant, heap)  # sets its counter, and so its place in this heap
+        elif previous != arrival:
+            self._moved.add((tier, tenant))
 
     def pick(self, tier: str, accept: Callable[[str], bool] | None = None) -> str | None:
         heap = self._by_tier.get(tier)
-        found = heap.first(accept) if heap is not None else None
-        return found[1] if found is not None else None
+        if heap is None:
+            return None
+        self._flush()
+        found = heap.first(accept)
+        return found[-1] if found is not None else None
 
     def charge(self, tenant: str, weighted: float, tenant_weight: float = 1.0) -> None:
         self._set(tenant, self._counter.get(tenant, 0.0) + weighted / tenant_weight)
@@ -78,21 +87,28 @@ class VirtualTokenCounter:
     def _lift(self, tenant: str, tier_heap: KeyedHeap) -> None:
         lowest = tier_heap.first()
         if lowest is not None:
-            floor: float = lowest[0][0]
+            floor: float = lowest[0]
         else:
             highest = self._highest.first()
-            floor = -highest[0][0] if highest is not None else 0.0
+            floor = -highest[0] if highest is not None else 0.0
         self._set(tenant, max(self._counter.get(tenant, 0.0), floor))
 
     def _set(self, tenant: str, counter: float) -> None:
         self._counter[tenant] = counter
-        self._highest.set(tenant, (-counter, tenant))
+        self._highest.set(tenant, (-counter,))
         self._reposition(tenant, counter)
 
     def _reposition(self, tenant: str, counter: float) -> None:
-        for tier in self._tiers_of.get(tenant, ()):
-            oldest = self._oldest[(tier, tenant)]
+        for tier, oldest in self._oldest.get(tenant, {}).items():
             self._by_tier[tier].set(tenant, (counter, oldest, tenant))
+            if self._moved:
+                self._moved.discard((tier, tenant))
+
+    def _flush(self) -> None:
+        while self._moved:
+            tier, tenant = self._moved.pop()
+            key = (self._counter.get(tenant, 0.0), self._oldest[tenant][tier], tenant)
+            self._by_tier[tier].set(tenant, key)
 
 
 class EarliestDeadlineFirst:
@@ -107,7 +123,9 @@ class EarliestDeadlineFirst:
         self._by_tier: dict[str, KeyedHeap] = {}
 
     def backlog_changed(self, tier: str, tenant: str, backlog: TenantBacklog | None) -> None:
-        heap = self._by_tier.setdefault(tier, KeyedHeap())
+        heap = self._by_tier.get(tier)
+        if heap is None:
+            heap = self._by_tier[tier] = KeyedHeap()
         if backlog is None:
             heap.discard(tenant)
         else:
@@ -116,7 +134,7 @@ class EarliestDeadlineFirst:
     def pick(self, tier: str, accept: Callable[[str], bool] | None = None) -> str | None:
         heap = self._by_tier.get(tier)
         found = heap.first(accept) if heap is not None else None
-        return found[1] if found is not None else None
+        return found[-1] if found is not None else None
 
     def charge(self, tenant: str, weighted: float, tenant_weight: float = 1.0) -> None:
         pass
