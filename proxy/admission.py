@@ -184,9 +184,7 @@ class AdmissionQueue:
         return deadlines[0][0] if deadlines else None
 
     # -- changes -------------------------------------------------------------------------
-    def push(
-        self, req: QueuedRequest, now: float, *, force: bool = False
-    ) -> QueuedRequest | None:
+    def push(self, req: QueuedRequest, now: float, *, force: bool = False) -> QueuedRequest | None:
         """Queue a request (``force``: past the cap, for one already admitted once, e.g. on
         failover). A full tier asks the displacement policy for a tenant to make room: that
         tenant's newest request is displaced and returned, for its client to get the 429

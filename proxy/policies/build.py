@@ -88,7 +88,6 @@ def build_scheduling(
     return Scheduling(queue, pool, Dispatcher(queue, pool, metrics, clock), config)
 
 
-
 def default_queue_policies(
     *, aging_s: float = 30.0, reference_tokens: float = 8192
 ) -> QueuePolicies:
