@@ -123,6 +123,10 @@ class AdmissionQueue:
         self._set_policies(policies)
 
     @property
+    def policies(self) -> QueuePolicies:
+        return self._policies
+
+    @property
     def selector(self) -> TierSelector:
         return self._policies.tiers
 

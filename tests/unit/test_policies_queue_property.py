@@ -4,7 +4,9 @@ expire and usage correction, with the default policies."""
 
 from __future__ import annotations
 
+import functools
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from hypothesis import given, settings
@@ -105,11 +107,7 @@ class LinearQueue:
             tier = self.selector.pick(tiers)
             assert tier is not None
 
-            def rank(tenant: str) -> tuple[float, float, str]:
-                oldest = min(r.arrival for r in self.of(tier, tenant))
-                return (self.counter.get(tenant, 0.0), oldest, tenant)
-
-            for tenant in sorted(self.tenants(tier), key=rank):
+            for tenant in sorted(self.tenants(tier), key=functools.partial(self.rank, tier)):
                 head = min(self.of(tier, tenant), key=lambda q: (q.key, q.seq))
                 if model is None or head.model == model:
                     self.forget(head)
@@ -119,11 +117,20 @@ class LinearQueue:
             tiers.discard(tier)
         return None
 
+    def rank(self, tier: str, tenant: str) -> tuple[float, float, str]:
+        """Least service first; on a tie, who has waited longest; then the name."""
+        oldest = min(r.arrival for r in self.of(tier, tenant))
+        return (self.counter.get(tenant, 0.0), oldest, tenant)
+
     def expire(self, now: float) -> list[Ref]:
         due = sorted((r for r in self.queued if r.deadline <= now), key=lambda q: (q.deadline, q.seq))
         for r in due:
             self.forget(r)
         return due
+
+
+def _serving(model: str) -> Callable[[QueuedRequest], bool]:
+    return lambda r: r.model == model
 
 
 Op = tuple[str, int, int, int, bool]
@@ -172,7 +179,7 @@ def test_queue_picks_what_a_linear_scan_picks(sequence: list[Op]) -> None:
             live.append(req)
         elif kind == "pop":
             model = None if flag else f"m{a % 2}"
-            popped = queue.pop(None if model is None else (lambda r, m=model: r.model == m))
+            popped = queue.pop(None if model is None else _serving(model))
             ref_popped = ref.pop(model)
             assert (popped.seq if popped else None) == (ref_popped.seq if ref_popped else None)
             if popped is not None:
