@@ -229,17 +229,18 @@ class AdmissionQueue:
         model and has room for it); charges the policies for it. A tenant whose next request
         ``accept`` refuses is passed over: each costs O(log n), so a pop costs O(k log n) for
         k refused heads (callers keep k small by not popping when no backend has room)."""
-        tiers = {t for t, d in self._tier_depth.items() if d > 0}
+        policies = self._policies
+        tiers = [t for t, d in self._tier_depth.items() if d > 0]
         while tiers:
-            tier = self.selector.pick(tiers)
+            tier = policies.tiers.pick(tiers)
             if tier is None:
                 return None
             req = self._pop_from_tier(tier, accept)
             if req is not None:
-                self.selector.charge(tier)
-                self.fairness.charge(req.tenant, req.cost, req.tenant_weight)
+                policies.tiers.charge(tier)
+                policies.tenants.charge(req.tenant, req.cost, req.tenant_weight)
                 return req
-            tiers.discard(tier)
+            tiers.remove(tier)
         return None
 
     def correct_charge(self, req: QueuedRequest, actual_weighted_tokens: float) -> None:
@@ -303,7 +304,7 @@ class AdmissionQueue:
             assert accept is not None
             return accept(by_tenant[tenant].head())
 
-        tenant = self.fairness.pick(tier, head_accepted if accept is not None else None)
+        tenant = self._policies.tenants.pick(tier, head_accepted if accept is not None else None)
         if tenant is None:
             return None
         tenant_queue = by_tenant[tenant]

@@ -3,6 +3,7 @@ pick, a charge and a backlog change cost O(log n) whatever the number of tenants
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
@@ -35,7 +36,10 @@ class VirtualTokenCounter:
         # tenant -> {tier where it is backlogged: arrival of its oldest request there}
         self._oldest: dict[str, dict[str, float]] = {}
         self._by_tier: dict[str, KeyedHeap] = {}  # backlogged tenants by (counter, oldest, name)
-        self._highest = KeyedHeap()  # every counter, by -counter: the idle lift's floor
+        # The highest counter, for the lift into an empty tier (rare): changed counters are
+        # only noted, and folded into a heap of (-counter, tenant) when asked for.
+        self._highest: list[tuple[float, str]] = []
+        self._changed: list[str] = []
         # Whose oldest request changed since their heap entry was made. Repositioned at the
         # next pick, unless a charge does it first (a dispatch changes both: one heap push).
         self._moved: set[tuple[str, str]] = set()
@@ -81,7 +85,6 @@ class VirtualTokenCounter:
         kept = set(keep)
         for tenant in [t for t in self._counter if t not in kept]:
             del self._counter[tenant]
-            self._highest.discard(tenant)
             self._reposition(tenant, 0.0)
 
     def _lift(self, tenant: str, tier_heap: KeyedHeap) -> None:
@@ -89,13 +92,14 @@ class VirtualTokenCounter:
         if lowest is not None:
             floor: float = lowest[0]
         else:
-            highest = self._highest.first()
-            floor = -highest[0] if highest is not None else 0.0
+            floor = self._highest_counter()
         self._set(tenant, max(self._counter.get(tenant, 0.0), floor))
 
     def _set(self, tenant: str, counter: float) -> None:
         self._counter[tenant] = counter
-        self._highest.set(tenant, (-counter,))
+        self._changed.append(tenant)
+        if len(self._changed) > len(self._counter) + 64:
+            self._rebuild_highest()
         self._reposition(tenant, counter)
 
     def _reposition(self, tenant: str, counter: float) -> None:
@@ -103,6 +107,24 @@ class VirtualTokenCounter:
             self._by_tier[tier].set(tenant, (counter, oldest, tenant))
             if self._moved:
                 self._moved.discard((tier, tenant))
+
+    def _highest_counter(self) -> float:
+        heap, counter = self._highest, self._counter
+        for tenant in self._changed:
+            if tenant in counter:
+                heapq.heappush(heap, (-counter[tenant], tenant))
+        self._changed.clear()
+        # An entry is stale when its tenant's counter moved since (or was forgotten).
+        while heap and counter.get(heap[0][1]) != -heap[0][0]:
+            heapq.heappop(heap)
+        if len(heap) > 2 * len(counter) + 64:
+            self._rebuild_highest()
+        return -heap[0][0] if heap else 0.0
+
+    def _rebuild_highest(self) -> None:
+        self._highest = [(-c, t) for t, c in self._counter.items()]
+        heapq.heapify(self._highest)
+        self._changed.clear()
 
     def _flush(self) -> None:
         while self._moved:

@@ -54,11 +54,14 @@ class StrideTierSelector:
             self._pass[tier] = max(self._pass[tier], min(others))
 
     def pick(self, candidates: Iterable[str]) -> str | None:
-        return min(
-            (t for t in candidates if t in self._weights),
-            key=lambda t: (self._pass[t], self._order[t]),
-            default=None,
-        )
+        best: str | None = None
+        best_key = (0.0, 0)
+        for tier in candidates:
+            if tier in self._weights:
+                key = (self._pass[tier], self._order[tier])
+                if best is None or key < best_key:
+                    best, best_key = tier, key
+        return best
 
     def charge(self, tier: str) -> None:
         self._pass[tier] += 1.0 / self._weights[tier]

@@ -136,7 +136,8 @@ def _serving(model: str) -> Callable[[QueuedRequest], bool]:
 Op = tuple[str, int, int, int, bool]
 ops = st.lists(
     st.tuples(
-        st.sampled_from(["push", "push", "push", "pop", "pop", "remove", "expire", "correct"]),
+        st.sampled_from(["push", "push", "push", "pop", "pop", "remove", "expire", "correct",
+                         "forget"]),
         st.integers(0, 7), st.integers(0, 3), st.integers(0, 600), st.booleans(),
     ),
     max_size=120,
@@ -193,7 +194,11 @@ def test_queue_picks_what_a_linear_scan_picks(sequence: list[Op]) -> None:
         elif kind == "correct" and done:
             req = done[a % len(done)]
             queue.correct_charge(req, float(size))
-            ref.counter[req.tenant] += (size - req.cost) / req.tenant_weight
+            ref.counter[req.tenant] = ref.counter.get(req.tenant, 0.0) + (size - req.cost) / req.tenant_weight
+        elif kind == "forget":  # a reload dropped a tenant: its history goes
+            gone = "abcd"[b]
+            vtc.forget(t for t in TENANT_WEIGHTS if t != gone)
+            ref.counter.pop(gone, None)
         live = [r for r in live if r.state is State.QUEUED]
         assert sorted(r.seq for r in queue.queued()) == sorted(r.seq for r in ref.queued)
         for tenant in TENANT_WEIGHTS:
