@@ -162,9 +162,7 @@ class BackendPool:
         state.failures += 1
         if not definitive and state.failures < 2:
             return
-        backoff = min(
-            self.health.eject_max_s, self.health.eject_base_s * 2 ** (state.failures - 1)
-        )
+        backoff = min(self.health.eject_max_s, self.health.eject_base_s * 2 ** (state.failures - 1))
         state.ejected_until = now + backoff
         state.reinstated_at = None
 
