@@ -1,7 +1,9 @@
 """Tier queues: caps, wait deadlines, removal, and the dequeue order. Pure logic, no I/O.
 
 Times are plain floats from the caller's clock (``time.monotonic`` in the server, a fake in
-tests). The order comes from the policy objects in ``proxy.policy``.
+tests). The order comes from the policies (``proxy.policies``), known here only by their
+Protocols. Every operation is O(log n) in the number of queued requests and tenants: the
+policies keep their backlogged tenants in heaps, and the queue tells them each change.
 """
 
 from __future__ import annotations
@@ -14,7 +16,12 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from proxy.policy import VirtualTokenCounter, WeightedTierSelector, short_first_key, weighted_tokens
+from proxy.policies.backlog import TenantBacklog
+from proxy.policies.cost import weighted_tokens
+from proxy.policies.displacement import Displacement
+from proxy.policies.order import RequestOrder
+from proxy.policies.tenants import TenantFairness
+from proxy.policies.tiers import TierSelector
 
 
 class State(Enum):
@@ -30,6 +37,7 @@ class TierLimits:
     weight: float
     max_queue: int
     queue_timeout_s: float
+    priority: int = 0  # lower is better (for ``tiers: strict_priority``)
 
 
 @dataclass(eq=False)
@@ -41,6 +49,8 @@ class QueuedRequest:
     arrival_s: float
     model: str | None = None
     tenant_weight: float = 1.0
+    # Hash of the prompt's first tokens (``proxy.policies.prefix``), for backend affinity.
+    prefix_hash: int | None = None
     # Set by the queue.
     deadline_s: float = 0.0
     state: State = State.QUEUED
@@ -52,6 +62,14 @@ class QueuedRequest:
     @property
     def cost(self) -> float:
         return weighted_tokens(self.prompt_tokens, self.expected_output)
+
+
+@dataclass
+class QueuePolicies:
+    tiers: TierSelector
+    tenants: TenantFairness
+    order: RequestOrder
+    displacement: Displacement
 
 
 class QueueFull(Exception):
@@ -69,50 +87,80 @@ class UnknownTier(KeyError):
 _Entry = tuple[float, int, QueuedRequest]
 
 
+class _TenantQueue:
+    """One tenant's requests in one tier. Entries of requests that left are dropped lazily
+    (they leave within the queue timeout, and all of it goes when the tenant empties)."""
+
+    __slots__ = ("by_arrival", "by_key", "depth", "pushed", "since")
+
+    def __init__(self, since: int) -> None:
+        self.by_key: list[_Entry] = []  # the order policy's heap
+        self.by_arrival: list[_Entry] = []  # to find the one waiting longest
+        self.pushed: deque[QueuedRequest] = deque()  # push order, to find the newest
+        self.depth = 0
+        self.since = since
+
+    def head(self) -> QueuedRequest:
+        heap = self.by_key
+        while heap[0][2].state is not State.QUEUED:
+            heapq.heappop(heap)
+        return heap[0][2]
+
+    def backlog(self) -> TenantBacklog:
+        by_arrival, pushed = self.by_arrival, self.pushed
+        while by_arrival[0][2].state is not State.QUEUED:
+            heapq.heappop(by_arrival)
+        while pushed[-1].state is not State.QUEUED:
+            pushed.pop()
+        return TenantBacklog(self.depth, pushed[-1].tenant_weight, by_arrival[0][2], self.since)
+
+
 class AdmissionQueue:
-    def __init__(
-        self,
-        tiers: Mapping[str, TierLimits],
-        *,
-        aging_s: float,
-        reference_tokens: float,
-        tier_selector: WeightedTierSelector | None = None,
-        fairness: VirtualTokenCounter | None = None,
-    ) -> None:
+    def __init__(self, tiers: Mapping[str, TierLimits], policies: QueuePolicies) -> None:
         self._limits = dict(tiers)
-        self.aging_s = aging_s
-        self.reference_tokens = reference_tokens
-        self.selector = tier_selector or WeightedTierSelector(
-            {t: lim.weight for t, lim in tiers.items()}
-        )
-        self.fairness = fairness or VirtualTokenCounter()
         self._seq = itertools.count()
-        # tier -> tenant -> heap of (key, seq, request); removed entries are dropped lazily.
-        self._heaps: dict[str, dict[str, list[_Entry]]] = {t: {} for t in tiers}
-        self._tenant_depth: dict[tuple[str, str], int] = {}
-        # (tier, tenant) -> its requests in arrival order, to find its newest; stale entries
-        # are dropped lazily (a request leaves within its queue timeout, so this stays bounded).
-        self._arrivals: dict[tuple[str, str], deque[QueuedRequest]] = {}
-        self._tier_depth: dict[str, int] = {t: 0 for t in tiers}
-        self._deadlines: list[tuple[float, int, QueuedRequest]] = []
+        self._deadlines: list[_Entry] = []
+        self._set_policies(policies)
+
+    @property
+    def policies(self) -> QueuePolicies:
+        return self._policies
+
+    @property
+    def selector(self) -> TierSelector:
+        return self._policies.tiers
+
+    @property
+    def fairness(self) -> TenantFairness:
+        return self._policies.tenants
 
     # -- configuration -------------------------------------------------------------------
     def reconfigure(
-        self, tiers: Mapping[str, TierLimits], *, aging_s: float, reference_tokens: float
+        self, tiers: Mapping[str, TierLimits], *, order: RequestOrder | None = None
     ) -> None:
-        """New limits and weights; a tier that disappeared keeps draining what it holds."""
+        """New limits and weights (and an order for new arrivals); a tier that disappeared
+        keeps draining what it holds."""
         for tier in list(self._limits):
             if tier not in tiers and self._tier_depth.get(tier, 0) == 0:
                 del self._limits[tier]
-                self._heaps.pop(tier, None)
+                self._tenants.pop(tier, None)
                 self._tier_depth.pop(tier, None)
         self._limits.update(tiers)
         for tier in tiers:
-            self._heaps.setdefault(tier, {})
+            self._tenants.setdefault(tier, {})
             self._tier_depth.setdefault(tier, 0)
-        self.aging_s = aging_s
-        self.reference_tokens = reference_tokens
-        self.selector.set_weights({t: lim.weight for t, lim in self._limits.items()})
+        if order is not None:
+            self._policies.order = order
+        self.selector.set_tiers(self._limits)
+
+    def replace_policies(self, policies: QueuePolicies) -> None:
+        """Switch to other policies, keeping every queued request with its deadline: they are
+        re-keyed and re-inserted in push order; the new policies start with no history."""
+        queued = sorted(self.queued(), key=lambda r: r.seq)
+        self._set_policies(policies)
+        for req in queued:
+            req.key = policies.order.key(req)
+            self._insert(req)
 
     def limits(self, tier: str) -> TierLimits:
         try:
@@ -131,52 +179,32 @@ class AdmissionQueue:
         return list(self._limits)
 
     def backlogged_tenants(self, tier: str) -> list[str]:
-        return [n for (t, n), d in self._tenant_depth.items() if t == tier and d > 0]
+        return list(self._tenants.get(tier, ()))
 
     def next_deadline(self) -> float | None:
-        self._drop_stale_deadlines()
-        return self._deadlines[0][0] if self._deadlines else None
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][2].state is not State.QUEUED:
+            heapq.heappop(deadlines)
+        return deadlines[0][0] if deadlines else None
 
     # -- changes -------------------------------------------------------------------------
-    def push(
-        self, req: QueuedRequest, now: float, *, force: bool = False
-    ) -> QueuedRequest | None:
+    def push(self, req: QueuedRequest, now: float, *, force: bool = False) -> QueuedRequest | None:
         """Queue a request (``force``: past the cap, for one already admitted once, e.g. on
-        failover).
-
-        A full tier makes room when one tenant holds a bigger share of it (queued requests
-        over tenant weight) than the newcomer's tenant would: that tenant's newest request
-        is displaced and returned, for its client to get the 429 instead (longest-queue
-        drop), so that a flooding tenant cannot lock the others out of their tier. Otherwise
-        QueueFull."""
+        failover). A full tier asks the displacement policy for a tenant to make room: that
+        tenant's newest request is displaced and returned, for its client to get the 429
+        instead. Otherwise QueueFull."""
         limits = self.limits(req.tier)
-        depth = self._tier_depth[req.tier]
         displaced = None
-        if not force and depth >= limits.max_queue:
+        if not force and self._tier_depth[req.tier] >= limits.max_queue:
             displaced = self._displaceable_for(req)
             if displaced is None:
-                raise QueueFull(req.tier, depth)
+                raise QueueFull(req.tier, self._tier_depth[req.tier])
             self._forget(displaced, State.DISPLACED)
-            depth -= 1
         req.seq = next(self._seq)
-        req.key = short_first_key(
-            req.cost, req.arrival_s, reference_tokens=self.reference_tokens, aging_s=self.aging_s
-        )
+        req.key = self._policies.order.key(req)
         req.deadline_s = now + limits.queue_timeout_s
         req.state = State.QUEUED
-        if depth == 0:
-            self.selector.activate(req.tier, [t for t, d in self._tier_depth.items() if d > 0])
-        tenant_key = (req.tier, req.tenant)
-        if self._tenant_depth.get(tenant_key, 0) == 0:
-            self.fairness.activate(req.tenant, self.backlogged_tenants(req.tier))
-        heapq.heappush(self._heaps[req.tier].setdefault(req.tenant, []), (req.key, req.seq, req))
-        heapq.heappush(self._deadlines, (req.deadline_s, req.seq, req))
-        arrivals = self._arrivals.setdefault(tenant_key, deque())
-        while arrivals and arrivals[0].state is not State.QUEUED:
-            arrivals.popleft()
-        arrivals.append(req)
-        self._tier_depth[req.tier] = depth + 1
-        self._tenant_depth[tenant_key] = self._tenant_depth.get(tenant_key, 0) + 1
+        self._insert(req)
         return displaced
 
     def remove(self, req: QueuedRequest) -> bool:
@@ -198,18 +226,21 @@ class AdmissionQueue:
 
     def pop(self, accept: Callable[[QueuedRequest], bool] | None = None) -> QueuedRequest | None:
         """The next request by policy among those ``accept`` allows (e.g. a backend serves its
-        model and has room for it); charges the policies for it."""
-        tiers = {t for t, d in self._tier_depth.items() if d > 0}
+        model and has room for it); charges the policies for it. A tenant whose next request
+        ``accept`` refuses is passed over: each costs O(log n), so a pop costs O(k log n) for
+        k refused heads (callers keep k small by not popping when no backend has room)."""
+        policies = self._policies
+        tiers = [t for t, d in self._tier_depth.items() if d > 0]
         while tiers:
-            tier = self.selector.pick(tiers)
+            tier = policies.tiers.pick(tiers)
             if tier is None:
                 return None
             req = self._pop_from_tier(tier, accept)
             if req is not None:
-                self.selector.charge(tier)
-                self.fairness.charge(req.tenant, req.cost, req.tenant_weight)
+                policies.tiers.charge(tier)
+                policies.tenants.charge(req.tenant, req.cost, req.tenant_weight)
                 return req
-            tiers.discard(tier)
+            tiers.remove(tier)
         return None
 
     def correct_charge(self, req: QueuedRequest, actual_weighted_tokens: float) -> None:
@@ -217,64 +248,84 @@ class AdmissionQueue:
         self.fairness.charge(req.tenant, actual_weighted_tokens - req.cost, req.tenant_weight)
 
     def queued(self, tier: str | None = None) -> Iterable[QueuedRequest]:
-        for t, by_tenant in self._heaps.items():
+        for t, by_tenant in self._tenants.items():
             if tier is not None and t != tier:
                 continue
-            for heap in by_tenant.values():
-                for _, _, req in heap:
+            for tenant_queue in by_tenant.values():
+                for _, _, req in tenant_queue.by_key:
                     if req.state is State.QUEUED:
                         yield req
 
     # -- internals -----------------------------------------------------------------------
+    def _set_policies(self, policies: QueuePolicies) -> None:
+        self._policies = policies
+        policies.tiers.set_tiers(self._limits)
+        self._tenants: dict[str, dict[str, _TenantQueue]] = {t: {} for t in self._limits}
+        self._tier_depth: dict[str, int] = {t: 0 for t in self._limits}
+        self._deadlines = []
+
+    def _insert(self, req: QueuedRequest) -> None:
+        tier = req.tier
+        if self._tier_depth[tier] == 0:
+            self.selector.activate(tier, [t for t, d in self._tier_depth.items() if d > 0])
+        by_tenant = self._tenants[tier]
+        tenant_queue = by_tenant.get(req.tenant)
+        if tenant_queue is None:
+            tenant_queue = by_tenant[req.tenant] = _TenantQueue(since=req.seq)
+        entry = (req.key, req.seq, req)
+        heapq.heappush(tenant_queue.by_key, entry)
+        heapq.heappush(tenant_queue.by_arrival, (req.arrival_s, req.seq, req))
+        pushed = tenant_queue.pushed
+        while pushed and pushed[0].state is not State.QUEUED:
+            pushed.popleft()
+        pushed.append(req)
+        tenant_queue.depth += 1
+        heapq.heappush(self._deadlines, (req.deadline_s, req.seq, req))
+        self._tier_depth[tier] += 1
+        self._changed(tier, req.tenant, tenant_queue)
+
     def _displaceable_for(self, req: QueuedRequest) -> QueuedRequest | None:
-        """The newest request of the tenant holding the largest weighted share of the tier,
-        if that share, less that request, is still at least what the newcomer's tenant would
-        hold with one more."""
-        mine = self._tenant_depth.get((req.tier, req.tenant), 0) + 1
-        my_share = mine / req.tenant_weight
-        best: tuple[float, deque[QueuedRequest]] | None = None
-        for (tier, tenant), depth in self._tenant_depth.items():
-            if tier != req.tier or tenant == req.tenant or depth == 0:
-                continue
-            arrivals = self._arrivals[(tier, tenant)]
-            while arrivals[-1].state is not State.QUEUED:
-                arrivals.pop()
-            # Compared after losing one: a swap never just reverses the imbalance (ping-pong).
-            share = (depth - 1) / arrivals[-1].tenant_weight
-            if share >= my_share and (best is None or share > best[0]):
-                best = (share, arrivals)
-        return best[1].pop() if best is not None else None
+        """The newest request of the tenant the displacement policy names, if any."""
+        mine = self._tenants[req.tier].get(req.tenant)
+        victim = self._policies.displacement.victim(req.tier, req, mine.depth if mine else 0)
+        if victim is None:
+            return None
+        pushed = self._tenants[req.tier][victim].pushed
+        while pushed[-1].state is not State.QUEUED:
+            pushed.pop()
+        return pushed.pop()
 
     def _pop_from_tier(
         self, tier: str, accept: Callable[[QueuedRequest], bool] | None
     ) -> QueuedRequest | None:
-        tenants = set(self.backlogged_tenants(tier))
-        while tenants:
-            tenant = self.fairness.pick(tenants)
-            if tenant is None:
-                return None
-            heap = self._heaps[tier][tenant]
-            while heap and heap[0][2].state is not State.QUEUED:
-                heapq.heappop(heap)
-            head = heap[0][2]
-            if accept is None or accept(head):
-                heapq.heappop(heap)
-                self._forget(head, State.DISPATCHED)
-                return head
-            tenants.discard(tenant)
-        return None
+        by_tenant = self._tenants[tier]
+
+        def head_accepted(tenant: str) -> bool:
+            assert accept is not None
+            return accept(by_tenant[tenant].head())
+
+        tenant = self._policies.tenants.pick(tier, head_accepted if accept is not None else None)
+        if tenant is None:
+            return None
+        tenant_queue = by_tenant[tenant]
+        req = tenant_queue.head()
+        heapq.heappop(tenant_queue.by_key)
+        self._forget(req, State.DISPATCHED)
+        return req
 
     def _forget(self, req: QueuedRequest, state: State) -> None:
         req.state = state
         self._tier_depth[req.tier] -= 1
-        tenant_key = (req.tier, req.tenant)
-        self._tenant_depth[tenant_key] -= 1
-        if self._tenant_depth[tenant_key] == 0:
-            del self._tenant_depth[tenant_key]
-            # The heap holds only stale entries now; drop it so memory follows the backlog.
-            self._heaps[req.tier].pop(req.tenant, None)
-            self._arrivals.pop(tenant_key, None)
+        by_tenant = self._tenants[req.tier]
+        tenant_queue = by_tenant[req.tenant]
+        tenant_queue.depth -= 1
+        if tenant_queue.depth == 0:
+            del by_tenant[req.tenant]  # its entries are all stale: memory follows the backlog
+            self._changed(req.tier, req.tenant, None)
+        else:
+            self._changed(req.tier, req.tenant, tenant_queue)
 
-    def _drop_stale_deadlines(self) -> None:
-        while self._deadlines and self._deadlines[0][2].state is not State.QUEUED:
-            heapq.heappop(self._deadlines)
+    def _changed(self, tier: str, tenant: str, tenant_queue: _TenantQueue | None) -> None:
+        backlog = tenant_queue.backlog() if tenant_queue is not None else None
+        self._policies.tenants.backlog_changed(tier, tenant, backlog)
+        self._policies.displacement.backlog_changed(tier, tenant, backlog)

@@ -14,26 +14,17 @@ import aiohttp
 from aiohttp import web
 
 from proxy.admin import AdminEndpoints
-from proxy.admission import AdmissionQueue, TierLimits
-from proxy.backends import BackendPool
 from proxy.config import Config, ConfigError, LoadedConfig, load_config
-from proxy.dispatch import Dispatcher
 from proxy.endpoints import ServiceEndpoints
 from proxy.limits import LimitRegistry
 from proxy.metrics import ProxyMetrics
 from proxy.monitor import BackendMonitor
 from proxy.pipeline import RequestPipeline
+from proxy.policies.build import build_scheduling
 from proxy.reload import ConfigWatcher
 from proxy.ticket import secret_from_env
 
 log = logging.getLogger("tierproxy")
-
-
-def tier_limits(config: Config) -> dict[str, TierLimits]:
-    return {
-        name: TierLimits(t.weight, t.max_queue, t.queue_timeout_s)
-        for name, t in config.tiers.items()
-    }
 
 
 class ProxyState:
@@ -45,13 +36,10 @@ class ProxyState:
         self.clock = clock
         self.metrics = ProxyMetrics()
         cfg = loaded.config
-        self.queue = AdmissionQueue(
-            tier_limits(cfg),
-            aging_s=cfg.scheduling.aging_s,
-            reference_tokens=cfg.scheduling.reference_tokens,
-        )
-        self.pool = BackendPool(cfg.backends, cfg.backend_health)
-        self.dispatcher = Dispatcher(self.queue, self.pool, self.metrics, clock)
+        self.scheduling = build_scheduling(cfg, self.metrics, clock)
+        self.queue = self.scheduling.queue
+        self.pool = self.scheduling.pool
+        self.dispatcher = self.scheduling.dispatcher
         self.limits = LimitRegistry()
         self.limits.configure(cfg.tenants, clock())
         self.session: aiohttp.ClientSession | None = None
@@ -81,13 +69,7 @@ class ProxyState:
     def apply(self, loaded: LoadedConfig) -> None:
         """Swap in a validated config; queued and running requests keep going."""
         cfg = loaded.config
-        self.queue.reconfigure(
-            tier_limits(cfg),
-            aging_s=cfg.scheduling.aging_s,
-            reference_tokens=cfg.scheduling.reference_tokens,
-        )
-        self.queue.fairness.forget(t.name for t in cfg.tenants)
-        self.pool.reconfigure(cfg.backends, cfg.backend_health)
+        self.scheduling.reconfigure(cfg)
         self.limits.configure(cfg.tenants, self.clock())
         self.loaded = loaded
         self.metrics.config_generation.inc()

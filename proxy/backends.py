@@ -1,8 +1,10 @@
-"""Backend state and the choice of backend at dispatch time. Pure logic, no I/O.
+"""Backend state, health, and the candidates for a request at dispatch time. Pure logic, no I/O.
 
 The proxy's own in-flight counts come first (exact, instant); the load scraped from each vLLM's
 ``/metrics`` corrects them (a backend whose own waiting queue grows gets no new work until it
 drains); scraped load older than ``stale_after_s`` is ignored on purpose and its age exported.
+The room of a backend and the choice among candidates belong to the chooser policy
+(``proxy.policies.backends``).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from proxy.config import Backend, BackendHealth
+from proxy.policies.backends import BackendChooser, Candidate
 
 
 @dataclass(frozen=True)
@@ -54,10 +57,14 @@ class BackendState:
 
 
 class BackendPool:
-    """All backends, their room, their health transitions."""
+    """All backends, their room, their health transitions; which one takes a request is the
+    chooser's call."""
 
-    def __init__(self, backends: Iterable[Backend], health: BackendHealth) -> None:
+    def __init__(
+        self, backends: Iterable[Backend], health: BackendHealth, chooser: BackendChooser
+    ) -> None:
         self.health = health
+        self.chooser = chooser
         self.states: dict[str, BackendState] = {}
         self.reconfigure(backends, health)
 
@@ -84,21 +91,7 @@ class BackendPool:
     # -- choice --------------------------------------------------------------------------
     def room(self, state: BackendState, now: float) -> float:
         """Free request slots on this backend now (may be fractional during a ramp)."""
-        if not state.available(now):
-            return 0.0
-        cap = float(state.cfg.max_inflight)
-        if state.reinstated_at is not None and self.health.ramp_s > 0:
-            ramp = min(1.0, 0.25 + 0.75 * (now - state.reinstated_at) / self.health.ramp_s)
-            cap = max(1.0, cap * ramp)  # a returning backend always takes at least one
-        load = state.fresh_load(now, self.health.stale_after_s)
-        if load is not None:
-            # vLLM's own queue beyond the allowance means this backend holds more than it runs:
-            # shrink its room by that excess, so the backlog stays here, where the tiers order
-            # it. (Its queue always holds a request or two between steps; that is no signal.)
-            excess = load.waiting - self.health.max_backend_waiting
-            if excess > 0:
-                cap = max(1.0, cap - excess)
-        return max(0.0, cap - state.inflight)
+        return self.chooser.room(state, now, self.health)
 
     def fits_tokens(self, state: BackendState, tokens: float) -> bool:
         budget = state.cfg.max_tokens_inflight
@@ -107,24 +100,20 @@ class BackendPool:
             budget is None or state.tokens_inflight == 0 or state.tokens_inflight + tokens <= budget
         )
 
-    def choose(self, model: str | None, tokens: float, now: float) -> BackendState | None:
-        """The backend that stays least utilised after taking this request (so work spreads in
-        proportion to each backend's room), or None if none has room."""
-        best: BackendState | None = None
-        best_score = 0.0
+    def choose(
+        self, model: str | None, tokens: float, now: float, *, prefix: int | None = None
+    ) -> BackendState | None:
+        """The chooser's pick among the backends that serve the model, fit the tokens and have
+        a free slot; None if none can take it."""
+        candidates: list[Candidate] = []
         for state in self.states.values():
             if not state.serves(model) or not self.fits_tokens(state, tokens):
                 continue
             room = self.room(state, now)
-            if room < 1.0:
-                continue
-            score = (room - 1.0) / state.cfg.max_inflight  # free share left after this one
-            load = state.fresh_load(now, self.health.stale_after_s)
-            if load is not None:
-                score -= 0.01 * load.kv_usage  # break ties toward free KV cache
-            if best is None or score > best_score:
-                best, best_score = state, score
-        return best
+            if room >= 1.0:
+                load = state.fresh_load(now, self.health.stale_after_s)
+                candidates.append(Candidate(state, room, load))
+        return self.chooser.pick(candidates, prefix) if candidates else None
 
     def any_room(self, now: float) -> bool:
         return any(self.room(s, now) >= 1.0 for s in self.states.values())
@@ -146,10 +135,11 @@ class BackendPool:
         return any(s.models is None or model in s.models for s in self.states.values())
 
     # -- bookkeeping ---------------------------------------------------------------------
-    def acquire(self, state: BackendState, tokens: float) -> None:
+    def acquire(self, state: BackendState, tokens: float, *, prefix: int | None = None) -> None:
         state.inflight += 1
         state.tokens_inflight += tokens
         state.dispatched_total += 1
+        self.chooser.served(state, prefix)
 
     def release(self, state: BackendState, tokens: float) -> None:
         state.inflight -= 1
@@ -172,9 +162,7 @@ class BackendPool:
         state.failures += 1
         if not definitive and state.failures < 2:
             return
-        backoff = min(
-            self.health.eject_max_s, self.health.eject_base_s * 2 ** (state.failures - 1)
-        )
+        backoff = min(self.health.eject_max_s, self.health.eject_base_s * 2 ** (state.failures - 1))
         state.ejected_until = now + backoff
         state.reinstated_at = None
 

@@ -11,7 +11,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from proxy.ticket import DEFAULT_PREFILL_SHARE, DEFAULT_SECRET_ENV
 
@@ -47,6 +55,31 @@ class Scheduling(_Strict):
     chars_per_token: float = Field(4.0, gt=0)
     # Expected output when the client sets no max_tokens (the tier cap wins when lower).
     default_expected_output: int = Field(256, gt=0)
+
+
+class Policies(_Strict):
+    """Which implementation of each scheduling seam runs (docs/policies.md)."""
+
+    tiers: str = "stride"
+    tenants: str = "vtc"
+    order: str = "short_first"
+    displacement: str = "largest_share"
+    backends: str = "least_utilised"
+    # backends: prefix_affinity: leading tokens that identify a prompt prefix (approximated
+    # with scheduling.chars_per_token), and how many prefixes are remembered.
+    prefix_tokens: int = Field(256, gt=0)
+    prefix_memory: int = Field(10_000, gt=0)
+
+    @field_validator("tiers", "tenants", "order", "displacement", "backends")
+    @classmethod
+    def _known(cls, value: str, info: ValidationInfo) -> str:
+        # Imported here: the policy modules import the queue, which must not import the config.
+        from proxy.policies.registry import CHOICES
+
+        choices = CHOICES[str(info.field_name)]
+        if value not in choices:
+            raise ValueError(f"unknown policy {value!r}; choose one of: {', '.join(choices)}")
+        return value
 
 
 class BackendHealth(_Strict):
@@ -139,6 +172,7 @@ class Config(_Strict):
     limits: Limits = Limits()
     scheduling: Scheduling = Scheduling()
     backend_health: BackendHealth = BackendHealth()
+    policies: Policies = Policies()
     tiers: dict[str, Tier] = Field(min_length=1)
     tenants: list[Tenant] = Field(default_factory=list)
     backends: list[Backend] = Field(min_length=1)

@@ -131,7 +131,8 @@ class Dispatcher:
             if req.waiter is not None and not req.waiter.done():
                 req.waiter.set_exception(QueueTimeoutError(now - req.arrival_s))
         dispatched = 0
-        while len(self.queue):
+        # No pop while no backend has a free slot: every head would be refused, one by one.
+        while len(self.queue) and self.pool.any_room(now):
             popped = self.queue.pop(lambda r: self._choose(r, now) is not None)
             if popped is None:
                 break
@@ -140,7 +141,7 @@ class Dispatcher:
             assert backend is not None
             touched.add(req.tier)
             tokens = float(req.prompt_tokens + req.expected_output)
-            self.pool.acquire(backend, tokens)
+            self.pool.acquire(backend, tokens, prefix=req.prefix_hash)
             lease = Lease(backend, tokens, self)
             if req.waiter is None or req.waiter.done():
                 lease.release()  # its handler is gone
@@ -153,4 +154,5 @@ class Dispatcher:
         return dispatched
 
     def _choose(self, req: QueuedRequest, now: float) -> BackendState | None:
-        return self.pool.choose(req.model, float(req.prompt_tokens + req.expected_output), now)
+        tokens = float(req.prompt_tokens + req.expected_output)
+        return self.pool.choose(req.model, tokens, now, prefix=req.prefix_hash)

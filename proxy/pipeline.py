@@ -48,7 +48,7 @@ from proxy.inbound import (
 from proxy.limits import LimitRegistry
 from proxy.metrics import ProxyMetrics
 from proxy.outcome import Outcome, outcome_of
-from proxy.policy import weighted_tokens
+from proxy.policies.cost import weighted_tokens
 from proxy.ticket import TICKET_HEADER, Ticket, encode_ticket
 
 log = logging.getLogger("tierproxy")

@@ -1,6 +1,8 @@
 import pytest
 
 from proxy.admission import AdmissionQueue, QueuedRequest, QueueFull, State, TierLimits
+from proxy.policies.build import default_queue_policies
+from proxy.policies.order import ShortFirst
 from tests.clock import FakeClock
 
 
@@ -10,8 +12,7 @@ def _queue() -> AdmissionQueue:
             "high": TierLimits(weight=10, max_queue=3, queue_timeout_s=10),
             "low": TierLimits(weight=1, max_queue=2, queue_timeout_s=60),
         },
-        aging_s=30,
-        reference_tokens=8192,
+        default_queue_policies(aging_s=30, reference_tokens=8192),
     )
 
 
@@ -96,7 +97,8 @@ def test_pop_honours_accept_filter_without_losing_requests() -> None:
 def test_reconfigure_changes_caps_and_keeps_draining_removed_tier() -> None:
     clock, q = FakeClock(), _queue()
     q.push(_req("low", clock), clock())
-    q.reconfigure({"high": TierLimits(weight=1, max_queue=1, queue_timeout_s=5)}, aging_s=10, reference_tokens=100)
+    q.reconfigure({"high": TierLimits(weight=1, max_queue=1, queue_timeout_s=5)},
+                  order=ShortFirst(aging_s=10, reference_tokens=100))
     q.push(_req("high", clock), clock())
     with pytest.raises(QueueFull):
         q.push(_req("high", clock), clock())
@@ -153,4 +155,4 @@ def test_displaced_requests_leave_no_trace_behind() -> None:
         _fill(q, clock, "low", "heavy", 2 - q.depth("low"))
         q.push(_req("low", clock, "light"), clock())
         assert q.pop() is not None and q.pop() is not None
-    assert len(q) == 0 and not q._arrivals and not q._tenant_depth
+    assert len(q) == 0 and not q.backlogged_tenants("low")

@@ -100,3 +100,14 @@ def test_cli_check_and_hash_key(tmp_path: Path) -> None:
     hashed = subprocess.run([*exe, "hash-key"], input="chat-secret\n", capture_output=True,
                             text=True, check=True)
     assert hashed.stdout.strip() == hash_key("chat-secret")
+
+
+def test_policies_section_picks_implementations_and_checks_names() -> None:
+    cfg = parse_config(GOOD.replace("backends:", "policies: {tiers: strict_priority, order: fcfs}\nbackends:")
+                       .replace("{env: BATCH_KEY}", f'{{sha256: "{hash_key("b")}"}}')).config
+    assert (cfg.policies.tiers, cfg.policies.tenants, cfg.policies.order) == ("strict_priority", "vtc", "fcfs")
+    assert (cfg.policies.displacement, cfg.policies.backends) == ("largest_share", "least_utilised")
+    with pytest.raises(ConfigError) as exc:
+        parse_config(GOOD.replace("backends:", "policies: {tenants: wfq}\nbackends:"))
+    assert any(p.startswith("policies.tenants (line 14): Value error, unknown policy 'wfq'; choose one of: vtc, edf")
+               for p in exc.value.problems), exc.value.problems

@@ -11,13 +11,15 @@ from proxy.backends import BackendPool
 from proxy.config import Backend, BackendHealth
 from proxy.dispatch import Dispatcher, Lease, QueueTimeoutError
 from proxy.metrics import ProxyMetrics
+from proxy.policies.backends import LeastUtilised
+from proxy.policies.build import default_queue_policies
 from tests.clock import FakeClock
 
 
 def _dispatcher(slots: int, cap: int, clock: FakeClock) -> Dispatcher:
     queue = AdmissionQueue({"low": TierLimits(1, cap, 5.0), "high": TierLimits(10, cap, 5.0)},
-                           aging_s=30, reference_tokens=8192)
-    pool = BackendPool([Backend(url="http://b:1", max_inflight=slots)], BackendHealth())
+                           default_queue_policies(aging_s=30, reference_tokens=8192))
+    pool = BackendPool([Backend(url="http://b:1", max_inflight=slots)], BackendHealth(), LeastUtilised())
     return Dispatcher(queue, pool, ProxyMetrics(), clock)
 
 

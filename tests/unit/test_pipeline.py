@@ -19,7 +19,7 @@ from proxy.app import ProxyState
 from proxy.config import hash_key, parse_config
 from proxy.engine import free_port
 from proxy.pipeline import RequestPipeline
-from proxy.policy import weighted_tokens
+from proxy.policies.cost import weighted_tokens
 from tests.clock import FakeClock
 from tests.fakes import ScriptedBackend, serve_scripted
 from tests.proxyrun import SECRET, auth, make_config, until
