@@ -49,6 +49,7 @@ from proxy.limits import LimitRegistry
 from proxy.metrics import ProxyMetrics
 from proxy.outcome import Outcome, outcome_of
 from proxy.policies.cost import weighted_tokens
+from proxy.policies.prefix import prefix_hash
 from proxy.ticket import TICKET_HEADER, Ticket, encode_ticket
 
 log = logging.getLogger("tierproxy")
@@ -103,6 +104,12 @@ class Admitted:
             arrival_s=self.arrival,
             model=self.parsed.model,
             tenant_weight=self.tenant.weight,
+            # For backend choosers that steer by prompt prefix (a few µs of hashing).
+            prefix_hash=prefix_hash(
+                self.parsed.body,
+                tokens=self.config.policies.prefix_tokens,
+                chars_per_token=self.config.scheduling.chars_per_token,
+            ),
         )
 
     @property

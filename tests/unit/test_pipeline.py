@@ -419,3 +419,34 @@ async def test_an_answer_without_usage_gives_the_estimate_back(clock: FakeClock)
         assert r.state.queue.fairness.counter("tenant-normal") == 0.0
         outcome = {"tier": "normal", "outcome": "client_error"}
         assert r.metric("tierproxy_requests_total", outcome) == 1
+
+
+# -- backend choice ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chooser", ["least_utilised", "prefix_affinity"])
+async def test_the_configured_chooser_steers_by_the_prompt_prefix(
+    clock: FakeClock, chooser: str
+) -> None:
+    """Prompt A is served by the first backend, prompt B (while A holds it) by the second.
+    Later, with both idle, least_utilised sends B to the first again; prefix_affinity sends it
+    where its prefix is cached."""
+    first, second = ScriptedBackend(), ScriptedBackend()
+    prompt_a = [{"role": "user", "content": "document A " * 40}]
+    prompt_b = [{"role": "user", "content": "document B " * 40}]
+    async with serve_scripted(first) as url_1, serve_scripted(second) as url_2:
+        backends = [{"url": url_1, "max_inflight": 2}, {"url": url_2, "max_inflight": 2}]
+        config = make_config(backends, policies={"backends": chooser})
+        async with rig(config, clock) as r:
+            first.gate.clear()
+            held = asyncio.create_task(r.chat(messages=prompt_a))
+            await until(lambda: first.active == 1, 5, "A held by the first backend")
+            assert (await r.chat(messages=prompt_b)).status == 200
+            first.gate.set()
+            assert (await held).status == 200
+            assert (await r.chat(messages=prompt_b)).status == 200
+    def served_b(backend: ScriptedBackend) -> int:
+        return sum(body["messages"] == prompt_b for body in backend.received)
+
+    expected = (0, 2) if chooser == "prefix_affinity" else (1, 1)
+    assert (served_b(first), served_b(second)) == expected
