@@ -43,7 +43,8 @@ print(worst)
 def generate(url: str, tokens: int, out: dict[str, float]) -> None:
     body = {"model": "tiny", "prompt": "hi", "max_tokens": tokens, "ignore_eos": True}
     req = urllib.request.Request(
-        f"{url}/v1/completions", data=json.dumps(body).encode(),
+        f"{url}/v1/completions",
+        data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"},
     )
     start = time.monotonic()
@@ -54,17 +55,34 @@ def generate(url: str, tokens: int, out: dict[str, float]) -> None:
 
 def start_probe(core: int, seconds: float, nap: float) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        ["taskset", "-c", str(core), sys.executable, "-c", PROBE,
-         str(time.monotonic()), str(seconds), str(nap)],
-        stdout=subprocess.PIPE, text=True,
+        [
+            "taskset",
+            "-c",
+            str(core),
+            sys.executable,
+            "-c",
+            PROBE,
+            str(time.monotonic()),
+            str(seconds),
+            str(nap),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
     )
 
 
 def measure(confined: bool, seconds: float, nap: float, log_dir: Path) -> tuple[list[float], float]:
     model, served = ensure_model(None)
     cores = engine_cores() if confined else None
-    spec = EngineSpec(port=free_port(), model=model, served_name=served, max_num_seqs=4,
-                      plugin=False, extra_args=("--max-model-len", "16384"), cpus=cores)
+    spec = EngineSpec(
+        port=free_port(),
+        model=model,
+        served_name=served,
+        max_num_seqs=4,
+        plugin=False,
+        extra_args=("--max-model-len", "16384"),
+        cpus=cores,
+    )
     name = "confined" if confined else "free"
     engine = EngineProcess(spec, log_dir / f"timer-starvation-{name}.log")
     try:
@@ -92,15 +110,19 @@ def main() -> int:
     log_dir = Path(".tierproxy/logs")
     cores = sorted(os.sched_getaffinity(0))
     print(f"engine cores when confined: {sorted(engine_cores() or [])} of {cores}")
-    print(f"{'engine placement':<22}" + "".join(f"{'core ' + str(c):>12}" for c in cores)
-          + f"{'tokens/s':>12}")
+    print(
+        f"{'engine placement':<22}"
+        + "".join(f"{'core ' + str(c):>12}" for c in cores)
+        + f"{'tokens/s':>12}"
+    )
     for confined in (False, True):
         lateness, speed = measure(confined, args.seconds, args.nap, log_dir)
         label = "confined" if confined else "anywhere (vLLM auto)"
-        print(f"{label:<22}" + "".join(f"{late:>11.2f}s" for late in lateness)
-              + f"{speed:>12.0f}")
-    print(f"(worst lateness of a {args.nap:g} s sleep, in a probe pinned to each core, while the "
-          "engine generates)")
+        print(f"{label:<22}" + "".join(f"{late:>11.2f}s" for late in lateness) + f"{speed:>12.0f}")
+    print(
+        f"(worst lateness of a {args.nap:g} s sleep, in a probe pinned to each core, while the "
+        "engine generates)"
+    )
     return 0
 
 

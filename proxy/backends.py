@@ -187,4 +187,3 @@ class BackendPool:
             if state.healthy:
                 state.reinstated_at = None
             state.healthy = False
-

@@ -33,6 +33,7 @@ __all__ = [
 DEFAULT_MODEL_DIR = Path(".tierproxy/tiny-model")
 TINY_SERVED_NAME = "tiny"
 
+
 def plugin_available() -> bool:
     """The plugin's modules can be loaded (they can once vllm is installed beside us)."""
     try:

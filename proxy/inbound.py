@@ -242,4 +242,3 @@ def _clamped_max_tokens(body: dict[str, Any], tier: Tier, limits: Limits) -> int
         if "max_tokens" not in body and "max_completion_tokens" not in body:
             body["max_tokens"] = chosen
     return chosen
-

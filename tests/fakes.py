@@ -32,8 +32,10 @@ def _dies_mid_stream_app(events_before_death: int) -> web.Application:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         for i in range(events_before_death):
-            chunk = ('data: {"id":"x","object":"chat.completion.chunk","choices":[{"index":0,'
-                     f'"delta":{{"content":"t{i}"}},"finish_reason":null}}]}}\n\n')
+            chunk = (
+                'data: {"id":"x","object":"chat.completion.chunk","choices":[{"index":0,'
+                f'"delta":{{"content":"t{i}"}},"finish_reason":null}}]}}\n\n'
+            )
             await resp.write(chunk.encode())
             await asyncio.sleep(0.01)
         assert request.transport is not None

@@ -52,9 +52,7 @@ def gamma_arrivals(
         times.append(t)
 
 
-def arrivals(
-    segments: list[Segment], cv: float, rng: random.Random, max_count: int
-) -> list[float]:
+def arrivals(segments: list[Segment], cv: float, rng: random.Random, max_count: int) -> list[float]:
     """Arrival times over consecutive segments of different rates (a burst is one segment)."""
     times: list[float] = []
     for seg in segments:

@@ -73,7 +73,10 @@ async def measure_capacity(
         raise ValueError("warm-up must be shorter than the measurement")
     t0 = time.monotonic()
     settings = ClientSettings(
-        base_url=base_url, model=model, t0=t0, request_timeout_s=request_timeout_s,
+        base_url=base_url,
+        model=model,
+        t0=t0,
+        request_timeout_s=request_timeout_s,
         run_id="capacity",
     )
     done: list[RequestRecord] = []
@@ -116,6 +119,11 @@ async def measure_capacity(
 
 def _at(planned: PlannedRequest, now: float) -> PlannedRequest:
     return PlannedRequest(
-        index=planned.index, at=now, tenant=planned.tenant, tier=planned.tier,
-        key=planned.key, prompt=planned.prompt, max_tokens=planned.max_tokens,
+        index=planned.index,
+        at=now,
+        tenant=planned.tenant,
+        tier=planned.tier,
+        key=planned.key,
+        prompt=planned.prompt,
+        max_tokens=planned.max_tokens,
     )

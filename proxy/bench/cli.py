@@ -62,45 +62,80 @@ def _capacity_arg(value: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="tierproxy bench", description=__doc__,
+        prog="tierproxy bench",
+        description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--scenario", default="seed-mixed",
-                   help="a shipped scenario name (see --list-scenarios) or a YAML file")
+    p.add_argument(
+        "--scenario",
+        default="seed-mixed",
+        help="a shipped scenario name (see --list-scenarios) or a YAML file",
+    )
     p.add_argument("--target", help="the proxy's base URL (the run labelled 'proxy')")
     p.add_argument("--direct", help="vLLM's base URL (the run labelled 'direct')")
-    p.add_argument("--local", action="store_true",
-                   help="start a local vLLM (tiny model unless --model) and the proxy, run both")
+    p.add_argument(
+        "--local",
+        action="store_true",
+        help="start a local vLLM (tiny model unless --model) and the proxy, run both",
+    )
     p.add_argument("--duration", type=float, help="seconds of offered load (scales phases)")
     p.add_argument("--rate", type=float, help="requests/s offered (overrides the scenario's)")
-    p.add_argument("--capacity", nargs="?", const="measure", metavar="RPS", type=_capacity_arg,
-                   help="measure the saturation rate first (or give it): load-relative "
-                        "scenarios run at load x capacity")
+    p.add_argument(
+        "--capacity",
+        nargs="?",
+        const="measure",
+        metavar="RPS",
+        type=_capacity_arg,
+        help="measure the saturation rate first (or give it): load-relative "
+        "scenarios run at load x capacity",
+    )
     p.add_argument("--capacity-only", action="store_true", help="measure capacity and stop")
     p.add_argument("--capacity-duration", type=float, default=20.0)
     p.add_argument("--capacity-concurrency", type=int, default=32)
     p.add_argument("--out", type=Path, help="output folder (default .tierproxy/bench/...)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--model", help="model name to ask for (default: the first of /v1/models)")
-    p.add_argument("--request-timeout", type=float, default=180.0,
-                   help="client-side bound on one request, queueing included; past it the "
-                        "request counts as lost")
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=180.0,
+        help="client-side bound on one request, queueing included; past it the "
+        "request counts as lost",
+    )
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--list-scenarios", action="store_true")
-    p.add_argument("--report", type=Path, metavar="RESULTS_JSON",
-                   help="print the tables and redraw the plots of a stored results.json")
-    p.add_argument("--write-proxy-config", type=Path, metavar="FILE",
-                   help="write a proxy config holding the scenario's tenants and keys, and stop")
-    p.add_argument("--backend", action="append", default=[],
-                   help="vLLM URL for --write-proxy-config (repeatable)")
+    p.add_argument(
+        "--report",
+        type=Path,
+        metavar="RESULTS_JSON",
+        help="print the tables and redraw the plots of a stored results.json",
+    )
+    p.add_argument(
+        "--write-proxy-config",
+        type=Path,
+        metavar="FILE",
+        help="write a proxy config holding the scenario's tenants and keys, and stop",
+    )
+    p.add_argument(
+        "--backend",
+        action="append",
+        default=[],
+        help="vLLM URL for --write-proxy-config (repeatable)",
+    )
     p.add_argument("--proxy-port", type=int, default=8000, help="for --write-proxy-config")
-    p.add_argument("--max-inflight", type=int, default=6,
-                   help="per-backend max_inflight in the proxy config (a little above vLLM's "
-                        "--max-num-seqs)")
+    p.add_argument(
+        "--max-inflight",
+        type=int,
+        default=6,
+        help="per-backend max_inflight in the proxy config (a little above vLLM's --max-num-seqs)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=4, help="--local: vLLM's --max-num-seqs")
     p.add_argument("--no-plugin", action="store_true", help="--local: vLLM without the plugin")
-    p.add_argument("--allow-remote", action="store_true",
-                   help="allow targets other than this machine's loopback")
+    p.add_argument(
+        "--allow-remote",
+        action="store_true",
+        help="allow targets other than this machine's loopback",
+    )
     return p
 
 
@@ -164,8 +199,9 @@ def _list() -> int:
 def _write_config(args: argparse.Namespace, scenario: Scenario) -> int:
     if not args.backend:
         raise ValueError("--write-proxy-config needs at least one --backend URL")
-    data = proxy_config(scenario, args.backend, port=args.proxy_port,
-                        max_inflight=args.max_inflight)
+    data = proxy_config(
+        scenario, args.backend, port=args.proxy_port, max_inflight=args.max_inflight
+    )
     path = write_proxy_config(data, args.write_proxy_config, scenario)
     print(f"wrote {path}: {len(scenario.tenants)} tenants in tiers {', '.join(scenario.tiers)}")
     print(f"run it with: tierproxy serve -c {path}")
@@ -198,8 +234,14 @@ def _raise_fd_limit() -> None:
 def _run_local(args: argparse.Namespace, scenario: Scenario, out: Path) -> int:
     from proxy.bench.stack import LocalStack
 
-    with LocalStack(scenario, out, model=args.model, max_num_seqs=args.max_num_seqs,
-                    max_inflight=args.max_inflight, plugin=not args.no_plugin) as stack:
+    with LocalStack(
+        scenario,
+        out,
+        model=args.model,
+        max_num_seqs=args.max_num_seqs,
+        max_inflight=args.max_inflight,
+        plugin=not args.no_plugin,
+    ) as stack:
         stack.start()
         if args.model is None:
             args.model = stack.served_name
@@ -207,8 +249,11 @@ def _run_local(args: argparse.Namespace, scenario: Scenario, out: Path) -> int:
 
 
 async def _bench(
-    args: argparse.Namespace, scenario: Scenario, out: Path,
-    target: str | None, direct: str | None,
+    args: argparse.Namespace,
+    scenario: Scenario,
+    out: Path,
+    target: str | None,
+    direct: str | None,
 ) -> int:
     probe = direct or target
     assert probe is not None
@@ -219,15 +264,26 @@ async def _bench(
         if args.capacity not in (None, "measure"):
             capacity_rps = float(args.capacity)
         elif scenario.relative or args.capacity == "measure" or args.capacity_only:
-            print(f"measuring capacity on {probe} ({args.capacity_duration:g}s closed loop,"
-                  f" {args.capacity_concurrency} in flight)...", file=sys.stderr, flush=True)
+            print(
+                f"measuring capacity on {probe} ({args.capacity_duration:g}s closed loop,"
+                f" {args.capacity_concurrency} in flight)...",
+                file=sys.stderr,
+                flush=True,
+            )
             capacity = await measure_capacity(
-                scenario, probe, model, seed=args.seed, duration_s=args.capacity_duration,
+                scenario,
+                probe,
+                model,
+                seed=args.seed,
+                duration_s=args.capacity_duration,
                 concurrency=args.capacity_concurrency,
             )
             capacity_rps = capacity.rps
-            print(f"capacity: {capacity.rps:.2f} req/s, {capacity.output_tokens_per_s:.0f}"
-                  f" output tokens/s ({capacity.failed} failed)", flush=True)
+            print(
+                f"capacity: {capacity.rps:.2f} req/s, {capacity.output_tokens_per_s:.0f}"
+                f" output tokens/s ({capacity.failed} failed)",
+                flush=True,
+            )
             if args.capacity_only:
                 return 0
             if capacity.rps <= 0:
@@ -238,8 +294,11 @@ async def _bench(
     assert rate is not None
     plan = build_plan(scenario, rate, args.seed, args.duration)
     duration = scenario.total_duration(args.duration)
-    print(f"scenario {scenario.name}: {rate:.2f} req/s for {duration:.0f}s, {len(plan)} requests,"
-          f" {len(scenario.tenants)} tenants, model {model!r}", flush=True)
+    print(
+        f"scenario {scenario.name}: {rate:.2f} req/s for {duration:.0f}s, {len(plan)} requests,"
+        f" {len(scenario.tenants)} tenants, model {model!r}",
+        flush=True,
+    )
 
     runs: list[tuple[str, str]] = []
     if target:
@@ -252,15 +311,20 @@ async def _bench(
             async with aiohttp.ClientSession() as session:
                 await wait_idle(session, direct)
         settings = RunSettings(
-            label=label, base_url=url, model=model, request_timeout_s=args.request_timeout,
-            engine_url=direct, run_id=f"bench-{label}-{int(time.time())}",
+            label=label,
+            base_url=url,
+            model=model,
+            request_timeout_s=args.request_timeout,
+            engine_url=direct,
+            run_id=f"bench-{label}-{int(time.time())}",
         )
         results[label] = await run_plan(plan, settings, TerminalProgress())
 
     reports = _print_reports(scenario, results)
     rows = comparison(reports)
-    meta = results_file.RunMeta(model=model, seed=args.seed, rate_rps=rate,
-                                duration_s=duration, capacity=capacity)
+    meta = results_file.RunMeta(
+        model=model, seed=args.seed, rate_rps=rate, duration_s=duration, capacity=capacity
+    )
     results_path = results_file.write(
         out / "results.json", results_file.document(scenario, meta, results, reports, rows)
     )
@@ -270,9 +334,7 @@ async def _bench(
     return _exit_code(reports)
 
 
-def _print_reports(
-    scenario: Scenario, results: dict[str, RunResult]
-) -> dict[str, dict[str, Any]]:
+def _print_reports(scenario: Scenario, results: dict[str, RunResult]) -> dict[str, dict[str, Any]]:
     slos: dict[str, Slo] = {t: s for t in scenario.tiers if (s := scenario.slo_for(t))}
     peers = scenario.peers()
     reports = {label: run_report(r, slos, scenario.tiers, peers) for label, r in results.items()}
@@ -286,10 +348,12 @@ def _print_reports(
 
 
 def _plot(scenario: Scenario, results: dict[str, RunResult], out: Path) -> None:
-    cdf = plots.ttft_cdf({k: r.records for k, r in results.items()}, scenario.tiers,
-                         out / "ttft_cdf.png")
-    depth = plots.queue_depth({k: r.samples for k, r in results.items()}, scenario.tiers,
-                              out / "queue_depth.png")
+    cdf = plots.ttft_cdf(
+        {k: r.records for k, r in results.items()}, scenario.tiers, out / "ttft_cdf.png"
+    )
+    depth = plots.queue_depth(
+        {k: r.samples for k, r in results.items()}, scenario.tiers, out / "queue_depth.png"
+    )
     print(f"plots: {cdf} {depth}")
 
 
@@ -304,8 +368,9 @@ def _exit_code(reports: dict[str, dict[str, Any]]) -> int:
 def rerender(path: Path, with_plots: bool) -> int:
     """Tables (and plots, next to the file) again from a stored results.json."""
     loaded = results_file.load(path)
-    print(f"scenario {loaded.scenario.name}: {loaded.rate_rps:.2f} req/s"
-          f" for {loaded.duration_s:.0f}s")
+    print(
+        f"scenario {loaded.scenario.name}: {loaded.rate_rps:.2f} req/s for {loaded.duration_s:.0f}s"
+    )
     reports = _print_reports(loaded.scenario, loaded.results)
     if with_plots:
         _plot(loaded.scenario, loaded.results, path.parent)
@@ -315,10 +380,14 @@ def rerender(path: Path, with_plots: bool) -> int:
 async def detect_model(base_url: str, key: str, timeout_s: float = 10.0) -> str:
     """The first model id that /v1/models lists."""
     try:
-        async with aiohttp.ClientSession() as session, session.get(
-            f"{base_url}/v1/models", headers={"Authorization": f"Bearer {key}"},
-            timeout=aiohttp.ClientTimeout(total=timeout_s),
-        ) as resp:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(
+                f"{base_url}/v1/models",
+                headers={"Authorization": f"Bearer {key}"},
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
+            ) as resp,
+        ):
             if resp.status != 200:
                 raise RuntimeError(f"{base_url}/v1/models answered {resp.status}; pass --model")
             data = await resp.json()
@@ -328,4 +397,3 @@ async def detect_model(base_url: str, key: str, timeout_s: float = 10.0) -> str:
     if not models:
         raise RuntimeError(f"{base_url}/v1/models lists no model; pass --model")
     return str(models[0]["id"])
-

@@ -85,8 +85,10 @@ async def send(
         # The outer bound also covers awaits aiohttp's own timeout does not watch.
         async with asyncio.timeout(settings.request_timeout_s + 5.0):
             async with session.post(
-                url, data=orjson.dumps(request_body(planned, settings.model)),
-                headers=headers, timeout=timeout,
+                url,
+                data=orjson.dumps(request_body(planned, settings.model)),
+                headers=headers,
+                timeout=timeout,
             ) as resp:
                 rec.status = resp.status
                 if resp.status != 200:

@@ -31,12 +31,27 @@ def make_config(
     **extra: Any,
 ) -> dict[str, Any]:
     default_tiers = {
-        "high": {"priority": 0, "weight": 10, "max_queue": 200, "queue_timeout_s": 60,
-                 "request_timeout_s": 120},
-        "normal": {"priority": 5, "weight": 5, "max_queue": 200, "queue_timeout_s": 60,
-                   "request_timeout_s": 120},
-        "low": {"priority": 10, "weight": 1, "max_queue": 500, "queue_timeout_s": 120,
-                "request_timeout_s": 120},
+        "high": {
+            "priority": 0,
+            "weight": 10,
+            "max_queue": 200,
+            "queue_timeout_s": 60,
+            "request_timeout_s": 120,
+        },
+        "normal": {
+            "priority": 5,
+            "weight": 5,
+            "max_queue": 200,
+            "queue_timeout_s": 60,
+            "request_timeout_s": 120,
+        },
+        "low": {
+            "priority": 10,
+            "weight": 1,
+            "max_queue": 500,
+            "queue_timeout_s": 120,
+            "request_timeout_s": 120,
+        },
     }
     for name, overrides in (tiers or {}).items():
         default_tiers[name] = {**default_tiers.get(name, {}), **overrides}

@@ -31,14 +31,21 @@ def ttft_cdf(
     for ax, tier in zip(axes[0], tiers, strict=True):
         for i, (label, recs) in enumerate(records.items()):
             ttfts = sorted(
-                r.ttft for r in recs
+                r.ttft
+                for r in recs
                 if r.tier == tier and r.outcome is Outcome.OK and r.ttft is not None
             )
             if not ttfts:
                 continue
             ys = [(k + 1) / len(ttfts) for k in range(len(ttfts))]
-            ax.step(ttfts, ys, where="post", linestyle=_STYLES.get(label, ":"),
-                    color=_COLORS[i % len(_COLORS)], label=f"{label} (n={len(ttfts)})")
+            ax.step(
+                ttfts,
+                ys,
+                where="post",
+                linestyle=_STYLES.get(label, ":"),
+                color=_COLORS[i % len(_COLORS)],
+                label=f"{label} (n={len(ttfts)})",
+            )
         ax.set_xscale("log")
         ax.set_title(f"TTFT, tier {tier}", fontsize=9)
         ax.set_xlabel("seconds from scheduled send", fontsize=8)
@@ -56,27 +63,37 @@ def ttft_cdf(
     return _shrink(path)
 
 
-def queue_depth(
-    samples: Mapping[str, Sequence[Sample]], tiers: Sequence[str], path: Path
-) -> Path:
+def queue_depth(samples: Mapping[str, Sequence[Sample]], tiers: Sequence[str], path: Path) -> Path:
     """One panel per run: the proxy's queue depth per tier when it exports it (solid), the
     client's in-flight count per tier (thin dashed), vLLM's own waiting queue (black dotted)."""
     plt = _pyplot()
-    fig, axes = plt.subplots(len(samples), 1, figsize=(7.5, 2.4 * len(samples)),
-                             squeeze=False, sharex=True)
+    fig, axes = plt.subplots(
+        len(samples), 1, figsize=(7.5, 2.4 * len(samples)), squeeze=False, sharex=True
+    )
     for ax, (label, ss) in zip(axes[:, 0], samples.items(), strict=True):
         ts = [s.t for s in ss]
         for i, tier in enumerate(tiers):
             color = _COLORS[i % len(_COLORS)]
             if any(s.queue_depth for s in ss):
-                ax.plot(ts, [(s.queue_depth or {}).get(tier, 0.0) for s in ss], color=color,
-                        label=f"{tier} queued in proxy")
-            ax.plot(ts, [s.inflight.get(tier, 0) for s in ss], color=color, linestyle="--",
-                    linewidth=0.8, label=f"{tier} in flight (client)")
+                ax.plot(
+                    ts,
+                    [(s.queue_depth or {}).get(tier, 0.0) for s in ss],
+                    color=color,
+                    label=f"{tier} queued in proxy",
+                )
+            ax.plot(
+                ts,
+                [s.inflight.get(tier, 0) for s in ss],
+                color=color,
+                linestyle="--",
+                linewidth=0.8,
+                label=f"{tier} in flight (client)",
+            )
         waiting = [s.engine_waiting for s in ss]
         if any(w for w in waiting):  # some vLLM builds leave this gauge at 0: then hide it
-            ax.plot(ts, [w or 0.0 for w in waiting], color="black", linestyle=":",
-                    label="vLLM waiting")
+            ax.plot(
+                ts, [w or 0.0 for w in waiting], color="black", linestyle=":", label="vLLM waiting"
+            )
         ax.set_title(label, fontsize=9)
         ax.set_ylabel("requests", fontsize=8)
         ax.grid(alpha=0.3)

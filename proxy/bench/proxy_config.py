@@ -17,15 +17,36 @@ from proxy.config import LoadedConfig, hash_key, parse_config
 # Like configs/example.yaml, with waits and run times short enough that a benchmark run ends:
 # a request is answered, rejected or timed out within queue_timeout_s + request_timeout_s.
 DEFAULT_TIERS: dict[str, dict[str, Any]] = {
-    "high": {"priority": 0, "weight": 10, "max_queue": 200, "queue_timeout_s": 10,
-             "request_timeout_s": 60},
-    "normal": {"priority": 5, "weight": 5, "max_queue": 1000, "queue_timeout_s": 30,
-               "request_timeout_s": 60},
-    "low": {"priority": 10, "weight": 1, "max_queue": 5000, "queue_timeout_s": 60,
-            "request_timeout_s": 60, "max_tokens": 2048},
+    "high": {
+        "priority": 0,
+        "weight": 10,
+        "max_queue": 200,
+        "queue_timeout_s": 10,
+        "request_timeout_s": 60,
+    },
+    "normal": {
+        "priority": 5,
+        "weight": 5,
+        "max_queue": 1000,
+        "queue_timeout_s": 30,
+        "request_timeout_s": 60,
+    },
+    "low": {
+        "priority": 10,
+        "weight": 1,
+        "max_queue": 5000,
+        "queue_timeout_s": 60,
+        "request_timeout_s": 60,
+        "max_tokens": 2048,
+    },
 }
-_FALLBACK_TIER: dict[str, Any] = {"priority": 10, "weight": 1, "max_queue": 1000,
-                                  "queue_timeout_s": 30, "request_timeout_s": 60}
+_FALLBACK_TIER: dict[str, Any] = {
+    "priority": 10,
+    "weight": 1,
+    "max_queue": 1000,
+    "queue_timeout_s": 30,
+    "request_timeout_s": 60,
+}
 
 
 def proxy_config(

@@ -186,9 +186,7 @@ def render_run(report: Mapping[str, Any]) -> str:
     for tier, f in report["fairness"].items():
         rates = ", ".join(f"{t} {v:.0f}" for t, v in f["weighted_tokens_per_s"].items())
         jain = "-" if f["jain"] is None else f"{f['jain']:.3f}"
-        lines.append(
-            f"fairness {tier}: Jain {jain} (weighted tokens/s while backlogged: {rates})"
-        )
+        lines.append(f"fairness {tier}: Jain {jain} (weighted tokens/s while backlogged: {rates})")
     for spread in report.get("latency_fairness", {}).values():
         p50 = " / ".join(f"{v:.2f}" for v in spread["ttft_p50_s"].values())
         p99 = " / ".join(f"{v:.2f}" for v in spread["ttft_p99_s"].values())

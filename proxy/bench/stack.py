@@ -60,8 +60,13 @@ class LocalStack:
         model, served = ensure_model(self.model)
         self.served_name = served or model
         spec = EngineSpec(
-            port=free_port(), model=model, served_name=served, max_num_seqs=self.max_num_seqs,
-            plugin=self.plugin, extra_args=self.engine_args, env={env_name: secret},
+            port=free_port(),
+            model=model,
+            served_name=served,
+            max_num_seqs=self.max_num_seqs,
+            plugin=self.plugin,
+            extra_args=self.engine_args,
+            env={env_name: secret},
             cpus=engine_cores(),  # the last core stays for the proxy and the load generator
         )
         self.engine = EngineProcess(spec, self.out_dir / "vllm.log")
@@ -69,13 +74,18 @@ class LocalStack:
         self.engine.start().wait_ready(ready_timeout_s)
 
         self.proxy_port = free_port()
-        data = proxy_config(self.scenario, [spec.url], port=self.proxy_port,
-                            max_inflight=self.max_inflight)
+        data = proxy_config(
+            self.scenario, [spec.url], port=self.proxy_port, max_inflight=self.max_inflight
+        )
         write_proxy_config(data, self.config_path, self.scenario)
-        self.proxy = ProxyProcess(self.config_path, self.proxy_port, self.out_dir / "proxy.log",
-                                  env={env_name: secret})
-        print(f"starting the proxy on {self.proxy_url} (config {self.config_path},"
-              f" log {self.proxy.log_path})", file=sys.stderr)
+        self.proxy = ProxyProcess(
+            self.config_path, self.proxy_port, self.out_dir / "proxy.log", env={env_name: secret}
+        )
+        print(
+            f"starting the proxy on {self.proxy_url} (config {self.config_path},"
+            f" log {self.proxy.log_path})",
+            file=sys.stderr,
+        )
         self.proxy.start()
         return self
 
@@ -108,9 +118,19 @@ class ProxyProcess(ManagedProcess):
         environment = {**os.environ, **(env or {})}
         environment.setdefault(DEFAULT_SECRET_ENV, secrets.token_urlsafe(32))
         super().__init__(
-            [sys.executable, "-m", "proxy.cli", "serve", "-c", str(config_path),
-             "--port", str(port)],
-            env=environment, log_path=log_path, name="the proxy",
+            [
+                sys.executable,
+                "-m",
+                "proxy.cli",
+                "serve",
+                "-c",
+                str(config_path),
+                "--port",
+                str(port),
+            ],
+            env=environment,
+            log_path=log_path,
+            name="the proxy",
         )
         self.config_path = config_path
         self.port = port
@@ -122,8 +142,11 @@ class ProxyProcess(ManagedProcess):
     def start(self, ready_timeout_s: float = 60.0) -> Self:
         super().start()
         try:
-            self.wait_until(lambda: http_ok(f"{self.url}/healthz", timeout_s=2.0),
-                            ready_timeout_s, "/healthz answering")
+            self.wait_until(
+                lambda: http_ok(f"{self.url}/healthz", timeout_s=2.0),
+                ready_timeout_s,
+                "/healthz answering",
+            )
         except BaseException:
             self.stop()
             raise

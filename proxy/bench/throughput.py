@@ -78,6 +78,7 @@ def start_proxy(urls: list[str], max_inflight: int, workdir: Path) -> ProxyProce
     path = workdir / "two-backends-proxy.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(cfg))
-    proxy = ProxyProcess(path, port, workdir / "two-backends-proxy.log",
-                         env={DEFAULT_SECRET_ENV: SECRET.decode()})
+    proxy = ProxyProcess(
+        path, port, workdir / "two-backends-proxy.log", env={DEFAULT_SECRET_ENV: SECRET.decode()}
+    )
     return proxy.start(ready_timeout_s=30.0)

@@ -21,15 +21,21 @@ TIMEOUT = aiohttp.ClientTimeout(total=180)
 
 
 def _chat(max_tokens: int, stream: bool = False) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": "tiny", "max_tokens": max_tokens, "ignore_eos": True,
-                            "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+    body: dict[str, Any] = {
+        "model": "tiny",
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": stream,
+    }
     if stream:
         body["stream_options"] = {"include_usage": True}
     return body
 
 
-async def _call(s: aiohttp.ClientSession, base: str, body: dict[str, Any],
-                tier: str = "normal") -> dict[str, Any]:
+async def _call(
+    s: aiohttp.ClientSession, base: str, body: dict[str, Any], tier: str = "normal"
+) -> dict[str, Any]:
     """One request's definitive answer: status, completion tokens, and how a stream ended."""
     out: dict[str, Any] = {"tokens": None, "ended": None}
     async with s.post(f"{base}/v1/chat/completions", json=body, headers=auth(tier)) as r:
@@ -54,8 +60,12 @@ async def test_load_spreads_evenly_and_by_room(engines: EngineFarm) -> None:
     mid-wave), so the split shows the choice, not the two engines' relative speed."""
     a, b = engines.get("core"), engines.get("pair-b")
     for caps, want_a in (((4, 4), 0.5), ((2, 6), 0.25)):
-        cfg = make_config([{"url": a.spec.url, "max_inflight": caps[0]},
-                           {"url": b.spec.url, "max_inflight": caps[1]}])
+        cfg = make_config(
+            [
+                {"url": a.spec.url, "max_inflight": caps[0]},
+                {"url": b.spec.url, "max_inflight": caps[1]},
+            ]
+        )
         async with running_proxy(cfg) as (base, state), aiohttp.ClientSession(timeout=TIMEOUT) as s:
             wave = sum(caps) // 2
             for _ in range(10):
@@ -74,11 +84,15 @@ async def test_killed_backend_loses_nothing_and_comes_back(engines: EngineFarm) 
         backend_health={"health_interval_s": 0.5, "eject_base_s": 0.5, "ramp_s": 1.0},
     )
     async with running_proxy(cfg) as (base, state), aiohttp.ClientSession(timeout=TIMEOUT) as s:
-        calls = [asyncio.create_task(_call(s, base, _chat(64, stream=i % 2 == 0)))
-                 for i in range(40)]
+        calls = [
+            asyncio.create_task(_call(s, base, _chat(64, stream=i % 2 == 0))) for i in range(40)
+        ]
         victim = state.pool.states[b.spec.url]
-        await until(lambda: victim.inflight == 4 and len(state.queue) >= 10, 60,
-                    "the victim full and a backlog queued")
+        await until(
+            lambda: victim.inflight == 4 and len(state.queue) >= 10,
+            60,
+            "the victim full and a backlog queued",
+        )
         b.signal(signal.SIGKILL)  # the whole process tree, mid-run
         results = await asyncio.gather(*calls)
         # Nothing lost: each request completed in full, or (stream already started) ended with
@@ -133,16 +147,21 @@ async def test_backend_dying_mid_stream_gives_an_error_event(engines: EngineFarm
         assert r["status"] == 200 and r.get("error_event") and r["ended"] == "done"
 
 
-async def test_refused_connection_before_first_byte_is_retried_elsewhere(engines: EngineFarm) -> None:
+async def test_refused_connection_before_first_byte_is_retried_elsewhere(
+    engines: EngineFarm,
+) -> None:
     from proxy.engine import free_port
 
     real = engines.get("core")
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    cfg = make_config([{"url": dead, "max_inflight": 8}, {"url": real.spec.url, "max_inflight": 1}],
-                      backend_health={"health_interval_s": 60})
+    cfg = make_config(
+        [{"url": dead, "max_inflight": 8}, {"url": real.spec.url, "max_inflight": 1}],
+        backend_health={"health_interval_s": 60},
+    )
     async with running_proxy(cfg) as (base, state), aiohttp.ClientSession(timeout=TIMEOUT) as s:
-        results = await asyncio.gather(*(_call(s, base, _chat(4, stream=i % 2 == 1))
-                                         for i in range(6)))
+        results = await asyncio.gather(
+            *(_call(s, base, _chat(4, stream=i % 2 == 1)) for i in range(6))
+        )
         assert all(r["status"] == 200 and r["tokens"] == 4 for r in results), results
         assert state.metrics.retries._value.get() >= 1
         assert not state.pool.states[dead].available(state.clock())
@@ -152,28 +171,35 @@ async def test_admin_drain_lets_inflight_finish_and_sends_no_new_work(engines: E
     from proxy.config import hash_key
 
     a, b = engines.get("core"), engines.get("pair-b")
-    cfg = make_config([{"url": a.spec.url, "max_inflight": 2}, {"url": b.spec.url, "max_inflight": 2}],
-                      admin_keys=[{"sha256": hash_key("admin-secret")}])
+    cfg = make_config(
+        [{"url": a.spec.url, "max_inflight": 2}, {"url": b.spec.url, "max_inflight": 2}],
+        admin_keys=[{"sha256": hash_key("admin-secret")}],
+    )
     admin = {"Authorization": "Bearer admin-secret"}
     async with running_proxy(cfg) as (base, state), aiohttp.ClientSession(timeout=TIMEOUT) as s:
         running = [asyncio.create_task(_call(s, base, _chat(400))) for _ in range(4)]
         victim = state.pool.states[b.spec.url]
         await until(lambda: victim.inflight == 2, what="two requests on the backend to drain")
-        async with s.post(f"{base}/admin/backends/drain", json={"url": b.spec.url},
-                          headers=auth("high")) as r:
+        async with s.post(
+            f"{base}/admin/backends/drain", json={"url": b.spec.url}, headers=auth("high")
+        ) as r:
             assert r.status == 401  # a tenant key is not an admin key
-        async with s.post(f"{base}/admin/backends/drain", json={"url": b.spec.url},
-                          headers=admin) as r:
+        async with s.post(
+            f"{base}/admin/backends/drain", json={"url": b.spec.url}, headers=admin
+        ) as r:
             view = await r.json()
             assert r.status == 200 and view["draining"] is True and view["inflight"] == 2
         sent = victim.dispatched_total
         more = await asyncio.gather(*(_call(s, base, _chat(4)) for _ in range(6)))
         assert all(r["status"] == 200 for r in more) and victim.dispatched_total == sent
         # The drained backend's in-flight requests completed in full.
-        assert all(r["status"] == 200 and r["tokens"] == 400 for r in await asyncio.gather(*running))
+        assert all(
+            r["status"] == 200 and r["tokens"] == 400 for r in await asyncio.gather(*running)
+        )
         async with s.get(f"{base}/admin/backends", headers=admin) as r:
             listed = {v["url"]: v for v in (await r.json())["backends"]}
         assert listed[b.spec.url]["inflight"] == 0 and not listed[b.spec.url]["available"]
-        async with s.post(f"{base}/admin/backends/drain", json={"url": b.spec.url, "drain": False},
-                          headers=admin) as r:
+        async with s.post(
+            f"{base}/admin/backends/drain", json={"url": b.spec.url, "drain": False}, headers=admin
+        ) as r:
             assert (await r.json())["available"] is True

@@ -48,13 +48,26 @@ def test_bench_direct_and_through_the_proxy(engine: EngineProcess, tmp_path: Pat
     port = free_port()
     config = write_proxy_config(
         proxy_config(scenario, [engine.spec.url], port=port, max_inflight=4),
-        tmp_path / "proxy.yaml", scenario,
+        tmp_path / "proxy.yaml",
+        scenario,
     )
     out = tmp_path / "out"
     with ProxyProcess(config, port, tmp_path / "proxy.log") as proxy:
         proxy.start()
-        code = main(["--scenario", str(scenario_path), "--target", proxy.url,
-                     "--direct", engine.spec.url, "--out", str(out), "--request-timeout", "60"])
+        code = main(
+            [
+                "--scenario",
+                str(scenario_path),
+                "--target",
+                proxy.url,
+                "--direct",
+                engine.spec.url,
+                "--out",
+                str(out),
+                "--request-timeout",
+                "60",
+            ]
+        )
     assert code == 0  # 0 means: no request lost
     results = orjson.loads((out / "results.json").read_bytes())
     assert results["rate_rps"] == 6
@@ -88,8 +101,11 @@ def test_bench_direct_and_through_the_proxy(engine: EngineProcess, tmp_path: Pat
 
 def test_capacity_step(engine: EngineProcess) -> None:
     scenario = load_scenario("seed-mixed")
-    cap = asyncio.run(measure_capacity(scenario, engine.spec.url, "tiny", duration_s=5.0,
-                                       warmup_s=1.0, concurrency=16))
+    cap = asyncio.run(
+        measure_capacity(
+            scenario, engine.spec.url, "tiny", duration_s=5.0, warmup_s=1.0, concurrency=16
+        )
+    )
     assert cap.rps > 1.0
     assert cap.output_tokens_per_s > cap.rps
     assert cap.failed == 0

@@ -23,8 +23,12 @@ async def _sse(resp: aiohttp.ClientResponse) -> list[dict[str, Any]]:
 async def test_chat_and_completions_shapes_and_counts(engines: EngineFarm) -> None:
     url = engines.get("core").spec.url
     async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
-        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}],
-                "max_tokens": 7, "ignore_eos": True}
+        chat = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": 7,
+            "ignore_eos": True,
+        }
         async with s.post(f"{url}/v1/chat/completions", json=chat) as r:
             assert r.status == 200
             body = await r.json()

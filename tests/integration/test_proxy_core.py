@@ -27,15 +27,21 @@ TIMEOUT = aiohttp.ClientTimeout(total=120)
 
 
 def _chat(max_tokens: int, stream: bool = False, content: str = "hello") -> dict[str, Any]:
-    body = {"model": "tiny", "messages": [{"role": "user", "content": content}],
-            "max_tokens": max_tokens, "ignore_eos": True, "stream": stream}
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": stream,
+    }
     if stream:
         body["stream_options"] = {"include_usage": True}
     return body
 
 
-async def _finished_when_idle(session: aiohttp.ClientSession, url: str,
-                              timeout_s: float = 120.0) -> float:
+async def _finished_when_idle(
+    session: aiohttp.ClientSession, url: str, timeout_s: float = 120.0
+) -> float:
     """vLLM's count of requests it finished normally, once nothing runs or waits there (1 s).
 
     A request whose client left is aborted by vLLM and never counted here; one that vLLM
@@ -46,8 +52,9 @@ async def _finished_when_idle(session: aiohttp.ClientSession, url: str,
     return prometheus.total(text, "vllm:request_success_total")
 
 
-async def _stream_timed(session: aiohttp.ClientSession, base: str, tier: str,
-                        body: dict[str, Any]) -> dict[str, Any]:
+async def _stream_timed(
+    session: aiohttp.ClientSession, base: str, tier: str, body: dict[str, Any]
+) -> dict[str, Any]:
     start = time.monotonic()
     first = None
     tokens = 0  # from the final usage chunk (vLLM may merge several tokens into one chunk)
@@ -60,17 +67,26 @@ async def _stream_timed(session: aiohttp.ClientSession, base: str, tier: str,
                     first = time.monotonic()
                 if event.get("usage"):
                     tokens = event["usage"]["completion_tokens"]
-    return {"status": status, "ttft_at": first, "done_at": time.monotonic(), "start": start,
-            "tokens": tokens}
+    return {
+        "status": status,
+        "ttft_at": first,
+        "done_at": time.monotonic(),
+        "start": start,
+        "tokens": tokens,
+    }
 
 
 async def test_high_tier_overtakes_40_queued_low_requests(engines: EngineFarm) -> None:
     engine = engines.get("proxy-core", extra_args=LONG)
     cfg = make_config([{"url": engine.spec.url, "max_inflight": 4}])
     async with running_proxy(cfg) as (base, state), aiohttp.ClientSession(timeout=TIMEOUT) as s:
-        lows = [asyncio.create_task(_stream_timed(s, base, "low", _chat(48, stream=True)))
-                for _ in range(40)]
-        await until(lambda: state.queue.depth("low") >= 30, what="30 queued low requests", state=state)
+        lows = [
+            asyncio.create_task(_stream_timed(s, base, "low", _chat(48, stream=True)))
+            for _ in range(40)
+        ]
+        await until(
+            lambda: state.queue.depth("low") >= 30, what="30 queued low requests", state=state
+        )
         high = await _stream_timed(s, base, "high", _chat(8, stream=True))
         low_results = await asyncio.gather(*lows)
     assert high["status"] == 200 and high["ttft_at"] is not None
@@ -81,23 +97,35 @@ async def test_high_tier_overtakes_40_queued_low_requests(engines: EngineFarm) -
     assert max(r["done_at"] for r in low_results) > high["done_at"]
 
 
-async def test_queue_full_is_an_immediate_429_and_no_tenant_locks_others_out(engines: EngineFarm) -> None:
+async def test_queue_full_is_an_immediate_429_and_no_tenant_locks_others_out(
+    engines: EngineFarm,
+) -> None:
     engine = engines.get("proxy-core", extra_args=LONG)
     tenants = make_config([])["tenants"] + [
-        {"name": "batch-b", "tier": "low", "keys": [{"sha256": hash_key("key-batch-b")}]}]
-    cfg = make_config([{"url": engine.spec.url, "max_inflight": 1}],
-                      tiers={"low": {"max_queue": 3}}, tenants=tenants)
+        {"name": "batch-b", "tier": "low", "keys": [{"sha256": hash_key("key-batch-b")}]}
+    ]
+    cfg = make_config(
+        [{"url": engine.spec.url, "max_inflight": 1}],
+        tiers={"low": {"max_queue": 3}},
+        tenants=tenants,
+    )
     async with running_proxy(cfg) as (base, state), aiohttp.ClientSession(timeout=TIMEOUT) as s:
+
         async def post(max_tokens: int, headers: dict[str, str]) -> tuple[int, dict[str, Any]]:
-            async with s.post(f"{base}/v1/chat/completions", json=_chat(max_tokens),
-                              headers=headers) as r:
+            async with s.post(
+                f"{base}/v1/chat/completions", json=_chat(max_tokens), headers=headers
+            ) as r:
                 return r.status, await r.json()
+
         # One long request holds the only slot; three more of one tenant wait (the cap).
-        holder = await s.post(f"{base}/v1/chat/completions", json=_chat(LONG_TOKENS, stream=True),
-                              headers=auth("low"))
+        holder = await s.post(
+            f"{base}/v1/chat/completions", json=_chat(LONG_TOKENS, stream=True), headers=auth("low")
+        )
         await holder.content.readline()
         started = [asyncio.create_task(post(8, auth("low"))) for _ in range(3)]
-        await until(lambda: state.queue.depth("low") == 3, what="3 queued low requests", state=state)
+        await until(
+            lambda: state.queue.depth("low") == 3, what="3 queued low requests", state=state
+        )
         t0 = time.monotonic()
         async with s.post(f"{base}/v1/chat/completions", json=_chat(4), headers=auth("low")) as r:
             body = await r.json()
@@ -131,8 +159,11 @@ async def test_queue_timeout_503_and_execution_timeout_504(engines: EngineFarm) 
     async with running_proxy(cfg) as (base, state), aiohttp.ClientSession(timeout=TIMEOUT) as s:
         # A long normal-tier generation holds the only slot; a low request waits past its
         # 0.5 s in the queue: 503 with Retry-After.
-        holder = await s.post(f"{base}/v1/chat/completions", json=_chat(LONG_TOKENS, stream=True),
-                              headers=auth("normal"))
+        holder = await s.post(
+            f"{base}/v1/chat/completions",
+            json=_chat(LONG_TOKENS, stream=True),
+            headers=auth("normal"),
+        )
         await holder.content.readline()
         async with s.post(f"{base}/v1/chat/completions", json=_chat(4), headers=auth("low")) as r:
             body = await r.json()
@@ -143,8 +174,9 @@ async def test_queue_timeout_503_and_execution_timeout_504(engines: EngineFarm) 
         before = await _finished_when_idle(s, engine.spec.url)  # the holder is gone too
 
         # A long low-tier generation outlives the tier's 0.5 s execution limit: 504.
-        async with s.post(f"{base}/v1/chat/completions", json=_chat(LONG_TOKENS),
-                          headers=auth("low")) as r:
+        async with s.post(
+            f"{base}/v1/chat/completions", json=_chat(LONG_TOKENS), headers=auth("low")
+        ) as r:
             body = await r.json()
             assert r.status == 504 and body["error"]["code"] == "request_timeout"
         # And vLLM stopped working on it: the proxy closed the connection, vLLM aborted it
@@ -152,8 +184,9 @@ async def test_queue_timeout_503_and_execution_timeout_504(engines: EngineFarm) 
         assert await _finished_when_idle(s, engine.spec.url) == before
 
         # Streaming: the timeout arrives as an error event, then [DONE].
-        async with s.post(f"{base}/v1/chat/completions", json=_chat(LONG_TOKENS, stream=True),
-                          headers=auth("low")) as r:
+        async with s.post(
+            f"{base}/v1/chat/completions", json=_chat(LONG_TOKENS, stream=True), headers=auth("low")
+        ) as r:
             assert r.status == 200
             raw = await r.read()
         events = [e for e in raw.split(b"\n\n") if e.strip()]
@@ -169,19 +202,28 @@ async def test_client_leaving_mid_stream_or_in_queue_frees_everything(engines: E
     async with running_proxy(cfg) as (base, state), aiohttp.ClientSession(timeout=TIMEOUT) as s:
         before = await _finished_when_idle(s, engine.spec.url)
         leaver = aiohttp.ClientSession(timeout=TIMEOUT)
-        r = await leaver.post(f"{base}/v1/chat/completions", json=_chat(LONG_TOKENS, stream=True),
-                              headers=auth("normal"))
+        r = await leaver.post(
+            f"{base}/v1/chat/completions",
+            json=_chat(LONG_TOKENS, stream=True),
+            headers=auth("normal"),
+        )
         await r.content.readline()  # bytes are flowing: vLLM is generating for this client
-        queued = asyncio.create_task(leaver.post(f"{base}/v1/chat/completions",
-                                                 json=_chat(8), headers=auth("normal")))
-        await until(lambda: state.queue.depth("normal") == 1, what="one queued request", state=state)
+        queued = asyncio.create_task(
+            leaver.post(f"{base}/v1/chat/completions", json=_chat(8), headers=auth("normal"))
+        )
+        await until(
+            lambda: state.queue.depth("normal") == 1, what="one queued request", state=state
+        )
         await leaver.close()  # both clients vanish
         queued.cancel()
         # vLLM aborted the streaming request: it never finished it (its own counter)...
         assert await _finished_when_idle(s, engine.spec.url) == before
         # ...and the proxy holds nothing for either client.
-        await until(lambda: not len(state.queue) and not state.pool.all()[0].inflight, 5,
-                    "queue and backend slots to empty")
+        await until(
+            lambda: not len(state.queue) and not state.pool.all()[0].inflight,
+            5,
+            "queue and backend slots to empty",
+        )
         async with s.get(f"{base}/metrics") as m:
             text = await m.text()
         assert 'tierproxy_requests_total{outcome="client_gone",tier="normal"} 2.0' in text
@@ -189,17 +231,27 @@ async def test_client_leaving_mid_stream_or_in_queue_frees_everything(engines: E
 
 async def test_openai_sdk_works_unchanged_and_sees_retryable_errors(engines: EngineFarm) -> None:
     engine = engines.get("proxy-core", extra_args=LONG)
-    cfg = make_config([{"url": engine.spec.url, "max_inflight": 1}],
-                      tiers={"low": {"max_queue": 1, "queue_timeout_s": 3}})
+    cfg = make_config(
+        [{"url": engine.spec.url, "max_inflight": 1}],
+        tiers={"low": {"max_queue": 1, "queue_timeout_s": 3}},
+    )
     async with running_proxy(cfg) as (base, state):
         client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="key-high", max_retries=0)
         reply = await client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
-            extra_body={"ignore_eos": True})
+            model="tiny",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=5,
+            extra_body={"ignore_eos": True},
+        )
         assert reply.usage is not None and reply.usage.completion_tokens == 5
         stream = await client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
-            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            model="tiny",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=5,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         chunks = [c async for c in stream]
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
         comp = await client.completions.create(model="tiny", prompt="hi", max_tokens=3)
@@ -208,22 +260,32 @@ async def test_openai_sdk_works_unchanged_and_sees_retryable_errors(engines: Eng
         assert [m.id for m in models.data] == ["tiny"]
 
         with pytest.raises(openai.AuthenticationError):
-            await openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0
-                                     ).models.list()
+            await openai.AsyncOpenAI(
+                base_url=f"{base}/v1", api_key="wrong", max_retries=0
+            ).models.list()
 
         low = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="key-low", max_retries=0)
         async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
             # A long stream from another tier holds the only slot...
-            holder = await s.post(f"{base}/v1/chat/completions", json=_chat(LONG_TOKENS, stream=True),
-                                  headers=auth("normal"))
+            holder = await s.post(
+                f"{base}/v1/chat/completions",
+                json=_chat(LONG_TOKENS, stream=True),
+                headers=auth("normal"),
+            )
             await holder.content.readline()
             # ...one low request waits (the low queue holds one)...
-            waiting = asyncio.create_task(low.chat.completions.create(
-                model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2))
-            await until(lambda: state.queue.depth("low") == 1, what="one queued low request", state=state)
+            waiting = asyncio.create_task(
+                low.chat.completions.create(
+                    model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2
+                )
+            )
+            await until(
+                lambda: state.queue.depth("low") == 1, what="one queued low request", state=state
+            )
             with pytest.raises(openai.RateLimitError):  # ...so the next is refused: 429
                 await low.chat.completions.create(
-                    model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+                    model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2
+                )
             with pytest.raises(openai.InternalServerError) as exc:  # queue timeout: 503
                 await waiting
             assert exc.value.status_code == 503
@@ -234,11 +296,13 @@ async def test_openai_sdk_works_unchanged_and_sees_retryable_errors(engines: Eng
 
 async def test_bad_input_and_unknown_paths(engines: EngineFarm) -> None:
     engine = engines.get("proxy-core", extra_args=LONG)
-    cfg = make_config([{"url": engine.spec.url, "max_inflight": 4}],
-                      limits={"max_body_bytes": 2000})
+    cfg = make_config(
+        [{"url": engine.spec.url, "max_inflight": 4}], limits={"max_body_bytes": 2000}
+    )
     async with running_proxy(cfg) as (base, state), aiohttp.ClientSession(timeout=TIMEOUT) as s:
-        await until(lambda: "tiny" in (state.pool.all()[0].models or ()), what="its models",
-                    state=state)
+        await until(
+            lambda: "tiny" in (state.pool.all()[0].models or ()), what="its models", state=state
+        )
         cases = [
             (b"{", 400, "invalid_json"),
             (orjson.dumps({**_chat(5), "max_tokens": -3}), 400, None),

@@ -17,8 +17,12 @@ from tests.proxyrun import KEYS, auth, make_config, running_proxy, until
 
 pytestmark = pytest.mark.integration
 TIMEOUT = aiohttp.ClientTimeout(total=180)
-BODY = {"model": "tiny", "max_tokens": 16, "ignore_eos": True,
-        "messages": [{"role": "user", "content": "hi"}]}
+BODY = {
+    "model": "tiny",
+    "max_tokens": 16,
+    "ignore_eos": True,
+    "messages": [{"role": "user", "content": "hi"}],
+}
 
 
 def _generation(state: ProxyState) -> float:
@@ -36,15 +40,18 @@ async def test_edits_during_load_apply_atomically_and_broken_file_changes_nothin
     engine = engines.get("core")
     path = tmp_path / "tierproxy.yaml"
     cfg = make_config([{"url": engine.spec.url, "max_inflight": 4}])
-    async with running_proxy(cfg, config_path=path) as (base, state), \
-            aiohttp.ClientSession(timeout=TIMEOUT) as s:
+    async with (
+        running_proxy(cfg, config_path=path) as (base, state),
+        aiohttp.ClientSession(timeout=TIMEOUT) as s,
+    ):
         statuses: list[int] = []
         stop = asyncio.Event()
 
         async def load(tier: str) -> None:
             while not stop.is_set():
-                async with s.post(f"{base}/v1/chat/completions", json=BODY,
-                                  headers=auth(tier)) as r:
+                async with s.post(
+                    f"{base}/v1/chat/completions", json=BODY, headers=auth(tier)
+                ) as r:
                     await r.read()
                     statuses.append(r.status)
 
@@ -53,7 +60,9 @@ async def test_edits_during_load_apply_atomically_and_broken_file_changes_nothin
             goal = len(statuses) + more
             await until(lambda: len(statuses) >= goal, 60, f"{more} more answers", state)
 
-        workers = [asyncio.create_task(load(t)) for t in ("high", "normal", "low") for _ in range(3)]
+        workers = [
+            asyncio.create_task(load(t)) for t in ("high", "normal", "low") for _ in range(3)
+        ]
         gen = _generation(state)
         await answered(20)
 
@@ -78,8 +87,12 @@ async def test_edits_during_load_apply_atomically_and_broken_file_changes_nothin
 
         # 3. A broken file: the old config stays, the failure shows in /metrics.
         path.write_text(yaml.safe_dump(cfg).replace("weight: 10", "weight: -10"))
-        await until(lambda: state.metrics.config_reloads.labels("error")._value.get() >= 1, 15,
-                    "the broken file refused", state)
+        await until(
+            lambda: state.metrics.config_reloads.labels("error")._value.get() >= 1,
+            15,
+            "the broken file refused",
+            state,
+        )
         assert state.metrics.config_generation._value.get() == gen
         assert state.config.tiers["high"].weight == 10
         async with s.get(f"{base}/metrics") as r:

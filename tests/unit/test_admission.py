@@ -17,7 +17,9 @@ def _queue() -> AdmissionQueue:
 
 
 def _req(tier: str, clock: FakeClock, tenant: str = "t") -> QueuedRequest:
-    return QueuedRequest(tier=tier, tenant=tenant, prompt_tokens=10, expected_output=10, arrival_s=clock())
+    return QueuedRequest(
+        tier=tier, tenant=tenant, prompt_tokens=10, expected_output=10, arrival_s=clock()
+    )
 
 
 def test_cap_rejects_immediately_per_tier() -> None:
@@ -97,8 +99,10 @@ def test_pop_honours_accept_filter_without_losing_requests() -> None:
 def test_reconfigure_changes_caps_and_keeps_draining_removed_tier() -> None:
     clock, q = FakeClock(), _queue()
     q.push(_req("low", clock), clock())
-    q.reconfigure({"high": TierLimits(weight=1, max_queue=1, queue_timeout_s=5)},
-                  order=ShortFirst(aging_s=10, reference_tokens=100))
+    q.reconfigure(
+        {"high": TierLimits(weight=1, max_queue=1, queue_timeout_s=5)},
+        order=ShortFirst(aging_s=10, reference_tokens=100),
+    )
     q.push(_req("high", clock), clock())
     with pytest.raises(QueueFull):
         q.push(_req("high", clock), clock())
@@ -106,8 +110,9 @@ def test_reconfigure_changes_caps_and_keeps_draining_removed_tier() -> None:
     assert {q.pop().tier, q.pop().tier} == {"high", "low"}  # type: ignore[union-attr]
 
 
-def _fill(q: AdmissionQueue, clock: FakeClock, tier: str, tenant: str, n: int,
-          weight: float = 1.0) -> list[QueuedRequest]:
+def _fill(
+    q: AdmissionQueue, clock: FakeClock, tier: str, tenant: str, n: int, weight: float = 1.0
+) -> list[QueuedRequest]:
     reqs = []
     for _ in range(n):
         r = _req(tier, clock, tenant)

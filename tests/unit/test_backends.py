@@ -4,13 +4,22 @@ from proxy.backends import BackendPool, ScrapedLoad
 from proxy.config import Backend, BackendHealth
 from proxy.policies.backends import LeastUtilised
 
-HEALTH = BackendHealth(stale_after_s=2.0, max_backend_waiting=1, unhealthy_after=2, ramp_s=4.0, eject_base_s=1.0,
-                       eject_max_s=8.0)
+HEALTH = BackendHealth(
+    stale_after_s=2.0,
+    max_backend_waiting=1,
+    unhealthy_after=2,
+    ramp_s=4.0,
+    eject_base_s=1.0,
+    eject_max_s=8.0,
+)
 
 
 def _pool(*caps: int) -> BackendPool:
-    return BackendPool([Backend(url=f"http://b{i}:80", max_inflight=c) for i, c in enumerate(caps)], HEALTH,
-                       LeastUtilised())
+    return BackendPool(
+        [Backend(url=f"http://b{i}:80", max_inflight=c) for i, c in enumerate(caps)],
+        HEALTH,
+        LeastUtilised(),
+    )
 
 
 def _fill(pool: BackendPool, n: int, now: float = 0.0) -> dict[str, int]:
@@ -109,7 +118,11 @@ def test_model_routing() -> None:
 
 
 def test_token_budget() -> None:
-    pool = BackendPool([Backend(url="http://x:1", max_inflight=10, max_tokens_inflight=1000)], HEALTH, LeastUtilised())
+    pool = BackendPool(
+        [Backend(url="http://x:1", max_inflight=10, max_tokens_inflight=1000)],
+        HEALTH,
+        LeastUtilised(),
+    )
     b = pool.all()[0]
     pool.acquire(pool.choose(None, 600, 0), 600)  # type: ignore[arg-type]
     assert pool.choose(None, 600, 0) is None
@@ -135,4 +148,3 @@ def test_admin_drain() -> None:
     assert pool.choose(None, 1, 0) is None
     pool.drain(b.cfg.url, False)
     assert pool.choose(None, 1, 0) is b
-

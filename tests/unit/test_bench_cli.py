@@ -20,8 +20,19 @@ def test_list_scenarios(capsys: pytest.CaptureFixture[str]) -> None:
 def test_write_proxy_config_is_a_valid_proxy_config(tmp_path: Path) -> None:
     path = tmp_path / "bench.yaml"
     # A leading "--" (from `tierproxy bench -- ...`) is accepted.
-    code = main(["--", "--scenario", "fairness", "--write-proxy-config", str(path),
-                 "--backend", "http://127.0.0.1:8100", "--proxy-port", "8123"])
+    code = main(
+        [
+            "--",
+            "--scenario",
+            "fairness",
+            "--write-proxy-config",
+            str(path),
+            "--backend",
+            "http://127.0.0.1:8100",
+            "--proxy-port",
+            "8123",
+        ]
+    )
     assert code == 0
     loaded = load_config(path)
     assert loaded.config.listen.port == 8123

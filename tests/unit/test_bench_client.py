@@ -31,8 +31,7 @@ async def _handler(request: web.Request) -> web.StreamResponse:
     mode = body["messages"][0]["content"]
     assert request.headers["Authorization"].startswith("Bearer bench-")
     if mode in ("429", "503", "504", "400"):
-        return web.json_response({"error": {"message": mode, "code": int(mode)}},
-                                 status=int(mode))
+        return web.json_response({"error": {"message": mode, "code": int(mode)}}, status=int(mode))
     if mode == "hang":
         await asyncio.sleep(5)
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -47,15 +46,22 @@ async def _handler(request: web.Request) -> web.StreamResponse:
     elif mode == "bad-event":
         await resp.write(_chunk({"error": {"message": "boom", "code": 500}}))
     else:
-        await resp.write(_chunk({"choices": [], "usage": {
-            "prompt_tokens": 7, "completion_tokens": body["max_tokens"]}}))
+        await resp.write(
+            _chunk(
+                {
+                    "choices": [],
+                    "usage": {"prompt_tokens": 7, "completion_tokens": body["max_tokens"]},
+                }
+            )
+        )
     await resp.write(b"data: [DONE]\n\n")
     return resp
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    return web.Response(text='tierproxy_queue_depth{tier="high"} 3.0\n'
-                             'tierproxy_queue_depth{tier="low"} 9.0\n')
+    return web.Response(
+        text='tierproxy_queue_depth{tier="high"} 3.0\ntierproxy_queue_depth{tier="low"} 9.0\n'
+    )
 
 
 @pytest.fixture
@@ -75,8 +81,15 @@ async def server() -> AsyncIterator[str]:
 
 
 def planned(mode: str, index: int = 0, at: float = 0.0, tier: str = "high") -> PlannedRequest:
-    return PlannedRequest(index=index, at=at, tenant=f"t-{tier}", tier=tier,
-                          key=f"bench-t-{tier}-key", prompt=mode, max_tokens=5)
+    return PlannedRequest(
+        index=index,
+        at=at,
+        tenant=f"t-{tier}",
+        tier=tier,
+        key=f"bench-t-{tier}-key",
+        prompt=mode,
+        max_tokens=5,
+    )
 
 
 @pytest.mark.parametrize(
@@ -134,17 +147,31 @@ async def test_refused_connection_is_an_error() -> None:
 
 async def test_open_loop_sends_on_schedule_and_accounts_for_everything(server: str) -> None:
     modes = ["ok", "429", "503", "ok", "hang", "ok"]
-    plan = [planned(m, index=i, at=0.02 * i, tier="high" if i % 2 else "low")
-            for i, m in enumerate(modes)]
+    plan = [
+        planned(m, index=i, at=0.02 * i, tier="high" if i % 2 else "low")
+        for i, m in enumerate(modes)
+    ]
     # The hanging request keeps the run open for 1.5 s: time for a few /metrics scrapes even
     # on a loaded machine.
-    settings = RunSettings(label="proxy", base_url=server, model="m", request_timeout_s=1.5,
-                           drain_timeout_s=4.0, sample_interval_s=0.05)
+    settings = RunSettings(
+        label="proxy",
+        base_url=server,
+        model="m",
+        request_timeout_s=1.5,
+        drain_timeout_s=4.0,
+        sample_interval_s=0.05,
+    )
     result = await run_plan(plan, settings)
     assert [r.index for r in result.records] == list(range(len(plan)))
     outcomes = [r.outcome for r in result.records]
-    assert outcomes == [Outcome.OK, Outcome.RATE_LIMITED, Outcome.UNAVAILABLE, Outcome.OK,
-                        Outcome.LOST, Outcome.OK]
+    assert outcomes == [
+        Outcome.OK,
+        Outcome.RATE_LIMITED,
+        Outcome.UNAVAILABLE,
+        Outcome.OK,
+        Outcome.LOST,
+        Outcome.OK,
+    ]
     for p, r in zip(plan, result.records, strict=True):
         assert r.scheduled == p.at
         assert r.sent is not None
@@ -158,8 +185,14 @@ async def test_open_loop_sends_on_schedule_and_accounts_for_everything(server: s
 
 async def test_drain_deadline_cancels_and_counts_lost(server: str) -> None:
     plan = [planned("hang", index=0), planned("ok", index=1, at=0.01)]
-    settings = RunSettings(label="direct", base_url=server, model="m", request_timeout_s=30,
-                           drain_timeout_s=0.3, sample_interval_s=0.05)
+    settings = RunSettings(
+        label="direct",
+        base_url=server,
+        model="m",
+        request_timeout_s=30,
+        drain_timeout_s=0.3,
+        sample_interval_s=0.05,
+    )
     result = await run_plan(plan, settings)
     assert result.records[0].outcome is Outcome.LOST
     assert "drain" in (result.records[0].error or "")
@@ -176,8 +209,7 @@ def _where(task: asyncio.Task[object]) -> str:
 
 
 async def test_results_json_round_trip_and_rerender(server: str, tmp_path: Path) -> None:
-    plan = [planned("ok", index=i, at=0.01 * i, tier="high" if i % 2 else "low")
-            for i in range(6)]
+    plan = [planned("ok", index=i, at=0.01 * i, tier="high" if i % 2 else "low") for i in range(6)]
     plan.append(planned("503", index=6, at=0.07))
     settings = RunSettings(label="proxy", base_url=server, model="m", sample_interval_s=0.05)
     result = await run_plan(plan, settings)

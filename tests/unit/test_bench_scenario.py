@@ -119,9 +119,14 @@ def test_proxy_config_holds_every_tenant_key() -> None:
 
 def test_peers_group_tenants_of_equal_demand() -> None:
     peers = load_scenario("fairness").peers()
-    assert peers == {"heavy": "heavy", "light-a": "light-a", "light-b": "light-a",
-                     "light-c": "light-a"}
+    assert peers == {
+        "heavy": "heavy",
+        "light-a": "light-a",
+        "light-b": "light-a",
+        "light-c": "light-a",
+    }
     seed = load_scenario("seed-mixed")
     # Tenants that differ in anything but name and key are not peers.
-    assert len(set(seed.peers().values())) == len({t.model_dump_json(exclude={"name", "key"})
-                                                   for t in seed.tenants})
+    assert len(set(seed.peers().values())) == len(
+        {t.model_dump_json(exclude={"name", "key"}) for t in seed.tenants}
+    )

@@ -36,8 +36,15 @@ def rec(
     token_times: list[float] | None = None,
 ) -> RequestRecord:
     return RequestRecord(
-        index=0, tenant=tenant, tier=tier, scheduled=scheduled, outcome=outcome,
-        first_token=first, end=end, prompt_tokens=prompt, output_tokens=output,
+        index=0,
+        tenant=tenant,
+        tier=tier,
+        scheduled=scheduled,
+        outcome=outcome,
+        first_token=first,
+        end=end,
+        prompt_tokens=prompt,
+        output_tokens=output,
         token_times=token_times if token_times is not None else ([] if first is None else [first]),
     )
 
@@ -135,8 +142,15 @@ def _stream(tenant: str, start: float, stop: float, per_s: int, prompt: int) -> 
     """One long request outstanding from start to stop, producing per_s tokens per second."""
     n = int((stop - start) * per_s)
     times = [start + (i + 0.5) / per_s for i in range(n)]
-    return rec(tenant, scheduled=start, first=times[0], end=stop, prompt=prompt, output=n,
-               token_times=times)
+    return rec(
+        tenant,
+        scheduled=start,
+        first=times[0],
+        end=stop,
+        prompt=prompt,
+        output=n,
+        token_times=times,
+    )
 
 
 def test_fairness_equal_service_is_one() -> None:
@@ -149,17 +163,22 @@ def test_fairness_equal_service_is_one() -> None:
 
 def test_fairness_fcfs_share_by_demand() -> None:
     # Service 4:1:1:1 while all four are backlogged: Jain = 49/76.
-    records = [_stream("heavy", 0, 10, 40, 0)] + [
-        _stream(t, 0, 10, 10, 0) for t in ("a", "b", "c")
-    ]
+    records = [_stream("heavy", 0, 10, 40, 0)] + [_stream(t, 0, 10, 10, 0) for t in ("a", "b", "c")]
     f = backlogged_fairness(records)
     assert f.index == pytest.approx(49 / 76)
 
 
 def test_fairness_counts_input_tokens_once_and_output_twice() -> None:
     a = rec("a", scheduled=0, first=0.5, end=2.0, prompt=100, output=0, token_times=[])
-    b = rec("b", scheduled=0, first=0.5, end=2.0, prompt=0, output=50,
-            token_times=[0.5 + 0.01 * i for i in range(10)])
+    b = rec(
+        "b",
+        scheduled=0,
+        first=0.5,
+        end=2.0,
+        prompt=0,
+        output=50,
+        token_times=[0.5 + 0.01 * i for i in range(10)],
+    )
     f = backlogged_fairness([a, b], bin_s=1.0)
     assert f.rates["a"] == pytest.approx(f.rates["b"])  # 100 input == 50 output x 2
     assert f.index == pytest.approx(1.0)
@@ -221,13 +240,29 @@ def test_report_latency_fairness_per_group_of_peers() -> None:
     assert group["p50_ratio"] == 2.0
     assert group["p99_ratio"] == pytest.approx(4.0 / 2.98, abs=1e-3)
     assert latency_fairness(by_tenant, {}) == {}
-    text = render_run({"label": "proxy", "base_url": "u", "window_s": 1.0, "tiers": {},
-                       "total": _empty_group(), "tenants": {}, "fairness": {},
-                       "latency_fairness": report})
+    text = render_run(
+        {
+            "label": "proxy",
+            "base_url": "u",
+            "window_s": 1.0,
+            "tiers": {},
+            "total": _empty_group(),
+            "tenants": {},
+            "fairness": {},
+            "latency_fairness": report,
+        }
+    )
     assert "latency fairness (light-a, light-b): TTFT p50 2.00 / 4.00 s (max/min 2.00)" in text
 
 
 def _empty_group() -> dict[str, object]:
     outcomes = {o.value: 0 for o in Outcome}
-    return {"requests": 0, "outcomes": outcomes, "ttft_s": None, "itl_s": None, "e2e_s": None,
-            "throughput_rps": 0.0, "output_tokens_per_s": 0.0}
+    return {
+        "requests": 0,
+        "outcomes": outcomes,
+        "ttft_s": None,
+        "itl_s": None,
+        "e2e_s": None,
+        "throughput_rps": 0.0,
+        "output_tokens_per_s": 0.0,
+    }

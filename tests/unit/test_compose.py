@@ -65,8 +65,9 @@ def test_compose_structure_matches_the_code(monkeypatch: pytest.MonkeyPatch) -> 
     assert loaded.config.listen.host == "0.0.0.0"
 
     prom = yaml.safe_load((REPO / "configs/prometheus.yml").read_text())
-    targets = {t for job in prom["scrape_configs"] for sc in job["static_configs"]
-               for t in sc["targets"]}
+    targets = {
+        t for job in prom["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]
+    }
     assert targets == {"proxy:8000", "vllm-0:8000", "vllm-1:8000"}
 
 
@@ -88,6 +89,8 @@ def test_docker_compose_config_accepts_the_file(tmp_path: Path) -> None:
     shutil.copy(REPO / "configs/tierproxy.env.example", tmp_path / ".env")
     result = subprocess.run(
         ["docker", "compose", "--project-directory", str(tmp_path), "config", "--quiet"],
-        capture_output=True, text=True, check=False,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert result.returncode == 0, result.stderr

@@ -88,26 +88,47 @@ def test_example_config_is_valid() -> None:
 
 def test_cli_check_and_hash_key(tmp_path: Path) -> None:
     exe = [sys.executable, "-m", "proxy.cli"]
-    ok = subprocess.run([*exe, "check", "-c", str(REPO / "configs/example.yaml")],
-                        capture_output=True, text=True, check=False)
+    ok = subprocess.run(
+        [*exe, "check", "-c", str(REPO / "configs/example.yaml")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert ok.returncode == 0 and "tier high: priority 0" in ok.stdout
     broken = tmp_path / "broken.yaml"
     broken.write_text(GOOD.replace("weight: 1,", "weight: 0,"))
-    bad = subprocess.run([*exe, "check", "-c", str(broken)], capture_output=True, text=True,
-                         check=False, env={"PATH": "/usr/bin"})
+    bad = subprocess.run(
+        [*exe, "check", "-c", str(broken)],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={"PATH": "/usr/bin"},
+    )
     assert bad.returncode == 1
     assert "tiers.low.weight (line 5)" in bad.stderr and "BATCH_KEY" in bad.stderr
-    hashed = subprocess.run([*exe, "hash-key"], input="chat-secret\n", capture_output=True,
-                            text=True, check=True)
+    hashed = subprocess.run(
+        [*exe, "hash-key"], input="chat-secret\n", capture_output=True, text=True, check=True
+    )
     assert hashed.stdout.strip() == hash_key("chat-secret")
 
 
 def test_policies_section_picks_implementations_and_checks_names() -> None:
-    cfg = parse_config(GOOD.replace("backends:", "policies: {tiers: strict_priority, order: fcfs}\nbackends:")
-                       .replace("{env: BATCH_KEY}", f'{{sha256: "{hash_key("b")}"}}')).config
-    assert (cfg.policies.tiers, cfg.policies.tenants, cfg.policies.order) == ("strict_priority", "vtc", "fcfs")
+    cfg = parse_config(
+        GOOD.replace(
+            "backends:", "policies: {tiers: strict_priority, order: fcfs}\nbackends:"
+        ).replace("{env: BATCH_KEY}", f'{{sha256: "{hash_key("b")}"}}')
+    ).config
+    assert (cfg.policies.tiers, cfg.policies.tenants, cfg.policies.order) == (
+        "strict_priority",
+        "vtc",
+        "fcfs",
+    )
     assert (cfg.policies.displacement, cfg.policies.backends) == ("largest_share", "least_utilised")
     with pytest.raises(ConfigError) as exc:
         parse_config(GOOD.replace("backends:", "policies: {tenants: wfq}\nbackends:"))
-    assert any(p.startswith("policies.tenants (line 14): Value error, unknown policy 'wfq'; choose one of: vtc, edf")
-               for p in exc.value.problems), exc.value.problems
+    assert any(
+        p.startswith(
+            "policies.tenants (line 14): Value error, unknown policy 'wfq'; choose one of: vtc, edf"
+        )
+        for p in exc.value.problems
+    ), exc.value.problems

@@ -17,14 +17,20 @@ from tests.clock import FakeClock
 
 
 def _dispatcher(slots: int, cap: int, clock: FakeClock) -> Dispatcher:
-    queue = AdmissionQueue({"low": TierLimits(1, cap, 5.0), "high": TierLimits(10, cap, 5.0)},
-                           default_queue_policies(aging_s=30, reference_tokens=8192))
-    pool = BackendPool([Backend(url="http://b:1", max_inflight=slots)], BackendHealth(), LeastUtilised())
+    queue = AdmissionQueue(
+        {"low": TierLimits(1, cap, 5.0), "high": TierLimits(10, cap, 5.0)},
+        default_queue_policies(aging_s=30, reference_tokens=8192),
+    )
+    pool = BackendPool(
+        [Backend(url="http://b:1", max_inflight=slots)], BackendHealth(), LeastUtilised()
+    )
     return Dispatcher(queue, pool, ProxyMetrics(), clock)
 
 
 def _req(tier: str, clock: FakeClock) -> QueuedRequest:
-    return QueuedRequest(tier=tier, tenant="t", prompt_tokens=5, expected_output=5, arrival_s=clock())
+    return QueuedRequest(
+        tier=tier, tenant="t", prompt_tokens=5, expected_output=5, arrival_s=clock()
+    )
 
 
 async def test_burst_uses_the_free_slot_before_counting_against_the_cap() -> None:

@@ -23,12 +23,19 @@ class SimResult:
     served: list[tuple[str, float]]  # (tenant, weighted tokens) in dispatch order
 
 
-def _simulate(rates: Mapping[str, float], seconds: float, slots: int = 4,
-              tokens_per_s: float = 400.0, seed: int = 7,
-              streams: Mapping[str, int] | None = None) -> SimResult:
+def _simulate(
+    rates: Mapping[str, float],
+    seconds: float,
+    slots: int = 4,
+    tokens_per_s: float = 400.0,
+    seed: int = 7,
+    streams: Mapping[str, int] | None = None,
+) -> SimResult:
     """``streams``: the random seed of each tenant's arrivals (default: from ``seed``)."""
-    q = AdmissionQueue({"normal": TierLimits(1.0, 10**6, 10**6)},
-                       default_queue_policies(aging_s=60, reference_tokens=8192))
+    q = AdmissionQueue(
+        {"normal": TierLimits(1.0, 10**6, 10**6)},
+        default_queue_policies(aging_s=60, reference_tokens=8192),
+    )
     arrivals: list[tuple[float, str]] = []
     for index, (tenant, rate) in enumerate(rates.items()):
         rng = random.Random(streams[tenant] if streams else seed * 1000 + index)
@@ -48,8 +55,12 @@ def _simulate(rates: Mapping[str, float], seconds: float, slots: int = 4,
             heapq.heappop(busy)
         else:
             tenant = arrivals[i][1]
-            q.push(QueuedRequest("normal", tenant, prompt_tokens=60, expected_output=40,
-                                 arrival_s=now), now)
+            q.push(
+                QueuedRequest(
+                    "normal", tenant, prompt_tokens=60, expected_output=40, arrival_s=now
+                ),
+                now,
+            )
             i += 1
         while len(busy) < slots and (req := q.pop()) is not None:
             result.waits[req.tenant].append(now - req.arrival_s)
@@ -65,7 +76,7 @@ def test_backlogged_tenants_get_equal_weighted_token_service_per_window() -> Non
     window = 100
     # Per window of 100 dispatches while both are sending:
     for start in range(0, 900, window):  # 16 req/s: the first ~56 s, while both send
-        chunk = served[start:start + window]
+        chunk = served[start : start + window]
         per = {"heavy": 0.0, "light": 0.0}
         for tenant, cost in chunk:
             per[tenant] += cost
@@ -95,8 +106,9 @@ def test_identical_tenants_wait_alike() -> None:
         for rotation in range(len(lights)):
             streams = {"heavy": seed * 100}
             streams |= {n: seed * 100 + 1 + (i + rotation) % 3 for i, n in enumerate(lights)}
-            result = _simulate({"heavy": 40.0, **dict.fromkeys(lights, 1.0)}, seconds=30,
-                               slots=1, streams=streams)
+            result = _simulate(
+                {"heavy": 40.0, **dict.fromkeys(lights, 1.0)}, seconds=30, slots=1, streams=streams
+            )
             for name in lights:
                 waits[name] += result.waits[name]
             heavy += result.waits["heavy"]

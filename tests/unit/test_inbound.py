@@ -13,7 +13,9 @@ from proxy.inbound import (
 )
 
 HIGH = Tier(priority=0, weight=10, max_queue=10, queue_timeout_s=10, request_timeout_s=60)
-LOW = Tier(priority=10, weight=1, max_queue=10, queue_timeout_s=10, request_timeout_s=60, max_tokens=100)
+LOW = Tier(
+    priority=10, weight=1, max_queue=10, queue_timeout_s=10, request_timeout_s=60, max_tokens=100
+)
 LIMITS = Limits(max_body_bytes=1000, max_tokens_ceiling=10_000)
 SCHED = Scheduling()
 
@@ -30,12 +32,21 @@ def _error(raw: bytes, endpoint: str = "chat", tier: Tier = HIGH) -> ProxyError:
 
 
 def test_client_cannot_raise_its_priority() -> None:
-    parsed = parse_body(_chat(priority=-1000, vllm_xargs={"tierproxy_priority": -5}), "chat", HIGH, LIMITS, SCHED)
+    parsed = parse_body(
+        _chat(priority=-1000, vllm_xargs={"tierproxy_priority": -5}), "chat", HIGH, LIMITS, SCHED
+    )
     assert "priority" not in parsed.body and "vllm_xargs" not in parsed.body
-    headers = CIMultiDictProxy(CIMultiDict({
-        "Authorization": "Bearer k", "X-Vllm-Priority": "-1000", "x-tierproxy-ticket": "forged",
-        "X-Request-Id": "mine", "User-Agent": "sdk",
-    }))
+    headers = CIMultiDictProxy(
+        CIMultiDict(
+            {
+                "Authorization": "Bearer k",
+                "X-Vllm-Priority": "-1000",
+                "x-tierproxy-ticket": "forged",
+                "X-Request-Id": "mine",
+                "User-Agent": "sdk",
+            }
+        )
+    )
     out = upstream_headers(headers)
     assert dict(out) == {"User-Agent": "sdk"}
 
@@ -55,7 +66,9 @@ def test_stream_asks_for_usage_and_remembers_whether_client_did() -> None:
     parsed = parse_body(_chat(stream=True), "chat", HIGH, LIMITS, SCHED)
     assert parsed.body["stream_options"] == {"include_usage": True}
     assert parsed.client_wants_usage is False
-    asked = parse_body(_chat(stream=True, stream_options={"include_usage": True}), "chat", HIGH, LIMITS, SCHED)
+    asked = parse_body(
+        _chat(stream=True, stream_options={"include_usage": True}), "chat", HIGH, LIMITS, SCHED
+    )
     assert asked.client_wants_usage is True
 
 
@@ -85,7 +98,12 @@ def test_bad_chat_input_is_a_clear_400(raw: bytes, param: str | None) -> None:
 
 
 def test_completions_prompt_shapes() -> None:
-    ok = [{"prompt": "hi"}, {"prompt": ["a", "b"]}, {"prompt": [1, 2, 3]}, {"prompt": [[1, 2], [3]]}]
+    ok = [
+        {"prompt": "hi"},
+        {"prompt": ["a", "b"]},
+        {"prompt": [1, 2, 3]},
+        {"prompt": [[1, 2], [3]]},
+    ]
     for body in ok:
         parse_body(orjson.dumps(body), "completions", HIGH, LIMITS, SCHED)
     for body in [{}, {"prompt": 5}, {"prompt": []}, {"prompt": ["a", 1]}]:

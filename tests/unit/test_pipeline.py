@@ -20,6 +20,7 @@ from proxy.config import hash_key, parse_config
 from proxy.engine import free_port
 from proxy.pipeline import RequestPipeline
 from proxy.policies.cost import weighted_tokens
+from proxy.policies.tenants import VirtualTokenCounter
 from tests.clock import FakeClock
 from tests.fakes import ScriptedBackend, serve_scripted
 from tests.proxyrun import SECRET, auth, make_config, until
@@ -60,6 +61,11 @@ class Rig:
     def metric(self, name: str, labels: dict[str, str] | None = None) -> float:
         value = self.state.metrics.registry.get_sample_value(name, labels or {})
         return value or 0.0
+
+    def vtc_counter(self, tenant: str) -> float:
+        fairness = self.state.queue.fairness
+        assert isinstance(fairness, VirtualTokenCounter)
+        return fairness.counter(tenant)
 
     def reload(self, config: dict[str, Any]) -> None:
         self.state.apply(parse_config(yaml.safe_dump(config), "reloaded"))
@@ -403,7 +409,7 @@ async def test_fairness_counter_ends_at_the_real_usage(clock: FakeClock, stream:
             if stream:  # the proxy asked for the usage chunk; the client did not get it
                 assert b'"usage"' not in await resp.read()
             real = weighted_tokens(7, 3) / 2  # weighted tokens over the tenant's weight
-            estimate = r.state.queue.fairness.counter("tenant-normal")
+            estimate = r.vtc_counter("tenant-normal")
             assert estimate == pytest.approx(real)
             assert real < weighted_tokens(1, 100) / 2  # the estimate was far above it
             for kind, count in (("prompt", 7), ("completion", 3)):
@@ -416,7 +422,7 @@ async def test_an_answer_without_usage_gives_the_estimate_back(clock: FakeClock)
     async with serve_scripted(backend) as url, rig(make_config([{"url": url}]), clock) as r:
         resp = await r.chat()
         assert resp.status == 400  # the backend's own answer, passed on
-        assert r.state.queue.fairness.counter("tenant-normal") == 0.0
+        assert r.vtc_counter("tenant-normal") == 0.0
         outcome = {"tier": "normal", "outcome": "client_error"}
         assert r.metric("tierproxy_requests_total", outcome) == 1
 
@@ -445,6 +451,7 @@ async def test_the_configured_chooser_steers_by_the_prompt_prefix(
             first.gate.set()
             assert (await held).status == 200
             assert (await r.chat(messages=prompt_b)).status == 200
+
     def served_b(backend: ScriptedBackend) -> int:
         return sum(body["messages"] == prompt_b for body in backend.received)
 

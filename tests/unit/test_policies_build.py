@@ -25,8 +25,8 @@ BASE = f"""
 tiers:
   normal: {{priority: 0, weight: 1, max_queue: 100, queue_timeout_s: 60, request_timeout_s: 60}}
 tenants:
-  - {{name: a, tier: normal, keys: [{{sha256: "{hash_key('key-a')}"}}]}}
-  - {{name: b, tier: normal, keys: [{{sha256: "{hash_key('key-b')}"}}]}}
+  - {{name: a, tier: normal, keys: [{{sha256: "{hash_key("key-a")}"}}]}}
+  - {{name: b, tier: normal, keys: [{{sha256: "{hash_key("key-b")}"}}]}}
 backends:
   - {{url: "http://127.0.0.1:9", max_inflight: 1}}
 """
@@ -46,7 +46,9 @@ def test_defaults_are_todays_policies() -> None:
     assert isinstance(sched.pool.chooser, LeastUtilised)
 
 
-@pytest.mark.parametrize(("seam", "name"), [(s, n) for s, names in registry.CHOICES.items() for n in names])
+@pytest.mark.parametrize(
+    ("seam", "name"), [(s, n) for s, names in registry.CHOICES.items() for n in names]
+)
 def test_every_registered_name_is_chosen_from_yaml(seam: str, name: str) -> None:
     config = _config(f"{seam}: {name}").config
     sched = build_scheduling(config, ProxyMetrics(), FakeClock())

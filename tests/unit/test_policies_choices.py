@@ -30,8 +30,10 @@ def _drain(q: AdmissionQueue) -> list[QueuedRequest]:
 
 
 def test_strict_priority_serves_the_best_tier_while_it_has_work() -> None:
-    tiers = {"high": TierLimits(weight=1, max_queue=100, queue_timeout_s=60, priority=0),
-             "low": TierLimits(weight=100, max_queue=100, queue_timeout_s=60, priority=10)}
+    tiers = {
+        "high": TierLimits(weight=1, max_queue=100, queue_timeout_s=60, priority=0),
+        "low": TierLimits(weight=100, max_queue=100, queue_timeout_s=60, priority=10),
+    }
     q = AdmissionQueue(tiers, replace(default_queue_policies(), tiers=StrictPriorityTierSelector()))
     for i in range(5):
         q.push(_req("low", "t", float(i)), float(i))
@@ -59,8 +61,9 @@ def test_fcfs_keeps_arrival_order_inside_a_tenant() -> None:
 
 def test_edf_serves_the_tier_by_deadline_not_by_tenant_share() -> None:
     tiers = {"n": TierLimits(weight=1, max_queue=100, queue_timeout_s=60)}
-    edf = AdmissionQueue(tiers, replace(default_queue_policies(), tenants=EarliestDeadlineFirst(),
-                                        order=Fcfs()))
+    edf = AdmissionQueue(
+        tiers, replace(default_queue_policies(), tenants=EarliestDeadlineFirst(), order=Fcfs())
+    )
     vtc = AdmissionQueue(tiers, default_queue_policies())
     for q in (edf, vtc):
         for i in range(3):
@@ -91,7 +94,10 @@ def test_tail_drop_refuses_the_newcomer_whoever_fills_the_tier() -> None:
 
 
 def _pool(chooser: PrefixAffinity | LeastUtilised) -> BackendPool:
-    backends = [Backend(url="http://a:1", max_inflight=4), Backend(url="http://b:1", max_inflight=4)]
+    backends = [
+        Backend(url="http://a:1", max_inflight=4),
+        Backend(url="http://b:1", max_inflight=4),
+    ]
     return BackendPool(backends, BackendHealth(), chooser)
 
 

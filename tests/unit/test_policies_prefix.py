@@ -13,7 +13,10 @@ def _h(body: dict[str, Any], tokens: int = 8) -> int | None:
 
 def _chat(*contents: Any) -> dict[str, Any]:
     roles = ["system"] + ["user"] * (len(contents) - 1)
-    return {"model": "m", "messages": [{"role": r, "content": c} for r, c in zip(roles, contents, strict=True)]}
+    return {
+        "model": "m",
+        "messages": [{"role": r, "content": c} for r, c in zip(roles, contents, strict=True)],
+    }
 
 
 def test_chat_prefix_ignores_what_comes_after_the_first_tokens() -> None:
@@ -25,7 +28,10 @@ def test_chat_prefix_ignores_what_comes_after_the_first_tokens() -> None:
 
 
 def test_multipart_content_hashes_its_text() -> None:
-    parts = [{"type": "text", "text": "hello there"}, {"type": "image_url", "image_url": {"url": "x"}}]
+    parts = [
+        {"type": "text", "text": "hello there"},
+        {"type": "image_url", "image_url": {"url": "x"}},
+    ]
     assert _h(_chat(parts)) == _h(_chat("hello there"))
 
 

@@ -123,7 +123,9 @@ class LinearQueue:
         return (self.counter.get(tenant, 0.0), oldest, tenant)
 
     def expire(self, now: float) -> list[Ref]:
-        due = sorted((r for r in self.queued if r.deadline <= now), key=lambda q: (q.deadline, q.seq))
+        due = sorted(
+            (r for r in self.queued if r.deadline <= now), key=lambda q: (q.deadline, q.seq)
+        )
         for r in due:
             self.forget(r)
         return due
@@ -136,9 +138,13 @@ def _serving(model: str) -> Callable[[QueuedRequest], bool]:
 Op = tuple[str, int, int, int, bool]
 ops = st.lists(
     st.tuples(
-        st.sampled_from(["push", "push", "push", "pop", "pop", "remove", "expire", "correct",
-                         "forget"]),
-        st.integers(0, 7), st.integers(0, 3), st.integers(0, 600), st.booleans(),
+        st.sampled_from(
+            ["push", "push", "push", "pop", "pop", "remove", "expire", "correct", "forget"]
+        ),
+        st.integers(0, 7),
+        st.integers(0, 3),
+        st.integers(0, 600),
+        st.booleans(),
     ),
     max_size=120,
 )
@@ -148,7 +154,12 @@ ops = st.lists(
 @given(ops)
 def test_queue_picks_what_a_linear_scan_picks(sequence: list[Op]) -> None:
     vtc = VirtualTokenCounter()
-    queue = AdmissionQueue(TIERS, replace(default_queue_policies(aging_s=AGING_S, reference_tokens=REFERENCE_TOKENS), tenants=vtc))
+    queue = AdmissionQueue(
+        TIERS,
+        replace(
+            default_queue_policies(aging_s=AGING_S, reference_tokens=REFERENCE_TOKENS), tenants=vtc
+        ),
+    )
     ref = LinearQueue()
     pairs: dict[int, Ref] = {}  # seq -> reference twin
     live: list[QueuedRequest] = []
@@ -159,24 +170,44 @@ def test_queue_picks_what_a_linear_scan_picks(sequence: list[Op]) -> None:
         if kind == "push":
             tier = "gold" if a % 2 else "iron"
             tenant = "abcd"[b]
-            req = QueuedRequest(tier, tenant, size, size // 3 + 1, now, model=f"m{a % 2}",
-                                tenant_weight=TENANT_WEIGHTS[tenant])
+            req = QueuedRequest(
+                tier,
+                tenant,
+                size,
+                size // 3 + 1,
+                now,
+                model=f"m{a % 2}",
+                tenant_weight=TENANT_WEIGHTS[tenant],
+            )
             try:
                 displaced = queue.push(req, now, force=flag and a < 2)
             except QueueFull:
                 ref_full = False
                 try:
-                    ref.push(Ref(tier, tenant, req.cost, req.tenant_weight, now, "", -1, 0.0, 0.0), flag and a < 2)
+                    ref.push(
+                        Ref(tier, tenant, req.cost, req.tenant_weight, now, "", -1, 0.0, 0.0),
+                        flag and a < 2,
+                    )
                 except QueueFull:
                     ref_full = True
                 assert ref_full
                 continue
-            twin = Ref(tier, tenant, req.cost, req.tenant_weight, now, req.model or "", req.seq,
-                       short_first_key(req.cost, now, reference_tokens=REFERENCE_TOKENS, aging_s=AGING_S),
-                       req.deadline_s)
+            twin = Ref(
+                tier,
+                tenant,
+                req.cost,
+                req.tenant_weight,
+                now,
+                req.model or "",
+                req.seq,
+                short_first_key(req.cost, now, reference_tokens=REFERENCE_TOKENS, aging_s=AGING_S),
+                req.deadline_s,
+            )
             pairs[req.seq] = twin
             ref_displaced = ref.push(twin, flag and a < 2)
-            assert (displaced.seq if displaced else None) == (ref_displaced.seq if ref_displaced else None)
+            assert (displaced.seq if displaced else None) == (
+                ref_displaced.seq if ref_displaced else None
+            )
             live.append(req)
         elif kind == "pop":
             model = None if flag else f"m{a % 2}"
@@ -194,7 +225,9 @@ def test_queue_picks_what_a_linear_scan_picks(sequence: list[Op]) -> None:
         elif kind == "correct" and done:
             req = done[a % len(done)]
             queue.correct_charge(req, float(size))
-            ref.counter[req.tenant] = ref.counter.get(req.tenant, 0.0) + (size - req.cost) / req.tenant_weight
+            ref.counter[req.tenant] = (
+                ref.counter.get(req.tenant, 0.0) + (size - req.cost) / req.tenant_weight
+            )
         elif kind == "forget":  # a reload dropped a tenant: its history goes
             gone = "abcd"[b]
             vtc.forget(t for t in TENANT_WEIGHTS if t != gone)

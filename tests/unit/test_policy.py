@@ -13,12 +13,18 @@ DEFAULT_WEIGHTS = {"high": 10.0, "normal": 5.0, "low": 1.0}
 
 
 def _queue(weights: dict[str, float] = DEFAULT_WEIGHTS, aging_s: float = 30.0) -> AdmissionQueue:
-    tiers = {t: TierLimits(weight=w, max_queue=100_000, queue_timeout_s=1e9) for t, w in weights.items()}
+    tiers = {
+        t: TierLimits(weight=w, max_queue=100_000, queue_timeout_s=1e9) for t, w in weights.items()
+    }
     return AdmissionQueue(tiers, default_queue_policies(aging_s=aging_s, reference_tokens=8192))
 
 
-def _req(tier: str, tenant: str = "t", arrival: float = 0.0, prompt: int = 10, out: int = 10) -> QueuedRequest:
-    return QueuedRequest(tier=tier, tenant=tenant, prompt_tokens=prompt, expected_output=out, arrival_s=arrival)
+def _req(
+    tier: str, tenant: str = "t", arrival: float = 0.0, prompt: int = 10, out: int = 10
+) -> QueuedRequest:
+    return QueuedRequest(
+        tier=tier, tenant=tenant, prompt_tokens=prompt, expected_output=out, arrival_s=arrival
+    )
 
 
 def test_weights_honoured_over_10000_dequeues() -> None:
@@ -110,7 +116,9 @@ def test_vtc_shares_weighted_tokens_between_heavy_and_light_tenant() -> None:
 
 def test_vtc_returning_tenant_starts_at_backlogged_minimum() -> None:
     vtc = VirtualTokenCounter()
-    q = AdmissionQueue({"n": TierLimits(1.0, 100, 1e9)}, replace(default_queue_policies(), tenants=vtc))
+    q = AdmissionQueue(
+        {"n": TierLimits(1.0, 100, 1e9)}, replace(default_queue_policies(), tenants=vtc)
+    )
     q.push(_req("n", "busy", arrival=0.0), now=0.0)
     vtc.charge("busy", 10_000)
     q.push(_req("n", "back", arrival=1.0), now=1.0)
@@ -132,12 +140,16 @@ def test_vtc_respects_tenant_weight() -> None:
 
 def test_tier_selector_rejects_bad_weights() -> None:
     with pytest.raises(ValueError):
-        StrideTierSelector().set_tiers({"x": TierLimits(weight=0.0, max_queue=1, queue_timeout_s=1)})
+        StrideTierSelector().set_tiers(
+            {"x": TierLimits(weight=0.0, max_queue=1, queue_timeout_s=1)}
+        )
 
 
 def test_correct_charge_replaces_estimate() -> None:
     vtc = VirtualTokenCounter()
-    q = AdmissionQueue({"n": TierLimits(1.0, 100, 1e9)}, replace(default_queue_policies(), tenants=vtc))
+    q = AdmissionQueue(
+        {"n": TierLimits(1.0, 100, 1e9)}, replace(default_queue_policies(), tenants=vtc)
+    )
     r = _req("n", "a", prompt=100, out=100)  # estimate 300 weighted tokens
     q.push(r, now=0.0)
     assert q.pop() is r

@@ -65,8 +65,11 @@ def test_stop_ends_the_whole_group_even_a_child_that_ignores_sigterm(tmp_path: P
 
 def test_wait_until_reports_an_early_exit_with_the_log_tail(tmp_path: Path) -> None:
     log = tmp_path / "early.log"
-    proc = ManagedProcess([sys.executable, "-c", "print('bad flag'); raise SystemExit(3)"],
-                          log_path=log, name="the thing").start()
+    proc = ManagedProcess(
+        [sys.executable, "-c", "print('bad flag'); raise SystemExit(3)"],
+        log_path=log,
+        name="the thing",
+    ).start()
     with pytest.raises(RuntimeError, match="the thing exited before ready") as exc:
         proc.wait_until(lambda: False, timeout_s=30.0, what="ready", poll_s=0.01)
     assert "bad flag" in str(exc.value) and "bad flag" in tail(log)
@@ -77,8 +80,9 @@ def test_wait_until_times_out_and_cpus_confine_the_child(tmp_path: Path) -> None
     core = min(os.sched_getaffinity(0))
     script = "import os, time; print(sorted(os.sched_getaffinity(0)), flush=True); time.sleep(60)"
     log = tmp_path / "cpus.log"
-    with ManagedProcess([sys.executable, "-c", script], log_path=log,
-                        cpus=frozenset({core})) as proc:
+    with ManagedProcess(
+        [sys.executable, "-c", script], log_path=log, cpus=frozenset({core})
+    ) as proc:
         proc.start()
         with pytest.raises(TimeoutError):
             proc.wait_until(lambda: False, timeout_s=0.05, what="never", poll_s=0.01)

@@ -34,7 +34,8 @@ def test_a_metric_whose_name_extends_a_wanted_one_is_not_it() -> None:
 
 def test_labels_values_and_sums() -> None:
     assert prometheus.sum_by(VLLM_TEXT, "vllm:request_success_total", "finished_reason") == {
-        "length": 5.0, "abort": 2.0,
+        "length": 5.0,
+        "abort": 2.0,
     }
     assert prometheus.sum_by(VLLM_TEXT, prometheus.VLLM_RUNNING, "missing") == {"": 4.0}
     assert prometheus.total(VLLM_TEXT, "vllm:absent") == 0.0
@@ -42,14 +43,16 @@ def test_labels_values_and_sums() -> None:
 
 
 def test_odd_lines_timestamps_escapes_and_labelless_samples() -> None:
-    text = "\n".join([
-        'x{path="/a b}",note="say \\"hi\\"\\n"} 2.5 1700000000000',  # spaces, braces, escapes
-        "x 1e3",  # no labels
-        "x{broken 1",  # unreadable: skipped
-        "x{a=\"1\"} NaNish",  # unreadable value: skipped
-        "xy 7",  # another metric
-        "",
-    ])
+    text = "\n".join(
+        [
+            'x{path="/a b}",note="say \\"hi\\"\\n"} 2.5 1700000000000',  # spaces, braces, escapes
+            "x 1e3",  # no labels
+            "x{broken 1",  # unreadable: skipped
+            'x{a="1"} NaNish',  # unreadable value: skipped
+            "xy 7",  # another metric
+            "",
+        ]
+    )
     assert list(prometheus.of(text, "x")) == [
         Sample("x", {"path": "/a b}", "note": 'say "hi"\n'}, 2.5),
         Sample("x", {}, 1000.0),

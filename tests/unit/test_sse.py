@@ -22,24 +22,29 @@ async def _events(*lines: bytes) -> list[bytes]:
 
 async def test_events_end_at_the_blank_line() -> None:
     assert await _events(b"data: 1\n", b"\n", b"event: x\n", b"data: 2\n", b"\r\n") == [
-        b"data: 1\n\n", b"event: x\ndata: 2\n\r\n",
+        b"data: 1\n\n",
+        b"event: x\ndata: 2\n\r\n",
     ]
 
 
 async def test_a_cut_event_is_completed_and_trailing_blanks_are_not_events() -> None:
-    assert await _events(b"data: 1\n", b"\n", b"data: {\"x\"") == [
-        b"data: 1\n\n", b"data: {\"x\"\n",
+    assert await _events(b"data: 1\n", b"\n", b'data: {"x"') == [
+        b"data: 1\n\n",
+        b'data: {"x"\n',
     ]
     assert await _events(b"data: 1\n", b"\n", b"\n") == [b"data: 1\n\n", b"\n"]
     assert await _events() == []
 
 
-@pytest.mark.parametrize(("event", "data"), [
-    (b"data: {\"a\": 1}\n\n", b"{\"a\": 1}"),
-    (b"data:[DONE]\n\n", sse.DONE),
-    (b"event: e\ndata: one\ndata:  two\n\n", b"one\n two"),  # one leading space is dropped
-    (b": keep-alive\n\n", None),
-])
+@pytest.mark.parametrize(
+    ("event", "data"),
+    [
+        (b'data: {"a": 1}\n\n', b'{"a": 1}'),
+        (b"data:[DONE]\n\n", sse.DONE),
+        (b"event: e\ndata: one\ndata:  two\n\n", b"one\n two"),  # one leading space is dropped
+        (b": keep-alive\n\n", None),
+    ],
+)
 def test_event_data(event: bytes, data: bytes | None) -> None:
     assert sse.event_data(event) == data
 

@@ -11,8 +11,15 @@ from proxy import ticket
 from proxy.ticket import Ticket, TicketError, decode_ticket, encode_ticket
 
 SECRET = b"shared-secret"
-T = Ticket(tier="high", priority=0, tenant="chat-app", deadline=1.8e9, prefill_share=1.0,
-           budget=256, request_id="abc")
+T = Ticket(
+    tier="high",
+    priority=0,
+    tenant="chat-app",
+    deadline=1.8e9,
+    prefill_share=1.0,
+    budget=256,
+    request_id="abc",
+)
 
 
 def test_round_trip() -> None:
@@ -72,7 +79,11 @@ def test_plugin_flags_load_both_classes_with_priority_scheduling() -> None:
 
 def test_the_contract_module_imports_neither_aiohttp_nor_vllm() -> None:
     tree = ast.parse(Path(ticket.__file__).read_text())
-    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
-                for alias in node.names}
+    imported = {
+        alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+    }
     imported |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert {name.split(".")[0] for name in imported}.isdisjoint({"aiohttp", "vllm", "proxy"})

@@ -50,10 +50,7 @@ async def measure(url: str, repeats: int) -> Figures:
         pre = await preempt_scenario(url, key)
         fig.ttft_ms.append(pre.high.server_ttft * 1000)
         fig.lows_complete.append(
-            all(
-                r.finish_reason == "length" and r.completion_tokens == LOW_TOKENS
-                for r in pre.lows
-            )
+            all(r.finish_reason == "length" and r.completion_tokens == LOW_TOKENS for r in pre.lows)
         )
         fig.preemptions.append(pre.preemptions)
         itl = await itl_scenario(url, key)

@@ -52,7 +52,6 @@ def histogram_quantile(
     return float("inf"), total
 
 
-
 async def wait_gauges(
     session: aiohttp.ClientSession,
     url: str,
@@ -83,7 +82,6 @@ async def wait_gauges(
         # next socket event came, i.e. when the long low-tier answers arrived.
         await asyncio.sleep(0)
     return False
-
 
 
 async def settle(session: aiohttp.ClientSession, url: str, timeout_s: float = 60.0) -> None:

@@ -214,7 +214,6 @@ async def complete(
         return Completion(status=resp.status, body=payload, done_at=time.perf_counter())
 
 
-
 def new_session() -> aiohttp.ClientSession:
     """One connection per request: a pooled keep-alive connection that uvicorn closes (its 5 s
     idle timeout, easily reached by a starved server) as a request goes out on it would fail

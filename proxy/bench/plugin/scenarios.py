@@ -77,7 +77,6 @@ def _brief(result: object) -> str:
     return repr(result)
 
 
-
 class NotEstablished(Exception):
     """A scenario's precondition did not hold (the machine delayed this client): run it again."""
 
@@ -293,7 +292,6 @@ class ItlOutcome:
     samples: int
     longs: list[Completion]
     highs_outlived_window: bool  # the high-tier requests decoded through the whole window
-
 
 
 async def itl_scenario(
