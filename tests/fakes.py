@@ -49,8 +49,12 @@ def _dies_mid_stream_app(events_before_death: int) -> web.Application:
 
 
 @contextlib.asynccontextmanager
-async def serve_app(app: web.Application) -> AsyncIterator[str]:
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
+async def serve_app(
+    app: web.Application, *, handler_cancellation: bool = False
+) -> AsyncIterator[str]:
+    runner = web.AppRunner(
+        app, access_log=None, shutdown_timeout=0.1, handler_cancellation=handler_cancellation
+    )
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
@@ -143,13 +147,5 @@ class ScriptedBackend:
 @contextlib.asynccontextmanager
 async def serve_scripted(backend: ScriptedBackend) -> AsyncIterator[str]:
     """Serve ``backend`` on a free port, cancelling a handler when its caller hangs up."""
-    runner = web.AppRunner(
-        backend.app(), access_log=None, shutdown_timeout=0.1, handler_cancellation=True
-    )
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    async with serve_app(backend.app(), handler_cancellation=True) as url:
+        yield url

@@ -18,7 +18,6 @@ from aiohttp.test_utils import TestClient, TestServer
 from proxy.app import ProxyState
 from proxy.config import hash_key, parse_config
 from proxy.engine import free_port
-from proxy.pipeline import RequestPipeline
 from proxy.policies.cost import weighted_tokens
 from proxy.policies.tenants import VirtualTokenCounter
 from tests.clock import FakeClock
@@ -84,18 +83,11 @@ async def rig(config: dict[str, Any], clock: FakeClock) -> AsyncIterator[Rig]:
     state = ProxyState(parse_config(yaml.safe_dump(config), "test"), SECRET, clock)
     sleep = ClockSleep(clock)
     async with aiohttp.ClientSession() as session:
-        pipeline = RequestPipeline(
-            config=lambda: state.loaded,
-            secret=SECRET,
-            clock=clock,
-            limits=state.limits,
-            queue=state.queue,
-            dispatcher=state.dispatcher,
-            pool=state.pool,
-            metrics=state.metrics,
-            session=lambda: session,
-            sleep=sleep,
-        )
+        # The pipeline as the app wires it; only its upstream session and its sleep are the
+        # test's (the app's lifecycle, which makes the session, does not run here).
+        state.session = session
+        pipeline = state.pipeline
+        pipeline.sleep = sleep
         app = web.Application()
         app.router.add_post("/v1/chat/completions", pipeline.chat)
         state.dispatcher.start()
