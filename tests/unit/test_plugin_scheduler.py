@@ -38,11 +38,13 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from proxy.ticket import XARG_DEADLINE, XARG_PREFILL_SHARE, XARG_TRUSTED  # noqa: E402
 from proxy.vllm_plugin.scheduler import AsyncTierScheduler, TierScheduler  # noqa: E402
 from proxy.vllm_plugin.settings import SchedulerSettings  # noqa: E402
+from tests.clock import FakeClock  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 BLOCK = 16
 HIGH, LOW = 0, 10
 TOKEN = 7
+EPOCH = 1_000_000.0  # the plugin's deadlines are epoch seconds
 
 init_none_hash(sha256)
 _HASHER = get_request_block_hasher(BLOCK, sha256)
@@ -55,14 +57,6 @@ def model_dir() -> Path:
     return make_tiny_model(REPO / ".tierproxy" / "tiny-model")  # idempotent, config only read
 
 
-class Clock:
-    def __init__(self, now: float = 1_000_000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def make_scheduler(
     model_dir: Path,
     cls: type[Scheduler] = TierScheduler,
@@ -70,7 +64,7 @@ def make_scheduler(
     max_num_seqs: int = 4,
     budget: int = 512,
     num_blocks: int = 1000,
-    clock: Clock | None = None,
+    clock: FakeClock | None = None,
     max_preemptions: int = 2,
     policy: str = "priority",
 ) -> Scheduler:
@@ -110,7 +104,7 @@ def make_scheduler(
         "log_stats": True,
     }
     if issubclass(cls, TierScheduler):
-        kwargs["clock"] = clock or Clock()
+        kwargs["clock"] = clock or FakeClock(EPOCH)
         kwargs["plugin_settings"] = SchedulerSettings(
             max_preemptions=max_preemptions, stats_interval_s=0.0
         )
@@ -339,7 +333,7 @@ def test_no_cap_without_better_tier_decoding(model_dir: Path) -> None:
 
 
 def test_waiting_request_past_deadline_never_runs(model_dir: Path) -> None:
-    clock = Clock()
+    clock = FakeClock(EPOCH)
     run = Run(make_scheduler(model_dir, clock=clock))
     fill_with_low(run)
     late = make_request(32, 5, HIGH + 1, deadline=clock.now + 5)
@@ -359,7 +353,7 @@ def test_waiting_request_past_deadline_never_runs(model_dir: Path) -> None:
 
 
 def test_running_request_past_deadline_is_stopped_and_freed(model_dir: Path) -> None:
-    clock = Clock()
+    clock = FakeClock(EPOCH)
     run = Run(make_scheduler(model_dir, clock=clock))
     req = make_request(64, 500, LOW, deadline=clock.now + 5)
     run.s.add_request(req)
@@ -376,7 +370,7 @@ def test_running_request_past_deadline_is_stopped_and_freed(model_dir: Path) -> 
 
 
 def test_requests_without_deadline_are_untouched(model_dir: Path) -> None:
-    clock = Clock()
+    clock = FakeClock(EPOCH)
     run = Run(make_scheduler(model_dir, clock=clock))
     req = make_request(16, 3, LOW)
     run.s.add_request(req)
