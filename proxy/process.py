@@ -24,7 +24,25 @@ from types import TracebackType
 from typing import IO, Self
 
 
-class ManagedProcess:
+class StopOnExit:
+    """``with thing:`` stops it on the way out, whatever happened inside."""
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+class ManagedProcess(StopOnExit):
     """``command`` run with ``env`` (None: ours), output to ``log_path`` (None: ours), on
     ``cpus`` (None: any core)."""
 
@@ -117,17 +135,6 @@ class ManagedProcess:
         if self._log is not None:
             self._log.close()
             self._log = None
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
 
 def _load_prctl() -> Callable[[int, int], int] | None:

@@ -10,17 +10,16 @@ import os
 import secrets
 import sys
 from pathlib import Path
-from types import TracebackType
 from typing import Self
 
 from proxy.bench.proxy_config import proxy_config, write_proxy_config
 from proxy.bench.scenario import Scenario
 from proxy.engine import EngineProcess, EngineSpec, engine_cores, ensure_model
-from proxy.process import ManagedProcess, free_port, http_ok
+from proxy.process import ManagedProcess, StopOnExit, free_port, http_ok
 from proxy.ticket import DEFAULT_SECRET_ENV
 
 
-class LocalStack:
+class LocalStack(StopOnExit):
     def __init__(
         self,
         scenario: Scenario,
@@ -96,17 +95,6 @@ class LocalStack:
         if self.engine is not None:
             self.engine.stop()
             self.engine = None
-
-    def __enter__(self) -> LocalStack:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
 
 class ProxyProcess(ManagedProcess):
