@@ -22,6 +22,7 @@ from proxy.monitor import BackendMonitor
 from proxy.pipeline import RequestPipeline
 from proxy.policies.build import build_scheduling
 from proxy.reload import ConfigWatcher
+from proxy.runtime import tune_gc
 from proxy.ticket import secret_from_env
 
 log = logging.getLogger("tierproxy")
@@ -150,6 +151,7 @@ def serve(config_path: str, *, host: str | None = None, port: int | None = None)
     loaded = load_config(config_path)
     app = create_app(loaded, watch_config=True)
     listen = loaded.config.listen
+    tune_gc()
     web.run_app(
         app,
         host=host or listen.host,

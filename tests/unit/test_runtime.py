@@ -1,0 +1,26 @@
+"""The serving process's GC settings."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+
+import pytest
+
+from proxy.runtime import FULL_COLLECTION_EVERY, tune_gc
+
+
+@pytest.fixture
+def restored_gc() -> Iterator[None]:
+    threshold = gc.get_threshold()
+    yield
+    gc.unfreeze()
+    gc.set_threshold(*threshold)
+
+
+@pytest.mark.usefixtures("restored_gc")
+def test_tune_gc_freezes_start_up_and_makes_full_collections_rarer() -> None:
+    young, middle, _ = gc.get_threshold()
+    tune_gc()
+    assert gc.get_threshold() == (young, middle, FULL_COLLECTION_EVERY)
+    assert gc.get_freeze_count() > 0  # start-up's objects are out of every collection
