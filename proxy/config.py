@@ -44,6 +44,9 @@ class Limits(_Strict):
     max_body_bytes: int = Field(8 * 1024 * 1024, gt=0)
     # Hard ceiling for any max_tokens a client may ask for, whatever its tier.
     max_tokens_ceiling: int = Field(1_000_000, gt=0)
+    # Memory the proxy may hold for accepted requests not yet sent (their parsed bodies,
+    # estimated as 6x their bytes: proxy/budget.py); over it, new requests get 503 at once.
+    max_held_bytes: int | None = Field(1024 * 1024 * 1024, gt=0)
 
 
 class Scheduling(_Strict):

@@ -1,0 +1,49 @@
+"""The memory budget: bytes the proxy holds for requests it has accepted but not yet sent.
+
+A queued request keeps its parsed body until a backend takes it; without a bound, a flood of
+large bodies grows the heap until the process dies (93 queued 8 MB requests: 1.4 GiB RSS). Each
+request reserves an estimate of what it holds before it waits anywhere (tenant limit, queue);
+over the budget, it is refused at once with a Retry-After instead.
+"""
+
+from __future__ import annotations
+
+# Parsed JSON held per byte of body, an upper bound: measured with tracemalloc, an 8 MB string
+# prompt holds 1.0x its bytes, 20,000 short chat messages 2.8x, a 1M token-id prompt 5.2x.
+HELD_PER_BODY_BYTE = 6
+
+
+def held_estimate(body_bytes: int) -> int:
+    return body_bytes * HELD_PER_BODY_BYTE
+
+
+class Reservation:
+    """Bytes held for one request; released exactly once (idempotent)."""
+
+    __slots__ = ("_budget", "amount")
+
+    def __init__(self, budget: MemoryBudget, amount: int) -> None:
+        self._budget: MemoryBudget | None = budget
+        self.amount = amount
+
+    def release(self) -> None:
+        budget, self._budget = self._budget, None
+        if budget is not None:
+            budget.held -= self.amount
+
+
+class MemoryBudget:
+    """All reservations together stay within ``limit_bytes`` (None: unbounded). A request
+    larger than the whole budget still passes when nothing else is held, so that no valid
+    request is refused forever."""
+
+    def __init__(self, limit_bytes: int | None) -> None:
+        self.limit_bytes = limit_bytes
+        self.held = 0
+
+    def try_reserve(self, amount: int) -> Reservation | None:
+        limit = self.limit_bytes
+        if limit is not None and self.held > 0 and self.held + amount > limit:
+            return None
+        self.held += amount
+        return Reservation(self, amount)
