@@ -191,9 +191,15 @@ class RequestPipeline:
         tenant: Tenant,
         trace: Trace,
     ) -> Admitted:
-        raw = await read_body(request, config.limits.max_body_bytes)
+        # Everything a client can get wrong is refused here, before any queue or backend lease.
+        raw = await read_body(request, config.limits.max_body_bytes, config.input)
         parsed = parse_body(
-            raw, endpoint, config.tiers[tenant.tier], config.limits, config.scheduling
+            raw,
+            endpoint,
+            config.tiers[tenant.tier],
+            config.limits,
+            config.scheduling,
+            max_depth=config.input.max_json_depth,
         )
         if not self.pool.model_known(parsed.model):
             raise model_not_found(parsed.model)
@@ -218,9 +224,14 @@ class RequestPipeline:
             await self.sleep(min(wait, 0.25) if verdict.limit == "max_concurrent" else wait)
 
     def settle_tenant_limits(self, adm: Admitted, result: RelayResult | None) -> None:
+        """Charge the tenant's token limit what the request really used: the unused part of the
+        reservation comes back, usage past it is debited (the next requests wait for it)."""
         usage = result.usage if result is not None and result.usage else {}
         total = usage.get("total_tokens")
-        used = float(total) if isinstance(total, int) else None
+        if not _is_count(total):
+            prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+            total = prompt + completion if _is_count(prompt) and _is_count(completion) else None
+        used = float(total) if total is not None else None
         self.limits.settle(adm.tenant.name, adm.reserved_tokens, used, self.clock())
 
     # -- queue and dispatch --------------------------------------------------------------
@@ -382,3 +393,7 @@ def _give_up(exc: UpstreamUnavailable) -> ProxyError:
     if exc.status == 503:
         return backend_overloaded()
     return no_backend(f"No backend could take the request ({exc.kind}); retry later.")
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
