@@ -16,7 +16,7 @@ from aiohttp import web
 from proxy.admin import AdminEndpoints
 from proxy.config import Config, ConfigError, LoadedConfig, load_config
 from proxy.endpoints import ServiceEndpoints
-from proxy.json_errors import json_errors
+from proxy.json_errors import json_error_bodies, json_errors
 from proxy.limits import LimitRegistry
 from proxy.metrics import ProxyMetrics
 from proxy.monitor import BackendMonitor
@@ -107,6 +107,7 @@ def create_app(
         middlewares=[json_errors],
         handler_args={"auto_decompress": False},
     )
+    app.on_response_prepare.append(json_error_bodies)
     state = ProxyState(loaded, secret, clock)
     app[STATE] = state
     if watch_config:

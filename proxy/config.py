@@ -179,7 +179,7 @@ class InputLimits(_Strict):
     # limits.max_body_bytes (413 past it); any other encoding gets 415. The backend always gets
     # the body as identity JSON, without a Content-Encoding header.
     decode_content_encodings: list[Literal["gzip", "deflate"]] = Field(
-        default_factory=lambda: ["gzip", "deflate"]
+        default_factory=lambda: list[Literal["gzip", "deflate"]](["gzip", "deflate"])
     )
     # Client headers forwarded although the proxy would drop them (e.g. "Cookie",
     # "X-data-parallel-rank"); case-insensitive. Hop-by-hop headers, credentials and

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import orjson
-from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.body import read_body

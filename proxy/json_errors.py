@@ -12,6 +12,7 @@ import asyncio
 import logging
 import traceback
 
+import orjson
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
@@ -57,3 +58,20 @@ def _where(exc: BaseException) -> str:
         return "?"
     last = frames[-1]
     return f"{last.filename}:{last.lineno} in {last.name}"
+
+
+async def json_error_bodies(request: web.Request, response: web.StreamResponse) -> None:
+    """``on_response_prepare``: the errors aiohttp answers outside the middleware (an unknown
+    ``Expect``, for one) in the OpenAI shape as well."""
+    if response.status < 400 or not isinstance(response, web.Response):
+        return
+    if response.content_type == "application/json":
+        return
+    reason = response.text if response.body is not None and response.text else response.reason
+    err = http_error(response.status, response.reason)
+    err.message = (reason or err.message)[:500]
+    body = orjson.dumps(err.body())
+    response.body = body
+    response.content_type = "application/json"
+    if "Content-Length" in response.headers:  # set already for the plain-text body
+        response.headers["Content-Length"] = str(len(body))

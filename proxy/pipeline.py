@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeGuard
 
 import aiohttp
 import orjson
@@ -227,11 +227,14 @@ class RequestPipeline:
         """Charge the tenant's token limit what the request really used: the unused part of the
         reservation comes back, usage past it is debited (the next requests wait for it)."""
         usage = result.usage if result is not None and result.usage else {}
-        total = usage.get("total_tokens")
-        if not _is_count(total):
-            prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
-            total = prompt + completion if _is_count(prompt) and _is_count(completion) else None
-        used = float(total) if total is not None else None
+        used: float | None = None
+        total, prompt, completion = (
+            usage.get(name) for name in ("total_tokens", "prompt_tokens", "completion_tokens")
+        )
+        if _is_count(total):
+            used = float(total)
+        elif _is_count(prompt) and _is_count(completion):
+            used = float(prompt) + float(completion)
         self.limits.settle(adm.tenant.name, adm.reserved_tokens, used, self.clock())
 
     # -- queue and dispatch --------------------------------------------------------------
@@ -395,5 +398,5 @@ def _give_up(exc: UpstreamUnavailable) -> ProxyError:
     return no_backend(f"No backend could take the request ({exc.kind}); retry later.")
 
 
-def _is_count(value: object) -> bool:
+def _is_count(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
