@@ -16,6 +16,7 @@ from aiohttp import web
 from proxy.admin import AdminEndpoints
 from proxy.config import Config, ConfigError, LoadedConfig, load_config
 from proxy.endpoints import ServiceEndpoints
+from proxy.json_errors import json_error_bodies, json_errors
 from proxy.limits import LimitRegistry
 from proxy.metrics import ProxyMetrics
 from proxy.monitor import BackendMonitor
@@ -98,8 +99,15 @@ def create_app(
                 " set (the HMAC key shared with the vLLM plugin)"
             ],
         )
-    # The body limit is enforced by our own reader, which answers in the OpenAI shape.
-    app = web.Application(client_max_size=2**62)
+    # The body limit is enforced by our own reader, which answers in the OpenAI shape; so is
+    # the body's decoding (proxy.body), which aiohttp would otherwise do, refusing what it cannot
+    # decode in plain text before any handler or middleware runs.
+    app = web.Application(
+        client_max_size=2**62,
+        middlewares=[json_errors],
+        handler_args={"auto_decompress": False},
+    )
+    app.on_response_prepare.append(json_error_bodies)
     state = ProxyState(loaded, secret, clock)
     app[STATE] = state
     if watch_config:

@@ -169,6 +169,27 @@ class Backend(_Strict):
         return self.name or self.url
 
 
+class InputLimits(_Strict):
+    """What the proxy accepts from a client before anything is queued (issue #12)."""
+
+    # Deepest nesting of arrays and objects in a body (the body itself is depth 1); deeper
+    # bodies get 400 at parse time. At most 128: the proxy re-serialises bodies with orjson,
+    # which cannot write more than 255 levels.
+    max_json_depth: int = Field(64, ge=2, le=128)
+    # A body not received in full within this many seconds gets 408 (slow-body clients).
+    body_read_timeout_s: float = Field(30.0, gt=0)
+    # Request Content-Encodings the proxy decodes itself, the decoded size bounded by
+    # limits.max_body_bytes (413 past it); any other encoding gets 415. The backend always gets
+    # the body as identity JSON, without a Content-Encoding header.
+    decode_content_encodings: list[Literal["gzip", "deflate"]] = Field(
+        default_factory=lambda: list[Literal["gzip", "deflate"]](["gzip", "deflate"])
+    )
+    # Client headers forwarded although the proxy would drop them (e.g. "Cookie",
+    # "X-data-parallel-rank"); case-insensitive. Hop-by-hop headers, credentials and
+    # X-Vllm-* / X-Tierproxy-* are never forwarded, whatever this says.
+    forward_headers: list[str] = Field(default_factory=list)
+
+
 class Config(_Strict):
     listen: Listen = Listen()
     ticket_secret_env: str = DEFAULT_SECRET_ENV
@@ -176,6 +197,7 @@ class Config(_Strict):
     scheduling: Scheduling = Scheduling()
     backend_health: BackendHealth = BackendHealth()
     policies: Policies = Policies()
+    input: InputLimits = InputLimits()
     tiers: dict[str, Tier] = Field(min_length=1)
     tenants: list[Tenant] = Field(default_factory=list)
     backends: list[Backend] = Field(min_length=1)

@@ -6,43 +6,67 @@ Clients can never raise their own priority: the body's ``priority`` and ``vllm_x
 
 from __future__ import annotations
 
-import asyncio
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import orjson
-from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from proxy.body import read_body
 from proxy.config import Limits, LoadedConfig, Scheduling, Tenant, Tier
-from proxy.errors import admin_disabled, bad_request, too_large, unauthorized
+from proxy.errors import admin_disabled, bad_request, too_deep, unauthorized
+
+__all__ = [
+    "BODY_READ_TIMEOUT_S",
+    "ParsedRequest",
+    "authenticate",
+    "authenticate_admin",
+    "parse_body",
+    "read_body",
+    "upstream_headers",
+]
 
 Endpoint = Literal["chat", "completions"]
 
+# The admin API's body wait (client bodies wait input.body_read_timeout_s).
 BODY_READ_TIMEOUT_S = 30.0
 
 STRIPPED_BODY_FIELDS = ("priority", "vllm_xargs")
 STRIPPED_HEADER_PREFIXES = ("x-vllm-", "x-tierproxy-")
-# Hop-by-hop and per-connection headers, and what the proxy sets itself.
-DROPPED_HEADERS = frozenset(
+# Hop-by-hop headers (RFC 9110 §7.6.1, plus the obsolete Proxy-Connection); those the Connection
+# header names are dropped as well.
+HOP_BY_HOP_HEADERS = frozenset(
     {
-        "authorization",
-        "api-key",
-        "host",
-        "content-length",
         "connection",
         "keep-alive",
-        "proxy-authorization",
+        "proxy-connection",
         "te",
         "trailer",
         "transfer-encoding",
         "upgrade",
-        "x-request-id",
-        "accept-encoding",
     }
 )
+# Never forwarded, whatever the config says: credentials, what the proxy sets or rewrites itself
+# (the body goes on as identity JSON of its own length), and Expect (the proxy has the whole body;
+# a 100-continue towards the backend would only stall).
+NEVER_FORWARDED = HOP_BY_HOP_HEADERS | {
+    "authorization",
+    "api-key",
+    "proxy-authorization",
+    "host",
+    "content-length",
+    "content-type",
+    "content-encoding",
+    "accept-encoding",
+    "x-request-id",
+    "expect",
+}
+# Dropped unless input.forward_headers names them: the client's cookies, and headers that steer
+# vLLM's engine (its data-parallel rank, its session routing).
+DROPPED_BY_DEFAULT = frozenset({"cookie", "x-data-parallel-rank", "x-session-id"})
+DROPPED_HEADERS = NEVER_FORWARDED | DROPPED_BY_DEFAULT
 
 
 def api_key_from(headers: Mapping[str, str]) -> str | None:
@@ -72,24 +96,23 @@ def authenticate_admin(headers: Mapping[str, str], loaded: LoadedConfig) -> None
         raise unauthorized()
 
 
-async def read_body(request: web.Request, limit: int) -> bytes:
-    """The body, refused with 413 as soon as it passes ``limit`` (never read whole first)."""
-    if request.content_length is not None and request.content_length > limit:
-        raise too_large(limit)
-    body = bytearray()
-    async with asyncio.timeout(BODY_READ_TIMEOUT_S):
-        async for chunk in request.content.iter_chunked(64 * 1024):
-            body += chunk
-            if len(body) > limit:
-                raise too_large(limit)
-    return bytes(body)
-
-
-def upstream_headers(client_headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
+def upstream_headers(
+    client_headers: CIMultiDictProxy[str], forward: Collection[str] = ()
+) -> CIMultiDict[str]:
+    """The client's headers that go on to the backend; ``forward`` (input.forward_headers)
+    lets through those dropped by default, never the hop-by-hop or proxy-owned ones."""
+    allowed = {name.lower() for name in forward} - NEVER_FORWARDED
+    named_by_connection = {
+        token.strip().lower()
+        for value in client_headers.getall("Connection", [])
+        for token in value.split(",")
+    }
     out: CIMultiDict[str] = CIMultiDict()
     for name, value in client_headers.items():
         lower = name.lower()
-        if lower in DROPPED_HEADERS or lower.startswith(STRIPPED_HEADER_PREFIXES):
+        if lower.startswith(STRIPPED_HEADER_PREFIXES) or lower in named_by_connection:
+            continue
+        if lower in NEVER_FORWARDED or (lower in DROPPED_BY_DEFAULT and lower not in allowed):
             continue
         out.add(name, value)
     return out
@@ -111,17 +134,51 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _text_chars(value: object) -> int:
-    """Characters of text in a prompt or message content, however nested."""
-    if isinstance(value, str):
-        return len(value)
-    if isinstance(value, list):
-        return sum(_text_chars(v) for v in value)
-    if isinstance(value, dict):
-        return sum(_text_chars(v) for k, v in value.items() if k in ("content", "text"))
-    if _is_int(value):
-        return 4  # a token id in a pre-tokenized prompt
-    return 0
+# Message parts whose size says nothing about their tokens (an image's base64 is not its token
+# count); their real cost is charged once the backend reports the usage.
+_MEDIA_KEYS = frozenset({"image_url", "input_audio", "audio_url", "video_url", "file"})
+# What a chat prompt holds besides its messages: the schemas the backend renders into it.
+_SCHEMA_FIELDS = ("tools", "functions", "response_format", "tool_choice")
+_SCALAR_CHARS = 4  # a number, a token id or a literal: about one token
+
+
+def _text_chars(value: object, *, keys: bool = False) -> int:
+    """Characters of text in a prompt, message or schema, however nested (iteratively: a
+    client's nesting never meets Python's recursion limit); ``keys`` counts object keys too."""
+    chars = 0
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            chars += len(item)
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                if key in _MEDIA_KEYS:
+                    continue
+                if keys:
+                    chars += len(key)
+                stack.append(child)
+        elif item is not None:
+            chars += _SCALAR_CHARS
+    return chars
+
+
+def nesting_exceeds(value: object, limit: int) -> bool:
+    """Whether arrays and objects nest more than ``limit`` levels (``value`` itself is level 1);
+    iterative, and it stops at the first container past the limit."""
+    stack: list[tuple[object, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = item.values() if isinstance(item, dict) else item
+        assert isinstance(children, Collection)
+        for child in children:
+            if isinstance(child, (dict, list)):
+                stack.append((child, depth + 1))
+    return False
 
 
 def _validate_messages(messages: object) -> int:
@@ -133,7 +190,8 @@ def _validate_messages(messages: object) -> int:
             raise bad_request(
                 f"messages[{i}] must be an object with a string 'role'", param=f"messages.[{i}]"
             )
-        chars += _text_chars(message.get("content")) + 8
+        # Every part: content, name, tool calls and their arguments, tool results.
+        chars += _text_chars(message) + 8
     return chars
 
 
@@ -161,13 +219,22 @@ def parse_body(
     tier: Tier,
     limits: Limits,
     scheduling: Scheduling,
+    *,
+    max_depth: int = 64,
 ) -> ParsedRequest:
+    """Validate a body and estimate its cost; 400 for what no backend could run. A ``null``
+    top-level field counts as absent, as in OpenAI's API."""
     try:
-        body = orjson.loads(raw)
+        loaded = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
+        if "depth" in str(exc):  # orjson's own limit (1024), far past ours
+            raise too_deep(max_depth) from None
         raise bad_request(f"The body is not valid JSON: {exc}", code="invalid_json") from None
-    if not isinstance(body, dict):
+    if not isinstance(loaded, dict):
         raise bad_request("The body must be a JSON object", code="invalid_json")
+    if nesting_exceeds(loaded, max_depth):
+        raise too_deep(max_depth)
+    body: dict[str, Any] = {k: v for k, v in loaded.items() if v is not None}
 
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -178,6 +245,7 @@ def parse_body(
 
     if endpoint == "chat":
         chars = _validate_messages(body.get("messages"))
+        chars += sum(_text_chars(body.get(name), keys=True) for name in _SCHEMA_FIELDS)
     else:
         if "prompt" not in body:
             raise bad_request("'prompt' is required", param="prompt")

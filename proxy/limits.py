@@ -101,10 +101,17 @@ class TenantLimiter:
         self.concurrent += 1
 
     def settle(self, reserved: float, used: float | None, now: float) -> None:
-        """The request ended: free its slot and give back the tokens it did not use."""
+        """The request ended: free its slot, give back the tokens it did not use and debit
+        those it used past its reservation (the bucket may go below zero: the tenant's next
+        requests wait until it has refilled past their own reservation). Unknown usage keeps
+        the reservation as the charge."""
         self.concurrent = max(0, self.concurrent - 1)
-        if self.tpm is not None and used is not None and used < reserved:
+        if self.tpm is None or used is None:
+            return
+        if used < reserved:
             self.tpm.give_back(reserved - used, now)
+        elif used > reserved:
+            self.tpm.take(used - reserved, now)
 
 
 class LimitRegistry:

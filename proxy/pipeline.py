@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeGuard
 
 import aiohttp
 import orjson
@@ -191,9 +191,15 @@ class RequestPipeline:
         tenant: Tenant,
         trace: Trace,
     ) -> Admitted:
-        raw = await read_body(request, config.limits.max_body_bytes)
+        # Everything a client can get wrong is refused here, before any queue or backend lease.
+        raw = await read_body(request, config.limits.max_body_bytes, config.input)
         parsed = parse_body(
-            raw, endpoint, config.tiers[tenant.tier], config.limits, config.scheduling
+            raw,
+            endpoint,
+            config.tiers[tenant.tier],
+            config.limits,
+            config.scheduling,
+            max_depth=config.input.max_json_depth,
         )
         if not self.pool.model_known(parsed.model):
             raise model_not_found(parsed.model)
@@ -218,9 +224,17 @@ class RequestPipeline:
             await self.sleep(min(wait, 0.25) if verdict.limit == "max_concurrent" else wait)
 
     def settle_tenant_limits(self, adm: Admitted, result: RelayResult | None) -> None:
+        """Charge the tenant's token limit what the request really used: the unused part of the
+        reservation comes back, usage past it is debited (the next requests wait for it)."""
         usage = result.usage if result is not None and result.usage else {}
-        total = usage.get("total_tokens")
-        used = float(total) if isinstance(total, int) else None
+        used: float | None = None
+        total, prompt, completion = (
+            usage.get(name) for name in ("total_tokens", "prompt_tokens", "completion_tokens")
+        )
+        if _is_count(total):
+            used = float(total)
+        elif _is_count(prompt) and _is_count(completion):
+            used = float(prompt) + float(completion)
         self.limits.settle(adm.tenant.name, adm.reserved_tokens, used, self.clock())
 
     # -- queue and dispatch --------------------------------------------------------------
@@ -382,3 +396,7 @@ def _give_up(exc: UpstreamUnavailable) -> ProxyError:
     if exc.status == 503:
         return backend_overloaded()
     return no_backend(f"No backend could take the request ({exc.kind}); retry later.")
+
+
+def _is_count(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

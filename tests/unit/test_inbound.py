@@ -8,6 +8,7 @@ from proxy.inbound import (
     api_key_from,
     authenticate,
     authenticate_admin,
+    nesting_exceeds,
     parse_body,
     upstream_headers,
 )
@@ -148,3 +149,64 @@ def test_authenticate_admin() -> None:
     with pytest.raises(ProxyError) as exc:
         authenticate_admin({"api-key": "admin-key"}, _loaded(admin=False))
     assert exc.value.status == 404 and exc.value.code == "admin_disabled"
+
+
+def test_the_estimate_counts_tools_tool_calls_and_names() -> None:
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "description": "x" * 400}},
+    }
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": schema}}]
+    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "y" * 400}}
+    messages = [
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "name": "weather", "content": "z" * 400},
+    ]
+    body = orjson.dumps({"model": "m", "messages": messages, "tools": tools})
+    parsed = parse_body(body, "chat", HIGH, LIMITS, SCHED)
+    plain = orjson.dumps({"model": "m", "messages": messages[:1]})
+    # 1,200 characters (300 tokens) past the first message alone
+    assert (
+        parsed.prompt_tokens >= parse_body(plain, "chat", HIGH, LIMITS, SCHED).prompt_tokens + 300
+    )  # 1,200 characters past the plain prompt
+
+
+def test_deep_nesting_is_refused_without_recursion() -> None:
+    deep: object = "x"
+    for _ in range(100_000):
+        deep = [deep]
+    assert nesting_exceeds(deep, 64)
+    assert not nesting_exceeds([[["x"]]], 3) and nesting_exceeds([[["x"]]], 2)
+    raw = b'{"model":"m","messages":[{"role":"user","content":' + b"[" * 70 + b"]" * 70 + b"}]}"
+    err = _error(raw)
+    assert err.status == 400 and err.code == "json_too_deep"
+
+
+def test_nulls_are_absent_also_on_a_capped_tier() -> None:
+    parsed = parse_body(_chat(max_tokens=None, n=None, stream=None), "chat", LOW, LIMITS, SCHED)
+    assert parsed.body["max_tokens"] == 100 and parsed.stream is False
+    assert "n" not in parsed.body
+
+
+def test_connection_named_and_steering_headers_are_dropped_unless_allowed() -> None:
+    headers = CIMultiDictProxy(
+        CIMultiDict(
+            [
+                ("Connection", "keep-alive, X-Secret-Hop"),
+                ("X-Secret-Hop", "1"),
+                ("Cookie", "session=1"),
+                ("Expect", "100-continue"),
+                ("X-data-parallel-rank", "0"),
+                ("Content-Encoding", "gzip"),
+                ("Traceparent", "00-abc"),
+            ]
+        )
+    )
+    assert dict(upstream_headers(headers)) == {"Traceparent": "00-abc"}
+    allowed = upstream_headers(headers, forward=["cookie", "X-Data-Parallel-Rank", "Expect"])
+    assert dict(allowed) == {
+        "Cookie": "session=1",
+        "X-data-parallel-rank": "0",
+        "Traceparent": "00-abc",
+    }

@@ -84,3 +84,15 @@ def test_reload_keeps_levels_and_drops_unlimited_tenants() -> None:
     assert reg.try_admit("t", 1, 0.0).allowed
     reg.configure([], now=0.0)
     assert reg.try_admit("gone", 1, 0.0).allowed
+
+
+def test_usage_past_the_reservation_is_debited_and_delays_the_next_request() -> None:
+    reg = LimitRegistry()
+    reg.configure([_tenant(tokens_per_minute=20_000)], now=0.0)
+    assert reg.try_admit("t", 1_000, 0.0).allowed
+    reg.settle("t", 1_000, 25_000, 0.0)  # used 24,000 more than it reserved
+    verdict = reg.try_admit("t", 1_000, 0.0)
+    # The bucket is at 20,000 - 25,000 = -5,000; 1,000 more need 6,000 tokens at 333.3/s.
+    assert not verdict.allowed and verdict.limit == "tokens_per_minute"
+    assert verdict.retry_after_s == pytest.approx(18.0)
+    assert reg.try_admit("t", 1_000, 18.0).allowed
