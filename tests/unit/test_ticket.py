@@ -134,3 +134,18 @@ def test_the_contract_module_imports_neither_aiohttp_nor_vllm() -> None:
     }
     imported |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert {name.split(".")[0] for name in imported}.isdisjoint({"aiohttp", "vllm", "proxy"})
+
+
+@pytest.mark.parametrize("secret", [b"short", b"change-me-to-a-long-random-string"])
+def test_the_proxy_refuses_to_start_with_a_weak_secret(secret: bytes) -> None:
+    import yaml
+
+    from proxy.app import create_app
+    from proxy.config import ConfigError, parse_config
+    from tests.proxyrun import SECRET as GOOD
+    from tests.proxyrun import make_config
+
+    loaded = parse_config(yaml.safe_dump(make_config([{"url": "http://127.0.0.1:9"}])))
+    with pytest.raises(ConfigError, match="ticket secret"):
+        create_app(loaded, secret=secret)
+    create_app(loaded, secret=GOOD)  # the suite's own secret is long enough
