@@ -24,7 +24,7 @@ from proxy.pipeline import RequestPipeline
 from proxy.policies.build import build_scheduling
 from proxy.reload import ConfigWatcher
 from proxy.runtime import tune_gc
-from proxy.ticket import secret_from_env
+from proxy.ticket import SecretError, check_secret, secret_from_env
 
 log = logging.getLogger("tierproxy")
 
@@ -91,14 +91,16 @@ def create_app(
     """The proxy app; with ``watch_config``, the file in ``loaded.source`` is reloaded on SIGHUP
     and whenever it changes."""
     secret = secret if secret is not None else secret_from_env(loaded.config.ticket_secret_env)
-    if not secret:
+    try:
+        check_secret(secret)
+    except SecretError as exc:
         raise ConfigError(
             loaded.source,
             [
-                f"ticket_secret_env: environment variable {loaded.config.ticket_secret_env} is not"
-                " set (the HMAC key shared with the vLLM plugin)"
+                f"ticket_secret_env: environment variable {loaded.config.ticket_secret_env}"
+                f" (the HMAC key shared with the vLLM plugin): {exc}"
             ],
-        )
+        ) from None
     # The body limit is enforced by our own reader, which answers in the OpenAI shape; so is
     # the body's decoding (proxy.body), which aiohttp would otherwise do, refusing what it cannot
     # decode in plain text before any handler or middleware runs.

@@ -50,7 +50,16 @@ from proxy.metrics import ProxyMetrics
 from proxy.outcome import Outcome, outcome_of
 from proxy.policies.cost import weighted_tokens
 from proxy.policies.prefix import prefix_hash
-from proxy.ticket import TICKET_HEADER, Ticket, encode_ticket
+from proxy.ticket import (
+    CONTENT_DIGEST_HEADER,
+    REQUEST_ID_HEADER,
+    TICKET_HEADER,
+    Ticket,
+    body_digest,
+    content_digest,
+    encode_ticket,
+    new_nonce,
+)
 
 log = logging.getLogger("tierproxy")
 access_log = logging.getLogger("tierproxy.access")
@@ -311,6 +320,8 @@ class RequestPipeline:
         body = dict(parsed.body)
         if lease.backend.cfg.send_priority:
             body["priority"] = tier.priority
+        payload = orjson.dumps(body)
+        # Bound to these exact bytes, this request id and a fresh nonce: one use, for a moment.
         ticket = Ticket(
             tier=adm.tier,
             priority=tier.priority,
@@ -319,15 +330,19 @@ class RequestPipeline:
             prefill_share=cfg.prefill_share(adm.tier),
             budget=parsed.max_tokens or cfg.limits.max_tokens_ceiling,
             request_id=adm.request_id,
+            body_sha256=body_digest(payload),
+            issued_at=time.time(),
+            nonce=new_nonce(),
         )
-        headers = upstream_headers(request.headers)
+        headers = upstream_headers(request.headers, forward=cfg.input.forward_headers)
         headers["Content-Type"] = "application/json"
-        headers["X-Request-Id"] = adm.request_id
+        headers[REQUEST_ID_HEADER] = adm.request_id
+        headers[CONTENT_DIGEST_HEADER] = content_digest(payload)
         headers[TICKET_HEADER] = encode_ticket(ticket, self.secret)
         call = UpstreamCall(
             session=self.session(),
             url=lease.backend.cfg.url + UPSTREAM_PATHS[parsed.endpoint],
-            body=orjson.dumps(body),
+            body=payload,
             headers=headers,
             deadline=asyncio.get_running_loop().time() + tier.request_timeout_s,
             timeout_s=tier.request_timeout_s,

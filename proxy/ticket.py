@@ -1,14 +1,20 @@
 """The ticket: the one header contract between the proxy and the vLLM plugin.
 
 The proxy signs what it decided about a request (tier, priority, tenant, deadline, prefill
-share, output budget); the plugin inside vLLM verifies the signature and trusts nothing else a
-caller sends. Both sides import this module; it must stay free of aiohttp and vLLM imports.
+share, output budget) and binds it to that one request; the plugin inside vLLM verifies the
+signature and the binding, and trusts nothing else a caller sends. Both sides import this
+module; it must stay free of aiohttp and vLLM imports.
 
 Wire format (ASCII, one header)::
 
-    X-Tierproxy-Ticket: v1.<payload>.<signature>
-    payload   = base64url(JSON of the Ticket fields)
-    signature = base64url(HMAC-SHA256(secret, "v1." + payload))
+    X-Tierproxy-Ticket: v2.<payload>.<signature>
+    payload   = base64url(JSON of the Ticket fields, sorted keys)
+    signature = base64url(HMAC-SHA256(secret, "v2." + payload))
+
+Binding: ``body_sha256`` is the RFC 9530 ``sha-256`` value (base64 of the SHA-256 of the exact
+body bytes sent), ``request_id`` equals the ``X-Request-Id`` header, ``issued_at`` starts a short
+validity window the plugin enforces, and ``nonce`` is single-use within that window. v1 tickets
+(no binding) are refused.
 """
 
 from __future__ import annotations
@@ -19,11 +25,20 @@ import hashlib
 import hmac
 import json
 import os
+import secrets
 from dataclasses import asdict, dataclass
 
 TICKET_HEADER = "X-Tierproxy-Ticket"
-TICKET_VERSION = "v1"
+REQUEST_ID_HEADER = "X-Request-Id"
+# RFC 9530: informative copy of the digest the ticket signs (the plugin trusts only the ticket's).
+CONTENT_DIGEST_HEADER = "Content-Digest"
+TICKET_VERSION = "v2"
 DEFAULT_SECRET_ENV = "TIERPROXY_TICKET_SECRET"
+
+# HMAC-SHA256 keys shorter than the hash add no strength and are guessable offline from one
+# captured ticket; the example .env's value must be replaced, never used.
+MIN_SECRET_BYTES = 32
+PLACEHOLDER_SECRETS: frozenset[bytes] = frozenset({b"change-me-to-a-long-random-string"})
 
 # vLLM flags that load the plugin into a stock server: the middleware (API server), the
 # scheduler (engine core; one class for CPU and GPU, it follows vLLM's async-scheduling choice)
@@ -59,6 +74,10 @@ class TicketError(ValueError):
     """The header is missing, malformed, forged or for another version."""
 
 
+class SecretError(ValueError):
+    """The shared secret is too short or the example placeholder."""
+
+
 @dataclass(frozen=True, slots=True)
 class Ticket:
     tier: str
@@ -67,10 +86,39 @@ class Ticket:
     deadline: float  # unix epoch seconds; past it nobody waits for the answer
     prefill_share: float  # max share of a step's tokens for this request's tier prefill
     budget: int  # max output tokens the proxy allowed
-    request_id: str
+    request_id: str  # equals the X-Request-Id header
+    body_sha256: str  # body_digest() of the exact body bytes sent
+    issued_at: float  # unix epoch seconds; the plugin accepts it for a short window
+    nonce: str  # single use: the plugin remembers it for the window
 
     def expired(self, now_epoch: float) -> bool:
         return now_epoch >= self.deadline
+
+
+def body_digest(body: bytes) -> str:
+    """Base64 SHA-256 of the body: the value of RFC 9530's ``sha-256`` digest."""
+    return base64.b64encode(hashlib.sha256(body).digest()).decode("ascii")
+
+
+def content_digest(body: bytes) -> str:
+    """The RFC 9530 ``Content-Digest`` header value for an identity-encoded body."""
+    return f"sha-256=:{body_digest(body)}:"
+
+
+def new_nonce() -> str:
+    return secrets.token_urlsafe(16)
+
+
+def check_secret(secret: bytes) -> bytes:
+    """The secret itself if it may sign tickets; SecretError says why not."""
+    if secret.strip() in PLACEHOLDER_SECRETS or secret.startswith(b"change-me"):
+        raise SecretError("the ticket secret is the example placeholder: generate one")
+    if len(secret) < MIN_SECRET_BYTES:
+        raise SecretError(
+            f"the ticket secret has {len(secret)} bytes, at least {MIN_SECRET_BYTES} are needed"
+            " (e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')"
+        )
+    return secret
 
 
 def _b64(data: bytes) -> str:
@@ -93,13 +141,25 @@ def encode_ticket(ticket: Ticket, secret: bytes) -> str:
     return f"{signed}.{_signature(secret, signed)}"
 
 
-def decode_ticket(value: str, secret: bytes) -> Ticket:
-    """Verify and parse a header value; raises TicketError on anything but a valid ticket."""
+def decode_ticket(value: str | bytes, secret: bytes) -> Ticket:
+    """Verify and parse a header value; raises TicketError on anything but a valid ticket.
+
+    Checks only the signature and the fields' types: the binding (window, body, request id,
+    nonce) is the verifier's job, which has the request."""
     if not secret:
         raise TicketError("no ticket secret configured")
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("ascii")
+        except UnicodeDecodeError:
+            raise TicketError("malformed ticket: not ASCII") from None
+    if not value.isascii():
+        raise TicketError("malformed ticket: not ASCII")
     parts = value.strip().split(".")
-    if len(parts) != 3 or parts[0] != TICKET_VERSION:
+    if len(parts) != 3:
         raise TicketError("malformed ticket")
+    if parts[0] != TICKET_VERSION:
+        raise TicketError(f"unsupported ticket version (want {TICKET_VERSION})")
     signed = f"{parts[0]}.{parts[1]}"
     if not hmac.compare_digest(_signature(secret, signed), parts[2]):
         raise TicketError("bad ticket signature")
@@ -113,6 +173,9 @@ def decode_ticket(value: str, secret: bytes) -> Ticket:
             prefill_share=float(raw["prefill_share"]),
             budget=int(raw["budget"]),
             request_id=str(raw["request_id"]),
+            body_sha256=str(raw["body_sha256"]),
+            issued_at=float(raw["issued_at"]),
+            nonce=str(raw["nonce"]),
         )
     except (KeyError, TypeError, ValueError, binascii.Error) as exc:
         raise TicketError(f"unreadable ticket payload: {exc}") from exc

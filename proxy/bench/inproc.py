@@ -19,7 +19,7 @@ from proxy.app import STATE, ProxyState, create_app
 from proxy.config import hash_key, load_config, parse_config
 from proxy.process import free_port
 
-SECRET = b"integration-test-secret"
+SECRET = b"integration-test-secret-of-at-least-32-bytes"
 KEYS = {"high": "key-high", "normal": "key-normal", "low": "key-low"}
 
 

@@ -1,25 +1,32 @@
 """ASGI middleware for vLLM's API server: trust the proxy's signed ticket and nothing else.
 
-Loaded with ``--middleware proxy.vllm_plugin.middleware.TicketMiddleware``. For POST requests to
-the generation endpoints it verifies the ``X-Tierproxy-Ticket`` HMAC, then rewrites the JSON body:
+Loaded with ``--middleware proxy.vllm_plugin.middleware.TicketMiddleware``. Deny by default
+(``routes.rule_for``): every request but GET/HEAD/OPTIONS (and SageMaker's POST /ping) is
+ticketed, whatever its path. For those it checks, in order: one ``X-Tierproxy-Ticket`` (ASCII,
+v2, HMAC), its validity window and deadline, ``X-Request-Id`` = the ticket's request id, then
+(after reading the body) the body's SHA-256 = the ticket's, and last the nonce's first use. It
+then rewrites the JSON body:
 
 - ``priority`` comes from the ticket, or is the unticketed priority (the lowest tier);
-- ``vllm_xargs`` carries tier, priority, deadline, prefill share and budget to the scheduler
-  (``request.sampling_params.extra_args``); tierproxy keys a caller put there are dropped;
-- ``max_tokens`` / ``max_completion_tokens`` / ``max_output_tokens`` are clamped to the budget.
+- tierproxy keys a caller put in ``vllm_xargs`` (or ``sampling_params.extra_args``) are dropped;
+- on the proxy's generation routes ``vllm_xargs`` carries tier, priority, deadline, prefill
+  share and budget to the scheduler, and the ``max_*tokens`` fields are clamped to the budget.
 
 ``X-Vllm-Priority`` is removed from every request, since vLLM lets it override the body. With
-``TIERPROXY_REQUIRE_TICKET=1`` a request without a valid ticket is refused (401 / 403).
+``TIERPROXY_REQUIRE_TICKET=1`` a request without a valid ticket is refused: 401 when there is
+none, 403 when it does not verify, both OpenAI-shaped JSON; a WebSocket is closed (1008).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from proxy.ticket import (
+    REQUEST_ID_HEADER,
     TICKET_HEADER,
     XARG_BUDGET,
     XARG_DEADLINE,
@@ -29,10 +36,18 @@ from proxy.ticket import (
     XARG_TIER,
     XARG_TRUSTED,
     Ticket,
-    TicketError,
-    decode_ticket,
 )
+from proxy.vllm_plugin.routes import GENERATION_PATHS, Rule, rule_for
 from proxy.vllm_plugin.settings import MiddlewareSettings
+from proxy.vllm_plugin.verify import (
+    ReplayCache,
+    ReplayCacheFull,
+    body_matches,
+    check_binding,
+    check_ticket,
+)
+
+__all__ = ["GENERATION_PATHS", "TicketMiddleware", "check_ticket", "rewrite_body"]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -42,52 +57,22 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 logger = logging.getLogger("vllm.tierproxy.middleware")
 
-# Endpoints whose requests generate tokens: full ticket handling (priority, xargs, budget).
-GENERATION_PATHS: frozenset[str] = frozenset(
-    {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"}
-)
-# Pooling endpoints also reach the scheduler with a body `priority`; only that is enforced.
-PRIORITY_ONLY_PATHS: frozenset[str] = frozenset(
-    {
-        "/v1/embeddings",
-        "/pooling",
-        "/classify",
-        "/score",
-        "/v1/score",
-        "/rerank",
-        "/v1/rerank",
-        "/v2/rerank",
-    }
-)
 BUDGET_FIELDS: tuple[str, ...] = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 _TICKET_HEADER_RAW = TICKET_HEADER.lower().encode("latin-1")
+_REQUEST_ID_HEADER_RAW = REQUEST_ID_HEADER.lower().encode("latin-1")
 _PRIORITY_HEADER_RAW = b"x-vllm-priority"
-
-
-class TicketRefused(Exception):
-    """No valid ticket while tickets are required; carries the HTTP status to answer with."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
-def check_ticket(values: list[str], secret: bytes) -> tuple[Ticket | None, str | None]:
-    """(ticket, None) for one valid ticket header, else (None, why it is not trusted)."""
-    if not values:
-        return None, "missing ticket"
-    if len(values) > 1:
-        return None, "more than one ticket header"
-    try:
-        return decode_ticket(values[0], secret), None
-    except TicketError as exc:
-        return None, str(exc)
+_MISSING = "missing ticket"
 
 
 def _default_budget_field(path: str) -> str:
     return "max_output_tokens" if path == "/v1/responses" else "max_tokens"
+
+
+def _without_our_keys(extra: Any) -> Any:
+    if not isinstance(extra, dict):
+        return extra  # malformed: vLLM answers it with its own 400
+    return {k: v for k, v in extra.items() if not str(k).startswith(XARG_PREFIX)}
 
 
 def rewrite_body(
@@ -95,18 +80,14 @@ def rewrite_body(
 ) -> dict[str, Any]:
     """The body vLLM will see. Pure: the input is not modified."""
     out = dict(body)
-    priority = ticket.priority if ticket is not None else unticketed_priority
-    if path not in GENERATION_PATHS:
-        if "priority" in out:
-            out["priority"] = priority
-        return out
-    out["priority"] = priority
+    out["priority"] = ticket.priority if ticket is not None else unticketed_priority
+    params = out.get("sampling_params")
+    if isinstance(params, dict) and "extra_args" in params:  # /inference/v1/generate
+        out["sampling_params"] = {**params, "extra_args": _without_our_keys(params["extra_args"])}
 
     caller_xargs = out.get("vllm_xargs")
-    xargs: dict[str, Any] = {}
-    if isinstance(caller_xargs, dict):
-        xargs = {k: v for k, v in caller_xargs.items() if not str(k).startswith(XARG_PREFIX)}
-    if ticket is not None:
+    xargs = _without_our_keys(caller_xargs)
+    if ticket is not None and path in GENERATION_PATHS and isinstance(xargs, dict):
         xargs.update(
             {
                 XARG_TIER: ticket.tier,
@@ -117,6 +98,7 @@ def rewrite_body(
                 XARG_TRUSTED: 1,  # vllm_xargs values are str/int/float: no bool
             }
         )
+    if ticket is not None and path in GENERATION_PATHS:
         _clamp_budget(out, ticket.budget, _default_budget_field(path))
     if xargs:
         out["vllm_xargs"] = xargs
@@ -141,30 +123,46 @@ def _clamp_budget(body: dict[str, Any], budget: int, default_field: str) -> None
 
 
 def _error_body(status: int, message: str) -> bytes:
-    err_type = "AuthenticationError" if status == 401 else "PermissionDeniedError"
+    err_type = {401: "AuthenticationError", 403: "PermissionDeniedError"}.get(
+        status, "ServiceUnavailableError"
+    )
     payload = {"error": {"message": message, "type": err_type, "param": None, "code": status}}
     return json.dumps(payload).encode("utf-8")
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
 
 
 class TicketMiddleware:
     """Pure ASGI (no BaseHTTPMiddleware): buffers only the bodies it rewrites, and hands every
     later ``receive()`` to the server's own, so vLLM still sees ``http.disconnect``."""
 
-    def __init__(self, app: ASGIApp, settings: MiddlewareSettings | None = None) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        settings: MiddlewareSettings | None = None,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.app = app
+        # from_env refuses to start with a missing, short or placeholder secret.
         self.settings = settings if settings is not None else MiddlewareSettings.from_env()
-        if not self.settings.secret:
-            logger.warning(
-                "tierproxy: TIERPROXY_TICKET_SECRET is not set; every request runs as unticketed"
-            )
+        self.clock = clock  # epoch seconds, as the proxy's issued_at
+        self.replay = ReplayCache(self.settings.replay_cache_size)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        kind = scope["type"]
+        if kind not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "")
         headers: list[tuple[bytes, bytes]] = list(scope.get("headers", []))
-        tickets = [v.decode("latin-1") for k, v in headers if k.lower() == _TICKET_HEADER_RAW]
+        tickets = [v for k, v in headers if k.lower() == _TICKET_HEADER_RAW]
+        request_ids = [v for k, v in headers if k.lower() == _REQUEST_ID_HEADER_RAW]
         # Both our header and vLLM's priority header stop here, whatever the endpoint.
         headers = [
             (k, v)
@@ -173,34 +171,32 @@ class TicketMiddleware:
         ]
         scope = dict(scope)
         scope["headers"] = headers
-        if scope.get("method") != "POST" or (
-            path not in GENERATION_PATHS and path not in PRIORITY_ONLY_PATHS
-        ):
+        if kind == "websocket":
+            # Realtime sessions run the model but carry no body to bind: never with tickets on.
+            if self.settings.require_ticket:
+                await send({"type": "websocket.close", "code": 1008})
+                return
+            await self.app(scope, receive, send)
+            return
+        rule = rule_for(str(scope.get("method", "")), path)
+        if rule is Rule.PASS:
             await self.app(scope, receive, send)
             return
 
-        ticket, problem = check_ticket(tickets, self.settings.secret)
-        if ticket is None:
-            logger.debug("tierproxy: unticketed %s: %s", path, problem)
-            if self.settings.require_ticket:
-                status = 401 if problem == "missing ticket" else 403
-                await self._refuse(send, status, f"tierproxy ticket required: {problem}")
-                return
-
-        chunks: list[bytes] = []
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
+        try:
+            ticket = self._verified_headers(tickets, request_ids)
+            body = await self._read_body(receive)
+            if body is None:
                 return  # the caller left before sending its body: nothing to run
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
+            ticket = self._verified_body(ticket, body)
+        except _Refused as refused:
+            await self._refuse(send, refused.status, refused.message)
+            return
+
         new_body = self._rewritten(body, ticket, path)
         scope["headers"] = [(k, v) for k, v in headers if k.lower() != b"content-length"] + [
             (b"content-length", str(len(new_body)).encode("ascii"))
         ]
-
         replayed = False
 
         async def replay() -> Message:
@@ -213,10 +209,62 @@ class TicketMiddleware:
 
         await self.app(scope, replay, send)
 
+    def _untrusted(self, problem: str) -> None:
+        """Without a trusted ticket: refuse if tickets are required, else run unticketed."""
+        logger.debug("tierproxy: unticketed request: %s", problem)
+        if self.settings.require_ticket:
+            status = 401 if problem == _MISSING else 403
+            raise _Refused(status, f"tierproxy ticket required: {problem}")
+
+    def _verified_headers(self, tickets: list[bytes], request_ids: list[bytes]) -> Ticket | None:
+        ticket, problem = check_ticket(tickets, self.settings.secret)
+        if ticket is not None:
+            problem = check_binding(
+                ticket,
+                request_ids,
+                now=self.clock(),
+                window_s=self.settings.ticket_window_s,
+                max_skew_s=self.settings.ticket_max_skew_s,
+            )
+        if problem is not None:
+            self._untrusted(problem)
+            return None
+        return ticket
+
+    def _verified_body(self, ticket: Ticket | None, body: bytes) -> Ticket | None:
+        if ticket is None:
+            return None
+        if not body_matches(ticket, body):
+            self._untrusted("ticket is for another body")
+            return None
+        # Last, so a request that fails any other check cannot use up a genuine nonce.
+        now = self.clock()
+        forget_at = max(ticket.issued_at, now) + self.settings.ticket_window_s
+        try:
+            fresh = self.replay.first_use(ticket.nonce, forget_at, now)
+        except ReplayCacheFull as exc:
+            logger.warning("tierproxy: %s; refusing", exc)
+            raise _Refused(503, "tierproxy ticket replay cache full; retry shortly") from None
+        if not fresh:
+            self._untrusted("ticket already used")
+            return None
+        return ticket
+
+    @staticmethod
+    async def _read_body(receive: Receive) -> bytes | None:
+        chunks: list[bytes] = []
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
     def _rewritten(self, body: bytes, ticket: Ticket | None, path: str) -> bytes:
         try:
             parsed = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             return body  # vLLM rejects it with its own 400; nothing in it can be trusted anyway
         if not isinstance(parsed, dict):
             return body
@@ -228,14 +276,11 @@ class TicketMiddleware:
     @staticmethod
     async def _refuse(send: Send, status: int, message: str) -> None:
         payload = _error_body(status, message)
-        await send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(payload)).encode("ascii")),
-                ],
-            }
-        )
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(payload)).encode("ascii")),
+        ]
+        if status == 503:
+            headers.append((b"retry-after", b"1"))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": payload, "more_body": False})

@@ -20,7 +20,7 @@ from tests.conftest import EngineFarm
 
 pytestmark = pytest.mark.integration
 
-SECRET = "plugin-test-secret"
+SECRET = "plugin-test-secret-of-at-least-32-bytes"
 ENV = {"TIERPROXY_TICKET_SECRET": SECRET, "TIERPROXY_PLUGIN_STATS_INTERVAL_S": "1"}
 KEY = SECRET.encode()
 

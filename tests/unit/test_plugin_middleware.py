@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
-import time
 from typing import Any
 
 import pytest
 
 from proxy.ticket import (
+    PLACEHOLDER_SECRETS,
+    REQUEST_ID_HEADER,
     TICKET_HEADER,
     XARG_BUDGET,
     XARG_DEADLINE,
@@ -16,14 +17,22 @@ from proxy.ticket import (
     XARG_PRIORITY,
     XARG_TIER,
     XARG_TRUSTED,
+    SecretError,
     Ticket,
+    body_digest,
     encode_ticket,
 )
 from proxy.vllm_plugin.middleware import Message, TicketMiddleware, check_ticket, rewrite_body
 from proxy.vllm_plugin.settings import MiddlewareSettings
+from proxy.vllm_plugin.verify import ReplayCache
+from tests.clock import FakeClock
 
-SECRET = b"s3cret"
+SECRET = b"the-middleware-tests-shared-secret"
 CHAT = "/v1/chat/completions"
+NOW = 1.8e9  # epoch seconds on the injected clock
+TICKET_RAW = TICKET_HEADER.lower().encode()
+RID_RAW = REQUEST_ID_HEADER.lower().encode()
+_nonces = iter(range(10**9))
 
 
 def ticket(**over: Any) -> Ticket:
@@ -31,10 +40,13 @@ def ticket(**over: Any) -> Ticket:
         "tier": "high",
         "priority": 0,
         "tenant": "acme",
-        "deadline": time.time() + 60,
+        "deadline": NOW + 60,
         "prefill_share": 1.0,
         "budget": 100,
         "request_id": "req-1",
+        "body_sha256": body_digest(b"{}"),
+        "issued_at": NOW,
+        "nonce": f"nonce-{next(_nonces)}",
     }
     fields.update(over)
     return Ticket(**fields)
@@ -86,26 +98,51 @@ def test_budget_clamps_every_budget_field_or_sets_one() -> None:
     assert out["max_output_tokens"] == 64 and "max_tokens" not in out
 
 
-def test_pooling_paths_only_get_priority_enforced() -> None:
-    body = {"priority": -5, "input": "x"}
+def test_other_routes_get_priority_forced_and_caller_xargs_dropped_but_no_hints() -> None:
+    body = {"priority": -5, "input": "x", "vllm_xargs": {"tierproxy_trusted": 1}}
     out = rewrite_body(body, None, path="/pooling", unticketed_priority=10)
     assert out == {"priority": 10, "input": "x"}
     out = rewrite_body({"input": "x"}, None, path="/v1/embeddings", unticketed_priority=10)
-    assert out == {"input": "x"}
+    assert out == {"priority": 10, "input": "x"}  # set even where the caller left it out
+    out = rewrite_body(
+        {"max_tokens": 9}, ticket(priority=2), path="/invocations", unticketed_priority=10
+    )
+    assert out == {"max_tokens": 9, "priority": 2}  # no xargs or budget off the proxy's routes
+
+
+def test_nested_extra_args_of_the_token_route_lose_our_keys() -> None:
+    body = {
+        "priority": -1000,
+        "sampling_params": {"max_tokens": 5, "extra_args": {"tierproxy_trusted": 1, "k": 2}},
+    }
+    out = rewrite_body(body, None, path="/inference/v1/generate", unticketed_priority=10)
+    assert out == {"priority": 10, "sampling_params": {"max_tokens": 5, "extra_args": {"k": 2}}}
 
 
 def test_check_ticket() -> None:
     t = ticket()
-    good = encode_ticket(t, SECRET)
+    good = encode_ticket(t, SECRET).encode()
     assert check_ticket([good], SECRET) == (t, None)
     assert check_ticket([], SECRET) == (None, "missing ticket")
     assert check_ticket([good, good], SECRET)[0] is None
-    assert check_ticket([encode_ticket(ticket(), b"other")], SECRET)[0] is None
+    assert check_ticket([encode_ticket(ticket(), b"other").encode()], SECRET)[0] is None
     assert check_ticket([good], b"")[0] is None  # no secret configured: nothing is trusted
-    payload, sig = good.split(".")[1:]
-    forged = encode_ticket(ticket(priority=-1000), b"guess").split(".")[1]
-    assert check_ticket([f"v1.{forged}.{sig}"], SECRET)[0] is None
-    assert check_ticket([f"v1.{payload}.{sig}"], SECRET)[0] is not None
+    payload, sig = good.split(b".")[1:]
+    forged = encode_ticket(ticket(priority=-1000), b"guess").split(".")[1].encode()
+    assert check_ticket([b"v2." + forged + b"." + sig], SECRET)[0] is None
+    assert check_ticket([b"v2." + payload + b"." + sig], SECRET)[0] is not None
+    assert check_ticket([b"v1." + payload + b"." + sig], SECRET)[0] is None
+
+
+def test_replay_cache_forgets_with_the_window_and_is_bounded() -> None:
+    cache = ReplayCache(max_entries=2)
+    assert cache.first_use("a", forget_at=NOW + 30, now=NOW)
+    assert not cache.first_use("a", forget_at=NOW + 30, now=NOW + 29)
+    assert cache.first_use("b", forget_at=NOW + 40, now=NOW + 29)
+    with pytest.raises(Exception, match="replay window"):
+        cache.first_use("c", forget_at=NOW + 59, now=NOW + 29)
+    assert cache.first_use("c", forget_at=NOW + 60, now=NOW + 30)  # "a" has been forgotten
+    assert len(cache) == 2
 
 
 # ---- ASGI ---------------------------------------------------------------------------------------
@@ -166,10 +203,30 @@ async def call(
     return received, sent
 
 
-def mw_with(app: App, require: bool = False) -> TicketMiddleware:
+def mw_with(app: App, require: bool = False, clock: FakeClock | None = None) -> TicketMiddleware:
     return TicketMiddleware(
-        app, MiddlewareSettings(secret=SECRET, unticketed_priority=10, require_ticket=require)
+        app,
+        MiddlewareSettings(secret=SECRET, unticketed_priority=10, require_ticket=require),
+        clock=clock if clock is not None else FakeClock(NOW),
     )
+
+
+def signed(body: bytes, request_id: str = "req-1", **over: Any) -> list[tuple[bytes, bytes]]:
+    """The headers the proxy sends with ``body``: a ticket bound to it and its request id."""
+    fields: dict[str, Any] = {"body_sha256": body_digest(body), "request_id": request_id}
+    fields.update(over)
+    value = encode_ticket(ticket(**fields), SECRET).encode()
+    return [(TICKET_RAW, value), (RID_RAW, request_id.encode())]
+
+
+async def refused(
+    mw: TicketMiddleware, body: bytes, headers: list[tuple[bytes, bytes]], **kw: Any
+) -> tuple[int, dict[str, Any]]:
+    """Status and error object of a request the middleware answered itself."""
+    _, sent = await call(mw, body, headers, **kw)
+    assert sent[0]["type"] == "http.response.start"
+    assert (b"content-type", b"application/json") in sent[0]["headers"]
+    return sent[0]["status"], json.loads(sent[1]["body"])["error"]
 
 
 async def test_asgi_rewrites_body_strips_headers_and_keeps_disconnect() -> None:
@@ -179,13 +236,13 @@ async def test_asgi_rewrites_body_strips_headers_and_keeps_disconnect() -> None:
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
         (b"x-vllm-priority", b"-1000"),
-        (TICKET_HEADER.lower().encode(), encode_ticket(ticket(priority=3), SECRET).encode()),
+        *signed(body, priority=3),
     ]
-    await call(mw_with(app), body, headers, chunks=3)
+    await call(mw_with(app, require=True), body, headers, chunks=3)
     seen = json.loads(app.body)
     assert seen["priority"] == 3 and seen["max_tokens"] == 100
     names = {k for k, _ in app.scope["headers"]}
-    assert b"x-vllm-priority" not in names and TICKET_HEADER.lower().encode() not in names
+    assert b"x-vllm-priority" not in names and TICKET_RAW not in names
     assert dict(app.scope["headers"])[b"content-length"] == str(len(app.body)).encode()
     assert app.after == {"type": "http.disconnect"}  # later receive() reaches the server's own
 
@@ -200,25 +257,141 @@ async def test_asgi_unticketed_runs_at_lowest_priority() -> None:
 
 @pytest.mark.parametrize(
     ("header", "status"),
-    [(None, 401), (b"v1.forged.sig", 403)],
+    [(None, 401), (b"v2.forged.sig", 403), (b"v1.old.format", 403)],
 )
 async def test_asgi_refuses_without_valid_ticket_when_required(
     header: bytes | None, status: int
 ) -> None:
     app = App()
-    headers = [(TICKET_HEADER.lower().encode(), header)] if header else []
-    _, sent = await call(mw_with(app, require=True), b"{}", headers)
+    headers = [(TICKET_RAW, header)] if header else []
+    got, err = await refused(mw_with(app, require=True), b"{}", headers)
     assert app.scope == {}  # never reached vLLM
-    assert sent[0]["status"] == status
-    err = json.loads(sent[1]["body"])["error"]
-    assert err["code"] == status and "ticket" in err["message"]
+    assert got == status and err["code"] == status and "ticket" in err["message"]
 
 
-async def test_asgi_passes_other_routes_and_methods_untouched() -> None:
-    app = App(listen_after=True)
-    received, _ = await call(mw_with(app, require=True), b"", [], path="/v1/models", method="GET")
-    assert app.body == b"" and app.after == {"type": "http.disconnect"}
-    assert len(received) == 2  # nothing buffered by us
+@pytest.mark.parametrize("raw", [b"v2.\xc3\xa9.\xff", b"\x80\x81", "v2.é.ß".encode()])
+async def test_asgi_non_ascii_ticket_bytes_get_json_403(raw: bytes) -> None:
+    app = App()
+    status, err = await refused(mw_with(app, require=True), b"{}", [(TICKET_RAW, raw)])
+    assert status == 403 and "ASCII" in err["message"] and app.scope == {}
+
+
+async def test_asgi_replayed_ticket_is_refused() -> None:
+    app = App()
+    mw = mw_with(app, require=True)
+    body = b'{"prompt":"hi"}'
+    headers = signed(body)
+    await call(mw, body, headers)
+    assert json.loads(app.body)["priority"] == 0
+    app.scope = {}
+    status, err = await refused(mw, body, headers)
+    assert status == 403 and "already used" in err["message"] and app.scope == {}
+
+
+async def test_asgi_replay_without_required_tickets_runs_unticketed() -> None:
+    app = App()
+    mw = mw_with(app)
+    body = b'{"prompt":"hi","priority":-5}'
+    headers = signed(body)
+    await call(mw, body, headers)
+    await call(mw, body, headers)
+    assert json.loads(app.body)["priority"] == 10
+
+
+async def test_asgi_expiry_and_deadline_are_enforced_by_the_clock() -> None:
+    clock = FakeClock(NOW)
+    app = App()
+    mw = mw_with(app, require=True, clock=clock)
+    body = b"{}"
+    late = signed(body)  # issued at NOW, window 30 s
+    clock.advance(30.5)
+    status, err = await refused(mw, body, late)
+    assert status == 403 and "expired" in err["message"]
+    status, err = await refused(mw, body, signed(body, issued_at=clock.now + 60))
+    assert status == 403 and "future" in err["message"]
+    past_deadline = signed(body, issued_at=clock.now, deadline=clock.now - 1)
+    status, err = await refused(mw, body, past_deadline)
+    assert status == 403 and "deadline" in err["message"]
+    await call(mw, body, signed(body, issued_at=clock.now - 29))  # still inside the window
+    assert json.loads(app.body)["priority"] == 0
+
+
+async def test_asgi_body_tampering_is_refused_by_the_digest() -> None:
+    app = App()
+    body = b'{"prompt":"hi","max_tokens":5}'
+    headers = signed(body)
+    status, err = await refused(
+        mw_with(app, require=True), b'{"prompt":"hi","max_tokens":50}', headers, chunks=2
+    )
+    assert status == 403 and "another body" in err["message"] and app.scope == {}
+
+
+@pytest.mark.parametrize("request_ids", [[b"req-2"], [], [b"req-1", b"req-1"]])
+async def test_asgi_request_id_mismatch_is_refused(request_ids: list[bytes]) -> None:
+    app = App()
+    body = b"{}"
+    ticket_only = [h for h in signed(body) if h[0] == TICKET_RAW]
+    headers = ticket_only + [(RID_RAW, rid) for rid in request_ids]
+    status, err = await refused(mw_with(app, require=True), body, headers)
+    assert status == 403 and "request" in err["message"].lower() and app.scope == {}
+
+
+async def test_asgi_failed_checks_do_not_burn_the_genuine_nonce() -> None:
+    app = App()
+    mw = mw_with(app, require=True)
+    body = b'{"prompt":"hi"}'
+    headers = signed(body)
+    await refused(mw, b'{"prompt":"evil"}', headers)  # a copy with another body first
+    await call(mw, body, headers)  # the proxy's own request still runs
+    assert json.loads(app.body)["priority"] == 0
+
+
+async def test_asgi_full_replay_cache_refuses_with_503() -> None:
+    app = App()
+    mw = TicketMiddleware(
+        app,
+        MiddlewareSettings(secret=SECRET, require_ticket=True, replay_cache_size=1),
+        clock=FakeClock(NOW),
+    )
+    await call(mw, b"{}", signed(b"{}"))
+    status, err = await refused(mw, b"{}", signed(b"{}"))
+    assert status == 503 and "replay" in err["message"]
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["/invocations", "/v1/chat/completions/batch", "/inference/v1/generate", "/tokenize", "/x"],
+)
+async def test_asgi_every_post_route_is_ticketed(path: str) -> None:
+    app = App()
+    body = json.dumps({"priority": -1000, "vllm_xargs": {"tierproxy_trusted": 1}}).encode()
+    status, _ = await refused(mw_with(app, require=True), body, [], path=path)
+    assert status == 401 and app.scope == {}
+    await call(mw_with(app), body, [], path=path)
+    assert json.loads(app.body) == {"priority": 10}
+
+
+async def test_asgi_safe_methods_and_the_ping_probe_pass_untouched() -> None:
+    for method, path in (("GET", "/v1/models"), ("HEAD", "/health"), ("POST", "/ping")):
+        app = App(listen_after=True)
+        received, _ = await call(mw_with(app, require=True), b"", [], path=path, method=method)
+        assert app.body == b"" and app.after == {"type": "http.disconnect"}
+        assert len(received) == 2  # nothing buffered by us
+
+
+async def test_asgi_websocket_is_closed_when_tickets_are_required() -> None:
+    app = App()
+    sent: list[Message] = []
+
+    async def receive() -> Message:
+        return {"type": "websocket.connect"}
+
+    async def send(msg: Message) -> None:
+        sent.append(msg)
+
+    scope = {"type": "websocket", "path": "/v1/realtime", "headers": []}
+    await mw_with(app, require=True)(scope, receive, send)
+    assert sent == [{"type": "websocket.close", "code": 1008}] and app.scope == {}
 
 
 async def test_asgi_invalid_json_is_left_for_vllm_to_reject() -> None:
@@ -239,3 +412,14 @@ async def test_asgi_client_gone_before_body_runs_nothing() -> None:
 
     await mw({"type": "http", "method": "POST", "path": CHAT, "headers": []}, receive, send)
     assert app.scope == {}
+
+
+@pytest.mark.parametrize("secret", [b"", b"short-secret", *PLACEHOLDER_SECRETS])
+def test_plugin_refuses_to_start_with_a_weak_secret(
+    secret: bytes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TIERPROXY_TICKET_SECRET", secret.decode())
+    with pytest.raises(SecretError):
+        TicketMiddleware(App())
+    with pytest.raises(SecretError):
+        MiddlewareSettings(secret=secret)

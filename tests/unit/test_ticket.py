@@ -8,9 +8,19 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from proxy import ticket
-from proxy.ticket import Ticket, TicketError, decode_ticket, encode_ticket
+from proxy.ticket import (
+    MIN_SECRET_BYTES,
+    SecretError,
+    Ticket,
+    TicketError,
+    body_digest,
+    check_secret,
+    content_digest,
+    decode_ticket,
+    encode_ticket,
+)
 
-SECRET = b"shared-secret"
+SECRET = b"shared-secret-for-the-ticket-tests"
 T = Ticket(
     tier="high",
     priority=0,
@@ -19,6 +29,9 @@ T = Ticket(
     prefill_share=1.0,
     budget=256,
     request_id="abc",
+    body_sha256=body_digest(b'{"model":"m"}'),
+    issued_at=1.8e9 - 10,
+    nonce="n-1",
 )
 
 
@@ -39,10 +52,44 @@ def test_wrong_secret_and_tampering_are_refused() -> None:
         decode_ticket(f"{version}.{better}.{sig}", SECRET)  # payload swapped, old signature
 
 
-@pytest.mark.parametrize("value", ["", "v1", "v1.a.b.c", "v2.abc.def", "v1.!!.??"])
+@pytest.mark.parametrize("value", ["", "v2", "v2.a.b.c", "v2.abc.def", "v2.!!.??", "v2.é.ß"])
 def test_malformed(value: str) -> None:
     with pytest.raises(TicketError):
         decode_ticket(value, SECRET)
+
+
+def test_v1_tickets_are_refused_even_when_signed_with_the_secret() -> None:
+    payload = encode_ticket(T, SECRET).split(".")[1]
+    signed = f"v1.{payload}"
+    sig = ticket._signature(SECRET, signed)
+    with pytest.raises(TicketError, match="version"):
+        decode_ticket(f"{signed}.{sig}", SECRET)
+
+
+@pytest.mark.parametrize("value", ["v2.\u00e9.x", b"v2.\xff\xfe.x", b"\x80"])
+def test_non_ascii_bytes_are_a_ticket_error_not_a_crash(value: str | bytes) -> None:
+    with pytest.raises(TicketError, match="ASCII"):
+        decode_ticket(value, SECRET)
+
+
+def test_body_digest_is_rfc9530_sha256() -> None:
+    # RFC 9530 appendix B.1's example: {"hello": "world"} and a newline
+    body = b'{"hello": "world"}\n'
+    assert content_digest(body) == "sha-256=:RK/0qy18MlBSVnWgjwz6lZEWjP/lF5HF9bvEF8FabDg=:"
+    assert body_digest(body) != body_digest(body + b" ")
+
+
+@pytest.mark.parametrize(
+    "secret",
+    [b"", b"short", b"x" * (MIN_SECRET_BYTES - 1), b"change-me-to-a-long-random-string"],
+)
+def test_short_or_placeholder_secrets_are_refused(secret: bytes) -> None:
+    with pytest.raises(SecretError):
+        check_secret(secret)
+
+
+def test_a_long_random_secret_is_accepted() -> None:
+    assert check_secret(b"x" * MIN_SECRET_BYTES) == b"x" * MIN_SECRET_BYTES
 
 
 def test_no_secret_never_verifies() -> None:
@@ -56,8 +103,8 @@ def test_expiry() -> None:
     assert T.expired(1.8e9) and not T.expired(1.8e9 - 1)
 
 
-@given(st.text(max_size=200))
-def test_arbitrary_input_never_crashes_decoder(value: str) -> None:
+@given(st.text(max_size=200) | st.binary(max_size=200))
+def test_arbitrary_input_never_crashes_decoder(value: str | bytes) -> None:
     with contextlib.suppress(TicketError):
         decode_ticket(value, SECRET)
 
@@ -87,3 +134,18 @@ def test_the_contract_module_imports_neither_aiohttp_nor_vllm() -> None:
     }
     imported |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert {name.split(".")[0] for name in imported}.isdisjoint({"aiohttp", "vllm", "proxy"})
+
+
+@pytest.mark.parametrize("secret", [b"short", b"change-me-to-a-long-random-string"])
+def test_the_proxy_refuses_to_start_with_a_weak_secret(secret: bytes) -> None:
+    import yaml
+
+    from proxy.app import create_app
+    from proxy.config import ConfigError, parse_config
+    from tests.proxyrun import SECRET as GOOD
+    from tests.proxyrun import make_config
+
+    loaded = parse_config(yaml.safe_dump(make_config([{"url": "http://127.0.0.1:9"}])))
+    with pytest.raises(ConfigError, match="ticket secret"):
+        create_app(loaded, secret=secret)
+    create_app(loaded, secret=GOOD)  # the suite's own secret is long enough

@@ -24,7 +24,7 @@ from proxy.ticket import DEFAULT_SECRET_ENV
 
 def secret() -> str:
     """The engines' ticket secret: the environment's, else a fixed one for the bench."""
-    return os.environ.get(DEFAULT_SECRET_ENV) or "plugin-bench-secret"
+    return os.environ.get(DEFAULT_SECRET_ENV) or "plugin-bench-secret-of-at-least-32-bytes"
 
 
 @dataclass

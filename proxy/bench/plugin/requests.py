@@ -17,7 +17,15 @@ import aiohttp
 import orjson
 
 from proxy import sse
-from proxy.ticket import DEFAULT_PREFILL_SHARE, TICKET_HEADER, Ticket, encode_ticket
+from proxy.ticket import (
+    DEFAULT_PREFILL_SHARE,
+    REQUEST_ID_HEADER,
+    TICKET_HEADER,
+    Ticket,
+    body_digest,
+    encode_ticket,
+    new_nonce,
+)
 
 MODEL = "tiny"
 VOCAB = 1024  # the tiny model's vocabulary
@@ -45,6 +53,32 @@ ENGINE_ARGS: tuple[str, ...] = (
 )
 
 
+class TicketHeaders(dict[str, str]):
+    """Headers carrying a ticket; ``for_body`` signs one bound to the exact body sent (v2
+    tickets are bound to body, request id and a nonce). As a plain dict it holds a ticket
+    signed over an empty body, which the plugin refuses for any real request."""
+
+    def __init__(self, secret: bytes, fields: dict[str, Any]) -> None:
+        self.secret = secret
+        self.fields = fields
+        super().__init__(self.for_body(b""))
+
+    def for_body(self, body: bytes) -> dict[str, str]:
+        request_id = f"{self.fields['tier']}-{random.getrandbits(32):08x}"
+        ticket = Ticket(
+            **self.fields,
+            request_id=request_id,
+            body_sha256=body_digest(body),
+            issued_at=time.time(),
+            nonce=new_nonce(),
+        )
+        return {
+            TICKET_HEADER: encode_ticket(ticket, self.secret),
+            REQUEST_ID_HEADER: request_id,
+            "Content-Type": "application/json",
+        }
+
+
 def ticket_headers(
     secret: bytes,
     *,
@@ -53,24 +87,32 @@ def ticket_headers(
     deadline_s: float = 300.0,
     prefill_share: float = 1.0,
     budget: int = 4096,
-) -> dict[str, str]:
-    ticket = Ticket(
-        tier=tier,
-        priority=priority,
-        tenant="bench",
-        deadline=time.time() + deadline_s,
-        prefill_share=prefill_share,
-        budget=budget,
-        request_id=f"{tier}-{random.getrandbits(32):08x}",
-    )
-    return {TICKET_HEADER: encode_ticket(ticket, secret)}
+) -> TicketHeaders:
+    fields = {
+        "tier": tier,
+        "priority": priority,
+        "tenant": "bench",
+        "deadline": time.time() + deadline_s,
+        "prefill_share": prefill_share,
+        "budget": budget,
+    }
+    return TicketHeaders(secret, fields)
 
 
-def high(secret: bytes, **kw: Any) -> dict[str, str]:
+def signed(headers: dict[str, str] | None, body: bytes) -> dict[str, str] | None:
+    """The headers to send with ``body``: a fresh ticket bound to it where one was asked for."""
+    if isinstance(headers, TicketHeaders):
+        return headers.for_body(body)
+    if headers is None:
+        return {"Content-Type": "application/json"}
+    return {"Content-Type": "application/json", **headers}
+
+
+def high(secret: bytes, **kw: Any) -> TicketHeaders:
     return ticket_headers(secret, tier="high", priority=HIGH_PRIORITY, prefill_share=1.0, **kw)
 
 
-def low(secret: bytes, **kw: Any) -> dict[str, str]:
+def low(secret: bytes, **kw: Any) -> TicketHeaders:
     return ticket_headers(
         secret, tier="low", priority=LOW_PRIORITY, prefill_share=DEFAULT_PREFILL_SHARE, **kw
     )
@@ -138,7 +180,10 @@ async def stream_completion(
     }
     body.update(extra or {})
     result = StreamResult(status=0, sent_at=time.perf_counter())
-    async with session.post(f"{url}/v1/completions", json=body, headers=headers) as resp:
+    data = orjson.dumps(body)
+    async with session.post(
+        f"{url}/v1/completions", data=data, headers=signed(headers, data)
+    ) as resp:
         result.status = resp.status
         if resp.status != 200:
             result.error = await resp.text()
@@ -209,7 +254,10 @@ async def complete(
         "temperature": 0.0,
     }
     body.update(extra or {})
-    async with session.post(f"{url}/v1/completions", json=body, headers=headers) as resp:
+    data = orjson.dumps(body)
+    async with session.post(
+        f"{url}/v1/completions", data=data, headers=signed(headers, data)
+    ) as resp:
         payload = await resp.json(content_type=None)
         return Completion(status=resp.status, body=payload, done_at=time.perf_counter())
 
