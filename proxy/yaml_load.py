@@ -25,7 +25,7 @@ class _Unusual(Exception):
 
 class _Builder:
     def __init__(self, text: str) -> None:
-        self.loader = LOADER(text)
+        self.loader: Any = LOADER(text)  # PyYAML's parser methods carry no types
         self.plain: dict[str, Any] = {}  # plain scalar text -> its value (immutable values)
 
     def document(self) -> Any:
@@ -52,10 +52,10 @@ class _Builder:
         raise _Unusual(type(event).__name__)
 
     def scalar(self, event: yaml.ScalarEvent) -> Any:
-        if event.tag not in (None, "!") or event.tag == "!" and event.implicit[0]:
+        if event.tag not in (None, "!"):
             raise _Unusual("explicit tag")
-        if not event.implicit[0]:
-            return event.value  # quoted or block scalar: a string
+        if event.tag == "!" or not event.implicit[0]:
+            return event.value  # quoted, block or '!' scalar: a string
         text = event.value
         try:
             return self.plain[text]
@@ -101,6 +101,6 @@ def safe_load(text: str) -> Any:
     try:
         return builder.document()
     except _Unusual:
-        return yaml.load(text, Loader=LOADER)  # noqa: S506 (LOADER is a safe loader)
+        return yaml.load(text, Loader=LOADER)  # LOADER is a safe loader
     finally:
         builder.loader.dispose()
