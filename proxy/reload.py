@@ -124,9 +124,7 @@ class ConfigWatcher:
                     log.error("  %s: %s", exc.source, problem)
                 return False
             for name in restart_needed(self.current(), loaded.config):
-                log.warning(
-                    "config reload: %s changed; it takes effect only after a restart", name
-                )
+                log.warning("config reload: %s changed; it takes effect only after a restart", name)
             self.apply(loaded)
             self.metrics.config_reloads.labels("ok").inc()
             log.info("config reloaded from %s", self.path)

@@ -42,7 +42,7 @@ class Sleeps:
     """The watcher's injected sleep: returns at once, running a hook during the debounce."""
 
     def __init__(self) -> None:
-        self.during_debounce: Callable[[], None] | None = None
+        self.during_debounce: Callable[[], object] | None = None
         self.calls: list[float] = []
 
     async def __call__(self, seconds: float) -> None:
