@@ -104,3 +104,35 @@ def safe_load(text: str) -> Any:
         return yaml.load(text, Loader=LOADER)  # LOADER is a safe loader
     finally:
         builder.loader.dispose()
+
+
+class Lines:
+    """Line numbers for error messages: the YAML is composed again, with marks, only when
+    something must be reported (the happy path parses once)."""
+
+    def __init__(self, text: str) -> None:
+        self._text = text
+        self._root: yaml.Node | None = None
+        self._composed = False
+
+    def of(self, loc: tuple[int | str, ...]) -> int | None:
+        """The 1-based line of the deepest YAML node that ``loc`` reaches."""
+        if not self._composed:
+            self._root = yaml.compose(self._text, Loader=LOADER)
+            self._composed = True
+        node = self._root
+        line = node.start_mark.line + 1 if node is not None else None
+        for part in loc:
+            if isinstance(node, yaml.MappingNode):
+                match = next((v for k, v in node.value if getattr(k, "value", None) == part), None)
+                if match is None:
+                    break
+                node = match
+            elif isinstance(node, yaml.SequenceNode) and isinstance(part, int):
+                if part >= len(node.value):
+                    break
+                node = node.value[part]
+            else:
+                break
+            line = node.start_mark.line + 1
+        return line

@@ -188,3 +188,27 @@ def test_fast_yaml_raises_what_safe_load_raises() -> None:
             yaml.safe_load(text)
         with pytest.raises(yaml.YAMLError):
             safe_load(text)
+
+
+def test_large_tenant_lists_validate_in_chunks_with_the_same_locations() -> None:
+    tenants = "".join(
+        f'  - {{name: t{i}, tier: high, keys: [{{sha256: "{hash_key(str(i))}"}}]}}\n'
+        for i in range(1200)
+    )
+    text = (
+        GOOD.split("tenants:")[0]
+        + "tenants:\n"
+        + tenants
+        + GOOD.split("backends:")[1].join(["backends:", ""])
+    )
+    loaded = parse_config(text)
+    assert len(loaded.config.tenants) == 1200 and loaded.tenant_for_key("1199") is not None
+    broken = text.replace("name: t700,", "name: t700, weight: 0,").replace("t1100", "t1")
+    with pytest.raises(ConfigError) as exc:
+        parse_config(broken)
+    line = 8 + 700  # tenants: on line 7 of GOOD's head
+    assert exc.value.problems[0].startswith(f"tenants.700.weight (line {line}):")
+    assert len(exc.value.problems) == 1  # t1 twice: cross-checks run only on valid tenants
+    with pytest.raises(ConfigError) as exc:
+        parse_config(text.replace("t1100", "t1"))
+    assert "tenant name 't1' appears twice" in str(exc.value)
