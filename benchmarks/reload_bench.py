@@ -33,6 +33,7 @@ from aiohttp import web
 from proxy.app import ProxyState
 from proxy.config import LoadedConfig, parse_config
 from proxy.process import free_port
+from proxy.runtime import tune_gc
 from tests.proxyrun import KEYS, auth, make_config, running_proxy, until
 
 TIERS = ("high", "normal", "low")
@@ -193,6 +194,7 @@ async def run(tenants: int, seconds: float, clients: int, workdir: Path) -> None
 
             state.watcher.apply = timed_apply
             await until(lambda: state.pool.any_available(state.clock()), 30, "the backend")
+            tune_gc()  # as `tierproxy serve` does once started
             await measure(base, clients, 1.0)  # warm-up
             quiet = await measure(base, clients, seconds)
             texts = reweighted(config)  # made before: yaml.safe_dump would block the loop

@@ -195,12 +195,8 @@ def test_large_tenant_lists_validate_in_chunks_with_the_same_locations() -> None
         f'  - {{name: t{i}, tier: high, keys: [{{sha256: "{hash_key(str(i))}"}}]}}\n'
         for i in range(1200)
     )
-    text = (
-        GOOD.split("tenants:")[0]
-        + "tenants:\n"
-        + tenants
-        + GOOD.split("backends:")[1].join(["backends:", ""])
-    )
+    head, backends = GOOD.split("tenants:")[0], GOOD.split("backends:")[1]
+    text = f"{head}tenants:\n{tenants}backends:{backends}"
     loaded = parse_config(text)
     assert len(loaded.config.tenants) == 1200 and loaded.tenant_for_key("1199") is not None
     broken = text.replace("name: t700,", "name: t700, weight: 0,").replace("t1100", "t1")
