@@ -80,6 +80,9 @@ class ProxyState:
         self.dispatcher.kick()
 
 
+# Open files kept for upstream connections, probes, the config file and logs.
+FD_RESERVE = 256
+
 STATE = web.AppKey("tierproxy_state", ProxyState)
 
 
@@ -176,7 +179,16 @@ def serve(config_path: str, *, host: str | None = None, port: int | None = None)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     loaded = load_config(config_path)
     app = create_app(loaded, watch_config=True)
-    raise_open_files_limit()
+    open_files, _ = raise_open_files_limit()
+    cap = loaded.config.server.max_connections
+    if cap + FD_RESERVE > open_files:
+        # Past the limit accept() fails and probes and upstream connections fail with it.
+        log.warning(
+            "server.max_connections %d leaves under %d of %d open files for backends and logs",
+            cap,
+            FD_RESERVE,
+            open_files,
+        )
     tune_gc()
     asyncio.run(_serve(app, host, port))
 
