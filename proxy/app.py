@@ -6,7 +6,9 @@ The request path lives in ``proxy.pipeline``, the other routes in ``proxy.endpoi
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import signal
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -24,6 +26,7 @@ from proxy.pipeline import RequestPipeline
 from proxy.policies.build import build_scheduling
 from proxy.reload import ConfigWatcher
 from proxy.runtime import tune_gc
+from proxy.server import Listeners, raise_open_files_limit
 from proxy.ticket import SecretError, check_secret, secret_from_env
 
 log = logging.getLogger("tierproxy")
@@ -78,6 +81,9 @@ class ProxyState:
         self.dispatcher.kick()
 
 
+# Open files kept for upstream connections, probes, the config file and logs.
+FD_RESERVE = 256
+
 STATE = web.AppKey("tierproxy_state", ProxyState)
 
 
@@ -113,7 +119,13 @@ def create_app(
     state = ProxyState(loaded, secret, clock)
     app[STATE] = state
     if watch_config:
-        state.watcher = ConfigWatcher(loaded.source, state.apply, state.metrics)
+        state.watcher = ConfigWatcher(
+            loaded.source,
+            state.apply,
+            state.metrics,
+            lambda: state.config,
+            debounce_s=loaded.config.server.reload_debounce_s,
+        )
     app.cleanup_ctx.append(_lifecycle)
     pipeline, service, admin = state.pipeline, ServiceEndpoints(state), AdminEndpoints(state)
     app.router.add_post("/v1/chat/completions", pipeline.chat)
@@ -121,10 +133,27 @@ def create_app(
     app.router.add_get("/v1/models", service.models)
     app.router.add_get("/healthz", service.healthz)
     app.router.add_get("/readyz", service.readyz)
+    if loaded.config.admin_listen is None:
+        _add_operator_routes(app, service, admin)
+    app.router.add_route("*", "/v1/{tail:.*}", service.unsupported)
+    return app
+
+
+def _add_operator_routes(
+    app: web.Application, service: ServiceEndpoints, admin: AdminEndpoints
+) -> None:
     app.router.add_get("/metrics", service.metrics)
     app.router.add_get("/admin/backends", admin.backends)
     app.router.add_post("/admin/backends/drain", admin.drain)
-    app.router.add_route("*", "/v1/{tail:.*}", service.unsupported)
+
+
+def create_admin_app(public: web.Application) -> web.Application:
+    """/metrics and /admin for the ``admin_listen`` listener (the public app then has neither);
+    it shares the public app's state, whose lifecycle belongs to the public app."""
+    state = public[STATE]
+    app = web.Application()
+    _add_operator_routes(app, ServiceEndpoints(state), AdminEndpoints(state))
+    app.router.add_get("/healthz", ServiceEndpoints(state).healthz)
     return app
 
 
@@ -160,14 +189,33 @@ def serve(config_path: str, *, host: str | None = None, port: int | None = None)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     loaded = load_config(config_path)
     app = create_app(loaded, watch_config=True)
-    listen = loaded.config.listen
+    open_files, _ = raise_open_files_limit()
+    cap = loaded.config.server.max_connections
+    if cap + FD_RESERVE > open_files:
+        # Past the limit accept() fails and probes and upstream connections fail with it.
+        log.warning(
+            "server.max_connections %d leaves under %d of %d open files for backends and logs",
+            cap,
+            FD_RESERVE,
+            open_files,
+        )
     tune_gc()
-    web.run_app(
-        app,
-        host=host or listen.host,
-        port=port if port is not None else listen.port,
-        access_log=None,  # our own access line names tenant and tier, never the key
-        handler_cancellation=True,  # a client that leaves cancels its handler: queue + upstream
-        backlog=2048,  # bursts of new connections wait in the kernel, not in connect errors
-        print=lambda msg: log.info("%s", msg),
-    )
+    asyncio.run(_serve(app, host, port))
+
+
+async def _serve(app: web.Application, host: str | None, port: int | None) -> None:
+    """Run until SIGINT or SIGTERM: the public listener and, with ``admin_listen``, the
+    operator one; both under the connection cap of ``server:`` (read once, at start)."""
+    cfg = app[STATE].config
+    listen = cfg.listen
+    async with Listeners(cfg.server) as listeners:
+        await listeners.add(app, host or listen.host, port if port is not None else listen.port)
+        if cfg.admin_listen is not None:
+            admin = cfg.admin_listen
+            await listeners.add(create_admin_app(app), admin.host, admin.port)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("stopping")

@@ -130,8 +130,10 @@ def _cmd_up(args: argparse.Namespace) -> int:
             engine.wait_ready(args.ready_timeout)
         cfg = loaded.config
         base = f"http://{cfg.listen.host}:{cfg.listen.port}"
+        admin = cfg.admin_listen
+        metrics = f"http://{admin.host}:{admin.port}" if admin is not None else base
         name = served or model
-        print(_snippet(base, name), flush=True)
+        print(_snippet(base, name, metrics), flush=True)
         serve(args.config)
         return 0
     except KeyboardInterrupt:
@@ -141,7 +143,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
             engine.stop()
 
 
-def _snippet(base: str, model: str) -> str:
+def _snippet(base: str, model: str, metrics: str) -> str:
     return f"""
 tierproxy is up on {base}  (Ctrl-C stops the proxy and the engines)
 
@@ -156,7 +158,7 @@ tierproxy is up on {base}  (Ctrl-C stops the proxy and the engines)
         messages=[{{"role": "user", "content": "hello"}}]).choices[0].message.content)
 
 Demo keys by tier: {", ".join(f"{t}={k}" for t, k in DEMO_KEYS.items())}
-Metrics: {base}/metrics
+Metrics: {metrics}/metrics
 """
 
 
@@ -232,7 +234,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_up)
 
     p = sub.add_parser("drain", help="stop (or with --undo resume) new work to a backend")
-    p.add_argument("--proxy", default="http://127.0.0.1:8000", help="the proxy's base URL")
+    p.add_argument(
+        "--proxy",
+        default="http://127.0.0.1:8001",
+        help="the proxy's admin listener (admin_listen; without one, its listen address)",
+    )
     p.add_argument("--backend", required=True, help="the backend's URL as in the config")
     p.add_argument("--undo", action="store_true", help="put the backend back in service")
     p.set_defaults(func=_cmd_drain)

@@ -15,6 +15,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    TypeAdapter,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -22,6 +23,7 @@ from pydantic import (
 )
 
 from proxy.ticket import DEFAULT_PREFILL_SHARE, DEFAULT_SECRET_ENV
+from proxy.yaml_load import Lines, safe_load
 
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
@@ -38,6 +40,30 @@ class _Strict(BaseModel):
 class Listen(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
+
+
+class AdminListen(_Strict):
+    """A second listener that alone serves /metrics and /admin (keep it off public networks)."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(ge=0, le=65535)
+
+
+class Server(_Strict):
+    """Client connections (like nginx's worker_connections and client_header/keepalive timeouts).
+    Read at start: a change needs a restart."""
+
+    # Open client connections on all listeners together; beyond it a new connection gets a
+    # canned 503 JSON with Retry-After and is closed before anything is parsed.
+    max_connections: int = Field(4096, gt=0)
+    # A request's headers must be complete this long after its first byte (or after the
+    # connection opened); else 408 JSON and the connection closes (slowloris).
+    header_timeout_s: float = Field(10.0, gt=0)
+    # An idle connection (no request in progress) closes after this long.
+    keepalive_timeout_s: float = Field(15.0, gt=0)
+    # Live reload: a changed file is applied only when it reads the same again this long after
+    # (a file saved in two writes is never applied half-written).
+    reload_debounce_s: float = Field(0.2, ge=0)
 
 
 class Limits(_Strict):
@@ -192,6 +218,9 @@ class InputLimits(_Strict):
 
 class Config(_Strict):
     listen: Listen = Listen()
+    # Set: /metrics and /admin are served there only, not on `listen`.
+    admin_listen: AdminListen | None = None
+    server: Server = Server()
     ticket_secret_env: str = DEFAULT_SECRET_ENV
     limits: Limits = Limits()
     scheduling: Scheduling = Scheduling()
@@ -216,6 +245,9 @@ class Config(_Strict):
             if tenant.name in names:
                 raise ValueError(f"tenant name {tenant.name!r} appears twice")
             names.add(tenant.name)
+        admin = self.admin_listen
+        if admin is not None and admin.port != 0 and admin.port == self.listen.port:
+            raise ValueError("admin_listen must use another port than listen")
         urls = [b.url for b in self.backends]
         if len(set(urls)) != len(urls):
             raise ValueError("a backend url appears twice")
@@ -259,68 +291,52 @@ class ConfigError(Exception):
         super().__init__(f"{source}: " + "; ".join(problems))
 
 
-def _line_of(root: yaml.Node | None, loc: tuple[int | str, ...]) -> int | None:
-    """The 1-based line of the deepest YAML node that ``loc`` reaches."""
-    node = root
-    line = node.start_mark.line + 1 if node is not None else None
-    for part in loc:
-        if isinstance(node, yaml.MappingNode):
-            match = next((v for k, v in node.value if getattr(k, "value", None) == part), None)
-            if match is None:
-                break
-            node = match
-        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int):
-            if part >= len(node.value):
-                break
-            node = node.value[part]
-        else:
-            break
-        line = node.start_mark.line + 1
-    return line
-
-
-def _digest_of(spec: KeySpec, where: str) -> tuple[str | None, str | None]:
+def _digest_of(spec: KeySpec) -> tuple[str | None, str | None]:
     """(sha256 of the key, None) or (None, the problem)."""
     if spec.env is not None:
         raw = os.environ.get(spec.env)
         if not raw:
-            return None, f"{where}: environment variable {spec.env} is not set"
+            return None, f"environment variable {spec.env} is not set"
         return hash_key(raw), None
     return spec.sha256, None
 
 
 def _resolve_keys(
-    config: Config, root: yaml.Node | None
+    config: Config, lines: Lines
 ) -> tuple[dict[str, Tenant], frozenset[str], list[str]]:
     by_hash: dict[str, Tenant] = {}
     problems: list[str] = []
+
+    def where(loc: tuple[int | str, ...]) -> str:
+        return f"{'.'.join(str(p) for p in loc)} (line {lines.of(loc)})"
+
     for t_index, tenant in enumerate(config.tenants):
         for k_index, spec in enumerate(tenant.keys):
-            line = _line_of(root, ("tenants", t_index, "keys", k_index))
-            where = f"tenants.{t_index}.keys.{k_index} (line {line})"
-            digest, problem = _digest_of(spec, where)
+            loc = ("tenants", t_index, "keys", k_index)
+            digest, problem = _digest_of(spec)
             if digest is None:
-                problems.append(str(problem))
+                problems.append(f"{where(loc)}: {problem}")
                 continue
             owner = by_hash.get(digest)
             if owner is not None and owner.name != tenant.name:
-                problems.append(f"{where}: key already belongs to tenant {owner.name!r}")
+                problems.append(f"{where(loc)}: key already belongs to tenant {owner.name!r}")
                 continue
             by_hash[digest] = tenant
     admin: set[str] = set()
     for index, spec in enumerate(config.admin_keys):
-        where = f"admin_keys.{index} (line {_line_of(root, ('admin_keys', index))})"
-        digest, problem = _digest_of(spec, where)
+        digest, problem = _digest_of(spec)
         if digest is None:
-            problems.append(str(problem))
+            problems.append(f"{where(('admin_keys', index))}: {problem}")
         elif digest in by_hash:
-            problems.append(f"{where}: an admin key must not also be a tenant's key")
+            problems.append(
+                f"{where(('admin_keys', index))}: an admin key must not also be a tenant's key"
+            )
         else:
             admin.add(digest)
     return by_hash, frozenset(admin), problems
 
 
-def _missing_env_keys(data: dict[str, Any], root: yaml.Node | None) -> list[str]:
+def _missing_env_keys(data: dict[str, Any], lines: Lines) -> list[str]:
     problems = []
     tenants = data.get("tenants")
     for t_index, tenant in enumerate(tenants if isinstance(tenants, list) else []):
@@ -328,7 +344,7 @@ def _missing_env_keys(data: dict[str, Any], root: yaml.Node | None) -> list[str]
         for k_index, spec in enumerate(keys if isinstance(keys, list) else []):
             env = spec.get("env") if isinstance(spec, dict) else None
             if isinstance(env, str) and not os.environ.get(env):
-                line = _line_of(root, ("tenants", t_index, "keys", k_index))
+                line = lines.of(("tenants", t_index, "keys", k_index))
                 problems.append(
                     f"tenants.{t_index}.keys.{k_index} (line {line}):"
                     f" environment variable {env} is not set"
@@ -336,27 +352,54 @@ def _missing_env_keys(data: dict[str, Any], root: yaml.Node | None) -> list[str]
     return problems
 
 
+# Tenants validated per call. One pydantic call holds the GIL throughout, so a reload parsed in
+# a worker thread would stall the event loop for all 10,000 tenants at once (~80 ms) otherwise.
+_TENANT_CHUNK = 500
+_TENANTS = TypeAdapter(list[Tenant])
+_Errors = list[tuple[tuple[int | str, ...], str]]
+
+
+def _validate(data: dict[str, Any]) -> tuple[Config | None, _Errors]:
+    """The config, or None and every error (location, message)."""
+    raw = data.get("tenants")
+    errors: _Errors = []
+    if isinstance(raw, list) and len(raw) > _TENANT_CHUNK:
+        tenants: list[Tenant] = []
+        for start in range(0, len(raw), _TENANT_CHUNK):
+            try:
+                tenants += _TENANTS.validate_python(raw[start : start + _TENANT_CHUNK])
+            except ValidationError as exc:
+                for err in exc.errors():
+                    index, *rest = err["loc"]
+                    errors.append((("tenants", start + int(index), *rest), err["msg"]))
+        # Validated instances are taken as they are: what is left is the rest and cross-checks.
+        data = {**data, "tenants": [] if errors else tenants}
+    try:
+        config = Config.model_validate(data)
+    except ValidationError as exc:
+        return None, errors + [(tuple(err["loc"]), err["msg"]) for err in exc.errors()]
+    return (None, errors) if errors else (config, errors)
+
+
 def parse_config(text: str, source: str = "<config>") -> LoadedConfig:
     """Validate YAML text; raises ConfigError listing every problem with its line."""
     try:
-        root = yaml.compose(text)
-        data: Any = yaml.safe_load(text)
+        data: Any = safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(source, [f"not valid YAML: {exc}"]) from exc
     if not isinstance(data, dict):
         raise ConfigError(source, ["the file must be a mapping with tiers, tenants and backends"])
-    try:
-        config = Config.model_validate(data)
-    except ValidationError as exc:
+    lines = Lines(text)
+    config, errors = _validate(data)
+    if config is None:
         problems = []
-        for err in exc.errors():
-            loc = tuple(err["loc"])
+        for loc, msg in errors:
             path = ".".join(str(p) for p in loc) or "(top level)"
-            problems.append(f"{path} (line {_line_of(root, loc)}): {err['msg']}")
+            problems.append(f"{path} (line {lines.of(loc)}): {msg}")
         # Report missing key variables too, so one `tierproxy check` shows everything.
-        problems += _missing_env_keys(data, root)
-        raise ConfigError(source, problems) from exc
-    by_hash, admin, problems = _resolve_keys(config, root)
+        problems += _missing_env_keys(data, lines)
+        raise ConfigError(source, problems)
+    by_hash, admin, problems = _resolve_keys(config, lines)
     if problems:
         raise ConfigError(source, problems)
     return LoadedConfig(

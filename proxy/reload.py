@@ -1,4 +1,5 @@
-"""Live config reload: on SIGHUP and when the file changes, validate and swap atomically.
+"""Live config reload: on SIGHUP and when the file changes (and then stays the same for a
+moment), validate off the event loop and swap atomically.
 
 A broken file changes nothing: the old config stays, the errors are logged with their lines
 and counted in /metrics (``tierproxy_config_reloads_total{result="error"}``).
@@ -11,40 +12,65 @@ import contextlib
 import hashlib
 import logging
 import signal
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from proxy.config import ConfigError, LoadedConfig, load_config
+from proxy.config import Config, ConfigError, LoadedConfig, load_config, parse_config
 from proxy.metrics import ProxyMetrics
 from proxy.tasks import OwnedTask
 
 log = logging.getLogger("tierproxy.reload")
 
 
+Sleep = Callable[[float], Awaitable[None]]
+
+# Read once, at start: a reload that changes them logs that a restart is needed.
+RESTART_FIELDS = ("listen", "admin_listen", "server", "ticket_secret_env")
+
+
+def restart_needed(old: Config, new: Config) -> list[str]:
+    """The fields whose change only a restart applies."""
+    return [name for name in RESTART_FIELDS if getattr(old, name) != getattr(new, name)]
+
+
 class ConfigWatcher:
-    """Owns one polling task (and the SIGHUP handler, where the loop supports signals)."""
+    """Owns one polling task (and the SIGHUP handler, where the loop supports signals).
+
+    A changed file is applied only when it reads the same ``debounce_s`` later (an editor or a
+    `cp` that writes in pieces is never applied half-way); parsing and validation run in a
+    worker thread so that requests keep moving meanwhile.
+    """
 
     def __init__(
         self,
         path: str | Path,
         apply: Callable[[LoadedConfig], None],
         metrics: ProxyMetrics,
+        current: Callable[[], Config],
+        *,
         interval_s: float = 1.0,
+        debounce_s: float = 0.2,
+        sleep: Sleep = asyncio.sleep,
     ) -> None:
         self.path = Path(path)
         self.apply = apply
         self.metrics = metrics
+        self.current = current
         self.interval_s = interval_s
-        self._digest = self._read_digest()
+        self.debounce_s = debounce_s
+        self.sleep = sleep
+        self._digest = self._read()[1]
         self._task = OwnedTask("tierproxy-config-watcher")
         self._lock = asyncio.Lock()
         self._sighup_installed = False
 
-    def _read_digest(self) -> bytes | None:
+    def _read(self) -> tuple[bytes | None, bytes | None]:
+        """(the file's bytes, their sha256), or (None, None) where it cannot be read."""
         try:
-            return hashlib.sha256(self.path.read_bytes()).digest()
+            data = self.path.read_bytes()
         except OSError:
-            return None
+            return None, None
+        return data, hashlib.sha256(data).digest()
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -66,17 +92,29 @@ class ConfigWatcher:
 
     async def _poll(self) -> None:
         while True:
-            await asyncio.sleep(self.interval_s)
-            digest = self._read_digest()
-            if digest is not None and digest != self._digest:
-                self._digest = digest
-                await self.reload()
+            await self.sleep(self.interval_s)
+            await self.check()
 
-    async def reload(self) -> bool:
-        """Load, validate and apply the file now; True when the new config is in force."""
+    async def check(self) -> bool:
+        """One poll: when the file changed and then stayed the same for ``debounce_s``, reload
+        it; True when a new config came into force."""
+        _, digest = await asyncio.to_thread(self._read)
+        if digest is None or digest == self._digest:
+            return False
+        await self.sleep(self.debounce_s)
+        data, again = await asyncio.to_thread(self._read)
+        if data is None or again != digest:
+            log.info("config %s is still changing; waiting for it to settle", self.path)
+            return False
+        self._digest = digest
+        return await self.reload(data)
+
+    async def reload(self, data: bytes | None = None) -> bool:
+        """Load, validate and apply the file (or ``data``, the bytes read from it) now, parsing
+        off the event loop; True when the new config is in force."""
         async with self._lock:
             try:
-                loaded = load_config(self.path)
+                loaded = await asyncio.to_thread(self._load, data)
             except ConfigError as exc:
                 self.metrics.config_reloads.labels("error").inc()
                 log.error(
@@ -85,7 +123,18 @@ class ConfigWatcher:
                 for problem in exc.problems:
                     log.error("  %s: %s", exc.source, problem)
                 return False
+            for name in restart_needed(self.current(), loaded.config):
+                log.warning("config reload: %s changed; it takes effect only after a restart", name)
             self.apply(loaded)
             self.metrics.config_reloads.labels("ok").inc()
             log.info("config reloaded from %s", self.path)
             return True
+
+    def _load(self, data: bytes | None) -> LoadedConfig:
+        if data is None:
+            return load_config(self.path)
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ConfigError(str(self.path), [f"not UTF-8: {exc}"]) from exc
+        return parse_config(text, source=str(self.path))

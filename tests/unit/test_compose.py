@@ -62,13 +62,25 @@ def test_compose_structure_matches_the_code(monkeypatch: pytest.MonkeyPatch) -> 
             monkeypatch.setenv(key, value)
     loaded = load_config(REPO / host_config)
     assert {b.url for b in loaded.config.backends} == {"http://vllm-0:8000", "http://vllm-1:8000"}
-    assert loaded.config.listen.host == "0.0.0.0"
+    cfg = loaded.config
+    assert cfg.listen.host == "0.0.0.0"
+    # /metrics and /admin live on their own listener, published on the host's loopback only.
+    assert cfg.admin_listen is not None
+    admin_port = cfg.admin_listen.port
+    assert f"{cfg.listen.port}:{cfg.listen.port}" in proxy["ports"]
+    assert f"127.0.0.1:{admin_port}:{admin_port}" in proxy["ports"]
+    assert not any(p.endswith(f":{admin_port}") and p.count(":") < 2 for p in proxy["ports"])
 
     prom = yaml.safe_load((REPO / "configs/prometheus.yml").read_text())
     targets = {
         t for job in prom["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]
     }
-    assert targets == {"proxy:8000", "vllm-0:8000", "vllm-1:8000"}
+    assert targets == {f"proxy:{admin_port}", "vllm-0:8000", "vllm-1:8000"}
+
+
+def test_example_config_keeps_metrics_and_admin_on_loopback() -> None:
+    admin = load_config(REPO / "configs/example.yaml").config.admin_listen
+    assert admin is not None and admin.host == "127.0.0.1"
 
 
 def test_plugin_classes_named_in_compose_import() -> None:

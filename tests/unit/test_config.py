@@ -3,8 +3,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from proxy.config import ConfigError, hash_key, load_config, parse_config
+from proxy.yaml_load import safe_load
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -132,3 +134,77 @@ def test_policies_section_picks_implementations_and_checks_names() -> None:
         )
         for p in exc.value.problems
     ), exc.value.problems
+
+
+def test_server_section_defaults_and_admin_listen(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BATCH_KEY", "batch-secret")
+    cfg = parse_config(GOOD).config
+    assert cfg.admin_listen is None
+    server = cfg.server
+    assert (server.max_connections, server.header_timeout_s, server.keepalive_timeout_s) == (
+        4096,
+        10.0,
+        15.0,
+    )
+    tuned = GOOD.replace(
+        "backends:",
+        "server: {max_connections: 100, keepalive_timeout_s: 5}\n"
+        "admin_listen: {port: 9000}\nbackends:",
+    )
+    cfg = parse_config(tuned).config
+    assert cfg.server.max_connections == 100 and cfg.server.keepalive_timeout_s == 5
+    assert cfg.admin_listen is not None and cfg.admin_listen.host == "127.0.0.1"
+    with pytest.raises(ConfigError) as exc:
+        parse_config(tuned.replace("port: 9000", "port: 8000"))
+    assert "admin_listen must use another port than listen" in str(exc.value)
+    with pytest.raises(ConfigError) as exc:
+        parse_config(tuned.replace("max_connections: 100", "max_connections: 0"))
+    assert "server.max_connections (line 14)" in str(exc.value)
+
+
+YAML_SAMPLES = [
+    "a: 1\nb: [1.5, .inf, -2, 0x1f, 1_000]\nc: {d: null, e: ~, f: yes, g: 'yes', h: \"x\\ty\"}\n",
+    "when: 2026-12-01\nstamp: 2026-12-01 10:00:00\nempty:\nblock: |\n  two\n  lines\n",
+    "base: &b {x: 1}\nderived: {<<: *b, y: 2}\n",  # anchors and merge keys: the full loader
+    "tagged: !!str 123\nset: !!set {a, b}\n",
+    "",
+    "just a string",
+]
+
+
+@pytest.mark.parametrize("text", YAML_SAMPLES)
+def test_fast_yaml_loads_what_safe_load_loads(text: str) -> None:
+    assert safe_load(text) == yaml.safe_load(text)
+
+
+def test_fast_yaml_raises_what_safe_load_raises() -> None:
+    for text in (
+        "a: [unclosed",
+        "a: 1\n---\nb: 2\n",
+        "a: *undefined",
+        "? [complex, key]\n: value\n",
+    ):
+        with pytest.raises(yaml.YAMLError):
+            yaml.safe_load(text)
+        with pytest.raises(yaml.YAMLError):
+            safe_load(text)
+
+
+def test_large_tenant_lists_validate_in_chunks_with_the_same_locations() -> None:
+    tenants = "".join(
+        f'  - {{name: t{i}, tier: high, keys: [{{sha256: "{hash_key(str(i))}"}}]}}\n'
+        for i in range(1200)
+    )
+    head, backends = GOOD.split("tenants:")[0], GOOD.split("backends:")[1]
+    text = f"{head}tenants:\n{tenants}backends:{backends}"
+    loaded = parse_config(text)
+    assert len(loaded.config.tenants) == 1200 and loaded.tenant_for_key("1199") is not None
+    broken = text.replace("name: t700,", "name: t700, weight: 0,").replace("t1100", "t1")
+    with pytest.raises(ConfigError) as exc:
+        parse_config(broken)
+    line = 8 + 700  # tenants: on line 7 of GOOD's head
+    assert exc.value.problems[0].startswith(f"tenants.700.weight (line {line}):")
+    assert len(exc.value.problems) == 1  # t1 twice: cross-checks run only on valid tenants
+    with pytest.raises(ConfigError) as exc:
+        parse_config(text.replace("t1100", "t1"))
+    assert "tenant name 't1' appears twice" in str(exc.value)

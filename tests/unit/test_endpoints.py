@@ -7,13 +7,15 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
+import aiohttp
 import pytest
 import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from proxy.app import STATE, create_app
-from proxy.config import hash_key, parse_config
+from proxy.app import STATE, create_admin_app, create_app
+from proxy.config import Server, hash_key, parse_config
+from proxy.server import Listeners
 from tests.clock import FakeClock
 from tests.fakes import ScriptedBackend, serve_scripted
 from tests.proxyrun import SECRET, auth, make_config
@@ -104,3 +106,30 @@ async def test_admin_drain_takes_a_backend_out_and_back(clock: FakeClock) -> Non
         async with client.get("/readyz") as resp:
             assert resp.status == 200
         assert not state.pool.all()[0].draining
+
+
+async def test_admin_listen_serves_metrics_and_admin_there_only(clock: FakeClock) -> None:
+    async with serve_scripted(ScriptedBackend()) as url:
+        config = make_config(
+            [{"url": url}],
+            admin_keys=[{"sha256": hash_key("admin-secret")}],
+            admin_listen={"host": "127.0.0.1", "port": 0},
+        )
+        app = create_app(parse_config(yaml.safe_dump(config)), secret=SECRET, clock=clock)
+        async with Listeners(Server()) as listeners:
+            public = await listeners.add(app, "127.0.0.1", 0)
+            admin = await listeners.add(create_admin_app(app), "127.0.0.1", 0)
+            async with aiohttp.ClientSession() as http:
+                for path in ("/metrics", "/admin/backends"):
+                    async with http.get(f"http://127.0.0.1:{public}{path}", headers=ADMIN) as r:
+                        assert r.status == 404, path
+                base = f"http://127.0.0.1:{admin}"
+                async with http.get(f"{base}/metrics") as resp:
+                    assert resp.status == 200
+                    assert "tierproxy_config_generation 1.0" in await resp.text()
+                async with http.get(f"{base}/admin/backends", headers=ADMIN) as resp:
+                    assert resp.status == 200 and (await resp.json())["backends"][0]["url"] == url
+                async with http.get(f"{base}/v1/models", headers=auth("low")) as resp:
+                    assert resp.status == 404  # tenants' routes stay on the public listener
+                async with http.get(f"http://127.0.0.1:{public}/healthz") as resp:
+                    assert resp.status == 200

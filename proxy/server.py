@@ -1,0 +1,198 @@
+"""Client connections: a cap on open connections, a header timeout, keep-alive, open files.
+
+aiohttp has a keep-alive timeout (an idle connection closes) but no connection cap and no
+header timeout, so listeners are made here with a small protocol factory around the runner's
+``web.Server``: over the cap a connection gets a canned 503 and is closed before anything is
+parsed; a request whose headers are not complete in time gets a canned 408 and is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import resource
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+
+from proxy.config import Server
+
+log = logging.getLogger("tierproxy")
+
+
+def _canned(status: str, code: str, message: str, extra: str = "") -> bytes:
+    body = (
+        f'{{"error": {{"message": "{message}", "type": "{code}", "param": null,'
+        f' "code": "{code}"}}}}'
+    ).encode()
+    head = (
+        f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n{extra}\r\n"
+    )
+    return head.encode() + body
+
+
+OVER_CAPACITY = _canned(
+    "503 Service Unavailable",
+    "too_many_connections",
+    "The proxy holds its maximum of open connections; retry shortly.",
+    "Retry-After: 1\r\n",
+)
+HEADER_TIMEOUT = _canned(
+    "408 Request Timeout", "header_timeout", "The request headers did not arrive in time."
+)
+
+
+def handler_kwargs(settings: Server) -> dict[str, Any]:
+    """What every connection's aiohttp RequestHandler is made with (AppRunner kwargs)."""
+    return {
+        "access_log": None,  # our own access line names tenant and tier, never the key
+        "handler_cancellation": True,  # a client that leaves cancels its handler
+        "keepalive_timeout": settings.keepalive_timeout_s,
+    }
+
+
+class _Refusal(asyncio.Protocol):
+    """One canned answer, then close: costs no parsing and no handler task."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        transport.write(OVER_CAPACITY)
+        transport.close()
+
+
+class GuardedHandler(RequestHandler):
+    """aiohttp's handler plus a header timeout: armed when the connection opens and when the
+    first bytes of a later request arrive, disarmed when the request's headers are parsed."""
+
+    def __init__(self, manager: web.Server, *, header_timeout_s: float, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._header_timeout_s = header_timeout_s
+        self._header_timer: asyncio.TimerHandle | None = None
+
+    def _awaiting_request(self) -> bool:
+        # aiohttp's start() waits on _waiter between requests; parsed headers resolve it.
+        waiter = self._waiter
+        return waiter is not None and not waiter.done()
+
+    def _arm(self) -> None:
+        if self._header_timer is None:
+            loop = asyncio.get_running_loop()
+            self._header_timer = loop.call_later(self._header_timeout_s, self._headers_late)
+
+    def _disarm(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_late(self) -> None:
+        self._header_timer = None
+        if self._awaiting_request() and self.transport is not None:
+            self.transport.write(HEADER_TIMEOUT)
+            self.force_close()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        if data and self._awaiting_request():
+            self._arm()
+        super().data_received(data)
+        if not self._awaiting_request():
+            self._disarm()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+
+class ConnectionGate:
+    """The protocol factory of a listener: aiohttp's handler, or a refusal over the cap."""
+
+    def __init__(
+        self,
+        server: web.Server,
+        settings: Server,
+        open_connections: Callable[[], int],
+        kwargs: dict[str, Any],
+    ) -> None:
+        self.server = server
+        self.settings = settings
+        self.open_connections = open_connections
+        # handler_cancellation belongs to web.Server, not to each connection's handler.
+        self.kwargs = {k: v for k, v in kwargs.items() if k != "handler_cancellation"}
+        self.refused = 0
+
+    def __call__(self) -> asyncio.BaseProtocol:
+        if self.open_connections() >= self.settings.max_connections:
+            self.refused += 1
+            if self.refused & (self.refused - 1) == 0:  # 1, 2, 4, 8...: the log stays short
+                log.warning(
+                    "connection cap %d reached: %d connection(s) refused so far",
+                    self.settings.max_connections,
+                    self.refused,
+                )
+            return _Refusal()
+        return GuardedHandler(
+            self.server,
+            loop=asyncio.get_running_loop(),
+            header_timeout_s=self.settings.header_timeout_s,
+            **self.kwargs,
+        )
+
+
+class Listeners:
+    """Apps served on their own listeners under one connection cap; leaving the ``async with``
+    closes the listeners, then cleans the apps up in reverse order (the first app, whose
+    lifecycle owns the shared state, last)."""
+
+    def __init__(self, settings: Server) -> None:
+        self.settings = settings
+        self.runners: list[web.AppRunner] = []
+        self.servers: list[asyncio.Server] = []
+        self.gates: list[ConnectionGate] = []
+
+    def open_connections(self) -> int:
+        return sum(len(runner.server.connections) for runner in self.runners if runner.server)
+
+    async def add(self, app: web.Application, host: str, port: int) -> int:
+        """Serve ``app`` on host:port; returns the bound port (for port 0)."""
+        kwargs = handler_kwargs(self.settings)
+        runner = web.AppRunner(app, **kwargs)
+        await runner.setup()
+        self.runners.append(runner)
+        assert runner.server is not None
+        gate = ConnectionGate(runner.server, self.settings, self.open_connections, kwargs)
+        self.gates.append(gate)
+        loop = asyncio.get_running_loop()
+        # A burst of new connections waits in the kernel, not in connect errors.
+        server = await loop.create_server(gate, host, port, backlog=2048, reuse_address=True)
+        self.servers.append(server)
+        bound: int = server.sockets[0].getsockname()[1]
+        log.info("listening on %s:%d", host, bound)
+        return bound
+
+    async def __aenter__(self) -> Listeners:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for server in self.servers:
+            server.close()
+        for runner in reversed(self.runners):
+            await runner.cleanup()
+
+
+def raise_open_files_limit() -> tuple[int, int]:
+    """Raise this process's soft RLIMIT_NOFILE to the hard limit; returns (soft, hard) now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the open-files limit from %d to %d: %s", soft, hard, exc)
+    log.info("open files limit: %d (hard %d)", soft, hard)
+    return soft, hard
