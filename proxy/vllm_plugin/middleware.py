@@ -86,7 +86,7 @@ def rewrite_body(
         out["sampling_params"] = {**params, "extra_args": _without_our_keys(params["extra_args"])}
 
     caller_xargs = out.get("vllm_xargs")
-    xargs = _without_our_keys(caller_xargs)
+    xargs = _without_our_keys(caller_xargs) if caller_xargs is not None else {}
     if ticket is not None and path in GENERATION_PATHS and isinstance(xargs, dict):
         xargs.update(
             {

@@ -55,6 +55,14 @@ def ticket(**over: Any) -> Ticket:
 # ---- rewrite_body ------------------------------------------------------------------------------
 
 
+def test_a_body_without_vllm_xargs_gets_the_tickets_xargs() -> None:
+    """The proxy strips every client's vllm_xargs: its bodies carry none of their own."""
+    t = ticket()
+    out = rewrite_body({"model": "tiny", "prompt": "x"}, t, path=CHAT, unticketed_priority=10)
+    assert out["vllm_xargs"][XARG_DEADLINE] == t.deadline
+    assert out["vllm_xargs"][XARG_PREFILL_SHARE] == 1.0 and out["vllm_xargs"][XARG_TRUSTED] == 1
+
+
 def test_ticket_sets_priority_xargs_and_drops_caller_tierproxy_xargs() -> None:
     t = ticket()
     body = {
