@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
 
@@ -37,7 +38,7 @@ class ClientSender:
             await self._bounded(out.write(last), None)
         await self._bounded(out.write_eof(), None)
 
-    async def _bounded(self, write: Awaitable[None], deadline: float | None) -> None:
+    async def _bounded(self, write: Awaitable[Any], deadline: float | None) -> None:
         limit = asyncio.get_running_loop().time() + self.idle_s
         try:
             async with asyncio.timeout_at(limit if deadline is None else min(deadline, limit)):

@@ -88,7 +88,7 @@ class UpstreamCall:
     deadline: float  # loop time
     timeout_s: float  # the tier's limit, for messages
     strip_usage_chunk: bool  # the proxy asked for usage; the client did not
-    bounds: Relay = Relay()
+    bounds: Relay = field(default_factory=Relay)
 
 
 async def relay(

@@ -76,6 +76,8 @@ async def read_events_bounded(
             blank = line == 1 or (line == 2 and buf[line_start] == 0x0D)
             line_start = for_scan = nl + 1
             if blank:
+                if line_start > max_event_bytes:
+                    raise EventTooLarge(max_event_bytes)
                 yield bytes(buf[:line_start])
                 del buf[:line_start]
                 line_start = for_scan = 0
