@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -348,8 +349,9 @@ async def non_reading_client(r: Rig, body: dict[str, Any]) -> AsyncIterator[sock
     ("answer", "stream"), [(endless_stream, True), (endless_json, False)], ids=["sse", "json"]
 )
 async def test_a_client_that_stops_reading_frees_its_slot_at_the_send_idle_timeout(
-    clock: FakeClock, answer: Answer, stream: bool
+    clock: FakeClock, answer: Answer, stream: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, "tierproxy.access")
     backend = FaultyBackend(answer)
     bounds = {"send_idle_timeout_s": 0.5, "buffer_response_bytes": 50_000}
     async with backend.serve() as url, rig(config_for(url, **bounds), clock) as r:
@@ -360,6 +362,7 @@ async def test_a_client_that_stops_reading_frees_its_slot_at_the_send_idle_timeo
             await until(lambda: backend.hung_up == 1, 3, "the upstream to be closed")
             await until(lambda: requests_total(r, "client_stalled") == 1, 3, "the outcome")
         assert backend_state(r).failures == 0  # not the backend's fault
+        assert "status=499 outcome=client_stalled" in caplog.text
 
 
 async def test_a_stalled_client_is_cut_at_the_request_deadline(clock: FakeClock) -> None:
