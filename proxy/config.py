@@ -133,6 +133,27 @@ class BackendHealth(_Strict):
     max_attempts: int = Field(3, ge=1)
 
 
+class Relay(_Strict):
+    """Bounds on relaying an answer: how long a client may stall, how much is held per request,
+    how often a request that may have run is retried."""
+
+    # A write to the client that makes no progress this long (the client stopped reading)
+    # ends the request: the upstream is closed and the backend slot freed.
+    send_idle_timeout_s: float = Field(30.0, gt=0)
+    # One SSE event held at most (vLLM's chunks are a few KB even with top-20 logprobs; aiohttp
+    # used to fail lines over 2 MiB): past it, an error event and [DONE], or 502 before any byte.
+    max_event_bytes: int = Field(1024 * 1024, gt=0)
+    # A non-stream answer up to this size is held whole (usage read, retry still possible);
+    # a larger one is streamed through to the client in chunks.
+    buffer_response_bytes: int = Field(1024 * 1024, gt=0)
+    # A non-stream answer larger than this is refused (502 when its length is announced,
+    # a cut connection when it passes the limit while being relayed).
+    max_response_bytes: int = Field(64 * 1024 * 1024, gt=0)
+    # Retries of a request after a backend reset it (or answered invalid HTTP): it may have run
+    # there. Past this, the request is a poison pill: 502.
+    max_reset_retries: int = Field(1, ge=0)
+
+
 class Tier(_Strict):
     priority: int
     weight: float = Field(gt=0)
@@ -227,6 +248,7 @@ class Config(_Strict):
     backend_health: BackendHealth = BackendHealth()
     policies: Policies = Policies()
     input: InputLimits = InputLimits()
+    relay: Relay = Relay()
     tiers: dict[str, Tier] = Field(min_length=1)
     tenants: list[Tenant] = Field(default_factory=list)
     backends: list[Backend] = Field(min_length=1)

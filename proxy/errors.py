@@ -231,3 +231,34 @@ def internal_error() -> ProxyError:
         type="server_error",
         code="internal_error",
     )
+
+
+def upstream_too_large(limit: int) -> ProxyError:
+    """The backend's answer (or one event of its stream) passed the proxy's bound."""
+    return ProxyError(
+        502,
+        f"The backend's answer passed the proxy's limit of {limit} bytes.",
+        type="server_error",
+        code="upstream_too_large",
+    )
+
+
+def poison_pill(resets: int) -> ProxyError:
+    """Backends broke (reset, invalid answer) while they may have been running the request:
+    retrying it again could break another."""
+    return ProxyError(
+        502,
+        f"The request broke the connection to {resets} backends; it is not retried again.",
+        type="server_error",
+        code="upstream_reset",
+    )
+
+
+def backends_failed(kind: str) -> ProxyError:
+    """Every attempt met a backend that answered and broke (reset, engine died)."""
+    return ProxyError(
+        502,
+        f"No backend could complete the request ({kind}); retry later.",
+        type="server_error",
+        code="backends_failed",
+    )

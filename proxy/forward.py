@@ -5,12 +5,17 @@ started once the first event is in hand, so a backend that fails before that can
 retried elsewhere. Whatever happens after bytes reached the client ends the stream with an
 error event and ``[DONE]``, never a silent cut. Leaving this code by cancellation (the client
 went away) closes the upstream connection, which makes vLLM abort the request.
+
+Bounds (``config.Relay``): every write to the client (``ClientSender``), each SSE event, the
+part of a non-stream answer held in memory (beyond it the answer is streamed through) and its
+total size. A backend fault before any byte reached the client is an OpenAI-shaped 502 or, where
+the backend provably did not run the request, ``UpstreamUnavailable`` (retried elsewhere).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,14 +25,32 @@ import orjson
 from aiohttp import web
 
 from proxy import sse
-from proxy.errors import ProxyError, execution_timeout, upstream_failed
+from proxy.clientsend import ClientSender, ClientStalled
+from proxy.config import Relay
+from proxy.errors import ProxyError, execution_timeout, upstream_failed, upstream_too_large
 from proxy.outcome import Outcome
 
 DONE_EVENT = b"data: [DONE]\n\n"
+# What vLLM's EngineDeadError says (vllm/v1/engine/exceptions.py), answered as a 500 before any
+# byte when the engine core died: the request did not run to an answer anywhere; retry it.
+ENGINE_DEAD = b"EngineCore encountered an issue"
+# The end of a streamed-through answer kept to find its usage (vLLM writes it last).
+_TAIL_BYTES = 64 * 1024
+_USAGE = re.compile(rb'"usage"\s*:\s*(\{(?:[^{}]|\{[^{}]*\})*\})')
+# The backend's connection failed: reset, closed, or an invalid HTTP answer or body.
+_UPSTREAM_BROKE = (
+    aiohttp.ClientPayloadError,
+    aiohttp.ServerDisconnectedError,
+    aiohttp.ClientOSError,
+    aiohttp.ClientResponseError,
+)
+_CLIENT_LEFT = (ConnectionResetError, aiohttp.ClientConnectionResetError)
 
 
 class UpstreamUnavailable(Exception):
-    """The backend failed before anything reached the client: safe to retry elsewhere."""
+    """The backend failed before anything reached the client: safe to retry elsewhere, once
+    only where the backend may have run the request (``maybe_ran``: a reset or an invalid
+    answer after it was sent)."""
 
     def __init__(
         self, kind: str, detail: str, status: int | None = None, body: bytes | None = None
@@ -38,6 +61,10 @@ class UpstreamUnavailable(Exception):
         self.status = status
         self.body = body
 
+    @property
+    def maybe_ran(self) -> bool:
+        return self.kind == "reset"
+
 
 @dataclass
 class RelayResult:
@@ -45,7 +72,7 @@ class RelayResult:
 
     response: web.StreamResponse
     outcome: Outcome  # ok | backend_error | client_error | upstream_error | timeout | client_gone
-    status: int
+    status: int  # | client_stalled
     usage: dict[str, Any] | None = None
     first_token_at: float | None = None
     backend_failed: bool = False  # counts toward passive ejection
@@ -61,6 +88,7 @@ class UpstreamCall:
     deadline: float  # loop time
     timeout_s: float  # the tier's limit, for messages
     strip_usage_chunk: bool  # the proxy asked for usage; the client did not
+    bounds: Relay = field(default_factory=Relay)
 
 
 async def relay(
@@ -71,13 +99,18 @@ async def relay(
             resp = await _open(call)
     except TimeoutError:
         raise execution_timeout(call.timeout_s) from None
+    send = ClientSender(request, call.deadline, call.bounds.send_idle_timeout_s)
     async with resp:
         if resp.status == 503:
             body = await _read_bounded(resp, call.deadline)
             raise UpstreamUnavailable("503", "backend overloaded", status=503, body=body)
         if resp.status != 200 or not stream:
-            return await _relay_whole(call, resp, request)
-        return await _relay_stream(call, resp, request, now)
+            result = await _relay_whole(call, resp, send)
+        else:
+            result = await _relay_stream(call, resp, send, now)
+        if result.outcome not in (Outcome.OK, Outcome.CLIENT_ERROR, Outcome.BACKEND_ERROR):
+            resp.close()  # half-read: never back into the pool; vLLM aborts the request
+        return result
 
 
 async def _open(call: UpstreamCall) -> aiohttp.ClientResponse:
@@ -85,14 +118,14 @@ async def _open(call: UpstreamCall) -> aiohttp.ClientResponse:
         return await call.session.post(call.url, data=call.body, headers=call.headers)
     except aiohttp.ClientConnectorError as exc:
         raise UpstreamUnavailable("connect", str(exc)) from exc
-    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+    except _UPSTREAM_BROKE as exc:
         raise UpstreamUnavailable("reset", str(exc)) from exc
 
 
 async def _read_bounded(resp: aiohttp.ClientResponse, deadline: float) -> bytes:
     try:
         async with asyncio.timeout_at(deadline):
-            return await resp.read()
+            return await resp.content.read(_TAIL_BYTES)
     except (TimeoutError, aiohttp.ClientError):
         return b""
 
@@ -104,31 +137,109 @@ def _response_headers(resp: aiohttp.ClientResponse) -> dict[str, str]:
     return headers
 
 
+def _fault(err: ProxyError) -> RelayResult:
+    """A backend fault before any byte reached the client, not to be retried: 502."""
+    return RelayResult(err.response(), Outcome.UPSTREAM_ERROR, err.status, backend_failed=True)
+
+
+def _outcome_of_status(status: int) -> Outcome:
+    if status < 400:
+        return Outcome.OK
+    return Outcome.BACKEND_ERROR if status >= 500 else Outcome.CLIENT_ERROR
+
+
+async def _read_head(resp: aiohttp.ClientResponse, limit: int) -> tuple[bytes, bool]:
+    """Up to a little over ``limit`` bytes of the body, and whether that was all of it."""
+    parts: list[bytes] = []
+    held = 0
+    while held <= limit:
+        chunk = await resp.content.readany()
+        if not chunk:
+            return b"".join(parts), True
+        parts.append(chunk)
+        held += len(chunk)
+    return b"".join(parts), False
+
+
 async def _relay_whole(
-    call: UpstreamCall, resp: aiohttp.ClientResponse, request: web.Request
+    call: UpstreamCall, resp: aiohttp.ClientResponse, send: ClientSender
 ) -> RelayResult:
+    bounds = call.bounds
+    if resp.content_length is not None and resp.content_length > bounds.max_response_bytes:
+        return _fault(upstream_too_large(bounds.max_response_bytes))
     try:
         async with asyncio.timeout_at(call.deadline):
-            body = await resp.read()
+            body, whole = await _read_head(resp, bounds.buffer_response_bytes)
     except TimeoutError:
         raise execution_timeout(call.timeout_s) from None
-    except (
-        aiohttp.ServerDisconnectedError,
-        aiohttp.ClientPayloadError,
-        aiohttp.ClientOSError,
-    ) as exc:
-        # Nothing reached the client yet.
-        raise UpstreamUnavailable("reset", str(exc)) from exc
-    usage = None
-    if resp.status == 200:
-        usage = _usage_of(body)
+    except _UPSTREAM_BROKE as exc:
+        raise UpstreamUnavailable("reset", str(exc)) from exc  # nothing reached the client yet
+    if resp.status == 500 and ENGINE_DEAD in body:
+        raise UpstreamUnavailable("engine_dead", "the backend's engine died", status=500)
+    if resp.status >= 500 and not _is_error_body(body):
+        return _fault(upstream_failed(f"The backend answered {resp.status} without a JSON error."))
+    if not whole:
+        return await _stream_through(call, resp, send, body)
     out = web.Response(status=resp.status, body=body, headers=_response_headers(resp))
-    outcome = (
-        Outcome.OK
-        if resp.status < 400
-        else (Outcome.BACKEND_ERROR if resp.status >= 500 else Outcome.CLIENT_ERROR)
+    usage = _usage_of(body) if resp.status == 200 else None
+    return RelayResult(
+        out,
+        _outcome_of_status(resp.status),
+        resp.status,
+        usage=usage,
+        backend_failed=resp.status >= 500,
     )
-    return RelayResult(out, outcome, resp.status, usage=usage, backend_failed=resp.status >= 500)
+
+
+async def _stream_through(
+    call: UpstreamCall, resp: aiohttp.ClientResponse, send: ClientSender, head: bytes
+) -> RelayResult:
+    """A large non-stream answer, relayed chunk by chunk; only its end is kept (for usage).
+    A failure after its start can only cut the connection: JSON has no error event."""
+    out = web.StreamResponse(status=resp.status, headers=_response_headers(resp))
+    if resp.content_length is not None:
+        out.content_length = resp.content_length
+    result = RelayResult(
+        out, _outcome_of_status(resp.status), resp.status, backend_failed=resp.status >= 500
+    )
+    limit, total, tail = call.bounds.max_response_bytes, len(head), head[-_TAIL_BYTES:]
+    try:
+        await send.prepare(out)
+        await send.write(out, head)
+        while chunk := await _read_chunk(resp, call.deadline):
+            total += len(chunk)
+            if total > limit:
+                raise sse.EventTooLarge(limit)
+            tail = (tail + chunk)[-_TAIL_BYTES:]
+            await send.write(out, chunk)
+        await send.finish(out)
+    except ClientStalled:
+        result.outcome, result.status = Outcome.CLIENT_STALLED, 499
+    except _CLIENT_LEFT:
+        result.outcome = Outcome.CLIENT_GONE
+    except (TimeoutError, sse.EventTooLarge, *_UPSTREAM_BROKE) as exc:
+        timed_out = isinstance(exc, TimeoutError)
+        result.outcome = Outcome.TIMEOUT if timed_out else Outcome.UPSTREAM_ERROR
+        result.backend_failed = not timed_out
+        send.abort()
+    if result.outcome == Outcome.OK and resp.status == 200:
+        match = _USAGE.search(tail)
+        result.usage = _usage_of(b'{"usage":' + match.group(1) + b"}") if match else None
+    return result
+
+
+async def _read_chunk(resp: aiohttp.ClientResponse, deadline: float) -> bytes:
+    async with asyncio.timeout_at(deadline):
+        return await resp.content.readany()
+
+
+def _is_error_body(body: bytes) -> bool:
+    """OpenAI's error shape, or vLLM's older flat one."""
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(parsed, dict) and ("error" in parsed or "message" in parsed)
 
 
 def _usage_of(body: bytes) -> dict[str, Any] | None:
@@ -147,10 +258,10 @@ def _is_usage_chunk(event: bytes) -> bool:
 async def _relay_stream(
     call: UpstreamCall,
     resp: aiohttp.ClientResponse,
-    request: web.Request,
+    send: ClientSender,
     now: Callable[[], float],
 ) -> RelayResult:
-    events = sse.events(resp).__aiter__()
+    events = sse.bounded_events(resp, call.bounds.max_event_bytes).__aiter__()
     # Hold the client's response until the first event: a failure before it can be retried.
     try:
         async with asyncio.timeout_at(call.deadline):
@@ -159,19 +270,18 @@ async def _relay_stream(
         raise execution_timeout(call.timeout_s) from None
     except StopAsyncIteration:
         raise UpstreamUnavailable("reset", "stream ended before its first event") from None
-    except (
-        aiohttp.ClientPayloadError,
-        aiohttp.ServerDisconnectedError,
-        aiohttp.ClientOSError,
-    ) as exc:
+    except sse.EventTooLarge as exc:
+        return _fault(upstream_too_large(exc.limit))  # it ran there; it would again
+    except _UPSTREAM_BROKE as exc:
         raise UpstreamUnavailable("reset", str(exc)) from exc
 
     out = web.StreamResponse(status=200, headers=_response_headers(resp))
     out.headers["Content-Type"] = "text/event-stream"
     out.headers["Cache-Control"] = "no-cache"
     result = RelayResult(out, Outcome.OK, 200, first_token_at=now())
+    last = b""  # an error event that ends the stream
     try:
-        await out.prepare(request)
+        await send.prepare(out)
         event: bytes | None = first
         saw_done = False
         while event is not None:
@@ -182,34 +292,39 @@ async def _relay_stream(
                 if call.strip_usage_chunk:
                     event = None
             if event is not None:
-                await out.write(event)
+                await send.write(out, event)
             async with asyncio.timeout_at(call.deadline):
                 event = await anext(events, None)
         if not saw_done:
             result.outcome, result.backend_failed = Outcome.UPSTREAM_ERROR, True
-            await out.write(
-                upstream_failed("The backend ended the stream without [DONE].").sse_event()
-            )
+            last = upstream_failed("The backend ended the stream without [DONE].").sse_event()
+    except ClientStalled:
+        result.outcome, result.status = Outcome.CLIENT_STALLED, 499
+    except _CLIENT_LEFT:
+        result.outcome = Outcome.CLIENT_GONE
     except TimeoutError:
         result.outcome = Outcome.TIMEOUT
-        await _try_write(out, execution_timeout(call.timeout_s))
-    except (
-        aiohttp.ClientPayloadError,
-        aiohttp.ServerDisconnectedError,
-        aiohttp.ClientOSError,
-    ) as exc:
+        last = execution_timeout(call.timeout_s).sse_event()
+    except sse.EventTooLarge as exc:
         result.outcome, result.backend_failed = Outcome.UPSTREAM_ERROR, True
-        await _try_write(out, upstream_failed(f"The backend failed mid-stream: {exc}"))
-    except (ConnectionResetError, aiohttp.ClientConnectionResetError):
-        result.outcome = Outcome.CLIENT_GONE
-    if result.outcome != Outcome.CLIENT_GONE:
-        try:
-            await out.write_eof()
-        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
-            result.outcome = Outcome.CLIENT_GONE
+        last = upstream_too_large(exc.limit).sse_event()
+    except _UPSTREAM_BROKE as exc:
+        result.outcome, result.backend_failed = Outcome.UPSTREAM_ERROR, True
+        last = upstream_failed(f"The backend failed mid-stream: {exc}").sse_event()
+    if result.outcome not in (Outcome.CLIENT_GONE, Outcome.CLIENT_STALLED):
+        await _finish(send, out, last, result)
     return result
 
 
-async def _try_write(out: web.StreamResponse, error: ProxyError) -> None:
-    with contextlib.suppress(ConnectionResetError, aiohttp.ClientConnectionResetError):
-        await out.write(error.sse_event())
+async def _finish(
+    send: ClientSender, out: web.StreamResponse, last: bytes, result: RelayResult
+) -> None:
+    try:
+        await send.finish(out, last)
+    except ClientStalled:
+        result.outcome, result.status = Outcome.CLIENT_STALLED, 499
+    except _CLIENT_LEFT:
+        result.outcome = Outcome.CLIENT_GONE
+
+
+__all__ = ["ClientStalled", "RelayResult", "UpstreamCall", "UpstreamUnavailable", "relay"]

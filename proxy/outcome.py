@@ -23,9 +23,14 @@ class Outcome(StrEnum):
     REJECTED = "rejected"  # the proxy refused the input (4xx of its own)
     UNAVAILABLE = "unavailable"  # no backend could take it (503 of the proxy's own)
     BACKEND_ERROR = "backend_error"  # the backend answered 5xx
-    UPSTREAM_ERROR = "upstream_error"  # the backend failed mid-stream
+    UPSTREAM_ERROR = "upstream_error"  # the backend failed: reset, invalid or oversize answer
     CLIENT_ERROR = "client_error"  # the backend answered 4xx
+    CLIENT_STALLED = "client_stalled"  # the client stopped reading: cut at the send timeout
     ERROR = "error"  # anything else: a bug
+
+
+# The proxy's own 502s for backends that broke (an ``upstream_error`` of its own stays ``error``).
+BACKEND_FAULT_CODES = frozenset({"upstream_reset", "upstream_too_large", "backends_failed"})
 
 
 def outcome_of(err: ProxyError) -> Outcome:
@@ -38,6 +43,8 @@ def outcome_of(err: ProxyError) -> Outcome:
         return Outcome.QUEUE_FULL if err.code == "queue_full" else Outcome.RATE_LIMITED
     if err.status == 503:
         return Outcome.QUEUE_TIMEOUT if err.code == "queue_timeout" else Outcome.UNAVAILABLE
+    if err.code in BACKEND_FAULT_CODES:
+        return Outcome.UPSTREAM_ERROR
     if err.status == 504:
         return Outcome.TIMEOUT
     return Outcome.REJECTED if err.status < 500 else Outcome.ERROR

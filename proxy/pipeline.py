@@ -29,9 +29,11 @@ from proxy.dispatch import Dispatcher, Lease, QueueTimeoutError
 from proxy.errors import (
     ProxyError,
     backend_overloaded,
+    backends_failed,
     config_changed,
     model_not_found,
     no_backend,
+    poison_pill,
     queue_full,
     queue_timeout,
     rate_limited,
@@ -103,6 +105,7 @@ class Admitted:
     arrival: float
     queued: QueuedRequest = field(init=False)
     attempts: int = 0  # backends tried so far
+    resets: int = 0  # backends that broke while they may have been running it
 
     def __post_init__(self) -> None:
         self.queued = QueuedRequest(
@@ -292,7 +295,8 @@ class RequestPipeline:
         self, request: web.Request, adm: Admitted, lease: Lease
     ) -> RelayResult | None:
         """Send the request to the leased backend and relay the answer; None when the backend
-        failed before anything reached the client (retry), 503 once attempts run out."""
+        failed before anything reached the client (retry), 503/502 once attempts run out, 502
+        at once when a second backend broke while it may have been running the request."""
         adm.attempts += 1
         try:
             return await self.relay_once(request, adm, lease)
@@ -306,6 +310,10 @@ class RequestPipeline:
                 exc.kind,
                 adm.attempts,
             )
+            if exc.maybe_ran:
+                adm.resets += 1
+                if adm.resets > adm.config.relay.max_reset_retries:
+                    raise poison_pill(adm.resets) from None
             if adm.attempts >= adm.config.backend_health.max_attempts:
                 raise _give_up(exc) from None
             # Back into the queue at its old place: another backend takes it, or this one once
@@ -347,6 +355,7 @@ class RequestPipeline:
             deadline=asyncio.get_running_loop().time() + tier.request_timeout_s,
             timeout_s=tier.request_timeout_s,
             strip_usage_chunk=parsed.stream and not parsed.client_wants_usage,
+            bounds=cfg.relay,
         )
         result = await self.relay(call, request, stream=parsed.stream, now=self.clock)
         if result.backend_failed:
@@ -410,6 +419,8 @@ class RequestPipeline:
 def _give_up(exc: UpstreamUnavailable) -> ProxyError:
     if exc.status == 503:
         return backend_overloaded()
+    if exc.kind != "connect":  # the backends answered, and broke
+        return backends_failed(exc.kind)
     return no_backend(f"No backend could take the request ({exc.kind}); retry later.")
 
 

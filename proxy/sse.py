@@ -50,3 +50,44 @@ async def data_of(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
         data = event_data(event)
         if data is not None:
             yield data
+
+
+class EventTooLarge(Exception):
+    """An event (or a run of bytes without the blank line that ends one) passed the limit."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"an event of the stream passed {limit} bytes without ending")
+        self.limit = limit
+
+
+async def read_events_bounded(
+    chunks: AsyncIterable[bytes], max_event_bytes: int
+) -> AsyncIterator[bytes]:
+    """``read_events`` over raw chunks (any cut), holding at most ``max_event_bytes`` of an
+    unfinished event: past it, ``EventTooLarge``. Lines end at ``\\n`` as aiohttp's readline
+    cuts them, so the events are the same as ``read_events`` gives."""
+    buf = bytearray()
+    line_start = 0  # where the line being read begins, in buf
+    for_scan = 0  # bytes of buf already searched for a newline
+    async for chunk in chunks:
+        buf += chunk
+        while (nl := buf.find(b"\n", max(line_start, for_scan))) >= 0:
+            line = nl + 1 - line_start
+            blank = line == 1 or (line == 2 and buf[line_start] == 0x0D)
+            line_start = for_scan = nl + 1
+            if blank:
+                if line_start > max_event_bytes:
+                    raise EventTooLarge(max_event_bytes)
+                yield bytes(buf[:line_start])
+                del buf[:line_start]
+                line_start = for_scan = 0
+        for_scan = len(buf)
+        if len(buf) > max_event_bytes:
+            raise EventTooLarge(max_event_bytes)
+    if buf.strip():
+        yield bytes(buf) + b"\n"
+
+
+def bounded_events(resp: aiohttp.ClientResponse, max_event_bytes: int) -> AsyncIterator[bytes]:
+    """Complete events of a streaming response, none held past ``max_event_bytes``."""
+    return read_events_bounded(resp.content.iter_any(), max_event_bytes)

@@ -1,0 +1,401 @@
+"""Faulty backends and clients that stop reading, through the real pipeline (the rig of
+test_pipeline) against in-process fake backends written here: each fault is an OpenAI-shaped
+502 before the first byte (retried only where the backend cannot have run the request, once
+after a reset), an error event and [DONE] after it, and a stalled client frees its slot."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp import web
+
+from proxy import sse
+from proxy.backends import BackendState
+from tests.clock import FakeClock
+from tests.fakes import serve_app
+from tests.proxyrun import auth, make_config, until
+from tests.unit.test_pipeline import BODY, Rig, error_of, rig
+
+USAGE = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+ENGINE_DEAD = {
+    "error": {
+        "message": "EngineCore encountered an issue. See stack trace (above) for the root cause.",
+        "type": "InternalServerError",
+        "param": None,
+        "code": 500,
+    }
+}
+
+Answer = Callable[[web.Request, int], Awaitable[web.StreamResponse]]
+
+
+class FaultyBackend:
+    """A backend whose /v1/chat/completions runs ``answer(request, n)`` for its n-th request
+    (from 1), after reading the body; counts requests and hang-ups (the proxy closed on it)."""
+
+    def __init__(self, answer: Answer) -> None:
+        self.answer = answer
+        self.received = 0
+        self.hung_up = 0
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        await request.read()
+        self.received += 1
+        try:
+            return await self.answer(request, self.received)
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.hung_up += 1
+            raise
+
+    @contextlib.asynccontextmanager
+    async def serve(self) -> AsyncIterator[str]:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self._chat)
+        async with serve_app(app, handler_cancellation=True) as url:
+            yield url
+
+
+def chunk(text: str) -> bytes:
+    delta = {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
+    return b"data: " + orjson.dumps({"object": "chat.completion.chunk", **delta}) + b"\n\n"
+
+
+async def sse_answer(request: web.Request, *parts: bytes) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    for part in parts:
+        await resp.write(part)
+    await resp.write_eof()
+    return resp
+
+
+def completion(content: str) -> bytes:
+    message = {"role": "assistant", "content": content}
+    choice = {"index": 0, "message": message, "finish_reason": "stop"}
+    return orjson.dumps({"object": "chat.completion", "choices": [choice], "usage": USAGE})
+
+
+async def reset(request: web.Request, n: int) -> web.StreamResponse:
+    assert request.transport is not None
+    request.transport.abort()  # it read the request, then the connection drops
+    return web.Response()
+
+
+def config_for(url: str, **relay: Any) -> dict[str, Any]:
+    return make_config([{"url": url}], relay=relay)
+
+
+def backend_state(r: Rig) -> BackendState:
+    (state,) = r.state.pool.all()
+    return state
+
+
+def requests_total(r: Rig, outcome: str) -> float:
+    return r.metric("tierproxy_requests_total", {"tier": "normal", "outcome": outcome})
+
+
+async def stream_body(resp: aiohttp.ClientResponse) -> list[bytes]:
+    return [e for e in (await resp.read()).split(b"\n\n") if e]
+
+
+# -- before the first byte: 502, retried only where it cannot have run ------------------------
+
+
+@contextlib.asynccontextmanager
+async def invalid_http_backend(counter: list[int]) -> AsyncIterator[str]:
+    """Reads the request, answers bytes that are not HTTP."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(
+            int(line.split(b":")[1])
+            for line in head.split(b"\r\n")
+            if b"content-length" in line.lower()
+        )
+        await reader.readexactly(length)
+        counter.append(1)
+        writer.write(b"this is not HTTP\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_invalid_http_is_a_502_after_one_retry(clock: FakeClock) -> None:
+    received: list[int] = []
+    async with invalid_http_backend(received) as url, rig(config_for(url), clock) as r:
+        resp = await r.chat()
+        assert resp.status == 502 and (await error_of(resp))["code"] == "upstream_reset"
+        assert len(received) == 2  # it may have run: one retry, never max_attempts (3)
+        assert backend_state(r).failures == 2 and backend_state(r).inflight == 0
+        assert requests_total(r, "upstream_error") == 1
+
+
+@pytest.mark.parametrize("retries", [0, 1])
+async def test_a_backend_reset_after_reading_is_retried_at_most_as_configured(
+    clock: FakeClock, retries: int
+) -> None:
+    backend = FaultyBackend(reset)
+    async with backend.serve() as url, rig(config_for(url, max_reset_retries=retries), clock) as r:
+        resp = await r.chat()
+        assert resp.status == 502 and (await error_of(resp))["code"] == "upstream_reset"
+        assert backend.received == 1 + retries
+        assert r.metric("tierproxy_retries_total") == retries
+
+
+async def test_a_reset_then_an_answer_is_served(clock: FakeClock) -> None:
+    async def answer(request: web.Request, n: int) -> web.StreamResponse:
+        if n == 1:
+            return await reset(request, n)
+        return web.Response(body=completion("ok"), content_type="application/json")
+
+    backend = FaultyBackend(answer)
+    async with backend.serve() as url, rig(config_for(url), clock) as r:
+        resp = await r.chat()
+        assert resp.status == 200 and backend.received == 2
+
+
+async def test_vllm_engine_dead_500_is_retried_elsewhere(clock: FakeClock) -> None:
+    async def answer(request: web.Request, n: int) -> web.StreamResponse:
+        if n == 1:
+            return web.json_response(ENGINE_DEAD, status=500)
+        return web.Response(body=completion("ok"), content_type="application/json")
+
+    backend = FaultyBackend(answer)
+    async with backend.serve() as url, rig(config_for(url), clock) as r:
+        resp = await r.chat()
+        assert resp.status == 200 and backend.received == 2
+        labels = {"backend": url, "kind": "engine_dead"}
+        assert r.metric("tierproxy_backend_errors_total", labels) == 1
+
+
+async def test_engine_dead_on_every_attempt_ends_in_502(clock: FakeClock) -> None:
+    async def answer(request: web.Request, n: int) -> web.StreamResponse:
+        return web.json_response(ENGINE_DEAD, status=500)
+
+    backend = FaultyBackend(answer)
+    config = make_config([{"url": "x"}], backend_health={"max_attempts": 2})
+    async with backend.serve() as url:
+        config["backends"] = [{"url": url}]
+        async with rig(config, clock) as r:
+            task = asyncio.create_task(r.chat())
+            # The second failure ejects the backend; the retry waits for the ejection to end.
+            await until(lambda: backend.received == 2 or task.done(), 5, "the retry")
+            resp = await task
+            assert resp.status == 502 and (await error_of(resp))["code"] == "backends_failed"
+
+
+async def test_another_500_is_passed_through_and_a_non_json_5xx_becomes_502(
+    clock: FakeClock,
+) -> None:
+    async def answer(request: web.Request, n: int) -> web.StreamResponse:
+        if n == 1:
+            error = {"error": {"message": "boom", "type": "x", "param": None, "code": None}}
+            return web.json_response(error, status=500)
+        return web.Response(text="Internal Server Error", status=500)
+
+    backend = FaultyBackend(answer)
+    async with backend.serve() as url, rig(config_for(url), clock) as r:
+        first = await r.chat()
+        assert first.status == 500 and (await error_of(first))["message"] == "boom"
+        second = await r.chat()
+        assert second.status == 502 and (await error_of(second))["code"] == "upstream_error"
+        assert backend.received == 2  # neither retried: the backend ran them
+        assert backend_state(r).failures == 2
+
+
+@pytest.mark.parametrize("shape", ["one long line", "lines without a blank one"])
+async def test_an_oversize_first_event_is_a_502_not_retried(clock: FakeClock, shape: str) -> None:
+    async def answer(request: web.Request, n: int) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        with contextlib.suppress(ConnectionResetError):
+            for _ in range(10_000):  # 10 MB if the proxy kept reading
+                await resp.write(b"x" * 1000 if shape == "one long line" else b"data: x\n")
+        return resp
+
+    backend = FaultyBackend(answer)
+    async with backend.serve() as url, rig(config_for(url, max_event_bytes=64_000), clock) as r:
+        resp = await r.chat(stream=True)
+        assert resp.status == 502 and (await error_of(resp))["code"] == "upstream_too_large"
+        assert backend.received == 1 and backend_state(r).failures == 1
+
+
+# -- after the first byte: an error event and [DONE] ------------------------------------------
+
+
+async def test_an_oversize_event_mid_stream_ends_with_an_error_event(clock: FakeClock) -> None:
+    async def answer(request: web.Request, n: int) -> web.StreamResponse:
+        return await sse_answer(request, chunk("a"), b"data: " + b"x" * 100_000 + b"\n\n")
+
+    backend = FaultyBackend(answer)
+    async with backend.serve() as url, rig(config_for(url, max_event_bytes=64_000), clock) as r:
+        resp = await r.chat(stream=True)
+        assert resp.status == 200
+        events = await stream_body(resp)
+        assert events[0] == chunk("a").strip() and events[-1] == b"data: [DONE]"
+        error = orjson.loads(events[-2].removeprefix(b"data: "))["error"]
+        assert error["code"] == "upstream_too_large"
+        assert backend_state(r).failures == 1
+        assert requests_total(r, "upstream_error") == 1
+
+
+# -- non-stream answers: held up to a bound, streamed through past it, refused past the max ----
+
+
+async def test_a_large_answer_is_streamed_through_with_its_usage(clock: FakeClock) -> None:
+    body = completion("y" * 300_000)
+
+    async def answer(request: web.Request, n: int) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await resp.prepare(request)  # chunked: the proxy cannot know the size up front
+        for at in range(0, len(body), 10_000):
+            await resp.write(body[at : at + 10_000])
+        await resp.write_eof()
+        return resp
+
+    backend = FaultyBackend(answer)
+    bounds = {"buffer_response_bytes": 50_000, "max_response_bytes": 1_000_000}
+    async with backend.serve() as url, rig(config_for(url, **bounds), clock) as r:
+        resp = await r.client.post("/v1/chat/completions", json=BODY, headers=auth("normal"))
+        assert resp.status == 200 and await resp.read() == body
+        assert r.metric("tierproxy_tokens_total", {"tier": "normal", "kind": "completion"}) == 3
+
+
+@pytest.mark.parametrize("announced", [True, False])
+async def test_an_answer_over_the_max_is_refused_or_cut(clock: FakeClock, announced: bool) -> None:
+    body = completion("y" * 300_000)
+
+    async def answer(request: web.Request, n: int) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        if announced:
+            resp.content_length = len(body)
+        await resp.prepare(request)
+        with contextlib.suppress(ConnectionResetError):
+            for at in range(0, len(body), 10_000):
+                await resp.write(body[at : at + 10_000])
+            await resp.write_eof()
+        return resp
+
+    backend = FaultyBackend(answer)
+    bounds = {"buffer_response_bytes": 50_000, "max_response_bytes": 100_000}
+    async with backend.serve() as url, rig(config_for(url, **bounds), clock) as r:
+        resp = await r.client.post("/v1/chat/completions", json=BODY, headers=auth("normal"))
+        if announced:
+            assert resp.status == 502 and (await error_of(resp))["code"] == "upstream_too_large"
+        else:
+            assert resp.status == 200  # its start was sent: only a cut can say it failed
+            with pytest.raises(aiohttp.ClientPayloadError):
+                await resp.read()
+        assert backend.received == 1 and backend_state(r).failures == 1
+        await until(lambda: requests_total(r, "upstream_error") == 1, 5, "the outcome")
+
+
+# -- clients that stop reading -----------------------------------------------------------------
+
+
+async def endless_stream(request: web.Request, n: int) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    event = chunk("z" * 16_000)
+    while True:  # until the proxy closes the connection
+        await resp.write(event)
+
+
+async def endless_json(request: web.Request, n: int) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+    await resp.prepare(request)
+    await resp.write(b'{"choices":[{"message":{"content":"')
+    while True:
+        await resp.write(b"z" * 16_000)
+
+
+@contextlib.asynccontextmanager
+async def non_reading_client(r: Rig, body: dict[str, Any]) -> AsyncIterator[socket.socket]:
+    """Sends the request with a small receive buffer, then never reads."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    payload = orjson.dumps(body)
+    head = "".join(f"{k}: {v}\r\n" for k, v in auth("normal").items())
+    request = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\n{head}"
+        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
+    ).encode() + payload
+    try:
+        await loop.sock_connect(sock, (str(r.client.host), r.client.port))
+        await loop.sock_sendall(sock, request)
+        yield sock
+    finally:
+        sock.close()
+
+
+@pytest.mark.parametrize(
+    ("answer", "stream"), [(endless_stream, True), (endless_json, False)], ids=["sse", "json"]
+)
+async def test_a_client_that_stops_reading_frees_its_slot_at_the_send_idle_timeout(
+    clock: FakeClock, answer: Answer, stream: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, "tierproxy.access")
+    backend = FaultyBackend(answer)
+    bounds = {"send_idle_timeout_s": 0.5, "buffer_response_bytes": 50_000}
+    async with backend.serve() as url, rig(config_for(url, **bounds), clock) as r:
+        async with non_reading_client(r, {**BODY, "stream": stream}):
+            await until(lambda: backend.received == 1, 5, "the request at the backend")
+            # The request deadline is 120 s: only the send-idle timeout can free the slot.
+            await until(lambda: backend_state(r).inflight == 0, 3, "the slot to be freed")
+            await until(lambda: backend.hung_up == 1, 3, "the upstream to be closed")
+            await until(lambda: requests_total(r, "client_stalled") == 1, 3, "the outcome")
+        assert backend_state(r).failures == 0  # not the backend's fault
+        assert "status=499 outcome=client_stalled" in caplog.text
+
+
+async def test_a_stalled_client_is_cut_at_the_request_deadline(clock: FakeClock) -> None:
+    backend = FaultyBackend(endless_stream)
+    config = make_config(
+        [{"url": "x"}],
+        tiers={"normal": {"request_timeout_s": 1}},
+        relay={"send_idle_timeout_s": 60},
+    )
+    async with backend.serve() as url:
+        config["backends"] = [{"url": url}]
+        async with rig(config, clock) as r, non_reading_client(r, {**BODY, "stream": True}):
+            await until(lambda: backend_state(r).inflight == 0, 4, "the slot to be freed")
+            await until(lambda: requests_total(r, "client_stalled") == 1, 3, "the outcome")
+
+
+# -- the bounded SSE reader ----------------------------------------------------------------------
+
+
+async def test_the_bounded_reader_cuts_events_as_the_line_reader_does() -> None:
+    stream = b"data: a\n\n: keep-alive\r\n\r\n\ndata: b\ndata: c\n\ndata: [DONE]\n\ndata: cut"
+
+    async def lines() -> AsyncIterator[bytes]:
+        for line in stream.splitlines(keepends=True):
+            yield line
+
+    async def chunks(size: int) -> AsyncIterator[bytes]:
+        for at in range(0, len(stream), size):
+            yield stream[at : at + size]
+
+    expected = [e async for e in sse.read_events(lines())]
+    for size in range(1, len(stream) + 1):
+        got = [e async for e in sse.read_events_bounded(chunks(size), 64)]
+        assert got == expected, size
+    with pytest.raises(sse.EventTooLarge):
+        _ = [e async for e in sse.read_events_bounded(chunks(7), 12)]
