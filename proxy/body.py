@@ -14,7 +14,7 @@ import zlib
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from proxy.config import InputLimits
+from proxy.config_server import InputLimits
 from proxy.errors import (
     ProxyError,
     bad_encoding,

@@ -12,8 +12,6 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     TypeAdapter,
     ValidationError,
@@ -22,6 +20,7 @@ from pydantic import (
     model_validator,
 )
 
+from proxy.config_server import AdminListen, InputLimits, Listen, Relay, Server, Strict
 from proxy.ticket import DEFAULT_PREFILL_SHARE, DEFAULT_SECRET_ENV
 from proxy.yaml_load import Lines, safe_load
 
@@ -33,40 +32,7 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode("utf-8")).hexdigest()
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class Listen(_Strict):
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-
-
-class AdminListen(_Strict):
-    """A second listener that alone serves /metrics and /admin (keep it off public networks)."""
-
-    host: str = "127.0.0.1"
-    port: int = Field(ge=0, le=65535)
-
-
-class Server(_Strict):
-    """Client connections (like nginx's worker_connections and client_header/keepalive timeouts).
-    Read at start: a change needs a restart."""
-
-    # Open client connections on all listeners together; beyond it a new connection gets a
-    # canned 503 JSON with Retry-After and is closed before anything is parsed.
-    max_connections: int = Field(4096, gt=0)
-    # A request's headers must be complete this long after its first byte (or after the
-    # connection opened); else 408 JSON and the connection closes (slowloris).
-    header_timeout_s: float = Field(10.0, gt=0)
-    # An idle connection (no request in progress) closes after this long.
-    keepalive_timeout_s: float = Field(15.0, gt=0)
-    # Live reload: a changed file is applied only when it reads the same again this long after
-    # (a file saved in two writes is never applied half-written).
-    reload_debounce_s: float = Field(0.2, ge=0)
-
-
-class Limits(_Strict):
+class Limits(Strict):
     max_body_bytes: int = Field(8 * 1024 * 1024, gt=0)
     # Hard ceiling for any max_tokens a client may ask for, whatever its tier.
     max_tokens_ceiling: int = Field(1_000_000, gt=0)
@@ -75,7 +41,7 @@ class Limits(_Strict):
     max_held_bytes: int | None = Field(1024 * 1024 * 1024, gt=0)
 
 
-class Scheduling(_Strict):
+class Scheduling(Strict):
     # Inside a tenant, short requests go first; a request is never overtaken by one that arrived
     # more than aging_s seconds after it.
     aging_s: float = Field(30.0, gt=0)
@@ -86,7 +52,7 @@ class Scheduling(_Strict):
     default_expected_output: int = Field(256, gt=0)
 
 
-class Policies(_Strict):
+class Policies(Strict):
     """Which implementation of each scheduling seam runs (docs/policies.md)."""
 
     tiers: str = "stride"
@@ -111,7 +77,7 @@ class Policies(_Strict):
         return value
 
 
-class BackendHealth(_Strict):
+class BackendHealth(Strict):
     health_interval_s: float = Field(1.0, gt=0)
     metrics_interval_s: float = Field(0.5, gt=0)
     models_interval_s: float = Field(10.0, gt=0)
@@ -133,28 +99,7 @@ class BackendHealth(_Strict):
     max_attempts: int = Field(3, ge=1)
 
 
-class Relay(_Strict):
-    """Bounds on relaying an answer: how long a client may stall, how much is held per request,
-    how often a request that may have run is retried."""
-
-    # A write to the client that makes no progress this long (the client stopped reading)
-    # ends the request: the upstream is closed and the backend slot freed.
-    send_idle_timeout_s: float = Field(30.0, gt=0)
-    # One SSE event held at most (vLLM's chunks are a few KB even with top-20 logprobs; aiohttp
-    # used to fail lines over 2 MiB): past it, an error event and [DONE], or 502 before any byte.
-    max_event_bytes: int = Field(1024 * 1024, gt=0)
-    # A non-stream answer up to this size is held whole (usage read, retry still possible);
-    # a larger one is streamed through to the client in chunks.
-    buffer_response_bytes: int = Field(1024 * 1024, gt=0)
-    # A non-stream answer larger than this is refused (502 when its length is announced,
-    # a cut connection when it passes the limit while being relayed).
-    max_response_bytes: int = Field(64 * 1024 * 1024, gt=0)
-    # Retries of a request after a backend reset it (or answered invalid HTTP): it may have run
-    # there. Past this, the request is a poison pill: 502.
-    max_reset_retries: int = Field(1, ge=0)
-
-
-class Tier(_Strict):
+class Tier(Strict):
     priority: int
     weight: float = Field(gt=0)
     max_queue: int = Field(ge=0)
@@ -166,7 +111,7 @@ class Tier(_Strict):
     prefill_share: float | None = Field(None, gt=0, le=1)
 
 
-class KeySpec(_Strict):
+class KeySpec(Strict):
     sha256: str | None = None
     env: str | None = None
 
@@ -184,7 +129,7 @@ class KeySpec(_Strict):
         return self
 
 
-class Tenant(_Strict):
+class Tenant(Strict):
     name: str = Field(min_length=1)
     tier: str
     keys: list[KeySpec] = Field(min_length=1)
@@ -195,7 +140,7 @@ class Tenant(_Strict):
     on_limit: Literal["reject", "queue"] = "reject"
 
 
-class Backend(_Strict):
+class Backend(Strict):
     url: str
     name: str | None = None
     max_inflight: int = Field(64, gt=0)
@@ -216,28 +161,7 @@ class Backend(_Strict):
         return self.name or self.url
 
 
-class InputLimits(_Strict):
-    """What the proxy accepts from a client before anything is queued (issue #12)."""
-
-    # Deepest nesting of arrays and objects in a body (the body itself is depth 1); deeper
-    # bodies get 400 at parse time. At most 128: the proxy re-serialises bodies with orjson,
-    # which cannot write more than 255 levels.
-    max_json_depth: int = Field(64, ge=2, le=128)
-    # A body not received in full within this many seconds gets 408 (slow-body clients).
-    body_read_timeout_s: float = Field(30.0, gt=0)
-    # Request Content-Encodings the proxy decodes itself, the decoded size bounded by
-    # limits.max_body_bytes (413 past it); any other encoding gets 415. The backend always gets
-    # the body as identity JSON, without a Content-Encoding header.
-    decode_content_encodings: list[Literal["gzip", "deflate"]] = Field(
-        default_factory=lambda: list[Literal["gzip", "deflate"]](["gzip", "deflate"])
-    )
-    # Client headers forwarded although the proxy would drop them (e.g. "Cookie",
-    # "X-data-parallel-rank"); case-insensitive. Hop-by-hop headers, credentials and
-    # X-Vllm-* / X-Tierproxy-* are never forwarded, whatever this says.
-    forward_headers: list[str] = Field(default_factory=list)
-
-
-class Config(_Strict):
+class Config(Strict):
     listen: Listen = Listen()
     # Set: /metrics and /admin are served there only, not on `listen`.
     admin_listen: AdminListen | None = None

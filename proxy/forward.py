@@ -26,7 +26,7 @@ from aiohttp import web
 
 from proxy import sse
 from proxy.clientsend import ClientSender, ClientStalled
-from proxy.config import Relay
+from proxy.config_server import Relay
 from proxy.errors import ProxyError, execution_timeout, upstream_failed, upstream_too_large
 from proxy.outcome import Outcome
 

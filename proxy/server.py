@@ -17,7 +17,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-from proxy.config import Server
+from proxy.config_server import Server
 
 log = logging.getLogger("tierproxy")
 

@@ -14,7 +14,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from proxy.app import STATE, create_admin_app, create_app
-from proxy.config import Server, hash_key, parse_config
+from proxy.config import hash_key, parse_config
+from proxy.config_server import Server
 from proxy.server import Listeners
 from tests.clock import FakeClock
 from tests.fakes import ScriptedBackend, serve_scripted

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp import web
 
-from proxy.config import Server
+from proxy.config_server import Server
 from proxy.server import Listeners, raise_open_files_limit
 from tests.proxyrun import until
 
