@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol, TypeGuard
 
 import aiohttp
-import orjson
 from aiohttp import web
 
 from proxy.admission import AdmissionQueue, QueuedRequest, QueueFull, UnknownTier
@@ -45,33 +43,19 @@ from proxy.inbound import (
     authenticate,
     parse_body,
     read_body,
-    upstream_headers,
 )
 from proxy.limits import LimitRegistry
 from proxy.metrics import ProxyMetrics
 from proxy.outcome import Outcome, outcome_of
 from proxy.policies.cost import weighted_tokens
 from proxy.policies.prefix import prefix_hash
-from proxy.ticket import (
-    CONTENT_DIGEST_HEADER,
-    REQUEST_ID_HEADER,
-    TICKET_HEADER,
-    Ticket,
-    body_digest,
-    content_digest,
-    encode_ticket,
-    new_nonce,
-)
+from proxy.upstream import upstream_call
 
 log = logging.getLogger("tierproxy")
 access_log = logging.getLogger("tierproxy.access")
 
 # Beyond the queue's own deadline (the dispatcher resolves the waiter by it): a backstop only.
 _DISPATCH_GUARD_S = 5.0
-UPSTREAM_PATHS: dict[Endpoint, str] = {
-    "chat": "/v1/chat/completions",
-    "completions": "/v1/completions",
-}
 
 
 class Relay(Protocol):
@@ -324,40 +308,18 @@ class RequestPipeline:
             lease.release()
 
     async def relay_once(self, request: web.Request, adm: Admitted, lease: Lease) -> RelayResult:
-        cfg, parsed, tier = adm.config, adm.parsed, adm.config.tiers[adm.tier]
-        body = dict(parsed.body)
-        if lease.backend.cfg.send_priority:
-            body["priority"] = tier.priority
-        payload = orjson.dumps(body)
-        # Bound to these exact bytes, this request id and a fresh nonce: one use, for a moment.
-        ticket = Ticket(
-            tier=adm.tier,
-            priority=tier.priority,
+        call = upstream_call(
+            adm.config,
+            adm.parsed,
+            tier_name=adm.tier,
             tenant=adm.tenant.name,
-            deadline=time.time() + tier.request_timeout_s,
-            prefill_share=cfg.prefill_share(adm.tier),
-            budget=parsed.max_tokens or cfg.limits.max_tokens_ceiling,
             request_id=adm.request_id,
-            body_sha256=body_digest(payload),
-            issued_at=time.time(),
-            nonce=new_nonce(),
-        )
-        headers = upstream_headers(request.headers, forward=cfg.input.forward_headers)
-        headers["Content-Type"] = "application/json"
-        headers[REQUEST_ID_HEADER] = adm.request_id
-        headers[CONTENT_DIGEST_HEADER] = content_digest(payload)
-        headers[TICKET_HEADER] = encode_ticket(ticket, self.secret)
-        call = UpstreamCall(
+            backend=lease.backend.cfg,
+            client_headers=request.headers,
+            secret=self.secret,
             session=self.session(),
-            url=lease.backend.cfg.url + UPSTREAM_PATHS[parsed.endpoint],
-            body=payload,
-            headers=headers,
-            deadline=asyncio.get_running_loop().time() + tier.request_timeout_s,
-            timeout_s=tier.request_timeout_s,
-            strip_usage_chunk=parsed.stream and not parsed.client_wants_usage,
-            bounds=cfg.relay,
         )
-        result = await self.relay(call, request, stream=parsed.stream, now=self.clock)
+        result = await self.relay(call, request, stream=adm.parsed.stream, now=self.clock)
         if result.backend_failed:
             self.pool.record_failure(lease.backend, self.clock())
             self.metrics.backend_errors.labels(lease.backend.label, result.outcome).inc()
