@@ -16,6 +16,7 @@ import aiohttp
 from aiohttp import web
 
 from proxy.admin import AdminEndpoints
+from proxy.budget import MemoryBudget
 from proxy.config import Config, ConfigError, LoadedConfig, load_config
 from proxy.endpoints import ServiceEndpoints
 from proxy.json_errors import json_error_bodies, json_errors
@@ -51,6 +52,7 @@ class ProxyState:
         self.monitor: BackendMonitor | None = None
         self.watcher: ConfigWatcher | None = None
         self.metrics.config_generation.set(1)
+        self.budget = MemoryBudget(cfg.limits.max_held_bytes)
         self.pipeline = RequestPipeline(
             config=lambda: self.loaded,
             secret=secret,
@@ -61,6 +63,7 @@ class ProxyState:
             pool=self.pool,
             metrics=self.metrics,
             session=self.upstream_session,
+            budget=self.budget,
         )
 
     @property
@@ -76,6 +79,7 @@ class ProxyState:
         cfg = loaded.config
         self.scheduling.reconfigure(cfg)
         self.limits.configure(cfg.tenants, self.clock())
+        self.budget.limit_bytes = cfg.limits.max_held_bytes
         self.loaded = loaded
         self.metrics.config_generation.inc()
         self.dispatcher.kick()

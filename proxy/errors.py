@@ -262,3 +262,14 @@ def backends_failed(kind: str) -> ProxyError:
         type="server_error",
         code="backends_failed",
     )
+
+
+def memory_full() -> ProxyError:
+    """The proxy holds as much request data as its memory budget allows (limits.max_held_bytes)."""
+    return ProxyError(
+        503,
+        "The service holds as many requests as its memory allows; retry shortly.",
+        type="server_error",
+        code="proxy_memory_full",
+        retry_after_s=1,
+    )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol, TypeGuard
@@ -22,6 +23,7 @@ from aiohttp import web
 
 from proxy.admission import AdmissionQueue, QueuedRequest, QueueFull, UnknownTier
 from proxy.backends import BackendPool
+from proxy.budget import MemoryBudget, Reservation, held_estimate
 from proxy.config import Config, LoadedConfig, Tenant
 from proxy.dispatch import Dispatcher, Lease, QueueTimeoutError
 from proxy.errors import (
@@ -29,6 +31,7 @@ from proxy.errors import (
     backend_overloaded,
     backends_failed,
     config_changed,
+    memory_full,
     model_not_found,
     no_backend,
     poison_pill,
@@ -88,6 +91,7 @@ class Admitted:
     request_id: str
     arrival: float
     queued: QueuedRequest = field(init=False)
+    held: Reservation | None = None  # its share of the memory budget
     attempts: int = 0  # backends tried so far
     resets: int = 0  # backends that broke while they may have been running it
 
@@ -133,6 +137,7 @@ class RequestPipeline:
         session: Callable[[], aiohttp.ClientSession],
         relay: Relay = relay,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        budget: MemoryBudget | None = None,
     ) -> None:
         self.config = config  # the current config; read once per request
         self.secret = secret
@@ -145,6 +150,8 @@ class RequestPipeline:
         self.session = session  # exists once the app has started
         self.relay = relay
         self.sleep = sleep
+        self.budget = budget if budget is not None else MemoryBudget(None)
+        self.limit_waiting: Counter[str] = Counter()  # per tier: requests waiting for a limit
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self.handle(request, "chat")
@@ -155,6 +162,7 @@ class RequestPipeline:
     async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         trace = Trace(uuid.uuid4().hex, self.clock())
         loaded = self.config()  # one config for the whole request, even if a reload happens
+        adm: Admitted | None = None
         try:
             trace.tenant = authenticate(request.headers, loaded)
             adm = await self.parse(request, endpoint, loaded.config, trace.tenant, trace)
@@ -175,6 +183,8 @@ class RequestPipeline:
             trace.outcome, trace.status = Outcome.CLIENT_GONE, 499
             raise
         finally:
+            if adm is not None and adm.held is not None:
+                adm.held.release()
             self.log(trace)
 
     # -- parse ---------------------------------------------------------------------------
@@ -199,7 +209,11 @@ class RequestPipeline:
         )
         if not self.pool.model_known(parsed.model):
             raise model_not_found(parsed.model)
-        return Admitted(config, tenant, parsed, trace.request_id, trace.arrival)
+        # Held until the request ends; over the budget, refused now rather than grow the heap.
+        held = self.budget.try_reserve(held_estimate(len(raw)))
+        if held is None:
+            raise memory_full()
+        return Admitted(config, tenant, parsed, trace.request_id, trace.arrival, held=held)
 
     # -- tenant limits -------------------------------------------------------------------
 
@@ -216,8 +230,16 @@ class RequestPipeline:
             wait = verdict.retry_after_s
             if tenant.on_limit != "queue" or self.clock() + wait > give_up_at:
                 raise rate_limited(verdict.limit, wait)
-            # Not a network wait: the bucket refills on the clock (or a slot frees).
-            await self.sleep(min(wait, 0.25) if verdict.limit == "max_concurrent" else wait)
+            # A request waiting for its tenant's limit holds its body like a queued one: it
+            # counts against the tier's queue cap.
+            waiting, cap = self.limit_waiting, adm.config.tiers[adm.tier].max_queue
+            if self.queue.depth(adm.tier) + waiting[adm.tier] >= cap:
+                raise queue_full(adm.tier, self.retry_after(adm.tier))
+            waiting[adm.tier] += 1
+            try:  # not a network wait: the bucket refills on the clock (or a slot frees)
+                await self.sleep(min(wait, 0.25) if verdict.limit == "max_concurrent" else wait)
+            finally:
+                waiting[adm.tier] -= 1
 
     def settle_tenant_limits(self, adm: Admitted, result: RelayResult | None) -> None:
         """Charge the tenant's token limit what the request really used: the unused part of the

@@ -10,12 +10,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from proxy.app import ProxyState
+from proxy.budget import held_estimate
 from proxy.config import hash_key, parse_config
 from proxy.engine import free_port
 from proxy.policies.cost import weighted_tokens
@@ -449,3 +451,45 @@ async def test_the_configured_chooser_steers_by_the_prompt_prefix(
 
     expected = (0, 2) if chooser == "prefix_affinity" else (1, 1)
     assert (served_b(first), served_b(second)) == expected
+
+
+# -- what the proxy holds ------------------------------------------------------------------
+
+
+async def test_the_memory_budget_refuses_at_once_and_comes_back(clock: FakeClock) -> None:
+    backend = ScriptedBackend()
+    one_body = held_estimate(len(orjson.dumps(BODY)))
+    async with serve_scripted(backend) as url:
+        config = make_config([{"url": url}], limits={"max_held_bytes": one_body + 10})
+        async with rig(config, clock) as r:
+            backend.gate.clear()
+            held = asyncio.create_task(r.chat())
+            await until(lambda: backend.active == 1, 5, "the first request at the backend")
+            refused = await r.chat()
+            assert refused.status == 503 and refused.headers["Retry-After"] == "1"
+            assert (await error_of(refused))["code"] == "proxy_memory_full"
+            backend.gate.set()
+            assert (await held).status == 200
+            assert r.state.budget.held == 0  # every reservation released
+            assert (await r.chat()).status == 200
+
+
+async def test_limit_waiters_count_against_the_tier_queue_cap(clock: FakeClock) -> None:
+    backend = ScriptedBackend()
+    async with serve_scripted(backend) as url:
+        config = make_config(
+            [{"url": url}],
+            tiers={"normal": {"max_queue": 1}},
+            tenants=tenants(requests_per_minute=1, on_limit="queue"),
+        )
+        async with rig(config, clock) as r:
+            assert (await r.chat()).status == 200
+            r.sleep.gate.clear()  # the next one waits for the bucket, and stays waiting
+            waiting = asyncio.create_task(r.chat())
+            await until(lambda: len(r.sleep.waits) == 1, 5, "a request waiting for the limit")
+            refused = await asyncio.wait_for(r.chat(), 5)  # at once, not after a wait
+            assert refused.status == 429
+            assert (await error_of(refused))["code"] == "queue_full"
+            r.sleep.gate.set()
+            assert (await waiting).status == 200
+            assert r.state.pipeline.limit_waiting["normal"] == 0
