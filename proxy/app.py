@@ -210,9 +210,10 @@ def serve(config_path: str, *, host: str | None = None, port: int | None = None)
 async def _serve(app: web.Application, host: str | None, port: int | None) -> None:
     """Run until SIGINT or SIGTERM: the public listener and, with ``admin_listen``, the
     operator one; both under the connection cap of ``server:`` (read once, at start)."""
-    cfg = app[STATE].config
-    listen = cfg.listen
-    async with Listeners(cfg.server) as listeners:
+    state = app[STATE]
+    cfg, listen = state.config, state.config.listen
+    async with Listeners(cfg.server, on_refused=state.metrics.connections_refused.inc) as listeners:
+        state.metrics.open_connections.set_function(listeners.open_connections)
         await listeners.add(app, host or listen.host, port if port is not None else listen.port)
         if cfg.admin_listen is not None:
             admin = cfg.admin_listen

@@ -84,3 +84,13 @@ class ProxyMetrics:
         self.config_generation = Gauge(
             "tierproxy_config_generation", "Number of configs loaded so far", registry=r
         )
+        self.open_connections = Gauge(
+            "tierproxy_open_connections",
+            "Open client connections on all listeners (server.max_connections caps them)",
+            registry=r,
+        )
+        self.connections_refused = Counter(
+            "tierproxy_connections_refused",
+            "Client connections refused at the server.max_connections cap (503 then closed)",
+            registry=r,
+        )

@@ -118,6 +118,7 @@ class ConnectionGate:
         settings: Server,
         open_connections: Callable[[], int],
         kwargs: dict[str, Any],
+        on_refused: Callable[[], None] | None = None,
     ) -> None:
         self.server = server
         self.settings = settings
@@ -125,10 +126,13 @@ class ConnectionGate:
         # handler_cancellation belongs to web.Server, not to each connection's handler.
         self.kwargs = {k: v for k, v in kwargs.items() if k != "handler_cancellation"}
         self.refused = 0
+        self.on_refused = on_refused  # e.g. a Prometheus counter's inc
 
     def __call__(self) -> asyncio.BaseProtocol:
         if self.open_connections() >= self.settings.max_connections:
             self.refused += 1
+            if self.on_refused is not None:
+                self.on_refused()
             if self.refused & (self.refused - 1) == 0:  # 1, 2, 4, 8...: the log stays short
                 log.warning(
                     "connection cap %d reached: %d connection(s) refused so far",
@@ -149,8 +153,9 @@ class Listeners:
     closes the listeners, then cleans the apps up in reverse order (the first app, whose
     lifecycle owns the shared state, last)."""
 
-    def __init__(self, settings: Server) -> None:
+    def __init__(self, settings: Server, on_refused: Callable[[], None] | None = None) -> None:
         self.settings = settings
+        self.on_refused = on_refused
         self.runners: list[web.AppRunner] = []
         self.servers: list[asyncio.Server] = []
         self.gates: list[ConnectionGate] = []
@@ -165,7 +170,9 @@ class Listeners:
         await runner.setup()
         self.runners.append(runner)
         assert runner.server is not None
-        gate = ConnectionGate(runner.server, self.settings, self.open_connections, kwargs)
+        gate = ConnectionGate(
+            runner.server, self.settings, self.open_connections, kwargs, self.on_refused
+        )
         self.gates.append(gate)
         loop = asyncio.get_running_loop()
         # A burst of new connections waits in the kernel, not in connect errors.

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 import resource
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 from aiohttp import web
@@ -32,8 +32,10 @@ def _app(handler_delay_s: float = 0.0) -> web.Application:
 
 
 @contextlib.asynccontextmanager
-async def serving(settings: Server, app: web.Application) -> AsyncIterator[tuple[Listeners, int]]:
-    async with Listeners(settings) as listeners:
+async def serving(
+    settings: Server, app: web.Application, on_refused: Callable[[], None] | None = None
+) -> AsyncIterator[tuple[Listeners, int]]:
+    async with Listeners(settings, on_refused) as listeners:
         port = await listeners.add(app, "127.0.0.1", 0)
         yield listeners, port
 
@@ -56,7 +58,11 @@ async def closed(reader: asyncio.StreamReader) -> bytes:
 
 async def test_over_the_cap_a_connection_gets_503_json_and_a_slot_frees_on_close() -> None:
     settings = Server(max_connections=2, header_timeout_s=30, keepalive_timeout_s=30)
-    async with serving(settings, _app()) as (listeners, port):
+    refusals: list[int] = []
+    async with serving(settings, _app(), on_refused=lambda: refusals.append(1)) as (
+        listeners,
+        port,
+    ):
         held: list[Conn] = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
         await until(lambda: listeners.open_connections() == 2, 5, "two open connections")
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -64,7 +70,7 @@ async def test_over_the_cap_a_connection_gets_503_json_and_a_slot_frees_on_close
         writer.close()
         assert answer.startswith(b"HTTP/1.1 503 ")
         assert b"Retry-After: 1\r\n" in answer and b'"code": "too_many_connections"' in answer
-        assert listeners.gates[0].refused == 1
+        assert listeners.gates[0].refused == 1 and refusals == [1]  # counted for /metrics
 
         held[0][1].close()
         await until(lambda: listeners.open_connections() == 1, 5, "a slot freed")
