@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import hashlib
 import os
 import statistics
@@ -22,7 +21,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +29,9 @@ import yaml
 from aiohttp import web
 
 from proxy.app import ProxyState
+from proxy.bench.inproc import KEYS, auth, make_config, running_proxy, serve_app, until
 from proxy.config import LoadedConfig, parse_config
-from proxy.process import free_port
 from proxy.runtime import tune_gc
-from tests.proxyrun import KEYS, auth, make_config, running_proxy, until
 
 TIERS = ("high", "normal", "low")
 
@@ -77,18 +74,6 @@ def _fake_backend() -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/chat/completions", chat)
     return app
-
-
-@contextlib.asynccontextmanager
-async def fake_backend() -> AsyncIterator[str]:
-    runner = web.AppRunner(_fake_backend(), access_log=None)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
 
 
 def time_loading(text: str, path: Path) -> None:
@@ -176,7 +161,7 @@ def report(name: str, latencies: list[float]) -> None:
 async def run(tenants: int, seconds: float, clients: int, workdir: Path) -> None:
     for tier, key in KEYS.items():
         os.environ["RELOAD_BENCH_KEY_" + tier] = key
-    async with fake_backend() as backend:
+    async with serve_app(_fake_backend()) as backend:
         config = big_config(backend, tenants)
         path = workdir / "config.yaml"
         text = yaml.safe_dump(config)

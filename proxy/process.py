@@ -18,17 +18,18 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Self
 
 
-class StopOnExit:
+class StopOnExit(ABC):
     """``with thing:`` stops it on the way out, whatever happened inside."""
 
-    def stop(self) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def stop(self) -> None: ...
 
     def __enter__(self) -> Self:
         return self

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from proxy.engine import free_port
+from proxy.bench.inproc import serve_app
 
 
 def _hung_app() -> web.Application:
@@ -46,22 +46,6 @@ def _dies_mid_stream_app(events_before_death: int) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_post("/v1/chat/completions", chat)
     return app
-
-
-@contextlib.asynccontextmanager
-async def serve_app(
-    app: web.Application, *, handler_cancellation: bool = False
-) -> AsyncIterator[str]:
-    runner = web.AppRunner(
-        app, access_log=None, shutdown_timeout=0.1, handler_cancellation=handler_cancellation
-    )
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
 
 
 def hung_backend() -> contextlib.AbstractAsyncContextManager[str]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -94,3 +94,38 @@ async def running_proxy(
 
 def auth(tier: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {KEYS[tier]}"}
+
+
+@contextlib.asynccontextmanager
+async def serve_app(
+    app: web.Application, *, handler_cancellation: bool = False
+) -> AsyncIterator[str]:
+    """Serve ``app`` on a free loopback port (fake backends of tests and benchmarks)."""
+    runner = web.AppRunner(
+        app, access_log=None, shutdown_timeout=0.1, handler_cancellation=handler_cancellation
+    )
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+async def until(
+    condition: Callable[[], bool],
+    timeout_s: float = 30.0,
+    what: str = "",
+    state: ProxyState | None = None,
+) -> None:
+    """Poll a condition on running servers; fail (never hang) when it does not come true,
+    saying what the proxy held at that moment."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        if asyncio.get_running_loop().time() > deadline:
+            held = ""
+            if state is not None:
+                held = f"; queue {len(state.queue)}, backends {state.pool.all()}"
+            raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}{held}")
+        await asyncio.sleep(0.01)

@@ -19,8 +19,8 @@ from aiohttp import web
 
 from proxy import sse
 from proxy.backends import BackendState
+from proxy.bench.inproc import serve_app
 from tests.clock import FakeClock
-from tests.fakes import serve_app
 from tests.proxyrun import auth, make_config, until
 from tests.unit.test_pipeline import BODY, Rig, error_of, rig
 
