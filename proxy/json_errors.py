@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import traceback
+from http import HTTPStatus
 
 import orjson
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 from aiohttp.typedefs import Handler
 
 from proxy.errors import ProxyError, http_error, internal_error, unknown_url
@@ -75,3 +77,37 @@ async def json_error_bodies(request: web.Request, response: web.StreamResponse) 
     response.content_type = "application/json"
     if "Content-Length" in response.headers:  # set already for the plain-text body
         response.headers["Content-Length"] = str(len(body))
+
+
+# aiohttp's parser limits (its RequestHandler defaults): a longer request line or header field,
+# or more header fields, is refused before any handler runs.
+MAX_HEADER_FIELD_BYTES = 8190
+MAX_HEADER_FIELDS = 128
+
+
+def parser_error(status: int, exc: BaseException | None) -> ProxyError:
+    """What aiohttp's parser refused (a malformed request line, header or framing; headers over
+    its limits) or its handler could not answer, in the OpenAI shape. A line or header over the
+    limit, or too many headers, is 431; every other parser error 400."""
+    if status == 500:
+        return internal_error()
+    if not isinstance(exc, HttpProcessingError):
+        return http_error(status, HTTPStatus(status).phrase if status in _STATUSES else "")
+    detail = parser_detail(exc)
+    if isinstance(exc, LineTooLong) or "Too many headers" in exc.message:
+        return ProxyError(
+            431,
+            f"The request line or a header field is over {MAX_HEADER_FIELD_BYTES} bytes, or"
+            f" there are over {MAX_HEADER_FIELDS} header fields: {detail}",
+            code="request_header_fields_too_large",
+        )
+    return ProxyError(400, f"Malformed HTTP request: {detail}", code="malformed_request")
+
+
+def parser_detail(exc: HttpProcessingError) -> str:
+    """The first line of a parser error (the rest echoes the client's bytes with a caret)."""
+    first = next((line for line in exc.message.splitlines() if line.strip()), "")
+    return first.strip().rstrip(":")[:200] or "malformed request"
+
+
+_STATUSES = {s.value for s in HTTPStatus}

@@ -35,8 +35,11 @@ class TokenBucket:
         return max(0.0, need / self.rate_per_s)
 
     def take(self, amount: float, now: float) -> None:
+        """Take ``amount``; the level may go below zero (an oversize request, usage past its
+        estimate), as debt paid off by the refill, but never below ``-capacity``: one huge
+        answer costs the tenant at most one minute of its limit, not hours of being refused."""
         self._refill(now)
-        self._level -= amount  # may go negative for oversize requests: they pay it off later
+        self._level = max(self._level - amount, -self.capacity)
 
     def give_back(self, amount: float, now: float) -> None:
         self._refill(now)

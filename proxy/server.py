@@ -15,9 +15,12 @@ from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
-from aiohttp.web_protocol import RequestHandler
+from aiohttp.http_exceptions import BadHttpMessage, HttpProcessingError
+from aiohttp.web_protocol import RequestHandler, _ErrInfo
+from aiohttp.web_request import BaseRequest
 
 from proxy.config_server import Server
+from proxy.json_errors import parser_detail, parser_error
 
 log = logging.getLogger("tierproxy")
 
@@ -100,13 +103,57 @@ class GuardedHandler(RequestHandler):
     def data_received(self, data: bytes) -> None:
         if data and self._awaiting_request():
             self._arm()
+        queued = len(self._messages)
         super().data_received(data)
+        if len(self._messages) > queued:
+            self._fail_body_on_framing_error()
         if not self._awaiting_request():
             self._disarm()
+
+    def _fail_body_on_framing_error(self) -> None:
+        """aiohttp's C parser, failing on framing inside a body (a bad chunk size), queues an
+        error message for after the request but leaves that request's body waiting for bytes
+        that never come (until the body timeout). Hand the error to the body instead: its reader
+        answers 400 bad_framing, and the connection closes after that answer."""
+        message, _ = self._messages[-1]
+        request = self._current_request
+        if not isinstance(message, _ErrInfo) or request is None or request.content.is_eof():
+            return
+        self._messages.pop()
+        exc = message.exc
+        if isinstance(exc, HttpProcessingError):
+            exc = BadHttpMessage(parser_detail(exc))
+        request.content.set_exception(exc)
+        request.content.feed_eof()  # nothing more to wait for (nor to linger on)
+        self.close()
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._disarm()
         super().connection_lost(exc)
+
+    def handle_error(
+        self,
+        request: BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        """aiohttp answers what its parser refuses (and what no handler answered) here, in
+        plain text with a traceback in the log; this answers OpenAI JSON, logs one line and
+        closes the connection (after a framing error nothing later on it can be trusted)."""
+        if request.writer.output_size > 0:  # as aiohttp: too late for another answer
+            raise ConnectionError("an answer was sent already, cannot send the error")
+        err = parser_error(status, exc)
+        log.info(
+            "refused a malformed request from %s: %d %s",
+            request.remote,
+            err.status,
+            err.message[:200],
+        )
+        resp = err.response()
+        resp.headers["Connection"] = "close"  # aiohttp says it only to HTTP/1.1 requests
+        resp.force_close()
+        return resp
 
 
 class ConnectionGate:

@@ -15,9 +15,10 @@ from typing import Any
 import yaml
 from aiohttp import web
 
-from proxy.app import STATE, ProxyState, create_app
+from proxy.app import STATE, ProxyState, create_admin_app, create_app
 from proxy.config import hash_key, load_config, parse_config
 from proxy.process import free_port
+from proxy.server import Listeners
 
 SECRET = b"integration-test-secret-of-at-least-32-bytes"
 KEYS = {"high": "key-high", "normal": "key-normal", "low": "key-low"}
@@ -72,8 +73,10 @@ def make_config(
 async def running_proxy(
     config: dict[str, Any], config_path: Path | None = None
 ) -> AsyncIterator[tuple[str, ProxyState]]:
-    """Yields (base URL, the app's state) with the proxy serving as `tierproxy serve` does.
-    With ``config_path``, the config is written there and watched for live reloads."""
+    """Yields (base URL, the app's state) with the proxy serving as `tierproxy serve` does:
+    on ``Listeners`` (connection cap, header and keep-alive timeouts, JSON parser errors) and,
+    with ``admin_listen``, the operator listener too. With ``config_path``, the config is
+    written there and watched for live reloads."""
     text = yaml.safe_dump(config)
     if config_path is not None:
         await asyncio.to_thread(config_path.write_text, text)
@@ -81,15 +84,15 @@ async def running_proxy(
     else:
         loaded = parse_config(text, "test-config")
     app = create_app(loaded, secret=SECRET, watch_config=config_path is not None)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    port = free_port()
-    site = web.TCPSite(runner, "127.0.0.1", port)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{port}", app[STATE]
-    finally:
-        await runner.cleanup()
+    state = app[STATE]
+    cfg = state.config
+    async with Listeners(cfg.server, on_refused=state.metrics.connections_refused.inc) as listeners:
+        state.metrics.open_connections.set_function(listeners.open_connections)
+        port = await listeners.add(app, "127.0.0.1", 0)
+        if cfg.admin_listen is not None:
+            admin = cfg.admin_listen
+            await listeners.add(create_admin_app(app), admin.host, admin.port)
+        yield f"http://127.0.0.1:{port}", state
 
 
 def auth(tier: str) -> dict[str, str]:

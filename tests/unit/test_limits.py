@@ -69,8 +69,21 @@ def test_oversize_request_waits_for_a_full_bucket_then_goes() -> None:
     bucket = TokenBucket(rate_per_s=10, capacity=100, now=0)
     bucket.take(100, 0)
     assert bucket.wait_for(500, 0) == pytest.approx(10.0)
-    bucket.take(500, 10)  # goes into debt
-    assert bucket.wait_for(1, 10) > 40
+    bucket.take(500, 10)  # goes into debt, capped at one bucket (a minute of the limit)
+    assert bucket.wait_for(1, 10) == pytest.approx(10.1)
+
+
+@pytest.mark.parametrize("used", [2_000, 10**9])
+def test_overage_debt_is_capped_at_one_minute_of_the_limit(used: int) -> None:
+    reg = LimitRegistry()
+    reg.configure([_tenant(tokens_per_minute=600)], now=0.0)
+    assert reg.try_admit("t", 100, 0.0).allowed
+    reg.settle("t", 100, used, 0.0)  # far past its reservation
+    verdict = reg.try_admit("t", 100, 0.0)
+    # At most 600 tokens of debt at 10 tokens/s: 60 s to pay off, 10 s more for the 100 asked.
+    assert not verdict.allowed and verdict.retry_after_s == pytest.approx(70.0)
+    assert not reg.try_admit("t", 100, 69.9).allowed
+    assert reg.try_admit("t", 100, 70.1).allowed
 
 
 def test_reload_keeps_levels_and_drops_unlimited_tenants() -> None:
