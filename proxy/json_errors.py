@@ -48,13 +48,13 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
             type(exc).__name__,
             request.method,
             request.path,
-            _where(exc),
+            where(exc),
             str(exc)[:200],
         )
         return internal_error().response()
 
 
-def _where(exc: BaseException) -> str:
+def where(exc: BaseException) -> str:
     frames = traceback.extract_tb(exc.__traceback__)
     if not frames:
         return "?"
@@ -90,6 +90,12 @@ def parser_error(status: int, exc: BaseException | None) -> ProxyError:
     its limits) or its handler could not answer, in the OpenAI shape. A line or header over the
     limit, or too many headers, is 431; every other parser error 400."""
     if status == 500:
+        if isinstance(exc, UnicodeEncodeError) and _escaped_client_bytes(exc):
+            # aiohttp decodes header bytes that are not UTF-8 with surrogateescape; its own
+            # code before any middleware (the Expect check) fails to encode them again.
+            return ProxyError(
+                400, "Malformed HTTP request: a header is not valid UTF-8", code="malformed_request"
+            )
         return internal_error()
     if not isinstance(exc, HttpProcessingError):
         return http_error(status, HTTPStatus(status).phrase if status in _STATUSES else "")
@@ -102,6 +108,11 @@ def parser_error(status: int, exc: BaseException | None) -> ProxyError:
             code="request_header_fields_too_large",
         )
     return ProxyError(400, f"Malformed HTTP request: {detail}", code="malformed_request")
+
+
+def _escaped_client_bytes(exc: UnicodeEncodeError) -> bool:
+    bad = exc.object[exc.start : exc.end]
+    return bool(bad) and all("\udc80" <= ch <= "\udcff" for ch in bad)
 
 
 def parser_detail(exc: HttpProcessingError) -> str:

@@ -20,7 +20,7 @@ from aiohttp.web_protocol import RequestHandler, _ErrInfo
 from aiohttp.web_request import BaseRequest
 
 from proxy.config_server import Server
-from proxy.json_errors import parser_detail, parser_error
+from proxy.json_errors import parser_detail, parser_error, where
 
 log = logging.getLogger("tierproxy")
 
@@ -144,12 +144,20 @@ class GuardedHandler(RequestHandler):
         if request.writer.output_size > 0:  # as aiohttp: too late for another answer
             raise ConnectionError("an answer was sent already, cannot send the error")
         err = parser_error(status, exc)
-        log.info(
-            "refused a malformed request from %s: %d %s",
-            request.remote,
-            err.status,
-            err.message[:200],
-        )
+        if err.status >= 500:
+            log.error(
+                "unhandled %s before the app's middleware at %s: %s",
+                type(exc).__name__,
+                where(exc) if exc is not None else "?",
+                str(exc)[:200],
+            )
+        else:
+            log.info(
+                "refused a malformed request from %s: %d %s",
+                request.remote,
+                err.status,
+                err.message[:200],
+            )
         resp = err.response()
         resp.headers["Connection"] = "close"  # aiohttp says it only to HTTP/1.1 requests
         resp.force_close()

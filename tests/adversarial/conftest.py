@@ -1,0 +1,25 @@
+"""The standing adversarial suite: hostile clients, faulty backends, forged tickets. Fixtures
+as tests/unit's, and the fuzz's status histogram in pytest's terminal summary."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.adversarial.histogram import FUZZ, HISTOGRAM_PATH
+from tests.clock import FakeClock
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not FUZZ.cases():
+        return
+    terminalreporter.section("fuzz status histogram")
+    terminalreporter.write_line(FUZZ.summary())
+    for kind, counts in sorted(FUZZ.by_kind.items()):
+        line = ", ".join(f"{s}: {n}" for s, n in sorted(counts.items()))
+        terminalreporter.write_line(f"  {kind}: {line}")
+    terminalreporter.write_line(f"written to {HISTOGRAM_PATH}")
