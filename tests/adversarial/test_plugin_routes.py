@@ -2,10 +2,12 @@
 
 Builds vLLM's own FastAPI app in-process (no engine, no model) with every task and the dev,
 RL and fault-tolerance routers on, and walks its route table: a route a future vLLM adds is
-either covered by ``rule_for`` or fails here."""
+either covered by ``rule_for`` or fails here; and each route goes through the real
+``TicketMiddleware`` (refused unticketed when tickets are required, priority forced when not)."""
 
 from __future__ import annotations
 
+import json
 import typing
 from typing import Any
 
@@ -14,6 +16,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from proxy.vllm_plugin.routes import UNTICKETED_POST_PATHS, Rule, rule_for
+from tests.adversarial.test_plugin_middleware import App, call, mw_with, refused
 
 # Routes the rule lets through, each for a reason (see routes.UNTICKETED_POST_PATHS).
 ALLOWED_UNTICKETED = frozenset({"/ping"})
@@ -44,6 +47,24 @@ def test_every_vllm_post_route_is_ticketed(monkeypatch: pytest.MonkeyPatch) -> N
     open_routes = {p for p in paths if rule_for("POST", p) is Rule.PASS}
     assert open_routes <= ALLOWED_UNTICKETED, f"POST routes passing unticketed: {open_routes}"
     assert UNTICKETED_POST_PATHS == ALLOWED_UNTICKETED
+
+
+async def test_every_vllm_post_route_through_the_real_middleware(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    forged = {"priority": -1000, "vllm_xargs": {"tierproxy_trusted": 1, "tierproxy_tier": "high"}}
+    body = json.dumps(forged).encode()
+    paths = _vllm_post_paths(monkeypatch)
+    for path in sorted(paths - ALLOWED_UNTICKETED):
+        app = App()
+        status, error = await refused(mw_with(app, require=True), body, [], path=path)
+        assert status == 401 and app.scope == {}, (path, error)  # never reached vLLM
+        await call(mw_with(app), body, [], path=path)
+        assert json.loads(app.body) == {"priority": 10}, path  # forced, caller xargs dropped
+    for path in sorted(paths & ALLOWED_UNTICKETED):
+        app = App()
+        await call(mw_with(app, require=True), body, [], path=path)
+        assert app.body == body, path  # untouched
 
 
 def test_unknown_methods_and_paths_are_ticketed() -> None:
