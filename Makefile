@@ -9,7 +9,7 @@ LIGHT  := $(VENV)/.tierproxy-light
 FULL   := $(VENV)/.tierproxy-installed
 SOURCES := proxy tests benchmarks
 
-.PHONY: run test lint format unit integration bench clean model install install-light
+.PHONY: run test lint format unit adversarial integration bench clean model install install-light
 
 $(LIGHT): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -45,6 +45,9 @@ format: $(LIGHT)
 
 unit: $(LIGHT)
 	$(BIN)/pytest tests/unit
+
+adversarial: $(LIGHT)
+	$(BIN)/pytest tests/adversarial
 
 integration: model
 	$(BIN)/pytest tests/integration

@@ -40,11 +40,11 @@ json_values = st.recursive(
     | st.booleans()
     | st.integers(min_value=-(2**70), max_value=2**70)
     | st.floats(allow_nan=False, allow_infinity=False)
-    | st.text(max_size=20),
+    | st.text(max_size=10),
     lambda children: (
         st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
     ),
-    max_leaves=12,
+    max_leaves=8,
 )
 FIELDS = [
     "model",

@@ -163,10 +163,11 @@ async def test_an_unexpected_exception_is_json_and_one_log_line(
         assert all(r.exc_info is None for r in caplog.records)
 
 
+@pytest.mark.parametrize("usage", [(1_000, 200), (10**7, 10**7)])
 async def test_tpm_overage_makes_the_next_request_429_with_the_exact_retry_after(
-    clock: FakeClock,
+    clock: FakeClock, usage: tuple[int, int]
 ) -> None:
-    backend = ScriptedBackend(usage=(1_000, 200))  # far past what the request reserved
+    backend = ScriptedBackend(usage=usage)  # far past what the request reserved
     async with serve_scripted(backend) as url:
         config = make_config([{"url": url}], tenants=tenants(tokens_per_minute=600))
         async with rig(config, clock) as r:
@@ -179,6 +180,7 @@ async def test_tpm_overage_makes_the_next_request_429_with_the_exact_retry_after
                 orjson.dumps(BODY), "chat", cfg.tiers["normal"], cfg.limits, cfg.scheduling
             )
             need = reserved.prompt_tokens + reserved.expected_output
-            # The bucket holds 600 - 1,200 = -600; the reservation refills at 10 tokens/s.
+            # The bucket holds 600 - 1,200 = -600, or for 20 M tokens used -600 as well: the
+            # debt is capped at one minute of the limit. The reservation refills at 10 tokens/s.
             assert second.headers["Retry-After"] == str(math.ceil((600 + need) / 10))
             assert r.state.limits.concurrent("tenant-normal") == 0
