@@ -67,8 +67,9 @@ class _Refusal(asyncio.Protocol):
 
 
 class GuardedHandler(RequestHandler):
-    """aiohttp's handler plus a header timeout: armed when the connection opens and when the
-    first bytes of a later request arrive, disarmed when the request's headers are parsed."""
+    """aiohttp's handler plus a header timeout (armed when the connection opens and when the
+    first bytes of a later request arrive, disarmed when the request's headers are parsed), and
+    OpenAI JSON, not plain text, for what aiohttp's parser refuses."""
 
     def __init__(self, manager: web.Server, *, header_timeout_s: float, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
@@ -121,9 +122,8 @@ class GuardedHandler(RequestHandler):
             return
         self._messages.pop()
         exc = message.exc
-        if isinstance(exc, HttpProcessingError):
-            exc = BadHttpMessage(parser_detail(exc))
-        request.content.set_exception(exc)
+        detail = parser_detail(exc) if isinstance(exc, HttpProcessingError) else "bad framing"
+        request.content.set_exception(BadHttpMessage(detail))
         request.content.feed_eof()  # nothing more to wait for (nor to linger on)
         self.close()
 
