@@ -20,7 +20,7 @@ from proxy.budget import MemoryBudget
 from proxy.config import Config, ConfigError, LoadedConfig, load_config
 from proxy.endpoints import ServiceEndpoints
 from proxy.json_errors import json_error_bodies, json_errors
-from proxy.limits import LimitRegistry
+from proxy.limits import LimitRegistry, TenantLimits
 from proxy.metrics import ProxyMetrics
 from proxy.monitor import BackendMonitor
 from proxy.pipeline import RequestPipeline
@@ -28,6 +28,7 @@ from proxy.policies.build import build_scheduling
 from proxy.reload import ConfigWatcher
 from proxy.runtime import tune_gc
 from proxy.server import Listeners, raise_open_files_limit
+from proxy.shared.runtime import SharedRuntime
 from proxy.ticket import SecretError, check_secret, secret_from_env
 
 log = logging.getLogger("tierproxy")
@@ -46,7 +47,9 @@ class ProxyState:
         self.queue = self.scheduling.queue
         self.pool = self.scheduling.pool
         self.dispatcher = self.scheduling.dispatcher
-        self.limits = LimitRegistry()
+        shared = cfg.shared_state  # read at start: a change needs a restart
+        self.shared = SharedRuntime(shared, self.metrics) if shared is not None else None
+        self.limits: TenantLimits = self.shared.limits if self.shared else LimitRegistry()
         self.limits.configure(cfg.tenants, clock())
         self.session: aiohttp.ClientSession | None = None
         self.monitor: BackendMonitor | None = None
@@ -177,6 +180,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     )
     state.dispatcher.start()
     state.monitor.start()
+    if state.shared is not None:
+        await state.shared.start()
     if state.watcher is not None:
         state.watcher.start()
     try:
@@ -186,6 +191,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             await state.watcher.stop()
         await state.monitor.stop()
         await state.dispatcher.stop()
+        if state.shared is not None:
+            await state.shared.stop()
         await state.session.close()
 
 
