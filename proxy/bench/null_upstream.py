@@ -1,6 +1,7 @@
 """A null backend for overhead measurements and for tests of the proxy's own bookkeeping
 (shared limits across replicas): answers every generation at once (or after ``delay_s``) with
-a fixed usage, so all time measured is the proxy's. Counts what it serves and what runs."""
+a fixed usage, so all time measured is the proxy's. With ``delay_per_token_s`` a generation
+takes its ``max_tokens`` times that, as an engine's would. Counts what it serves and runs."""
 
 from __future__ import annotations
 
@@ -13,8 +14,15 @@ USAGE = {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}
 
 
 class NullUpstream:
-    def __init__(self, delay_s: float = 0.0, usage: dict[str, int] | None = None) -> None:
+    def __init__(
+        self,
+        delay_s: float = 0.0,
+        usage: dict[str, int] | None = None,
+        *,
+        delay_per_token_s: float = 0.0,
+    ) -> None:
         self.delay_s = delay_s
+        self.delay_per_token_s = delay_per_token_s
         self.usage = usage or USAGE
         self.served = 0
         self.running = 0
@@ -40,12 +48,16 @@ class NullUpstream:
         return web.json_response(body)
 
     async def _generate(self, request: web.Request) -> web.Response:
-        await request.read()
+        raw = await request.read()
+        delay = self.delay_s
+        if self.delay_per_token_s:
+            max_tokens = orjson.loads(raw).get("max_tokens") or 0
+            delay += self.delay_per_token_s * float(max_tokens)
         self.running += 1
         self.max_running = max(self.max_running, self.running)
         try:
-            if self.delay_s:
-                await asyncio.sleep(self.delay_s)
+            if delay:
+                await asyncio.sleep(delay)
         finally:
             self.running -= 1
         self.served += 1
