@@ -48,7 +48,11 @@ class ProxyState:
         self.pool = self.scheduling.pool
         self.dispatcher = self.scheduling.dispatcher
         shared = cfg.shared_state  # read at start: a change needs a restart
-        self.shared = SharedRuntime(shared, self.metrics) if shared is not None else None
+        self.shared = (
+            SharedRuntime(shared, self.metrics, lambda: self.queue.fairness)
+            if shared is not None
+            else None
+        )
         self.limits: TenantLimits = self.shared.limits if self.shared else LimitRegistry()
         self.limits.configure(cfg.tenants, clock())
         self.session: aiohttp.ClientSession | None = None

@@ -101,3 +101,34 @@ end
 return #KEYS
 """
 )
+
+# KEYS: the hash tenant -> virtual token counter (global)
+# ARGV: n, then n triples (tenant, service charged since the last merge, its counter here),
+#       then the tenants whose counter the caller wants back.
+# A counter is the sum of every replica's charges, and at least any replica's own counter (a
+# replica lifts a tenant returning from idle: the lift must hold everywhere). Returns
+# {tenant, counter, ...} for the charged and the asked tenants.
+VTC_MERGE = Script(
+    """
+local n = tonumber(ARGV[1])
+local out = {}
+for i = 0, n - 1 do
+  local tenant, delta, here = ARGV[2 + 3 * i], tonumber(ARGV[3 + 3 * i]), tonumber(ARGV[4 + 3 * i])
+  local merged = tonumber(redis.call('HINCRBYFLOAT', KEYS[1], tenant, delta))
+  if here > merged then
+    merged = here
+    redis.call('HSET', KEYS[1], tenant, tostring(here))
+  end
+  out[#out + 1] = tenant
+  out[#out + 1] = tostring(merged)
+end
+for i = 2 + 3 * n, #ARGV do
+  local v = redis.call('HGET', KEYS[1], ARGV[i])
+  if v then
+    out[#out + 1] = ARGV[i]
+    out[#out + 1] = v
+  end
+end
+return out
+"""
+)
