@@ -49,7 +49,7 @@ class ProxyState:
         self.dispatcher = self.scheduling.dispatcher
         shared = cfg.shared_state  # read at start: a change needs a restart
         self.shared = (
-            SharedRuntime(shared, self.metrics, lambda: self.queue.fairness)
+            SharedRuntime(shared, self.metrics, self.queue, self.pool, self.dispatcher.kick)
             if shared is not None
             else None
         )

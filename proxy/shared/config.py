@@ -28,5 +28,8 @@ class SharedState(Strict):
     lease_ttl_s: float = Field(5.0, gt=0)
     # Connections to Redis per process; more concurrent calls wait for one (within the timeout).
     max_connections: int = Field(16, gt=0)
+    # Slots past a backend's max_inflight that, across replicas, only a request of the best
+    # tier may take (the plugin preempts lower tiers inside vLLM, so this over-commit is safe).
+    priority_reserve: int = Field(1, ge=0)
     # While Redis is down, try it again this often.
     probe_interval_s: float = Field(0.5, gt=0)

@@ -132,3 +132,55 @@ end
 return out
 """
 )
+
+# Backend room metered by several replicas: KEYS[1] a hash replica -> slots held, KEYS[2] a
+# sorted set replica -> heartbeat expiry. A replica that stops renewing (crashed) loses its
+# slots at the next call of any replica once its heartbeat expired.
+_ROOM = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local replica, ttl = ARGV[1], tonumber(ARGV[2])
+for _, r in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now)) do
+  redis.call('HDEL', KEYS[1], r)
+  redis.call('ZREM', KEYS[2], r)
+end
+redis.call('ZADD', KEYS[2], now + ttl, replica)
+redis.call('PEXPIRE', KEYS[1], math.ceil(ttl * 1000) + 1000)
+redis.call('PEXPIRE', KEYS[2], math.ceil(ttl * 1000) + 1000)
+"""
+
+# ARGV: replica, ttl, want, room (max_inflight), reserve, better (1: best tier waits here)
+# Returns {granted, seconds until another replica's heartbeat expires (room may appear then
+# without a message)}. Want 0 renews the heartbeat only.
+ROOM_ACQUIRE = Script(
+    _ROOM
+    + """
+local want, room, reserve = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local total = 0
+for _, v in ipairs(redis.call('HVALS', KEYS[1])) do total = total + tonumber(v) end
+local cap = room
+if ARGV[6] == '1' then cap = room + reserve end
+local grant = math.max(0, math.min(want, cap - total))
+if grant > 0 then redis.call('HINCRBY', KEYS[1], replica, grant) end
+local retry = ttl
+local first = redis.call('ZRANGE', KEYS[2], 0, 1, 'WITHSCORES')
+for i = 1, #first, 2 do
+  if first[i] ~= replica then
+    retry = math.max(0, tonumber(first[i + 1]) - now)
+    break
+  end
+end
+return {grant, tostring(retry)}
+"""
+)
+
+# ARGV: replica, ttl, slots given back, channel, backend url. Wakes replicas waiting for room.
+ROOM_RELEASE = Script(
+    _ROOM
+    + """
+local left = redis.call('HINCRBY', KEYS[1], replica, -tonumber(ARGV[3]))
+if left <= 0 then redis.call('HDEL', KEYS[1], replica) end
+redis.call('PUBLISH', ARGV[4], ARGV[5])
+return left
+"""
+)

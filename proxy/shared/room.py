@@ -1,0 +1,170 @@
+"""Backend room shared by the replicas that meter the same vLLM server.
+
+Each replica holds a number of slots of each backend (``BackendState.granted``), taken from and
+given back to Redis (``proxy.shared.scripts``); its dispatcher never runs more there than it
+holds. Slots are asked for when requests wait here and given back as soon as they are not
+needed, with a message on a pub/sub channel that wakes every replica waiting for room (no poll
+interval between a freed slot and its next use). Each replica renews a heartbeat; a replica
+that stops (kill -9) loses its slots once the heartbeat is older than ``lease_ttl_s``, and a
+replica waiting for room looks again exactly then.
+
+Priority across replicas: ``priority_reserve`` slots past ``max_inflight`` that only a replica
+with a best-tier request waiting may take (the plugin preempts lower tiers inside vLLM, so the
+over-commit is safe and bounded). While Redis is down each replica meters alone (its own
+``max_inflight``), and asks again from nothing when Redis is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+from redis.exceptions import RedisError
+
+from proxy.backends import BackendPool, BackendState
+from proxy.shared.client import SharedStateDown, SharedStore
+from proxy.shared.scripts import ROOM_ACQUIRE, ROOM_RELEASE
+from proxy.tasks import OwnedTask
+
+log = logging.getLogger("tierproxy.shared")
+
+
+class SharedBackendRoom:
+    def __init__(
+        self,
+        store: SharedStore,
+        pool: BackendPool,
+        *,
+        replica: str,
+        waiting: Callable[[], int],
+        best_tier_waiting: Callable[[], bool],
+        kick: Callable[[], None],
+    ) -> None:
+        self.store = store
+        self.pool = pool
+        self.replica = replica
+        self.waiting = waiting  # requests queued here
+        self.best_tier_waiting = best_tier_waiting
+        self.kick = kick  # the dispatcher: room was granted
+        self.channel = store.key("backend-room-freed")
+        self._wake = asyncio.Event()
+        # The last look found less room than needed: the dispatcher's "no room" is no news
+        # until a message, a local release or the retry time.
+        self._short = False
+        self._loop = OwnedTask("tierproxy-shared-room")
+        self._listener = OwnedTask("tierproxy-shared-room-messages")
+
+    def start(self) -> None:
+        self.pool.on_shared_room = self._changed
+        self._loop.start(self._run)
+        self._listener.start(self._listen)
+
+    async def stop(self) -> None:
+        await self._listener.stop()
+        await self._loop.stop()
+        self.pool.on_shared_room = None
+        for state in self.pool.all():  # hand back what we hold, for the other replicas
+            if state.granted:
+                with contextlib.suppress(SharedStateDown):
+                    await self._release(state, state.granted)
+            state.granted = None
+
+    def _changed(self, freed: bool) -> None:
+        if freed or not self._short:
+            self._wake.set()
+
+    def _keys(self, state: BackendState) -> list[str]:
+        base = self.store.key("backend", "{" + state.cfg.url + "}")
+        return [f"{base}:held", f"{base}:heartbeats"]
+
+    # -- the loop ------------------------------------------------------------------------
+    async def _run(self) -> None:
+        ttl = self.store.cfg.lease_ttl_s
+        while True:
+            self._wake.clear()
+            timeout = ttl / 3  # the heartbeat's renewal
+            self._short = False
+            if self.store.up:
+                for state in self.pool.all():
+                    try:
+                        timeout = min(timeout, await self.balance(state))
+                    except SharedStateDown:
+                        break
+            if not self.store.up:
+                for state in self.pool.all():
+                    state.granted = None  # meter alone until Redis answers
+                self.kick()
+                timeout = self.store.cfg.probe_interval_s
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await self._wake.wait()
+
+    async def balance(self, state: BackendState) -> float:
+        """Ask for the slots this replica needs on ``state`` or give back the ones it does
+        not; returns when to look again at the latest."""
+        if state.granted is None:
+            state.granted = 0  # first time, or Redis is back: it remembers nothing of ours
+        cap = state.cfg.max_inflight + self.store.cfg.priority_reserve
+        need = min(cap, state.inflight + self.waiting())
+        if need > state.granted:
+            better = self.best_tier_waiting()
+            granted, retry_s = await self.store.run(
+                ROOM_ACQUIRE,
+                self._keys(state),
+                [
+                    self.replica,
+                    self.store.cfg.lease_ttl_s,
+                    need - state.granted,
+                    state.cfg.max_inflight,
+                    self.store.cfg.priority_reserve,
+                    1 if better else 0,
+                ],
+            )
+            if int(granted):
+                state.granted += int(granted)
+                self.kick()
+            if state.granted < need:
+                self._short = True
+                return float(retry_s) + 0.01  # when a dead replica's slots come back
+        elif need < state.granted:
+            await self._release(state, state.granted - need)
+        else:  # renew the heartbeat
+            await self.store.run(
+                ROOM_ACQUIRE,
+                self._keys(state),
+                [self.replica, self.store.cfg.lease_ttl_s, 0, 0, 0, 0],
+            )
+        return self.store.cfg.lease_ttl_s / 3
+
+    async def _release(self, state: BackendState, slots: int) -> None:
+        assert state.granted is not None
+        state.granted -= slots
+        await self.store.run(
+            ROOM_RELEASE,
+            self._keys(state),
+            [self.replica, self.store.cfg.lease_ttl_s, slots, self.channel, state.cfg.url],
+        )
+
+    # -- messages ------------------------------------------------------------------------
+    async def _listen(self) -> None:
+        """Wake the loop whenever another replica frees room."""
+        while True:
+            pubsub = self.store.redis.pubsub()
+            try:
+                async with asyncio.timeout(self.store.cfg.call_timeout_s * 4):
+                    await pubsub.subscribe(self.channel)
+                while True:
+                    message = await pubsub.get_message(
+                        ignore_subscribe_messages=True, timeout=self.store.cfg.lease_ttl_s
+                    )
+                    if message is not None:
+                        self._wake.set()
+            except (RedisError, OSError, TimeoutError) as exc:
+                log.debug("room messages: %s; subscribing again", exc)
+                await asyncio.sleep(self.store.cfg.probe_interval_s)
+            finally:
+                with contextlib.suppress(RedisError, OSError, TimeoutError):
+                    async with asyncio.timeout(self.store.cfg.call_timeout_s):
+                        await pubsub.aclose()  # type: ignore[no-untyped-call]
