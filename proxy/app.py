@@ -200,7 +200,9 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         await state.session.close()
 
 
-def serve(config_path: str, *, host: str | None = None, port: int | None = None) -> None:
+def serve(
+    config_path: str, *, host: str | None = None, port: int | None = None, reuse_port: bool = False
+) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     loaded = load_config(config_path)
     app = create_app(loaded, watch_config=True)
@@ -215,15 +217,18 @@ def serve(config_path: str, *, host: str | None = None, port: int | None = None)
             open_files,
         )
     tune_gc()
-    asyncio.run(_serve(app, host, port))
+    asyncio.run(_serve(app, host, port, reuse_port))
 
 
-async def _serve(app: web.Application, host: str | None, port: int | None) -> None:
+async def _serve(
+    app: web.Application, host: str | None, port: int | None, reuse_port: bool = False
+) -> None:
     """Run until SIGINT or SIGTERM: the public listener and, with ``admin_listen``, the
     operator one; both under the connection cap of ``server:`` (read once, at start)."""
     state = app[STATE]
     cfg, listen = state.config, state.config.listen
     async with Listeners(cfg.server, on_refused=state.metrics.connections_refused.inc) as listeners:
+        listeners.reuse_port = reuse_port
         state.metrics.open_connections.set_function(listeners.open_connections)
         await listeners.add(app, host or listen.host, port if port is not None else listen.port)
         if cfg.admin_listen is not None:
