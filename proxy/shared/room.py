@@ -8,6 +8,11 @@ interval between a freed slot and its next use). Each replica renews a heartbeat
 that stops (kill -9) loses its slots once the heartbeat is older than ``lease_ttl_s``, and a
 replica waiting for room looks again exactly then.
 
+A replica keeps up to an eighth of a backend's room as spare slots beyond what it needs, so that
+a steady stream of requests does not pay a round trip each to take and give back a slot; the
+first replica that finds too little room says so on the channel, and every replica then gives
+its spare slots back at once and keeps none for a lease TTL.
+
 Priority across replicas: ``priority_reserve`` slots past ``max_inflight`` that only a replica
 with a best-tier request waiting may take (the plugin preempts lower tiers inside vLLM, so the
 over-commit is safe and bounded). While Redis is down each replica meters alone (its own
@@ -19,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 
 from redis.exceptions import RedisError
@@ -53,6 +59,8 @@ class SharedBackendRoom:
         # The last look found less room than needed: the dispatcher's "no room" is no news
         # until a message, a local release or the retry time.
         self._short = False
+        self._contended_until = 0.0  # another replica lacked room: keep no spare slots
+        self._wanted_at = -1e9  # when we last said we lack room
         self._loop = OwnedTask("tierproxy-shared-room")
         self._listener = OwnedTask("tierproxy-shared-room-messages")
 
@@ -108,6 +116,7 @@ class SharedBackendRoom:
             state.granted = 0  # first time, or Redis is back: it remembers nothing of ours
         cap = state.cfg.max_inflight + self.store.cfg.priority_reserve
         need = min(cap, state.inflight + self.waiting())
+        spare = self._spare(state)
         if need > state.granted:
             better = self.best_tier_waiting()
             granted, retry_s = await self.store.run(
@@ -116,7 +125,7 @@ class SharedBackendRoom:
                 [
                     self.replica,
                     self.store.cfg.lease_ttl_s,
-                    need - state.granted,
+                    min(cap, need + spare) - state.granted,
                     state.cfg.max_inflight,
                     self.store.cfg.priority_reserve,
                     1 if better else 0,
@@ -127,9 +136,10 @@ class SharedBackendRoom:
                 self.kick()
             if state.granted < need:
                 self._short = True
+                await self._say_wanted()
                 return float(retry_s) + 0.01  # when a dead replica's slots come back
-        elif need < state.granted:
-            await self._release(state, state.granted - need)
+        elif need + spare < state.granted:
+            await self._release(state, state.granted - need - spare)
         else:  # renew the heartbeat
             await self.store.run(
                 ROOM_ACQUIRE,
@@ -137,6 +147,31 @@ class SharedBackendRoom:
                 [self.replica, self.store.cfg.lease_ttl_s, 0, 0, 0, 0],
             )
         return self.store.cfg.lease_ttl_s / 3
+
+    def _spare(self, state: BackendState) -> int:
+        if time.monotonic() < self._contended_until:
+            return 0
+        return state.cfg.max_inflight // 8
+
+    async def _say_wanted(self) -> None:
+        """Tell the other replicas we lack room (once per heartbeat period at most)."""
+        now = time.monotonic()
+        if now - self._wanted_at < self.store.cfg.lease_ttl_s / 3:
+            return
+        self._wanted_at = now
+        message = f"want {self.replica}"
+        await self.store.call(lambda redis: redis.publish(self.channel, message))
+
+    def _heard(self, data: object) -> None:
+        text = data.decode() if isinstance(data, bytes) else str(data)
+        if text.startswith("want "):
+            if text == f"want {self.replica}":
+                return
+            self._contended_until = time.monotonic() + self.store.cfg.lease_ttl_s
+            holding = any((s.granted or 0) > s.inflight + self.waiting() for s in self.pool.all())
+            if not holding:
+                return
+        self._wake.set()
 
     async def _release(self, state: BackendState, slots: int) -> None:
         assert state.granted is not None
@@ -160,7 +195,7 @@ class SharedBackendRoom:
                         ignore_subscribe_messages=True, timeout=self.store.cfg.lease_ttl_s
                     )
                     if message is not None:
-                        self._wake.set()
+                        self._heard(message.get("data"))
             except (RedisError, OSError, TimeoutError) as exc:
                 log.debug("room messages: %s; subscribing again", exc)
                 await asyncio.sleep(self.store.cfg.probe_interval_s)

@@ -32,9 +32,9 @@ URL = "http://127.0.0.1:1"
 class Replica:
     """One process's pool of the shared backend, and what waits there."""
 
-    def __init__(self, store: SharedStore, name: str) -> None:
+    def __init__(self, store: SharedStore, name: str, room: int = 4) -> None:
         self.pool = BackendPool(
-            [Backend(url=URL, max_inflight=4)], BackendHealth(), LeastUtilised()
+            [Backend(url=URL, max_inflight=room)], BackendHealth(), LeastUtilised()
         )
         self.state = self.pool.all()[0]
         self.waiting = 0
@@ -75,12 +75,12 @@ class Replica:
 async def replicas(redis_server: RedisServer) -> AsyncIterator[Callable[..., Any]]:
     made: list[Replica] = []
 
-    async def make(**cfg: Any) -> tuple[Replica, Replica]:
+    async def make(room: int = 4, **cfg: Any) -> tuple[Replica, Replica]:
         out = []
         for name in ("a", "b"):
             store = SharedStore(SharedState(url=redis_server.url, **cfg), CollectorRegistry())
             await store.warm()
-            replica = Replica(store, name)
+            replica = Replica(store, name, room)
             replica.room.start()
             made.append(replica)
             out.append(replica)
@@ -122,6 +122,19 @@ async def test_only_the_best_tier_takes_the_reserve(replicas: Callable[..., Any]
     await until(lambda: b.granted == 1, 5, "b's best-tier request to take the reserve")
     await asyncio.sleep(0.2)
     assert a.granted + b.granted == 5  # room 4 + reserve 1, never more
+
+
+async def test_spare_slots_go_back_when_another_replica_lacks_room(
+    replicas: Callable[..., Any],
+) -> None:
+    a, b = await replicas(room=16, lease_ttl_s=30.0, priority_reserve=0)
+    a.want(10)
+    # An eighth of the room (2) kept beyond the need: the next requests skip a round trip.
+    await until(lambda: a.granted == 12, 5, "a to get its need and two spare slots")
+    a.run(10)
+    b.want(6)  # 4 free: b gets them, lacks 2, says so; a gives its spare back
+    await until(lambda: b.granted == 6, 5, "b to get a's spare slots")
+    assert a.granted == 10 and a.granted + b.granted == 16
 
 
 async def test_a_stopped_replicas_slots_return_within_the_ttl(
