@@ -80,8 +80,20 @@ class SharedBackendRoom:
             state.granted = None
 
     def _changed(self, freed: bool) -> None:
-        if freed or not self._short:
+        if freed:
+            # Only when there is something to give back (a slot kept as spare costs nothing).
+            if self._holding_more():
+                self._wake.set()
+        elif not self._short:
             self._wake.set()
+
+    def _holding_more(self, spare: bool = True) -> bool:
+        """Some backend's granted slots exceed what this replica needs (and its spare)."""
+        waiting = self.waiting()
+        return any(
+            (s.granted or 0) > s.inflight + waiting + (self._spare(s) if spare else 0)
+            for s in self.pool.all()
+        )
 
     def _keys(self, state: BackendState) -> list[str]:
         base = self.store.key("backend", "{" + state.cfg.url + "}")
@@ -168,8 +180,7 @@ class SharedBackendRoom:
             if text == f"want {self.replica}":
                 return
             self._contended_until = time.monotonic() + self.store.cfg.lease_ttl_s
-            holding = any((s.granted or 0) > s.inflight + self.waiting() for s in self.pool.all())
-            if not holding:
+            if not self._holding_more(spare=False):
                 return
         self._wake.set()
 
