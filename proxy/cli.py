@@ -51,6 +51,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from proxy.app import serve
     from proxy.config import ConfigError
 
+    if args.workers < 1:
+        print(f"tierproxy serve: --workers must be at least 1, not {args.workers}", file=sys.stderr)
+        return 2
     try:
         if args.workers > 1:
             from proxy.workers import serve_workers
