@@ -10,8 +10,10 @@ replica waiting for room looks again exactly then.
 
 A replica keeps up to an eighth of a backend's room as spare slots beyond what it needs, so that
 a steady stream of requests does not pay a round trip each to take and give back a slot; the
-first replica that finds too little room says so on the channel, and every replica then gives
-its spare slots back at once and keeps none for a lease TTL.
+first replica that finds too little room says so on the channel; for a lease TTL after that
+every replica keeps no spare, and one holding more than its fair share (the room divided by the
+live replicas) gives each slot its requests free back to Redis, not to its own queue, until it
+is down to that share: a replica with a standing backlog cannot keep the others out.
 
 Priority across replicas: ``priority_reserve`` slots past ``max_inflight`` that only a replica
 with a best-tier request waiting may take (the plugin preempts lower tiers inside vLLM, so the
@@ -61,6 +63,8 @@ class SharedBackendRoom:
         self._short = False
         self._contended_until = 0.0  # another replica lacked room: keep no spare slots
         self._wanted_at = -1e9  # when we last said we lack room
+        self._replicas: dict[str, int] = {}  # backend url -> live replicas metering it
+        self._shed: dict[str, int] = {}  # backend url -> slots taken back, not yet in Redis
         self._loop = OwnedTask("tierproxy-shared-room")
         self._listener = OwnedTask("tierproxy-shared-room-messages")
 
@@ -74,15 +78,20 @@ class SharedBackendRoom:
         await self._loop.stop()
         self.pool.on_shared_room = None
         for state in self.pool.all():  # hand back what we hold, for the other replicas
-            if state.granted:
+            held = (state.granted or 0) + self._shed.pop(state.cfg.url, 0)
+            if held:
                 with contextlib.suppress(SharedStateDown):
-                    await self._release(state, state.granted)
+                    await self._give_back(state, held)
             state.granted = None
 
     def _changed(self, freed: bool) -> None:
         if freed:
+            # Before the dispatcher reuses the slot (it runs right after this): over its fair
+            # share while another replica lacks room, the slot goes back to Redis.
+            if self._contended():
+                self._shed_surplus()
             # Only when there is something to give back (a slot kept as spare costs nothing).
-            if self._holding_more():
+            if self._shed or self._holding_more():
                 self._wake.set()
         elif not self._short:
             self._wake.set()
@@ -113,6 +122,7 @@ class SharedBackendRoom:
                     except SharedStateDown:
                         break
             if not self.store.up:
+                self._shed.clear()
                 for state in self.pool.all():
                     state.granted = None  # meter alone until Redis answers
                 self.kick()
@@ -126,12 +136,18 @@ class SharedBackendRoom:
         not; returns when to look again at the latest."""
         if state.granted is None:
             state.granted = 0  # first time, or Redis is back: it remembers nothing of ours
+        shed = self._shed.pop(state.cfg.url, 0)
+        if shed:
+            await self._give_back(state, shed)
         cap = state.cfg.max_inflight + self.store.cfg.priority_reserve
         need = min(cap, state.inflight + self.waiting())
         spare = self._spare(state)
+        if self._contended():
+            # Up to the fair share only: the rest waits for what the others leave (next look).
+            need = min(need, max(state.granted, self._fair(state)))
         if need > state.granted:
             better = self.best_tier_waiting()
-            granted, retry_s = await self.store.run(
+            granted, retry_s, replicas = await self.store.run(
                 ROOM_ACQUIRE,
                 self._keys(state),
                 [
@@ -143,6 +159,7 @@ class SharedBackendRoom:
                     1 if better else 0,
                 ],
             )
+            self._replicas[state.cfg.url] = int(replicas)
             if int(granted):
                 state.granted += int(granted)
                 self.kick()
@@ -160,10 +177,25 @@ class SharedBackendRoom:
             )
         return self.store.cfg.lease_ttl_s / 3
 
+    def _contended(self) -> bool:
+        return time.monotonic() < self._contended_until
+
     def _spare(self, state: BackendState) -> int:
-        if time.monotonic() < self._contended_until:
-            return 0
-        return state.cfg.max_inflight // 8
+        return 0 if self._contended() else state.cfg.max_inflight // 8
+
+    def _fair(self, state: BackendState) -> int:
+        replicas = max(1, self._replicas.get(state.cfg.url, 1))
+        return -(-state.cfg.max_inflight // replicas)
+
+    def _shed_surplus(self) -> None:
+        for state in self.pool.all():
+            if state.granted is None:
+                continue
+            surplus = state.granted - max(state.inflight, self._fair(state))
+            if surplus > 0:
+                state.granted -= surplus
+                url = state.cfg.url
+                self._shed[url] = self._shed.get(url, 0) + surplus
 
     async def _say_wanted(self) -> None:
         """Tell the other replicas we lack room (once per heartbeat period at most)."""
@@ -187,6 +219,9 @@ class SharedBackendRoom:
     async def _release(self, state: BackendState, slots: int) -> None:
         assert state.granted is not None
         state.granted -= slots
+        await self._give_back(state, slots)
+
+    async def _give_back(self, state: BackendState, slots: int) -> None:
         await self.store.run(
             ROOM_RELEASE,
             self._keys(state),

@@ -151,7 +151,7 @@ redis.call('PEXPIRE', KEYS[2], math.ceil(ttl * 1000) + 1000)
 
 # ARGV: replica, ttl, want, room (max_inflight), reserve, better (1: best tier waits here)
 # Returns {granted, seconds until another replica's heartbeat expires (room may appear then
-# without a message)}. Want 0 renews the heartbeat only.
+# without a message), live replicas}. Want 0 renews the heartbeat only.
 ROOM_ACQUIRE = Script(
     _ROOM
     + """
@@ -170,7 +170,7 @@ for i = 1, #first, 2 do
     break
   end
 end
-return {grant, tostring(retry)}
+return {grant, tostring(retry), redis.call('ZCARD', KEYS[2])}
 """
 )
 

@@ -137,6 +137,26 @@ async def test_spare_slots_go_back_when_another_replica_lacks_room(
     assert a.granted == 10 and a.granted + b.granted == 16
 
 
+async def test_a_replica_with_a_standing_backlog_cannot_keep_the_others_out(
+    replicas: Callable[..., Any],
+) -> None:
+    a, b = await replicas(lease_ttl_s=30.0, priority_reserve=0)
+    a.want(100)
+    await until(lambda: a.granted == 4, 5, "a to get the whole room")
+    a.run(4)  # a still has 96 waiting
+    b.want(3)
+    await until(lambda: b.room._wanted_at > 0, 5, "b to say it lacks room")
+    await until(lambda: a.room._contended(), 5, "a to hear it")
+    for _ in range(3):  # a's requests finish one by one; its backlog stays
+        a.finish(1)
+        if a.state.inflight < a.granted:
+            a.run(1)  # what a's dispatcher would do with a slot it kept
+        await asyncio.sleep(0.05)
+    # Down to its fair share (4 rooms / 2 replicas); the rest went to b.
+    await until(lambda: b.granted == 2, 5, "b to get its fair share")
+    assert a.granted == 2 and a.state.inflight == 2
+
+
 async def test_a_stopped_replicas_slots_return_within_the_ttl(
     replicas: Callable[..., Any],
 ) -> None:
