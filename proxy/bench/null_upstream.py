@@ -25,6 +25,7 @@ class NullUpstream:
         self.delay_per_token_s = delay_per_token_s
         self.usage = usage or USAGE
         self.served = 0
+        self.served_by_user: dict[str, int] = {}  # by the body's "user" field
         self.running = 0
         self.max_running = 0
 
@@ -49,10 +50,11 @@ class NullUpstream:
 
     async def _generate(self, request: web.Request) -> web.Response:
         raw = await request.read()
+        body = orjson.loads(raw)
         delay = self.delay_s
         if self.delay_per_token_s:
-            max_tokens = orjson.loads(raw).get("max_tokens") or 0
-            delay += self.delay_per_token_s * float(max_tokens)
+            delay += self.delay_per_token_s * float(body.get("max_tokens") or 0)
+        user = str(body.get("user", ""))
         self.running += 1
         self.max_running = max(self.max_running, self.running)
         try:
@@ -61,6 +63,7 @@ class NullUpstream:
         finally:
             self.running -= 1
         self.served += 1
+        self.served_by_user[user] = self.served_by_user.get(user, 0) + 1
         body = {
             "id": "null",
             "object": "chat.completion",
