@@ -9,7 +9,7 @@ LIGHT  := $(VENV)/.tierproxy-light
 FULL   := $(VENV)/.tierproxy-installed
 SOURCES := proxy tests benchmarks
 
-.PHONY: run test lint format unit adversarial integration bench clean model install install-light
+.PHONY: run test lint format unit adversarial integration bench clean model install install-light redis-server
 
 $(LIGHT): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -52,7 +52,11 @@ adversarial: $(LIGHT)
 integration: model
 	$(BIN)/pytest tests/integration
 
-test: model lint
+# The shared-state tests run a real redis-server (Debian's package; root installs it).
+redis-server:
+	command -v redis-server >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server; }
+
+test: model lint redis-server
 	$(BIN)/pytest --cov=proxy --cov-report=term:skip-covered
 
 bench: model

@@ -20,7 +20,7 @@ from proxy.budget import MemoryBudget
 from proxy.config import Config, ConfigError, LoadedConfig, load_config
 from proxy.endpoints import ServiceEndpoints
 from proxy.json_errors import json_error_bodies, json_errors
-from proxy.limits import LimitRegistry
+from proxy.limits import LimitRegistry, TenantLimits
 from proxy.metrics import ProxyMetrics
 from proxy.monitor import BackendMonitor
 from proxy.pipeline import RequestPipeline
@@ -28,6 +28,7 @@ from proxy.policies.build import build_scheduling
 from proxy.reload import ConfigWatcher
 from proxy.runtime import tune_gc
 from proxy.server import Listeners, raise_open_files_limit
+from proxy.shared.runtime import SharedRuntime
 from proxy.ticket import SecretError, check_secret, secret_from_env
 
 log = logging.getLogger("tierproxy")
@@ -46,7 +47,13 @@ class ProxyState:
         self.queue = self.scheduling.queue
         self.pool = self.scheduling.pool
         self.dispatcher = self.scheduling.dispatcher
-        self.limits = LimitRegistry()
+        shared = cfg.shared_state  # read at start: a change needs a restart
+        self.shared = (
+            SharedRuntime(shared, self.metrics, self.queue, self.pool, self.dispatcher.kick)
+            if shared is not None
+            else None
+        )
+        self.limits: TenantLimits = self.shared.limits if self.shared else LimitRegistry()
         self.limits.configure(cfg.tenants, clock())
         self.session: aiohttp.ClientSession | None = None
         self.monitor: BackendMonitor | None = None
@@ -177,6 +184,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     )
     state.dispatcher.start()
     state.monitor.start()
+    if state.shared is not None:
+        await state.shared.start()
     if state.watcher is not None:
         state.watcher.start()
     try:
@@ -186,10 +195,14 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             await state.watcher.stop()
         await state.monitor.stop()
         await state.dispatcher.stop()
+        if state.shared is not None:
+            await state.shared.stop()
         await state.session.close()
 
 
-def serve(config_path: str, *, host: str | None = None, port: int | None = None) -> None:
+def serve(
+    config_path: str, *, host: str | None = None, port: int | None = None, reuse_port: bool = False
+) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     loaded = load_config(config_path)
     app = create_app(loaded, watch_config=True)
@@ -204,15 +217,18 @@ def serve(config_path: str, *, host: str | None = None, port: int | None = None)
             open_files,
         )
     tune_gc()
-    asyncio.run(_serve(app, host, port))
+    asyncio.run(_serve(app, host, port, reuse_port))
 
 
-async def _serve(app: web.Application, host: str | None, port: int | None) -> None:
+async def _serve(
+    app: web.Application, host: str | None, port: int | None, reuse_port: bool = False
+) -> None:
     """Run until SIGINT or SIGTERM: the public listener and, with ``admin_listen``, the
     operator one; both under the connection cap of ``server:`` (read once, at start)."""
     state = app[STATE]
     cfg, listen = state.config, state.config.listen
     async with Listeners(cfg.server, on_refused=state.metrics.connections_refused.inc) as listeners:
+        listeners.reuse_port = reuse_port
         state.metrics.open_connections.set_function(listeners.open_connections)
         await listeners.add(app, host or listen.host, port if port is not None else listen.port)
         if cfg.admin_listen is not None:

@@ -9,7 +9,7 @@ The room of a backend and the choice among candidates belong to the chooser poli
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from proxy.config import Backend, BackendHealth
@@ -39,6 +39,9 @@ class BackendState:
     models: frozenset[str] | None = None  # None: not known yet, accept any
     load: ScrapedLoad | None = None
     dispatched_total: int = 0
+    # Slots this process holds when replicas meter the backend together through Redis
+    # (proxy.shared.room); None: this process alone meters it.
+    granted: int | None = None
 
     @property
     def label(self) -> str:
@@ -66,6 +69,9 @@ class BackendPool:
         self.health = health
         self.chooser = chooser
         self.states: dict[str, BackendState] = {}
+        # Told when a backend shared with other replicas runs out of granted room (False) or
+        # frees a slot (True): proxy.shared.room asks for room or gives it back then.
+        self.on_shared_room: Callable[[bool], None] | None = None
         self.reconfigure(backends, health)
 
     def reconfigure(self, backends: Iterable[Backend], health: BackendHealth) -> None:
@@ -91,7 +97,13 @@ class BackendPool:
     # -- choice --------------------------------------------------------------------------
     def room(self, state: BackendState, now: float) -> float:
         """Free request slots on this backend now (may be fractional during a ramp)."""
-        return self.chooser.room(state, now, self.health)
+        room = self.chooser.room(state, now, self.health)
+        if state.granted is not None:
+            granted = state.granted - state.inflight
+            if granted < 1 and self.on_shared_room is not None:
+                self.on_shared_room(False)
+            room = max(0.0, min(room, granted))
+        return room
 
     def fits_tokens(self, state: BackendState, tokens: float) -> bool:
         budget = state.cfg.max_tokens_inflight
@@ -144,6 +156,8 @@ class BackendPool:
     def release(self, state: BackendState, tokens: float) -> None:
         state.inflight -= 1
         state.tokens_inflight = max(0.0, state.tokens_inflight - tokens)
+        if state.granted is not None and self.on_shared_room is not None:
+            self.on_shared_room(True)
         if state.removed and state.inflight == 0 and self.states.get(state.cfg.url) is state:
             del self.states[state.cfg.url]
 

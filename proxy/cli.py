@@ -51,8 +51,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from proxy.app import serve
     from proxy.config import ConfigError
 
+    if args.workers < 1:
+        print(f"tierproxy serve: --workers must be at least 1, not {args.workers}", file=sys.stderr)
+        return 2
     try:
-        serve(args.config, host=args.host, port=args.port)
+        if args.workers > 1:
+            from proxy.workers import serve_workers
+
+            return serve_workers(args.config, args.workers, args.host, args.port)
+        serve(args.config, host=args.host, port=args.port, reuse_port=args.reuse_port)
     except ConfigError as exc:
         for problem in exc.problems:
             print(f"{exc.source}: {problem}", file=sys.stderr)
@@ -200,6 +207,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-c", "--config", required=True)
     p.add_argument("--host", help="override listen.host")
     p.add_argument("--port", type=int, help="override listen.port")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="processes serving one port (SO_REUSEPORT); more than 1 needs shared_state",
+    )
+    p.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # a worker
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("check", help="validate a config; print a summary or every error")

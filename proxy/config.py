@@ -21,6 +21,7 @@ from pydantic import (
 )
 
 from proxy.config_server import AdminListen, InputLimits, Listen, Relay, Server, Strict
+from proxy.shared.config import SharedState
 from proxy.ticket import DEFAULT_PREFILL_SHARE, DEFAULT_SECRET_ENV
 from proxy.yaml_load import Lines, safe_load
 
@@ -178,6 +179,8 @@ class Config(Strict):
     backends: list[Backend] = Field(min_length=1)
     # Keys for the /admin endpoints (backend drain); none: the admin API is off.
     admin_keys: list[KeySpec] = Field(default_factory=list)
+    # Set: tenant limits and fairness are global across the replicas sharing this Redis.
+    shared_state: SharedState | None = None
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:

@@ -273,3 +273,14 @@ def memory_full() -> ProxyError:
         code="proxy_memory_full",
         retry_after_s=1,
     )
+
+
+def shared_state_unavailable(retry_after_s: float) -> ProxyError:
+    """``shared_state.on_failure: refuse`` while Redis cannot be reached."""
+    return ProxyError(
+        503,
+        "The proxy's shared state is unreachable; retry after the indicated time.",
+        type="server_error",
+        code="shared_state_unavailable",
+        retry_after_s=retry_after_s,
+    )

@@ -9,6 +9,7 @@ exposes none of these (its level is private and it reads the event loop's clock)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from proxy.config import Tenant
 
@@ -117,6 +118,23 @@ class TenantLimiter:
             self.tpm.take(used - reserved, now)
 
 
+class TenantLimits(Protocol):
+    """What the pipeline needs of tenant limits: this process's ``LimitRegistry`` or the
+    replicas' shared one (``proxy.shared.limits``). ``request_id`` ties a settle to its admit."""
+
+    def configure(self, tenants: list[Tenant], now: float) -> None: ...
+
+    async def admit(
+        self, tenant: str, tokens: float, now: float, request_id: str = ""
+    ) -> LimitVerdict: ...
+
+    def settle(
+        self, tenant: str, reserved: float, used: float | None, now: float, request_id: str = ""
+    ) -> None: ...
+
+    def concurrent(self, tenant: str) -> int: ...
+
+
 class LimitRegistry:
     """Limiters of all tenants, kept across config reloads by tenant name."""
 
@@ -144,7 +162,14 @@ class LimitRegistry:
             limiter.admit(tokens, now)
         return verdict
 
-    def settle(self, tenant: str, reserved: float, used: float | None, now: float) -> None:
+    async def admit(
+        self, tenant: str, tokens: float, now: float, request_id: str = ""
+    ) -> LimitVerdict:
+        return self.try_admit(tenant, tokens, now)
+
+    def settle(
+        self, tenant: str, reserved: float, used: float | None, now: float, request_id: str = ""
+    ) -> None:
         limiter = self._by_tenant.get(tenant)
         if limiter is not None:
             limiter.settle(reserved, used, now)

@@ -47,7 +47,7 @@ from proxy.inbound import (
     parse_body,
     read_body,
 )
-from proxy.limits import LimitRegistry
+from proxy.limits import TenantLimits
 from proxy.metrics import ProxyMetrics
 from proxy.outcome import Outcome, outcome_of
 from proxy.policies.cost import weighted_tokens
@@ -129,7 +129,7 @@ class RequestPipeline:
         config: Callable[[], LoadedConfig],
         secret: bytes,
         clock: Callable[[], float],
-        limits: LimitRegistry,
+        limits: TenantLimits,
         queue: AdmissionQueue,
         dispatcher: Dispatcher,
         pool: BackendPool,
@@ -223,7 +223,9 @@ class RequestPipeline:
         tenant = adm.tenant
         give_up_at = adm.arrival + adm.config.tiers[adm.tier].queue_timeout_s
         while True:
-            verdict = self.limits.try_admit(tenant.name, adm.reserved_tokens, self.clock())
+            verdict = await self.limits.admit(
+                tenant.name, adm.reserved_tokens, self.clock(), adm.request_id
+            )
             if verdict.allowed:
                 return
             self.metrics.rate_limited.labels(tenant.name, verdict.limit).inc()
@@ -253,7 +255,7 @@ class RequestPipeline:
             used = float(total)
         elif _is_count(prompt) and _is_count(completion):
             used = float(prompt) + float(completion)
-        self.limits.settle(adm.tenant.name, adm.reserved_tokens, used, self.clock())
+        self.limits.settle(adm.tenant.name, adm.reserved_tokens, used, self.clock(), adm.request_id)
 
     # -- queue and dispatch --------------------------------------------------------------
 

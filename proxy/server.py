@@ -214,6 +214,8 @@ class Listeners:
         self.runners: list[web.AppRunner] = []
         self.servers: list[asyncio.Server] = []
         self.gates: list[ConnectionGate] = []
+        # `serve --workers N`: N processes bind the same port; the kernel spreads connections.
+        self.reuse_port = False
 
     def open_connections(self) -> int:
         return sum(len(runner.server.connections) for runner in self.runners if runner.server)
@@ -231,7 +233,9 @@ class Listeners:
         self.gates.append(gate)
         loop = asyncio.get_running_loop()
         # A burst of new connections waits in the kernel, not in connect errors.
-        server = await loop.create_server(gate, host, port, backlog=2048, reuse_address=True)
+        server = await loop.create_server(
+            gate, host, port, backlog=2048, reuse_address=True, reuse_port=self.reuse_port or None
+        )
         self.servers.append(server)
         bound: int = server.sockets[0].getsockname()[1]
         log.info("listening on %s:%d", host, bound)

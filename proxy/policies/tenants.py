@@ -4,7 +4,7 @@ pick, a charge and a backlog change cost O(log n) whatever the number of tenants
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
 from proxy.policies.backlog import BacklogObserver, KeyedHeap, TenantBacklog
@@ -43,6 +43,9 @@ class VirtualTokenCounter:
         # Whose oldest request changed since their heap entry was made. Repositioned at the
         # next pick, unless a charge does it first (a dispatch changes both: one heap push).
         self._moved: set[tuple[str, str]] = set()
+        # Service charged here and not yet merged with other replicas' (proxy.shared.fairness
+        # sets it to {}); None: this process is alone.
+        self.unsynced: dict[str, float] | None = None
 
     def counter(self, tenant: str) -> float:
         return self._counter.get(tenant, 0.0)
@@ -79,7 +82,20 @@ class VirtualTokenCounter:
         return found[-1] if found is not None else None
 
     def charge(self, tenant: str, weighted: float, tenant_weight: float = 1.0) -> None:
-        self._set(tenant, self._counter.get(tenant, 0.0) + weighted / tenant_weight)
+        share = weighted / tenant_weight
+        self._set(tenant, self._counter.get(tenant, 0.0) + share)
+        if self.unsynced is not None:
+            self.unsynced[tenant] = self.unsynced.get(tenant, 0.0) + share
+
+    def absorb(self, counters: Mapping[str, float]) -> None:
+        """Take counters merged with other replicas' service as this process's own."""
+        for tenant, counter in counters.items():
+            if self._counter.get(tenant) != counter:
+                self._set(tenant, counter)
+
+    def backlogged(self) -> Iterable[str]:
+        """Tenants with something queued here, in any tier."""
+        return self._oldest.keys()
 
     def forget(self, keep: Iterable[str]) -> None:
         kept = set(keep)

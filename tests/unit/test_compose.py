@@ -33,7 +33,9 @@ def _has_compose() -> bool:
 
 def test_compose_structure_matches_the_code(monkeypatch: pytest.MonkeyPatch) -> None:
     services = _compose()["services"]
-    assert {"proxy", "vllm-0", "vllm-1", "prometheus"} <= set(services)
+    assert {"proxy", "proxy-2", "redis", "haproxy", "vllm-0", "vllm-1", "prometheus"} <= set(
+        services
+    )
     for name in ("vllm-0", "vllm-1"):
         svc = services[name]
         args = dict(a.removeprefix("--").split("=", 1) for a in svc["command"])
@@ -67,15 +69,51 @@ def test_compose_structure_matches_the_code(monkeypatch: pytest.MonkeyPatch) -> 
     # /metrics and /admin live on their own listener, published on the host's loopback only.
     assert cfg.admin_listen is not None
     admin_port = cfg.admin_listen.port
-    assert f"{cfg.listen.port}:{cfg.listen.port}" in proxy["ports"]
+    # Clients come through haproxy; each replica publishes only its admin port, on loopback.
+    assert f"{cfg.listen.port}:{cfg.listen.port}" in services["haproxy"]["ports"]
     assert f"127.0.0.1:{admin_port}:{admin_port}" in proxy["ports"]
-    assert not any(p.endswith(f":{admin_port}") and p.count(":") < 2 for p in proxy["ports"])
+    for replica in (proxy, services["proxy-2"]):
+        assert all(p.startswith("127.0.0.1:") for p in replica["ports"])
+        assert all(p.endswith(f":{admin_port}") for p in replica["ports"])
 
     prom = yaml.safe_load((REPO / "configs/prometheus.yml").read_text())
     targets = {
         t for job in prom["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]
     }
-    assert targets == {f"proxy:{admin_port}", "vllm-0:8000", "vllm-1:8000"}
+    assert targets == {
+        f"proxy:{admin_port}",
+        f"proxy-2:{admin_port}",
+        "vllm-0:8000",
+        "vllm-1:8000",
+    }
+
+
+def test_compose_replicas_share_state_behind_haproxy(monkeypatch: pytest.MonkeyPatch) -> None:
+    services = _compose()["services"]
+    proxy, second = services["proxy"], services["proxy-2"]
+    # The second replica is the first one (same image, command, config), another admin port.
+    for key in ("image", "command", "volumes", "env_file", "depends_on", "healthcheck"):
+        assert second[key] == proxy[key]
+    assert proxy["depends_on"]["redis"]["condition"] == "service_healthy"
+    # Official images, as published on Docker Hub.
+    assert services["redis"]["image"].startswith("redis:")
+    assert services["haproxy"]["image"].startswith("haproxy:")
+    mount = services["haproxy"]["volumes"][0].split(":")
+    assert mount[1] == "/usr/local/etc/haproxy/haproxy.cfg"
+    haproxy = (REPO / mount[0]).read_text()
+    assert "mode tcp" in haproxy  # L4: streams pass through untouched
+    servers = {
+        line.split()[2] for line in haproxy.splitlines() if line.strip().startswith("server ")
+    }
+    for line in (REPO / "configs/tierproxy.env.example").read_text().splitlines():
+        if "=" in line and not line.startswith("#"):
+            monkeypatch.setenv(*line.split("=", 1))
+    loaded = load_config(REPO / proxy["volumes"][0].split(":")[0])
+    port = loaded.config.listen.port
+    assert servers == {f"proxy:{port}", f"proxy-2:{port}"}
+    assert "option httpchk GET /readyz" in haproxy
+    shared = loaded.config.shared_state
+    assert shared is not None and shared.url.startswith("redis://redis:")
 
 
 def test_example_config_keeps_metrics_and_admin_on_loopback() -> None:
@@ -101,6 +139,18 @@ def test_docker_compose_config_accepts_the_file(tmp_path: Path) -> None:
     shutil.copy(REPO / "configs/tierproxy.env.example", tmp_path / ".env")
     result = subprocess.run(
         ["docker", "compose", "--project-directory", str(tmp_path), "config", "--quiet"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.skipif(shutil.which("haproxy") is None, reason="no haproxy on this machine")
+def test_haproxy_accepts_its_config() -> None:
+    # Outside Docker the replicas' names do not resolve: init-addr none lets it start anyway.
+    result = subprocess.run(
+        ["haproxy", "-c", "-f", str(REPO / "configs/haproxy.cfg")],
         capture_output=True,
         text=True,
         check=False,

@@ -1,0 +1,150 @@
+"""The one connection to Redis: every call under a timeout, Lua scripts by EVALSHA (loaded again
+after NOSCRIPT: a restarted Redis has forgotten them), and the up/down state the callers fall
+back on. While Redis is down a probe task pings it; the first answer brings shared state back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+from prometheus_client import CollectorRegistry, Gauge
+from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from proxy.shared.config import SharedState
+from proxy.tasks import OwnedTask
+
+log = logging.getLogger("tierproxy.shared")
+
+T = TypeVar("T")
+
+# At most one "Redis is down" warning this often (a flapping Redis must not flood the log).
+WARN_EVERY_S = 10.0
+# A lost connection means down at once; a slow answer only after this many in a row (one slow
+# call is decided locally, the next ones still try Redis).
+DOWN_AFTER_TIMEOUTS = 3
+
+
+class SharedStateDown(Exception):
+    """Redis did not answer in time (or at all): the caller decides without it."""
+
+
+class Script:
+    """A Lua script and its SHA1, as EVALSHA names it."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.sha = hashlib.sha1(source.encode()).hexdigest()
+
+
+class SharedStore:
+    def __init__(
+        self,
+        cfg: SharedState,
+        registry: CollectorRegistry | None = None,
+        *,
+        redis: Redis | None = None,
+    ) -> None:
+        self.cfg = cfg
+        # A bounded pool: a burst of requests queues for a connection instead of opening
+        # hundreds at once. The client's own retries would stretch a call past call_timeout_s.
+        pool = BlockingConnectionPool.from_url(
+            cfg.url,
+            max_connections=cfg.max_connections,
+            timeout=cfg.call_timeout_s,
+            socket_timeout=cfg.call_timeout_s,
+            # Calls stay bounded by call_timeout_s; warm() may take longer to connect.
+            socket_connect_timeout=max(1.0, cfg.call_timeout_s),
+            retry=Retry(NoBackoff(), 0),
+        )
+        self.redis = redis or Redis(connection_pool=pool)
+        self.up = True  # optimistic: the first failure says otherwise
+        self.fallback = Gauge(
+            "tierproxy_shared_state_fallback",
+            "1 while Redis is unreachable and this process decides without shared state",
+            registry=registry,
+        )
+        self._probe = OwnedTask("tierproxy-shared-probe")
+        self._warned_at = -WARN_EVERY_S
+        self._timeouts = 0  # consecutive calls that timed out
+        self.on_up: list[Callable[[], None]] = []  # called when Redis answers again
+
+    def key(self, *parts: str) -> str:
+        return ":".join((self.cfg.key_prefix, *parts))
+
+    async def close(self) -> None:
+        await self._probe.stop()
+        await self.redis.aclose()
+
+    async def call(self, op: Callable[[Redis], Awaitable[T]]) -> T:
+        """``op`` under the call timeout; any failure marks Redis down and raises
+        ``SharedStateDown``."""
+        if not self.up:
+            raise SharedStateDown("redis is down")
+        try:
+            async with asyncio.timeout(self.cfg.call_timeout_s):
+                result = await op(self.redis)
+        except (RedisError, OSError, TimeoutError) as exc:
+            slow = isinstance(exc, TimeoutError | RedisTimeoutError)
+            self._timeouts = self._timeouts + 1 if slow else DOWN_AFTER_TIMEOUTS
+            if self._timeouts >= DOWN_AFTER_TIMEOUTS:
+                self.mark_down(exc)
+            raise SharedStateDown(str(exc) or type(exc).__name__) from exc
+        self._timeouts = 0
+        return result
+
+    async def warm(self) -> None:
+        """Open the pool's connections now, not in the first burst of requests (opening
+        sixteen at once can take longer than a call may)."""
+        async with asyncio.timeout(max(1.0, 4 * self.cfg.call_timeout_s)):
+            await asyncio.gather(*(self.redis.ping() for _ in range(self.cfg.max_connections)))
+
+    async def run(self, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        async def evalsha(redis: Redis) -> Any:
+            try:
+                return await redis.evalsha(script.sha, len(keys), *keys, *args)  # type: ignore[misc]
+            except NoScriptError:
+                await redis.script_load(script.source)  # type: ignore[no-untyped-call]
+                return await redis.evalsha(script.sha, len(keys), *keys, *args)  # type: ignore[misc]
+
+        return await self.call(evalsha)
+
+    def mark_down(self, exc: BaseException) -> None:
+        if not self.up:
+            return
+        self.up = False
+        self._timeouts = 0
+        self.fallback.set(1)
+        now = time.monotonic()
+        if now - self._warned_at >= WARN_EVERY_S:
+            self._warned_at = now
+            action = "local limits" if self.cfg.on_failure == "local" else "refusing requests"
+            log.warning("shared state unreachable (%s): %s until it answers", exc, action)
+        # Only one probe: it runs while down, and this is the only way down.
+        self._probe.start(self._wait_for_redis)
+
+    async def _wait_for_redis(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.probe_interval_s)
+            # The pool's connections went down with the old server: drop them all (each would
+            # fail once and send the process back into fallback), then open them again.
+            await self.redis.connection_pool.disconnect()
+            try:
+                await self.warm()
+            except (RedisError, OSError, TimeoutError):
+                continue
+            self._timeouts = 0
+            self.up = True
+            self.fallback.set(0)
+            log.warning("shared state reachable again: global limits resume")
+            for callback in self.on_up:
+                callback()
+            return

@@ -1,0 +1,155 @@
+"""Tenant limits global across replicas: each decision is one Lua script in Redis
+(``proxy.shared.scripts``). When Redis cannot answer within ``call_timeout_s`` the request is
+decided by this replica's own ``LimitRegistry`` (``on_failure: local``) or refused with 503
+(``refuse``); a request is settled where it was admitted."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from dataclasses import dataclass
+
+from proxy.config import Tenant
+from proxy.errors import shared_state_unavailable
+from proxy.limits import LimitRegistry, LimitVerdict
+from proxy.shared.client import SharedStateDown, SharedStore
+from proxy.shared.scripts import ADMIT, RENEW, SETTLE
+from proxy.tasks import OwnedTask
+
+log = logging.getLogger("tierproxy.shared")
+
+
+@dataclass(frozen=True)
+class _SharedHold:
+    tenant: str
+    member: str  # this request's lease in the tenant's concurrency set ("" when uncapped)
+
+
+class SharedLimitRegistry:
+    """``proxy.limits.TenantLimits`` over Redis, with this replica's registry as the fallback."""
+
+    def __init__(self, store: SharedStore, local: LimitRegistry | None = None) -> None:
+        self.store = store
+        self.local = local if local is not None else LimitRegistry()
+        self.replica = uuid.uuid4().hex[:12]
+        self._tenants: dict[str, Tenant] = {}
+        self._held: dict[str, _SharedHold | None] = {}  # request id -> shared hold, None: local
+        self._settling: set[asyncio.Task[None]] = set()
+        self._renewer = OwnedTask("tierproxy-shared-renew")
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def start(self) -> None:
+        self._renewer.start(self._renew_forever)
+
+    async def stop(self) -> None:
+        await self._renewer.stop()
+        if self._settling:  # let the last settles reach Redis (each bounded by its timeout)
+            await asyncio.gather(*self._settling, return_exceptions=True)
+
+    def configure(self, tenants: list[Tenant], now: float) -> None:
+        self._tenants = {t.name: t for t in tenants}
+        self.local.configure(tenants, now)
+
+    # -- decisions -----------------------------------------------------------------------
+    def _keys(self, tenant: str) -> list[str]:
+        # One hash tag per tenant: a Redis Cluster keeps a tenant's keys on one slot.
+        base = self.store.key("limit", "{" + tenant + "}")
+        return [f"{base}:rpm", f"{base}:tpm", f"{base}:concurrent"]
+
+    async def admit(
+        self, tenant: str, tokens: float, now: float, request_id: str = ""
+    ) -> LimitVerdict:
+        cfg = self._tenants.get(tenant)
+        if cfg is None or not _limited(cfg):
+            return LimitVerdict(True)
+        if self.store.up:
+            member = f"{self.replica}:{request_id or uuid.uuid4().hex}"
+            try:
+                allowed, wait, which = await self.store.run(
+                    ADMIT,
+                    self._keys(tenant),
+                    [
+                        cfg.requests_per_minute or 0,
+                        cfg.tokens_per_minute or 0,
+                        tokens,
+                        cfg.max_concurrent or 0,
+                        member,
+                        self.store.cfg.lease_ttl_s,
+                    ],
+                )
+            except SharedStateDown:
+                pass  # decided below, without Redis
+            else:
+                if int(allowed) != 1:
+                    return LimitVerdict(False, float(wait), _text(which))
+                capped = cfg.max_concurrent is not None
+                self._held[request_id] = _SharedHold(tenant, member if capped else "")
+                return LimitVerdict(True)
+        if self.store.cfg.on_failure == "refuse":
+            raise shared_state_unavailable(self.store.cfg.probe_interval_s)
+        verdict = self.local.try_admit(tenant, tokens, now)
+        if verdict.allowed:
+            self._held[request_id] = None
+        return verdict
+
+    def settle(
+        self, tenant: str, reserved: float, used: float | None, now: float, request_id: str = ""
+    ) -> None:
+        if request_id not in self._held:
+            return  # admitted with no limit at all
+        hold = self._held.pop(request_id)
+        if hold is None:
+            self.local.settle(tenant, reserved, used, now)
+            return
+        cfg = self._tenants.get(tenant)
+        tpm = (cfg.tokens_per_minute or 0) if cfg is not None else 0
+        if not hold.member and (not tpm or used is None or used == reserved):
+            return  # nothing to give back or take
+        keys = self._keys(tenant)
+        task = asyncio.create_task(
+            self._settle(keys, [tpm, reserved, -1 if used is None else used, hold.member])
+        )
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+    async def _settle(self, keys: list[str], args: list[object]) -> None:
+        # Lost when Redis is down: the lease then expires within lease_ttl_s and the token
+        # correction is forgone (docs/scale-out.md, failure modes).
+        with contextlib.suppress(SharedStateDown):
+            await self.store.run(SETTLE, [keys[1], keys[2]], args)
+
+    def concurrent(self, tenant: str) -> int:
+        """This replica's requests of ``tenant`` holding a limit (shared or local)."""
+        shared = sum(1 for h in self._held.values() if h is not None and h.tenant == tenant)
+        return shared + self.local.concurrent(tenant)
+
+    # -- leases --------------------------------------------------------------------------
+    async def _renew_forever(self) -> None:
+        interval = min(self.store.cfg.sync_interval_s * 10, self.store.cfg.lease_ttl_s / 3)
+        while True:
+            await asyncio.sleep(interval)
+            await self.renew()
+
+    async def renew(self) -> None:
+        """Push the leases of this replica's running capped requests forward by the TTL."""
+        holds = [h for h in self._held.values() if h is not None and h.member]
+        if not holds or not self.store.up:
+            return
+        keys = [self._keys(h.tenant)[2] for h in holds]
+        args = [self.store.cfg.lease_ttl_s, *(h.member for h in holds)]
+        with contextlib.suppress(SharedStateDown):
+            await self.store.run(RENEW, keys, args)
+
+
+def _limited(tenant: Tenant) -> bool:
+    return (
+        tenant.requests_per_minute is not None
+        or tenant.tokens_per_minute is not None
+        or tenant.max_concurrent is not None
+    )
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

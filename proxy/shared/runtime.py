@@ -1,0 +1,62 @@
+"""Everything ``shared_state:`` adds to one proxy process, started and stopped with the app."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from redis.exceptions import RedisError
+
+from proxy.admission import AdmissionQueue
+from proxy.backends import BackendPool
+from proxy.metrics import ProxyMetrics
+from proxy.shared.client import SharedStore
+from proxy.shared.config import SharedState
+from proxy.shared.fairness import FairnessSync
+from proxy.shared.limits import SharedLimitRegistry
+from proxy.shared.room import SharedBackendRoom
+
+
+class SharedRuntime:
+    def __init__(
+        self,
+        cfg: SharedState,
+        metrics: ProxyMetrics,
+        queue: AdmissionQueue,
+        pool: BackendPool,
+        kick: Callable[[], None],
+    ) -> None:
+        self.queue = queue
+        self.store = SharedStore(cfg, metrics.registry)
+        self.limits = SharedLimitRegistry(self.store)
+        self.fairness = FairnessSync(self.store, lambda: queue.fairness)
+        self.room = SharedBackendRoom(
+            self.store,
+            pool,
+            replica=self.limits.replica,
+            waiting=lambda: len(queue),
+            best_tier_waiting=self.best_tier_waiting,
+            kick=kick,
+        )
+
+    def best_tier_waiting(self) -> bool:
+        """A request of the best configured tier waits here (it may take the reserve)."""
+        tiers = self.queue.tiers()
+        if not tiers:
+            return False
+        best = min(self.queue.limits(t).priority for t in tiers)
+        return any(self.queue.depth(t) for t in tiers if self.queue.limits(t).priority == best)
+
+    async def start(self) -> None:
+        try:
+            await self.store.warm()
+        except (RedisError, OSError, TimeoutError) as exc:
+            self.store.mark_down(exc)  # serve anyway; on_failure decides until Redis answers
+        self.limits.start()
+        self.fairness.start()
+        self.room.start()
+
+    async def stop(self) -> None:
+        await self.room.stop()
+        await self.fairness.stop()
+        await self.limits.stop()
+        await self.store.close()

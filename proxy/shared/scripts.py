@@ -1,0 +1,186 @@
+"""The Lua scripts: each limit decision is one script, so it is atomic across replicas (Redis
+runs one script at a time). Time is Redis's own ``TIME``: one clock for every replica, so a
+``Retry-After`` computed here is exact whichever replica asks. Bucket levels may be fractional
+and are returned as strings (Lua numbers come back as integers otherwise)."""
+
+from __future__ import annotations
+
+from proxy.shared.client import Script
+
+# A token bucket in a hash {level, at}; an absent key is a full bucket. Mirrors
+# proxy.limits.TokenBucket (capacity = per minute, refilled at per minute / 60 per second).
+_BUCKET = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local function level(key, per_min)
+  local v = redis.call('HMGET', key, 'level', 'at')
+  local lvl, at = tonumber(v[1]), tonumber(v[2])
+  if lvl == nil then return per_min end
+  if now > at then lvl = lvl + (now - at) * per_min / 60 end
+  return math.min(per_min, lvl)
+end
+local function store(key, per_min, lvl)
+  redis.call('HSET', key, 'level', tostring(lvl), 'at', tostring(now))
+  -- Once refilled the key says nothing an absent key would not: let it go then.
+  local full_in_ms = math.ceil((per_min - lvl) / (per_min / 60) * 1000) + 1000
+  redis.call('PEXPIRE', key, full_in_ms)
+end
+"""
+
+# KEYS: rpm bucket, tpm bucket, concurrency set (member -> lease expiry)
+# ARGV: rpm per minute (0: none), tpm per minute (0: none), tokens, max concurrent (0: none),
+#       member, lease ttl (s)
+# Returns {1, "0", ""} or {0, retry after seconds, the limit that said no}. All or nothing.
+ADMIT = Script(
+    _BUCKET
+    + """
+local rpm, tpm = tonumber(ARGV[1]), tonumber(ARGV[2])
+local tokens, max_conc = tonumber(ARGV[3]), tonumber(ARGV[4])
+local ttl = tonumber(ARGV[6])
+if max_conc > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)  -- leases nobody renewed
+  if redis.call('ZCARD', KEYS[3]) >= max_conc then
+    return {0, '1', 'max_concurrent'}  -- frees when a request ends: no clock says when
+  end
+end
+local wait, which = 0, ''
+local rl, tl
+if rpm > 0 then
+  rl = level(KEYS[1], rpm)
+  local w = (math.min(1, rpm) - rl) / (rpm / 60)
+  if w > wait then wait, which = w, 'requests_per_minute' end
+end
+if tpm > 0 then
+  tl = level(KEYS[2], tpm)
+  -- A request bigger than the whole bucket waits for a full bucket, then goes.
+  local w = (math.min(tokens, tpm) - tl) / (tpm / 60)
+  if w > 0 and w >= wait then wait, which = w, 'tokens_per_minute' end
+end
+if wait > 0 then return {0, tostring(wait), which} end
+if rpm > 0 then store(KEYS[1], rpm, rl - 1) end
+if tpm > 0 then store(KEYS[2], tpm, tl - tokens) end
+if max_conc > 0 then
+  redis.call('ZADD', KEYS[3], now + ttl, ARGV[5])
+  redis.call('PEXPIRE', KEYS[3], math.ceil(ttl * 1000) + 1000)
+end
+return {1, '0', ''}
+"""
+)
+
+# KEYS: tpm bucket, concurrency set
+# ARGV: tpm per minute (0: none), reserved tokens, used tokens (-1: unknown), member
+# The request ended: its concurrency lease goes, the unused reservation comes back and usage
+# past it is debited (the bucket may go below zero, as the local one does).
+SETTLE = Script(
+    _BUCKET
+    + """
+redis.call('ZREM', KEYS[2], ARGV[4])
+local tpm, reserved, used = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+if tpm > 0 and used >= 0 and used ~= reserved then
+  local lvl = level(KEYS[1], tpm)
+  if used < reserved then lvl = math.min(tpm, lvl + reserved - used)
+  else lvl = lvl - (used - reserved) end
+  store(KEYS[1], tpm, lvl)
+end
+return 1
+"""
+)
+
+# KEYS: concurrency sets; ARGV: lease ttl (s), then one member per key.
+# Renews the leases of a replica's running requests (re-adds one that expired while the
+# replica was cut off: the count must say what really runs).
+RENEW = Script(
+    """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local ttl = tonumber(ARGV[1])
+for i, key in ipairs(KEYS) do
+  redis.call('ZADD', key, now + ttl, ARGV[i + 1])
+  redis.call('PEXPIRE', key, math.ceil(ttl * 1000) + 1000)
+end
+return #KEYS
+"""
+)
+
+# KEYS: the hash tenant -> virtual token counter (global)
+# ARGV: n, then n triples (tenant, service charged since the last merge, its counter here),
+#       then the tenants whose counter the caller wants back.
+# A counter is the sum of every replica's charges, and at least any replica's own counter (a
+# replica lifts a tenant returning from idle: the lift must hold everywhere). Returns
+# {tenant, counter, ...} for the charged and the asked tenants.
+VTC_MERGE = Script(
+    """
+local n = tonumber(ARGV[1])
+local out = {}
+for i = 0, n - 1 do
+  local tenant, delta, here = ARGV[2 + 3 * i], tonumber(ARGV[3 + 3 * i]), tonumber(ARGV[4 + 3 * i])
+  local merged = tonumber(redis.call('HINCRBYFLOAT', KEYS[1], tenant, delta))
+  if here > merged then
+    merged = here
+    redis.call('HSET', KEYS[1], tenant, tostring(here))
+  end
+  out[#out + 1] = tenant
+  out[#out + 1] = tostring(merged)
+end
+for i = 2 + 3 * n, #ARGV do
+  local v = redis.call('HGET', KEYS[1], ARGV[i])
+  if v then
+    out[#out + 1] = ARGV[i]
+    out[#out + 1] = v
+  end
+end
+return out
+"""
+)
+
+# Backend room metered by several replicas: KEYS[1] a hash replica -> slots held, KEYS[2] a
+# sorted set replica -> heartbeat expiry. A replica that stops renewing (crashed) loses its
+# slots at the next call of any replica once its heartbeat expired.
+_ROOM = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local replica, ttl = ARGV[1], tonumber(ARGV[2])
+for _, r in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now)) do
+  redis.call('HDEL', KEYS[1], r)
+  redis.call('ZREM', KEYS[2], r)
+end
+redis.call('ZADD', KEYS[2], now + ttl, replica)
+redis.call('PEXPIRE', KEYS[1], math.ceil(ttl * 1000) + 1000)
+redis.call('PEXPIRE', KEYS[2], math.ceil(ttl * 1000) + 1000)
+"""
+
+# ARGV: replica, ttl, want, room (max_inflight), reserve, better (1: best tier waits here)
+# Returns {granted, seconds until another replica's heartbeat expires (room may appear then
+# without a message), live replicas}. Want 0 renews the heartbeat only.
+ROOM_ACQUIRE = Script(
+    _ROOM
+    + """
+local want, room, reserve = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local total = 0
+for _, v in ipairs(redis.call('HVALS', KEYS[1])) do total = total + tonumber(v) end
+local cap = room
+if ARGV[6] == '1' then cap = room + reserve end
+local grant = math.max(0, math.min(want, cap - total))
+if grant > 0 then redis.call('HINCRBY', KEYS[1], replica, grant) end
+local retry = ttl
+local first = redis.call('ZRANGE', KEYS[2], 0, 1, 'WITHSCORES')
+for i = 1, #first, 2 do
+  if first[i] ~= replica then
+    retry = math.max(0, tonumber(first[i + 1]) - now)
+    break
+  end
+end
+return {grant, tostring(retry), redis.call('ZCARD', KEYS[2])}
+"""
+)
+
+# ARGV: replica, ttl, slots given back, channel, backend url. Wakes replicas waiting for room.
+ROOM_RELEASE = Script(
+    _ROOM
+    + """
+local left = redis.call('HINCRBY', KEYS[1], replica, -tonumber(ARGV[3]))
+if left <= 0 then redis.call('HDEL', KEYS[1], replica) end
+redis.call('PUBLISH', ARGV[4], ARGV[5])
+return left
+"""
+)

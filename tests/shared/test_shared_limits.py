@@ -1,0 +1,173 @@
+"""Global tenant limits in a real Redis: two registries stand for two replicas (each its own
+connection), deciding against one Redis. Real time: buckets of a minute are made exact by
+construction (the window is the bucket), so a few seconds suffice."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from proxy.bench.inproc import until
+from proxy.config import Tenant
+from proxy.errors import ProxyError
+from proxy.limits import LimitVerdict
+from proxy.shared.client import SharedStore
+from proxy.shared.config import SharedState
+from proxy.shared.limits import SharedLimitRegistry
+from tests.redis_server import RedisServer
+
+
+def tenant(**limits: Any) -> Tenant:
+    return Tenant(name="acme", tier="normal", keys=[{"sha256": "0" * 64}], **limits)
+
+
+Replicas = Callable[..., AsyncIterator[list[SharedLimitRegistry]]]
+
+
+@pytest.fixture
+async def replicas(redis_server: RedisServer) -> AsyncIterator[Callable[..., Any]]:
+    made: list[SharedLimitRegistry] = []
+
+    async def make(n: int, t: Tenant, **cfg: Any) -> list[SharedLimitRegistry]:
+        out = []
+        for _ in range(n):
+            store = SharedStore(SharedState(url=redis_server.url, **cfg), CollectorRegistry())
+            reg = SharedLimitRegistry(store)
+            reg.configure([t], time.monotonic())
+            await store.warm()
+            made.append(reg)
+            out.append(reg)
+        return out
+
+    yield make
+    for reg in made:
+        await reg.stop()
+        await reg.store.close()
+
+
+async def admit_all(
+    regs: list[SharedLimitRegistry], n: int, tokens: float = 1
+) -> list[LimitVerdict]:
+    """``n`` admissions at once, spread round-robin over the replicas."""
+    return await asyncio.gather(
+        *(regs[i % len(regs)].admit("acme", tokens, 0.0, f"r{i}") for i in range(n))
+    )
+
+
+async def test_rpm_is_global_and_exact_across_two_replicas(replicas: Callable[..., Any]) -> None:
+    regs = await replicas(2, tenant(requests_per_minute=60))
+    started = time.monotonic()
+    verdicts = await admit_all(regs, 200)
+    elapsed = time.monotonic() - started
+    admitted = sum(v.allowed for v in verdicts)
+    # A full bucket of 60, plus at most what refilled (1/s) while the burst ran: one replica
+    # alone would also admit 60, two independent ones 120.
+    assert 60 <= admitted <= 60 + int(elapsed) + 1
+    refused = [v for v in verdicts if not v.allowed]
+    assert {v.limit for v in refused} == {"requests_per_minute"}
+    # Retry-After is exact: the next request fits once one token (1 s at 1/s) has refilled.
+    assert all(0 < v.retry_after_s <= 1.0 for v in refused)
+
+
+async def test_retry_after_is_the_exact_wait(replicas: Callable[..., Any]) -> None:
+    (a, b) = await replicas(2, tenant(requests_per_minute=6))  # one request per 10 s
+    assert sum(v.allowed for v in await admit_all([a, b], 6)) == 6
+    first = await a.admit("acme", 1, 0.0, "x")
+    second = await b.admit("acme", 1, 0.0, "y")
+    assert not first.allowed and not second.allowed
+    assert 9.0 < first.retry_after_s <= 10.0
+    assert second.retry_after_s <= first.retry_after_s  # one clock: Redis's
+
+
+async def test_tpm_charges_real_usage(
+    replicas: Callable[..., Any], redis_server: RedisServer
+) -> None:
+    (a, b) = await replicas(2, tenant(tokens_per_minute=600))  # 10 tokens/s
+    assert (await a.admit("acme", 500, 0.0, "big")).allowed
+    # 100 left: 200 does not fit now.
+    assert not (await b.admit("acme", 200, 0.0, "no")).allowed
+    a.settle("acme", 500, 50.0, 0.0, "big")  # it used 50: 450 come back
+    await until(lambda: not a._settling, 5, "the settle to reach Redis")
+    assert (await b.admit("acme", 200, 0.0, "now")).allowed
+    # Usage past the reservation is debited: the bucket goes below zero.
+    b.settle("acme", 200, 1000.0, 0.0, "now")
+    await until(lambda: not b._settling, 5, "the settle to reach Redis")
+    verdict = await a.admit("acme", 10, 0.0, "after")
+    assert not verdict.allowed and verdict.limit == "tokens_per_minute"
+    # 100 + 450 back - 200 - 800 debt = -450: 460 tokens to refill at 10/s.
+    assert 45.5 < verdict.retry_after_s <= 46.0
+
+
+async def test_max_concurrent_is_global(replicas: Callable[..., Any]) -> None:
+    (a, b) = await replicas(2, tenant(max_concurrent=3))
+    verdicts = await admit_all([a, b], 10)
+    assert sum(v.allowed for v in verdicts) == 3
+    assert {v.limit for v in verdicts if not v.allowed} == {"max_concurrent"}
+    holder = a if a._held else b
+    holder.settle("acme", 1, 1.0, 0.0, next(iter(holder._held)))
+    await until(lambda: not holder._settling, 5, "the settle to reach Redis")
+    assert (await b.admit("acme", 1, 0.0, "next")).allowed
+    assert not (await a.admit("acme", 1, 0.0, "over")).allowed
+
+
+async def test_a_dead_replicas_slots_return_within_the_lease_ttl(
+    replicas: Callable[..., Any],
+) -> None:
+    (dead, alive) = await replicas(2, tenant(max_concurrent=2), lease_ttl_s=0.5)
+    alive.start()  # the survivor renews; the dead one never will
+    assert (await dead.admit("acme", 1, 0.0, "d1")).allowed
+    assert (await alive.admit("acme", 1, 0.0, "a1")).allowed
+    assert not (await alive.admit("acme", 1, 0.0, "a2")).allowed
+    started = time.monotonic()
+    while not (await alive.admit("acme", 1, 0.0, "a3")).allowed:
+        await asyncio.sleep(0.05)
+    assert time.monotonic() - started < 1.5  # TTL 0.5 s, plus the machine's lag
+    # The survivor's own lease was renewed past the TTL: still counted, so one slot only.
+    assert not (await alive.admit("acme", 1, 0.0, "a4")).allowed
+
+
+async def test_scripts_are_reloaded_after_a_restart(
+    replicas: Callable[..., Any], redis_server: RedisServer
+) -> None:
+    (a,) = await replicas(1, tenant(requests_per_minute=60))
+    assert (await a.admit("acme", 1, 0.0, "1")).allowed
+    await a.store.redis.script_flush()  # type: ignore[no-untyped-call]  # as a restart does
+    assert (await a.admit("acme", 1, 0.0, "2")).allowed
+    assert a.store.up
+
+
+async def test_redis_down_falls_back_to_local_limits_and_recovers(
+    replicas: Callable[..., Any], redis_server: RedisServer
+) -> None:
+    (a,) = await replicas(
+        1, tenant(requests_per_minute=60), call_timeout_s=0.2, probe_interval_s=0.05
+    )
+    gauge = a.store.fallback
+    assert sum(v.allowed for v in await admit_all([a], 60)) == 60
+    redis_server.kill()
+    started = time.monotonic()
+    verdict = await a.admit("acme", 1, 0.0, "down")
+    assert time.monotonic() - started < 0.5  # bounded by call_timeout_s
+    assert verdict.allowed  # this replica's own (full) bucket decided
+    assert gauge._value.get() == 1
+    assert "down" in a._held and a._held["down"] is None  # settled locally
+    redis_server.start()
+    await until(lambda: a.store.up, 5, "the probe to find Redis again")
+    assert gauge._value.get() == 0
+    # Shared again: the restarted Redis has a fresh bucket of 60 for the whole deployment.
+    assert sum(v.allowed for v in await admit_all([a], 70)) == 60
+
+
+async def test_refuse_answers_503_while_redis_is_down(
+    replicas: Callable[..., Any], redis_server: RedisServer
+) -> None:
+    (a,) = await replicas(1, tenant(requests_per_minute=60), on_failure="refuse")
+    redis_server.kill()
+    with pytest.raises(ProxyError) as refused:
+        await a.admit("acme", 1, 0.0, "x")
+    assert refused.value.status == 503 and "Retry-After" in refused.value.headers()

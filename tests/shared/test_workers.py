@@ -1,0 +1,96 @@
+"""`tierproxy serve --workers 2`: two processes on one port behind one owner, which replaces
+a worker killed with -9 and stops both on SIGTERM; without shared_state it refuses to start."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from pathlib import Path
+
+import aiohttp
+import yaml
+
+from proxy.bench.inproc import SECRET, serve_app
+from proxy.bench.null_upstream import NullUpstream
+from proxy.process import ManagedProcess, free_port, http_ok
+from proxy.ticket import DEFAULT_SECRET_ENV
+from tests.redis_server import RedisServer
+from tests.shared.replicas import post, replica_config
+
+
+def children(pid: int) -> set[int]:
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.add(int(entry.name))
+    return found
+
+
+def owner(config: dict[str, object], tmp_path: Path, port: int) -> ManagedProcess:
+    path = tmp_path / "proxy.yaml"
+    path.write_text(yaml.safe_dump(config))
+    command = [sys.executable, "-m", "proxy.cli", "serve", "-c", str(path)]
+    command += ["--workers", "2", "--port", str(port)]
+    env = {**os.environ, DEFAULT_SECRET_ENV: SECRET.decode()}
+    return ManagedProcess(command, env=env, log_path=tmp_path / "owner.log", name="owner")
+
+
+async def test_two_workers_serve_one_port_and_a_killed_one_is_replaced(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    null = NullUpstream()
+    async with serve_app(null.app()) as url:
+        port = free_port()
+        proc = owner(replica_config(url, redis_server.url), tmp_path, port).start()
+        base = f"http://127.0.0.1:{port}"
+        try:
+            await asyncio.to_thread(
+                proc.wait_until, lambda: http_ok(f"{base}/healthz", 2.0), 60, "/healthz"
+            )
+            assert proc.pid is not None
+            await asyncio.to_thread(
+                proc.wait_until, lambda: len(children(proc.pid or 0)) == 2, 60, "two workers"
+            )
+            workers = children(proc.pid)
+            async with aiohttp.ClientSession() as session:
+                assert {(await post(session, base)).status for _ in range(10)} == {200}
+                victim = min(workers)
+                os.kill(victim, signal.SIGKILL)
+                await asyncio.to_thread(
+                    proc.wait_until,
+                    lambda: len(children(proc.pid or 0) - {victim}) == 2,
+                    30,
+                    "a replacement worker",
+                    0.05,
+                )
+                await asyncio.to_thread(
+                    proc.wait_until, lambda: http_ok(f"{base}/healthz", 2.0), 30, "/healthz"
+                )
+                # Both serve again (new connections each: the kernel spreads them).
+                for _ in range(20):
+                    async with aiohttp.ClientSession() as fresh:
+                        assert (await post(fresh, base)).status == 200
+            assert proc.proc is not None
+            proc.proc.send_signal(signal.SIGTERM)
+            code = await asyncio.to_thread(proc.proc.wait, 30)
+            assert code == 0
+            assert children(proc.pid) == set()
+        finally:
+            proc.stop()
+
+
+def test_more_than_one_worker_needs_shared_state(tmp_path: Path) -> None:
+    proc = owner(replica_config("http://127.0.0.1:1", None), tmp_path, free_port()).start()
+    try:
+        assert proc.proc is not None
+        assert proc.proc.wait(timeout=60) == 1
+        assert "shared_state" in (tmp_path / "owner.log").read_text()
+    finally:
+        proc.stop()
