@@ -236,7 +236,8 @@ async def flood(
         ) as resp:
             data = await resp.json(content_type=None)
             code = (data.get("error") or {}).get("code") if isinstance(data, dict) else None
-            statuses[f"{resp.status} {code}" if code else str(resp.status)] += 1
+            label = f"{resp.status} {code}" if isinstance(code, str) else str(resp.status)
+            statuses[label] += 1
 
     gate = asyncio.Semaphore(concurrency)
 
@@ -277,6 +278,9 @@ async def run(args: argparse.Namespace, out_dir: Path) -> None:
             attacker = Attacker(stack.url, args.idle, args.slowloris)
             try:
                 ready = attacker.wait_ready()
+                # Into the time when the proxy's header/idle timeouts close the attackers'
+                # connections and they reconnect (server.header_timeout_s: 10 s).
+                await asyncio.sleep(args.attack_warmup_s)
                 usage = await proxy_usage(http, stack)
                 text = await fetch_metrics(http, stack.url) or ""
                 print(
@@ -307,7 +311,10 @@ def main() -> None:
     )
     parser.add_argument("--idle", type=int, default=1000, help="idle connections (1000)")
     parser.add_argument("--slowloris", type=int, default=200, help="slowloris clients (200)")
-    parser.add_argument("--requests", type=int, default=60, help="TTFT requests per phase (60)")
+    parser.add_argument("--requests", type=int, default=100, help="TTFT requests per phase (100)")
+    parser.add_argument(
+        "--attack-warmup-s", type=float, default=8.0, help="attack before measuring (8 s)"
+    )
     parser.add_argument("--flood", type=int, default=200, help="maximal bodies sent (200)")
     parser.add_argument("--budget-mib", type=int, default=32, help="limits.max_held_bytes (32)")
     parser.add_argument("--out", type=Path, help="where logs go (a temporary folder)")
