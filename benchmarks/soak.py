@@ -25,7 +25,15 @@ from pathlib import Path
 
 import aiohttp
 
-from proxy.bench.live import LiveStack, ProxyUsage, auth, base_config, chat_body, proxy_usage
+from proxy.bench.live import (
+    LiveStack,
+    ProxyUsage,
+    auth,
+    base_config,
+    chat_body,
+    open_sockets,
+    proxy_usage,
+)
 from proxy.server import raise_open_files_limit
 
 TIERS = ("high", "normal", "low")
@@ -90,18 +98,22 @@ async def client(
         outcomes[f"{kind}: {outcome}"] += 1
 
 
-async def settle(http: aiohttp.ClientSession, stack: LiveStack) -> ProxyUsage:
-    """The proxy's usage once it holds no slot and its tasks and fds stayed the same for a
-    second (30 s at most)."""
-    deadline = time.monotonic() + 30.0
-    usage = await proxy_usage(http, stack)
-    while time.monotonic() < deadline:
+async def settle(
+    http: aiohttp.ClientSession, stack: LiveStack, idle: ProxyUsage | None = None
+) -> ProxyUsage:
+    """The proxy's usage once it holds no slot and its tasks and fds are back to ``idle``'s
+    (without ``idle``: stayed the same for a second), 30 s at most."""
+    started = time.monotonic()
+    usage = now = await proxy_usage(http, stack)
+    while time.monotonic() - started < 30.0:
         await asyncio.sleep(1.0)
         now = await proxy_usage(http, stack)
-        if now.inflight == 0 and (now.tasks, now.open_fds) == (usage.tasks, usage.open_fds):
-            return now
+        target = idle or usage
+        if now.inflight == 0 and now.tasks <= target.tasks and now.open_fds <= target.open_fds:
+            break
         usage = now
-    return usage
+    print(f"  (settled after {time.monotonic() - started:.0f} s)")
+    return now
 
 
 async def run(args: argparse.Namespace, out_dir: Path) -> None:
@@ -114,7 +126,10 @@ async def run(args: argparse.Namespace, out_dir: Path) -> None:
             aiohttp.ClientSession() as probe,
         ):
             start = await settle(probe, stack)
+            assert stack.engine is not None
+            ports = end_port(stack.url), stack.engine.spec.port
             print(start.line("start (idle)"), flush=True)
+            print(f"  the proxy's TCP sockets: {open_sockets(stack.proxy_pid, *ports)}")
             outcomes: collections.Counter[str] = collections.Counter()
             began = time.monotonic()
             until = began + args.minutes * 60
@@ -131,8 +146,10 @@ async def run(args: argparse.Namespace, out_dir: Path) -> None:
                 print((await proxy_usage(probe, stack)).line(f"  at {minute:.1f} min"), flush=True)
             await asyncio.gather(*clients)
         async with aiohttp.ClientSession() as probe:
-            end = await settle(probe, stack)
+            end = await settle(probe, stack, start)
+            sockets = open_sockets(stack.proxy_pid, *ports)
         print(end.line("end (idle again)"))
+        print(f"  the proxy's TCP sockets at the end: {sockets}")
         growth = (end.rss_bytes - warm.rss_bytes) / warm.rss_bytes * 100
         print(f"RSS growth after warm-up: {growth:+.1f} % (aim < 5 %)")
         print(
@@ -142,6 +159,10 @@ async def run(args: argparse.Namespace, out_dir: Path) -> None:
         print(f"requests: {sum(outcomes.values())} in {args.minutes:g} min")
         for name, count in sorted(outcomes.items()):
             print(f"  {name:40} {count}")
+
+
+def end_port(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
 
 
 def main() -> None:

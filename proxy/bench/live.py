@@ -5,6 +5,8 @@ proxy process's RSS, open files and event-loop tasks, and a streamed request's T
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import os
 import secrets
 import sys
@@ -164,3 +166,32 @@ async def stream_ttft(
             if first is None and line.startswith(b"data:"):
                 first = time.perf_counter() - started
         return resp.status, first
+
+
+def open_sockets(pid: int, proxy_port: int, engine_port: int) -> dict[str, int]:
+    """The process's TCP sockets by what they connect: listening, client connections (local
+    port = the proxy's), connections to vLLM (remote port = the engine's), other."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    kinds: collections.Counter[str] = collections.Counter()
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+                fields = line.split()
+                if fields[9] not in inodes:
+                    continue
+                local = int(fields[1].rsplit(":", 1)[1], 16)
+                remote = int(fields[2].rsplit(":", 1)[1], 16)
+                if fields[3] == "0A":
+                    kinds["listening"] += 1
+                elif local == proxy_port:
+                    kinds["client connections"] += 1
+                elif remote == engine_port:
+                    kinds["to vLLM"] += 1
+                else:
+                    kinds["other"] += 1
+    return dict(kinds)
