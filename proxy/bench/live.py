@@ -168,9 +168,13 @@ async def stream_ttft(
         return resp.status, first
 
 
+_TCP_STATES = {"01": "ESTABLISHED", "06": "TIME_WAIT", "08": "CLOSE_WAIT", "0A": "LISTEN"}
+
+
 def open_sockets(pid: int, proxy_port: int, engine_port: int) -> dict[str, int]:
     """The process's TCP sockets by what they connect: listening, client connections (local
-    port = the proxy's), connections to vLLM (remote port = the engine's), other."""
+    port = the proxy's), connections to vLLM (remote port = the engine's), other; with their
+    TCP state where it is not ESTABLISHED (CLOSE_WAIT: the peer closed, we did not)."""
     inodes = set()
     for fd in os.listdir(f"/proc/{pid}/fd"):
         with contextlib.suppress(OSError):
@@ -186,12 +190,16 @@ def open_sockets(pid: int, proxy_port: int, engine_port: int) -> dict[str, int]:
                     continue
                 local = int(fields[1].rsplit(":", 1)[1], 16)
                 remote = int(fields[2].rsplit(":", 1)[1], 16)
-                if fields[3] == "0A":
+                state = _TCP_STATES.get(fields[3], fields[3])
+                if state == "LISTEN":
                     kinds["listening"] += 1
-                elif local == proxy_port:
-                    kinds["client connections"] += 1
-                elif remote == engine_port:
-                    kinds["to vLLM"] += 1
-                else:
-                    kinds["other"] += 1
+                    continue
+                kind = (
+                    "client"
+                    if local == proxy_port
+                    else "to vLLM"
+                    if remote == engine_port
+                    else "other"
+                )
+                kinds[kind if state == "ESTABLISHED" else f"{kind} {state}"] += 1
     return dict(kinds)
