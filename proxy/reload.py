@@ -12,8 +12,7 @@ import contextlib
 import hashlib
 import logging
 import signal
-import sys
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from proxy.config import Config, ConfigError, LoadedConfig, load_config, parse_config
@@ -27,20 +26,6 @@ Sleep = Callable[[float], Awaitable[None]]
 # Works out, off the event loop, what a validated config changes; the function it returns
 # applies that on the loop and returns what it replaced (dropped off the loop too).
 Prepare = Callable[[LoadedConfig], Callable[[], object]]
-
-# While a worker thread parses, the event loop waits up to this long for the GIL at each wake-up
-# (CPython's default is 5 ms: a request wakes the loop several times).
-RELOAD_SWITCH_INTERVAL_S = 0.001
-
-
-@contextlib.contextmanager
-def fast_thread_switches(interval_s: float = RELOAD_SWITCH_INTERVAL_S) -> Iterator[None]:
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(min(before, interval_s))
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(before)
 
 
 # Read once, at start: a reload that changes them logs that a restart is needed.
@@ -133,8 +118,7 @@ class ConfigWatcher:
         off the event loop; True when the new config is in force."""
         async with self._lock:
             try:
-                with fast_thread_switches():
-                    loaded, commit = await asyncio.to_thread(self._load_and_prepare, data)
+                loaded, commit = await asyncio.to_thread(self._load_and_prepare, data)
             except ConfigError as exc:
                 self.metrics.config_reloads.labels("error").inc()
                 log.error(

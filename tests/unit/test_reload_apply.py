@@ -4,19 +4,17 @@ O(changed tenants); the limits of unchanged tenants kept as they are."""
 from __future__ import annotations
 
 import asyncio
-import sys
 import threading
 import weakref
 from pathlib import Path
 
-import pytest
 import yaml
 
 from proxy.app import ProxyState
 from proxy.config import Tenant, hash_key, load_config, parse_config
 from proxy.limits import LimitRegistry, plan_changes
 from proxy.metrics import ProxyMetrics
-from proxy.reload import ConfigWatcher, fast_thread_switches
+from proxy.reload import ConfigWatcher
 from tests.clock import FakeClock
 
 
@@ -123,13 +121,6 @@ async def test_the_replaced_config_is_freed_off_the_event_loop(tmp_path: Path) -
     assert await watch.check()
     assert len(state.config.tenants) == 4
     assert freed_in and freed_in != [threading.main_thread().name]
-
-
-def test_fast_thread_switches_restores_the_interval() -> None:
-    before = sys.getswitchinterval()
-    with fast_thread_switches(0.0005):
-        assert sys.getswitchinterval() == pytest.approx(0.0005)
-    assert sys.getswitchinterval() == before
 
 
 async def test_metrics_count_the_event_loops_tasks_and_the_process() -> None:
