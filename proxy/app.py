@@ -20,7 +20,7 @@ from proxy.budget import MemoryBudget
 from proxy.config import Config, ConfigError, LoadedConfig, load_config
 from proxy.endpoints import ServiceEndpoints
 from proxy.json_errors import json_error_bodies, json_errors
-from proxy.limits import LimitRegistry, TenantLimits
+from proxy.limits import LimitRegistry, TenantLimits, plan_changes
 from proxy.metrics import ProxyMetrics
 from proxy.monitor import BackendMonitor
 from proxy.pipeline import RequestPipeline
@@ -83,13 +83,29 @@ class ProxyState:
 
     def apply(self, loaded: LoadedConfig) -> None:
         """Swap in a validated config; queued and running requests keep going."""
-        cfg = loaded.config
-        self.scheduling.reconfigure(cfg)
-        self.limits.configure(cfg.tenants, self.clock())
-        self.budget.limit_bytes = cfg.limits.max_held_bytes
-        self.loaded = loaded
-        self.metrics.config_generation.inc()
-        self.dispatcher.kick()
+        self.prepare(loaded)()
+
+    def prepare(self, loaded: LoadedConfig) -> Callable[[], LoadedConfig]:
+        """Work out off the event loop (it reads the configs only) what ``loaded`` changes;
+        the returned commit applies it on the loop in O(changed tenants) and returns the
+        replaced config, for the caller to drop off the loop too."""
+        base, cfg = self.loaded, loaded.config
+        changes = plan_changes(base.config.tenants, cfg.tenants)
+
+        def commit() -> LoadedConfig:
+            old = self.loaded
+            self.scheduling.reconfigure(cfg, changes.names)
+            if old is base:
+                self.limits.apply_changes(changes, self.clock())
+            else:  # another config came into force meanwhile: the plan is stale
+                self.limits.configure(cfg.tenants, self.clock())
+            self.budget.limit_bytes = cfg.limits.max_held_bytes
+            self.loaded = loaded
+            self.metrics.config_generation.inc()
+            self.dispatcher.kick()
+            return old
+
+        return commit
 
 
 # Open files kept for upstream connections, probes, the config file and logs.
@@ -132,7 +148,7 @@ def create_app(
     if watch_config:
         state.watcher = ConfigWatcher(
             loaded.source,
-            state.apply,
+            state.prepare,
             state.metrics,
             lambda: state.config,
             debounce_s=loaded.config.server.reload_debounce_s,

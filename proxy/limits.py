@@ -8,6 +8,7 @@ exposes none of these (its level is private and it reads the event loop's clock)
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -124,6 +125,8 @@ class TenantLimits(Protocol):
 
     def configure(self, tenants: list[Tenant], now: float) -> None: ...
 
+    def apply_changes(self, changes: LimitChanges, now: float) -> None: ...
+
     async def admit(
         self, tenant: str, tokens: float, now: float, request_id: str = ""
     ) -> LimitVerdict: ...
@@ -135,23 +138,74 @@ class TenantLimits(Protocol):
     def concurrent(self, tenant: str) -> int: ...
 
 
+def _limits_of(tenant: Tenant) -> tuple[float | None, float | None, int | None]:
+    return tenant.requests_per_minute, tenant.tokens_per_minute, tenant.max_concurrent
+
+
+@dataclass(frozen=True)
+class LimitChanges:
+    """What a reload changes in the limits, worked out off the event loop (``plan_changes``)
+    so that applying it there costs O(changed tenants), not O(all tenants)."""
+
+    names: frozenset[str]  # every tenant of the new config
+    changed: tuple[Tenant, ...]  # new tenants and those whose limits changed
+    removed: tuple[str, ...]  # tenants of the old config that the new one lacks
+
+
+def plan_changes(old: Iterable[Tenant], new: Iterable[Tenant]) -> LimitChanges:
+    """The difference in limits between two configs' tenants; touches no registry, so it may
+    run in any thread."""
+    before = {t.name: _limits_of(t) for t in old}
+    after = list(new)
+    names = frozenset(t.name for t in after)
+    changed = tuple(t for t in after if before.get(t.name) != _limits_of(t))
+    return LimitChanges(names, changed, tuple(n for n in before if n not in names))
+
+
 class LimitRegistry:
     """Limiters of all tenants, kept across config reloads by tenant name."""
 
     def __init__(self) -> None:
         self._by_tenant: dict[str, TenantLimiter] = {}
+        # Removed from the config while they had requests running: dropped at a later reload.
+        self._lingering: set[str] = set()
 
     def configure(self, tenants: list[Tenant], now: float) -> None:
+        """Make the limiters those of ``tenants`` (O(all tenants))."""
         names = {t.name for t in tenants}
+        self._lingering.clear()
         for name in list(self._by_tenant):
-            if name not in names and self._by_tenant[name].concurrent == 0:
-                del self._by_tenant[name]
+            if name not in names:
+                self._drop(name)
         for tenant in tenants:
-            limiter = self._by_tenant.get(tenant.name)
-            if limiter is None:
-                self._by_tenant[tenant.name] = TenantLimiter(tenant, now)
-            else:
-                limiter.update(tenant, now)
+            self._set(tenant, now)
+
+    def apply_changes(self, changes: LimitChanges, now: float) -> None:
+        """``configure`` for a config whose difference from the one in force is ``changes``
+        (``plan_changes`` against that config): O(changed tenants). Unchanged tenants keep
+        their limiter as it is."""
+        gone = [n for n in (*changes.removed, *self._lingering) if n not in changes.names]
+        self._lingering.clear()
+        for name in gone:
+            self._drop(name)
+        for tenant in changes.changed:
+            self._set(tenant, now)
+
+    def _drop(self, name: str) -> None:
+        limiter = self._by_tenant.get(name)
+        if limiter is None:
+            return
+        if limiter.concurrent == 0:
+            del self._by_tenant[name]
+        else:
+            self._lingering.add(name)
+
+    def _set(self, tenant: Tenant, now: float) -> None:
+        limiter = self._by_tenant.get(tenant.name)
+        if limiter is None:
+            self._by_tenant[tenant.name] = TenantLimiter(tenant, now)
+        else:
+            limiter.update(tenant, now)
 
     def try_admit(self, tenant: str, tokens: float, now: float) -> LimitVerdict:
         limiter = self._by_tenant.get(tenant)

@@ -3,7 +3,9 @@ several apps in one process)."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import asyncio
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
@@ -94,3 +96,18 @@ class ProxyMetrics:
             "Client connections refused at the server.max_connections cap (503 then closed)",
             registry=r,
         )
+        # What a soak watches for leaks: process_resident_memory_bytes, process_open_fds, ...
+        ProcessCollector(registry=r)
+        self.event_loop_tasks = Gauge(
+            "tierproxy_event_loop_tasks",
+            "asyncio tasks alive on the proxy's event loop (read when /metrics is served)",
+            registry=r,
+        )
+        self.event_loop_tasks.set_function(_live_tasks)
+
+
+def _live_tasks() -> float:
+    try:
+        return len(asyncio.all_tasks())
+    except RuntimeError:  # read outside the event loop's thread: nothing to count
+        return 0

@@ -55,10 +55,11 @@ class Scheduling:
     dispatcher: Dispatcher
     config: Config
 
-    def reconfigure(self, config: Config) -> None:
+    def reconfigure(self, config: Config, tenant_names: frozenset[str] | None = None) -> None:
         """Apply a reloaded config in place. A change of queue policies rebuilds the queue's
         order keeping every queued request and its deadline (the new policies start with no
-        fairness history); a change of backend policy starts it with no memory."""
+        fairness history); a change of backend policy starts it with no memory.
+        ``tenant_names``: the config's tenant names where already known (made off the loop)."""
         old, new = self.config.policies, config.policies
         changed = [s for s in _QUEUE_SEAMS if getattr(old, s) != getattr(new, s)]
         if changed:
@@ -72,7 +73,8 @@ class Scheduling:
         if not changed and config.scheduling != self.config.scheduling:
             order = registry.ORDERS[new.order](config)  # new parameters, for new arrivals
         self.queue.reconfigure(tier_limits(config), order=order)
-        self.queue.fairness.forget(t.name for t in config.tenants)
+        names = tenant_names if tenant_names is not None else {t.name for t in config.tenants}
+        self.queue.fairness.forget(names)
         if (old.backends, old.prefix_memory) != (new.backends, new.prefix_memory):
             log.warning("backend policy changed: %s -> %s", old.backends, new.backends)
             self.pool.chooser = backend_chooser(config)

@@ -98,7 +98,8 @@ class VirtualTokenCounter:
         return self._oldest.keys()
 
     def forget(self, keep: Iterable[str]) -> None:
-        kept = set(keep)
+        # A set as it is: copying 10,000 names on the event loop at each reload costs a lot.
+        kept = keep if isinstance(keep, set | frozenset) else set(keep)
         for tenant in [t for t in self._counter if t not in kept]:
             del self._counter[tenant]
             self._reposition(tenant, 0.0)

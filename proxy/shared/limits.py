@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from proxy.config import Tenant
 from proxy.errors import shared_state_unavailable
-from proxy.limits import LimitRegistry, LimitVerdict
+from proxy.limits import LimitChanges, LimitRegistry, LimitVerdict
 from proxy.shared.client import SharedStateDown, SharedStore
 from proxy.shared.scripts import ADMIT, RENEW, SETTLE
 from proxy.tasks import OwnedTask
@@ -51,6 +51,12 @@ class SharedLimitRegistry:
     def configure(self, tenants: list[Tenant], now: float) -> None:
         self._tenants = {t.name: t for t in tenants}
         self.local.configure(tenants, now)
+
+    def apply_changes(self, changes: LimitChanges, now: float) -> None:
+        for name in changes.removed:
+            self._tenants.pop(name, None)
+        self._tenants.update((t.name, t) for t in changes.changed)
+        self.local.apply_changes(changes, now)
 
     # -- decisions -----------------------------------------------------------------------
     def _keys(self, tenant: str) -> list[str]:

@@ -57,9 +57,13 @@ class Applied:
         self.current = initial
         self.calls: list[LoadedConfig] = []
 
-    def __call__(self, loaded: LoadedConfig) -> None:
-        self.calls.append(loaded)
-        self.current = loaded
+    def __call__(self, loaded: LoadedConfig) -> Callable[[], LoadedConfig]:
+        def commit() -> LoadedConfig:
+            old, self.current = self.current, loaded
+            self.calls.append(loaded)
+            return old
+
+        return commit
 
     def config(self) -> Config:
         return self.current.config
