@@ -14,6 +14,8 @@ import argparse
 import asyncio
 import contextlib
 import re
+import sys
+from pathlib import Path
 
 import orjson
 
@@ -179,12 +181,9 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--paced-gap-ms", type=float, default=0.0, help="0: burst")
     args = parser.parse_args()
-    try:
-        import uvloop
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from proxy.runtime import run  # uvloop where installed
 
-        run = uvloop.run
-    except ImportError:
-        run = asyncio.run
     with contextlib.suppress(KeyboardInterrupt):
         run(serve(args.port, args.paced_gap_ms / 1000))
 

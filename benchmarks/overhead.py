@@ -10,7 +10,7 @@ generator is ``wrk``, pinned with the backend to one core (``--load-cpu``), each
 on another (``--proxy-cpu``). Rows: non-stream at 1 and 32 connections, stream *burst* (the
 whole answer in one write) and *paced*, 32 connections each (``--paced-connections``).
 
-Printed per row: req/s, SSE events/s (answers/s × the 60 token events of one answer), p50/p99
+Printed per row: req/s, SSE events/s (answers/s x the 60 token events of one answer), p50/p99
 and what the proxy adds to the direct ones, CPU time of the proxy process(es) per request, and
 any non-2xx answers or socket errors (a row with errors measured something else).
 """
@@ -35,7 +35,7 @@ import orjson
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from nullserver import EVENTS, MODEL, MODELS, completion, stream_events  # noqa: E402
+from nullserver import EVENTS, MODEL, MODELS, completion, stream_events
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "overhead-bench-key"
@@ -108,7 +108,16 @@ def parse_wrk(out: str) -> tuple[float, float, float, int]:
 
 
 def run_wrk(url: str, script: Path, conns: int, seconds: float, cpu: str) -> str:
-    cmd = ["taskset", "-c", cpu, "wrk", "-t1", f"-c{conns}", f"-d{max(1, round(seconds))}s", "--latency"]
+    cmd = [
+        "taskset",
+        "-c",
+        cpu,
+        "wrk",
+        "-t1",
+        f"-c{conns}",
+        f"-d{max(1, round(seconds))}s",
+        "--latency",
+    ]
     cmd += ["-s", str(script), url]
     return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
 
@@ -235,7 +244,11 @@ def tierproxy_config(tmp: Path, backend_port: int) -> Path:
         },
         "tenants": [{"name": "bench", "tier": "bench", "keys": [{"sha256": hash_key(KEY)}]}],
         "backends": [
-            {"url": f"http://127.0.0.1:{backend_port}", "max_inflight": 4096, "send_priority": False}
+            {
+                "url": f"http://127.0.0.1:{backend_port}",
+                "max_inflight": 4096,
+                "send_priority": False,
+            }
         ],
     }
     path = tmp / f"tierproxy-{backend_port}.yaml"
@@ -272,7 +285,8 @@ def profile_top(raw: Path, top: int) -> str:
         stack, _, count = line.rpartition(" ")
         n = int(count)
         total += n
-        frames = [re.sub(r" \((.*/)?(site-packages/|relay/)?", " (", f) for f in stack.split(";")]
+        # one entry per function: "name (file.py)", line numbers dropped
+        frames = [re.sub(r" \((?:.*/)?([^/]+?):\d+\)$", r" (\1)", f) for f in stack.split(";")]
         for frame in set(frames):
             inclusive[frame] = inclusive.get(frame, 0) + n
         own[frames[-1]] = own.get(frames[-1], 0) + n
@@ -330,10 +344,10 @@ class Bench:
         added = (
             f"{(r.p50_us - direct.p50_us) / 1e3:.3f} | {(r.p99_us - direct.p99_us) / 1e3:.3f}"
             if direct and r.target != "direct"
-            else "– | –"
+            else "- | -"
         )
-        events = f"{r.events_per_s:,.0f}" if r.row.stream else "–"
-        cpu = f"{r.cpu_us_per_req:,.0f}" if r.cpu_us_per_req is not None else "–"
+        events = f"{r.events_per_s:,.0f}" if r.row.stream else "-"
+        cpu = f"{r.cpu_us_per_req:,.0f}" if r.cpu_us_per_req is not None else "-"
         return (
             f"| {r.target} | {r.row.name} | {conns} | {r.rps:,.0f} | {events} | "
             f"{r.p50_us / 1e3:.3f} | {r.p99_us / 1e3:.3f} | {added} | {cpu} | {r.errors} |"
@@ -355,9 +369,11 @@ def run(args: argparse.Namespace) -> None:
     null_cmd = [py, str(ROOT / "benchmarks/nullserver.py")]
     burst_rows = [r for r in ROWS if not r.paced]
     paced_rows = [r for r in ROWS if r.paced] if not args.no_paced else []
-    print(f"null backend: {'nginx ' + nginx if nginx else 'built-in'}; paced: built-in, "
-          f"gap {args.paced_gap_ms} ms; {args.duration} s per row; wrk on cpu {args.load_cpu}, "
-          f"proxies on cpu {args.proxy_cpu}\n")
+    print(
+        f"null backend: {'nginx ' + nginx if nginx else 'built-in'}; paced: built-in, "
+        f"gap {args.paced_gap_ms} ms; {args.duration} s per row; wrk on cpu {args.load_cpu}, "
+        f"proxies on cpu {args.proxy_cpu}\n"
+    )
     print(HEADER, flush=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TIERPROXY_TICKET_SECRET": SECRET}
     with contextlib.ExitStack() as stack:
@@ -365,11 +381,22 @@ def run(args: argparse.Namespace) -> None:
             conf = nginx_conf(tmp, "null", PORTS["null"], null_locations(tmp))
             stack.enter_context(process([nginx, "-c", str(conf)], args.load_cpu, tmp / "null.log"))
         else:
-            stack.enter_context(process(
-                [*null_cmd, "--port", str(PORTS["null"])], args.load_cpu, tmp / "null.log"))
-        stack.enter_context(process(
-            [*null_cmd, "--port", str(PORTS["paced"]), "--paced-gap-ms", str(args.paced_gap_ms)],
-            args.load_cpu, tmp / "paced.log"))
+            stack.enter_context(
+                process([*null_cmd, "--port", str(PORTS["null"])], args.load_cpu, tmp / "null.log")
+            )
+        stack.enter_context(
+            process(
+                [
+                    *null_cmd,
+                    "--port",
+                    str(PORTS["paced"]),
+                    "--paced-gap-ms",
+                    str(args.paced_gap_ms),
+                ],
+                args.load_cpu,
+                tmp / "paced.log",
+            )
+        )
         for port in (PORTS["null"], PORTS["paced"]):
             wait_http(f"http://127.0.0.1:{port}/v1/models")
         for rows, port in ((burst_rows, PORTS["null"]), (paced_rows, PORTS["paced"])):
@@ -380,7 +407,8 @@ def run(args: argparse.Namespace) -> None:
                 if not rows:
                     continue
                 body = proxy_locations(port).replace(
-                    f"http://127.0.0.1:{port}", f"http://null_{port}")
+                    f"http://127.0.0.1:{port}", f"http://null_{port}"
+                )
                 conf = nginx_conf(tmp, f"proxy-{port}", PORTS["nginx"], body)
                 text = conf.read_text().replace("http { ", "http { " + nginx_upstream_block(port))
                 conf.write_text(text)
@@ -395,14 +423,31 @@ def run(args: argparse.Namespace) -> None:
             log = tmp / f"tierproxy-{port}.log"
             with process(cmd, args.proxy_cpu, log, env=env, cwd=str(ROOT)) as p:
                 base = f"http://127.0.0.1:{PORTS['tierproxy']}"
-                wait_http(base + "/v1/chat/completions", post=orjson.dumps(
-                    {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}))
+                wait_http(
+                    base + "/v1/chat/completions",
+                    post=orjson.dumps(
+                        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+                    ),
+                )
                 if args.profile:
                     spy = tmp / f"profile-{port}.txt"
                     prof = subprocess.Popen(
-                        [str(Path(sys.executable).parent / "py-spy"), "record", "-p", str(p.pid), "-f", "raw", "-o", str(spy),
-                         "-d", str(int((args.duration + args.warmup) * len(rows) + 3)), "--nonblocking"],
-                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                        [
+                            str(Path(sys.executable).parent / "py-spy"),
+                            "record",
+                            "-p",
+                            str(p.pid),
+                            "-f",
+                            "raw",
+                            "-o",
+                            str(spy),
+                            "-d",
+                            str(int((args.duration + args.warmup) * len(rows) + 3)),
+                            "--nonblocking",
+                        ],
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL,
+                    )
                 bench.measure("tierproxy", base, p.pid, rows)
                 if args.profile:
                     prof.wait()
@@ -410,19 +455,32 @@ def run(args: argparse.Namespace) -> None:
         if args.litellm:
             # LiteLLM does not pass the X-Null-Stream header on: the built-in null answers it.
             builtin = PORTS["null"] + 2
-            stack.enter_context(process(
-                [*null_cmd, "--port", str(builtin)], args.load_cpu, tmp / "null2.log"))
+            stack.enter_context(
+                process([*null_cmd, "--port", str(builtin)], args.load_cpu, tmp / "null2.log")
+            )
             wait_http(f"http://127.0.0.1:{builtin}/v1/models")
             for rows, port in ((burst_rows, builtin), (paced_rows, PORTS["paced"])):
                 if not rows:
                     continue
                 exe = str(Path(args.litellm) / "bin" / "litellm")
-                cmd = [exe, "--config", str(litellm_config(tmp, port)),
-                       "--port", str(PORTS["litellm"]), "--num_workers", "1"]
+                cmd = [
+                    exe,
+                    "--config",
+                    str(litellm_config(tmp, port)),
+                    "--port",
+                    str(PORTS["litellm"]),
+                    "--num_workers",
+                    "1",
+                ]
                 with process(cmd, args.proxy_cpu, tmp / f"litellm-{port}.log") as p:
                     base = f"http://127.0.0.1:{PORTS['litellm']}"
-                    wait_http(base + "/v1/chat/completions", 180, post=orjson.dumps(
-                        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}))
+                    wait_http(
+                        base + "/v1/chat/completions",
+                        180,
+                        post=orjson.dumps(
+                            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+                        ),
+                    )
                     bench.measure("litellm", base, p.pid, rows)
     print(f"\nlogs and configs: {tmp}")
 

@@ -14,7 +14,6 @@ from typing import Any
 
 from aiohttp import web
 
-
 # Bytes aiohttp adds around a chunk (its chunked-encoding size line and end).
 _FRAMING = 32
 

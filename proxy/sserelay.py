@@ -75,9 +75,7 @@ def is_error_event(event: bytes) -> bool:
     if _ERROR_MARK not in event:
         return False
     parsed = _json_of(event)
-    return isinstance(parsed, dict) and (
-        "error" in parsed or parsed.get("object") == "error"
-    )
+    return isinstance(parsed, dict) and ("error" in parsed or parsed.get("object") == "error")
 
 
 def with_fingerprint(event: bytes, fingerprint: bytes) -> bytes:
@@ -171,8 +169,6 @@ class SseRelay:
     def _release(self, out: list[bytes], fingerprint: object) -> None:
         if isinstance(fingerprint, str):
             mark = orjson.dumps(fingerprint)
-            self._held = [
-                with_fingerprint(e, mark) if _FINISH_MARK in e else e for e in self._held
-            ]
+            self._held = [with_fingerprint(e, mark) if _FINISH_MARK in e else e for e in self._held]
         out.extend(self._held)
         self._held = []
