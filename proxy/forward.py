@@ -24,9 +24,11 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from proxy.budget import MemoryBudget
 from proxy.clientsend import ClientSender, ClientStalled
 from proxy.config_server import Relay
 from proxy.errors import ProxyError, execution_timeout, upstream_failed, upstream_too_large
+from proxy.heldresponse import held_response
 from proxy.outcome import Outcome
 from proxy.sse import EventTooLarge
 from proxy.sserelay import SseRelay
@@ -90,6 +92,7 @@ class UpstreamCall:
     timeout_s: float  # the tier's limit, for messages
     strip_usage_chunk: bool  # the proxy asked for usage; the client did not
     bounds: Relay = field(default_factory=Relay)
+    budget: MemoryBudget | None = None  # what a buffered answer reserves while held
 
 
 async def relay(
@@ -182,9 +185,12 @@ async def _relay_whole(
         raise UpstreamUnavailable("engine_dead", "the backend's engine died", status=500)
     if resp.status >= 500 and not _is_error_body(body):
         return _fault(upstream_failed(f"The backend answered {resp.status} without a JSON error."))
-    if not whole:
+    # Held until aiohttp has sent it: its bytes count against the memory budget meanwhile;
+    # over the budget it is streamed through instead (only a chunk at a time is held).
+    held = call.budget.try_reserve(len(body)) if whole and call.budget is not None else None
+    if not whole or (call.budget is not None and held is None):
         return await _stream_through(call, resp, send, body)
-    out = web.Response(status=resp.status, body=body, headers=_response_headers(call, resp))
+    out = held_response(resp.status, body, _response_headers(call, resp), held)
     usage = _usage_of(body) if resp.status == 200 else None
     return RelayResult(
         out,

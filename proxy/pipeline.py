@@ -341,6 +341,7 @@ class RequestPipeline:
             client_headers=request.headers,
             secret=self.secret,
             session=self.session(),
+            budget=self.budget,
         )
         result = await self.relay(call, request, stream=adm.parsed.stream, now=self.clock)
         if result.backend_failed:

@@ -146,6 +146,13 @@ class SseRelay:
 
     def _by_event(self, block: bytes) -> bytes:
         out: list[bytes] = []
+        if not self._held and len(block) <= self.max_event_bytes:
+            # The events before the first one that needs a look pass as they are.
+            marks = [_USAGE_MARK, _ERROR_MARK, *([_FINISH_MARK] if self.strip_usage else [])]
+            first = min((at for m in marks if (at := block.find(m)) >= 0), default=len(block))
+            start = _last_event_end(block[:first])
+            out.append(block[:start])
+            block = block[start:]
         for event in split_events(block):
             if len(event) > self.max_event_bytes:
                 self._too_large = True

@@ -10,6 +10,7 @@ import aiohttp
 import orjson
 from multidict import CIMultiDictProxy
 
+from proxy.budget import MemoryBudget
 from proxy.config import Backend, Config
 from proxy.forward import UpstreamCall
 from proxy.inbound import Endpoint, ParsedRequest, upstream_headers
@@ -41,6 +42,7 @@ def upstream_call(
     client_headers: CIMultiDictProxy[str],
     secret: bytes,
     session: aiohttp.ClientSession,
+    budget: MemoryBudget | None = None,
 ) -> UpstreamCall:
     """One attempt's call: a fresh ticket each time (a nonce is good for one use)."""
     tier = config.tiers[tier_name]
@@ -76,4 +78,5 @@ def upstream_call(
         timeout_s=tier.request_timeout_s,
         strip_usage_chunk=parsed.stream and not parsed.client_wants_usage,
         bounds=config.relay,
+        budget=budget,
     )
