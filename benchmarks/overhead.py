@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import os
 import re
 import shutil
@@ -415,13 +416,19 @@ def run(args: argparse.Namespace) -> None:
                 with process([nginx, "-c", str(conf)], args.proxy_cpu, tmp / "nginx.log") as p:
                     wait_http(f"http://127.0.0.1:{PORTS['nginx']}/v1/models")
                     bench.measure("nginx", f"http://127.0.0.1:{PORTS['nginx']}", p.pid, rows)
-        for rows, port in ((burst_rows, PORTS["null"]), (paced_rows, PORTS["paced"])):
-            if not rows or "tierproxy" not in args.targets:
+        proxies = [("tierproxy", ROOT)] if "tierproxy" in args.targets else []
+        if args.before:  # another checkout of tierproxy, measured in the same run
+            proxies.insert(0, ("tierproxy-before", Path(args.before).resolve()))
+        for (name, root), (rows, port) in itertools.product(
+            proxies, ((burst_rows, PORTS["null"]), (paced_rows, PORTS["paced"]))
+        ):
+            if not rows:
                 continue
             cfg = tierproxy_config(tmp, port)
             cmd = [py, "-m", "proxy.cli", "serve", "-c", str(cfg)]
-            log = tmp / f"tierproxy-{port}.log"
-            with process(cmd, args.proxy_cpu, log, env=env, cwd=str(ROOT)) as p:
+            log = tmp / f"{name}-{port}.log"
+            run_env = {**env, "PYTHONPATH": str(root)}
+            with process(cmd, args.proxy_cpu, log, env=run_env, cwd=str(root)) as p:
                 base = f"http://127.0.0.1:{PORTS['tierproxy']}"
                 wait_http(
                     base + "/v1/chat/completions",
@@ -430,7 +437,7 @@ def run(args: argparse.Namespace) -> None:
                     ),
                 )
                 if args.profile:
-                    spy = tmp / f"profile-{port}.txt"
+                    spy = tmp / f"profile-{name}-{port}.txt"
                     prof = subprocess.Popen(
                         [
                             str(Path(sys.executable).parent / "py-spy"),
@@ -448,7 +455,7 @@ def run(args: argparse.Namespace) -> None:
                         stdout=subprocess.DEVNULL,
                         stderr=subprocess.DEVNULL,
                     )
-                bench.measure("tierproxy", base, p.pid, rows)
+                bench.measure(name, base, p.pid, rows)
                 if args.profile:
                     prof.wait()
                     print(profile_top(spy, args.profile_top))
@@ -493,6 +500,9 @@ def main() -> None:
     parser.add_argument("--proxy-cpu", default="1", help="cpu list of the proxy")
     parser.add_argument("--paced-gap-ms", type=float, default=1.0)
     parser.add_argument("--paced-connections", type=int, default=128)
+    parser.add_argument(
+        "--before", metavar="ROOT", help="also run the tierproxy checkout at ROOT, first"
+    )
     parser.add_argument("--targets", default="direct,nginx,tierproxy,litellm")
     parser.add_argument("--no-paced", action="store_true")
     parser.add_argument("--builtin-null", action="store_true", help="never nginx as the backend")
