@@ -23,7 +23,7 @@ from proxy.budget import MemoryBudget
 from proxy.forward import RelayResult, UpstreamCall
 from proxy.heldresponse import HeldResponse
 from tests.clock import FakeClock
-from tests.proxyrun import auth
+from tests.proxyrun import auth, make_config
 from tests.unit.test_pipeline import BODY, rig
 from tests.unit.test_relay_faults import config_for
 
@@ -167,3 +167,30 @@ async def test_a_buffered_answer_holds_its_bytes_until_sent() -> None:
     del dropped  # never sent (the client left): given back when it is dropped
     gc.collect()
     assert budget.held == 0
+
+
+async def test_a_stream_that_stalls_past_the_deadline_ends_with_a_timeout_event(
+    clock: FakeClock,
+) -> None:
+    """One timer for the whole stream: a read waiting at the deadline ends the stream."""
+    first = vllm_stream(include_usage=True)[0]
+
+    async def stalls(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(first)
+        await asyncio.sleep(30)  # cancelled when the proxy closes the connection
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", stalls)
+    config = make_config([{"url": "x"}], tiers={"normal": {"request_timeout_s": 0.4}})
+    async with serve_app(app, handler_cancellation=True) as url:
+        config["backends"] = [{"url": url}]
+        async with rig(config, clock) as r:
+            resp = await r.chat(stream=True)
+            got = await resp.read()
+    assert got.startswith(first) and got.endswith(b"data: [DONE]\n\n")
+    assert b'"code":"request_timeout"' in got
+    assert r.metric("tierproxy_requests_total", {"tier": "normal", "outcome": "timeout"}) == 1
