@@ -368,8 +368,9 @@ def run(args: argparse.Namespace) -> None:
     nginx = shutil.which("nginx") if not args.builtin_null else None
     py = sys.executable
     null_cmd = [py, str(ROOT / "benchmarks/nullserver.py")]
-    burst_rows = [r for r in ROWS if not r.paced]
-    paced_rows = [r for r in ROWS if r.paced] if not args.no_paced else []
+    rows = [r for r in ROWS if not args.modes or r.name in args.modes.split(",")]
+    burst_rows = [r for r in rows if not r.paced]
+    paced_rows = [r for r in rows if r.paced] if not args.no_paced else []
     print(
         f"null backend: {'nginx ' + nginx if nginx else 'built-in'}; paced: built-in, "
         f"gap {args.paced_gap_ms} ms; {args.duration} s per row; wrk on cpu {args.load_cpu}, "
@@ -505,6 +506,7 @@ def main() -> None:
     )
     parser.add_argument("--targets", default="direct,nginx,tierproxy,litellm")
     parser.add_argument("--no-paced", action="store_true")
+    parser.add_argument("--modes", help='e.g. "stream burst,stream paced" (default: all rows)')
     parser.add_argument("--builtin-null", action="store_true", help="never nginx as the backend")
     parser.add_argument("--litellm", metavar="VENV", help="a venv with litellm[proxy] installed")
     parser.add_argument("--profile", action="store_true", help="py-spy the tierproxy process")

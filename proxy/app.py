@@ -26,7 +26,7 @@ from proxy.monitor import BackendMonitor
 from proxy.pipeline import RequestPipeline
 from proxy.policies.build import build_scheduling
 from proxy.reload import ConfigWatcher
-from proxy.runtime import run, tune_gc
+from proxy.runtime import run, tune_gc, tune_logging
 from proxy.server import Listeners, raise_open_files_limit
 from proxy.ticket import SecretError, check_secret, secret_from_env
 
@@ -204,6 +204,7 @@ def serve(config_path: str, *, host: str | None = None, port: int | None = None)
             open_files,
         )
     tune_gc()
+    tune_logging()
     run(_serve(app, host, port))  # on uvloop where installed
 
 

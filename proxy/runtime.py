@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import os
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
@@ -46,3 +47,13 @@ def run(main: Coroutine[Any, Any, T]) -> T:
     """``asyncio.run`` on the loop ``loop_factory`` picks."""
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
         return runner.run(main)
+
+
+def tune_logging() -> None:
+    """Leave out what the log format never shows: the caller's file and line (a stack walk on
+    every record, the access log's included), thread and process fields (the logging HOWTO's
+    "Optimization" table)."""
+    logging._srcfile = None  # type: ignore[attr-defined]
+    logging.logThreads = False
+    logging.logProcesses = False
+    logging.logMultiprocessing = False
