@@ -108,7 +108,9 @@ def parse_wrk(out: str) -> tuple[float, float, float, int]:
     return rps, p50, p99, errors
 
 
-def run_wrk(url: str, script: Path, conns: int, seconds: float, cpu: str) -> str:
+def run_wrk(
+    url: str, script: Path, conns: int, seconds: float, cpu: str, timeout_s: float = 10.0
+) -> str:
     cmd = [
         "taskset",
         "-c",
@@ -118,6 +120,7 @@ def run_wrk(url: str, script: Path, conns: int, seconds: float, cpu: str) -> str
         f"-c{conns}",
         f"-d{max(1, round(seconds))}s",
         "--latency",
+        f"--timeout={timeout_s:g}s",
     ]
     cmd += ["-s", str(script), url]
     return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
@@ -325,12 +328,14 @@ class Bench:
             conns = a.paced_connections if row.paced else row.connections
             url = base + "/v1/chat/completions"
             script = self.scripts[row.stream]
+            # LiteLLM's streams take seconds each at 32 connections: a longer run counts some.
+            seconds = max(a.duration, 20) if target == "litellm" else a.duration
             run_wrk(url, script, conns, a.warmup, a.load_cpu)
             cpu0 = cpu_seconds(pid) if pid else 0.0
-            out = run_wrk(url, script, conns, a.duration, a.load_cpu)
+            out = run_wrk(url, script, conns, seconds, a.load_cpu, a.wrk_timeout)
             cpu1 = cpu_seconds(pid) if pid else 0.0
             rps, p50, p99, errors = parse_wrk(out)
-            requests = rps * a.duration
+            requests = rps * seconds
             cpu = (cpu1 - cpu0) / requests * 1e6 if pid and requests else None
             result = Result(target, row, rps, p50, p99, cpu, errors)
             self.results.append(result)
@@ -506,6 +511,7 @@ def main() -> None:
     )
     parser.add_argument("--targets", default="direct,nginx,tierproxy,litellm")
     parser.add_argument("--no-paced", action="store_true")
+    parser.add_argument("--wrk-timeout", type=float, default=10.0, help="wrk's --timeout, s")
     parser.add_argument("--modes", help='e.g. "stream burst,stream paced" (default: all rows)')
     parser.add_argument("--builtin-null", action="store_true", help="never nginx as the backend")
     parser.add_argument("--litellm", metavar="VENV", help="a venv with litellm[proxy] installed")
