@@ -4,9 +4,10 @@ Streaming responses are relayed a read at a time: the complete events of each re
 write (``proxy.sserelay`` finds the usage chunk, errors and ``[DONE]``); the client's response
 is only started once the first event is in hand, so a backend that fails before that can still
 be retried elsewhere. A buffered non-stream answer holds its bytes against the memory budget
-until sent (``proxy.heldresponse``). Whatever happens after bytes reached the client ends the stream with an
-error event and ``[DONE]``, never a silent cut. Leaving this code by cancellation (the client
-went away) closes the upstream connection, which makes vLLM abort the request.
+until sent (``proxy.heldresponse``). Whatever happens after bytes reached the client ends the
+stream with an error event and ``[DONE]``, never a silent cut. Leaving this code by
+cancellation (the client went away) closes the upstream connection, which makes vLLM abort
+the request.
 
 Bounds (``config.Relay``): every write to the client (``ClientSender``), each SSE event, the
 part of a non-stream answer held in memory (beyond it the answer is streamed through) and its
