@@ -26,7 +26,7 @@ from proxy.monitor import BackendMonitor
 from proxy.pipeline import RequestPipeline
 from proxy.policies.build import build_scheduling
 from proxy.reload import ConfigWatcher
-from proxy.runtime import tune_gc
+from proxy.runtime import run, tune_gc, tune_logging
 from proxy.server import Listeners, raise_open_files_limit
 from proxy.shared.runtime import SharedRuntime
 from proxy.ticket import SecretError, check_secret, secret_from_env
@@ -233,7 +233,8 @@ def serve(
             open_files,
         )
     tune_gc()
-    asyncio.run(_serve(app, host, port, reuse_port))
+    tune_logging()
+    run(_serve(app, host, port, reuse_port))  # on uvloop where installed
 
 
 async def _serve(

@@ -1,10 +1,13 @@
 """The upstream call and the relay back to the client.
 
-Streaming responses are relayed event by event as they arrive; the client's response is only
-started once the first event is in hand, so a backend that fails before that can still be
-retried elsewhere. Whatever happens after bytes reached the client ends the stream with an
-error event and ``[DONE]``, never a silent cut. Leaving this code by cancellation (the client
-went away) closes the upstream connection, which makes vLLM abort the request.
+Streaming responses are relayed a read at a time: the complete events of each read in one
+write (``proxy.sserelay`` finds the usage chunk, errors and ``[DONE]``); the client's response
+is only started once the first event is in hand, so a backend that fails before that can still
+be retried elsewhere. A buffered non-stream answer holds its bytes against the memory budget
+until sent (``proxy.heldresponse``). Whatever happens after bytes reached the client ends the
+stream with an error event and ``[DONE]``, never a silent cut. Leaving this code by
+cancellation (the client went away) closes the upstream connection, which makes vLLM abort
+the request.
 
 Bounds (``config.Relay``): every write to the client (``ClientSender``), each SSE event, the
 part of a non-stream answer held in memory (beyond it the answer is streamed through) and its
@@ -24,13 +27,16 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from proxy import sse
+from proxy.budget import MemoryBudget
 from proxy.clientsend import ClientSender, ClientStalled
 from proxy.config_server import Relay
 from proxy.errors import ProxyError, execution_timeout, upstream_failed, upstream_too_large
+from proxy.heldresponse import held_response
 from proxy.outcome import Outcome
+from proxy.sse import EventTooLarge
+from proxy.sserelay import SseRelay
+from proxy.ticket import REQUEST_ID_HEADER
 
-DONE_EVENT = b"data: [DONE]\n\n"
 # What vLLM's EngineDeadError says (vllm/v1/engine/exceptions.py), answered as a 500 before any
 # byte when the engine core died: the request did not run to an answer anywhere; retry it.
 ENGINE_DEAD = b"EngineCore encountered an issue"
@@ -89,6 +95,7 @@ class UpstreamCall:
     timeout_s: float  # the tier's limit, for messages
     strip_usage_chunk: bool  # the proxy asked for usage; the client did not
     bounds: Relay = field(default_factory=Relay)
+    budget: MemoryBudget | None = None  # what a buffered answer reserves while held
 
 
 async def relay(
@@ -130,10 +137,13 @@ async def _read_bounded(resp: aiohttp.ClientResponse, deadline: float) -> bytes:
         return b""
 
 
-def _response_headers(resp: aiohttp.ClientResponse) -> dict[str, str]:
+def _response_headers(call: UpstreamCall, resp: aiohttp.ClientResponse) -> dict[str, str]:
+    """Set before the response is prepared: the request id the pipeline gave the call (a
+    streamed response's headers cannot change once sent)."""
     headers = {"Content-Type": resp.headers.get("Content-Type", "application/json")}
-    if "X-Request-Id" in resp.headers:
-        headers["X-Request-Id"] = resp.headers["X-Request-Id"]
+    request_id = call.headers.get(REQUEST_ID_HEADER) or resp.headers.get(REQUEST_ID_HEADER)
+    if request_id:
+        headers[REQUEST_ID_HEADER] = request_id
     return headers
 
 
@@ -178,9 +188,12 @@ async def _relay_whole(
         raise UpstreamUnavailable("engine_dead", "the backend's engine died", status=500)
     if resp.status >= 500 and not _is_error_body(body):
         return _fault(upstream_failed(f"The backend answered {resp.status} without a JSON error."))
-    if not whole:
+    # Held until aiohttp has sent it: its bytes count against the memory budget meanwhile;
+    # over the budget it is streamed through instead (only a chunk at a time is held).
+    held = call.budget.try_reserve(len(body)) if whole and call.budget is not None else None
+    if not whole or (call.budget is not None and held is None):
         return await _stream_through(call, resp, send, body)
-    out = web.Response(status=resp.status, body=body, headers=_response_headers(resp))
+    out = held_response(resp.status, body, _response_headers(call, resp), held)
     usage = _usage_of(body) if resp.status == 200 else None
     return RelayResult(
         out,
@@ -196,7 +209,7 @@ async def _stream_through(
 ) -> RelayResult:
     """A large non-stream answer, relayed chunk by chunk; only its end is kept (for usage).
     A failure after its start can only cut the connection: JSON has no error event."""
-    out = web.StreamResponse(status=resp.status, headers=_response_headers(resp))
+    out = web.StreamResponse(status=resp.status, headers=_response_headers(call, resp))
     if resp.content_length is not None:
         out.content_length = resp.content_length
     result = RelayResult(
@@ -209,7 +222,7 @@ async def _stream_through(
         while chunk := await _read_chunk(resp, call.deadline):
             total += len(chunk)
             if total > limit:
-                raise sse.EventTooLarge(limit)
+                raise EventTooLarge(limit)
             tail = (tail + chunk)[-_TAIL_BYTES:]
             await send.write(out, chunk)
         await send.finish(out)
@@ -217,7 +230,7 @@ async def _stream_through(
         result.outcome, result.status = Outcome.CLIENT_STALLED, 499
     except _CLIENT_LEFT:
         result.outcome = Outcome.CLIENT_GONE
-    except (TimeoutError, sse.EventTooLarge, *_UPSTREAM_BROKE) as exc:
+    except (TimeoutError, EventTooLarge, *_UPSTREAM_BROKE) as exc:
         timed_out = isinstance(exc, TimeoutError)
         result.outcome = Outcome.TIMEOUT if timed_out else Outcome.UPSTREAM_ERROR
         result.backend_failed = not timed_out
@@ -251,51 +264,50 @@ def _usage_of(body: bytes) -> dict[str, Any] | None:
     return usage if isinstance(usage, dict) else None
 
 
-def _is_usage_chunk(event: bytes) -> bool:
-    return b'"choices":[]' in event and b'"usage"' in event
-
-
 async def _relay_stream(
     call: UpstreamCall,
     resp: aiohttp.ClientResponse,
     send: ClientSender,
     now: Callable[[], float],
 ) -> RelayResult:
-    events = sse.bounded_events(resp, call.bounds.max_event_bytes).__aiter__()
+    scan = SseRelay(call.bounds.max_event_bytes, strip_usage=call.strip_usage_chunk)
+    content = resp.content
     # Hold the client's response until the first event: a failure before it can be retried.
+    first = b""
     try:
         async with asyncio.timeout_at(call.deadline):
-            first = await anext(events)
+            while not scan.started:
+                chunk = await content.readany()
+                if not chunk:  # the end: an event cut short counts, as proxy.sse reads it
+                    if not (first := scan.finish()):
+                        raise UpstreamUnavailable("reset", "stream ended before its first event")
+                    break
+                first = scan.feed(chunk)
     except TimeoutError:
         raise execution_timeout(call.timeout_s) from None
-    except StopAsyncIteration:
-        raise UpstreamUnavailable("reset", "stream ended before its first event") from None
-    except sse.EventTooLarge as exc:
+    except EventTooLarge as exc:
         return _fault(upstream_too_large(exc.limit))  # it ran there; it would again
     except _UPSTREAM_BROKE as exc:
         raise UpstreamUnavailable("reset", str(exc)) from exc
 
-    out = web.StreamResponse(status=200, headers=_response_headers(resp))
+    out = web.StreamResponse(status=200, headers=_response_headers(call, resp))
     out.headers["Content-Type"] = "text/event-stream"
     out.headers["Cache-Control"] = "no-cache"
     result = RelayResult(out, Outcome.OK, 200, first_token_at=now())
     last = b""  # an error event that ends the stream
+    # One timer for the whole stream rather than one per read: at the deadline the next read
+    # (or the one waiting) raises TimeoutError.
+    expire = asyncio.get_running_loop().call_at(call.deadline, _expire, content)
     try:
         await send.prepare(out)
-        event: bytes | None = first
-        saw_done = False
-        while event is not None:
-            if event.startswith(DONE_EVENT[:12]):
-                saw_done = True
-            if _is_usage_chunk(event):
-                result.usage = _usage_of(event.removeprefix(b"data: ").strip())
-                if call.strip_usage_chunk:
-                    event = None
-            if event is not None:
-                await send.write(out, event)
-            async with asyncio.timeout_at(call.deadline):
-                event = await anext(events, None)
-        if not saw_done:
+        if first:
+            await send.write(out, first)
+        while chunk := await content.readany():
+            if block := scan.feed(chunk):
+                await send.write(out, block)
+        if rest := scan.finish():
+            await send.write(out, rest)
+        if not scan.saw_done:
             result.outcome, result.backend_failed = Outcome.UPSTREAM_ERROR, True
             last = upstream_failed("The backend ended the stream without [DONE].").sse_event()
     except ClientStalled:
@@ -305,15 +317,24 @@ async def _relay_stream(
     except TimeoutError:
         result.outcome = Outcome.TIMEOUT
         last = execution_timeout(call.timeout_s).sse_event()
-    except sse.EventTooLarge as exc:
+    except EventTooLarge as exc:
         result.outcome, result.backend_failed = Outcome.UPSTREAM_ERROR, True
         last = upstream_too_large(exc.limit).sse_event()
     except _UPSTREAM_BROKE as exc:
         result.outcome, result.backend_failed = Outcome.UPSTREAM_ERROR, True
         last = upstream_failed(f"The backend failed mid-stream: {exc}").sse_event()
+    finally:
+        expire.cancel()
+    result.usage = scan.usage
+    if scan.error_event and result.outcome == Outcome.OK:
+        result.outcome = Outcome.BACKEND_ERROR  # vLLM's error event, then [DONE]
     if result.outcome not in (Outcome.CLIENT_GONE, Outcome.CLIENT_STALLED):
         await _finish(send, out, last, result)
     return result
+
+
+def _expire(content: aiohttp.StreamReader) -> None:
+    content.set_exception(TimeoutError())
 
 
 async def _finish(

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -40,6 +39,7 @@ from proxy.errors import (
     rate_limited,
 )
 from proxy.forward import RelayResult, UpstreamCall, UpstreamUnavailable, relay
+from proxy.hotpath import LabelCache, new_request_id
 from proxy.inbound import (
     Endpoint,
     ParsedRequest,
@@ -152,6 +152,7 @@ class RequestPipeline:
         self.sleep = sleep
         self.budget = budget if budget is not None else MemoryBudget(None)
         self.limit_waiting: Counter[str] = Counter()  # per tier: requests waiting for a limit
+        self.child = LabelCache()  # metric children of each request, looked up once
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self.handle(request, "chat")
@@ -160,7 +161,7 @@ class RequestPipeline:
         return await self.handle(request, "completions")
 
     async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
-        trace = Trace(uuid.uuid4().hex, self.clock())
+        trace = Trace(new_request_id(), self.clock())
         loaded = self.config()  # one config for the whole request, even if a reload happens
         adm: Admitted | None = None
         try:
@@ -342,6 +343,7 @@ class RequestPipeline:
             client_headers=request.headers,
             secret=self.secret,
             session=self.session(),
+            budget=self.budget,
         )
         result = await self.relay(call, request, stream=adm.parsed.stream, now=self.clock)
         if result.backend_failed:
@@ -357,13 +359,13 @@ class RequestPipeline:
         """Metrics of the answer, and the fairness charge corrected to the real usage."""
         m = self.metrics
         if result.first_token_at is not None:
-            m.ttft.labels(adm.tier).observe(result.first_token_at - adm.arrival)
+            self.child(m.ttft, adm.tier).observe(result.first_token_at - adm.arrival)
         usage = result.usage or {}
         prompt = usage.get("prompt_tokens")
         completion = usage.get("completion_tokens")
         if isinstance(prompt, int) and isinstance(completion, int):
-            m.tokens.labels(adm.tier, "prompt").inc(prompt)
-            m.tokens.labels(adm.tier, "completion").inc(completion)
+            self.child(m.tokens, adm.tier, "prompt").inc(prompt)
+            self.child(m.tokens, adm.tier, "completion").inc(completion)
             self.queue.correct_charge(adm.queued, weighted_tokens(prompt, completion))
         elif result.outcome != Outcome.OK:
             # Nothing was generated that we know of: give back the estimate charged at dispatch.
@@ -387,9 +389,9 @@ class RequestPipeline:
         tenant = trace.tenant
         tier = tenant.tier if tenant else "-"
         if tenant is not None:
-            self.metrics.requests.labels(tier, trace.outcome).inc()
+            self.child(self.metrics.requests, tier, trace.outcome).inc()
         if trace.admitted:
-            self.metrics.e2e.labels(tier).observe(elapsed)
+            self.child(self.metrics.e2e, tier).observe(elapsed)
         # Never the key: only the tenant it resolved to.
         access_log.info(
             "request_id=%s tenant=%s tier=%s status=%d outcome=%s duration_s=%.3f",

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import hashlib
 import hmac
 import json
 import os
 import secrets
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 
 TICKET_HEADER = "X-Tierproxy-Ticket"
 REQUEST_ID_HEADER = "X-Request-Id"
@@ -129,14 +130,28 @@ def _unb64(text: str) -> bytes:
     return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
 
 
+@functools.lru_cache(maxsize=8)
+def _keyed(secret: bytes) -> hmac.HMAC:
+    """The HMAC with the key set up once; each signature copies it (a few µs less each)."""
+    return hmac.new(secret, digestmod=hashlib.sha256)
+
+
 def _signature(secret: bytes, signed: str) -> str:
-    return _b64(hmac.new(secret, signed.encode("ascii"), hashlib.sha256).digest())
+    mac = _keyed(secret).copy()
+    mac.update(signed.encode("ascii"))
+    return _b64(mac.digest())
+
+
+# The payload's keys in sorted order: the same JSON as json.dumps(asdict(t), sort_keys=True),
+# without asdict's deep copy.
+_SORTED_FIELDS = tuple(sorted(f.name for f in fields(Ticket)))
 
 
 def encode_ticket(ticket: Ticket, secret: bytes) -> str:
     if not secret:
         raise ValueError("ticket secret must not be empty")
-    payload = json.dumps(asdict(ticket), separators=(",", ":"), sort_keys=True)
+    ordered = {name: getattr(ticket, name) for name in _SORTED_FIELDS}
+    payload = json.dumps(ordered, separators=(",", ":"))
     signed = f"{TICKET_VERSION}.{_b64(payload.encode('utf-8'))}"
     return f"{signed}.{_signature(secret, signed)}"
 

@@ -10,6 +10,7 @@ import aiohttp
 import orjson
 from multidict import CIMultiDictProxy
 
+from proxy.budget import MemoryBudget
 from proxy.config import Backend, Config
 from proxy.forward import UpstreamCall
 from proxy.inbound import Endpoint, ParsedRequest, upstream_headers
@@ -19,7 +20,6 @@ from proxy.ticket import (
     TICKET_HEADER,
     Ticket,
     body_digest,
-    content_digest,
     encode_ticket,
     new_nonce,
 )
@@ -41,6 +41,7 @@ def upstream_call(
     client_headers: CIMultiDictProxy[str],
     secret: bytes,
     session: aiohttp.ClientSession,
+    budget: MemoryBudget | None = None,
 ) -> UpstreamCall:
     """One attempt's call: a fresh ticket each time (a nonce is good for one use)."""
     tier = config.tiers[tier_name]
@@ -50,6 +51,7 @@ def upstream_call(
     payload = orjson.dumps(body)
     # Bound to these exact bytes, this request id and a fresh nonce: one use, for a moment.
     now = time.time()
+    digest = body_digest(payload)
     ticket = Ticket(
         tier=tier_name,
         priority=tier.priority,
@@ -58,14 +60,14 @@ def upstream_call(
         prefill_share=config.prefill_share(tier_name),
         budget=parsed.max_tokens or config.limits.max_tokens_ceiling,
         request_id=request_id,
-        body_sha256=body_digest(payload),
+        body_sha256=digest,
         issued_at=now,
         nonce=new_nonce(),
     )
     headers = upstream_headers(client_headers, forward=config.input.forward_headers)
     headers["Content-Type"] = "application/json"
     headers[REQUEST_ID_HEADER] = request_id
-    headers[CONTENT_DIGEST_HEADER] = content_digest(payload)
+    headers[CONTENT_DIGEST_HEADER] = f"sha-256=:{digest}:"  # content_digest(), hashed once
     headers[TICKET_HEADER] = encode_ticket(ticket, secret)
     return UpstreamCall(
         session=session,
@@ -76,4 +78,5 @@ def upstream_call(
         timeout_s=tier.request_timeout_s,
         strip_usage_chunk=parsed.stream and not parsed.client_wants_usage,
         bounds=config.relay,
+        budget=budget,
     )

@@ -1,6 +1,8 @@
 import ast
+import base64
 import contextlib
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -149,3 +151,16 @@ def test_the_proxy_refuses_to_start_with_a_weak_secret(secret: bytes) -> None:
     with pytest.raises(ConfigError, match="ticket secret"):
         create_app(loaded, secret=secret)
     create_app(loaded, secret=GOOD)  # the suite's own secret is long enough
+
+
+def test_the_payload_is_the_sorted_json_of_the_fields() -> None:
+    """The wire format the plugin verifies: ``json.dumps(asdict(t), sort_keys=True)``, compact
+    (encode_ticket builds it without asdict, for speed)."""
+    ticket = Ticket("high", 0, "acme", 1.7e9 + 0.5, 0.25, 512, "rid", "sha", 1.7e9, "nonce")
+    payload = ticket_payload(encode_ticket(ticket, b"k" * 32))
+    expected = json.dumps(dataclasses.asdict(ticket), separators=(",", ":"), sort_keys=True)
+    assert base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)) == expected.encode()
+
+
+def ticket_payload(value: str) -> str:
+    return value.split(".")[1]

@@ -1,0 +1,67 @@
+"""The read-at-a-time SSE relay (proxy.sserelay): whatever the cuts of the reads, the bytes
+forwarded are the stream's, minus a stripped usage chunk; usage, [DONE] and error events are
+seen; an oversize event is refused only after the events before it."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from proxy.sse import EventTooLarge
+from proxy.sserelay import SseRelay, split_events
+
+TOKENS = [b'data: {"choices":[{"index":0,"delta":{"content":"a"},"finish_reason":null}]}\n\n'] * 3
+FINISH = b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
+USAGE = b'data: {"choices":[],"usage":{"total_tokens":4},"system_fingerprint":"fp-1"}\n\n'
+DONE = b"data: [DONE]\n\n"
+STREAM = b"".join([*TOKENS, FINISH, USAGE, DONE])
+
+
+def relay_in_cuts(
+    data: bytes, size: int, *, strip: bool, limit: int = 4096
+) -> tuple[bytes, SseRelay]:
+    relay = SseRelay(limit, strip_usage=strip)
+    out = b"".join(relay.feed(data[at : at + size]) for at in range(0, len(data), size))
+    return out + relay.finish(), relay
+
+
+@pytest.mark.parametrize("strip", [False, True])
+def test_every_cut_gives_the_same_bytes_and_findings(strip: bool) -> None:
+    expected = STREAM
+    if strip:  # the usage chunk goes, its fingerprint moves onto the terminal chunk
+        stamped = FINISH.replace(b"}]}\n", b'}],"system_fingerprint":"fp-1"}\n')
+        expected = b"".join([*TOKENS, stamped, DONE])
+    for size in range(1, len(STREAM) + 1):
+        out, relay = relay_in_cuts(STREAM, size, strip=strip)
+        assert out == expected, size
+        assert relay.usage == {"total_tokens": 4} and relay.saw_done and not relay.error_event
+
+
+def test_a_stream_cut_short_keeps_its_last_event_and_lacks_done() -> None:
+    out, relay = relay_in_cuts(b"".join(TOKENS) + b"data: cut", 5, strip=True)
+    assert out == b"".join(TOKENS) + b"data: cut\n" and not relay.saw_done
+
+
+def test_an_error_event_is_seen_and_passed_on() -> None:
+    error = b"data: " + orjson.dumps({"error": {"message": "boom", "code": 500}}) + b"\n\n"
+    out, relay = relay_in_cuts(TOKENS[0] + error + DONE, 1000, strip=True)
+    assert out == TOKENS[0] + error + DONE and relay.error_event and relay.saw_done
+    _, clean = relay_in_cuts(STREAM, 1000, strip=True)
+    assert not clean.error_event
+
+
+def test_an_oversize_event_is_refused_after_the_events_before_it() -> None:
+    relay = SseRelay(100, strip_usage=False)
+    assert relay.feed(TOKENS[0] + b"data: " + b"x" * 200 + b"\n\n") == TOKENS[0]
+    with pytest.raises(EventTooLarge):
+        relay.feed(DONE)
+    with pytest.raises(EventTooLarge):  # no end in sight past the limit
+        SseRelay(100, strip_usage=False).feed(b"data: " + b"y" * 200)
+
+
+def test_split_events_cuts_at_blank_lines_as_the_line_reader() -> None:
+    assert split_events(b"data: a\n\n: ping\r\n\r\ndata: b\ndata: c\n\n") == [
+        b"data: a\n\n",
+        b": ping\r\n\r\n",
+        b"data: b\ndata: c\n\n",
+    ]
