@@ -22,6 +22,7 @@ from pydantic import (
 
 from proxy.config_server import AdminListen, InputLimits, Listen, Relay, Server, Strict
 from proxy.ticket import DEFAULT_PREFILL_SHARE, DEFAULT_SECRET_ENV
+from proxy.usage_log import UsageLogSettings
 from proxy.yaml_load import Lines, safe_load
 
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -178,6 +179,8 @@ class Config(Strict):
     backends: list[Backend] = Field(min_length=1)
     # Keys for the /admin endpoints (backend drain); none: the admin API is off.
     admin_keys: list[KeySpec] = Field(default_factory=list)
+    # One JSON line per finished request (proxy/usage_log.py); none: off. Read at start.
+    usage_log: UsageLogSettings | None = None
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
