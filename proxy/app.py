@@ -22,6 +22,7 @@ from proxy.endpoints import ServiceEndpoints
 from proxy.forward import relay
 from proxy.json_errors import json_error_bodies, json_errors
 from proxy.limits import LimitRegistry
+from proxy.live.collector import BackendRoomCollector
 from proxy.live.status import LiveStatus
 from proxy.metrics import ProxyMetrics
 from proxy.monitor import BackendMonitor
@@ -80,6 +81,7 @@ class ProxyState:
             on_finish=self.usage.finished,
         )
         self.live = LiveStatus(self, self.usage.counters)
+        self.metrics.registry.register(BackendRoomCollector(self.pool, clock))
         if self.usage_log is not None:
             self.usage_log.on_drop = self.usage.counters.log_dropped.inc
 
