@@ -9,7 +9,7 @@ LIGHT  := $(VENV)/.tierproxy-light
 FULL   := $(VENV)/.tierproxy-installed
 SOURCES := proxy tests benchmarks
 
-.PHONY: run test lint format unit integration bench clean model install install-light
+.PHONY: run test lint format unit integration bench clean model install install-light tools
 
 $(LIGHT): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -46,10 +46,15 @@ format: $(LIGHT)
 unit: $(LIGHT)
 	$(BIN)/pytest tests/unit
 
-integration: model
+integration: model tools
 	$(BIN)/pytest tests/integration
 
-test: model lint
+# tmux drives `tierproxy top` in tests/integration/test_live_view.py; installed when root.
+tools:
+	@command -v tmux >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq \
+		&& apt-get install -y -qq tmux; } || echo "no tmux (not root): the live-view test skips"
+
+test: model lint tools
 	$(BIN)/pytest --cov=proxy --cov-report=term:skip-covered
 
 bench: model
