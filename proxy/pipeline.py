@@ -122,7 +122,7 @@ class Admitted:
         return float(self.parsed.prompt_tokens + self.parsed.expected_output)
 
 
-FinishHook = Callable[[Trace, "Admitted | None", "RelayResult | None"], None]
+FinishHook = Callable[[Trace, Admitted | None, RelayResult | None], None]
 
 
 def _no_finish_hook(trace: Trace, adm: Admitted | None, result: RelayResult | None) -> None:
