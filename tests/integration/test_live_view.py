@@ -145,7 +145,8 @@ async def test_top_in_a_terminal_shows_tiers_tenants_and_backends(
         assert {n for n in queried_names() if n.startswith("tierproxy_")} <= proxy_names
 
         command = (
-            f"env TIERPROXY_ADMIN_KEY={ADMIN_KEY} PYTHONPATH={REPO} TERM=xterm-256color"
+            # pytest exports COLUMNS and LINES, which rich would take over the pane's size.
+            f"env -u COLUMNS -u LINES TIERPROXY_ADMIN_KEY={ADMIN_KEY} PYTHONPATH={REPO}"
             f" {sys.executable} -m proxy.cli top --proxy {base}"
         )
         rc, out = await _tmux(
