@@ -12,6 +12,7 @@ queue, failed attempts on other backends); ``engine_s`` from that call to the en
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -26,6 +27,8 @@ from proxy.forward import RelayResult, UpstreamCall
 
 if TYPE_CHECKING:
     from proxy.pipeline import Admitted, Relay, Trace
+
+log = logging.getLogger("tierproxy")
 
 OTHER = "other"
 UNKNOWN = "-"
@@ -124,6 +127,12 @@ class UsageMeter:
         """The pipeline's last step for every request, whatever it ended in."""
         if trace.tenant is None:
             return
+        try:
+            self._count(trace, adm, result)
+        except Exception:  # a bug here must not turn an answered request into a 500
+            log.exception("usage accounting failed for request %s", trace.request_id)
+
+    def _count(self, trace: Trace, adm: Admitted | None, result: RelayResult | None) -> None:
         record = self.record(trace, adm, result)
         labels = self.bounded(record)
         c = self.counters
