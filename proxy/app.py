@@ -80,7 +80,7 @@ class ProxyState:
             relay=TimedRelay(relay),
             on_finish=self.usage.finished,
         )
-        self.live = LiveStatus(self, self.usage.counters)
+        self.live = LiveStatus(self, self.usage)
         self.metrics.registry.register(BackendRoomCollector(self.pool, clock))
         if self.usage_log is not None:
             self.usage_log.on_drop = self.usage.counters.log_dropped.inc

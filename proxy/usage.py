@@ -122,6 +122,8 @@ class UsageMeter:
         self.wall = wall
         self.sink = sink  # the usage log's writer
         self._names: tuple[Config | None, frozenset[str]] = (None, frozenset())
+        # The live view's per-tenant totals: a plain dict, cheaper to read than the counters.
+        self.tokens_by_tenant: dict[tuple[str, str], float] = {}
 
     def finished(self, trace: Trace, adm: Admitted | None, result: RelayResult | None) -> None:
         """The pipeline's last step for every request, whatever it ended in."""
@@ -141,6 +143,10 @@ class UsageMeter:
             c.tokens.labels(*labels, "prompt").inc(record.prompt_tokens)
         if record.completion_tokens:
             c.tokens.labels(*labels, "completion").inc(record.completion_tokens)
+        used = record.prompt_tokens + record.completion_tokens
+        if used:
+            key = labels[:2]
+            self.tokens_by_tenant[key] = self.tokens_by_tenant.get(key, 0.0) + used
         c.queue_seconds.labels(*labels).inc(record.queue_s)
         c.engine_seconds.labels(*labels).inc(record.engine_s)
         if self.sink is not None:
