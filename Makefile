@@ -9,7 +9,7 @@ LIGHT  := $(VENV)/.tierproxy-light
 FULL   := $(VENV)/.tierproxy-installed
 SOURCES := proxy tests benchmarks
 
-.PHONY: run test lint format unit adversarial integration bench clean model install install-light redis-server
+.PHONY: run test lint format unit adversarial integration bench clean model install install-light redis-server tools
 
 $(LIGHT): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -49,14 +49,19 @@ unit: $(LIGHT)
 adversarial: $(LIGHT)
 	$(BIN)/pytest tests/adversarial
 
-integration: model
+integration: model tools
 	$(BIN)/pytest tests/integration
 
 # The shared-state tests run a real redis-server (Debian's package; root installs it).
 redis-server:
 	command -v redis-server >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server; }
 
-test: model lint redis-server
+# tmux drives `tierproxy top` in tests/integration/test_live_view.py; installed when root.
+tools:
+	@command -v tmux >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq \
+		&& apt-get install -y -qq tmux; } || echo "no tmux (not root): the live-view test skips"
+
+test: model lint redis-server tools
 	$(BIN)/pytest --cov=proxy --cov-report=term:skip-covered
 
 bench: model

@@ -1,4 +1,5 @@
-"""The admin API: see the backends, drain one (in-flight work finishes) or take it back."""
+"""The admin API: see the backends, drain one (in-flight work finishes) or take it back, and the
+live status (``proxy.live.status``) that ``tierproxy top`` shows."""
 
 from __future__ import annotations
 
@@ -30,6 +31,17 @@ class AdminEndpoints:
             return err.response()
         views = [self.backend_view(b) for b in self.state.pool.all()]
         return web.json_response({"backends": views})
+
+    async def status(self, request: web.Request) -> web.Response:
+        """Tiers, tenants and backends now and over the last minute; ``?tenants=N`` caps the
+        tenant rows (busiest first; default 100)."""
+        try:
+            authenticate_admin(request.headers, self.state.loaded)
+            max_tenants = _count_param(request, "tenants", 100)
+        except ProxyError as err:
+            return err.response()
+        body = orjson.dumps(self.state.live.snapshot(max_tenants))
+        return web.Response(body=body, content_type="application/json")
 
     async def drain(self, request: web.Request) -> web.Response:
         """``{"url": ..., "drain": true|false}``: stop new work to a backend, or take it back."""
@@ -65,6 +77,15 @@ class AdminEndpoints:
             "vllm_running": load.running if load else None,
             "metrics_age_s": now - load.at if load else None,
         }
+
+
+def _count_param(request: web.Request, name: str, default: int) -> int:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    if not raw.isdigit() or not 0 < int(raw) <= 100_000:
+        raise bad_request(f"{name} must be a whole number from 1 to 100000")
+    return int(raw)
 
 
 async def _drain_request(request: web.Request) -> tuple[str, bool]:

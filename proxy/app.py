@@ -19,8 +19,11 @@ from proxy.admin import AdminEndpoints
 from proxy.budget import MemoryBudget
 from proxy.config import Config, ConfigError, LoadedConfig, load_config
 from proxy.endpoints import ServiceEndpoints
+from proxy.forward import relay
 from proxy.json_errors import json_error_bodies, json_errors
 from proxy.limits import LimitRegistry, TenantLimits, plan_changes
+from proxy.live.collector import BackendRoomCollector
+from proxy.live.status import LiveStatus
 from proxy.metrics import ProxyMetrics
 from proxy.monitor import BackendMonitor
 from proxy.pipeline import RequestPipeline
@@ -30,6 +33,8 @@ from proxy.runtime import run, tune_gc, tune_logging
 from proxy.server import Listeners, raise_open_files_limit
 from proxy.shared.runtime import SharedRuntime
 from proxy.ticket import SecretError, check_secret, secret_from_env
+from proxy.usage import TimedRelay, UsageMeter
+from proxy.usage_log import UsageLogWriter
 
 log = logging.getLogger("tierproxy")
 
@@ -60,6 +65,14 @@ class ProxyState:
         self.watcher: ConfigWatcher | None = None
         self.metrics.config_generation.set(1)
         self.budget = MemoryBudget(cfg.limits.max_held_bytes)
+        self.usage_log = UsageLogWriter(cfg.usage_log) if cfg.usage_log else None  # at start only
+        self.usage = UsageMeter(
+            self.metrics.registry,
+            config=lambda: self.loaded.config,
+            models=self.pool.known_models,
+            clock=clock,
+            sink=self.usage_log.write if self.usage_log is not None else None,
+        )
         self.pipeline = RequestPipeline(
             config=lambda: self.loaded,
             secret=secret,
@@ -71,7 +84,13 @@ class ProxyState:
             metrics=self.metrics,
             session=self.upstream_session,
             budget=self.budget,
+            relay=TimedRelay(relay),
+            on_finish=self.usage.finished,
         )
+        self.live = LiveStatus(self, self.usage)
+        self.metrics.registry.register(BackendRoomCollector(self.pool, clock))
+        if self.usage_log is not None:
+            self.usage_log.on_drop = self.usage.counters.log_dropped.inc
 
     @property
     def config(self) -> Config:
@@ -171,6 +190,7 @@ def _add_operator_routes(
 ) -> None:
     app.router.add_get("/metrics", service.metrics)
     app.router.add_get("/admin/backends", admin.backends)
+    app.router.add_get("/admin/status", admin.status)
     app.router.add_post("/admin/backends/drain", admin.drain)
 
 
@@ -198,6 +218,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     state.monitor = BackendMonitor(
         state.pool, state.session, state.metrics, state.dispatcher.kick, state.clock
     )
+    if state.usage_log is not None:
+        state.usage_log.start()
     state.dispatcher.start()
     state.monitor.start()
     if state.shared is not None:
@@ -214,6 +236,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         if state.shared is not None:
             await state.shared.stop()
         await state.session.close()
+        if state.usage_log is not None:  # after the requests: their lines are all queued
+            await asyncio.to_thread(state.usage_log.stop)
 
 
 def serve(

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 EXAMPLE_CONFIG = "configs/example.yaml"
+GROUPS = ("tenant", "tier", "model", "backend", "outcome")  # proxy.usage_report.GROUPS
 DEMO_KEYS = {"high": "demo-high-key", "normal": "demo-normal-key", "low": "demo-low-key"}
 
 
@@ -199,6 +200,31 @@ def _cmd_drain(args: argparse.Namespace) -> int:
     return 1
 
 
+def _cmd_top(args: argparse.Namespace) -> int:
+    from proxy.live.top import run_top
+
+    if not args.admin_key:
+        print("tierproxy top: give --admin-key or set TIERPROXY_ADMIN_KEY", file=sys.stderr)
+        return 1
+    return run_top(args.proxy, args.admin_key, args.interval)
+
+
+def _cmd_usage(args: argparse.Namespace) -> int:
+    from proxy.usage_report import parse_since, render, summarize
+
+    try:
+        since = parse_since(args.since, time.time()) if args.since else None
+    except ValueError as exc:
+        print(f"tierproxy usage: {exc}", file=sys.stderr)
+        return 2
+    report = summarize(Path(args.log), args.by, since)
+    if not report.files:
+        print(f"tierproxy usage: no log at {args.log}", file=sys.stderr)
+        return 1
+    print(render(report, args.by))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tierproxy", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -256,6 +282,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", required=True, help="the backend's URL as in the config")
     p.add_argument("--undo", action="store_true", help="put the backend back in service")
     p.set_defaults(func=_cmd_drain)
+
+    p = sub.add_parser("top", help="live view of tiers, tenants and backends (q quits)")
+    p.add_argument(
+        "--proxy",
+        default="http://127.0.0.1:8001",
+        help="the proxy's admin listener (admin_listen; without one, its listen address)",
+    )
+    p.add_argument(
+        "--admin-key",
+        default=os.environ.get("TIERPROXY_ADMIN_KEY", ""),
+        help="one of the config's admin_keys (default: $TIERPROXY_ADMIN_KEY)",
+    )
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    p.set_defaults(func=_cmd_top)
+
+    p = sub.add_parser("usage", help="totals of a usage log (and its rotated files)")
+    p.add_argument("log", help="the usage_log.path of the config")
+    p.add_argument("--by", choices=GROUPS, default="tenant")
+    p.add_argument("--since", help="30m, 2h, 7d or an ISO time (default: everything)")
+    p.set_defaults(func=_cmd_usage)
 
     # Listed for --help; `main` hands every argument after "bench" to the bench's parser.
     sub.add_parser("bench", help="mixed-tenant load generator and report (tierproxy bench -h)")

@@ -23,6 +23,7 @@ from pydantic import (
 from proxy.config_server import AdminListen, InputLimits, Listen, Relay, Server, Strict
 from proxy.shared.config import SharedState
 from proxy.ticket import DEFAULT_PREFILL_SHARE, DEFAULT_SECRET_ENV
+from proxy.usage_log import UsageLogSettings
 from proxy.yaml_load import Lines, safe_load
 
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -181,6 +182,8 @@ class Config(Strict):
     admin_keys: list[KeySpec] = Field(default_factory=list)
     # Set: tenant limits and fairness are global across the replicas sharing this Redis.
     shared_state: SharedState | None = None
+    # One JSON line per finished request (proxy/usage_log.py); none: off. Read at start.
+    usage_log: UsageLogSettings | None = None
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:

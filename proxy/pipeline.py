@@ -122,6 +122,13 @@ class Admitted:
         return float(self.parsed.prompt_tokens + self.parsed.expected_output)
 
 
+FinishHook = Callable[[Trace, Admitted | None, RelayResult | None], None]
+
+
+def _no_finish_hook(trace: Trace, adm: Admitted | None, result: RelayResult | None) -> None:
+    pass
+
+
 class RequestPipeline:
     def __init__(
         self,
@@ -138,6 +145,7 @@ class RequestPipeline:
         relay: Relay = relay,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         budget: MemoryBudget | None = None,
+        on_finish: FinishHook | None = None,
     ) -> None:
         self.config = config  # the current config; read once per request
         self.secret = secret
@@ -153,6 +161,7 @@ class RequestPipeline:
         self.budget = budget if budget is not None else MemoryBudget(None)
         self.limit_waiting: Counter[str] = Counter()  # per tier: requests waiting for a limit
         self.child = LabelCache()  # metric children of each request, looked up once
+        self.on_finish = on_finish or _no_finish_hook  # per-tenant usage (proxy.usage)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self.handle(request, "chat")
@@ -164,12 +173,12 @@ class RequestPipeline:
         trace = Trace(new_request_id(), self.clock())
         loaded = self.config()  # one config for the whole request, even if a reload happens
         adm: Admitted | None = None
+        result: RelayResult | None = None
         try:
             trace.tenant = authenticate(request.headers, loaded)
             adm = await self.parse(request, endpoint, loaded.config, trace.tenant, trace)
             trace.admitted = True
             await self.pass_tenant_limits(adm)
-            result: RelayResult | None = None
             try:
                 while result is None:  # None: a backend failed before its first byte, again
                     lease = await self.dispatch(adm, self.enqueue(adm))
@@ -186,6 +195,7 @@ class RequestPipeline:
         finally:
             if adm is not None and adm.held is not None:
                 adm.held.release()
+            self.on_finish(trace, adm, result)
             self.log(trace)
 
     # -- parse ---------------------------------------------------------------------------

@@ -1,0 +1,1 @@
+"""The live picture for operators: ``/admin/status`` and ``tierproxy top``."""
