@@ -25,8 +25,9 @@ OUTPUT_LEN = 16
 VLLM_BENCH_TWICE = """
 import sys
 from proxy.bench.vllm_bench_shim import main
-for side, url in (("proxy", sys.argv[1]), ("direct", sys.argv[2])):
-    main([*sys.argv[3:], "--base-url", url, "--result-filename", side + ".json"])
+proxy, direct, *args = sys.argv[1:]  # main() replaces sys.argv
+for side, url in (("proxy", proxy), ("direct", direct)):
+    main([*args, "--base-url", url, "--result-filename", side + ".json"])
 """
 
 
