@@ -60,7 +60,7 @@ async def test_vllm_bench_serve_same_results(both: Sides, tmp_path: Path) -> Non
         *("--random-input-len", str(INPUT_LEN), "--random-output-len", str(OUTPUT_LEN)),
         *("--num-prompts", str(PROMPTS), "--request-rate", "inf", "--ignore-eos"),
         *("--temperature", "0", "--seed", "1", "--disable-tqdm"),
-        *("--save-result", "--result-dir", str(tmp_path)),
+        *("--save-result", "--save-detailed", "--result-dir", str(tmp_path)),
     ]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OPENAI_API_KEY": both.key}
     cmd = [sys.executable, "-c", VLLM_BENCH_TWICE, both.proxy, both.direct, *args]
@@ -93,7 +93,7 @@ async def test_guidellm_defaults_same_results(both: Sides, tmp_path: Path) -> No
     if not guidellm.exists():
         pytest.fail("GuideLLM is not installed: run `make tools` (make test does)")
     reports = {}
-    for side, url, key in both.pairs():
+    for side, url, key in reversed(both.pairs()):  # vLLM first: its result stands alone
         url = url.removesuffix("/v1")
         backend = {"kind": "openai_http", "target": url, "model": MODEL, "api_key": key}
         output = tmp_path / f"{side}.json"
