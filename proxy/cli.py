@@ -13,6 +13,10 @@ from pathlib import Path
 
 EXAMPLE_CONFIG = "configs/example.yaml"
 GROUPS = ("tenant", "tier", "model", "backend", "outcome")  # proxy.usage_report.GROUPS
+REFERENCE_POINTER = (
+    "Every field, its type, default and meaning: docs/configuration.md"
+    " (or `tierproxy config-reference`)"
+)
 DEMO_KEYS = {"high": "demo-high-key", "normal": "demo-normal-key", "low": "demo-low-key"}
 
 
@@ -43,8 +47,10 @@ def _cmd_check(args: argparse.Namespace) -> int:
         print(f"{exc.source}: {len(exc.problems)} problem(s)", file=sys.stderr)
         for problem in exc.problems:
             print(f"  {problem}", file=sys.stderr)
+        print(REFERENCE_POINTER, file=sys.stderr)
         return 1
     print(summarize(loaded))
+    print(REFERENCE_POINTER)
     return 0
 
 
@@ -246,6 +252,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-c", "--config", required=True)
     p.set_defaults(func=_cmd_check)
 
+    # Listed for --help; `main` hands the rest to proxy.config_reference's own parser.
+    sub.add_parser(
+        "config-reference",
+        help="print the configuration reference (-o docs/configuration.md; --check: up to date?)",
+    )
+
     p = sub.add_parser("hash-key", help="print the sha256 form of a key read from stdin")
     p.set_defaults(func=_cmd_hash_key)
 
@@ -315,6 +327,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from proxy.bench.cli import main as bench_main
 
         return int(bench_main(argv[1:]))
+    if argv[:1] == ["config-reference"]:
+        from proxy.config_reference import main as reference_main
+
+        return reference_main(argv[1:])
     args = build_parser().parse_args(argv)
     return int(args.func(args))
 

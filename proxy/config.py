@@ -35,37 +35,90 @@ def hash_key(key: str) -> str:
 
 
 class Limits(Strict):
-    max_body_bytes: int = Field(8 * 1024 * 1024, gt=0)
-    # Hard ceiling for any max_tokens a client may ask for, whatever its tier.
-    max_tokens_ceiling: int = Field(1_000_000, gt=0)
-    # Memory the proxy may hold for accepted requests not yet sent (their parsed bodies,
-    # estimated as 6x their bytes: proxy/budget.py); over it, new requests get 503 at once.
-    max_held_bytes: int | None = Field(1024 * 1024 * 1024, gt=0)
+    """What one request may ask for and what the proxy holds for all of them."""
+
+    max_body_bytes: int = Field(
+        8 * 1024 * 1024,
+        gt=0,
+        description="Largest request body (after decoding gzip/deflate); larger: 413.",
+    )
+    max_tokens_ceiling: int = Field(
+        1_000_000,
+        gt=0,
+        description="Hard ceiling for any max_tokens a client may ask for, whatever its tier.",
+    )
+    max_held_bytes: int | None = Field(
+        1024 * 1024 * 1024,
+        gt=0,
+        description="Memory the proxy may hold for accepted requests not yet sent (their"
+        " parsed bodies, estimated as 6x their bytes: proxy/budget.py); over it, new requests"
+        " get 503 at once. null: no bound.",
+    )
 
 
 class Scheduling(Strict):
-    # Inside a tenant, short requests go first; a request is never overtaken by one that arrived
-    # more than aging_s seconds after it.
-    aging_s: float = Field(30.0, gt=0)
-    # Cost at which a request counts as "as long as they come" for the short-first order.
-    reference_tokens: int = Field(8192, gt=0)
-    chars_per_token: float = Field(4.0, gt=0)
-    # Expected output when the client sets no max_tokens (the tier cap wins when lower).
-    default_expected_output: int = Field(256, gt=0)
+    """Inside a tenant, short requests go first, with aging (the `short_first` order)."""
+
+    aging_s: float = Field(
+        30.0,
+        gt=0,
+        description="A request is never overtaken by one that arrived more than this many"
+        " seconds after it.",
+    )
+    reference_tokens: int = Field(
+        8192,
+        gt=0,
+        description='Cost at which a request counts as "as long as they come" for the'
+        " short-first order.",
+    )
+    chars_per_token: float = Field(
+        4.0, gt=0, description="Characters per token, to estimate a prompt's tokens cheaply."
+    )
+    default_expected_output: int = Field(
+        256,
+        gt=0,
+        description="Expected output tokens when the client sets no max_tokens (the tier cap"
+        " wins when lower).",
+    )
 
 
 class Policies(Strict):
     """Which implementation of each scheduling seam runs (docs/policies.md)."""
 
-    tiers: str = "stride"
-    tenants: str = "vtc"
-    order: str = "short_first"
-    displacement: str = "largest_share"
-    backends: str = "least_utilised"
-    # backends: prefix_affinity: leading tokens that identify a prompt prefix (approximated
-    # with scheduling.chars_per_token), and how many prefixes are remembered.
-    prefix_tokens: int = Field(256, gt=0)
-    prefix_memory: int = Field(10_000, gt=0)
+    tiers: str = Field(
+        "stride",
+        description="Which tier goes next: `stride` shares picks by tier weight"
+        " (work-conserving); `strict_priority` always serves the best waiting tier.",
+    )
+    tenants: str = Field(
+        "vtc",
+        description="Which tenant of a tier goes next: `vtc` (least weighted tokens served)"
+        " or `edf` (earliest deadline).",
+    )
+    order: str = Field(
+        "short_first",
+        description="Order inside a tenant: `short_first` (with `scheduling.aging_s`) or `fcfs`.",
+    )
+    displacement: str = Field(
+        "largest_share",
+        description="What a full tier does with a newcomer: `largest_share` drops the newest"
+        " request of the tenant holding the largest weighted share (its client gets the 429);"
+        " `none` refuses the newcomer.",
+    )
+    backends: str = Field(
+        "least_utilised",
+        description="Which backend gets a request: `least_utilised` (most room) or"
+        " `prefix_affinity` (the one that served the same prompt prefix, when it has room).",
+    )
+    prefix_tokens: int = Field(
+        256,
+        gt=0,
+        description="`prefix_affinity`: leading tokens that identify a prompt prefix"
+        " (approximated with `scheduling.chars_per_token`).",
+    )
+    prefix_memory: int = Field(
+        10_000, gt=0, description="`prefix_affinity`: how many prefixes are remembered (LRU)."
+    )
 
     @field_validator("tiers", "tenants", "order", "displacement", "backends")
     @classmethod
@@ -80,42 +133,105 @@ class Policies(Strict):
 
 
 class BackendHealth(Strict):
-    health_interval_s: float = Field(1.0, gt=0)
-    metrics_interval_s: float = Field(0.5, gt=0)
-    models_interval_s: float = Field(10.0, gt=0)
-    # Scraped load older than this is ignored (the proxy's own counts decide alone).
-    stale_after_s: float = Field(2.0, gt=0)
-    # Requests a backend may hold in its own waiting queue; beyond this its room shrinks by the
-    # excess until it drains.
-    max_backend_waiting: int = Field(2, ge=0)
-    # After an ejection ends, the backend's room ramps from 25% to 100% over this long.
-    ramp_s: float = Field(5.0, ge=0)
-    eject_base_s: float = Field(1.0, gt=0)
-    eject_max_s: float = Field(30.0, gt=0)
-    connect_timeout_s: float = Field(3.0, gt=0)
-    probe_timeout_s: float = Field(5.0, gt=0)
-    # Consecutive failed /health probes before a backend counts as down (a slow answer from a
-    # busy API server is not an outage; refused connections on requests eject at once anyway).
-    unhealthy_after: int = Field(3, ge=1)
-    # Attempts for a request that has sent nothing to its client yet (refused, reset, 503).
-    max_attempts: int = Field(3, ge=1)
+    """How backends are watched (health, load, models), ejected and brought back."""
+
+    health_interval_s: float = Field(
+        1.0, gt=0, description="Seconds between active `GET /health` probes of each backend."
+    )
+    metrics_interval_s: float = Field(
+        0.5, gt=0, description="Seconds between scrapes of each backend's `/metrics` (its load)."
+    )
+    models_interval_s: float = Field(
+        10.0, gt=0, description="Seconds between refreshes of each backend's `/v1/models`."
+    )
+    stale_after_s: float = Field(
+        2.0,
+        gt=0,
+        description="Scraped load older than this is ignored (the proxy's own counts decide"
+        " alone).",
+    )
+    max_backend_waiting: int = Field(
+        2,
+        ge=0,
+        description="Requests a backend may hold in its own waiting queue; beyond this its room"
+        " shrinks by the excess until it drains.",
+    )
+    ramp_s: float = Field(
+        5.0,
+        ge=0,
+        description="After an ejection ends, the backend's room ramps from 25% to 100% over"
+        " this long.",
+    )
+    eject_base_s: float = Field(
+        1.0, gt=0, description="First ejection's length; it doubles with each one in a row."
+    )
+    eject_max_s: float = Field(30.0, gt=0, description="Longest ejection.")
+    connect_timeout_s: float = Field(
+        3.0, gt=0, description="Timeout to open a connection to a backend."
+    )
+    probe_timeout_s: float = Field(
+        5.0, gt=0, description="Timeout of one health, metrics or models probe."
+    )
+    unhealthy_after: int = Field(
+        3,
+        ge=1,
+        description="Consecutive failed /health probes before a backend counts as down (a slow"
+        " answer from a busy API server is not an outage; refused connections on requests eject"
+        " at once anyway).",
+    )
+    max_attempts: int = Field(
+        3,
+        ge=1,
+        description="Attempts for a request that has sent nothing to its client yet (refused,"
+        " reset, 503).",
+    )
 
 
 class Tier(Strict):
-    priority: int
-    weight: float = Field(gt=0)
-    max_queue: int = Field(ge=0)
-    queue_timeout_s: float = Field(gt=0)
-    request_timeout_s: float = Field(gt=0)
-    max_tokens: int | None = Field(None, gt=0)
-    # Share of a vLLM step that this tier's prefills may take while better tiers decode.
-    # None: 1.0 for the best tier, 0.2 for the others.
-    prefill_share: float | None = Field(None, gt=0, le=1)
+    """One service tier: its place in vLLM's priority order, its share and its bounds."""
+
+    priority: int = Field(
+        description="vLLM priority of the tier's requests; lower is better (the best tier"
+        " preempts the others in the plugin's scheduler)."
+    )
+    weight: float = Field(
+        gt=0, description="Share of dispatches while tiers compete (`policies.tiers: stride`)."
+    )
+    max_queue: int = Field(
+        ge=0,
+        description="Requests that may wait in the tier (queued plus waiting for a tenant"
+        " limit); beyond it: 429 `queue_full` at once.",
+    )
+    queue_timeout_s: float = Field(
+        gt=0, description="Longest wait in the queue; then 503 `queue_timeout` with Retry-After."
+    )
+    request_timeout_s: float = Field(
+        gt=0,
+        description="Longest run upstream; then 504, or an error event and [DONE] inside a stream.",
+    )
+    max_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="Cap on a request's max_tokens (clamped, not refused); null: no tier cap.",
+    )
+    prefill_share: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="Share of a vLLM step that this tier's prefills may take while better tiers"
+        " decode. null: 1.0 for the best tier, 0.2 for the others.",
+    )
 
 
 class KeySpec(Strict):
-    sha256: str | None = None
-    env: str | None = None
+    """One API key: its sha256 (`tierproxy hash-key`) or the variable that holds it."""
+
+    sha256: str | None = Field(
+        None, description="Lowercase hex sha256 of the key (`echo -n KEY | tierproxy hash-key`)."
+    )
+    env: str | None = Field(
+        None, description="Environment variable that holds the key itself (read at load)."
+    )
 
     @field_validator("sha256")
     @classmethod
@@ -132,24 +248,55 @@ class KeySpec(Strict):
 
 
 class Tenant(Strict):
-    name: str = Field(min_length=1)
-    tier: str
-    keys: list[KeySpec] = Field(min_length=1)
-    weight: float = Field(1.0, gt=0)
-    requests_per_minute: float | None = Field(None, gt=0)
-    tokens_per_minute: float | None = Field(None, gt=0)
-    max_concurrent: int | None = Field(None, gt=0)
-    on_limit: Literal["reject", "queue"] = "reject"
+    """A team or application: its keys, its tier, its share and limits inside the tier."""
+
+    name: str = Field(min_length=1, description="Unique name (in logs and metrics).")
+    tier: str = Field(description="Name of one of `tiers`.")
+    keys: list[KeySpec] = Field(min_length=1, description="API keys that identify the tenant.")
+    weight: float = Field(
+        1.0, gt=0, description="Share against the other tenants of its tier (fairness)."
+    )
+    requests_per_minute: float | None = Field(
+        None, gt=0, description="Rate limit on requests (token bucket); null: none."
+    )
+    tokens_per_minute: float | None = Field(
+        None,
+        gt=0,
+        description="Rate limit on prompt + output tokens, estimated up front and corrected"
+        " from the answer's usage; null: none.",
+    )
+    max_concurrent: int | None = Field(
+        None, gt=0, description="Requests in flight at once (queued ones not counted); null: none."
+    )
+    on_limit: Literal["reject", "queue"] = Field(
+        "reject",
+        description="Over a limit: `reject` answers 429 with Retry-After; `queue` waits for the"
+        " allowance (within the tier's queue_timeout_s).",
+    )
 
 
 class Backend(Strict):
-    url: str
-    name: str | None = None
-    max_inflight: int = Field(64, gt=0)
-    # Optional budget of prompt + expected output tokens in flight on this backend.
-    max_tokens_inflight: int | None = Field(None, gt=0)
-    # Also pass the tier's priority as vLLM's own `priority` (needs --scheduling-policy priority).
-    send_priority: bool = True
+    """One stock vLLM OpenAI server."""
+
+    url: str = Field(description="Base URL of the vLLM server, e.g. http://127.0.0.1:8100.")
+    name: str | None = Field(None, description="Label in logs and metrics; null: the URL.")
+    max_inflight: int = Field(
+        64,
+        gt=0,
+        description="Requests in flight on this backend at most; keep it near vLLM's"
+        " --max-num-seqs so the backlog waits in the proxy, where the tiers order it.",
+    )
+    max_tokens_inflight: int | None = Field(
+        None,
+        gt=0,
+        description="Optional budget of prompt + expected output tokens in flight on this"
+        " backend; null: none.",
+    )
+    send_priority: bool = Field(
+        True,
+        description="Also pass the tier's priority as vLLM's own `priority` (needs"
+        " --scheduling-policy priority).",
+    )
 
     @field_validator("url")
     @classmethod
@@ -164,26 +311,51 @@ class Backend(Strict):
 
 
 class Config(Strict):
-    listen: Listen = Listen()
-    # Set: /metrics and /admin are served there only, not on `listen`.
-    admin_listen: AdminListen | None = None
-    server: Server = Server()
-    ticket_secret_env: str = DEFAULT_SECRET_ENV
-    limits: Limits = Limits()
-    scheduling: Scheduling = Scheduling()
-    backend_health: BackendHealth = BackendHealth()
-    policies: Policies = Policies()
-    input: InputLimits = InputLimits()
-    relay: Relay = Relay()
-    tiers: dict[str, Tier] = Field(min_length=1)
-    tenants: list[Tenant] = Field(default_factory=list)
-    backends: list[Backend] = Field(min_length=1)
-    # Keys for the /admin endpoints (backend drain); none: the admin API is off.
-    admin_keys: list[KeySpec] = Field(default_factory=list)
-    # Set: tenant limits and fairness are global across the replicas sharing this Redis.
-    shared_state: SharedState | None = None
-    # One JSON line per finished request (proxy/usage_log.py); none: off. Read at start.
-    usage_log: UsageLogSettings | None = None
+    """The whole file. Most sections apply on a live reload; `listen`, `admin_listen` and
+    `server` are read at start."""
+
+    listen: Listen = Field(Listen(), description="Where clients reach the proxy.")
+    admin_listen: AdminListen | None = Field(
+        None,
+        description="Set: /metrics and /admin are served there only, not on `listen`.",
+        examples=[{"host": "127.0.0.1", "port": 8001}],
+    )
+    server: Server = Field(Server(), description="Client connections.")
+    ticket_secret_env: str = Field(
+        DEFAULT_SECRET_ENV,
+        description="Environment variable holding the HMAC secret shared with the vLLM plugin"
+        " (at least 32 bytes); the proxy refuses to start without it.",
+    )
+    limits: Limits = Field(Limits(), description="Request size and held memory.")
+    scheduling: Scheduling = Field(Scheduling(), description="Short-first order and estimates.")
+    backend_health: BackendHealth = Field(
+        BackendHealth(), description="Health checks, scraping, ejection, retries."
+    )
+    policies: Policies = Field(Policies(), description="Scheduling policy of each seam.")
+    input: InputLimits = Field(InputLimits(), description="What a client may send.")
+    relay: Relay = Field(Relay(), description="Bounds on relaying answers.")
+    tiers: dict[str, Tier] = Field(min_length=1, description="The tiers, by name.")
+    tenants: list[Tenant] = Field(
+        default_factory=list, description="Who may call; a key that matches none gets 401."
+    )
+    backends: list[Backend] = Field(min_length=1, description="The vLLM servers.")
+    admin_keys: list[KeySpec] = Field(
+        default_factory=list,
+        description="Keys for the /admin endpoints (backend drain); none: the admin API is off.",
+        examples=[[{"env": "TIERPROXY_ADMIN_KEY"}]],
+    )
+    shared_state: SharedState | None = Field(
+        None,
+        description="Set: tenant limits, fairness and backend room are global across the"
+        " replicas sharing this Redis (docs/scale-out.md). Read at start.",
+        examples=[{"url": "redis://127.0.0.1:6379/0"}],
+    )
+    usage_log: UsageLogSettings | None = Field(
+        None,
+        description="One JSON line per finished request (proxy/usage_log.py); none: off."
+        " Read at start.",
+        examples=[{"path": "/var/log/tierproxy/usage.jsonl"}],
+    )
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:

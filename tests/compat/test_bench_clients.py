@@ -1,0 +1,123 @@
+"""Load generators people point at vLLM, unchanged, through the proxy and directly:
+`vllm bench serve` (through proxy.bench.vllm_bench_shim) and GuideLLM with its defaults
+(installed by `make compat-tools` into a venv of its own). Each runs a few seconds per side."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.compat.common import MODEL, TOKENIZER_DIR, Sides, engine, sides
+from tests.conftest import REPO, EngineFarm
+
+pytestmark = pytest.mark.integration
+TOOLS_BIN = REPO / ".tierproxy" / "tools-venv" / "bin"
+PROMPTS = 8
+INPUT_LEN = 32
+OUTPUT_LEN = 16
+# `vllm bench serve` twice in one interpreter: importing vLLM is most of its run time.
+VLLM_BENCH_TWICE = """
+import sys
+from proxy.bench.vllm_bench_shim import main
+proxy, direct, *args = sys.argv[1:]  # main() replaces sys.argv
+for side, url in (("proxy", proxy), ("direct", direct)):
+    main([*args, "--base-url", url, "--result-filename", side + ".json"])
+"""
+
+
+async def _run(cmd: list[str], env: dict[str, str], timeout_s: float) -> str:
+    """Run a client to its end without blocking the proxy in this event loop."""
+    proc = await asyncio.create_subprocess_exec(
+        *cmd, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+    )
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise
+    text = out.decode(errors="replace")
+    assert proc.returncode == 0, f"{cmd[0]} exited {proc.returncode}:\n{text[-4000:]}"
+    return text
+
+
+@pytest.fixture
+async def both(engines: EngineFarm) -> Any:
+    async with sides(engine(engines)) as s:
+        yield s
+
+
+async def test_vllm_bench_serve_same_results(both: Sides, tmp_path: Path) -> None:
+    args = [
+        *("bench", "serve", "--backend", "openai-chat", "--endpoint", "/v1/chat/completions"),
+        *("--model", MODEL, "--tokenizer", str(TOKENIZER_DIR), "--dataset-name", "random"),
+        *("--random-input-len", str(INPUT_LEN), "--random-output-len", str(OUTPUT_LEN)),
+        *("--num-prompts", str(PROMPTS), "--request-rate", "inf", "--ignore-eos"),
+        *("--temperature", "0", "--seed", "1", "--disable-tqdm"),
+        *("--save-result", "--save-detailed", "--result-dir", str(tmp_path)),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OPENAI_API_KEY": both.key}
+    cmd = [sys.executable, "-c", VLLM_BENCH_TWICE, both.proxy, both.direct, *args]
+    out = await _run(cmd, env, timeout_s=240)
+    results = {s: json.loads((tmp_path / f"{s}.json").read_text()) for s in ("proxy", "direct")}
+    for side, result in results.items():
+        assert result["completed"] == PROMPTS and result["failed"] == 0, (side, result["errors"])
+        assert result["output_lens"] == [OUTPUT_LEN] * PROMPTS, side
+    proxy, direct = results["proxy"], results["direct"]
+    for key in ("total_input_tokens", "total_output_tokens", "input_lens", "output_lens"):
+        assert proxy[key] == direct[key], key
+    # Prompt alignment needs /tokenize on both sides (vLLM's own route).
+    assert "/tokenize unavailable" not in out
+
+
+def _guidellm_report(path: Path) -> dict[str, Any]:
+    report: dict[str, Any] = json.loads(path.read_text())
+    return report
+
+
+def _requests_of(report: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """Successful, errored and incomplete requests of the report's one benchmark."""
+    (benchmark,) = report["benchmarks"]
+    requests: dict[str, list[dict[str, Any]]] = benchmark["requests"]
+    return requests
+
+
+async def test_guidellm_defaults_same_results(both: Sides, tmp_path: Path) -> None:
+    guidellm = TOOLS_BIN / "guidellm"
+    if not guidellm.exists():
+        pytest.fail("GuideLLM is not installed: run `make compat-tools` (make test does)")
+    reports = {}
+    for side, url, key in reversed(both.pairs()):  # vLLM first: its result stands alone
+        url = url.removesuffix("/v1")
+        backend = {"kind": "openai_http", "target": url, "model": MODEL, "api_key": key}
+        output = tmp_path / f"{side}.json"
+        cmd = [
+            str(guidellm),
+            *("run", "--backend", json.dumps(backend)),
+            *("--profile", "kind=constant,rate=4"),
+            *("--constraint", "kind=max_duration,seconds=3"),
+            *("--tokenizer", f"kind=hf_auto,model={TOKENIZER_DIR}"),
+            *(
+                "--data",
+                f"kind=synthetic_text,prompt_tokens={INPUT_LEN},output_tokens={OUTPUT_LEN}",
+            ),
+            *("--output", f"kind=json,path={output}", "--disable-console-interactive"),
+        ]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "GUIDELLM__LOGGING__CONSOLE_LOG_LEVEL": "ERROR"}
+        await _run(cmd, env, timeout_s=180)
+        reports[side] = _guidellm_report(output)
+    for side, report in reports.items():
+        requests = _requests_of(report)
+        assert requests["successful"], side
+        assert requests["errored"] == [], (side, requests["errored"][:1])
+    per_side = {
+        side: {(r["prompt_tokens"], r["output_tokens"]) for r in _requests_of(report)["successful"]}
+        for side, report in reports.items()
+    }
+    assert per_side["proxy"] == per_side["direct"]

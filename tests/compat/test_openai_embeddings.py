@@ -1,0 +1,54 @@
+"""The OpenAI SDK's embeddings through the proxy and directly against the same pooling vLLM
+(the tiny model served by vLLM's pooling runner)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator
+
+import pytest
+
+from tests.compat.common import MODEL, Sides, dump, shape, sides
+from tests.conftest import EngineFarm
+
+pytestmark = pytest.mark.integration
+POOLING = ("--runner", "pooling", "--convert", "embed")
+INPUTS = ["hello there", "a second, longer sentence to embed"]
+
+
+@pytest.fixture
+async def both(engines: EngineFarm) -> AsyncIterator[Sides]:
+    async with sides(engines.get("compat-embed", extra_args=POOLING)) as s:
+        yield s
+
+
+def _close(a: list[float], b: list[float]) -> bool:
+    return len(a) == len(b) and all(
+        math.isclose(x, y, abs_tol=1e-4) for x, y in zip(a, b, strict=True)
+    )
+
+
+async def test_embeddings_sync_default_encoding_same_vectors(both: Sides) -> None:
+    answers = {
+        side: dump(await asyncio.to_thread(client.embeddings.create, model=MODEL, input=INPUTS))
+        for side, client in both.sync_clients().items()
+    }
+    proxy, direct = answers["proxy"], answers["direct"]
+    assert shape(proxy) == shape(direct)
+    assert proxy["usage"] == direct["usage"] and proxy["model"] == direct["model"]
+    assert [d["index"] for d in proxy["data"]] == [0, 1]
+    for mine, theirs in zip(proxy["data"], direct["data"], strict=True):
+        assert _close(mine["embedding"], theirs["embedding"])
+
+
+async def test_embeddings_async_float_same_vectors(both: Sides) -> None:
+    answers = {
+        side: dump(
+            await client.embeddings.create(model=MODEL, input=INPUTS[0], encoding_format="float")
+        )
+        for side, client in both.async_clients().items()
+    }
+    proxy, direct = answers["proxy"], answers["direct"]
+    assert shape(proxy) == shape(direct) and proxy["usage"] == direct["usage"]
+    assert _close(proxy["data"][0]["embedding"], direct["data"][0]["embedding"])
