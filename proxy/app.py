@@ -26,6 +26,7 @@ from proxy.monitor import BackendMonitor
 from proxy.pipeline import RequestPipeline
 from proxy.policies.build import build_scheduling
 from proxy.reload import ConfigWatcher
+from proxy.routes import ROUTES
 from proxy.runtime import tune_gc
 from proxy.server import Listeners, raise_open_files_limit
 from proxy.ticket import SecretError, check_secret, secret_from_env
@@ -132,9 +133,13 @@ def create_app(
         )
     app.cleanup_ctx.append(_lifecycle)
     pipeline, service, admin = state.pipeline, ServiceEndpoints(state), AdminEndpoints(state)
-    app.router.add_post("/v1/chat/completions", pipeline.chat)
-    app.router.add_post("/v1/completions", pipeline.completions)
+    for route in ROUTES:  # every vLLM route that runs the model, through the tiers
+        for path in route.paths:
+            app.router.add_post(path, pipeline.handler(route))
+            app.router.add_route("*", path, service.unsupported)  # 405 with Allow
     app.router.add_get("/v1/models", service.models)
+    app.router.add_get("/health", service.health)
+    app.router.add_get("/version", service.version)
     app.router.add_get("/healthz", service.healthz)
     app.router.add_get("/readyz", service.readyz)
     if loaded.config.admin_listen is None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -40,8 +39,8 @@ from proxy.errors import (
     rate_limited,
 )
 from proxy.forward import RelayResult, UpstreamCall, UpstreamUnavailable, relay
+from proxy.costs import usage_counts
 from proxy.inbound import (
-    Endpoint,
     ParsedRequest,
     authenticate,
     parse_body,
@@ -52,6 +51,8 @@ from proxy.metrics import ProxyMetrics
 from proxy.outcome import Outcome, outcome_of
 from proxy.policies.cost import weighted_tokens
 from proxy.policies.prefix import prefix_hash
+from proxy.reply_headers import ratelimit_headers, request_id_for, should_retry_header
+from proxy.routes import BY_ENDPOINT, Endpoint, Route
 from proxy.upstream import upstream_call
 
 log = logging.getLogger("tierproxy")
@@ -159,8 +160,16 @@ class RequestPipeline:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self.handle(request, "completions")
 
+    def handler(self, route: Route) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        """The aiohttp handler of one of ``proxy.routes.ROUTES``."""
+
+        async def handle_route(request: web.Request) -> web.StreamResponse:
+            return await self.handle(request, route.endpoint)
+
+        return handle_route
+
     async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
-        trace = Trace(uuid.uuid4().hex, self.clock())
+        trace = Trace(request_id_for(request.headers), self.clock())
         loaded = self.config()  # one config for the whole request, even if a reload happens
         adm: Admitted | None = None
         try:
@@ -171,7 +180,10 @@ class RequestPipeline:
             result: RelayResult | None = None
             try:
                 while result is None:  # None: a backend failed before its first byte, again
-                    lease = await self.dispatch(adm, self.enqueue(adm))
+                    if BY_ENDPOINT[endpoint].cheap:
+                        lease = self.direct_lease(adm)
+                    else:
+                        lease = await self.dispatch(adm, self.enqueue(adm))
                     result = await self.forward(request, adm, lease)
                 self.account(adm, result)
             finally:
@@ -206,9 +218,10 @@ class RequestPipeline:
             config.limits,
             config.scheduling,
             max_depth=config.input.max_json_depth,
+            path=request.path,
         )
         if not self.pool.model_known(parsed.model):
-            raise model_not_found(parsed.model)
+            raise model_not_found(parsed.model, sorted(self.pool.known_models()))
         # Held until the request ends; over the budget, refused now rather than grow the heap.
         held = self.budget.try_reserve(held_estimate(len(raw)))
         if held is None:
@@ -246,13 +259,11 @@ class RequestPipeline:
         reservation comes back, usage past it is debited (the next requests wait for it)."""
         usage = result.usage if result is not None and result.usage else {}
         used: float | None = None
-        total, prompt, completion = (
-            usage.get(name) for name in ("total_tokens", "prompt_tokens", "completion_tokens")
-        )
+        total, counts = usage.get("total_tokens"), usage_counts(usage)
         if _is_count(total):
             used = float(total)
-        elif _is_count(prompt) and _is_count(completion):
-            used = float(prompt) + float(completion)
+        elif counts is not None:
+            used = float(sum(counts))
         self.limits.settle(adm.tenant.name, adm.reserved_tokens, used, self.clock())
 
     # -- queue and dispatch --------------------------------------------------------------
@@ -285,6 +296,16 @@ class RequestPipeline:
         except asyncio.CancelledError:
             self.dispatcher.withdraw(queued)
             raise
+
+    def direct_lease(self, adm: Admitted) -> Lease:
+        """For the routes that run no model (the tokenizer's): no queue, but a backend that
+        serves the model, counted there like any request while it runs."""
+        now = self.clock()
+        for backend in self.pool.all():
+            if backend.available(now) and backend.serves(adm.parsed.model):
+                self.pool.acquire(backend, 0.0)
+                return Lease(backend, 0.0, self.dispatcher)
+        raise no_backend("No backend that serves the model is available; retry later.")
 
     def retry_after(self, tier: str) -> float:
         """A rough wait before retrying: the tier's backlog over the slots that serve it."""
@@ -356,10 +377,9 @@ class RequestPipeline:
         m = self.metrics
         if result.first_token_at is not None:
             m.ttft.labels(adm.tier).observe(result.first_token_at - adm.arrival)
-        usage = result.usage or {}
-        prompt = usage.get("prompt_tokens")
-        completion = usage.get("completion_tokens")
-        if isinstance(prompt, int) and isinstance(completion, int):
+        counts = usage_counts(result.usage)
+        if counts is not None:
+            prompt, completion = counts
             m.tokens.labels(adm.tier, "prompt").inc(prompt)
             m.tokens.labels(adm.tier, "completion").inc(completion)
             self.queue.correct_charge(adm.queued, weighted_tokens(prompt, completion))
@@ -371,14 +391,23 @@ class RequestPipeline:
 
     def respond(self, trace: Trace, result: RelayResult) -> web.StreamResponse:
         trace.outcome, trace.status = result.outcome, result.status
-        result.response.headers.setdefault("X-Request-Id", trace.request_id)
-        return result.response
+        resp = result.response
+        if not resp.prepared:  # a stream's headers went out with its first event
+            resp.headers.setdefault("X-Request-Id", trace.request_id)
+            resp.headers.update(self.limit_headers(trace))
+            resp.headers.update(should_retry_header(result.status))
+        return resp
 
     def refuse(self, trace: Trace, err: ProxyError) -> web.Response:
         trace.outcome, trace.status = outcome_of(err), err.status
         resp = err.response()
         resp.headers["X-Request-Id"] = trace.request_id
+        resp.headers.update(self.limit_headers(trace))
         return resp
+
+    def limit_headers(self, trace: Trace) -> dict[str, str]:
+        tenant = trace.tenant.name if trace.tenant else None
+        return ratelimit_headers(self.limits.windows(tenant, self.clock()) if tenant else {})
 
     def log(self, trace: Trace) -> None:
         elapsed = self.clock() - trace.arrival
