@@ -10,6 +10,10 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from proxy.engine import EngineSpec
 
 EXAMPLE_CONFIG = "configs/example.yaml"
 DEMO_KEYS = {"high": "demo-high-key", "normal": "demo-normal-key", "low": "demo-low-key"}
@@ -67,22 +71,30 @@ def _install_stop_handlers() -> None:
     signal.signal(signal.SIGTERM, _raise)
 
 
-def _cmd_engine(args: argparse.Namespace) -> int:
-    from proxy.engine import EngineProcess, EngineSpec, ensure_model
+def engine_spec(args: argparse.Namespace) -> EngineSpec:
+    """`tierproxy engine`'s vLLM: a CPU build confined to its own cores like `up`'s."""
+    from proxy.engine import EngineSpec, cpu_confinement, ensure_model
 
     model, served = ensure_model(args.model)
-    extra = [a for a in args.vllm_args if a != "--"]
-    spec = EngineSpec(
+    return EngineSpec(
         port=args.port,
         host=args.host,
         model=model,
         served_name=served,
         max_num_seqs=args.max_num_seqs,
         plugin=not args.no_plugin,
-        extra_args=extra,
+        extra_args=[a for a in args.vllm_args if a != "--"],
+        cpus=cpu_confinement(),
     )
+
+
+def _cmd_engine(args: argparse.Namespace) -> int:
+    from proxy.engine import EngineProcess, confinement_note
+
+    spec = engine_spec(args)
     engine = EngineProcess(spec)
     _install_stop_handlers()
+    print(confinement_note(spec.cpus), flush=True)
     print("starting:", " ".join(spec.command()), flush=True)
     try:
         engine.start().wait_ready(args.ready_timeout)

@@ -21,6 +21,8 @@ __all__ = [
     "TINY_SERVED_NAME",
     "EngineProcess",
     "EngineSpec",
+    "confinement_note",
+    "cpu_confinement",
     "engine_cores",
     "ensure_model",
     "free_port",
@@ -156,6 +158,23 @@ def engine_cores() -> frozenset[int] | None:
     finished the request); confined with its engine, it starves nothing else."""
     allowed = sorted(os.sched_getaffinity(0))
     return frozenset(allowed[:-1]) if len(allowed) > 1 else None
+
+
+def cpu_confinement() -> frozenset[int] | None:
+    """Where a CPU engine started by hand (`tierproxy engine`) runs: engine_cores(), as `up`
+    and the tests place theirs. A GPU engine's host threads do not spin: left anywhere."""
+    return engine_cores() if _on_cpu() else None
+
+
+def confinement_note(cpus: frozenset[int] | None) -> str:
+    """One line for the operator: where the engine runs and what stays free."""
+    if cpus is None:
+        return "engine not confined to CPU cores (GPU build, or a single core)"
+    free = sorted(os.sched_getaffinity(0) - cpus)
+    return (
+        f"CPU engine confined to cores {','.join(map(str, sorted(cpus)))}; "
+        f"core(s) {','.join(map(str, free))} stay free for the proxy and its clients"
+    )
 
 
 def spread_cores(index: int) -> str | None:

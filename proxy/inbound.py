@@ -276,9 +276,7 @@ def parse_body(
     )
 
 
-def _lax_field(
-    body: dict[str, Any], name: str, read: Callable[[object], Any], kind: str
-) -> Any:
+def _lax_field(body: dict[str, Any], name: str, read: Callable[[object], Any], kind: str) -> Any:
     """The field read as vLLM reads it, written back in its plain type; 400 when vLLM would
     refuse it too; None when absent."""
     if name not in body:

@@ -24,6 +24,7 @@ from proxy.admission import AdmissionQueue, QueuedRequest, QueueFull, UnknownTie
 from proxy.backends import BackendPool
 from proxy.budget import MemoryBudget, Reservation, held_estimate
 from proxy.config import Config, LoadedConfig, Tenant
+from proxy.costs import usage_counts
 from proxy.dispatch import Dispatcher, Lease, QueueTimeoutError
 from proxy.errors import (
     ProxyError,
@@ -39,7 +40,6 @@ from proxy.errors import (
     rate_limited,
 )
 from proxy.forward import RelayResult, UpstreamCall, UpstreamUnavailable, relay
-from proxy.costs import usage_counts
 from proxy.inbound import (
     ParsedRequest,
     authenticate,
@@ -52,6 +52,7 @@ from proxy.outcome import Outcome, outcome_of
 from proxy.policies.cost import weighted_tokens
 from proxy.policies.prefix import prefix_hash
 from proxy.reply_headers import ratelimit_headers, request_id_for, should_retry_header
+from proxy.responses_relay import relay_responses
 from proxy.routes import BY_ENDPOINT, Endpoint, Route
 from proxy.upstream import upstream_call
 
@@ -362,7 +363,9 @@ class RequestPipeline:
             secret=self.secret,
             session=self.session(),
         )
-        result = await self.relay(call, request, stream=adm.parsed.stream, now=self.clock)
+        # The Responses API streams events of its own kind (proxy.responses_relay).
+        relay_fn = relay_responses if adm.parsed.endpoint == "responses" else self.relay
+        result = await relay_fn(call, request, stream=adm.parsed.stream, now=self.clock)
         if result.backend_failed:
             self.pool.record_failure(lease.backend, self.clock())
             self.metrics.backend_errors.labels(lease.backend.label, result.outcome).inc()

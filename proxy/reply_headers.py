@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from proxy.limits import BucketWindow
 
 REQUEST_ID_MAX_CHARS = 128
-_SAFE_REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,%d}" % REQUEST_ID_MAX_CHARS)
+_SAFE_REQUEST_ID = re.compile(rf"[A-Za-z0-9._:/+=@-]{{1,{REQUEST_ID_MAX_CHARS}}}")
 
 # Answers that the same request cannot change by retrying: the OpenAI SDKs obey
 # ``x-should-retry: false`` over their own rule (which would retry 408, 409, 429 and 5xx).

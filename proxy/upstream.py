@@ -24,6 +24,7 @@ from proxy.ticket import (
     new_nonce,
 )
 
+
 def upstream_call(
     config: Config,
     parsed: ParsedRequest,
