@@ -73,9 +73,10 @@ def _install_stop_handlers() -> None:
 
 def engine_spec(args: argparse.Namespace) -> EngineSpec:
     """`tierproxy engine`'s vLLM: a CPU build confined to its own cores like `up`'s."""
-    from proxy.engine import EngineSpec, cpu_confinement, ensure_model
+    from proxy.engine import POOLING_ARGS, EngineSpec, cpu_confinement, ensure_model
 
     model, served = ensure_model(args.model)
+    extra = [a for a in args.vllm_args if a != "--"]
     return EngineSpec(
         port=args.port,
         host=args.host,
@@ -83,7 +84,7 @@ def engine_spec(args: argparse.Namespace) -> EngineSpec:
         served_name=served,
         max_num_seqs=args.max_num_seqs,
         plugin=not args.no_plugin,
-        extra_args=[a for a in args.vllm_args if a != "--"],
+        extra_args=[*POOLING_ARGS, *extra] if args.pooling else extra,
         cpus=cpu_confinement(),
     )
 
@@ -231,6 +232,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="model path or name (default: the tiny local model)")
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--no-plugin", action="store_true", help="stock vLLM without the plugin")
+    p.add_argument(
+        "--pooling",
+        action="store_true",
+        help="serve the model for embeddings, pooling, score and rerank (vLLM --runner pooling)",
+    )
     p.add_argument("--ready-timeout", type=float, default=300.0)
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- then extra vLLM arguments")
     p.set_defaults(func=_cmd_engine)

@@ -18,6 +18,7 @@ from proxy.ticket import PLUGIN_CLASS_FLAGS, PRIORITY_FLAGS
 # Re-exported: tests and tools import these from here.
 __all__ = [
     "DEFAULT_MODEL_DIR",
+    "POOLING_ARGS",
     "TINY_SERVED_NAME",
     "EngineProcess",
     "EngineSpec",
@@ -34,6 +35,9 @@ __all__ = [
 
 DEFAULT_MODEL_DIR = Path(".tierproxy/tiny-model")
 TINY_SERVED_NAME = "tiny"
+# The tiny Llama as a pooling model (last-token pooling, normalised): vLLM's CPU build serves
+# /v1/embeddings, /pooling, /score and /rerank from it (score and rerank as cosine similarity).
+POOLING_ARGS: tuple[str, ...] = ("--runner", "pooling", "--convert", "embed")
 
 
 def plugin_available() -> bool:

@@ -198,7 +198,7 @@ async def test_max_tokens_as_a_string_is_read_as_vllm_reads_it(clock: FakeClock)
     backend = RoutesBackend()
     body = {**BODIES["/v1/completions"], "max_tokens": "4", "stream": "false", "n": None}
     async with proxy(clock, backend) as (client, _):
-        async with client.post("/v1/completions", json=body, headers=auth("high")) as resp:
-            assert resp.status == 200
+        resp = await client.post("/v1/completions", json=body, headers=auth("high"))
+        assert resp.status == 200
     sent = backend.received[0].body
     assert sent["max_tokens"] == 4 and sent["stream"] is False and "n" not in sent
