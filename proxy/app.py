@@ -26,6 +26,7 @@ from proxy.monitor import BackendMonitor
 from proxy.pipeline import RequestPipeline
 from proxy.policies.build import build_scheduling
 from proxy.reload import ConfigWatcher
+from proxy.reply_headers import add_request_id
 from proxy.routes import ROUTES
 from proxy.runtime import tune_gc
 from proxy.server import Listeners, raise_open_files_limit
@@ -121,6 +122,7 @@ def create_app(
         handler_args={"auto_decompress": False},
     )
     app.on_response_prepare.append(json_error_bodies)
+    app.on_response_prepare.append(add_request_id)
     state = ProxyState(loaded, secret, clock)
     app[STATE] = state
     if watch_config:

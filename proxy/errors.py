@@ -8,6 +8,7 @@ import orjson
 from aiohttp import web
 
 from proxy.reply_headers import should_retry_header
+from proxy.routes import served_paths_text
 
 
 class ProxyError(Exception):
@@ -81,8 +82,6 @@ def model_not_found(model: str | None, served: list[str] | None = None) -> Proxy
 
 
 def unknown_url(method: str, path: str) -> ProxyError:
-    from proxy.routes import served_paths_text
-
     return ProxyError(
         404,
         f"{method} {path} is not served by tierproxy; it serves {served_paths_text()}.",

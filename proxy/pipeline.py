@@ -51,7 +51,12 @@ from proxy.metrics import ProxyMetrics
 from proxy.outcome import Outcome, outcome_of
 from proxy.policies.cost import weighted_tokens
 from proxy.policies.prefix import prefix_hash
-from proxy.reply_headers import ratelimit_headers, request_id_for, should_retry_header
+from proxy.reply_headers import (
+    REQUEST_ID,
+    ratelimit_headers,
+    request_id_for,
+    should_retry_header,
+)
 from proxy.responses_relay import relay_responses
 from proxy.routes import BY_ENDPOINT, Endpoint, Route
 from proxy.upstream import upstream_call
@@ -171,6 +176,7 @@ class RequestPipeline:
 
     async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         trace = Trace(request_id_for(request.headers), self.clock())
+        request[REQUEST_ID] = trace.request_id  # for streams too (reply_headers)
         loaded = self.config()  # one config for the whole request, even if a reload happens
         adm: Admitted | None = None
         try:

@@ -13,6 +13,8 @@ import uuid
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from aiohttp import web
+
 if TYPE_CHECKING:
     from proxy.limits import BucketWindow
 
@@ -22,6 +24,17 @@ _SAFE_REQUEST_ID = re.compile(rf"[A-Za-z0-9._:/+=@-]{{1,{REQUEST_ID_MAX_CHARS}}}
 # Answers that the same request cannot change by retrying: the OpenAI SDKs obey
 # ``x-should-retry: false`` over their own rule (which would retry 408, 409, 429 and 5xx).
 NO_RETRY_STATUSES = frozenset({400, 401, 403, 404, 405, 413, 415, 422})
+
+
+# The id the pipeline chose for a request (the client's or its own), for every answer to it.
+REQUEST_ID = web.RequestKey("tierproxy_request_id", str)
+
+
+async def add_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """``on_response_prepare``: X-Request-Id on every answer, streams and errors included."""
+    if "X-Request-Id" not in response.headers:
+        chosen = request.get(REQUEST_ID)
+        response.headers["X-Request-Id"] = chosen or request_id_for(request.headers)
 
 
 def request_id_for(headers: Mapping[str, str]) -> str:

@@ -59,9 +59,21 @@ class RoutesBackend:
             if body.get("stream"):
                 return await self._responses_stream(request)
             return web.json_response({"object": "response", "usage": RESPONSES_USAGE})
+        if body.get("stream"):
+            return await self._chat_stream(request)
         if request.path in ("/tokenize", "/detokenize"):
             return web.json_response({"count": 2, "tokens": [1, 2], "max_model_len": 2048})
         return web.json_response({"object": "list", "data": [], "usage": USAGE})
+
+    async def _chat_stream(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        usage = {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}
+        await resp.write(b'data: {"choices":[{"index":0,"text":"ok"}]}\n\n')
+        await resp.write(b"data: " + orjson.dumps({"choices": [], "usage": usage}) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
 
     async def _responses_stream(self, request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})

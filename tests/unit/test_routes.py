@@ -123,6 +123,21 @@ async def test_client_request_id_is_kept_when_plain(clock: FakeClock) -> None:
     assert [r.headers["X-Request-Id"] for r in backend.received] == ["req-42.a:b", replaced]
 
 
+async def test_every_answer_carries_the_request_id(clock: FakeClock) -> None:
+    backend = RoutesBackend()
+    mine = {**auth("high"), "X-Request-Id": "stream-7"}
+    body = {**BODIES["/v1/completions"], "stream": True}
+    async with proxy(clock, backend) as (client, _):
+        async with client.post("/v1/completions", json=body, headers=mine) as resp:
+            assert resp.headers["Content-Type"] == "text/event-stream"
+            assert resp.headers["X-Request-Id"] == "stream-7"
+            assert (await resp.read()).endswith(b"data: [DONE]\n\n")
+        for method, path in (("GET", "/nowhere"), ("GET", "/tokenize"), ("GET", "/health")):
+            async with client.request(method, path, headers=mine) as resp:
+                assert resp.headers["X-Request-Id"] == "stream-7", path
+    assert backend.received[0].headers["X-Request-Id"] == "stream-7"
+
+
 async def test_ratelimit_headers_for_a_tenant_with_limits(clock: FakeClock) -> None:
     body = BODIES["/v1/embeddings"]
     async with proxy(clock, RoutesBackend()) as (client, _):
