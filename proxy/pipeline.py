@@ -383,6 +383,8 @@ class RequestPipeline:
 
     def account(self, adm: Admitted, result: RelayResult) -> None:
         """Metrics of the answer, and the fairness charge corrected to the real usage."""
+        if BY_ENDPOINT[adm.parsed.endpoint].cheap:
+            return  # never queued: no fairness charge to correct, no tokens
         m = self.metrics
         if result.first_token_at is not None:
             m.ttft.labels(adm.tier).observe(result.first_token_at - adm.arrival)

@@ -32,6 +32,7 @@ class RoutesBackend:
     """``cut_responses_stream``: the Responses stream ends before ``response.completed``."""
 
     cut_responses_stream: bool = False
+    tokenize_status: int = 200  # else /tokenize answers this status with a vLLM-shaped error
     received: list[Received] = field(default_factory=list)
 
     def app(self) -> web.Application:
@@ -61,6 +62,9 @@ class RoutesBackend:
             return web.json_response({"object": "response", "usage": RESPONSES_USAGE})
         if body.get("stream"):
             return await self._chat_stream(request)
+        if request.path == "/tokenize" and self.tokenize_status != 200:
+            error = {"message": "scripted", "type": "BadRequestError", "code": 400}
+            return web.json_response({"error": error}, status=self.tokenize_status)
         if request.path in ("/tokenize", "/detokenize"):
             return web.json_response({"count": 2, "tokens": [1, 2], "max_model_len": 2048})
         return web.json_response({"object": "list", "data": [], "usage": USAGE})

@@ -16,6 +16,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from proxy import sse
 from proxy.app import STATE, ProxyState, create_app
 from proxy.config import hash_key, parse_config
+from proxy.policies.tenants import VirtualTokenCounter
 from proxy.routes import POST_PATHS
 from proxy.ticket import TICKET_HEADER
 from tests.clock import FakeClock
@@ -187,7 +188,8 @@ async def test_responses_stream_cut_before_its_end_gets_an_error_event(
 
 async def test_tokenize_skips_the_queue(clock: FakeClock) -> None:
     """With the backend's every slot taken, a tokenize request still runs at once."""
-    async with proxy(clock, RoutesBackend()) as (client, state):
+    fake = RoutesBackend()
+    async with proxy(clock, fake) as (client, state):
         backend = state.pool.all()[0]
         backend.inflight = backend.cfg.max_inflight
         async with client.post("/tokenize", json=BODIES["/tokenize"], headers=auth("high")) as r:
@@ -195,6 +197,18 @@ async def test_tokenize_skips_the_queue(clock: FakeClock) -> None:
         assert backend.inflight == backend.cfg.max_inflight and len(state.queue) == 0
         async with client.post("/tokenize", json=BODIES["/tokenize"]) as r:
             assert r.status == 401  # never without a key
+        # Never queued, so nothing to correct: a refused one credits its tenant nothing.
+        fairness = state.queue.fairness
+        assert isinstance(fairness, VirtualTokenCounter)  # the default policy
+        counter = fairness.counter("tenant-high")
+        fake.tokenize_status = 400
+        async with client.post("/tokenize", json=BODIES["/tokenize"], headers=auth("high")) as r:
+            assert r.status == 400 and r.headers["x-should-retry"] == "false"
+        assert fairness.counter("tenant-high") == counter
+        state.pool.all()[0].healthy = False
+        async with client.post("/tokenize", json=BODIES["/tokenize"], headers=auth("high")) as r:
+            assert r.status == 503 and r.headers["Retry-After"] == "1"
+        assert fairness.counter("tenant-high") == counter
 
 
 async def test_unknown_model_lists_the_served_names(clock: FakeClock) -> None:
