@@ -29,6 +29,8 @@ from proxy.monitor import BackendMonitor
 from proxy.pipeline import RequestPipeline
 from proxy.policies.build import build_scheduling
 from proxy.reload import ConfigWatcher
+from proxy.reply_headers import add_request_id
+from proxy.routes import ROUTES
 from proxy.runtime import run, tune_gc, tune_logging
 from proxy.server import Listeners, raise_open_files_limit
 from proxy.shared.runtime import SharedRuntime
@@ -162,6 +164,7 @@ def create_app(
         handler_args={"auto_decompress": False},
     )
     app.on_response_prepare.append(json_error_bodies)
+    app.on_response_prepare.append(add_request_id)
     state = ProxyState(loaded, secret, clock)
     app[STATE] = state
     if watch_config:
@@ -174,9 +177,13 @@ def create_app(
         )
     app.cleanup_ctx.append(_lifecycle)
     pipeline, service, admin = state.pipeline, ServiceEndpoints(state), AdminEndpoints(state)
-    app.router.add_post("/v1/chat/completions", pipeline.chat)
-    app.router.add_post("/v1/completions", pipeline.completions)
+    for route in ROUTES:  # every vLLM route that runs the model, through the tiers
+        for path in route.paths:
+            app.router.add_post(path, pipeline.handler(route))
+            app.router.add_route("*", path, service.unsupported)  # 405 with Allow
     app.router.add_get("/v1/models", service.models)
+    app.router.add_get("/health", service.health)
+    app.router.add_get("/version", service.version)
     app.router.add_get("/healthz", service.healthz)
     app.router.add_get("/readyz", service.readyz)
     if loaded.config.admin_listen is None:

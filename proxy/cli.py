@@ -10,6 +10,10 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from proxy.engine import EngineSpec
 
 EXAMPLE_CONFIG = "configs/example.yaml"
 GROUPS = ("tenant", "tier", "model", "backend", "outcome")  # proxy.usage_report.GROUPS
@@ -81,22 +85,31 @@ def _install_stop_handlers() -> None:
     signal.signal(signal.SIGTERM, _raise)
 
 
-def _cmd_engine(args: argparse.Namespace) -> int:
-    from proxy.engine import EngineProcess, EngineSpec, ensure_model
+def engine_spec(args: argparse.Namespace) -> EngineSpec:
+    """`tierproxy engine`'s vLLM: a CPU build confined to its own cores like `up`'s."""
+    from proxy.engine import POOLING_ARGS, EngineSpec, cpu_confinement, ensure_model
 
     model, served = ensure_model(args.model)
     extra = [a for a in args.vllm_args if a != "--"]
-    spec = EngineSpec(
+    return EngineSpec(
         port=args.port,
         host=args.host,
         model=model,
         served_name=served,
         max_num_seqs=args.max_num_seqs,
         plugin=not args.no_plugin,
-        extra_args=extra,
+        extra_args=[*POOLING_ARGS, *extra] if args.pooling else extra,
+        cpus=cpu_confinement(),
     )
+
+
+def _cmd_engine(args: argparse.Namespace) -> int:
+    from proxy.engine import EngineProcess, confinement_note
+
+    spec = engine_spec(args)
     engine = EngineProcess(spec)
     _install_stop_handlers()
+    print(confinement_note(spec.cpus), flush=True)
     print("starting:", " ".join(spec.command()), flush=True)
     try:
         engine.start().wait_ready(args.ready_timeout)
@@ -271,6 +284,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="model path or name (default: the tiny local model)")
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--no-plugin", action="store_true", help="stock vLLM without the plugin")
+    p.add_argument(
+        "--pooling",
+        action="store_true",
+        help="serve the model for embeddings, pooling, score and rerank (vLLM --runner pooling)",
+    )
     p.add_argument("--ready-timeout", type=float, default=300.0)
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- then extra vLLM arguments")
     p.set_defaults(func=_cmd_engine)

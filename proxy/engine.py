@@ -18,9 +18,12 @@ from proxy.ticket import PLUGIN_CLASS_FLAGS, PRIORITY_FLAGS
 # Re-exported: tests and tools import these from here.
 __all__ = [
     "DEFAULT_MODEL_DIR",
+    "POOLING_ARGS",
     "TINY_SERVED_NAME",
     "EngineProcess",
     "EngineSpec",
+    "confinement_note",
+    "cpu_confinement",
     "engine_cores",
     "ensure_model",
     "free_port",
@@ -32,6 +35,9 @@ __all__ = [
 
 DEFAULT_MODEL_DIR = Path(".tierproxy/tiny-model")
 TINY_SERVED_NAME = "tiny"
+# The tiny Llama as a pooling model (last-token pooling, normalised): vLLM's CPU build serves
+# /v1/embeddings, /pooling, /score and /rerank from it (score and rerank as cosine similarity).
+POOLING_ARGS: tuple[str, ...] = ("--runner", "pooling", "--convert", "embed")
 
 
 def plugin_available() -> bool:
@@ -156,6 +162,23 @@ def engine_cores() -> frozenset[int] | None:
     finished the request); confined with its engine, it starves nothing else."""
     allowed = sorted(os.sched_getaffinity(0))
     return frozenset(allowed[:-1]) if len(allowed) > 1 else None
+
+
+def cpu_confinement() -> frozenset[int] | None:
+    """Where a CPU engine started by hand (`tierproxy engine`) runs: engine_cores(), as `up`
+    and the tests place theirs. A GPU engine's host threads do not spin: left anywhere."""
+    return engine_cores() if _on_cpu() else None
+
+
+def confinement_note(cpus: frozenset[int] | None) -> str:
+    """One line for the operator: where the engine runs and what stays free."""
+    if cpus is None:
+        return "engine not confined to CPU cores (GPU build, or a single core)"
+    free = sorted(os.sched_getaffinity(0) - cpus)
+    return (
+        f"CPU engine confined to cores {','.join(map(str, sorted(cpus)))}; "
+        f"core(s) {','.join(map(str, free))} stay free for the proxy and its clients"
+    )
 
 
 def spread_cores(index: int) -> str | None:

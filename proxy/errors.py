@@ -7,6 +7,9 @@ import math
 import orjson
 from aiohttp import web
 
+from proxy.reply_headers import should_retry_header
+from proxy.routes import served_paths_text
+
 
 class ProxyError(Exception):
     """An answer to the client that is not the backend's: status, OpenAI error body, headers."""
@@ -33,9 +36,10 @@ class ProxyError(Exception):
         return error_body(self.message, type=self.type, code=self.code, param=self.param)
 
     def headers(self) -> dict[str, str]:
-        if self.retry_after_s is None:
-            return {}
-        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+        headers = should_retry_header(self.status, execution_timeout=self.code == "request_timeout")
+        if self.retry_after_s is not None:
+            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
+        return headers
 
     def response(self) -> web.Response:
         return web.Response(
@@ -66,11 +70,12 @@ def too_large(limit: int) -> ProxyError:
     )
 
 
-def model_not_found(model: str | None) -> ProxyError:
+def model_not_found(model: str | None, served: list[str] | None = None) -> ProxyError:
+    """vLLM's message, with its list of the names that are served."""
+    hint = f" Valid aliases: {', '.join(served)}." if served else ""
     return ProxyError(
         404,
-        f"The model `{model}` does not exist.",
-        type="NotFoundError",
+        f"The model `{model}` does not exist.{hint}",
         param="model",
         code="model_not_found",
     )
@@ -79,9 +84,15 @@ def model_not_found(model: str | None) -> ProxyError:
 def unknown_url(method: str, path: str) -> ProxyError:
     return ProxyError(
         404,
-        f"{method} {path} is not served by tierproxy; it serves"
-        " /v1/chat/completions, /v1/completions and /v1/models.",
+        f"{method} {path} is not served by tierproxy; it serves {served_paths_text()}.",
         code="unknown_url",
+    )
+
+
+def method_not_allowed(method: str, path: str, allowed: str) -> ProxyError:
+    """vLLM's 405 for a wrong method on one of its routes (the caller adds ``Allow``)."""
+    return ProxyError(
+        405, f"{method} {path}: method not allowed; use {allowed}.", code="method_not_allowed"
     )
 
 

@@ -7,19 +7,22 @@ Clients can never raise their own priority: the body's ``priority`` and ``vllm_x
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import orjson
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.body import read_body
 from proxy.config import Limits, LoadedConfig, Scheduling, Tenant, Tier
+from proxy.costs import INPUT_CHARS, lax_bool, lax_int, text_chars
 from proxy.errors import admin_disabled, bad_request, too_deep, unauthorized
+from proxy.routes import BY_ENDPOINT, Endpoint
 
 __all__ = [
     "BODY_READ_TIMEOUT_S",
+    "Endpoint",
     "ParsedRequest",
     "authenticate",
     "authenticate_admin",
@@ -27,8 +30,6 @@ __all__ = [
     "read_body",
     "upstream_headers",
 ]
-
-Endpoint = Literal["chat", "completions"]
 
 # The admin API's body wait (client bodies wait input.body_read_timeout_s).
 BODY_READ_TIMEOUT_S = 30.0
@@ -128,41 +129,19 @@ class ParsedRequest:
     max_tokens: int | None  # after the tier's clamp
     expected_output: int
     client_wants_usage: bool  # the client asked for the final usage chunk itself
+    path: str = ""  # the route's path the client called (sent on unchanged); "" its first one
+
+    @property
+    def upstream_path(self) -> str:
+        return self.path or BY_ENDPOINT[self.endpoint].paths[0]
 
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-# Message parts whose size says nothing about their tokens (an image's base64 is not its token
-# count); their real cost is charged once the backend reports the usage.
-_MEDIA_KEYS = frozenset({"image_url", "input_audio", "audio_url", "video_url", "file"})
 # What a chat prompt holds besides its messages: the schemas the backend renders into it.
 _SCHEMA_FIELDS = ("tools", "functions", "response_format", "tool_choice")
-_SCALAR_CHARS = 4  # a number, a token id or a literal: about one token
-
-
-def _text_chars(value: object, *, keys: bool = False) -> int:
-    """Characters of text in a prompt, message or schema, however nested (iteratively: a
-    client's nesting never meets Python's recursion limit); ``keys`` counts object keys too."""
-    chars = 0
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, str):
-            chars += len(item)
-        elif isinstance(item, list):
-            stack.extend(item)
-        elif isinstance(item, dict):
-            for key, child in item.items():
-                if key in _MEDIA_KEYS:
-                    continue
-                if keys:
-                    chars += len(key)
-                stack.append(child)
-        elif item is not None:
-            chars += _SCALAR_CHARS
-    return chars
 
 
 def nesting_exceeds(value: object, limit: int) -> bool:
@@ -191,7 +170,7 @@ def _validate_messages(messages: object) -> int:
                 f"messages[{i}] must be an object with a string 'role'", param=f"messages.[{i}]"
             )
         # Every part: content, name, tool calls and their arguments, tool results.
-        chars += _text_chars(message) + 8
+        chars += text_chars(message) + 8
     return chars
 
 
@@ -210,7 +189,7 @@ def _validate_prompt(prompt: object) -> int:
             "'prompt' must be a string, an array of strings or an array of token ids",
             param="prompt",
         )
-    return _text_chars(prompt)
+    return text_chars(prompt)
 
 
 def parse_body(
@@ -221,9 +200,11 @@ def parse_body(
     scheduling: Scheduling,
     *,
     max_depth: int = 64,
+    path: str = "",
 ) -> ParsedRequest:
     """Validate a body and estimate its cost; 400 for what no backend could run. A ``null``
-    top-level field counts as absent, as in OpenAI's API."""
+    top-level field counts as absent, as in OpenAI's API; numbers and booleans sent as strings
+    are read as vLLM's pydantic models read them."""
     try:
         loaded = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -235,40 +216,48 @@ def parse_body(
     if nesting_exceeds(loaded, max_depth):
         raise too_deep(max_depth)
     body: dict[str, Any] = {k: v for k, v in loaded.items() if v is not None}
+    route = BY_ENDPOINT[endpoint]
 
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request("'model' must be a string", param="model")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise bad_request("'stream' must be a boolean", param="stream")
+    stream = _lax_field(body, "stream", lax_bool, "a boolean")
+    stream = bool(stream) and route.generates  # the pooling routes never stream
 
     if endpoint == "chat":
         chars = _validate_messages(body.get("messages"))
-        chars += sum(_text_chars(body.get(name), keys=True) for name in _SCHEMA_FIELDS)
-    else:
+        chars += sum(text_chars(body.get(name), keys=True) for name in _SCHEMA_FIELDS)
+    elif endpoint == "completions":
         if "prompt" not in body:
             raise bad_request("'prompt' is required", param="prompt")
         chars = _validate_prompt(body["prompt"])
+    else:
+        chars = INPUT_CHARS[endpoint](body)
 
     for name in STRIPPED_BODY_FIELDS:
         body.pop(name, None)
 
-    max_tokens = _clamped_max_tokens(body, tier, limits)
-    n = body.get("n", 1)
-    if not _is_int(n) or n < 1 or n > 128:
-        raise bad_request("'n' must be an integer between 1 and 128", param="n")
-    expected = max_tokens if max_tokens is not None else scheduling.default_expected_output
-    if tier.max_tokens is not None:
-        expected = min(expected, tier.max_tokens)
+    max_tokens: int | None = None
+    expected = 0  # pooling and tokenizer routes generate nothing
+    if route.generates:
+        max_tokens = _clamped_max_tokens(body, tier, limits, _budget_fields(endpoint))
+        n = _lax_field(body, "n", lax_int, "an integer")
+        n = 1 if n is None else n
+        if n < 1 or n > 128:
+            raise bad_request("'n' must be an integer between 1 and 128", param="n")
+        expected = max_tokens if max_tokens is not None else scheduling.default_expected_output
+        if tier.max_tokens is not None:
+            expected = min(expected, tier.max_tokens)
+        expected *= n
 
-    client_wants_usage = False
-    if stream:
+    # The Responses API always ends its stream with the usage (in response.completed).
+    client_wants_usage = endpoint == "responses"
+    if stream and endpoint != "responses":
         options = body.get("stream_options")
         if options is not None and not isinstance(options, dict):
             raise bad_request("'stream_options' must be an object", param="stream_options")
         options = dict(options or {})
-        client_wants_usage = bool(options.get("include_usage"))
+        client_wants_usage = bool(lax_bool(options.get("include_usage")))
         # Ask for the usage chunk anyway: fairness and metrics count real tokens. The relay
         # removes it again when the client did not ask for it.
         options["include_usage"] = True
@@ -281,19 +270,41 @@ def parse_body(
         model=model,
         prompt_tokens=max(1, math.ceil(chars / scheduling.chars_per_token)),
         max_tokens=max_tokens,
-        expected_output=int(expected) * int(n),
+        expected_output=int(expected),
         client_wants_usage=client_wants_usage,
+        path=path,
     )
 
 
-def _clamped_max_tokens(body: dict[str, Any], tier: Tier, limits: Limits) -> int | None:
-    """Validate max_tokens / max_completion_tokens and clamp them to the tier's cap."""
+def _lax_field(body: dict[str, Any], name: str, read: Callable[[object], Any], kind: str) -> Any:
+    """The field read as vLLM reads it, written back in its plain type; 400 when vLLM would
+    refuse it too; None when absent."""
+    if name not in body:
+        return None
+    value = read(body[name])
+    if value is None:
+        raise bad_request(f"'{name}' must be {kind}", param=name)
+    body[name] = value
+    return value
+
+
+def _budget_fields(endpoint: Endpoint) -> tuple[str, ...]:
+    return ("max_output_tokens",) if endpoint == "responses" else _TOKEN_FIELDS
+
+
+_TOKEN_FIELDS = ("max_tokens", "max_completion_tokens")
+
+
+def _clamped_max_tokens(
+    body: dict[str, Any], tier: Tier, limits: Limits, fields: tuple[str, ...] = _TOKEN_FIELDS
+) -> int | None:
+    """Validate the output budget fields and clamp them to the tier's cap."""
     chosen: int | None = None
-    for name in ("max_tokens", "max_completion_tokens"):
-        value = body.get(name)
+    for name in fields:
+        value = _lax_field(body, name, lax_int, "a positive integer")
         if value is None:
             continue
-        if not _is_int(value) or value < 1:
+        if value < 1:
             raise bad_request(f"'{name}' must be a positive integer", param=name)
         if value > limits.max_tokens_ceiling:
             raise bad_request(
@@ -304,9 +315,9 @@ def _clamped_max_tokens(body: dict[str, Any], tier: Tier, limits: Limits) -> int
     if tier.max_tokens is not None:
         if chosen is None or chosen > tier.max_tokens:
             chosen = tier.max_tokens
-        for name in ("max_tokens", "max_completion_tokens"):
+        for name in fields:
             if name in body:
                 body[name] = min(body[name], chosen)
-        if "max_tokens" not in body and "max_completion_tokens" not in body:
-            body["max_tokens"] = chosen
+        if not any(name in body for name in fields):
+            body[fields[0]] = chosen
     return chosen

@@ -43,9 +43,21 @@ class TokenBucket:
         self._refill(now)
         self._level = max(self._level - amount, -self.capacity)
 
+    def window(self, now: float) -> BucketWindow:
+        """Read-only: what the x-ratelimit-* headers report."""
+        level = min(self.capacity, self._level + max(0.0, now - self._at) * self.rate_per_s)
+        return BucketWindow(self.capacity, level, (self.capacity - level) / self.rate_per_s)
+
     def give_back(self, amount: float, now: float) -> None:
         self._refill(now)
         self._level = min(self.capacity, self._level + amount)
+
+
+@dataclass(frozen=True)
+class BucketWindow:
+    limit: float
+    remaining: float  # below zero while a tenant pays off usage past its reservation
+    reset_s: float  # until the bucket is full again
 
 
 @dataclass(frozen=True)
@@ -137,6 +149,8 @@ class TenantLimits(Protocol):
 
     def concurrent(self, tenant: str) -> int: ...
 
+    def windows(self, tenant: str, now: float) -> dict[str, BucketWindow]: ...
+
 
 def _limits_of(tenant: Tenant) -> tuple[float | None, float | None, int | None]:
     return tenant.requests_per_minute, tenant.tokens_per_minute, tenant.max_concurrent
@@ -227,6 +241,14 @@ class LimitRegistry:
         limiter = self._by_tenant.get(tenant)
         if limiter is not None:
             limiter.settle(reserved, used, now)
+
+    def windows(self, tenant: str, now: float) -> dict[str, BucketWindow]:
+        """Read-only: the tenant's request and token buckets, by "requests" / "tokens"."""
+        limiter = self._by_tenant.get(tenant)
+        if limiter is None:
+            return {}
+        buckets = {"requests": limiter.rpm, "tokens": limiter.tpm}
+        return {name: b.window(now) for name, b in buckets.items() if b is not None}
 
     def concurrent(self, tenant: str) -> int:
         limiter = self._by_tenant.get(tenant)

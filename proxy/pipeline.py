@@ -24,6 +24,7 @@ from proxy.admission import AdmissionQueue, QueuedRequest, QueueFull, UnknownTie
 from proxy.backends import BackendPool
 from proxy.budget import MemoryBudget, Reservation, held_estimate
 from proxy.config import Config, LoadedConfig, Tenant
+from proxy.costs import usage_counts
 from proxy.dispatch import Dispatcher, Lease, QueueTimeoutError
 from proxy.errors import (
     ProxyError,
@@ -39,9 +40,8 @@ from proxy.errors import (
     rate_limited,
 )
 from proxy.forward import RelayResult, UpstreamCall, UpstreamUnavailable, relay
-from proxy.hotpath import LabelCache, new_request_id
+from proxy.hotpath import LabelCache
 from proxy.inbound import (
-    Endpoint,
     ParsedRequest,
     authenticate,
     parse_body,
@@ -52,6 +52,14 @@ from proxy.metrics import ProxyMetrics
 from proxy.outcome import Outcome, outcome_of
 from proxy.policies.cost import weighted_tokens
 from proxy.policies.prefix import prefix_hash
+from proxy.reply_headers import (
+    REQUEST_ID,
+    ratelimit_headers,
+    request_id_for,
+    should_retry_header,
+)
+from proxy.responses_relay import relay_responses
+from proxy.routes import BY_ENDPOINT, Endpoint, Route
 from proxy.upstream import upstream_call
 
 log = logging.getLogger("tierproxy")
@@ -169,8 +177,17 @@ class RequestPipeline:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self.handle(request, "completions")
 
+    def handler(self, route: Route) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        """The aiohttp handler of one of ``proxy.routes.ROUTES``."""
+
+        async def handle_route(request: web.Request) -> web.StreamResponse:
+            return await self.handle(request, route.endpoint)
+
+        return handle_route
+
     async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
-        trace = Trace(new_request_id(), self.clock())
+        trace = Trace(request_id_for(request.headers), self.clock())
+        request[REQUEST_ID] = trace.request_id  # for streams too (reply_headers)
         loaded = self.config()  # one config for the whole request, even if a reload happens
         adm: Admitted | None = None
         result: RelayResult | None = None
@@ -181,7 +198,10 @@ class RequestPipeline:
             await self.pass_tenant_limits(adm)
             try:
                 while result is None:  # None: a backend failed before its first byte, again
-                    lease = await self.dispatch(adm, self.enqueue(adm))
+                    if BY_ENDPOINT[endpoint].cheap:
+                        lease = self.direct_lease(adm)
+                    else:
+                        lease = await self.dispatch(adm, self.enqueue(adm))
                     result = await self.forward(request, adm, lease)
                 self.account(adm, result)
             finally:
@@ -217,9 +237,10 @@ class RequestPipeline:
             config.limits,
             config.scheduling,
             max_depth=config.input.max_json_depth,
+            path=request.path,
         )
         if not self.pool.model_known(parsed.model):
-            raise model_not_found(parsed.model)
+            raise model_not_found(parsed.model, sorted(self.pool.known_models()))
         # Held until the request ends; over the budget, refused now rather than grow the heap.
         held = self.budget.try_reserve(held_estimate(len(raw)))
         if held is None:
@@ -259,13 +280,11 @@ class RequestPipeline:
         reservation comes back, usage past it is debited (the next requests wait for it)."""
         usage = result.usage if result is not None and result.usage else {}
         used: float | None = None
-        total, prompt, completion = (
-            usage.get(name) for name in ("total_tokens", "prompt_tokens", "completion_tokens")
-        )
+        total, counts = usage.get("total_tokens"), usage_counts(usage)
         if _is_count(total):
             used = float(total)
-        elif _is_count(prompt) and _is_count(completion):
-            used = float(prompt) + float(completion)
+        elif counts is not None:
+            used = float(sum(counts))
         self.limits.settle(adm.tenant.name, adm.reserved_tokens, used, self.clock(), adm.request_id)
 
     # -- queue and dispatch --------------------------------------------------------------
@@ -298,6 +317,16 @@ class RequestPipeline:
         except asyncio.CancelledError:
             self.dispatcher.withdraw(queued)
             raise
+
+    def direct_lease(self, adm: Admitted) -> Lease:
+        """For the routes that run no model (the tokenizer's): no queue, but a backend that
+        serves the model, counted there like any request while it runs."""
+        now = self.clock()
+        for backend in self.pool.all():
+            if backend.available(now) and backend.serves(adm.parsed.model):
+                self.pool.acquire(backend, 0.0)
+                return Lease(backend, 0.0, self.dispatcher)
+        raise no_backend("No backend that serves the model is available; retry later.")
 
     def retry_after(self, tier: str) -> float:
         """A rough wait before retrying: the tier's backlog over the slots that serve it."""
@@ -355,7 +384,9 @@ class RequestPipeline:
             session=self.session(),
             budget=self.budget,
         )
-        result = await self.relay(call, request, stream=adm.parsed.stream, now=self.clock)
+        # The Responses API streams events of its own kind (proxy.responses_relay).
+        relay_fn = relay_responses if adm.parsed.endpoint == "responses" else self.relay
+        result = await relay_fn(call, request, stream=adm.parsed.stream, now=self.clock)
         if result.backend_failed:
             self.pool.record_failure(lease.backend, self.clock())
             self.metrics.backend_errors.labels(lease.backend.label, result.outcome).inc()
@@ -367,13 +398,14 @@ class RequestPipeline:
 
     def account(self, adm: Admitted, result: RelayResult) -> None:
         """Metrics of the answer, and the fairness charge corrected to the real usage."""
+        if BY_ENDPOINT[adm.parsed.endpoint].cheap:
+            return  # never queued: no fairness charge to correct, no tokens
         m = self.metrics
         if result.first_token_at is not None:
             self.child(m.ttft, adm.tier).observe(result.first_token_at - adm.arrival)
-        usage = result.usage or {}
-        prompt = usage.get("prompt_tokens")
-        completion = usage.get("completion_tokens")
-        if isinstance(prompt, int) and isinstance(completion, int):
+        counts = usage_counts(result.usage)
+        if counts is not None:
+            prompt, completion = counts
             self.child(m.tokens, adm.tier, "prompt").inc(prompt)
             self.child(m.tokens, adm.tier, "completion").inc(completion)
             self.queue.correct_charge(adm.queued, weighted_tokens(prompt, completion))
@@ -385,14 +417,23 @@ class RequestPipeline:
 
     def respond(self, trace: Trace, result: RelayResult) -> web.StreamResponse:
         trace.outcome, trace.status = result.outcome, result.status
-        result.response.headers.setdefault("X-Request-Id", trace.request_id)
-        return result.response
+        resp = result.response
+        if not resp.prepared:  # a stream's headers went out with its first event
+            resp.headers.setdefault("X-Request-Id", trace.request_id)
+            resp.headers.update(self.limit_headers(trace))
+            resp.headers.update(should_retry_header(result.status))
+        return resp
 
     def refuse(self, trace: Trace, err: ProxyError) -> web.Response:
         trace.outcome, trace.status = outcome_of(err), err.status
         resp = err.response()
         resp.headers["X-Request-Id"] = trace.request_id
+        resp.headers.update(self.limit_headers(trace))
         return resp
+
+    def limit_headers(self, trace: Trace) -> dict[str, str]:
+        tenant = trace.tenant.name if trace.tenant else None
+        return ratelimit_headers(self.limits.windows(tenant, self.clock()) if tenant else {})
 
     def log(self, trace: Trace) -> None:
         elapsed = self.clock() - trace.arrival

@@ -13,7 +13,7 @@ from multidict import CIMultiDictProxy
 from proxy.budget import MemoryBudget
 from proxy.config import Backend, Config
 from proxy.forward import UpstreamCall
-from proxy.inbound import Endpoint, ParsedRequest, upstream_headers
+from proxy.inbound import ParsedRequest, upstream_headers
 from proxy.ticket import (
     CONTENT_DIGEST_HEADER,
     REQUEST_ID_HEADER,
@@ -23,11 +23,6 @@ from proxy.ticket import (
     encode_ticket,
     new_nonce,
 )
-
-UPSTREAM_PATHS: dict[Endpoint, str] = {
-    "chat": "/v1/chat/completions",
-    "completions": "/v1/completions",
-}
 
 
 def upstream_call(
@@ -71,7 +66,7 @@ def upstream_call(
     headers[TICKET_HEADER] = encode_ticket(ticket, secret)
     return UpstreamCall(
         session=session,
-        url=backend.url + UPSTREAM_PATHS[parsed.endpoint],
+        url=backend.url + parsed.upstream_path,
         body=payload,
         headers=headers,
         deadline=asyncio.get_running_loop().time() + tier.request_timeout_s,

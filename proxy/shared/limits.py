@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from proxy.config import Tenant
 from proxy.errors import shared_state_unavailable
-from proxy.limits import LimitChanges, LimitRegistry, LimitVerdict
+from proxy.limits import BucketWindow, LimitChanges, LimitRegistry, LimitVerdict
 from proxy.shared.client import SharedStateDown, SharedStore
 from proxy.shared.scripts import ADMIT, RENEW, SETTLE
 from proxy.tasks import OwnedTask
@@ -125,6 +125,12 @@ class SharedLimitRegistry:
         # correction is forgone (docs/scale-out.md, failure modes).
         with contextlib.suppress(SharedStateDown):
             await self.store.run(SETTLE, [keys[1], keys[2]], args)
+
+    def windows(self, tenant: str, now: float) -> dict[str, BucketWindow]:
+        """The x-ratelimit-* figures: none while Redis decides (the global levels live there
+        and reading them back would cost a round trip per answer); this replica's own while it
+        decides locally."""
+        return {} if self.store.up else self.local.windows(tenant, now)
 
     def concurrent(self, tenant: str) -> int:
         """This replica's requests of ``tenant`` holding a limit (shared or local)."""

@@ -131,7 +131,9 @@ async def test_a_slow_body_gets_408_within_the_knob() -> None:
     [
         ("GET", "/nothing-here", 404),
         ("DELETE", "/healthz", 405),
-        ("GET", "/v1/chat/completions", 404),
+        ("GET", "/v1/chat/completions", 405),
+        ("GET", "/tokenize", 405),
+        ("PUT", "/v1/embeddings", 405),
     ],
 )
 async def test_aiohttp_errors_and_unknown_paths_are_json(

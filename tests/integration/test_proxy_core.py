@@ -316,7 +316,7 @@ async def test_bad_input_and_unknown_paths(engines: EngineFarm) -> None:
                 assert set(body["error"]) == {"message", "type", "param", "code"}
                 if code:
                     assert body["error"]["code"] == code
-        async with s.post(f"{base}/v1/embeddings", json={}, headers=auth("high")) as r:
+        async with s.post(f"{base}/v1/audio/speech", json={}, headers=auth("high")) as r:
             assert r.status == 404 and (await r.json())["error"]["code"] == "unknown_url"
         async with s.get(f"{base}/readyz") as r:
             assert r.status == 200

@@ -62,7 +62,7 @@ async def test_probes_and_unknown_urls(clock: FakeClock) -> None:
             assert resp.status == 200 and await resp.json() == {"status": "ok"}
         async with client.get("/readyz") as resp:
             assert resp.status == 200 and await resp.json() == {"ready": True}
-        async with client.post("/v1/embeddings", headers=auth("high")) as resp:
+        async with client.post("/v1/audio/speech", headers=auth("high")) as resp:
             assert resp.status == 404 and await error_code(resp) == "unknown_url"
         async with client.get("/metrics") as resp:
             assert "tierproxy_config_generation 1.0" in await resp.text()

@@ -49,7 +49,18 @@ def test_each_error_is_openai_shaped(
 def test_retry_after_is_whole_seconds_rounded_up_and_at_least_one() -> None:
     assert errors.queue_full("low", 2.2).headers() == {"Retry-After": "3"}
     assert errors.rate_limited("tokens_per_minute", 0.01).headers() == {"Retry-After": "1"}
-    assert errors.unauthorized().headers() == {}
+    assert errors.no_backend("none").headers() == {"Retry-After": "1"}
+
+
+def test_answers_a_retry_cannot_fix_say_so() -> None:
+    assert errors.unauthorized().headers() == {"x-should-retry": "false"}
+    assert errors.bad_request("x").headers() == {"x-should-retry": "false"}
+    assert errors.execution_timeout(5).headers() == {"x-should-retry": "false"}
+    assert errors.too_large(10).headers() == {"x-should-retry": "false"}
+    # Waiting helps these: the SDK's own rule (retry, honouring Retry-After) stays.
+    assert "x-should-retry" not in errors.queue_full("low", 1).headers()
+    assert "x-should-retry" not in errors.body_timeout(1).headers()
+    assert "x-should-retry" not in errors.backends_failed("reset").headers()
 
 
 def test_outcomes_are_the_metric_label_strings() -> None:

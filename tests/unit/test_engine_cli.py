@@ -1,0 +1,40 @@
+"""`tierproxy engine` places a CPU engine on its own cores like `tierproxy up`, and says so."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from proxy import engine
+from proxy.cli import build_parser, engine_spec
+
+
+def _spec(*argv: str) -> engine.EngineSpec:
+    args = build_parser().parse_args(["engine", "--model", "some/model", *argv])
+    return engine_spec(args)
+
+
+def test_a_cpu_engine_is_confined_and_says_where(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine, "_on_cpu", lambda: True)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    spec = _spec()
+    assert spec.cpus == frozenset({0, 1, 2})  # the last core stays for the proxy
+    assert spec.environment()["VLLM_CPU_OMP_THREADS_BIND"] == "0,1,2"
+    note = engine.confinement_note(spec.cpus)
+    assert "cores 0,1,2" in note and "core(s) 3 stay free" in note
+
+
+def test_a_gpu_engine_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine, "_on_cpu", lambda: False)
+    spec = _spec("--", "--tensor-parallel-size", "2")
+    assert spec.cpus is None and "VLLM_CPU_OMP_THREADS_BIND" not in spec.environment()
+    assert spec.command()[-2:] == ["--tensor-parallel-size", "2"]
+    assert "not confined" in engine.confinement_note(None)
+
+
+def test_pooling_flag_serves_the_pooling_routes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine, "_on_cpu", lambda: False)
+    command = _spec("--pooling").command()
+    runner = command.index("--runner")
+    assert command[runner : runner + 4] == list(engine.POOLING_ARGS)
