@@ -21,6 +21,7 @@ from pydantic import (
 )
 
 from proxy.config_server import AdminListen, InputLimits, Listen, Relay, Server, Strict
+from proxy.config_slo import AdaptiveRoom, TierSlo
 from proxy.ticket import DEFAULT_PREFILL_SHARE, DEFAULT_SECRET_ENV
 from proxy.yaml_load import Lines, safe_load
 
@@ -109,6 +110,11 @@ class Tier(Strict):
     # Share of a vLLM step that this tier's prefills may take while better tiers decode.
     # None: 1.0 for the best tier, 0.2 for the others.
     prefill_share: float | None = Field(None, gt=0, le=1)
+    # Latency target (docs/slo.md): goodput metrics, and the adaptive backend room steers by it.
+    slo: TierSlo | None = None
+    # 429 at once, Retry-After the predicted wait, when a new request's predicted queue wait
+    # exceeds queue_timeout_s (false: it waits and gets 503 at the timeout).
+    early_refusal: bool = False
 
 
 class KeySpec(Strict):
@@ -143,7 +149,10 @@ class Tenant(Strict):
 class Backend(Strict):
     url: str
     name: str | None = None
-    max_inflight: int = Field(64, gt=0)
+    # Unset: the room adapts (docs/slo.md) up to adaptive_room.max_room. Set: a fixed room, or
+    # the ceiling of an adaptive one with `adaptive: true`.
+    max_inflight: int | None = Field(None, gt=0)
+    adaptive: bool | None = None
     # Optional budget of prompt + expected output tokens in flight on this backend.
     max_tokens_inflight: int | None = Field(None, gt=0)
     # Also pass the tier's priority as vLLM's own `priority` (needs --scheduling-policy priority).
@@ -156,9 +165,19 @@ class Backend(Strict):
             raise ValueError("must be an http(s) URL such as http://127.0.0.1:8100")
         return value.rstrip("/")
 
+    @model_validator(mode="after")
+    def _fixed_needs_a_size(self) -> Backend:
+        if self.adaptive is False and self.max_inflight is None:
+            raise ValueError("adaptive: false needs max_inflight (the fixed room)")
+        return self
+
     @property
     def label(self) -> str:
         return self.name or self.url
+
+    @property
+    def adaptive_room(self) -> bool:
+        return self.adaptive if self.adaptive is not None else self.max_inflight is None
 
 
 class Config(Strict):
@@ -171,6 +190,7 @@ class Config(Strict):
     scheduling: Scheduling = Scheduling()
     backend_health: BackendHealth = BackendHealth()
     policies: Policies = Policies()
+    adaptive_room: AdaptiveRoom = AdaptiveRoom()
     input: InputLimits = InputLimits()
     relay: Relay = Relay()
     tiers: dict[str, Tier] = Field(min_length=1)
@@ -376,5 +396,6 @@ def summarize(loaded: LoadedConfig) -> str:
         )
     lines.append(f"  tenants {len(cfg.tenants)}, keys {len(loaded.tenant_by_key_hash)}")
     for b in cfg.backends:
-        lines.append(f"  backend {b.label}: max_inflight {b.max_inflight}")
+        room = "adaptive" if b.adaptive_room else "fixed"
+        lines.append(f"  backend {b.label}: max_inflight {b.max_inflight}, room {room}")
     return "\n".join(lines)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from proxy.slo import SloMetrics
+
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
@@ -94,3 +96,5 @@ class ProxyMetrics:
             "Client connections refused at the server.max_connections cap (503 then closed)",
             registry=r,
         )
+        # Goodput, early refusals and backend room (proxy/slo.py, docs/slo.md).
+        self.slo = SloMetrics(r)
