@@ -178,3 +178,16 @@ async def test_each_change_of_room_is_a_metric(clock: FakeClock) -> None:
     assert sample("tierproxy_backend_room_changes_total", reason="grow") == 1
     assert sample("tierproxy_backend_room_changes_total", reason="queued") == 1
     assert sample("tierproxy_backend_room") == 6  # vLLM runs 4, plus the allowance of 2
+
+
+def test_bench_proxy_config_carries_the_scenario_slo_and_adaptive_room() -> None:
+    from proxy.bench.proxy_config import proxy_config, validate
+    from proxy.bench.scenario import load_scenario
+
+    scenario = load_scenario("seed-mixed")
+    data = proxy_config(scenario, ["http://127.0.0.1:8100"], max_inflight=None, early_refusal=True)
+    assert data["backends"] == [{"url": "http://127.0.0.1:8100"}]
+    config = validate(data).config
+    high = config.tiers["high"]
+    assert high.slo is not None and high.slo.ttft_s == scenario.slo["high"].ttft_s
+    assert high.early_refusal and config.backends[0].adaptive_room
