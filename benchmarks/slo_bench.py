@@ -251,13 +251,55 @@ async def overload(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def plot(args: argparse.Namespace) -> None:
+    """docs/img/slo-room.png: the adaptive room over time under constant load, per engine size
+    (from sizes.json), and the latencies of refused answers (from overload.json)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = json.loads((args.out / "sizes.json").read_text())
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    for n, row in data.items():
+        t = [p[0] for p in row["rooms"]]
+        ax.step(t, [p[1] for p in row["rooms"]], where="post", label=f"--max-num-seqs {n}")
+    ax.set_xlabel("seconds of constant load (after a 2 s warm-up)")
+    ax.set_ylabel("room (requests)")
+    ax.set_yscale("log", base=2)
+    ax.set_title("Adaptive room, max_inflight unset")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig("docs/img/slo-room.png", dpi=110)
+    over = args.out / "overload.json"
+    if over.exists():
+        runs = json.loads(over.read_text())
+        fig, ax = plt.subplots(figsize=(7, 3.2))
+        for key in ("early refusal off", "early refusal on"):
+            for status in (429, 503):
+                lat = runs[key].get(f"latencies_{status}", [])
+                if lat:
+                    ys = [(i + 1) / len(lat) for i in range(len(lat))]
+                    ax.step(lat, ys, where="post", label=f"{key}: {status} ({len(lat)})")
+        ax.set_xscale("log")
+        ax.set_xlabel("seconds until the refusal reached the client")
+        ax.set_ylabel("share of refused")
+        ax.set_title("overload 2x: latency of refused requests")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig("docs/img/slo-refusals.png", dpi=110)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("what", choices=["sizes", "two", "overload"])
+    p.add_argument("what", choices=["sizes", "two", "overload", "plot"])
     p.add_argument("--sizes", type=int, nargs="+", default=[4, 16, 64])
     p.add_argument("--duration", type=float, default=8.0)
     p.add_argument("--out", type=Path, default=Path(".tierproxy/slo-bench"))
     args = p.parse_args()
+    if args.what == "plot":
+        plot(args)
+        return 0
     run = {"sizes": sizes, "two": two, "overload": overload}[args.what]
     result = asyncio.run(run(args))
     args.out.mkdir(parents=True, exist_ok=True)

@@ -396,6 +396,7 @@ def summarize(loaded: LoadedConfig) -> str:
         )
     lines.append(f"  tenants {len(cfg.tenants)}, keys {len(loaded.tenant_by_key_hash)}")
     for b in cfg.backends:
-        room = "adaptive" if b.adaptive_room else "fixed"
-        lines.append(f"  backend {b.label}: max_inflight {b.max_inflight}, room {room}")
+        ceiling = b.max_inflight or cfg.adaptive_room.max_room
+        room = f"adaptive up to {ceiling}" if b.adaptive_room else f"fixed {b.max_inflight}"
+        lines.append(f"  backend {b.label}: room {room}")
     return "\n".join(lines)
