@@ -124,6 +124,7 @@ class GradientRoom:
         self.slow_start = True
         self.changed_at = -math.inf
         self._preemptions: float | None = None
+        self._preempted = False  # seen since the last change (a cooldown must not lose it)
         self.slo = SloWindow(params.slo_window_s, params.slo_min_samples)
 
     def limit(self) -> float:
@@ -140,7 +141,7 @@ class GradientRoom:
         load = signals.load
         if signals.had_metrics and load is None:
             return None  # stale: keep the last good room
-        preempted = self._new_preemptions(load)
+        self._preempted |= self._new_preemptions(load)
         if now - self.changed_at < self.params.adjust_every_s:
             return None
         if load is not None and load.at <= self.changed_at:
@@ -152,7 +153,7 @@ class GradientRoom:
             batch = load.running + signals.allowance
             if batch < self.room:
                 return self._set(now, batch, "queued")
-        if preempted:
+        if self._preempted:
             return self._set(now, self.room * p.decrease_ratio, "preempted")
         if slipping:
             self.slo.clear()  # judge the next room on its own requests
@@ -175,6 +176,7 @@ class GradientRoom:
         new = float(max(self.params.min_room, min(self.ceiling, math.floor(room))))
         if reason != "grow":
             self.slow_start = False
+            self._preempted = False  # this decrease answers it
         if new == self.room:
             return None
         old, self.room, self.changed_at = self.room, new, now
