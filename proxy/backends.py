@@ -114,6 +114,8 @@ class BackendPool:
                     state.room_controller = self._controller(state.cfg)
                 elif state.room_controller is not None:
                     state.room_controller.set_ceiling(self._ceiling(state.cfg))
+                    if isinstance(state.room_controller, GradientRoom):
+                        state.room_controller.miss_budget = self.miss_budget
                 if state.removed:
                     state.removed = state.draining = False
             elif state.inflight == 0:
