@@ -7,16 +7,21 @@ tier's target. Like Netflix's concurrency-limits it changes the room on evidence
 change it waits for a scrape taken after that change. The rule:
 
 - vLLM queues beyond the allowance and runs fewer than the room: the room jumps down to what
-  vLLM runs plus the allowance (vLLM's ``running`` is its real batch limit, whatever limits it);
+  vLLM runs plus the allowance (vLLM's ``running`` is its real batch limit, whatever limits it;
+  the most it ran over the last ``_PEAK_WINDOW_S``, since one scrape may fall between a
+  request's end and the next one's start);
 - vLLM preempts (KV-cache pressure) or the tiers' targets slip: the room shrinks by
   ``decrease_ratio``;
-- vLLM's queue is empty, KV usage below ``kv_high``, targets met and the room was used: it
-  grows, doubling until the first shrink (slow start), then by ``increase_ratio``;
+- vLLM ran nearly all the room at once (more than the room less the allowance) and holds no
+  more than the allowance waiting, KV usage below ``kv_high``, targets met and the room was
+  used: it grows, doubling until the first shrink (slow start), then by ``increase_ratio``
+  (after a shrink for the SLO, only once a full window of requests judged the new room);
 - anything else, or stale metrics from a backend that had them: the room stays as it is.
 
-A room at vLLM's batch limit plus the allowance keeps the allowance in vLLM's queue, which is
-neither empty (no growth) nor beyond the allowance (no shrink): the room holds still under
-constant load.
+A room at vLLM's batch limit plus the allowance keeps the allowance in vLLM's queue: vLLM runs
+no more than the room less the allowance (no growth) and holds no more than the allowance
+waiting (no shrink), so the room holds still under constant load. Every decision rests on at
+least two scrapes taken since the last change.
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ from proxy.config_slo import AdaptiveRoom
 
 if TYPE_CHECKING:
     from proxy.backends import ScrapedLoad
+
+# vLLM's batch limit is the most it ran over this long (scrapes are snapshots).
+_PEAK_WINDOW_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +133,8 @@ class GradientRoom:
         self.changed_at = -math.inf
         self._preemptions: float | None = None
         self._preempted = False  # seen since the last change (a cooldown must not lose it)
+        self._running: deque[tuple[float, float]] = deque()  # (scraped at, running)
+        self._slo_bound = False  # the last decrease was for the SLO: grow on a judged window
         self.slo = SloWindow(params.slo_window_s, params.slo_min_samples)
 
     def limit(self) -> float:
@@ -142,29 +152,49 @@ class GradientRoom:
         if signals.had_metrics and load is None:
             return None  # stale: keep the last good room
         self._preempted |= self._new_preemptions(load)
+        peak_running = self._peak_running(load)
         if now - self.changed_at < self.params.adjust_every_s:
             return None
-        if load is not None and load.at <= self.changed_at:
-            return None  # no evidence yet of what the last change did
+        if load is not None and len(self._running) < 2:
+            return None  # two scrapes since the last change, at least: one may fall between steps
         p = self.params
         misses = self.slo.miss_share(now)
         slipping = misses is not None and misses > self.miss_budget
         if load is not None and load.waiting > signals.allowance:
-            batch = load.running + signals.allowance
+            batch = peak_running + signals.allowance
             if batch < self.room:
                 return self._set(now, batch, "queued")
         if self._preempted:
             return self._set(now, self.room * p.decrease_ratio, "preempted")
         if slipping:
             self.slo.clear()  # judge the next room on its own requests
+            self._slo_bound = True
             return self._set(now, self.room * p.decrease_ratio, "slo")
-        queue_empty = load is None or load.waiting < 1
+        if self._slo_bound and misses is None:
+            return None
+        self._slo_bound = False
+        # vLLM ran (nearly) all the room at once: its batch has space left. A room at vLLM's
+        # batch plus the allowance keeps the allowance waiting there and stops growing.
+        if load is None:
+            below_batch = True
+        else:
+            below_batch = load.waiting <= signals.allowance and (
+                peak_running > self.room - signals.allowance
+            )
         kv_ok = load is None or load.kv_usage < p.kv_high
         used = signals.peak_inflight >= self.room - 1
-        if queue_empty and kv_ok and used and self.room < self.ceiling:
+        if below_batch and kv_ok and used and self.room < self.ceiling:
             grown = self.room * 2 if self.slow_start else self.room * (1 + p.increase_ratio)
             return self._set(now, max(grown, self.room + 1), "grow")
         return None
+
+    def _peak_running(self, load: ScrapedLoad | None) -> float:
+        runs = self._running
+        if load is not None and load.at > max(self.changed_at, runs[-1][0] if runs else -math.inf):
+            runs.append((load.at, load.running))
+        while runs and runs[-1][0] - runs[0][0] > _PEAK_WINDOW_S:
+            runs.popleft()
+        return max((r for _, r in runs), default=0.0)
 
     def _new_preemptions(self, load: ScrapedLoad | None) -> bool:
         if load is None or load.preemptions is None:
@@ -180,4 +210,5 @@ class GradientRoom:
         if new == self.room:
             return None
         old, self.room, self.changed_at = self.room, new, now
+        self._running.clear()  # the batch seen under the old room says little of the new one
         return RoomChange(old, new, reason)

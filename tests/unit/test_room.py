@@ -29,10 +29,17 @@ class SimEngine:
     max_num_seqs: int
     kv_per_seq: float = 0.0  # KV-cache share one running request takes
     preemptions: float = 0.0
+    # Every other scrape falls between steps: this many have finished and their successors
+    # still wait for the next step.
+    between_steps: int = 0
     history: list[float] = field(default_factory=list)
+    scrapes: int = 0
 
     def scrape(self, inflight: int, now: float) -> ScrapedLoad:
+        self.scrapes += 1
         running = min(inflight, self.max_num_seqs)
+        if self.scrapes % 2:
+            running = max(0, running - self.between_steps)
         kv = min(1.0, running * self.kv_per_seq)
         return ScrapedLoad(
             waiting=float(inflight - running),
@@ -88,6 +95,16 @@ def test_room_converges_to_the_engine_batch_and_then_holds_still(
     assert pool.all()[0].max_room == max_num_seqs + 2
     later = _run(pool, engine, clock, 120.0, demand=500)
     assert later == []  # no oscillation under constant load
+
+
+def test_a_scrape_between_steps_does_not_pull_the_room_under_the_batch(clock: FakeClock) -> None:
+    """Half the scrapes see 3 of the 16 sequences just finished and their successors waiting:
+    the room still settles at the batch the engine runs (16) plus the allowance."""
+    pool = _pool(Backend(url="http://e:1"))
+    engine = SimEngine(16, between_steps=3)
+    _run(pool, engine, clock, 30.0, demand=500)
+    assert pool.all()[0].max_room == 18
+    assert _run(pool, engine, clock, 120.0, demand=500) == []
 
 
 def test_room_does_not_grow_past_unused_room_or_the_ceiling(clock: FakeClock) -> None:

@@ -164,12 +164,15 @@ async def test_each_change_of_room_is_a_metric(clock: FakeClock) -> None:
         monitor = BackendMonitor(pool, session, metrics, lambda: None, clock)
         for _ in range(8):
             pool.acquire(state, 1.0)
-        state.load = ScrapedLoad(waiting=0, running=8, kv_usage=0.1, at=clock())
-        monitor.tick_rooms()
-        monitor.export_gauges()
+        for _ in range(2):  # two looks at vLLM running the whole room: it grows
+            state.load = ScrapedLoad(waiting=0, running=8, kv_usage=0.1, at=clock())
+            monitor.tick_rooms()
+            clock.advance(0.5)
         clock.advance(1.0)
-        state.load = ScrapedLoad(waiting=10, running=4, kv_usage=0.1, at=clock())
-        monitor.tick_rooms()
+        for _ in range(2):  # two looks at vLLM queueing: the room drops to what it runs
+            state.load = ScrapedLoad(waiting=10, running=4, kv_usage=0.1, at=clock())
+            monitor.tick_rooms()
+            clock.advance(0.5)
         monitor.export_gauges()
 
     def sample(name: str, **labels: str) -> float | None:
