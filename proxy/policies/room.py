@@ -10,8 +10,9 @@ change it waits for a scrape taken after that change. The rule:
   vLLM runs plus the allowance (vLLM's ``running`` is its real batch limit, whatever limits it;
   the most it ran over the last ``_PEAK_WINDOW_S``, since one scrape may fall between a
   request's end and the next one's start);
-- vLLM preempts (KV-cache pressure) or the tiers' targets slip: the room shrinks by
-  ``decrease_ratio``;
+- vLLM preempts with its KV cache nearly full (KV pressure; the plugin's preemptions for a
+  better tier come with KV to spare and do not count) or the tiers' targets slip: the room
+  shrinks by ``decrease_ratio``;
 - vLLM ran nearly all the room at once (more than the room less the allowance) and holds no
   more than the allowance waiting, KV usage below ``kv_high``, targets met and the room was
   used: it grows, doubling until the first shrink (slow start), then by ``increase_ratio``
@@ -38,6 +39,8 @@ if TYPE_CHECKING:
 
 # vLLM's batch limit is the most it ran over this long (scrapes are snapshots).
 _PEAK_WINDOW_S = 5.0
+# Preemptions count as KV pressure when KV usage is at least kv_high less this.
+_KV_MARGIN = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,10 +200,14 @@ class GradientRoom:
         return max((r for _, r in runs), default=0.0)
 
     def _new_preemptions(self, load: ScrapedLoad | None) -> bool:
+        """vLLM preempted for want of KV cache since the last scrape. Preemptions with KV
+        cache to spare are the plugin's, for a waiting better tier (docs/plugin.md): no sign
+        of too large a room."""
         if load is None or load.preemptions is None:
             return False
         before, self._preemptions = self._preemptions, load.preemptions
-        return before is not None and load.preemptions > before
+        kv_short = load.kv_usage >= self.params.kv_high - _KV_MARGIN
+        return before is not None and load.preemptions > before and kv_short
 
     def _set(self, now: float, room: float, reason: str) -> RoomChange | None:
         new = float(max(self.params.min_room, min(self.ceiling, math.floor(room))))

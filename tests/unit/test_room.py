@@ -132,6 +132,9 @@ def test_preemptions_shrink_the_room(clock: FakeClock) -> None:
     engine = SimEngine(64)
     _run(pool, engine, clock, 30.0, demand=500)
     assert pool.all()[0].max_room == 66
+    engine.preemptions += 3  # with KV to spare: the plugin's, for a better tier
+    assert _run(pool, engine, clock, 3.0, demand=500) == []
+    engine.kv_per_seq = 0.9 / 64  # KV nearly full
     engine.preemptions += 3  # KV ran out: vLLM preempted
     changes = _run(pool, engine, clock, 1.0, demand=500)
     assert [c.reason for c in changes] == ["preempted"]
