@@ -149,7 +149,7 @@ async def sizes(args: argparse.Namespace) -> dict[str, Any]:
         with engines(n) as (engine,):
             clients = max(8, 2 * n + 8)
             row: dict[str, Any] = {}
-            fixed = sorted({n, n + 2, 2 * n})
+            fixed = [] if args.only_adaptive else sorted({n, n + 2, 2 * n})
             for max_inflight in [*fixed, None]:
                 cfg = proxy_cfg([engine.spec.url], max_inflight)
                 async with running_proxy(cfg) as (base, state):
@@ -297,6 +297,7 @@ def main() -> int:
     p.add_argument("what", choices=["sizes", "two", "overload", "all", "plot"])
     p.add_argument("--sizes", type=int, nargs="+", default=[4, 16, 64])
     p.add_argument("--duration", type=float, default=8.0)
+    p.add_argument("--only-adaptive", action="store_true", help="sizes: skip the fixed rooms")
     p.add_argument("--out", type=Path, default=Path(".tierproxy/slo-bench"))
     args = p.parse_args()
     if args.what == "plot":
