@@ -71,6 +71,8 @@ class AdminEndpoints:
             "ejected_for_s": max(0.0, backend.ejected_until - now),
             "inflight": backend.inflight,
             "max_inflight": backend.cfg.max_inflight,
+            "room": backend.max_room,
+            "room_adaptive": backend.cfg.adaptive_room,
             "dispatched_total": backend.dispatched_total,
             "models": sorted(backend.models) if backend.models is not None else None,
             "vllm_waiting": load.waiting if load else None,

@@ -38,6 +38,7 @@ class TierLimits:
     max_queue: int
     queue_timeout_s: float
     priority: int = 0  # lower is better (for ``tiers: strict_priority``)
+    early_refusal: bool = False  # refuse at once a request that would wait past the timeout
 
 
 @dataclass(eq=False)
@@ -180,6 +181,12 @@ class AdmissionQueue:
 
     def backlogged_tenants(self, tier: str) -> list[str]:
         return list(self._tenants.get(tier, ()))
+
+    def tenant_depth(self, tier: str, tenant: str) -> tuple[int, int]:
+        """(requests this tenant holds in the tier, tenants holding any there)."""
+        tenants = self._tenants.get(tier, {})
+        held = tenants.get(tenant)
+        return (held.depth if held is not None else 0), len(tenants)
 
     def next_deadline(self) -> float | None:
         deadlines = self._deadlines

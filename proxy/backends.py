@@ -4,7 +4,8 @@ The proxy's own in-flight counts come first (exact, instant); the load scraped f
 ``/metrics`` corrects them (a backend whose own waiting queue grows gets no new work until it
 drains); scraped load older than ``stale_after_s`` is ignored on purpose and its age exported.
 The room of a backend and the choice among candidates belong to the chooser policy
-(``proxy.policies.backends``).
+(``proxy.policies.backends``); how many requests a backend may hold at once, fixed or learned,
+to its room controller (``proxy.policies.room``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from proxy.config import Backend, BackendHealth
+from proxy.config_slo import AdaptiveRoom
 from proxy.policies.backends import BackendChooser, Candidate
+from proxy.policies.room import FixedRoom, GradientRoom, RoomChange, RoomController, RoomSignals
 
 
 @dataclass(frozen=True)
@@ -22,6 +25,7 @@ class ScrapedLoad:
     running: float
     kv_usage: float  # 0..1
     at: float  # monotonic time of the scrape
+    preemptions: float | None = None  # vLLM's counter since it started; None: not exported
 
 
 @dataclass(eq=False)
@@ -42,6 +46,15 @@ class BackendState:
     # Slots this process holds when replicas meter the backend together through Redis
     # (proxy.shared.room); None: this process alone meters it.
     granted: int | None = None
+    room_controller: RoomController | None = None  # set by the pool; None: max_inflight fixed
+    peak_inflight: int = 0  # since the room controller's last look
+
+    @property
+    def max_room(self) -> float:
+        """Requests this backend may hold at once now (before ramps and vLLM's queue)."""
+        if self.room_controller is not None:
+            return self.room_controller.limit()
+        return float(self.cfg.max_inflight or AdaptiveRoom().initial_room)
 
     @property
     def label(self) -> str:
@@ -64,24 +77,51 @@ class BackendPool:
     chooser's call."""
 
     def __init__(
-        self, backends: Iterable[Backend], health: BackendHealth, chooser: BackendChooser
+        self,
+        backends: Iterable[Backend],
+        health: BackendHealth,
+        chooser: BackendChooser,
+        adaptive: AdaptiveRoom | None = None,
+        *,
+        miss_budget: float = 0.01,
     ) -> None:
         self.health = health
         self.chooser = chooser
+        self.adaptive = adaptive or AdaptiveRoom()
+        self.miss_budget = miss_budget  # share of requests allowed to miss their tier's SLO
         self.states: dict[str, BackendState] = {}
         # Told when a backend shared with other replicas runs out of granted room (False) or
         # frees a slot (True): proxy.shared.room asks for room or gives it back then.
         self.on_shared_room: Callable[[bool], None] | None = None
         self.reconfigure(backends, health)
 
-    def reconfigure(self, backends: Iterable[Backend], health: BackendHealth) -> None:
+    def reconfigure(
+        self,
+        backends: Iterable[Backend],
+        health: BackendHealth,
+        adaptive: AdaptiveRoom | None = None,
+        *,
+        miss_budget: float | None = None,
+    ) -> None:
         """Keep the state of backends that stay; drain those that left (they finish their work
-        and are dropped once idle)."""
+        and are dropped once idle). A learned room survives a reload unless its parameters or
+        the backend's kind of room changed."""
         self.health = health
+        renew = adaptive is not None and adaptive != self.adaptive
+        self.adaptive = adaptive or self.adaptive
+        if miss_budget is not None:
+            self.miss_budget = miss_budget
         wanted = {b.url: b for b in backends}
         for url, state in list(self.states.items()):
             if url in wanted:
+                kind_changed = state.cfg.adaptive_room != wanted[url].adaptive_room
                 state.cfg = wanted[url]
+                if renew or kind_changed:
+                    state.room_controller = self._controller(state.cfg)
+                elif state.room_controller is not None:
+                    state.room_controller.set_ceiling(self._ceiling(state.cfg))
+                    if isinstance(state.room_controller, GradientRoom):
+                        state.room_controller.miss_budget = self.miss_budget
                 if state.removed:
                     state.removed = state.draining = False
             elif state.inflight == 0:
@@ -89,7 +129,39 @@ class BackendPool:
             else:
                 state.removed = state.draining = True
         for url, cfg in wanted.items():
-            self.states.setdefault(url, BackendState(cfg=cfg))
+            if url not in self.states:
+                self.states[url] = BackendState(cfg=cfg, room_controller=self._controller(cfg))
+
+    def _ceiling(self, cfg: Backend) -> float:
+        return float(cfg.max_inflight or self.adaptive.max_room)
+
+    def _controller(self, cfg: Backend) -> RoomController:
+        if not cfg.adaptive_room:
+            return FixedRoom(cfg.max_inflight or self.adaptive.initial_room)
+        return GradientRoom(self.adaptive, self._ceiling(cfg), self.miss_budget)
+
+    def tick_room(self, state: BackendState, now: float) -> RoomChange | None:
+        """One look of the backend's room controller (after each monitor pass)."""
+        if state.room_controller is None:
+            return None
+        signals = RoomSignals(
+            load=state.fresh_load(now, self.health.stale_after_s),
+            had_metrics=state.load is not None,
+            peak_inflight=state.peak_inflight,
+            allowance=float(self.health.max_backend_waiting),
+        )
+        state.peak_inflight = state.inflight
+        return state.room_controller.tick(now, signals)
+
+    def observe_latency(self, state: BackendState, now: float, met: bool | None) -> None:
+        """A request on this backend ended; whether its backend-side latency met its target
+        (None: no target, or nothing to judge)."""
+        if met is not None and state.room_controller is not None:
+            state.room_controller.observe(now, met)
+
+    def slots(self) -> float:
+        """Room of all backends together (for a rough Retry-After)."""
+        return sum(s.max_room for s in self.states.values())
 
     def all(self) -> list[BackendState]:
         return list(self.states.values())
@@ -149,6 +221,7 @@ class BackendPool:
     # -- bookkeeping ---------------------------------------------------------------------
     def acquire(self, state: BackendState, tokens: float, *, prefix: int | None = None) -> None:
         state.inflight += 1
+        state.peak_inflight = max(state.peak_inflight, state.inflight)
         state.tokens_inflight += tokens
         state.dispatched_total += 1
         self.chooser.served(state, prefix)

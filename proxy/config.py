@@ -21,6 +21,7 @@ from pydantic import (
 )
 
 from proxy.config_server import AdminListen, InputLimits, Listen, Relay, Server, Strict
+from proxy.config_slo import AdaptiveRoom, TierSlo
 from proxy.shared.config import SharedState
 from proxy.ticket import DEFAULT_PREFILL_SHARE, DEFAULT_SECRET_ENV
 from proxy.usage_log import UsageLogSettings
@@ -221,6 +222,17 @@ class Tier(Strict):
         description="Share of a vLLM step that this tier's prefills may take while better tiers"
         " decode. null: 1.0 for the best tier, 0.2 for the others.",
     )
+    slo: TierSlo | None = Field(
+        None,
+        description="Latency target (docs/slo.md): goodput metrics, and the adaptive backend"
+        " room steers by it.",
+        examples=[{"ttft_s": 1.0, "itl_s": 0.1, "percentile": 99}],
+    )
+    early_refusal: bool = Field(
+        False,
+        description="429 at once, Retry-After the predicted wait, when a new request's predicted"
+        " queue wait exceeds queue_timeout_s (false: it waits and gets 503 at the timeout).",
+    )
 
 
 class KeySpec(Strict):
@@ -280,11 +292,17 @@ class Backend(Strict):
 
     url: str = Field(description="Base URL of the vLLM server, e.g. http://127.0.0.1:8100.")
     name: str | None = Field(None, description="Label in logs and metrics; null: the URL.")
-    max_inflight: int = Field(
-        64,
+    max_inflight: int | None = Field(
+        None,
         gt=0,
-        description="Requests in flight on this backend at most; keep it near vLLM's"
-        " --max-num-seqs so the backlog waits in the proxy, where the tiers order it.",
+        description="Requests in flight on this backend at most. Unset: the room adapts"
+        " (docs/slo.md) up to adaptive_room.max_room. Set: a fixed room (keep it near vLLM's"
+        " --max-num-seqs), or the ceiling of an adaptive one with `adaptive: true`.",
+    )
+    adaptive: bool | None = Field(
+        None,
+        description="Learn the room from vLLM's queue and the tiers' SLOs; null: adaptive"
+        " exactly when max_inflight is unset.",
     )
     max_tokens_inflight: int | None = Field(
         None,
@@ -305,9 +323,19 @@ class Backend(Strict):
             raise ValueError("must be an http(s) URL such as http://127.0.0.1:8100")
         return value.rstrip("/")
 
+    @model_validator(mode="after")
+    def _fixed_needs_a_size(self) -> Backend:
+        if self.adaptive is False and self.max_inflight is None:
+            raise ValueError("adaptive: false needs max_inflight (the fixed room)")
+        return self
+
     @property
     def label(self) -> str:
         return self.name or self.url
+
+    @property
+    def adaptive_room(self) -> bool:
+        return self.adaptive if self.adaptive is not None else self.max_inflight is None
 
 
 class Config(Strict):
@@ -332,6 +360,10 @@ class Config(Strict):
         BackendHealth(), description="Health checks, scraping, ejection, retries."
     )
     policies: Policies = Field(Policies(), description="Scheduling policy of each seam.")
+    adaptive_room: AdaptiveRoom = Field(
+        AdaptiveRoom(),
+        description="The controller that learns each adaptive backend's room (docs/slo.md).",
+    )
     input: InputLimits = Field(InputLimits(), description="What a client may send.")
     relay: Relay = Field(Relay(), description="Bounds on relaying answers.")
     tiers: dict[str, Tier] = Field(min_length=1, description="The tiers, by name.")
@@ -554,5 +586,7 @@ def summarize(loaded: LoadedConfig) -> str:
         )
     lines.append(f"  tenants {len(cfg.tenants)}, keys {len(loaded.tenant_by_key_hash)}")
     for b in cfg.backends:
-        lines.append(f"  backend {b.label}: max_inflight {b.max_inflight}")
+        ceiling = b.max_inflight or cfg.adaptive_room.max_room
+        room = f"adaptive up to {ceiling}" if b.adaptive_room else f"fixed {b.max_inflight}"
+        lines.append(f"  backend {b.label}: room {room}")
     return "\n".join(lines)

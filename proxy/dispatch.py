@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from proxy.admission import AdmissionQueue, QueuedRequest, QueueFull
 from proxy.backends import BackendPool, BackendState
+from proxy.early_refusal import EarlyRefusal, ServiceRates
 from proxy.metrics import ProxyMetrics
 from proxy.tasks import OwnedTask
 
@@ -35,6 +36,7 @@ class Lease:
     tokens: float
     _dispatcher: Dispatcher
     released: bool = False
+    granted_at: float = 0.0  # when the dispatcher handed it out (the backend's part starts)
 
     def release(self) -> None:
         if not self.released:
@@ -58,6 +60,7 @@ class Dispatcher:
         self.clock = clock
         self._wake = asyncio.Event()
         self._task = OwnedTask("tierproxy-dispatcher")
+        self.service = ServiceRates()  # per tier, for early refusal
 
     def start(self) -> None:
         self._task.start(self._run)
@@ -71,11 +74,14 @@ class Dispatcher:
     def enqueue(self, req: QueuedRequest, *, force: bool = False) -> asyncio.Future[Lease]:
         """Queue a request (QueueFull propagates) and return the future of its lease, which is
         already resolved when a backend had room: dispatch happens here, synchronously. A
-        request it displaces from a full tier gets QueueFull through its own future."""
+        request it displaces from a full tier gets QueueFull through its own future; one whose
+        tier refuses early and that would wait past the timeout gets EarlyRefusal."""
         req.waiter = asyncio.get_running_loop().create_future()
         limits = self.queue.limits(req.tier)
         if not force and self.queue.depth(req.tier) >= limits.max_queue:
             self.dispatch_ready()  # room may have appeared since (ramp, probe): use it first
+        if limits.early_refusal and not force:
+            self._refuse_early(req, limits.queue_timeout_s)
         displaced = self.queue.push(req, self.clock(), force=force)
         if displaced is not None:
             self.metrics.queue_wait.labels(displaced.tier).observe(
@@ -88,6 +94,17 @@ class Dispatcher:
         self.metrics.queue_depth.labels(req.tier).set(self.queue.depth(req.tier))
         waiter: asyncio.Future[Lease] = req.waiter
         return waiter
+
+    def _refuse_early(self, req: QueuedRequest, timeout_s: float) -> None:
+        self.dispatch_ready()  # what can start now starts first: it is not ahead any more
+        tenant_depth, tenants = self.queue.tenant_depth(req.tier, req.tenant)
+        wait = self.service.predicted_wait(
+            req.tier, self.queue.depth(req.tier), tenant_depth, tenants
+        )
+        # Time already spent (tenant limits, parsing) counts against the timeout too.
+        if wait is not None and self.clock() - req.arrival_s + wait > timeout_s:
+            self.metrics.slo.early_refusals.labels(req.tier).inc()
+            raise EarlyRefusal(req.tier, wait)
 
     def withdraw(self, req: QueuedRequest) -> None:
         """The handler gave up on a request (client left): out of the queue, slot back."""
@@ -142,7 +159,8 @@ class Dispatcher:
             touched.add(req.tier)
             tokens = float(req.prompt_tokens + req.expected_output)
             self.pool.acquire(backend, tokens, prefix=req.prefix_hash)
-            lease = Lease(backend, tokens, self)
+            self.service.dispatched(req.tier, now, self.queue.depth(req.tier))
+            lease = Lease(backend, tokens, self, granted_at=now)
             if req.waiter is None or req.waiter.done():
                 lease.release()  # its handler is gone
                 continue

@@ -295,3 +295,15 @@ def shared_state_unavailable(retry_after_s: float) -> ProxyError:
         code="shared_state_unavailable",
         retry_after_s=retry_after_s,
     )
+
+
+def refused_early(tier: str, predicted_wait_s: float, timeout_s: float) -> ProxyError:
+    """429 at once: the request would wait longer than its tier's queue timeout (issue #16)."""
+    return ProxyError(
+        429,
+        f"The {tier} tier's queue would hold this request about {predicted_wait_s:.1f}s,"
+        f" longer than its {timeout_s:g}s limit; retry after the indicated time.",
+        type="rate_limit_error",
+        code="predicted_wait_too_long",
+        retry_after_s=predicted_wait_s,
+    )

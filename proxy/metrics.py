@@ -7,6 +7,8 @@ import asyncio
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
+from proxy.slo import SloMetrics
+
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
@@ -96,6 +98,8 @@ class ProxyMetrics:
             "Client connections refused at the server.max_connections cap (503 then closed)",
             registry=r,
         )
+        # Goodput, early refusals and backend room (proxy/slo.py, docs/slo.md).
+        self.slo = SloMetrics(r)
         # What a soak watches for leaks: process_resident_memory_bytes, process_open_fds, ...
         ProcessCollector(registry=r)
         self.event_loop_tasks = Gauge(

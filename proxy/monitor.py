@@ -57,7 +57,23 @@ class BackendMonitor:
     async def probe_all(self) -> None:
         states = self.pool.all()
         await asyncio.gather(*(self._probe_safely(s) for s in states))
+        self.tick_rooms()
         self.export_gauges()
+
+    def tick_rooms(self) -> None:
+        """Let each backend's room controller look at what this pass saw (docs/slo.md)."""
+        now = self.clock()
+        for state in self.pool.all():
+            change = self.pool.tick_room(state, now)
+            if change is not None:
+                self.metrics.slo.backend_room_changes.labels(state.label, change.reason).inc()
+                log.info(
+                    "backend %s room %g -> %g (%s)",
+                    state.label,
+                    change.old,
+                    change.new,
+                    change.reason,
+                )
 
     async def _probe_safely(self, state: BackendState) -> None:
         # One backend's odd answer must never stop the watching of all of them.
@@ -74,6 +90,7 @@ class BackendMonitor:
             self.metrics.backend_available.labels(label).set(1 if state.available(now) else 0)
             age = now - state.load.at if state.load is not None else float("inf")
             self.metrics.backend_metrics_age.labels(label).set(age)
+            self.metrics.slo.backend_room.labels(label).set(state.max_room)
 
     async def _probe(self, state: BackendState) -> None:
         health = self.pool.health

@@ -17,6 +17,7 @@ class Outcome(StrEnum):
     CLIENT_GONE = "client_gone"  # the client left before the end
     TIMEOUT = "timeout"  # the tier's request timeout ran out
     QUEUE_FULL = "queue_full"
+    REFUSED_EARLY = "refused_early"  # its predicted wait exceeded the tier's queue timeout
     RATE_LIMITED = "rate_limited"  # a tenant limit said no
     QUEUE_TIMEOUT = "queue_timeout"  # waited the tier's queue timeout without a backend
     UNAUTHORIZED = "unauthorized"
@@ -40,6 +41,8 @@ def outcome_of(err: ProxyError) -> Outcome:
     if err.status == 413:
         return Outcome.REJECTED
     if err.status == 429:
+        if err.code == "predicted_wait_too_long":
+            return Outcome.REFUSED_EARLY
         return Outcome.QUEUE_FULL if err.code == "queue_full" else Outcome.RATE_LIMITED
     if err.status == 503:
         return Outcome.QUEUE_TIMEOUT if err.code == "queue_timeout" else Outcome.UNAVAILABLE

@@ -26,6 +26,7 @@ from proxy.budget import MemoryBudget, Reservation, held_estimate
 from proxy.config import Config, LoadedConfig, Tenant
 from proxy.costs import usage_counts
 from proxy.dispatch import Dispatcher, Lease, QueueTimeoutError
+from proxy.early_refusal import EarlyRefusal
 from proxy.errors import (
     ProxyError,
     backend_overloaded,
@@ -38,6 +39,7 @@ from proxy.errors import (
     queue_full,
     queue_timeout,
     rate_limited,
+    refused_early,
 )
 from proxy.forward import RelayResult, UpstreamCall, UpstreamUnavailable, relay
 from proxy.hotpath import LabelCache
@@ -60,6 +62,7 @@ from proxy.reply_headers import (
 )
 from proxy.responses_relay import relay_responses
 from proxy.routes import BY_ENDPOINT, Endpoint, Route
+from proxy.slo import Latency, backend_met, latency_of
 from proxy.upstream import upstream_call
 
 log = logging.getLogger("tierproxy")
@@ -87,6 +90,7 @@ class Trace:
     admitted: bool = False  # parsed and its model known
     outcome: Outcome = Outcome.ERROR
     status: int = 500
+    latency: Latency | None = None  # of an answer relayed (for goodput)
 
 
 @dataclass
@@ -204,6 +208,7 @@ class RequestPipeline:
                         lease = await self.dispatch(adm, self.enqueue(adm))
                     result = await self.forward(request, adm, lease)
                 self.account(adm, result)
+                trace.latency = latency_of(adm.arrival, result, self.clock())
             finally:
                 self.settle_tenant_limits(adm, result)
             return self.respond(trace, result)
@@ -295,6 +300,9 @@ class RequestPipeline:
             return self.dispatcher.enqueue(adm.queued, force=adm.attempts > 0)
         except QueueFull:
             raise queue_full(adm.tier, self.retry_after(adm.tier)) from None
+        except EarlyRefusal as exc:
+            timeout = adm.config.tiers[adm.tier].queue_timeout_s
+            raise refused_early(adm.tier, exc.predicted_wait_s, timeout) from None
         except UnknownTier:
             # A reload removed the tier between this request's admission and its queueing.
             raise config_changed() from None
@@ -330,7 +338,7 @@ class RequestPipeline:
 
     def retry_after(self, tier: str) -> float:
         """A rough wait before retrying: the tier's backlog over the slots that serve it."""
-        slots = sum(b.cfg.max_inflight for b in self.pool.all()) or 1
+        slots = self.pool.slots() or 1
         try:
             ceiling = self.queue.limits(tier).queue_timeout_s
         except UnknownTier:
@@ -392,6 +400,11 @@ class RequestPipeline:
             self.metrics.backend_errors.labels(lease.backend.label, result.outcome).inc()
         else:
             self.pool.record_success(lease.backend, self.clock())
+            # The backend's part of the latency, for its room controller (docs/slo.md).
+            met = backend_met(
+                adm.config.tiers[adm.tier].slo, lease.granted_at, result, self.clock()
+            )
+            self.pool.observe_latency(lease.backend, self.clock(), met)
         return result
 
     # -- account -------------------------------------------------------------------------
@@ -443,6 +456,9 @@ class RequestPipeline:
             self.child(self.metrics.requests, tier, trace.outcome).inc()
         if trace.admitted:
             self.child(self.metrics.e2e, tier).observe(elapsed)
+        if trace.admitted and tenant is not None:  # goodput (proxy/slo.py)
+            latency = trace.latency or Latency(trace.arrival, None, self.clock(), None)
+            self.metrics.slo.record(self.config().config, tenant, trace.outcome, latency)
         # Never the key: only the tenant it resolved to.
         access_log.info(
             "request_id=%s tenant=%s tier=%s status=%d outcome=%s duration_s=%.3f",

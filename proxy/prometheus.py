@@ -18,6 +18,7 @@ from proxy.backends import ScrapedLoad
 VLLM_RUNNING = "vllm:num_requests_running"
 VLLM_WAITING = "vllm:num_requests_waiting"
 VLLM_KV_USAGE = "vllm:kv_cache_usage_perc"
+VLLM_PREEMPTIONS = "vllm:num_preemptions_total"
 PROXY_QUEUE_DEPTH = "tierproxy_queue_depth"
 
 # {labels} after the name; label values may hold spaces, braces and escaped quotes.
@@ -100,6 +101,7 @@ class _Counts:
     running: float = 0.0
     kv_usage: float = 0.0
     kv_samples: int = 0
+    preemptions: float = 0.0
     seen: set[str] = field(default_factory=set)
 
 
@@ -107,6 +109,7 @@ _WANTED = {
     VLLM_WAITING: "waiting",
     VLLM_RUNNING: "running",
     VLLM_KV_USAGE: "kv_usage",
+    VLLM_PREEMPTIONS: "preemptions",
 }
 
 
@@ -125,4 +128,11 @@ def parse_vllm_load(text: str, now: float) -> ScrapedLoad | None:
     if not counts.seen:
         return None
     kv = counts.kv_usage / counts.kv_samples if counts.kv_samples else 0.0
-    return ScrapedLoad(waiting=counts.waiting, running=counts.running, kv_usage=kv, at=now)
+    preemptions = counts.preemptions if "preemptions" in counts.seen else None
+    return ScrapedLoad(
+        waiting=counts.waiting,
+        running=counts.running,
+        kv_usage=kv,
+        at=now,
+        preemptions=preemptions,
+    )

@@ -127,7 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-inflight",
         type=int,
         default=6,
-        help="per-backend max_inflight in the proxy config (a little above vLLM's --max-num-seqs)",
+        help="per-backend max_inflight in the proxy config (a little above vLLM's"
+        " --max-num-seqs); 0: unset, the room adapts (docs/slo.md)",
+    )
+    p.add_argument(
+        "--early-refusal",
+        action="store_true",
+        help="proxy config: every tier refuses at once what would wait past its queue timeout",
     )
     p.add_argument("--max-num-seqs", type=int, default=4, help="--local: vLLM's --max-num-seqs")
     p.add_argument("--no-plugin", action="store_true", help="--local: vLLM without the plugin")
@@ -200,7 +206,11 @@ def _write_config(args: argparse.Namespace, scenario: Scenario) -> int:
     if not args.backend:
         raise ValueError("--write-proxy-config needs at least one --backend URL")
     data = proxy_config(
-        scenario, args.backend, port=args.proxy_port, max_inflight=args.max_inflight
+        scenario,
+        args.backend,
+        port=args.proxy_port,
+        max_inflight=args.max_inflight or None,
+        early_refusal=args.early_refusal,
     )
     path = write_proxy_config(data, args.write_proxy_config, scenario)
     print(f"wrote {path}: {len(scenario.tenants)} tenants in tiers {', '.join(scenario.tiers)}")
@@ -239,7 +249,8 @@ def _run_local(args: argparse.Namespace, scenario: Scenario, out: Path) -> int:
         out,
         model=args.model,
         max_num_seqs=args.max_num_seqs,
-        max_inflight=args.max_inflight,
+        max_inflight=args.max_inflight or None,
+        early_refusal=args.early_refusal,
         plugin=not args.no_plugin,
     ) as stack:
         stack.start()

@@ -54,14 +54,23 @@ def proxy_config(
     backends: list[str],
     *,
     port: int = 8000,
-    max_inflight: int = 4,
+    max_inflight: int | None = 4,
+    early_refusal: bool = False,
 ) -> dict[str, Any]:
-    """The config as a plain mapping (validated by proxy.config before it is returned)."""
+    """The config as a plain mapping (validated by proxy.config before it is returned).
+    ``max_inflight`` None: the backends' room adapts. The scenario's SLOs become the tiers'
+    ``slo:``, so the proxy's goodput metrics and its room judge by the bench's numbers."""
     if not backends:
         raise ValueError("a proxy config needs at least one backend URL")
-    tiers = dict(scenario.proxy_tiers or {})
+    tiers = {name: dict(t) for name, t in (scenario.proxy_tiers or {}).items()}
     for tier in scenario.tiers:
         tiers.setdefault(tier, dict(DEFAULT_TIERS.get(tier, _FALLBACK_TIER)))
+    for tier, spec in scenario.slo.items():
+        tiers[tier].setdefault("slo", spec.proxy_slo())
+    if early_refusal:
+        for settings in tiers.values():
+            settings["early_refusal"] = True
+    room = {} if max_inflight is None else {"max_inflight": max_inflight}
     data: dict[str, Any] = {
         "listen": {"host": "127.0.0.1", "port": port},
         "tiers": tiers,
@@ -69,7 +78,7 @@ def proxy_config(
             {"name": t.name, "tier": t.tier, "keys": [{"sha256": hash_key(t.api_key)}]}
             for t in scenario.tenants
         ],
-        "backends": [{"url": url, "max_inflight": max_inflight} for url in backends],
+        "backends": [{"url": url, **room} for url in backends],
     }
     validate(data)
     return data

@@ -65,9 +65,18 @@ class TenantLoad(_Strict):
 class SloSpec(_Strict):
     ttft_s: float = Field(gt=0)
     e2e_s: float | None = Field(None, gt=0)
+    itl_s: float | None = Field(None, gt=0)  # mean gap between tokens after the first
+    percentile: float = Field(99.0, gt=0, lt=100)  # of the proxy's target (docs/slo.md)
 
     def to_slo(self) -> Slo:
-        return Slo(ttft_s=self.ttft_s, e2e_s=self.e2e_s)
+        return Slo(ttft_s=self.ttft_s, e2e_s=self.e2e_s, itl_s=self.itl_s)
+
+    def proxy_slo(self) -> dict[str, float]:
+        """The tier's ``slo:`` in the proxy config: the same numbers the bench judges by."""
+        out = {"ttft_s": self.ttft_s, "percentile": self.percentile}
+        if self.itl_s is not None:
+            out["itl_s"] = self.itl_s
+        return out
 
 
 class Scenario(_Strict):

@@ -27,8 +27,9 @@ class LocalStack(StopOnExit):
         *,
         model: str | None = None,
         max_num_seqs: int = 4,
-        max_inflight: int = 4,
+        max_inflight: int | None = 4,
         plugin: bool = True,
+        early_refusal: bool = False,
         engine_args: list[str] | None = None,
     ) -> None:
         self.scenario = scenario
@@ -36,6 +37,7 @@ class LocalStack(StopOnExit):
         self.model = model
         self.max_num_seqs = max_num_seqs
         self.max_inflight = max_inflight
+        self.early_refusal = early_refusal
         self.plugin = plugin
         self.engine_args = engine_args or []
         self.engine: EngineProcess | None = None
@@ -74,7 +76,11 @@ class LocalStack(StopOnExit):
 
         self.proxy_port = free_port()
         data = proxy_config(
-            self.scenario, [spec.url], port=self.proxy_port, max_inflight=self.max_inflight
+            self.scenario,
+            [spec.url],
+            port=self.proxy_port,
+            max_inflight=self.max_inflight,
+            early_refusal=self.early_refusal,
         )
         write_proxy_config(data, self.config_path, self.scenario)
         self.proxy = ProxyProcess(

@@ -71,15 +71,20 @@ def jain_index(shares: Sequence[float]) -> float:
 
 @dataclass(frozen=True)
 class Slo:
-    """A tier's service-level objective: first token within ttft_s, whole answer within e2e_s."""
+    """A tier's service-level objective: first token within ttft_s, whole answer within e2e_s,
+    tokens after the first itl_s apart on average."""
 
     ttft_s: float
     e2e_s: float | None = None
+    itl_s: float | None = None
 
     def met_by(self, record: RequestRecord) -> bool:
         if record.outcome is not Outcome.OK or record.ttft is None or record.e2e is None:
             return False
         if record.ttft > self.ttft_s:
+            return False
+        itls = record.itls
+        if self.itl_s is not None and itls and sum(itls) / len(itls) > self.itl_s:
             return False
         return self.e2e_s is None or record.e2e <= self.e2e_s
 

@@ -22,7 +22,7 @@ class BackendRoomCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily]:
         now = self.clock()
         room = GaugeMetricFamily(
-            "tierproxy_backend_room",
+            "tierproxy_backend_free_slots",
             "Free request slots per backend now (ramps, ejections and vLLM's own queue count)",
             labels=["backend"],
         )

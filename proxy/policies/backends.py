@@ -35,11 +35,11 @@ class BackendChooser(Protocol):
 
 
 def slot_room(state: BackendState, now: float, health: BackendHealth) -> float:
-    """Configured slots, ramped after a reinstatement, shrunk by vLLM's own queue beyond the
-    allowance, less what is in flight."""
+    """The room controller's slots (``max_inflight``, or learned), ramped after a
+    reinstatement, shrunk by vLLM's own queue beyond the allowance, less what is in flight."""
     if not state.available(now):
         return 0.0
-    cap = float(state.cfg.max_inflight)
+    cap = state.max_room
     if state.reinstated_at is not None and health.ramp_s > 0:
         ramp = min(1.0, 0.25 + 0.75 * (now - state.reinstated_at) / health.ramp_s)
         cap = max(1.0, cap * ramp)  # a returning backend always takes at least one
@@ -60,7 +60,7 @@ def least_utilised(candidates: Sequence[Candidate]) -> BackendState | None:
     best: BackendState | None = None
     best_score = 0.0
     for c in candidates:
-        score = (c.room - 1.0) / c.state.cfg.max_inflight  # free share left after this one
+        score = (c.room - 1.0) / c.state.max_room  # free share left after this one
         if c.load is not None:
             score -= 0.01 * c.load.kv_usage
         if best is None or score > best_score:

@@ -19,6 +19,7 @@ from proxy.policies.displacement import LargestShare
 from proxy.policies.order import ShortFirst
 from proxy.policies.tenants import VirtualTokenCounter
 from proxy.policies.tiers import StrideTierSelector
+from proxy.slo import slo_miss_budget
 
 log = logging.getLogger("tierproxy.policies")
 
@@ -27,7 +28,7 @@ _QUEUE_SEAMS = ("tiers", "tenants", "order", "displacement")
 
 def tier_limits(config: Config) -> dict[str, TierLimits]:
     return {
-        name: TierLimits(t.weight, t.max_queue, t.queue_timeout_s, t.priority)
+        name: TierLimits(t.weight, t.max_queue, t.queue_timeout_s, t.priority, t.early_refusal)
         for name, t in config.tiers.items()
     }
 
@@ -78,7 +79,12 @@ class Scheduling:
         if (old.backends, old.prefix_memory) != (new.backends, new.prefix_memory):
             log.warning("backend policy changed: %s -> %s", old.backends, new.backends)
             self.pool.chooser = backend_chooser(config)
-        self.pool.reconfigure(config.backends, config.backend_health)
+        self.pool.reconfigure(
+            config.backends,
+            config.backend_health,
+            config.adaptive_room,
+            miss_budget=slo_miss_budget(config),
+        )
         self.config = config
 
 
@@ -86,7 +92,13 @@ def build_scheduling(
     config: Config, metrics: ProxyMetrics, clock: Callable[[], float] = time.monotonic
 ) -> Scheduling:
     queue = AdmissionQueue(tier_limits(config), queue_policies(config))
-    pool = BackendPool(config.backends, config.backend_health, backend_chooser(config))
+    pool = BackendPool(
+        config.backends,
+        config.backend_health,
+        backend_chooser(config),
+        config.adaptive_room,
+        miss_budget=slo_miss_budget(config),
+    )
     return Scheduling(queue, pool, Dispatcher(queue, pool, metrics, clock), config)
 
 

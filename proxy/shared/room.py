@@ -139,7 +139,7 @@ class SharedBackendRoom:
         shed = self._shed.pop(state.cfg.url, 0)
         if shed:
             await self._give_back(state, shed)
-        cap = state.cfg.max_inflight + self.store.cfg.priority_reserve
+        cap = _room(state) + self.store.cfg.priority_reserve
         need = min(cap, state.inflight + self.waiting())
         spare = self._spare(state)
         if self._contended():
@@ -154,7 +154,7 @@ class SharedBackendRoom:
                     self.replica,
                     self.store.cfg.lease_ttl_s,
                     min(cap, need + spare) - state.granted,
-                    state.cfg.max_inflight,
+                    _room(state),
                     self.store.cfg.priority_reserve,
                     1 if better else 0,
                 ],
@@ -181,11 +181,11 @@ class SharedBackendRoom:
         return time.monotonic() < self._contended_until
 
     def _spare(self, state: BackendState) -> int:
-        return 0 if self._contended() else state.cfg.max_inflight // 8
+        return 0 if self._contended() else _room(state) // 8
 
     def _fair(self, state: BackendState) -> int:
         replicas = max(1, self._replicas.get(state.cfg.url, 1))
-        return -(-state.cfg.max_inflight // replicas)
+        return -(-_room(state) // replicas)
 
     def _shed_surplus(self) -> None:
         for state in self.pool.all():
@@ -249,3 +249,9 @@ class SharedBackendRoom:
                 with contextlib.suppress(RedisError, OSError, TimeoutError):
                     async with asyncio.timeout(self.store.cfg.call_timeout_s):
                         await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+
+def _room(state: BackendState) -> int:
+    """The backend's room as this replica sees it: ``max_inflight``, or what its controller
+    learned from vLLM's own gauges (the same for every replica metering that vLLM)."""
+    return max(1, int(state.max_room))

@@ -41,7 +41,7 @@ def test_panels_cover_tiers_tenants_backends_and_vllm() -> None:
         'tierproxy_requests_total{outcome!="ok"}',
         "tierproxy_usage_tokens_total",
         "tierproxy_rate_limited_total",
-        "tierproxy_backend_room",
+        "tierproxy_backend_free_slots",
         "vllm:num_requests_running",
         "vllm:num_requests_waiting",
         "vllm:kv_cache_usage_perc",

@@ -22,7 +22,7 @@ vllm:request_success_total{engine="0",finished_reason="abort",model_name="tiny"}
 
 def test_parse_vllm_metrics_text() -> None:
     load = parse_vllm_load(VLLM_TEXT, now=5.0)
-    assert load == ScrapedLoad(waiting=4.0, running=4.0, kv_usage=0.5, at=5.0)
+    assert load == ScrapedLoad(waiting=4.0, running=4.0, kv_usage=0.5, at=5.0, preemptions=9.0)
     assert parse_vllm_load("process_cpu_seconds_total 1.0\n", 0.0) is None
 
 

@@ -191,10 +191,10 @@ async def test_tokenize_skips_the_queue(clock: FakeClock) -> None:
     fake = RoutesBackend()
     async with proxy(clock, fake) as (client, state):
         backend = state.pool.all()[0]
-        backend.inflight = backend.cfg.max_inflight
+        backend.inflight = int(backend.max_room)
         async with client.post("/tokenize", json=BODIES["/tokenize"], headers=auth("high")) as r:
             assert r.status == 200 and (await r.json())["count"] == 2
-        assert backend.inflight == backend.cfg.max_inflight and len(state.queue) == 0
+        assert backend.inflight == int(backend.max_room) and len(state.queue) == 0
         async with client.post("/tokenize", json=BODIES["/tokenize"]) as r:
             assert r.status == 401  # never without a key
         # Never queued, so nothing to correct: a refused one credits its tenant nothing.

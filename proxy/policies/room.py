@@ -1,0 +1,221 @@
+"""How many requests a backend may hold at once (its room), learned or fixed (docs/slo.md).
+
+The controller is told, once per monitor pass, what the backend looks like (vLLM's scraped
+queue, running batch, KV usage and preemptions; the most the proxy had in flight there since
+the last pass) and, per finished request, whether the backend's part of its latency met its
+tier's target. Like Netflix's concurrency-limits it changes the room on evidence only: after a
+change it waits for a scrape taken after that change. The rule:
+
+- vLLM queues beyond the allowance and runs fewer than the room: the room jumps down to what
+  vLLM runs plus the allowance (vLLM's ``running`` is its real batch limit, whatever limits it;
+  the most it ran over the last ``_PEAK_WINDOW_S``, since one scrape may fall between a
+  request's end and the next one's start);
+- vLLM preempts with its KV cache nearly full (KV pressure; the plugin's preemptions for a
+  better tier come with KV to spare and do not count) or the tiers' targets slip: the room
+  shrinks by ``decrease_ratio``;
+- vLLM ran nearly all the room at once (more than the room less the allowance) and holds no
+  more than the allowance waiting, KV usage below ``kv_high``, targets met and the room was
+  used: it grows, doubling until the first shrink (slow start), then by ``increase_ratio``
+  (after a shrink for the SLO, only once a full window of requests judged the new room);
+- anything else, or stale metrics from a backend that had them: the room stays as it is.
+
+A room at vLLM's batch limit plus the allowance keeps the allowance in vLLM's queue: vLLM runs
+no more than the room less the allowance (no growth) and holds no more than the allowance
+waiting (no shrink), so the room holds still under constant load. Every decision rests on at
+least two scrapes taken since the last change.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from proxy.config_slo import AdaptiveRoom
+
+if TYPE_CHECKING:
+    from proxy.backends import ScrapedLoad
+
+# vLLM's batch limit is the most it ran over this long (scrapes are snapshots).
+_PEAK_WINDOW_S = 5.0
+# Preemptions count as KV pressure when KV usage is at least kv_high less this.
+_KV_MARGIN = 0.1
+
+
+@dataclass(frozen=True, slots=True)
+class RoomSignals:
+    load: ScrapedLoad | None  # the latest scrape, None if stale or never seen
+    had_metrics: bool  # the backend has answered /metrics at least once
+    peak_inflight: int  # the most the proxy had in flight there since the last pass
+    allowance: float  # requests vLLM may hold waiting without it being a signal
+
+
+@dataclass(frozen=True, slots=True)
+class RoomChange:
+    old: float
+    new: float
+    reason: str  # grow | queued | preempted | slo
+
+
+class RoomController(Protocol):
+    def limit(self) -> float:
+        """The room now: requests this backend may hold at once (at least 1)."""
+
+    def tick(self, now: float, signals: RoomSignals) -> RoomChange | None:
+        """Look at the backend once more; the change made, if any."""
+
+    def observe(self, now: float, met: bool) -> None:
+        """A request on this backend ended: whether its backend-side latency met its tier's
+        target (only requests of tiers with an SLO are told)."""
+
+    def set_ceiling(self, ceiling: float) -> None:
+        """A reload changed the most this room may be."""
+
+
+class FixedRoom:
+    """Today's hand-set ``max_inflight``."""
+
+    def __init__(self, size: int) -> None:
+        self.size = float(size)
+
+    def limit(self) -> float:
+        return self.size
+
+    def tick(self, now: float, signals: RoomSignals) -> RoomChange | None:
+        return None
+
+    def observe(self, now: float, met: bool) -> None:
+        pass
+
+    def set_ceiling(self, ceiling: float) -> None:
+        self.size = ceiling
+
+
+class SloWindow:
+    """Whether the recent requests met their targets: misses over the last ``window_s``."""
+
+    def __init__(self, window_s: float, min_samples: int) -> None:
+        self.window_s = window_s
+        self.min_samples = min_samples
+        self._seen: deque[tuple[float, bool]] = deque()
+        self._misses = 0
+
+    def add(self, now: float, met: bool) -> None:
+        self._seen.append((now, met))
+        self._misses += not met
+        self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        while self._seen and now - self._seen[0][0] > self.window_s:
+            _, met = self._seen.popleft()
+            self._misses -= not met
+
+    def miss_share(self, now: float) -> float | None:
+        """Share of misses, None with too few samples to judge."""
+        self._trim(now)
+        if len(self._seen) < self.min_samples:
+            return None
+        return self._misses / len(self._seen)
+
+    def clear(self) -> None:
+        self._seen.clear()
+        self._misses = 0
+
+
+class GradientRoom:
+    """The adaptive room (see the module's docstring for the rule)."""
+
+    def __init__(self, params: AdaptiveRoom, ceiling: float, miss_budget: float = 0.01) -> None:
+        self.params = params
+        self.ceiling = ceiling
+        # Share of a window's requests allowed to miss (1 - the tightest SLO percentile).
+        self.miss_budget = miss_budget
+        self.room = float(min(params.initial_room, ceiling))
+        self.slow_start = True
+        self.changed_at = -math.inf
+        self._preemptions: float | None = None
+        self._preempted = False  # seen since the last change (a cooldown must not lose it)
+        self._running: deque[tuple[float, float]] = deque()  # (scraped at, running)
+        self._slo_bound = False  # the last decrease was for the SLO: grow on a judged window
+        self.slo = SloWindow(params.slo_window_s, params.slo_min_samples)
+
+    def limit(self) -> float:
+        return self.room
+
+    def set_ceiling(self, ceiling: float) -> None:
+        self.ceiling = ceiling
+        self.room = min(self.room, ceiling)
+
+    def observe(self, now: float, met: bool) -> None:
+        self.slo.add(now, met)
+
+    def tick(self, now: float, signals: RoomSignals) -> RoomChange | None:
+        load = signals.load
+        if signals.had_metrics and load is None:
+            return None  # stale: keep the last good room
+        self._preempted |= self._new_preemptions(load)
+        peak_running = self._peak_running(load)
+        if now - self.changed_at < self.params.adjust_every_s:
+            return None
+        if load is not None and len(self._running) < 2:
+            return None  # two scrapes since the last change, at least: one may fall between steps
+        p = self.params
+        misses = self.slo.miss_share(now)
+        slipping = misses is not None and misses > self.miss_budget
+        if load is not None and load.waiting > signals.allowance:
+            batch = peak_running + signals.allowance
+            if batch < self.room:
+                return self._set(now, batch, "queued")
+        if self._preempted:
+            return self._set(now, self.room * p.decrease_ratio, "preempted")
+        if slipping:
+            self.slo.clear()  # judge the next room on its own requests
+            self._slo_bound = True
+            return self._set(now, self.room * p.decrease_ratio, "slo")
+        if self._slo_bound and misses is None:
+            return None
+        self._slo_bound = False
+        # vLLM ran (nearly) all the room at once: its batch has space left. A room at vLLM's
+        # batch plus the allowance keeps the allowance waiting there and stops growing.
+        if load is None:
+            below_batch = True
+        else:
+            below_batch = load.waiting <= signals.allowance and (
+                peak_running > self.room - signals.allowance
+            )
+        kv_ok = load is None or load.kv_usage < p.kv_high
+        used = signals.peak_inflight >= self.room - 1
+        if below_batch and kv_ok and used and self.room < self.ceiling:
+            grown = self.room * 2 if self.slow_start else self.room * (1 + p.increase_ratio)
+            return self._set(now, max(grown, self.room + 1), "grow")
+        return None
+
+    def _peak_running(self, load: ScrapedLoad | None) -> float:
+        runs = self._running
+        if load is not None and load.at > max(self.changed_at, runs[-1][0] if runs else -math.inf):
+            runs.append((load.at, load.running))
+        while runs and runs[-1][0] - runs[0][0] > _PEAK_WINDOW_S:
+            runs.popleft()
+        return max((r for _, r in runs), default=0.0)
+
+    def _new_preemptions(self, load: ScrapedLoad | None) -> bool:
+        """vLLM preempted for want of KV cache since the last scrape. Preemptions with KV
+        cache to spare are the plugin's, for a waiting better tier (docs/plugin.md): no sign
+        of too large a room."""
+        if load is None or load.preemptions is None:
+            return False
+        before, self._preemptions = self._preemptions, load.preemptions
+        kv_short = load.kv_usage >= self.params.kv_high - _KV_MARGIN
+        return before is not None and load.preemptions > before and kv_short
+
+    def _set(self, now: float, room: float, reason: str) -> RoomChange | None:
+        new = float(max(self.params.min_room, min(self.ceiling, math.floor(room))))
+        if reason != "grow":
+            self.slow_start = False
+            self._preempted = False  # this decrease answers it
+        if new == self.room:
+            return None
+        old, self.room, self.changed_at = self.room, new, now
+        self._running.clear()  # the batch seen under the old room says little of the new one
+        return RoomChange(old, new, reason)

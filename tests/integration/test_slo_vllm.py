@@ -1,0 +1,69 @@
+"""The adaptive room on a real vLLM (--max-num-seqs 4), with nothing tuned by hand."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.conftest import EngineFarm
+from tests.proxyrun import auth, make_config, running_proxy
+
+pytestmark = pytest.mark.integration
+TIMEOUT = aiohttp.ClientTimeout(total=60)
+BODY: dict[str, Any] = {
+    "model": "tiny",
+    "max_tokens": 48,
+    "ignore_eos": True,
+    "messages": [{"role": "user", "content": "hi"}],
+}
+
+
+async def test_room_learns_the_engine_batch_without_max_inflight(engines: EngineFarm) -> None:
+    engine = engines.get("core")  # --max-num-seqs 4
+    cfg = make_config(
+        [{"url": engine.spec.url}],  # no max_inflight: the room adapts
+        tiers={"high": {"slo": {"ttft_s": 30.0}}, "normal": {"slo": {"ttft_s": 30.0}}},
+    )
+    statuses: list[int] = []
+    async with running_proxy(cfg) as (base, state), aiohttp.ClientSession(timeout=TIMEOUT) as s:
+        (backend,) = state.pool.all()
+        assert backend.max_room == 8  # adaptive_room.initial_room
+        stop_at = time.monotonic() + 8.0
+
+        async def client(tier: str) -> None:
+            while time.monotonic() < stop_at:
+                async with s.post(
+                    f"{base}/v1/chat/completions", json=BODY, headers=auth(tier)
+                ) as r:
+                    await r.read()
+                    statuses.append(r.status)
+
+        rooms: list[float] = []
+
+        async def watch() -> None:
+            while time.monotonic() < stop_at:
+                rooms.append(backend.max_room)
+                await asyncio.sleep(0.25)
+
+        await asyncio.gather(watch(), *(client("high" if i < 4 else "normal") for i in range(16)))
+
+        def sample(name: str, labels: dict[str, str]) -> float:
+            return state.metrics.registry.get_sample_value(name, labels) or 0.0
+
+        queued = sample(
+            "tierproxy_backend_room_changes_total", {"backend": engine.spec.url, "reason": "queued"}
+        )
+        high = {"tier": "high", "tenant": "tenant-high"}
+        counted = sample("tierproxy_slo_requests_total", high)
+        met = sample("tierproxy_slo_met_total", high)
+    assert statuses and set(statuses) == {200}
+    # vLLM queued the initial room's excess: the room went to what it runs (4) plus the
+    # allowance of backend_health.max_backend_waiting (2), and stayed near it.
+    assert queued >= 1, rooms
+    assert 4 <= rooms[-1] <= 7, rooms
+    assert max(rooms[len(rooms) // 2 :]) <= 8, rooms
+    assert counted > 0 and met == counted
