@@ -168,7 +168,8 @@ class LiveStatus:
                     "state": backend_state(b, now, ramp_s),
                     "room": round(state.pool.room(b, now), 2),
                     "inflight": b.inflight,
-                    "max_inflight": b.cfg.max_inflight,
+                    "max_inflight": b.cfg.max_inflight,  # null: the room is learned
+                    "capacity": round(b.max_room, 1),  # max_inflight, or the learned room
                     "vllm_running": load.running if load else None,
                     "vllm_waiting": load.waiting if load else None,
                     "vllm_kv_usage": round(load.kv_usage, 4) if load else None,

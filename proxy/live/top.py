@@ -125,7 +125,7 @@ def _backends(backends: list[dict[str, Any]]) -> Table:
             b["name"],
             Text(b["state"], style=_STATE_STYLE.get(b["state"], "")),
             f"{b['room']:g}",
-            f"{b['inflight']}/{b['max_inflight']}",
+            f"{b['inflight']}/{b.get('capacity', b['max_inflight']) or 0:g}",
             _num(b["vllm_running"]),
             _num(b["vllm_waiting"]),
             _num(b["vllm_kv_usage"], "{:.1%}"),

@@ -95,6 +95,7 @@ async def test_status_shows_queues_tenants_backends_and_the_window(
             assert (rows["tenant-low"]["running"], rows["tenant-low"]["queued"]) == (0, 1)
             (b0,) = status["backends"]
             assert (b0["name"], b0["state"], b0["inflight"], b0["room"]) == ("b0", "healthy", 1, 0)
+            assert (b0["max_inflight"], b0["capacity"]) == (1, 1.0)
 
             assert await _post(client, "low") == 429  # tenant-low: 1 request a minute
             backend.gate.set()
