@@ -43,7 +43,9 @@ class Server(Strict):
         10.0,
         gt=0,
         description="A request's headers must be complete this long after its first byte (or"
-        " after the connection opened); else 408 JSON and the connection closes (slowloris).",
+        " after the connection opened); else 408 JSON and the connection closes (slowloris)."
+        " Each connection's timer falls in the last quarter of it, so that connections opened"
+        " in one burst do not all close in the same instant.",
     )
     keepalive_timeout_s: float = Field(
         15.0, gt=0, description="An idle connection (no request in progress) closes after this."

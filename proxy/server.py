@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import resource
 from collections.abc import Callable
 from typing import Any
@@ -66,6 +67,9 @@ class _Refusal(asyncio.Protocol):
         transport.close()
 
 
+HEADER_TIMEOUT_SPREAD = 0.25  # a header timeout falls in [0.75, 1] x header_timeout_s
+
+
 class GuardedHandler(RequestHandler):
     """aiohttp's handler plus a header timeout (armed when the connection opens and when the
     first bytes of a later request arrive, disarmed when the request's headers are parsed), and
@@ -84,7 +88,11 @@ class GuardedHandler(RequestHandler):
     def _arm(self) -> None:
         if self._header_timer is None:
             loop = asyncio.get_running_loop()
-            self._header_timer = loop.call_later(self._header_timeout_s, self._headers_late)
+            # Spread over the timeout's last quarter: connections opened in one burst (a
+            # reconnect storm, an idle-connection attack) then time out over seconds, not all
+            # in one loop iteration that stalls every request on this core.
+            delay = self._header_timeout_s * (1.0 - HEADER_TIMEOUT_SPREAD * random.random())
+            self._header_timer = loop.call_later(delay, self._headers_late)
 
     def _disarm(self) -> None:
         if self._header_timer is not None:

@@ -132,3 +132,20 @@ def test_open_files_soft_limit_is_raised_to_the_hard_limit(
         assert f"open files limit: {hard} (hard {hard})" in caplog.text
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+async def test_header_timeouts_are_spread_over_the_last_quarter(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Connections opened in one burst must not all time out in one loop iteration: each timer
+    falls in [0.75, 1] x header_timeout_s (here pinned to its earliest end, 0.75 x 4 s)."""
+    monkeypatch.setattr("proxy.server.random.random", lambda: 1.0)
+    settings = Server(header_timeout_s=4.0, keepalive_timeout_s=60)
+    async with serving(settings, _app()) as (_, port):
+        loop = asyncio.get_running_loop()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        opened = loop.time()
+        assert (await closed(reader)).startswith(b"HTTP/1.1 408 ")
+        waited = loop.time() - opened
+        assert 2.9 <= waited < 3.8, waited  # 3 s, not the full 4 s
+        writer.close()
