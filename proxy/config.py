@@ -25,7 +25,7 @@ from proxy.config_slo import AdaptiveRoom, TierSlo
 from proxy.shared.config import SharedState
 from proxy.ticket import DEFAULT_PREFILL_SHARE, DEFAULT_SECRET_ENV
 from proxy.usage_log import UsageLogSettings
-from proxy.yaml_load import Lines, safe_load
+from proxy.yaml_load import Lines, safe_load, yield_gil
 
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
@@ -510,7 +510,7 @@ def _missing_env_keys(data: dict[str, Any], lines: Lines) -> list[str]:
 
 # Tenants validated per call. One pydantic call holds the GIL throughout, so a reload parsed in
 # a worker thread would stall the event loop for all 10,000 tenants at once (~80 ms) otherwise.
-_TENANT_CHUNK = 500
+_TENANT_CHUNK = 100
 _TENANTS = TypeAdapter(list[Tenant])
 _Errors = list[tuple[tuple[int | str, ...], str]]
 
@@ -524,6 +524,7 @@ def _validate(data: dict[str, Any]) -> tuple[Config | None, _Errors]:
         for start in range(0, len(raw), _TENANT_CHUNK):
             try:
                 tenants += _TENANTS.validate_python(raw[start : start + _TENANT_CHUNK])
+                yield_gil()  # see proxy.yaml_load.YIELD_EVERY
             except ValidationError as exc:
                 for err in exc.errors():
                     index, *rest = err["loc"]

@@ -10,6 +10,7 @@ loader, which gives the same result or the same error.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import yaml
@@ -87,8 +88,20 @@ class _Builder:
         out: list[Any] = []
         while not loader.check_event(yaml.SequenceEndEvent):
             out.append(self.node(loader.get_event()))
+            if len(out) % YIELD_EVERY == 0:
+                yield_gil()
         loader.get_event()
         return out
+
+
+# A long list (10,000 tenants) is parsed in a worker thread during a live reload: hand the
+# GIL to the event loop now and then, or every I/O call there waits out the interpreter's
+# switch interval behind the parser (the GIL convoy), and requests stall for the whole parse.
+YIELD_EVERY = 64
+
+
+def yield_gil() -> None:
+    time.sleep(0)
 
 
 # Resolved plain-scalar tags whose values are immutable, safe to share through the cache.
