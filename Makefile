@@ -9,7 +9,7 @@ LIGHT  := $(VENV)/.tierproxy-light
 FULL   := $(VENV)/.tierproxy-installed
 SOURCES := proxy tests benchmarks
 
-.PHONY: run test lint format unit adversarial integration bench clean model install install-light redis-server tmux compat-tools
+.PHONY: run test lint format unit adversarial integration bench clean model install install-light redis-server tmux haproxy compat-tools
 
 $(LIGHT): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -74,7 +74,12 @@ tmux:
 	@command -v tmux >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq \
 		&& apt-get install -y -qq tmux; } || echo "no tmux (not root): the live-view test skips"
 
-test: model lint redis-server tmux compat-tools
+# haproxy checks the compose file's load-balancer config (tests/unit/test_compose.py); root installs it.
+haproxy:
+	@command -v haproxy >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq \
+		&& apt-get install -y -qq haproxy; } || echo "no haproxy (not root): its config check skips"
+
+test: model lint redis-server tmux haproxy compat-tools
 	$(BIN)/pytest --cov=proxy --cov-report=term:skip-covered
 
 bench: model

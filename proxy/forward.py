@@ -44,13 +44,13 @@ ENGINE_DEAD = b"EngineCore encountered an issue"
 _TAIL_BYTES = 64 * 1024
 _USAGE = re.compile(rb'"usage"\s*:\s*(\{(?:[^{}]|\{[^{}]*\})*\})')
 # The backend's connection failed: reset, closed, or an invalid HTTP answer or body.
-_UPSTREAM_BROKE = (
+UPSTREAM_BROKE = (
     aiohttp.ClientPayloadError,
     aiohttp.ServerDisconnectedError,
     aiohttp.ClientOSError,
     aiohttp.ClientResponseError,
 )
-_CLIENT_LEFT = (ConnectionResetError, aiohttp.ClientConnectionResetError)
+CLIENT_LEFT = (ConnectionResetError, aiohttp.ClientConnectionResetError)
 
 
 class UpstreamUnavailable(Exception):
@@ -103,7 +103,7 @@ async def relay(
 ) -> RelayResult:
     try:
         async with asyncio.timeout_at(call.deadline):
-            resp = await _open(call)
+            resp = await open_upstream(call)
     except TimeoutError:
         raise execution_timeout(call.timeout_s) from None
     send = ClientSender(request, call.deadline, call.bounds.send_idle_timeout_s)
@@ -120,12 +120,12 @@ async def relay(
         return result
 
 
-async def _open(call: UpstreamCall) -> aiohttp.ClientResponse:
+async def open_upstream(call: UpstreamCall) -> aiohttp.ClientResponse:
     try:
         return await call.session.post(call.url, data=call.body, headers=call.headers)
     except aiohttp.ClientConnectorError as exc:
         raise UpstreamUnavailable("connect", str(exc)) from exc
-    except _UPSTREAM_BROKE as exc:
+    except UPSTREAM_BROKE as exc:
         raise UpstreamUnavailable("reset", str(exc)) from exc
 
 
@@ -182,7 +182,7 @@ async def _relay_whole(
             body, whole = await _read_head(resp, bounds.buffer_response_bytes)
     except TimeoutError:
         raise execution_timeout(call.timeout_s) from None
-    except _UPSTREAM_BROKE as exc:
+    except UPSTREAM_BROKE as exc:
         raise UpstreamUnavailable("reset", str(exc)) from exc  # nothing reached the client yet
     if resp.status == 500 and ENGINE_DEAD in body:
         raise UpstreamUnavailable("engine_dead", "the backend's engine died", status=500)
@@ -228,9 +228,9 @@ async def _stream_through(
         await send.finish(out)
     except ClientStalled:
         result.outcome, result.status = Outcome.CLIENT_STALLED, 499
-    except _CLIENT_LEFT:
+    except CLIENT_LEFT:
         result.outcome = Outcome.CLIENT_GONE
-    except (TimeoutError, EventTooLarge, *_UPSTREAM_BROKE) as exc:
+    except (TimeoutError, EventTooLarge, *UPSTREAM_BROKE) as exc:
         timed_out = isinstance(exc, TimeoutError)
         result.outcome = Outcome.TIMEOUT if timed_out else Outcome.UPSTREAM_ERROR
         result.backend_failed = not timed_out
@@ -287,7 +287,7 @@ async def _relay_stream(
         raise execution_timeout(call.timeout_s) from None
     except EventTooLarge as exc:
         return _fault(upstream_too_large(exc.limit))  # it ran there; it would again
-    except _UPSTREAM_BROKE as exc:
+    except UPSTREAM_BROKE as exc:
         raise UpstreamUnavailable("reset", str(exc)) from exc
 
     out = web.StreamResponse(status=200, headers=_response_headers(call, resp))
@@ -312,7 +312,7 @@ async def _relay_stream(
             last = upstream_failed("The backend ended the stream without [DONE].").sse_event()
     except ClientStalled:
         result.outcome, result.status = Outcome.CLIENT_STALLED, 499
-    except _CLIENT_LEFT:
+    except CLIENT_LEFT:
         result.outcome = Outcome.CLIENT_GONE
     except TimeoutError:
         result.outcome = Outcome.TIMEOUT
@@ -320,7 +320,7 @@ async def _relay_stream(
     except EventTooLarge as exc:
         result.outcome, result.backend_failed = Outcome.UPSTREAM_ERROR, True
         last = upstream_too_large(exc.limit).sse_event()
-    except _UPSTREAM_BROKE as exc:
+    except UPSTREAM_BROKE as exc:
         result.outcome, result.backend_failed = Outcome.UPSTREAM_ERROR, True
         last = upstream_failed(f"The backend failed mid-stream: {exc}").sse_event()
     finally:
@@ -344,7 +344,7 @@ async def _finish(
         await send.finish(out, last)
     except ClientStalled:
         result.outcome, result.status = Outcome.CLIENT_STALLED, 499
-    except _CLIENT_LEFT:
+    except CLIENT_LEFT:
         result.outcome = Outcome.CLIENT_GONE
 
 

@@ -20,19 +20,21 @@ from aiohttp import web
 from proxy import sse
 from proxy.clientsend import ClientSender, ClientStalled
 from proxy.errors import ProxyError, execution_timeout, upstream_failed, upstream_too_large
-from proxy.forward import ENGINE_DEAD, RelayResult, UpstreamCall, UpstreamUnavailable, relay
+from proxy.forward import (
+    CLIENT_LEFT,
+    ENGINE_DEAD,
+    UPSTREAM_BROKE,
+    RelayResult,
+    UpstreamCall,
+    UpstreamUnavailable,
+    open_upstream,
+    relay,
+)
 from proxy.outcome import Outcome
 from proxy.ticket import REQUEST_ID_HEADER
 
 # The last event of a Responses stream: each carries the whole response, its usage included.
 FINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed"})
-_BROKE = (
-    aiohttp.ClientPayloadError,
-    aiohttp.ServerDisconnectedError,
-    aiohttp.ClientOSError,
-    aiohttp.ClientResponseError,
-)
-_CLIENT_LEFT = (ConnectionResetError, aiohttp.ClientConnectionResetError)
 
 
 async def relay_responses(
@@ -43,7 +45,7 @@ async def relay_responses(
         return await relay(call, request, stream=False, now=now)
     try:
         async with asyncio.timeout_at(call.deadline):
-            resp = await _open(call)
+            resp = await open_upstream(call)
     except TimeoutError:
         raise execution_timeout(call.timeout_s) from None
     send = ClientSender(request, call.deadline, call.bounds.send_idle_timeout_s)
@@ -57,15 +59,6 @@ async def relay_responses(
         return result
 
 
-async def _open(call: UpstreamCall) -> aiohttp.ClientResponse:
-    try:
-        return await call.session.post(call.url, data=call.body, headers=call.headers)
-    except aiohttp.ClientConnectorError as exc:
-        raise UpstreamUnavailable("connect", str(exc)) from exc
-    except _BROKE as exc:
-        raise UpstreamUnavailable("reset", str(exc)) from exc
-
-
 async def _relay_refusal(call: UpstreamCall, resp: aiohttp.ClientResponse) -> RelayResult:
     """A non-200 answer (vLLM's JSON error), whole; 503 and a dead engine are retried."""
     try:
@@ -73,7 +66,7 @@ async def _relay_refusal(call: UpstreamCall, resp: aiohttp.ClientResponse) -> Re
             body = await resp.content.read(call.bounds.buffer_response_bytes)
     except TimeoutError:
         raise execution_timeout(call.timeout_s) from None
-    except _BROKE as exc:
+    except UPSTREAM_BROKE as exc:
         raise UpstreamUnavailable("reset", str(exc)) from exc
     if resp.status == 503:
         raise UpstreamUnavailable("503", "backend overloaded", status=503, body=body)
@@ -103,7 +96,7 @@ async def _relay_events(
     except sse.EventTooLarge as exc:
         err = upstream_too_large(exc.limit)
         return RelayResult(err.response(), Outcome.UPSTREAM_ERROR, 502, backend_failed=True)
-    except _BROKE as exc:
+    except UPSTREAM_BROKE as exc:
         raise UpstreamUnavailable("reset", str(exc)) from exc
 
     out = web.StreamResponse(status=200)
@@ -129,14 +122,14 @@ async def _relay_events(
             last = upstream_failed("The backend ended the stream before its last event.")
     except ClientStalled:
         result.outcome, result.status = Outcome.CLIENT_STALLED, 499
-    except _CLIENT_LEFT:
+    except CLIENT_LEFT:
         result.outcome = Outcome.CLIENT_GONE
     except TimeoutError:
         result.outcome, last = Outcome.TIMEOUT, execution_timeout(call.timeout_s)
     except sse.EventTooLarge as exc:
         result.outcome, result.backend_failed = Outcome.UPSTREAM_ERROR, True
         last = upstream_too_large(exc.limit)
-    except _BROKE as exc:
+    except UPSTREAM_BROKE as exc:
         result.outcome, result.backend_failed = Outcome.UPSTREAM_ERROR, True
         last = upstream_failed(f"The backend failed mid-stream: {exc}")
     if result.outcome not in (Outcome.CLIENT_GONE, Outcome.CLIENT_STALLED):
@@ -144,7 +137,7 @@ async def _relay_events(
             await send.finish(out, error_event(last) if last is not None else b"")
         except ClientStalled:
             result.outcome, result.status = Outcome.CLIENT_STALLED, 499
-        except _CLIENT_LEFT:
+        except CLIENT_LEFT:
             result.outcome = Outcome.CLIENT_GONE
     return result
 
