@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import random
 import sys
@@ -77,6 +78,7 @@ async def one_request(
         "max_tokens": max_tokens,
         "ignore_eos": True,
         "stream": True,
+        "stream_options": {"include_usage": True},
         "messages": [{"role": "user", "content": "Tell me about queues."}],
     }
     start = time.monotonic()
@@ -96,26 +98,36 @@ async def one_request(
                         break
                     if out["ttft"] is None and b'"content"' in data:
                         out["ttft"] = time.monotonic() - start
-                    out["tokens"] += data.count(b'"content"')
+                    if b'"usage"' in data:
+                        # Exact: under load vLLM merges several tokens into one event.
+                        usage = json.loads(data).get("usage") or {}
+                        out["tokens"] = usage.get("completion_tokens", out["tokens"])
     except (aiohttp.ClientError, TimeoutError) as exc:
         out["error"] = type(exc).__name__
     out["e2e"] = time.monotonic() - start
     return out
 
 
+def output_tokens(rng: random.Random) -> int:
+    """16-48 tokens, 32 on average: requests of one length end in lockstep and keep every
+    batch in phase, which makes the closed loop's throughput depend on its start."""
+    return rng.randint(16, 48)
+
+
 async def closed_loop(
-    base: str, clients: int, duration_s: float, high_share: float = 0.25
+    base: str, clients: int, duration_s: float, high_share: float = 0.25, seed: int = 0
 ) -> list[dict[str, Any]]:
     stop_at = time.monotonic() + duration_s
     results: list[dict[str, Any]] = []
 
-    async def client(tier: str) -> None:
+    async def client(i: int, tier: str) -> None:
+        rng = random.Random(seed * 100_003 + i)
         async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
             while time.monotonic() < stop_at:
-                results.append(await one_request(s, base, tier, 32))
+                results.append(await one_request(s, base, tier, output_tokens(rng)))
 
     high = max(1, round(clients * high_share))
-    await asyncio.gather(*(client("high" if i < high else "normal") for i in range(clients)))
+    await asyncio.gather(*(client(i, "high" if i < high else "normal") for i in range(clients)))
     return results
 
 
@@ -131,6 +143,31 @@ def summary(results: list[dict[str, Any]], duration_s: float) -> dict[str, Any]:
     }
 
 
+def steady_window(
+    results: list[dict[str, Any]], start: float, duration_s: float
+) -> list[dict[str, Any]]:
+    """The requests that ended inside [start, start + duration_s): a steady-state window of a
+    closed loop that runs on past it (no drain at its end, no burst at its start)."""
+    return [r for r in results if start <= r["start"] + r["e2e"] < start + duration_s]
+
+
+def pooled(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Repeats of one setting: mean and spread of the rates; TTFT percentiles over all repeats'
+    high-tier requests together."""
+    tok = [r["tok_s"] for r in rows]
+    high = [t for r in rows for t in r["high_ttfts"]]
+    return {
+        "tok_s": round(sum(tok) / len(tok), 1),
+        "tok_s_min": min(tok),
+        "tok_s_max": max(tok),
+        "rps": round(sum(r["rps"] for r in rows) / len(rows), 2),
+        "high_ttft_p50": round(percentile(high, 50), 3) if high else None,
+        "high_ttft_p99": round(percentile(high, 99), 3) if high else None,
+        "failed": sum(r["failed"] for r in rows),
+        "repeats": len(rows),
+    }
+
+
 def proxy_cfg(urls: list[str], max_inflight: int | None, **tiers: dict[str, Any]) -> Any:
     room = {} if max_inflight is None else {"max_inflight": max_inflight}
     return make_config([{"url": u, **room} for u in urls], tiers=tiers or None)
@@ -143,29 +180,63 @@ async def watch_rooms(state: Any, stop: asyncio.Event, out: list[list[float]]) -
         await asyncio.sleep(0.25)
 
 
+async def one_setting(
+    url: str, max_inflight: int | None, clients: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    """One proxy, a closed loop of --warmup + --duration seconds; the rates of the requests
+    that ended in the last --duration seconds, and the room over the whole run."""
+    cfg = proxy_cfg([url], max_inflight)
+    async with running_proxy(cfg) as (base, state):
+        rooms: list[list[float]] = []
+        stop = asyncio.Event()
+        watcher = asyncio.create_task(watch_rooms(state, stop, rooms))
+        t0 = time.monotonic()
+        results = await closed_loop(base, clients, args.warmup + args.duration)
+        stop.set()
+        await watcher
+    window = steady_window(results, t0 + args.warmup, args.duration)
+    out = summary(window, args.duration)
+    out["high_ttfts"] = [r["ttft"] for r in window if r["tier"] == "high" and r["ttft"] is not None]
+    out["rooms"] = rooms
+    return out
+
+
+def room_settled_at(rooms: list[list[float]]) -> float:
+    """Seconds from the load's start to the room's last change."""
+    last = rooms[0][0]
+    for before, now in itertools.pairwise(rooms):
+        if now[1] != before[1]:
+            last = now[0]
+    return last
+
+
 async def sizes(args: argparse.Namespace) -> dict[str, Any]:
+    """Every setting once per repeat, in a rotated order per repeat (drift of the machine
+    spreads over all settings alike)."""
     table: dict[str, Any] = {}
     for n in args.sizes:
         with engines(n) as (engine,):
             clients = max(8, 2 * n + 8)
-            row: dict[str, Any] = {}
             fixed = [] if args.only_adaptive else sorted({n, n + 2, 2 * n})
-            for max_inflight in [*fixed, None]:
-                cfg = proxy_cfg([engine.spec.url], max_inflight)
-                async with running_proxy(cfg) as (base, state):
-                    await closed_loop(base, clients, 2.0)  # warm-up (and the room's start)
-                    rooms: list[list[float]] = []
-                    stop = asyncio.Event()
-                    watcher = asyncio.create_task(watch_rooms(state, stop, rooms))
-                    results = await closed_loop(base, clients, args.duration)
-                    stop.set()
-                    await watcher
-                key = "adaptive" if max_inflight is None else f"fixed {max_inflight}"
-                row[key] = summary(results, args.duration)
-                if max_inflight is None:
-                    row[key]["room_last"] = rooms[-1][1]
-                    row["rooms"] = rooms
-                print(n, key, row[key], flush=True)
+            settings: list[int | None] = [*fixed, None]
+            runs: dict[str, list[dict[str, Any]]] = {}
+            for rep in range(args.repeats):
+                shift = rep % len(settings)
+                for max_inflight in settings[shift:] + settings[:shift]:
+                    key = "adaptive" if max_inflight is None else f"fixed {max_inflight}"
+                    run = await one_setting(engine.spec.url, max_inflight, clients, args)
+                    runs.setdefault(key, []).append(run)
+                    shown = {k: v for k, v in run.items() if k not in ("high_ttfts", "rooms")}
+                    print(n, rep, key, shown, flush=True)
+            row: dict[str, Any] = {key: pooled(rs) for key, rs in runs.items()}
+            adaptive = runs["adaptive"]
+            row["adaptive"]["rooms_last"] = [r["rooms"][-1][1] for r in adaptive]
+            row["adaptive"]["settled_s"] = [room_settled_at(r["rooms"]) for r in adaptive]
+            row["rooms"] = adaptive[-1]["rooms"]
+            best = max((v["tok_s"] for k, v in row.items() if k.startswith("fixed")), default=0)
+            if best:
+                row["adaptive"]["of_best_fixed"] = round(row["adaptive"]["tok_s"] / best, 3)
+            print(n, {k: v for k, v in row.items() if k != "rooms"}, flush=True)
             table[str(n)] = row
     return table
 
@@ -206,7 +277,7 @@ async def open_loop(base: str, rate: float, duration_s: float, seed: int) -> lis
         stop_at = t + duration_s
         while t < stop_at:
             tier = "high" if rng.random() < 0.25 else "normal"
-            tasks.append(asyncio.create_task(one_request(s, base, tier, 32)))
+            tasks.append(asyncio.create_task(one_request(s, base, tier, output_tokens(rng))))
             t += rng.expovariate(rate)
             await asyncio.sleep(max(0.0, t - time.monotonic()))
         return list(await asyncio.gather(*tasks))
@@ -266,7 +337,7 @@ def plot(args: argparse.Namespace) -> None:
     for n, row in data.items():
         t = [p[0] for p in row["rooms"]]
         ax.step(t, [p[1] for p in row["rooms"]], where="post", label=f"--max-num-seqs {n}")
-    ax.set_xlabel("seconds of constant load (after a 2 s warm-up)")
+    ax.set_xlabel("seconds of constant load (warm-up included)")
     ax.set_ylabel("room (requests)")
     ax.set_yscale("log", base=2)
     ax.set_title("Adaptive room, max_inflight unset")
@@ -296,7 +367,11 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("what", choices=["sizes", "two", "overload", "all", "plot"])
     p.add_argument("--sizes", type=int, nargs="+", default=[4, 16, 64])
-    p.add_argument("--duration", type=float, default=8.0)
+    p.add_argument("--duration", type=float, default=8.0, help="seconds measured per run")
+    p.add_argument(
+        "--warmup", type=float, default=6.0, help="sizes: seconds of load before the window"
+    )
+    p.add_argument("--repeats", type=int, default=1, help="sizes: runs of every setting")
     p.add_argument("--only-adaptive", action="store_true", help="sizes: skip the fixed rooms")
     p.add_argument("--out", type=Path, default=Path(".tierproxy/slo-bench"))
     args = p.parse_args()

@@ -56,6 +56,12 @@ class BackendState:
             return self.room_controller.limit()
         return float(self.cfg.max_inflight or AdaptiveRoom().initial_room)
 
+    def allowance(self, base: int) -> float:
+        """Requests vLLM may hold waiting here: the config's ``base`` or the learned one."""
+        if self.room_controller is not None:
+            return self.room_controller.allowance(float(base))
+        return float(base)
+
     @property
     def label(self) -> str:
         return self.cfg.label

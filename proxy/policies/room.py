@@ -17,6 +17,12 @@ change it waits for a scrape taken after that change. The rule:
   more than the allowance waiting, KV usage below ``kv_high``, targets met and the room was
   used: it grows, doubling until the first shrink (slow start), then by ``increase_ratio``
   (after a shrink for the SLO, only once a full window of requests judged the new room);
+- vLLM has queued beyond the allowance before (the room found its batch limit), the room
+  covers the batch plus the allowance, is used, and vLLM's batch still runs dry
+  (its running count over the window averages under ``batch_fill`` of its peak while its
+  queue was seen empty): the requests the proxy hands over do not reach vLLM's scheduler fast
+  enough to refill the batch (on a busy API server, or when many end in one step). The
+  allowance itself is learned: it doubles, up to one batch, and the room with it;
 - anything else, or stale metrics from a backend that had them: the room stays as it is.
 
 A room at vLLM's batch limit plus the allowance keeps the allowance in vLLM's queue: vLLM runs
@@ -39,6 +45,8 @@ if TYPE_CHECKING:
 
 # vLLM's batch limit is the most it ran over this long (scrapes are snapshots).
 _PEAK_WINDOW_S = 5.0
+# Scrapes (since the last change, within _PEAK_WINDOW_S) needed to call the batch dry.
+_DRY_SCRAPES = 6
 # Preemptions count as KV pressure when KV usage is at least kv_high less this.
 _KV_MARGIN = 0.1
 
@@ -55,7 +63,7 @@ class RoomSignals:
 class RoomChange:
     old: float
     new: float
-    reason: str  # grow | queued | preempted | slo
+    reason: str  # grow | dry | queued | preempted | slo
 
 
 class RoomController(Protocol):
@@ -71,6 +79,10 @@ class RoomController(Protocol):
 
     def set_ceiling(self, ceiling: float) -> None:
         """A reload changed the most this room may be."""
+
+    def allowance(self, base: float) -> float:
+        """Requests vLLM may hold waiting without it being a signal: ``base`` (the config's
+        ``max_backend_waiting``) or what the controller learned that vLLM's batch needs."""
 
 
 class FixedRoom:
@@ -90,6 +102,9 @@ class FixedRoom:
 
     def set_ceiling(self, ceiling: float) -> None:
         self.size = ceiling
+
+    def allowance(self, base: float) -> float:
+        return base
 
 
 class SloWindow:
@@ -136,7 +151,12 @@ class GradientRoom:
         self.changed_at = -math.inf
         self._preemptions: float | None = None
         self._preempted = False  # seen since the last change (a cooldown must not lose it)
-        self._running: deque[tuple[float, float]] = deque()  # (scraped at, running)
+        # (scraped at, running, waiting) since the last change, over the last _PEAK_WINDOW_S
+        self._scrapes: deque[tuple[float, float, float]] = deque()
+        self.queue = 0.0  # the learned allowance (0: the config's base)
+        # vLLM was seen to queue beyond the allowance: the room has reached its batch limit,
+        # so a batch that runs short is short of refills, not of room.
+        self.batch_limit_seen = False
         self._slo_bound = False  # the last decrease was for the SLO: grow on a judged window
         self.slo = SloWindow(params.slo_window_s, params.slo_min_samples)
 
@@ -146,6 +166,9 @@ class GradientRoom:
     def set_ceiling(self, ceiling: float) -> None:
         self.ceiling = ceiling
         self.room = min(self.room, ceiling)
+
+    def allowance(self, base: float) -> float:
+        return max(base, self.queue)
 
     def observe(self, now: float, met: bool) -> None:
         self.slo.add(now, met)
@@ -158,13 +181,15 @@ class GradientRoom:
         peak_running = self._peak_running(load)
         if now - self.changed_at < self.params.adjust_every_s:
             return None
-        if load is not None and len(self._running) < 2:
+        if load is not None and len(self._scrapes) < 2:
             return None  # two scrapes since the last change, at least: one may fall between steps
         p = self.params
+        allowance = self.allowance(signals.allowance)
         misses = self.slo.miss_share(now)
         slipping = misses is not None and misses > self.miss_budget
-        if load is not None and load.waiting > signals.allowance:
-            batch = peak_running + signals.allowance
+        if load is not None and load.waiting > allowance:
+            self.batch_limit_seen = True
+            batch = peak_running + allowance
             if batch < self.room:
                 return self._set(now, batch, "queued")
         if self._preempted:
@@ -181,23 +206,35 @@ class GradientRoom:
         if load is None:
             below_batch = True
         else:
-            below_batch = load.waiting <= signals.allowance and (
-                peak_running > self.room - signals.allowance
-            )
+            below_batch = load.waiting <= allowance and (peak_running > self.room - allowance)
         kv_ok = load is None or load.kv_usage < p.kv_high
         used = signals.peak_inflight >= self.room - 1
         if below_batch and kv_ok and used and self.room < self.ceiling:
             grown = self.room * 2 if self.slow_start else self.room * (1 + p.increase_ratio)
             return self._set(now, max(grown, self.room + 1), "grow")
+        dry = self.batch_limit_seen and self._runs_dry(peak_running, allowance)
+        if not below_batch and kv_ok and used and dry:
+            self.queue = min(peak_running, max(2 * allowance, allowance + 1))
+            return self._set(now, max(peak_running + self.queue, self.room + 1), "dry")
         return None
 
+    def _runs_dry(self, peak_running: float, allowance: float) -> bool:
+        """vLLM's batch ran under ``batch_fill`` of its peak on average over a window in which
+        its queue was seen empty, and a larger allowance is still possible (up to one batch)."""
+        scrapes = self._scrapes
+        if len(scrapes) < _DRY_SCRAPES or peak_running <= 0 or allowance >= peak_running:
+            return False
+        mean_running = sum(r for _, r, _ in scrapes) / len(scrapes)
+        ran_empty = min(w for _, _, w in scrapes) == 0
+        return ran_empty and mean_running < self.params.batch_fill * peak_running
+
     def _peak_running(self, load: ScrapedLoad | None) -> float:
-        runs = self._running
-        if load is not None and load.at > max(self.changed_at, runs[-1][0] if runs else -math.inf):
-            runs.append((load.at, load.running))
-        while runs and runs[-1][0] - runs[0][0] > _PEAK_WINDOW_S:
-            runs.popleft()
-        return max((r for _, r in runs), default=0.0)
+        seen = self._scrapes
+        if load is not None and load.at > max(self.changed_at, seen[-1][0] if seen else -math.inf):
+            seen.append((load.at, load.running, load.waiting))
+        while seen and seen[-1][0] - seen[0][0] > _PEAK_WINDOW_S:
+            seen.popleft()
+        return max((r for _, r, _ in seen), default=0.0)
 
     def _new_preemptions(self, load: ScrapedLoad | None) -> bool:
         """vLLM preempted for want of KV cache since the last scrape. Preemptions with KV
@@ -211,11 +248,13 @@ class GradientRoom:
 
     def _set(self, now: float, room: float, reason: str) -> RoomChange | None:
         new = float(max(self.params.min_room, min(self.ceiling, math.floor(room))))
+        if reason in ("preempted", "slo"):
+            self.queue *= self.params.decrease_ratio
         if reason != "grow":
             self.slow_start = False
             self._preempted = False  # this decrease answers it
         if new == self.room:
             return None
         old, self.room, self.changed_at = self.room, new, now
-        self._running.clear()  # the batch seen under the old room says little of the new one
+        self._scrapes.clear()  # the batch seen under the old room says little of the new one
         return RoomChange(old, new, reason)
