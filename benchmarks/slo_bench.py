@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import os
 import random
 import sys
 import time
@@ -59,13 +60,18 @@ def engines(*sizes: int) -> Iterator[list[EngineProcess]]:
         )
         for i, n in enumerate(sizes)
     ]
+    allowed = os.sched_getaffinity(0)
     try:
         for p in procs:
             p.start()
         for p in procs:
             p.wait_ready()
+        # The proxy and its clients on the core the engines leave (engine_cores()), so that
+        # the kernel never puts them beside an engine; back to all cores for the next engines.
+        os.sched_setaffinity(0, {max(allowed)})
         yield procs
     finally:
+        os.sched_setaffinity(0, allowed)
         for p in procs:
             p.stop()
 

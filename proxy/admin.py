@@ -73,8 +73,6 @@ class AdminEndpoints:
             "max_inflight": backend.cfg.max_inflight,
             "room": backend.max_room,
             "room_adaptive": backend.cfg.adaptive_room,
-            # What vLLM may hold waiting there: max_backend_waiting, or learned (docs/slo.md)
-            "allowance": backend.allowance(self.state.pool.health.max_backend_waiting),
             "dispatched_total": backend.dispatched_total,
             "models": sorted(backend.models) if backend.models is not None else None,
             "vllm_waiting": load.waiting if load else None,

@@ -56,12 +56,6 @@ class BackendState:
             return self.room_controller.limit()
         return float(self.cfg.max_inflight or AdaptiveRoom().initial_room)
 
-    def allowance(self, base: int) -> float:
-        """Requests vLLM may hold waiting here: the config's ``base`` or the learned one."""
-        if self.room_controller is not None:
-            return self.room_controller.allowance(float(base))
-        return float(base)
-
     @property
     def label(self) -> str:
         return self.cfg.label
@@ -154,6 +148,7 @@ class BackendPool:
             load=state.fresh_load(now, self.health.stale_after_s),
             had_metrics=state.load is not None,
             peak_inflight=state.peak_inflight,
+            inflight=state.inflight,
             allowance=float(self.health.max_backend_waiting),
         )
         state.peak_inflight = state.inflight

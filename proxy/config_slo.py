@@ -65,14 +65,6 @@ class AdaptiveRoom(Strict):
         le=1,
         description="KV-cache usage above which the room does not grow (vLLM would soon preempt).",
     )
-    batch_fill: float = Field(
-        0.95,
-        gt=0,
-        le=1,
-        description="vLLM's batch counts as running dry when its running count averages under"
-        " this share of its peak while its queue is seen empty: the allowance of waiting"
-        " requests (max_backend_waiting) then doubles, up to one batch.",
-    )
     slo_window_s: float = Field(
         10.0,
         gt=0,

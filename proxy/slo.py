@@ -128,7 +128,7 @@ class SloMetrics:
         )
         self.backend_room_changes = Counter(
             "tierproxy_backend_room_changes",
-            "Changes of a backend's adaptive room, by reason (grow, dry, queued, preempted, slo)",
+            "Changes of a backend's adaptive room, by reason (grow, queued, preempted, slo)",
             ["backend", "reason"],
             registry=r,
         )

@@ -48,7 +48,7 @@ def slot_room(state: BackendState, now: float, health: BackendHealth) -> float:
         # vLLM's own queue beyond the allowance means this backend holds more than it runs:
         # shrink its room by that excess, so the backlog stays here, where the tiers order
         # it. (Its queue always holds a request or two between steps; that is no signal.)
-        excess = load.waiting - state.allowance(health.max_backend_waiting)
+        excess = load.waiting - health.max_backend_waiting
         if excess > 0:
             cap = max(1.0, cap - excess)
     return max(0.0, cap - state.inflight)

@@ -7,28 +7,29 @@ tier's target. Like Netflix's concurrency-limits it changes the room on evidence
 change it waits for a scrape taken after that change. The rule:
 
 - vLLM queues beyond the allowance and runs fewer than the room: the room jumps down to what
-  vLLM runs plus the allowance (vLLM's ``running`` is its real batch limit, whatever limits it;
-  the most it ran over the last ``_PEAK_WINDOW_S``, since one scrape may fall between a
-  request's end and the next one's start);
+  vLLM runs plus the allowance plus what is in transit (vLLM's ``running`` is its real batch
+  limit, whatever limits it; the most it ran over the last ``_PEAK_WINDOW_S``, since one scrape
+  may fall between a request's end and the next one's start);
 - vLLM preempts with its KV cache nearly full (KV pressure; the plugin's preemptions for a
   better tier come with KV to spare and do not count) or the tiers' targets slip: the room
   shrinks by ``decrease_ratio``;
-- vLLM ran nearly all the room at once (more than the room less the allowance) and holds no
-  more than the allowance waiting, KV usage below ``kv_high``, targets met and the room was
-  used: it grows, doubling until the first shrink (slow start), then by ``increase_ratio``
-  (after a shrink for the SLO, only once a full window of requests judged the new room);
-- vLLM has queued beyond the allowance before (the room found its batch limit), the room
-  covers the batch plus the allowance, is used, and vLLM's batch still runs dry
-  (its running count over the window averages under ``batch_fill`` of its peak while its
-  queue was seen empty): the requests the proxy hands over do not reach vLLM's scheduler fast
-  enough to refill the batch (on a busy API server, or when many end in one step). The
-  allowance itself is learned: it doubles, up to one batch, and the room with it;
+- vLLM ran nearly all the room at once (more than the room less the allowance, counting what
+  is in transit) and holds no more than the allowance waiting, KV usage below ``kv_high``,
+  targets met and the room was used: it grows, doubling until the first shrink (slow start),
+  then by ``increase_ratio`` (after a shrink for the SLO, only once a full window of requests
+  judged the new room);
 - anything else, or stale metrics from a backend that had them: the room stays as it is.
 
-A room at vLLM's batch limit plus the allowance keeps the allowance in vLLM's queue: vLLM runs
-no more than the room less the allowance (no growth) and holds no more than the allowance
-waiting (no shrink), so the room holds still under constant load. Every decision rests on at
-least two scrapes taken since the last change.
+In transit: the proxy's requests that vLLM's scheduler does not hold (in flight at the proxy
+less vLLM's running and waiting): taken in by its API server but not yet scheduled, or done
+but still streaming out. They hold the proxy's room, not a place in vLLM's batch; on a busy
+API server (a CPU engine shares its core with the model) they are tens of requests, and a
+room that leaves them out keeps vLLM's batch short.
+
+A room at vLLM's batch limit plus the allowance plus the transit keeps the allowance in vLLM's
+queue: vLLM runs no more than the room less the allowance and the transit (no growth) and holds
+no more than the allowance waiting (no shrink), so the room holds still under constant load.
+Every decision rests on at least two scrapes taken since the last change.
 """
 
 from __future__ import annotations
@@ -45,8 +46,6 @@ if TYPE_CHECKING:
 
 # vLLM's batch limit is the most it ran over this long (scrapes are snapshots).
 _PEAK_WINDOW_S = 5.0
-# Scrapes (since the last change, within _PEAK_WINDOW_S) needed to call the batch dry.
-_DRY_SCRAPES = 6
 # Preemptions count as KV pressure when KV usage is at least kv_high less this.
 _KV_MARGIN = 0.1
 
@@ -56,6 +55,7 @@ class RoomSignals:
     load: ScrapedLoad | None  # the latest scrape, None if stale or never seen
     had_metrics: bool  # the backend has answered /metrics at least once
     peak_inflight: int  # the most the proxy had in flight there since the last pass
+    inflight: int  # in flight there now (the latest scrape was taken just before)
     allowance: float  # requests vLLM may hold waiting without it being a signal
 
 
@@ -63,7 +63,7 @@ class RoomSignals:
 class RoomChange:
     old: float
     new: float
-    reason: str  # grow | dry | queued | preempted | slo
+    reason: str  # grow | queued | preempted | slo
 
 
 class RoomController(Protocol):
@@ -79,10 +79,6 @@ class RoomController(Protocol):
 
     def set_ceiling(self, ceiling: float) -> None:
         """A reload changed the most this room may be."""
-
-    def allowance(self, base: float) -> float:
-        """Requests vLLM may hold waiting without it being a signal: ``base`` (the config's
-        ``max_backend_waiting``) or what the controller learned that vLLM's batch needs."""
 
 
 class FixedRoom:
@@ -102,9 +98,6 @@ class FixedRoom:
 
     def set_ceiling(self, ceiling: float) -> None:
         self.size = ceiling
-
-    def allowance(self, base: float) -> float:
-        return base
 
 
 class SloWindow:
@@ -151,12 +144,8 @@ class GradientRoom:
         self.changed_at = -math.inf
         self._preemptions: float | None = None
         self._preempted = False  # seen since the last change (a cooldown must not lose it)
-        # (scraped at, running, waiting) since the last change, over the last _PEAK_WINDOW_S
+        # (scraped at, running, in transit) since the last change, over _PEAK_WINDOW_S
         self._scrapes: deque[tuple[float, float, float]] = deque()
-        self.queue = 0.0  # the learned allowance (0: the config's base)
-        # vLLM was seen to queue beyond the allowance: the room has reached its batch limit,
-        # so a batch that runs short is short of refills, not of room.
-        self.batch_limit_seen = False
         self._slo_bound = False  # the last decrease was for the SLO: grow on a judged window
         self.slo = SloWindow(params.slo_window_s, params.slo_min_samples)
 
@@ -167,9 +156,6 @@ class GradientRoom:
         self.ceiling = ceiling
         self.room = min(self.room, ceiling)
 
-    def allowance(self, base: float) -> float:
-        return max(base, self.queue)
-
     def observe(self, now: float, met: bool) -> None:
         self.slo.add(now, met)
 
@@ -178,18 +164,20 @@ class GradientRoom:
         if signals.had_metrics and load is None:
             return None  # stale: keep the last good room
         self._preempted |= self._new_preemptions(load)
-        peak_running = self._peak_running(load)
+        self._record(load, signals.inflight)
         if now - self.changed_at < self.params.adjust_every_s:
             return None
         if load is not None and len(self._scrapes) < 2:
             return None  # two scrapes since the last change, at least: one may fall between steps
+        peak_running = max((r for _, r, _ in self._scrapes), default=0.0)
+        # What the room must cover besides vLLM's batch and queue; the mean, since a request
+        # is in transit for a moment on its way in and out.
+        transit = sum(t for _, _, t in self._scrapes) / max(1, len(self._scrapes))
         p = self.params
-        allowance = self.allowance(signals.allowance)
         misses = self.slo.miss_share(now)
         slipping = misses is not None and misses > self.miss_budget
-        if load is not None and load.waiting > allowance:
-            self.batch_limit_seen = True
-            batch = peak_running + allowance
+        if load is not None and load.waiting > signals.allowance:
+            batch = math.ceil(peak_running + signals.allowance + transit)
             if batch < self.room:
                 return self._set(now, batch, "queued")
         if self._preempted:
@@ -201,40 +189,32 @@ class GradientRoom:
         if self._slo_bound and misses is None:
             return None
         self._slo_bound = False
-        # vLLM ran (nearly) all the room at once: its batch has space left. A room at vLLM's
-        # batch plus the allowance keeps the allowance waiting there and stops growing.
+        # vLLM ran (nearly) all the room at once (all of it that was not in transit): its
+        # batch has space left. A room at vLLM's batch plus the allowance plus the transit
+        # keeps the allowance waiting there and stops growing.
         if load is None:
             below_batch = True
         else:
-            below_batch = load.waiting <= allowance and (peak_running > self.room - allowance)
+            # One request of slack: the mean transit moves a little from window to window.
+            ran = peak_running + transit
+            below_batch = load.waiting <= signals.allowance and (
+                ran > self.room - signals.allowance + 1
+            )
         kv_ok = load is None or load.kv_usage < p.kv_high
         used = signals.peak_inflight >= self.room - 1
         if below_batch and kv_ok and used and self.room < self.ceiling:
             grown = self.room * 2 if self.slow_start else self.room * (1 + p.increase_ratio)
             return self._set(now, max(grown, self.room + 1), "grow")
-        dry = self.batch_limit_seen and self._runs_dry(peak_running, allowance)
-        if not below_batch and kv_ok and used and dry:
-            self.queue = min(peak_running, max(2 * allowance, allowance + 1))
-            return self._set(now, max(peak_running + self.queue, self.room + 1), "dry")
         return None
 
-    def _runs_dry(self, peak_running: float, allowance: float) -> bool:
-        """vLLM's batch ran under ``batch_fill`` of its peak on average over a window in which
-        its queue was seen empty, and a larger allowance is still possible (up to one batch)."""
-        scrapes = self._scrapes
-        if len(scrapes) < _DRY_SCRAPES or peak_running <= 0 or allowance >= peak_running:
-            return False
-        mean_running = sum(r for _, r, _ in scrapes) / len(scrapes)
-        ran_empty = min(w for _, _, w in scrapes) == 0
-        return ran_empty and mean_running < self.params.batch_fill * peak_running
-
-    def _peak_running(self, load: ScrapedLoad | None) -> float:
+    def _record(self, load: ScrapedLoad | None, inflight: int) -> None:
+        """Keep a new scrape (one per scrape, none from before the last change)."""
         seen = self._scrapes
         if load is not None and load.at > max(self.changed_at, seen[-1][0] if seen else -math.inf):
-            seen.append((load.at, load.running, load.waiting))
+            transit = max(0.0, inflight - load.running - load.waiting)
+            seen.append((load.at, load.running, transit))
         while seen and seen[-1][0] - seen[0][0] > _PEAK_WINDOW_S:
             seen.popleft()
-        return max((r for _, r, _ in seen), default=0.0)
 
     def _new_preemptions(self, load: ScrapedLoad | None) -> bool:
         """vLLM preempted for want of KV cache since the last scrape. Preemptions with KV
@@ -248,8 +228,6 @@ class GradientRoom:
 
     def _set(self, now: float, room: float, reason: str) -> RoomChange | None:
         new = float(max(self.params.min_room, min(self.ceiling, math.floor(room))))
-        if reason in ("preempted", "slo"):
-            self.queue *= self.params.decrease_ratio
         if reason != "grow":
             self.slow_start = False
             self._preempted = False  # this decrease answers it

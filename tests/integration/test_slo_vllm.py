@@ -62,8 +62,9 @@ async def test_room_learns_the_engine_batch_without_max_inflight(engines: Engine
         met = sample("tierproxy_slo_met_total", high)
     assert statuses and set(statuses) == {200}
     # vLLM queued the initial room's excess: the room went to what it runs (4) plus the
-    # allowance of backend_health.max_backend_waiting (2), and stayed near it.
+    # allowance (backend_health.max_backend_waiting, 2, or learned up to one batch, 4) and
+    # stayed there.
     assert queued >= 1, rooms
-    assert 4 <= rooms[-1] <= 7, rooms
+    assert 4 <= rooms[-1] <= 8, rooms
     assert max(rooms[len(rooms) // 2 :]) <= 8, rooms
     assert counted > 0 and met == counted

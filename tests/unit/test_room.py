@@ -32,19 +32,18 @@ class SimEngine:
     # Every other scrape falls between steps: this many have finished and their successors
     # still wait for the next step.
     between_steps: int = 0
-    # Every other scrape this many of the proxy's requests are still on their way through
-    # vLLM's API server: the scheduler refills the batch from its own queue, or runs short.
+    # The proxy's requests vLLM's scheduler does not hold: still in its API server on the
+    # way in, or done and streaming out.
     in_transit: int = 0
     history: list[float] = field(default_factory=list)
     scrapes: int = 0
 
     def scrape(self, inflight: int, now: float) -> ScrapedLoad:
         self.scrapes += 1
-        scheduled = inflight - self.in_transit if self.scrapes % 2 else inflight
-        running = min(scheduled, self.max_num_seqs)
+        inflight = max(0, inflight - self.in_transit)  # what vLLM's scheduler holds
+        running = min(inflight, self.max_num_seqs)
         if self.scrapes % 2:
             running = max(0, running - self.between_steps)
-        inflight = scheduled
         kv = min(1.0, running * self.kv_per_seq)
         return ScrapedLoad(
             waiting=float(inflight - running),
@@ -112,31 +111,17 @@ def test_a_scrape_between_steps_does_not_pull_the_room_under_the_batch(clock: Fa
     assert _run(pool, engine, clock, 120.0, demand=500) == []
 
 
-def test_a_batch_that_runs_dry_learns_a_larger_allowance_then_holds_still(
-    clock: FakeClock,
+@pytest.mark.parametrize("max_num_seqs", [4, 64])
+def test_room_covers_the_requests_in_transit_and_then_holds_still(
+    clock: FakeClock, max_num_seqs: int
 ) -> None:
-    """Every other scrape 16 requests are still in vLLM's API server: with 2 waiting the batch
-    of 64 runs short. The allowance doubles (2 -> 4 -> 8 -> 16) until vLLM's own queue covers
-    what is in transit, then nothing changes; vLLM's queue of 16 no longer shrinks the room."""
+    """16 of the proxy's requests are always in vLLM's API server (busy, on its way in or out):
+    the room is vLLM's batch plus the allowance plus those 16, so that the batch stays full."""
     pool = _pool(Backend(url="http://e:1"))
-    state = pool.all()[0]
-    engine = SimEngine(64, in_transit=16)
-    changes = _run(pool, engine, clock, 60.0, demand=500)
-    assert [c.reason for c in changes][-3:] == ["dry", "dry", "dry"]
-    assert state.max_room == 64 + 16
-    assert state.allowance(HEALTH.max_backend_waiting) == 16
+    engine = SimEngine(max_num_seqs, in_transit=16)
+    _run(pool, engine, clock, 60.0, demand=500)
+    assert pool.all()[0].max_room == max_num_seqs + 2 + 16
     assert _run(pool, engine, clock, 120.0, demand=500) == []
-    state.load = ScrapedLoad(waiting=16.0, running=64.0, kv_usage=0.1, at=clock())
-    assert pool.room(state, clock()) == state.max_room - state.inflight  # no excess to shrink
-
-
-def test_a_full_batch_keeps_the_base_allowance(clock: FakeClock) -> None:
-    """Requests in transit that vLLM's queue of 2 covers (the batch never runs short): the
-    allowance stays the config's."""
-    pool = _pool(Backend(url="http://e:1"))
-    _run(pool, SimEngine(16, in_transit=2), clock, 60.0, demand=500)
-    state = pool.all()[0]
-    assert state.max_room == 18 and state.allowance(HEALTH.max_backend_waiting) == 2
 
 
 def test_room_does_not_grow_past_unused_room_or_the_ceiling(clock: FakeClock) -> None:
