@@ -6,23 +6,25 @@ the last pass) and, per finished request, whether the backend's part of its late
 tier's target. Like Netflix's concurrency-limits it changes the room on evidence only: after a
 change it waits for a scrape taken after that change. The rule:
 
-- vLLM queues beyond the allowance and runs fewer than the room: the room jumps down to what
-  vLLM runs plus the allowance plus what is in transit (vLLM's ``running`` is its real batch
+- vLLM queued beyond the allowance (plus a tenth of its batch) in every scrape since the last
+  change: the room jumps down to what vLLM runs plus the allowance plus what is in transit,
+  if that is less (vLLM's ``running`` is its real batch
   limit, whatever limits it; the most it ran over the last ``_PEAK_WINDOW_S``, since one scrape
   may fall between a request's end and the next one's start);
 - vLLM preempts with its KV cache nearly full (KV pressure; the plugin's preemptions for a
   better tier come with KV to spare and do not count) or the tiers' targets slip: the room
   shrinks by ``decrease_ratio``;
 - vLLM ran nearly all the room at once (more than the room less the allowance, counting what
-  is in transit) and holds no more than the allowance waiting, KV usage below ``kv_high``,
+  is in transit) and held no more than the allowance waiting on average since the last
+  change, KV usage below ``kv_high``,
   targets met and the room was used: it grows, doubling until the first shrink (slow start),
   then by ``increase_ratio`` (after a shrink for the SLO, only once a full window of requests
   judged the new room);
 - anything else, or stale metrics from a backend that had them: the room stays as it is.
 
 In transit: the proxy's requests that vLLM's scheduler does not hold (in flight at the proxy
-less vLLM's running and waiting): taken in by its API server but not yet scheduled, or done
-but still streaming out. They hold the proxy's room, not a place in vLLM's batch; on a busy
+less vLLM's running and waiting, smoothed over the scrapes of about 5 s): taken in by its API
+server but not yet scheduled, or done but still streaming out. They hold the proxy's room, not a place in vLLM's batch; on a busy
 API server (a CPU engine shares its core with the model) they are tens of requests, and a
 room that leaves them out keeps vLLM's batch short.
 
@@ -46,6 +48,10 @@ if TYPE_CHECKING:
 
 # vLLM's batch limit is the most it ran over this long (scrapes are snapshots).
 _PEAK_WINDOW_S = 5.0
+# Hysteresis of the queued rule, as a share of vLLM's batch (at least 1 request).
+_SLACK_SHARE = 0.1
+# Weight of each new scrape in the smoothed transit (about the last 10 scrapes, 5 s).
+_TRANSIT_SMOOTHING = 0.1
 # Preemptions count as KV pressure when KV usage is at least kv_high less this.
 _KV_MARGIN = 0.1
 
@@ -144,8 +150,12 @@ class GradientRoom:
         self.changed_at = -math.inf
         self._preemptions: float | None = None
         self._preempted = False  # seen since the last change (a cooldown must not lose it)
-        # (scraped at, running, in transit) since the last change, over _PEAK_WINDOW_S
-        self._scrapes: deque[tuple[float, float, float]] = deque()
+        # (scraped at, running, in transit, waiting) since the last change, over _PEAK_WINDOW_S
+        self._scrapes: deque[tuple[float, float, float, float]] = deque()
+        # Requests in transit, smoothed over every scrape (changes of room do not reset it:
+        # two scrapes after a change are too few to judge a quantity that moves this much).
+        self.transit = 0.0
+        self._last_scrape_at = -math.inf
         self._slo_bound = False  # the last decrease was for the SLO: grow on a judged window
         self.slo = SloWindow(params.slo_window_s, params.slo_min_samples)
 
@@ -169,14 +179,22 @@ class GradientRoom:
             return None
         if load is not None and len(self._scrapes) < 2:
             return None  # two scrapes since the last change, at least: one may fall between steps
-        peak_running = max((r for _, r, _ in self._scrapes), default=0.0)
-        # What the room must cover besides vLLM's batch and queue; the mean, since a request
-        # is in transit for a moment on its way in and out.
-        transit = sum(t for _, _, t in self._scrapes) / max(1, len(self._scrapes))
+        peak_running = max((r for _, r, _, _ in self._scrapes), default=0.0)
+        # Over the scrapes since the last change, not one snapshot: that may catch vLLM
+        # between steps (successors of finished requests not yet scheduled) or the transit at
+        # a peak. Shrinking needs every scrape queued beyond the allowance, growth an average
+        # queue within it.
+        waits = [w for *_, w in self._scrapes]
+        least_waiting = min(waits, default=0.0)
+        mean_waiting = sum(waits) / max(1, len(waits))
+        transit = self.transit  # what the room must cover besides vLLM's batch and queue
+        # Hysteresis against the noise of snapshots: vLLM may queue a tenth of its batch more
+        # than the allowance before the room shrinks (one request at least).
+        slack = max(1.0, _SLACK_SHARE * peak_running)
         p = self.params
         misses = self.slo.miss_share(now)
         slipping = misses is not None and misses > self.miss_budget
-        if load is not None and load.waiting > signals.allowance:
+        if load is not None and least_waiting > signals.allowance + slack - 1:
             batch = math.ceil(peak_running + signals.allowance + transit)
             if batch < self.room:
                 return self._set(now, batch, "queued")
@@ -195,9 +213,10 @@ class GradientRoom:
         if load is None:
             below_batch = True
         else:
-            # One request of slack: the mean transit moves a little from window to window.
+            # One request of slack (the slack above applies to shrinking only: growth must
+            # still find a batch limit it has not seen).
             ran = peak_running + transit
-            below_batch = load.waiting <= signals.allowance and (
+            below_batch = mean_waiting <= signals.allowance and (
                 ran > self.room - signals.allowance + 1
             )
         kv_ok = load is None or load.kv_usage < p.kv_high
@@ -210,9 +229,12 @@ class GradientRoom:
     def _record(self, load: ScrapedLoad | None, inflight: int) -> None:
         """Keep a new scrape (one per scrape, none from before the last change)."""
         seen = self._scrapes
-        if load is not None and load.at > max(self.changed_at, seen[-1][0] if seen else -math.inf):
+        if load is not None and load.at > self._last_scrape_at:
+            self._last_scrape_at = load.at
             transit = max(0.0, inflight - load.running - load.waiting)
-            seen.append((load.at, load.running, transit))
+            self.transit += _TRANSIT_SMOOTHING * (transit - self.transit)
+            if load.at > self.changed_at:
+                seen.append((load.at, load.running, transit, load.waiting))
         while seen and seen[-1][0] - seen[0][0] > _PEAK_WINDOW_S:
             seen.popleft()
 

@@ -43,10 +43,13 @@ async def test_room_learns_the_engine_batch_without_max_inflight(engines: Engine
                     statuses.append(r.status)
 
         rooms: list[float] = []
+        waiting: list[float] = []  # vLLM's own queue, as the monitor scraped it
 
         async def watch() -> None:
             while time.monotonic() < stop_at:
                 rooms.append(backend.max_room)
+                if backend.load is not None:
+                    waiting.append(backend.load.waiting)
                 await asyncio.sleep(0.25)
 
         await asyncio.gather(watch(), *(client("high" if i < 4 else "normal") for i in range(16)))
@@ -54,17 +57,23 @@ async def test_room_learns_the_engine_batch_without_max_inflight(engines: Engine
         def sample(name: str, labels: dict[str, str]) -> float:
             return state.metrics.registry.get_sample_value(name, labels) or 0.0
 
-        queued = sample(
-            "tierproxy_backend_room_changes_total", {"backend": engine.spec.url, "reason": "queued"}
+        changes = sum(
+            sample(
+                "tierproxy_backend_room_changes_total", {"backend": engine.spec.url, "reason": r}
+            )
+            for r in ("grow", "queued")
         )
         high = {"tier": "high", "tenant": "tenant-high"}
         counted = sample("tierproxy_slo_requests_total", high)
         met = sample("tierproxy_slo_met_total", high)
     assert statuses and set(statuses) == {200}
-    # vLLM queued the initial room's excess: the room went to what it runs (4) plus the
-    # allowance (backend_health.max_backend_waiting, 2, or learned up to one batch, 4) and
-    # stayed there.
-    assert queued >= 1, rooms
-    assert 4 <= rooms[-1] <= 8, rooms
-    assert max(rooms[len(rooms) // 2 :]) <= 8, rooms
+    # 16 clients keep a backlog at the proxy; the room settles at what vLLM runs (4) plus the
+    # allowance (backend_health.max_backend_waiting, 2) plus the requests in transit through
+    # vLLM's API server (a few here), so that vLLM's own queue stays at about the allowance
+    # instead of taking the 16 clients' ordering away from the tiers.
+    later = len(rooms) // 2
+    assert 4 <= rooms[-1] <= 10, rooms
+    assert max(rooms[later:]) - min(rooms[later:]) <= 2, rooms
+    assert sum(waiting[later:]) / len(waiting[later:]) <= 3.0, (waiting, rooms)
+    assert changes >= 1 or rooms[-1] == 8, rooms  # from the initial 8, or 8 was right
     assert counted > 0 and met == counted
