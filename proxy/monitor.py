@@ -91,6 +91,10 @@ class BackendMonitor:
             age = now - state.load.at if state.load is not None else float("inf")
             self.metrics.backend_metrics_age.labels(label).set(age)
             self.metrics.slo.backend_room.labels(label).set(state.max_room)
+            load = state.fresh_load(now, self.pool.health.stale_after_s)
+            if load is not None:
+                transit = max(0.0, state.inflight - load.running - load.waiting)
+                self.metrics.slo.backend_transit.labels(label).set(transit)
 
     async def _probe(self, state: BackendState) -> None:
         health = self.pool.health

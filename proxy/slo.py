@@ -126,6 +126,13 @@ class SloMetrics:
             ["backend"],
             registry=r,
         )
+        self.backend_transit = Gauge(
+            "tierproxy_backend_transit",
+            "Requests in flight to a backend that vLLM's scheduler does not hold (in its API"
+            " server on the way in or out), at the last scrape; the adaptive room covers them",
+            ["backend"],
+            registry=r,
+        )
         self.backend_room_changes = Counter(
             "tierproxy_backend_room_changes",
             "Changes of a backend's adaptive room, by reason (grow, queued, preempted, slo)",

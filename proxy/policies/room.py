@@ -24,9 +24,9 @@ change it waits for a scrape taken after that change. The rule:
 
 In transit: the proxy's requests that vLLM's scheduler does not hold (in flight at the proxy
 less vLLM's running and waiting, smoothed over the scrapes of about 5 s): taken in by its API
-server but not yet scheduled, or done but still streaming out. They hold the proxy's room, not a place in vLLM's batch; on a busy
-API server (a CPU engine shares its core with the model) they are tens of requests, and a
-room that leaves them out keeps vLLM's batch short.
+server but not yet scheduled, or done but still streaming out. They hold the proxy's room,
+not a place in vLLM's batch; on a busy API server (a CPU engine shares its core with the
+model) they are tens of requests, and a room that leaves them out keeps vLLM's batch short.
 
 A room at vLLM's batch limit plus the allowance plus the transit keeps the allowance in vLLM's
 queue: vLLM runs no more than the room less the allowance and the transit (no growth) and holds

@@ -173,6 +173,8 @@ async def test_each_change_of_room_is_a_metric(clock: FakeClock) -> None:
             state.load = ScrapedLoad(waiting=10, running=4, kv_usage=0.1, at=clock())
             monitor.tick_rooms()
             clock.advance(0.5)
+        # The proxy has 8 in flight there, vLLM's scheduler holds 5: 3 are in its API server.
+        state.load = ScrapedLoad(waiting=1, running=4, kv_usage=0.1, at=clock())
         monitor.export_gauges()
 
     def sample(name: str, **labels: str) -> float | None:
@@ -181,6 +183,7 @@ async def test_each_change_of_room_is_a_metric(clock: FakeClock) -> None:
     assert sample("tierproxy_backend_room_changes_total", reason="grow") == 1
     assert sample("tierproxy_backend_room_changes_total", reason="queued") == 1
     assert sample("tierproxy_backend_room") == 6  # vLLM runs 4, plus the allowance of 2
+    assert sample("tierproxy_backend_transit") == 3
 
 
 def test_bench_proxy_config_carries_the_scenario_slo_and_adaptive_room() -> None:
