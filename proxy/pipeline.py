@@ -14,15 +14,15 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Protocol, TypeGuard
+from typing import TypeGuard
 
 import aiohttp
 from aiohttp import web
 
-from proxy.admission import AdmissionQueue, QueuedRequest, QueueFull, UnknownTier
+from proxy.admission import AdmissionQueue, QueueFull, UnknownTier
+from proxy.admitted import Admitted, FinishHook, Relay, Trace, no_finish_hook
 from proxy.backends import BackendPool
-from proxy.budget import MemoryBudget, Reservation, held_estimate
+from proxy.budget import MemoryBudget, held_estimate
 from proxy.config import Config, LoadedConfig, Tenant
 from proxy.costs import usage_counts
 from proxy.dispatch import Dispatcher, Lease, QueueTimeoutError
@@ -41,10 +41,9 @@ from proxy.errors import (
     rate_limited,
     refused_early,
 )
-from proxy.forward import RelayResult, UpstreamCall, UpstreamUnavailable, relay
+from proxy.forward import RelayResult, UpstreamUnavailable, relay
 from proxy.hotpath import LabelCache
 from proxy.inbound import (
-    ParsedRequest,
     authenticate,
     parse_body,
     read_body,
@@ -53,7 +52,6 @@ from proxy.limits import TenantLimits
 from proxy.metrics import ProxyMetrics
 from proxy.outcome import Outcome, outcome_of
 from proxy.policies.cost import weighted_tokens
-from proxy.policies.prefix import prefix_hash
 from proxy.reply_headers import (
     REQUEST_ID,
     ratelimit_headers,
@@ -70,75 +68,6 @@ access_log = logging.getLogger("tierproxy.access")
 
 # Beyond the queue's own deadline (the dispatcher resolves the waiter by it): a backstop only.
 _DISPATCH_GUARD_S = 5.0
-
-
-class Relay(Protocol):
-    """The upstream call and the relay of its answer (``proxy.forward.relay``)."""
-
-    async def __call__(
-        self, call: UpstreamCall, request: web.Request, *, stream: bool, now: Callable[[], float]
-    ) -> RelayResult: ...
-
-
-@dataclass
-class Trace:
-    """What the access log needs, whatever step the request ended in."""
-
-    request_id: str
-    arrival: float
-    tenant: Tenant | None = None  # known once authenticated
-    admitted: bool = False  # parsed and its model known
-    outcome: Outcome = Outcome.ERROR
-    status: int = 500
-    latency: Latency | None = None  # of an answer relayed (for goodput)
-
-
-@dataclass
-class Admitted:
-    """A request that passed authentication and parsing."""
-
-    config: Config  # the config it was admitted under, kept across reloads
-    tenant: Tenant
-    parsed: ParsedRequest
-    request_id: str
-    arrival: float
-    queued: QueuedRequest = field(init=False)
-    held: Reservation | None = None  # its share of the memory budget
-    attempts: int = 0  # backends tried so far
-    resets: int = 0  # backends that broke while they may have been running it
-
-    def __post_init__(self) -> None:
-        self.queued = QueuedRequest(
-            tier=self.tier,
-            tenant=self.tenant.name,
-            prompt_tokens=self.parsed.prompt_tokens,
-            expected_output=self.parsed.expected_output,
-            arrival_s=self.arrival,
-            model=self.parsed.model,
-            tenant_weight=self.tenant.weight,
-            # For backend choosers that steer by prompt prefix (a few µs of hashing).
-            prefix_hash=prefix_hash(
-                self.parsed.body,
-                tokens=self.config.policies.prefix_tokens,
-                chars_per_token=self.config.scheduling.chars_per_token,
-            ),
-        )
-
-    @property
-    def tier(self) -> str:
-        return self.tenant.tier
-
-    @property
-    def reserved_tokens(self) -> float:
-        """What the tenant's token limit is charged up front (given back once usage is known)."""
-        return float(self.parsed.prompt_tokens + self.parsed.expected_output)
-
-
-FinishHook = Callable[[Trace, Admitted | None, RelayResult | None], None]
-
-
-def _no_finish_hook(trace: Trace, adm: Admitted | None, result: RelayResult | None) -> None:
-    pass
 
 
 class RequestPipeline:
@@ -173,7 +102,7 @@ class RequestPipeline:
         self.budget = budget if budget is not None else MemoryBudget(None)
         self.limit_waiting: Counter[str] = Counter()  # per tier: requests waiting for a limit
         self.child = LabelCache()  # metric children of each request, looked up once
-        self.on_finish = on_finish or _no_finish_hook  # per-tenant usage (proxy.usage)
+        self.on_finish = on_finish or no_finish_hook  # per-tenant usage (proxy.usage)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self.handle(request, "chat")

@@ -26,7 +26,7 @@ from proxy.config import Config
 from proxy.forward import RelayResult, UpstreamCall
 
 if TYPE_CHECKING:
-    from proxy.pipeline import Admitted, Relay, Trace
+    from proxy.admitted import Admitted, Relay, Trace
 
 log = logging.getLogger("tierproxy")
 
