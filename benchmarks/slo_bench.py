@@ -121,13 +121,13 @@ def output_tokens(rng: random.Random) -> int:
 
 
 async def closed_loop(
-    base: str, clients: int, duration_s: float, high_share: float = 0.25, seed: int = 0
+    base: str, clients: int, duration_s: float, high_share: float = 0.25
 ) -> list[dict[str, Any]]:
     stop_at = time.monotonic() + duration_s
     results: list[dict[str, Any]] = []
 
     async def client(i: int, tier: str) -> None:
-        rng = random.Random(seed * 100_003 + i)
+        rng = random.Random(i)  # every setting sees the same lengths per client
         async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
             while time.monotonic() < stop_at:
                 results.append(await one_request(s, base, tier, output_tokens(rng)))
@@ -171,7 +171,13 @@ def pooled(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "high_ttft_p99": round(percentile(high, 99), 3) if high else None,
         "failed": sum(r["failed"] for r in rows),
         "repeats": len(rows),
+        "vllm_running": _mean([r["vllm_running"] for r in rows if "vllm_running" in r]),
+        "transit": _mean([r["transit"] for r in rows if "transit" in r]),
     }
+
+
+def _mean(values: list[float]) -> float | None:
+    return round(sum(values) / len(values), 1) if values else None
 
 
 def proxy_cfg(urls: list[str], max_inflight: int | None, **tiers: dict[str, Any]) -> Any:
@@ -186,6 +192,20 @@ async def watch_rooms(state: Any, stop: asyncio.Event, out: list[list[float]]) -
         await asyncio.sleep(0.25)
 
 
+async def watch_engine(
+    state: Any, stop: asyncio.Event, out: list[tuple[float, float, float]]
+) -> None:
+    """Every new scrape of the (one) engine: (when, vLLM's running, requests in transit)."""
+    (backend,) = state.pool.all()
+    seen = None
+    while not stop.is_set():
+        load = backend.load
+        if load is not None and load.at != seen:
+            seen = load.at
+            out.append((time.monotonic(), load.running, backend.in_transit(load)))
+        await asyncio.sleep(0.05)
+
+
 async def one_setting(
     url: str, max_inflight: int | None, clients: int, args: argparse.Namespace
 ) -> dict[str, Any]:
@@ -195,13 +215,21 @@ async def one_setting(
     async with running_proxy(cfg) as (base, state):
         rooms: list[list[float]] = []
         stop = asyncio.Event()
-        watcher = asyncio.create_task(watch_rooms(state, stop, rooms))
+        engine: list[tuple[float, float, float]] = []
+        watchers = [
+            asyncio.create_task(watch_rooms(state, stop, rooms)),
+            asyncio.create_task(watch_engine(state, stop, engine)),
+        ]
         t0 = time.monotonic()
         results = await closed_loop(base, clients, args.warmup + args.duration)
         stop.set()
-        await watcher
+        await asyncio.gather(*watchers)
     window = steady_window(results, t0 + args.warmup, args.duration)
     out = summary(window, args.duration)
+    measured = [(running, transit) for at, running, transit in engine if at >= t0 + args.warmup]
+    if measured:  # what vLLM ran and what was in its API server, mean over the window
+        out["vllm_running"] = round(sum(r for r, _ in measured) / len(measured), 1)
+        out["transit"] = round(sum(t for _, t in measured) / len(measured), 1)
     out["high_ttfts"] = [r["ttft"] for r in window if r["tier"] == "high" and r["ttft"] is not None]
     out["rooms"] = rooms
     return out

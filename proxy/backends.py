@@ -56,6 +56,13 @@ class BackendState:
             return self.room_controller.limit()
         return float(self.cfg.max_inflight or AdaptiveRoom().initial_room)
 
+    def in_transit(self, load: ScrapedLoad | None) -> float:
+        """Requests in flight here that vLLM's scheduler does not hold at ``load``'s scrape:
+        in its API server on their way in, or done and still streaming out (0 without one)."""
+        if load is None:
+            return 0.0
+        return max(0.0, self.inflight - load.running - load.waiting)
+
     @property
     def label(self) -> str:
         return self.cfg.label
@@ -144,11 +151,12 @@ class BackendPool:
         """One look of the backend's room controller (after each monitor pass)."""
         if state.room_controller is None:
             return None
+        load = state.fresh_load(now, self.health.stale_after_s)
         signals = RoomSignals(
-            load=state.fresh_load(now, self.health.stale_after_s),
+            load=load,
             had_metrics=state.load is not None,
             peak_inflight=state.peak_inflight,
-            inflight=state.inflight,
+            transit=state.in_transit(load),
             allowance=float(self.health.max_backend_waiting),
         )
         state.peak_inflight = state.inflight

@@ -93,8 +93,7 @@ class BackendMonitor:
             self.metrics.slo.backend_room.labels(label).set(state.max_room)
             load = state.fresh_load(now, self.pool.health.stale_after_s)
             if load is not None:
-                transit = max(0.0, state.inflight - load.running - load.waiting)
-                self.metrics.slo.backend_transit.labels(label).set(transit)
+                self.metrics.slo.backend_transit.labels(label).set(state.in_transit(load))
 
     async def _probe(self, state: BackendState) -> None:
         health = self.pool.health

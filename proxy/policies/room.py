@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from proxy.config_slo import AdaptiveRoom
 
@@ -56,12 +56,18 @@ _TRANSIT_SMOOTHING = 0.1
 _KV_MARGIN = 0.1
 
 
+class _Scrape(NamedTuple):
+    at: float
+    running: float
+    waiting: float
+
+
 @dataclass(frozen=True, slots=True)
 class RoomSignals:
     load: ScrapedLoad | None  # the latest scrape, None if stale or never seen
     had_metrics: bool  # the backend has answered /metrics at least once
     peak_inflight: int  # the most the proxy had in flight there since the last pass
-    inflight: int  # in flight there now (the latest scrape was taken just before)
+    transit: float  # in flight there but not held by vLLM's scheduler, at the latest scrape
     allowance: float  # requests vLLM may hold waiting without it being a signal
 
 
@@ -150,8 +156,8 @@ class GradientRoom:
         self.changed_at = -math.inf
         self._preemptions: float | None = None
         self._preempted = False  # seen since the last change (a cooldown must not lose it)
-        # (scraped at, running, in transit, waiting) since the last change, over _PEAK_WINDOW_S
-        self._scrapes: deque[tuple[float, float, float, float]] = deque()
+        # The scrapes since the last change, over the last _PEAK_WINDOW_S
+        self._scrapes: deque[_Scrape] = deque()
         # Requests in transit, smoothed over every scrape (changes of room do not reset it:
         # two scrapes after a change are too few to judge a quantity that moves this much).
         self.transit = 0.0
@@ -174,17 +180,17 @@ class GradientRoom:
         if signals.had_metrics and load is None:
             return None  # stale: keep the last good room
         self._preempted |= self._new_preemptions(load)
-        self._record(load, signals.inflight)
+        self._record(load, signals.transit)
         if now - self.changed_at < self.params.adjust_every_s:
             return None
         if load is not None and len(self._scrapes) < 2:
             return None  # two scrapes since the last change, at least: one may fall between steps
-        peak_running = max((r for _, r, _, _ in self._scrapes), default=0.0)
+        peak_running = max((s.running for s in self._scrapes), default=0.0)
         # Over the scrapes since the last change, not one snapshot: that may catch vLLM
         # between steps (successors of finished requests not yet scheduled) or the transit at
         # a peak. Shrinking needs every scrape queued beyond the allowance, growth an average
         # queue within it.
-        waits = [w for *_, w in self._scrapes]
+        waits = [s.waiting for s in self._scrapes]
         least_waiting = min(waits, default=0.0)
         mean_waiting = sum(waits) / max(1, len(waits))
         transit = self.transit  # what the room must cover besides vLLM's batch and queue
@@ -226,16 +232,16 @@ class GradientRoom:
             return self._set(now, max(grown, self.room + 1), "grow")
         return None
 
-    def _record(self, load: ScrapedLoad | None, inflight: int) -> None:
-        """Keep a new scrape (one per scrape, none from before the last change)."""
+    def _record(self, load: ScrapedLoad | None, transit: float) -> None:
+        """Take in a new scrape once: into the smoothed transit always, into the window only
+        if taken after the last change."""
         seen = self._scrapes
         if load is not None and load.at > self._last_scrape_at:
             self._last_scrape_at = load.at
-            transit = max(0.0, inflight - load.running - load.waiting)
             self.transit += _TRANSIT_SMOOTHING * (transit - self.transit)
             if load.at > self.changed_at:
-                seen.append((load.at, load.running, transit, load.waiting))
-        while seen and seen[-1][0] - seen[0][0] > _PEAK_WINDOW_S:
+                seen.append(_Scrape(load.at, load.running, load.waiting))
+        while seen and seen[-1].at - seen[0].at > _PEAK_WINDOW_S:
             seen.popleft()
 
     def _new_preemptions(self, load: ScrapedLoad | None) -> bool:

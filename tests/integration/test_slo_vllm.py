@@ -57,12 +57,6 @@ async def test_room_learns_the_engine_batch_without_max_inflight(engines: Engine
         def sample(name: str, labels: dict[str, str]) -> float:
             return state.metrics.registry.get_sample_value(name, labels) or 0.0
 
-        changes = sum(
-            sample(
-                "tierproxy_backend_room_changes_total", {"backend": engine.spec.url, "reason": r}
-            )
-            for r in ("grow", "queued")
-        )
         high = {"tier": "high", "tenant": "tenant-high"}
         counted = sample("tierproxy_slo_requests_total", high)
         met = sample("tierproxy_slo_met_total", high)
@@ -75,5 +69,4 @@ async def test_room_learns_the_engine_batch_without_max_inflight(engines: Engine
     assert 4 <= rooms[-1] <= 10, rooms
     assert max(rooms[later:]) - min(rooms[later:]) <= 2, rooms
     assert sum(waiting[later:]) / len(waiting[later:]) <= 3.0, (waiting, rooms)
-    assert changes >= 1 or rooms[-1] == 8, rooms  # from the initial 8, or 8 was right
     assert counted > 0 and met == counted
