@@ -43,8 +43,8 @@ from proxy.bench.live import (
     stream_ttft,
 )
 from proxy.bench.scrape import fetch_metrics
-from proxy.prometheus import VLLM_RUNNING, total
-from proxy.server import raise_open_files_limit
+from proxy.server.listeners import raise_open_files_limit
+from proxy.telemetry.prometheus import VLLM_RUNNING, total
 
 LOW_TIMEOUT_S = 4.0  # the low tier's request_timeout_s
 SEND_IDLE_S = 2.0  # relay.send_idle_timeout_s

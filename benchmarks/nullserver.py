@@ -182,7 +182,7 @@ def main() -> None:
     parser.add_argument("--paced-gap-ms", type=float, default=0.0, help="0: burst")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from proxy.runtime import run  # uvloop where installed
+    from proxy.ops.runtime import run  # uvloop where installed
 
     with contextlib.suppress(KeyboardInterrupt):
         run(serve(args.port, args.paced_gap_ms / 1000))

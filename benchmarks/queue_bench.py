@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import time
 
-from proxy.admission import AdmissionQueue, QueuedRequest, TierLimits
-from proxy.policies.build import default_queue_policies
-from proxy.runtime import tune_gc
+from proxy.ops.runtime import tune_gc
+from proxy.scheduling.build import default_queue_policies
+from proxy.scheduling.queue import AdmissionQueue, QueuedRequest, TierLimits
 
 _ROUNDS = 5
 
@@ -56,7 +56,7 @@ def measure(tenants: int, rounds: int = _ROUNDS) -> tuple[float, float]:
 
 def main() -> None:
     """Twice: under CPython's default garbage collector settings, then as `tierproxy serve`
-    runs (``proxy.runtime.tune_gc``), since full collections of a deep backlog cost more than
+    runs (``proxy.ops.runtime.tune_gc``), since full collections of a deep backlog cost more than
     the queue itself."""
     for label in ("CPython's default GC", "GC as tierproxy serve sets it"):
         if label.startswith("GC as"):

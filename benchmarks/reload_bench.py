@@ -29,10 +29,10 @@ import aiohttp
 import yaml
 from aiohttp import web
 
-from proxy.app import ProxyState
 from proxy.bench.inproc import KEYS, auth, make_config, running_proxy, serve_app, until
-from proxy.config import LoadedConfig, parse_config
-from proxy.runtime import tune_gc
+from proxy.config.schema import LoadedConfig, parse_config
+from proxy.ops.runtime import tune_gc
+from proxy.server.app import ProxyState
 
 TIERS = ("high", "normal", "low")
 

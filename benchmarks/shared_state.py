@@ -32,8 +32,8 @@ from proxy.bench.inproc import KEYS, SECRET, auth, make_config, serve_app
 from proxy.bench.null_upstream import NullUpstream
 from proxy.bench.redis_server import RedisServer
 from proxy.bench.stack import ProxyProcess
-from proxy.config import hash_key
-from proxy.process import free_port
+from proxy.config.schema import hash_key
+from proxy.ops.process import free_port
 from proxy.ticket import DEFAULT_SECRET_ENV
 
 BODY = {"model": "null", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}

@@ -31,11 +31,11 @@ from typing import Any
 
 import aiohttp
 
-from proxy import sse
 from proxy.bench.inproc import SECRET, auth, make_config, running_proxy
 from proxy.bench.stats import percentile
-from proxy.engine import EngineProcess, EngineSpec, engine_cores, ensure_model, spread_cores
-from proxy.process import free_port
+from proxy.ops.engine import EngineProcess, EngineSpec, engine_cores, ensure_model, spread_cores
+from proxy.ops.process import free_port
+from proxy.relay import sse
 from proxy.ticket import DEFAULT_SECRET_ENV
 
 TIMEOUT = aiohttp.ClientTimeout(total=120)

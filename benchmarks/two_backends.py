@@ -19,8 +19,8 @@ from pathlib import Path
 
 from proxy.bench.stack import ProxyProcess
 from proxy.bench.throughput import compare, start_proxy
-from proxy.engine import EngineProcess, EngineSpec, engine_cores, ensure_model, spread_cores
-from proxy.process import free_port
+from proxy.ops.engine import EngineProcess, EngineSpec, engine_cores, ensure_model, spread_cores
+from proxy.ops.process import free_port
 
 
 def main() -> int:

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from proxy.engine import EngineSpec
+    from proxy.ops.engine import EngineSpec
 
 EXAMPLE_CONFIG = "configs/example.yaml"
-GROUPS = ("tenant", "tier", "model", "backend", "outcome")  # proxy.usage_report.GROUPS
+GROUPS = ("tenant", "tier", "model", "backend", "outcome")  # proxy.ops.usage_report.GROUPS
 REFERENCE_POINTER = (
     "Every field, its type, default and meaning: docs/configuration.md"
     " (or `tierproxy config-reference`)"
@@ -25,14 +25,14 @@ DEMO_KEYS = {"high": "demo-high-key", "normal": "demo-normal-key", "low": "demo-
 
 
 def _cmd_tiny_model(args: argparse.Namespace) -> int:
-    from proxy.tiny_model import make_tiny_model
+    from proxy.ops.tiny_model import make_tiny_model
 
     print(make_tiny_model(args.dir))
     return 0
 
 
 def _cmd_hash_key(args: argparse.Namespace) -> int:
-    from proxy.config import hash_key
+    from proxy.config.schema import hash_key
 
     key = sys.stdin.readline().rstrip("\r\n")
     if not key:
@@ -43,7 +43,7 @@ def _cmd_hash_key(args: argparse.Namespace) -> int:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from proxy.config import ConfigError, load_config, summarize
+    from proxy.config.schema import ConfigError, load_config, summarize
 
     try:
         loaded = load_config(args.config)
@@ -59,15 +59,15 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from proxy.app import serve
-    from proxy.config import ConfigError
+    from proxy.config.schema import ConfigError
+    from proxy.server.app import serve
 
     if args.workers < 1:
         print(f"tierproxy serve: --workers must be at least 1, not {args.workers}", file=sys.stderr)
         return 2
     try:
         if args.workers > 1:
-            from proxy.workers import serve_workers
+            from proxy.ops.workers import serve_workers
 
             return serve_workers(args.config, args.workers, args.host, args.port)
         serve(args.config, host=args.host, port=args.port, reuse_port=args.reuse_port)
@@ -87,7 +87,7 @@ def _install_stop_handlers() -> None:
 
 def engine_spec(args: argparse.Namespace) -> EngineSpec:
     """`tierproxy engine`'s vLLM: a CPU build confined to its own cores like `up`'s."""
-    from proxy.engine import POOLING_ARGS, EngineSpec, cpu_confinement, ensure_model
+    from proxy.ops.engine import POOLING_ARGS, EngineSpec, cpu_confinement, ensure_model
 
     model, served = ensure_model(args.model)
     extra = [a for a in args.vllm_args if a != "--"]
@@ -104,7 +104,7 @@ def engine_spec(args: argparse.Namespace) -> EngineSpec:
 
 
 def _cmd_engine(args: argparse.Namespace) -> int:
-    from proxy.engine import EngineProcess, confinement_note
+    from proxy.ops.engine import EngineProcess, confinement_note
 
     spec = engine_spec(args)
     engine = EngineProcess(spec)
@@ -126,9 +126,9 @@ def _cmd_engine(args: argparse.Namespace) -> int:
 
 def _cmd_up(args: argparse.Namespace) -> int:
     """The embedded default: local CPU engine(s) plus the proxy on configs/example.yaml."""
-    from proxy.app import serve
-    from proxy.config import load_config
-    from proxy.engine import EngineProcess, EngineSpec, engine_cores, ensure_model, spread_cores
+    from proxy.config.schema import load_config
+    from proxy.ops.engine import EngineProcess, EngineSpec, engine_cores, ensure_model, spread_cores
+    from proxy.server.app import serve
 
     os.environ.setdefault("TIERPROXY_TICKET_SECRET", secrets.token_urlsafe(32))
     loaded = load_config(args.config)
@@ -220,7 +220,7 @@ def _cmd_drain(args: argparse.Namespace) -> int:
 
 
 def _cmd_top(args: argparse.Namespace) -> int:
-    from proxy.live.top import run_top
+    from proxy.ops.live.top import run_top
 
     if not args.admin_key:
         print("tierproxy top: give --admin-key or set TIERPROXY_ADMIN_KEY", file=sys.stderr)
@@ -229,7 +229,7 @@ def _cmd_top(args: argparse.Namespace) -> int:
 
 
 def _cmd_usage(args: argparse.Namespace) -> int:
-    from proxy.usage_report import parse_since, render, summarize
+    from proxy.ops.usage_report import parse_since, render, summarize
 
     try:
         since = parse_since(args.since, time.time()) if args.since else None
@@ -265,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-c", "--config", required=True)
     p.set_defaults(func=_cmd_check)
 
-    # Listed for --help; `main` hands the rest to proxy.config_reference's own parser.
+    # Listed for --help; `main` hands the rest to proxy.config.reference's own parser.
     sub.add_parser(
         "config-reference",
         help="print the configuration reference (-o docs/configuration.md; --check: up to date?)",
@@ -346,7 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return int(bench_main(argv[1:]))
     if argv[:1] == ["config-reference"]:
-        from proxy.config_reference import main as reference_main
+        from proxy.config.reference import main as reference_main
 
         return reference_main(argv[1:])
     args = build_parser().parse_args(argv)

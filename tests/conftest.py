@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.engine import EngineProcess, EngineSpec, engine_cores, free_port, spread_cores, tail
+from proxy.ops.engine import EngineProcess, EngineSpec, engine_cores, free_port, spread_cores, tail
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_MODEL_DIR = REPO / ".tierproxy" / "tiny-model"
@@ -42,7 +42,7 @@ class EngineFarm:
         self.started = 0
 
     def model_dir(self) -> Path:
-        from proxy.tiny_model import make_tiny_model
+        from proxy.ops.tiny_model import make_tiny_model
 
         return make_tiny_model(TINY_MODEL_DIR)
 

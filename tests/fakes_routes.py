@@ -13,8 +13,8 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDictProxy
 
+from proxy.api.routes import POST_PATHS
 from proxy.bench.inproc import serve_app
-from proxy.routes import POST_PATHS
 
 USAGE = {"prompt_tokens": 5, "total_tokens": 5, "completion_tokens": 0}
 RESPONSES_USAGE = {"input_tokens": 6, "output_tokens": 4, "total_tokens": 10}

@@ -11,8 +11,8 @@ from typing import Any
 import aiohttp
 import orjson
 
-from proxy import sse
 from proxy.bench.records import Outcome, PlannedRequest, RequestRecord
+from proxy.relay import sse
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,10 @@ from typing import Any
 import yaml
 from aiohttp import web
 
-from proxy.app import STATE, ProxyState, create_admin_app, create_app
-from proxy.config import hash_key, load_config, parse_config
-from proxy.process import free_port
-from proxy.server import Listeners
+from proxy.config.schema import hash_key, load_config, parse_config
+from proxy.ops.process import free_port
+from proxy.server.app import STATE, ProxyState, create_admin_app, create_app
+from proxy.server.listeners import Listeners
 
 SECRET = b"integration-test-secret-of-at-least-32-bytes"
 KEYS = {"high": "key-high", "normal": "key-normal", "low": "key-low"}

@@ -21,9 +21,9 @@ import yaml
 from proxy.bench.inproc import KEYS, auth, make_config
 from proxy.bench.scrape import fetch_metrics
 from proxy.bench.stack import ProxyProcess
-from proxy.engine import EngineProcess, EngineSpec, engine_cores, ensure_model
-from proxy.process import StopOnExit, free_port
-from proxy.prometheus import total
+from proxy.ops.engine import EngineProcess, EngineSpec, engine_cores, ensure_model
+from proxy.ops.process import StopOnExit, free_port
+from proxy.telemetry.prometheus import total
 from proxy.ticket import DEFAULT_SECRET_ENV
 
 __all__ = ["KEYS", "LiveStack", "ProxyUsage", "auth", "chat_body", "stream_ttft"]

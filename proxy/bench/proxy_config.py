@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 
 from proxy.bench.scenario import Scenario
-from proxy.config import LoadedConfig, hash_key, parse_config
+from proxy.config.schema import LoadedConfig, hash_key, parse_config
 
 # Like configs/example.yaml, with waits and run times short enough that a benchmark run ends:
 # a request is answered, rejected or timed out within queue_timeout_s + request_timeout_s.
@@ -57,7 +57,7 @@ def proxy_config(
     max_inflight: int | None = 4,
     early_refusal: bool = False,
 ) -> dict[str, Any]:
-    """The config as a plain mapping (validated by proxy.config before it is returned).
+    """The config as a plain mapping (validated by proxy.config.schema before it is returned).
     ``max_inflight`` None: the backends' room adapts. The scenario's SLOs become the tiers'
     ``slo:``, so the proxy's goodput metrics and its room judge by the bench's numbers."""
     if not backends:
@@ -85,7 +85,7 @@ def proxy_config(
 
 
 def validate(data: dict[str, Any]) -> LoadedConfig:
-    """Raises proxy.config.ConfigError when the proxy would refuse this config."""
+    """Raises proxy.config.schema.ConfigError when the proxy would refuse this config."""
     return parse_config(yaml.safe_dump(data, sort_keys=False), source="<bench proxy config>")
 
 

@@ -9,7 +9,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from proxy.process import free_port
+from proxy.ops.process import free_port
 
 
 class RedisServer:

@@ -18,10 +18,10 @@ from typing import Any, Protocol
 
 import aiohttp
 
-from proxy import prometheus
 from proxy.bench import scrape
 from proxy.bench.client import ClientSettings, send
 from proxy.bench.records import Outcome, PlannedRequest, RequestRecord
+from proxy.telemetry import prometheus
 
 
 @dataclass(frozen=True)

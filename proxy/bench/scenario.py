@@ -89,7 +89,7 @@ class Scenario(_Strict):
     phases: list[Phase] = Field(default_factory=list)
     slo: dict[str, SloSpec] = Field(default_factory=dict)
     tenants: list[TenantLoad] = Field(min_length=1)
-    # Tier settings for the proxy config that `tierproxy bench` writes (proxy.config.Tier
+    # Tier settings for the proxy config that `tierproxy bench` writes (proxy.config.schema.Tier
     # fields); the bench defaults apply when absent.
     proxy_tiers: dict[str, dict[str, Any]] | None = None
     max_requests: int = Field(20_000, gt=0)

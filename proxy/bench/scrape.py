@@ -7,7 +7,7 @@ import time
 
 import aiohttp
 
-from proxy.prometheus import vllm_busy
+from proxy.telemetry.prometheus import vllm_busy
 
 
 async def fetch_metrics(

@@ -14,8 +14,8 @@ from typing import Self
 
 from proxy.bench.proxy_config import proxy_config, write_proxy_config
 from proxy.bench.scenario import Scenario
-from proxy.engine import EngineProcess, EngineSpec, engine_cores, ensure_model
-from proxy.process import ManagedProcess, StopOnExit, free_port, http_ok
+from proxy.ops.engine import EngineProcess, EngineSpec, engine_cores, ensure_model
+from proxy.ops.process import ManagedProcess, StopOnExit, free_port, http_ok
 from proxy.ticket import DEFAULT_SECRET_ENV
 
 

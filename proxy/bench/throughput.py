@@ -14,8 +14,8 @@ import yaml
 
 from proxy.bench.inproc import SECRET, auth, make_config
 from proxy.bench.stack import ProxyProcess
-from proxy.engine import EngineProcess
-from proxy.process import free_port
+from proxy.ops.engine import EngineProcess
+from proxy.ops.process import free_port
 from proxy.ticket import DEFAULT_SECRET_ENV
 
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from proxy.backends import BackendState, ScrapedLoad
-    from proxy.config import BackendHealth
+    from proxy.config.schema import BackendHealth
+    from proxy.scheduling.pool import BackendState, ScrapedLoad
 
 
 @dataclass(frozen=True, slots=True)

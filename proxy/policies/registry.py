@@ -15,7 +15,7 @@ from proxy.policies.tenants import EarliestDeadlineFirst, TenantFairness, Virtua
 from proxy.policies.tiers import StrictPriorityTierSelector, StrideTierSelector, TierSelector
 
 if TYPE_CHECKING:
-    from proxy.config import Config
+    from proxy.config.schema import Config
 
 T = TypeVar("T")
 Registry = Mapping[str, Callable[["Config"], T]]

@@ -41,10 +41,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
-from proxy.config_slo import AdaptiveRoom
+from proxy.config.slo import AdaptiveRoom
 
 if TYPE_CHECKING:
-    from proxy.backends import ScrapedLoad
+    from proxy.scheduling.pool import ScrapedLoad
 
 # vLLM's batch limit is the most it ran over this long (scrapes are snapshots).
 _PEAK_WINDOW_S = 5.0

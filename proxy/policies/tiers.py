@@ -6,7 +6,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from proxy.admission import TierLimits
+    from proxy.scheduling.queue import TierLimits
 
 
 class TierSelector(Protocol):

@@ -19,7 +19,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from proxy.shared.config import SharedState
+from proxy.config.shared_state import SharedState
 from proxy.tasks import OwnedTask
 
 log = logging.getLogger("tierproxy.shared")

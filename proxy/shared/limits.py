@@ -11,9 +11,9 @@ import logging
 import uuid
 from dataclasses import dataclass
 
-from proxy.config import Tenant
-from proxy.errors import shared_state_unavailable
-from proxy.limits import BucketWindow, LimitChanges, LimitRegistry, LimitVerdict
+from proxy.api.errors import shared_state_unavailable
+from proxy.config.schema import Tenant
+from proxy.scheduling.limits import BucketWindow, LimitChanges, LimitRegistry, LimitVerdict
 from proxy.shared.client import SharedStateDown, SharedStore
 from proxy.shared.scripts import ADMIT, RENEW, SETTLE
 from proxy.tasks import OwnedTask
@@ -28,7 +28,8 @@ class _SharedHold:
 
 
 class SharedLimitRegistry:
-    """``proxy.limits.TenantLimits`` over Redis, with this replica's registry as the fallback."""
+    """``proxy.scheduling.limits.TenantLimits`` over Redis, with
+    this replica's registry as the fallback."""
 
     def __init__(self, store: SharedStore, local: LimitRegistry | None = None) -> None:
         self.store = store

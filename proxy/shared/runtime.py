@@ -6,14 +6,14 @@ from collections.abc import Callable
 
 from redis.exceptions import RedisError
 
-from proxy.admission import AdmissionQueue
-from proxy.backends import BackendPool
-from proxy.metrics import ProxyMetrics
+from proxy.config.shared_state import SharedState
+from proxy.scheduling.pool import BackendPool
+from proxy.scheduling.queue import AdmissionQueue
 from proxy.shared.client import SharedStore
-from proxy.shared.config import SharedState
 from proxy.shared.fairness import FairnessSync
 from proxy.shared.limits import SharedLimitRegistry
 from proxy.shared.room import SharedBackendRoom
+from proxy.telemetry.metrics import ProxyMetrics
 
 
 class SharedRuntime:

@@ -8,7 +8,8 @@ from __future__ import annotations
 from proxy.shared.client import Script
 
 # A token bucket in a hash {level, at}; an absent key is a full bucket. Mirrors
-# proxy.limits.TokenBucket (capacity = per minute, refilled at per minute / 60 per second).
+# proxy.scheduling.limits.TokenBucket
+# (capacity = per minute, refilled at per minute / 60 per second).
 _BUCKET = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000

@@ -9,8 +9,8 @@ from typing import Any
 import aiohttp
 import orjson
 
-from proxy.app import ProxyState
-from proxy.budget import held_estimate
+from proxy.relay.budget import held_estimate
+from proxy.server.app import ProxyState
 from tests.adversarial.answers import assert_openai_error, read_answer
 from tests.fakes import ScriptedBackend, serve_scripted
 from tests.proxyrun import auth, make_config, running_proxy, until

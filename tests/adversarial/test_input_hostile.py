@@ -17,10 +17,10 @@ import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from proxy.app import create_app
-from proxy.config import parse_config
-from proxy.inbound import parse_body
-from proxy.json_errors import json_errors
+from proxy.config.schema import parse_config
+from proxy.request.inbound import parse_body
+from proxy.server.app import create_app
+from proxy.server.json_errors import json_errors
 from tests.adversarial.answers import assert_openai_error
 from tests.adversarial.strategies import deep_raw, encode, nested
 from tests.clock import FakeClock

@@ -17,9 +17,9 @@ import orjson
 import pytest
 from aiohttp import web
 
-from proxy import sse
-from proxy.backends import BackendState
 from proxy.bench.inproc import serve_app
+from proxy.relay import sse
+from proxy.scheduling.pool import BackendState
 from tests.clock import FakeClock
 from tests.proxyrun import auth, make_config, until
 from tests.unit.test_pipeline import BODY, Rig, error_of, rig

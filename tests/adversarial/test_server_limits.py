@@ -1,4 +1,4 @@
-"""Client connections (proxy.server): the cap, the header timeout, keep-alive, open files; real
+"""Client connections (proxy.server.listeners): the cap, the header timeout, keep-alive, open files; real
 listeners on loopback, raw sockets as the clients."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 from aiohttp import web
 
-from proxy.config_server import Server
-from proxy.server import Listeners, raise_open_files_limit
+from proxy.config.server import Server
+from proxy.server.listeners import Listeners, raise_open_files_limit
 from tests.proxyrun import until
 
 GET = b"GET /ping HTTP/1.1\r\nHost: proxy\r\n\r\n"
@@ -139,7 +139,7 @@ async def test_header_timeouts_are_spread_over_the_last_quarter(
 ) -> None:
     """Connections opened in one burst must not all time out in one loop iteration: each timer
     falls in [0.75, 1] x header_timeout_s (here pinned to its earliest end, 0.75 x 4 s)."""
-    monkeypatch.setattr("proxy.server.random.random", lambda: 1.0)
+    monkeypatch.setattr("proxy.server.listeners.random.random", lambda: 1.0)
     settings = Server(header_timeout_s=4.0, keepalive_timeout_s=60)
     async with serving(settings, _app()) as (_, port):
         loop = asyncio.get_running_loop()

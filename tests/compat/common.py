@@ -11,9 +11,9 @@ from typing import Any
 import openai
 import prometheus_client
 
-from proxy import prometheus
-from proxy.app import ProxyState
-from proxy.engine import EngineProcess
+from proxy.ops.engine import EngineProcess
+from proxy.server.app import ProxyState
+from proxy.telemetry import prometheus
 from tests.conftest import TINY_MODEL_DIR, EngineFarm
 from tests.proxyrun import KEYS, make_config, running_proxy
 

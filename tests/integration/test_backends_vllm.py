@@ -11,7 +11,7 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy import sse
+from proxy.relay import sse
 from tests.conftest import EngineFarm
 from tests.fakes import dies_mid_stream_backend, hung_backend
 from tests.proxyrun import auth, make_config, running_proxy, until
@@ -150,7 +150,7 @@ async def test_backend_dying_mid_stream_gives_an_error_event(engines: EngineFarm
 async def test_refused_connection_before_first_byte_is_retried_elsewhere(
     engines: EngineFarm,
 ) -> None:
-    from proxy.engine import free_port
+    from proxy.ops.engine import free_port
 
     real = engines.get("core")
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
@@ -168,7 +168,7 @@ async def test_refused_connection_before_first_byte_is_retried_elsewhere(
 
 
 async def test_admin_drain_lets_inflight_finish_and_sends_no_new_work(engines: EngineFarm) -> None:
-    from proxy.config import hash_key
+    from proxy.config.schema import hash_key
 
     a, b = engines.get("core"), engines.get("pair-b")
     cfg = make_config(

@@ -9,7 +9,7 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy import sse
+from proxy.relay import sse
 from tests.conftest import EngineFarm
 
 pytestmark = pytest.mark.integration

@@ -15,7 +15,7 @@ import pytest
 
 from proxy.bench.plugin import scenarios as sc
 from proxy.bench.plugin.requests import ENGINE_ARGS, LOW_TOKENS
-from proxy.engine import EngineProcess
+from proxy.ops.engine import EngineProcess
 from tests.conftest import EngineFarm
 
 pytestmark = pytest.mark.integration

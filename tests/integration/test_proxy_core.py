@@ -11,9 +11,10 @@ import openai
 import orjson
 import pytest
 
-from proxy import prometheus, sse
 from proxy.bench.scrape import wait_idle
-from proxy.config import hash_key
+from proxy.config.schema import hash_key
+from proxy.relay import sse
+from proxy.telemetry import prometheus
 from tests.conftest import EngineFarm
 from tests.proxyrun import auth, make_config, running_proxy, until
 

@@ -15,7 +15,7 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy.engine import POOLING_ARGS, EngineProcess
+from proxy.ops.engine import POOLING_ARGS, EngineProcess
 from proxy.ticket import DEFAULT_SECRET_ENV
 from proxy.vllm_plugin.settings import ENV_REQUIRE_TICKET
 from tests.conftest import EngineFarm

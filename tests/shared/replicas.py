@@ -12,8 +12,8 @@ import yaml
 
 from proxy.bench.inproc import KEYS, SECRET, auth, make_config
 from proxy.bench.stack import ProxyProcess
-from proxy.config import hash_key
-from proxy.process import free_port
+from proxy.config.schema import hash_key
+from proxy.ops.process import free_port
 from proxy.ticket import DEFAULT_SECRET_ENV
 
 TENANT = "acme"

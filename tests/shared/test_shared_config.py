@@ -7,10 +7,10 @@ from typing import Any
 import pytest
 import yaml
 
-from proxy.app import STATE, create_app
 from proxy.bench.inproc import SECRET, make_config
-from proxy.config import ConfigError, parse_config
-from proxy.limits import LimitRegistry
+from proxy.config.schema import ConfigError, parse_config
+from proxy.scheduling.limits import LimitRegistry
+from proxy.server.app import STATE, create_app
 from proxy.shared.limits import SharedLimitRegistry
 
 

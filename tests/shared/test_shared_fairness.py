@@ -11,11 +11,11 @@ from collections.abc import AsyncIterator
 import pytest
 from prometheus_client import CollectorRegistry
 
-from proxy.admission import QueuedRequest
+from proxy.config.shared_state import SharedState
 from proxy.policies.backlog import TenantBacklog
 from proxy.policies.tenants import VirtualTokenCounter
+from proxy.scheduling.queue import QueuedRequest
 from proxy.shared.client import SharedStore
-from proxy.shared.config import SharedState
 from proxy.shared.fairness import FairnessSync
 from tests.redis_server import RedisServer
 

@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
+from proxy.api.errors import ProxyError
 from proxy.bench.inproc import until
-from proxy.config import Tenant
-from proxy.errors import ProxyError
-from proxy.limits import LimitVerdict
+from proxy.config.schema import Tenant
+from proxy.config.shared_state import SharedState
+from proxy.scheduling.limits import LimitVerdict
 from proxy.shared.client import SharedStore
-from proxy.shared.config import SharedState
 from proxy.shared.limits import SharedLimitRegistry
 from tests.redis_server import RedisServer
 

@@ -15,13 +15,13 @@ import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry
 
-from proxy.backends import BackendPool
 from proxy.bench.inproc import serve_app, until
 from proxy.bench.null_upstream import NullUpstream
-from proxy.config import Backend, BackendHealth
+from proxy.config.schema import Backend, BackendHealth
+from proxy.config.shared_state import SharedState
 from proxy.policies.backends import LeastUtilised
+from proxy.scheduling.pool import BackendPool
 from proxy.shared.client import SharedStore
-from proxy.shared.config import SharedState
 from proxy.shared.room import SharedBackendRoom
 from tests.redis_server import RedisServer
 from tests.shared.replicas import post, replica_config, start_replicas

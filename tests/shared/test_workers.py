@@ -14,7 +14,7 @@ import yaml
 
 from proxy.bench.inproc import SECRET, serve_app
 from proxy.bench.null_upstream import NullUpstream
-from proxy.process import ManagedProcess, free_port, http_ok
+from proxy.ops.process import ManagedProcess, free_port, http_ok
 from proxy.ticket import DEFAULT_SECRET_ENV
 from tests.redis_server import RedisServer
 from tests.shared.replicas import post, replica_config

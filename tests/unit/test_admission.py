@@ -1,8 +1,8 @@
 import pytest
 
-from proxy.admission import AdmissionQueue, QueuedRequest, QueueFull, State, TierLimits
-from proxy.policies.build import default_queue_policies
 from proxy.policies.order import ShortFirst
+from proxy.scheduling.build import default_queue_policies
+from proxy.scheduling.queue import AdmissionQueue, QueuedRequest, QueueFull, State, TierLimits
 from tests.clock import FakeClock
 
 

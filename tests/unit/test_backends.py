@@ -1,8 +1,8 @@
 import pytest
 
-from proxy.backends import BackendPool, ScrapedLoad
-from proxy.config import Backend, BackendHealth
+from proxy.config.schema import Backend, BackendHealth
 from proxy.policies.backends import LeastUtilised
+from proxy.scheduling.pool import BackendPool, ScrapedLoad
 
 HEALTH = BackendHealth(
     stale_after_s=2.0,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from proxy.budget import HELD_PER_BODY_BYTE, MemoryBudget, held_estimate
+from proxy.relay.budget import HELD_PER_BODY_BYTE, MemoryBudget, held_estimate
 
 
 def test_reservations_stay_within_the_limit_and_come_back() -> None:

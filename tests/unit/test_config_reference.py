@@ -9,10 +9,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from proxy import config_reference
-from proxy.config import Config
-from proxy.config_reference import DOC_PATH, NO_DESCRIPTION, render, sections, type_name
-from proxy.config_server import Strict
+from proxy.config import reference as config_reference
+from proxy.config.reference import DOC_PATH, NO_DESCRIPTION, render, sections, type_name
+from proxy.config.schema import Config
+from proxy.config.server import Strict
 
 REPO = Path(__file__).resolve().parents[2]
 MINIMAL: dict[str, Any] = {

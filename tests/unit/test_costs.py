@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.config import Tenant
-from proxy.costs import INPUT_CHARS, lax_bool, lax_int, usage_counts
-from proxy.errors import ProxyError
-from proxy.limits import LimitRegistry
-from proxy.reply_headers import openai_duration, ratelimit_headers, request_id_for
+from proxy.api.errors import ProxyError
+from proxy.api.reply_headers import openai_duration, ratelimit_headers, request_id_for
+from proxy.config.schema import Tenant
+from proxy.request.costs import INPUT_CHARS, lax_bool, lax_int, usage_counts
+from proxy.scheduling.limits import LimitRegistry
 
 
 def _tenant(rpm: int, tpm: int) -> Tenant:

@@ -6,13 +6,13 @@ import asyncio
 
 import pytest
 
-from proxy.admission import AdmissionQueue, QueuedRequest, QueueFull, TierLimits
-from proxy.backends import BackendPool
-from proxy.config import Backend, BackendHealth
-from proxy.dispatch import Dispatcher, Lease, QueueTimeoutError
-from proxy.metrics import ProxyMetrics
+from proxy.config.schema import Backend, BackendHealth
 from proxy.policies.backends import LeastUtilised
-from proxy.policies.build import default_queue_policies
+from proxy.scheduling.build import default_queue_policies
+from proxy.scheduling.dispatch import Dispatcher, Lease, QueueTimeoutError
+from proxy.scheduling.pool import BackendPool
+from proxy.scheduling.queue import AdmissionQueue, QueuedRequest, QueueFull, TierLimits
+from proxy.telemetry.metrics import ProxyMetrics
 from tests.clock import FakeClock
 
 

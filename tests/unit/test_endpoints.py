@@ -1,4 +1,4 @@
-"""The routes beside generation (proxy.endpoints, proxy.admin) on the whole app, against an
+"""The routes beside generation (proxy.server.endpoints, proxy.server.admin) on the whole app, against an
 in-process backend."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from proxy.app import STATE, create_admin_app, create_app
-from proxy.config import hash_key, parse_config
-from proxy.config_server import Server
-from proxy.server import Listeners
+from proxy.config.schema import hash_key, parse_config
+from proxy.config.server import Server
+from proxy.server.app import STATE, create_admin_app, create_app
+from proxy.server.listeners import Listeners
 from tests.clock import FakeClock
 from tests.fakes import ScriptedBackend, serve_scripted
 from tests.proxyrun import SECRET, auth, make_config

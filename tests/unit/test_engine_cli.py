@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from proxy import engine
 from proxy.cli import build_parser, engine_spec
+from proxy.ops import engine
 
 
 def _spec(*argv: str) -> engine.EngineSpec:

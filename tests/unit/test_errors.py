@@ -5,9 +5,9 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from proxy import errors
-from proxy.errors import ProxyError
-from proxy.outcome import Outcome, outcome_of
+from proxy.api import errors
+from proxy.api.errors import ProxyError
+from proxy.api.outcome import Outcome, outcome_of
 
 CASES: list[tuple[ProxyError, int, str, Outcome]] = [
     (errors.unauthorized(), 401, "invalid_api_key", Outcome.UNAUTHORIZED),

@@ -9,8 +9,8 @@ import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from proxy.admission import AdmissionQueue, QueuedRequest, TierLimits
-from proxy.policies.build import default_queue_policies
+from proxy.scheduling.build import default_queue_policies
+from proxy.scheduling.queue import AdmissionQueue, QueuedRequest, TierLimits
 
 
 def _jain(values: list[float]) -> float:

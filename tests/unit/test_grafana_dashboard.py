@@ -10,8 +10,8 @@ from typing import Any
 import yaml
 from aiohttp.test_utils import TestClient, TestServer
 
-from proxy.app import create_app
-from proxy.config import parse_config
+from proxy.config.schema import parse_config
+from proxy.server.app import create_app
 from tests.clock import FakeClock
 from tests.dashboard import REPO, exposed_names, panels, queried_names
 from tests.fakes import ScriptedBackend, serve_scripted

@@ -2,9 +2,9 @@ import orjson
 import pytest
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from proxy.config import Limits, LoadedConfig, Scheduling, Tier, hash_key, parse_config
-from proxy.errors import ProxyError
-from proxy.inbound import (
+from proxy.api.errors import ProxyError
+from proxy.config.schema import Limits, LoadedConfig, Scheduling, Tier, hash_key, parse_config
+from proxy.request.inbound import (
     api_key_from,
     authenticate,
     authenticate_admin,

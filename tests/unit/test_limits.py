@@ -1,7 +1,7 @@
 import pytest
 
-from proxy.config import Tenant
-from proxy.limits import LimitRegistry, TokenBucket
+from proxy.config.schema import Tenant
+from proxy.scheduling.limits import LimitRegistry, TokenBucket
 
 
 def _tenant(**limits: object) -> Tenant:

@@ -13,11 +13,11 @@ import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from proxy.app import STATE, ProxyState, create_app
-from proxy.backends import BackendState
-from proxy.config import Backend, hash_key, parse_config
-from proxy.live.status import backend_state
-from proxy.usage import UsageRecord
+from proxy.config.schema import Backend, hash_key, parse_config
+from proxy.ops.live.status import backend_state
+from proxy.ops.usage import UsageRecord
+from proxy.scheduling.pool import BackendState
+from proxy.server.app import STATE, ProxyState, create_app
 from tests.clock import FakeClock
 from tests.fakes import ScriptedBackend, serve_scripted
 from tests.proxyrun import SECRET, auth, make_config, until

@@ -1,4 +1,4 @@
-"""Windowed deltas and rates of cumulative counters (proxy.live.window), on a fake clock."""
+"""Windowed deltas and rates of cumulative counters (proxy.ops.live.window), on a fake clock."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from proxy.live.window import CounterWindow, histogram_quantile
+from proxy.ops.live.window import CounterWindow, histogram_quantile
 from tests.clock import FakeClock
 
 

@@ -16,12 +16,12 @@ import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from proxy.app import ProxyState
-from proxy.budget import held_estimate
-from proxy.config import hash_key, parse_config
-from proxy.engine import free_port
+from proxy.config.schema import hash_key, parse_config
+from proxy.ops.engine import free_port
 from proxy.policies.cost import weighted_tokens
 from proxy.policies.tenants import VirtualTokenCounter
+from proxy.relay.budget import held_estimate
+from proxy.server.app import ProxyState
 from tests.clock import FakeClock
 from tests.fakes import ScriptedBackend, serve_scripted
 from tests.proxyrun import SECRET, auth, make_config, until

@@ -7,18 +7,18 @@ import asyncio
 
 import pytest
 
-from proxy.admission import QueuedRequest
-from proxy.app import ProxyState
-from proxy.config import ConfigError, LoadedConfig, hash_key, parse_config
-from proxy.dispatch import Lease
-from proxy.metrics import ProxyMetrics
+from proxy.config.schema import ConfigError, LoadedConfig, hash_key, parse_config
 from proxy.policies import registry
 from proxy.policies.backends import LeastUtilised, PrefixAffinity
-from proxy.policies.build import build_scheduling
 from proxy.policies.displacement import LargestShare
 from proxy.policies.order import Fcfs, ShortFirst
 from proxy.policies.tenants import EarliestDeadlineFirst, VirtualTokenCounter
 from proxy.policies.tiers import StrideTierSelector
+from proxy.scheduling.build import build_scheduling
+from proxy.scheduling.dispatch import Lease
+from proxy.scheduling.queue import QueuedRequest
+from proxy.server.app import ProxyState
+from proxy.telemetry.metrics import ProxyMetrics
 from tests.clock import FakeClock
 
 BASE = f"""

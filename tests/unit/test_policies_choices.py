@@ -7,15 +7,15 @@ from dataclasses import replace
 
 import pytest
 
-from proxy.admission import AdmissionQueue, QueuedRequest, QueueFull, TierLimits
-from proxy.backends import BackendPool
-from proxy.config import Backend, BackendHealth
+from proxy.config.schema import Backend, BackendHealth
 from proxy.policies.backends import LeastUtilised, PrefixAffinity
-from proxy.policies.build import default_queue_policies
 from proxy.policies.displacement import NoDisplacement
 from proxy.policies.order import Fcfs
 from proxy.policies.tenants import EarliestDeadlineFirst
 from proxy.policies.tiers import StrictPriorityTierSelector
+from proxy.scheduling.build import default_queue_policies
+from proxy.scheduling.pool import BackendPool
+from proxy.scheduling.queue import AdmissionQueue, QueuedRequest, QueueFull, TierLimits
 
 
 def _req(tier: str, tenant: str, arrival: float, prompt: int = 10) -> QueuedRequest:

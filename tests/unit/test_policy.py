@@ -3,11 +3,11 @@ from dataclasses import replace
 
 import pytest
 
-from proxy.admission import AdmissionQueue, QueuedRequest, TierLimits
-from proxy.policies.build import default_queue_policies
 from proxy.policies.order import short_first_key
 from proxy.policies.tenants import VirtualTokenCounter
 from proxy.policies.tiers import StrideTierSelector
+from proxy.scheduling.build import default_queue_policies
+from proxy.scheduling.queue import AdmissionQueue, QueuedRequest, TierLimits
 
 DEFAULT_WEIGHTS = {"high": 10.0, "normal": 5.0, "low": 1.0}
 

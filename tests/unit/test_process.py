@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import proxy
-from proxy.process import ManagedProcess, tail
+from proxy.ops.process import ManagedProcess, tail
 
 # Forks a grandchild that would outlive a plain kill of its parent, prints both pids.
 FAMILY = """
@@ -95,7 +95,7 @@ def test_the_child_dies_with_its_parent(tmp_path: Path) -> None:
     # A middle process starts a ManagedProcess, prints its pid, and is killed hard.
     middle = """
 import sys, time
-from proxy.process import ManagedProcess
+from proxy.ops.process import ManagedProcess
 p = ManagedProcess([sys.executable, "-c", "import time; time.sleep(600)"]).start()
 print(p.pid, flush=True)
 time.sleep(600)

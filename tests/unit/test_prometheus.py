@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from proxy import prometheus
-from proxy.backends import ScrapedLoad
-from proxy.prometheus import Sample, parse_vllm_load
+from proxy.scheduling.pool import ScrapedLoad
+from proxy.telemetry import prometheus
+from proxy.telemetry.prometheus import Sample, parse_vllm_load
 
 VLLM_TEXT = """# HELP vllm:num_requests_waiting Number of requests waiting.
 # TYPE vllm:num_requests_waiting gauge

@@ -1,4 +1,4 @@
-"""Live reload (proxy.reload): debounced, parsed off the event loop, restart-only changes logged."""
+"""Live reload (proxy.ops.reload): debounced, parsed off the event loop, restart-only changes logged."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from proxy.config import Config, LoadedConfig, hash_key, load_config
-from proxy.metrics import ProxyMetrics
-from proxy.reload import ConfigWatcher
+from proxy.config.schema import Config, LoadedConfig, hash_key, load_config
+from proxy.ops.reload import ConfigWatcher
+from proxy.telemetry.metrics import ProxyMetrics
 
 
 def config_text(tenants: int, port: int = 8000) -> str:

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import yaml
 
-from proxy.app import ProxyState
-from proxy.config import Tenant, hash_key, load_config, parse_config
-from proxy.limits import LimitRegistry, plan_changes
-from proxy.metrics import ProxyMetrics
-from proxy.reload import ConfigWatcher
+from proxy.config.schema import Tenant, hash_key, load_config, parse_config
+from proxy.ops.reload import ConfigWatcher
+from proxy.scheduling.limits import LimitRegistry, plan_changes
+from proxy.server.app import ProxyState
+from proxy.telemetry.metrics import ProxyMetrics
 from tests.clock import FakeClock
 
 

@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from proxy.backends import BackendPool, BackendState, ScrapedLoad
-from proxy.config import Backend, BackendHealth
-from proxy.config_slo import AdaptiveRoom
+from proxy.config.schema import Backend, BackendHealth
+from proxy.config.slo import AdaptiveRoom
 from proxy.policies.backends import LeastUtilised
 from proxy.policies.room import FixedRoom, GradientRoom, RoomChange
+from proxy.scheduling.pool import BackendPool, BackendState, ScrapedLoad
 from tests.clock import FakeClock
 
 HEALTH = BackendHealth(max_backend_waiting=2, stale_after_s=2.0)

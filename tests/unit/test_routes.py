@@ -13,11 +13,11 @@ import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from proxy import sse
-from proxy.app import STATE, ProxyState, create_app
-from proxy.config import hash_key, parse_config
+from proxy.api.routes import POST_PATHS
+from proxy.config.schema import hash_key, parse_config
 from proxy.policies.tenants import VirtualTokenCounter
-from proxy.routes import POST_PATHS
+from proxy.relay import sse
+from proxy.server.app import STATE, ProxyState, create_app
 from proxy.ticket import TICKET_HEADER
 from tests.clock import FakeClock
 from tests.fakes_routes import RESPONSES_USAGE, RoutesBackend, serve_routes

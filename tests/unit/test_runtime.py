@@ -8,8 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from proxy import runtime
-from proxy.runtime import FULL_COLLECTION_EVERY, tune_gc
+from proxy.ops import runtime
+from proxy.ops.runtime import FULL_COLLECTION_EVERY, tune_gc
 
 
 @pytest.fixture

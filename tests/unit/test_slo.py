@@ -8,17 +8,17 @@ import aiohttp
 import pytest
 import yaml
 
-from proxy.admission import AdmissionQueue, QueuedRequest, TierLimits
-from proxy.backends import BackendPool, ScrapedLoad
-from proxy.config import Backend, BackendHealth, ConfigError, parse_config
-from proxy.dispatch import Dispatcher, Lease
-from proxy.early_refusal import EarlyRefusal
-from proxy.errors import refused_early
-from proxy.metrics import ProxyMetrics
-from proxy.monitor import BackendMonitor
-from proxy.outcome import Outcome, outcome_of
+from proxy.api.errors import refused_early
+from proxy.api.outcome import Outcome, outcome_of
+from proxy.config.schema import Backend, BackendHealth, ConfigError, parse_config
 from proxy.policies.backends import LeastUtilised
-from proxy.policies.build import default_queue_policies
+from proxy.scheduling.build import default_queue_policies
+from proxy.scheduling.dispatch import Dispatcher, Lease
+from proxy.scheduling.early_refusal import EarlyRefusal
+from proxy.scheduling.monitor import BackendMonitor
+from proxy.scheduling.pool import BackendPool, ScrapedLoad
+from proxy.scheduling.queue import AdmissionQueue, QueuedRequest, TierLimits
+from proxy.telemetry.metrics import ProxyMetrics
 from tests.clock import FakeClock
 from tests.fakes import ScriptedBackend, serve_scripted
 from tests.proxyrun import make_config, until

@@ -8,7 +8,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from proxy import sse
+from proxy.relay import sse
 
 
 async def _lines(*lines: bytes) -> AsyncIterator[bytes]:

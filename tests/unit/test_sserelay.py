@@ -1,4 +1,4 @@
-"""The read-at-a-time SSE relay (proxy.sserelay): whatever the cuts of the reads, the bytes
+"""The read-at-a-time SSE relay (proxy.relay.sserelay): whatever the cuts of the reads, the bytes
 forwarded are the stream's, minus a stripped usage chunk; usage, [DONE] and error events are
 seen; an oversize event is refused only after the events before it."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from proxy.sse import EventTooLarge
-from proxy.sserelay import SseRelay, split_events
+from proxy.relay.sse import EventTooLarge
+from proxy.relay.sserelay import SseRelay, split_events
 
 TOKENS = [b'data: {"choices":[{"index":0,"delta":{"content":"a"},"finish_reason":null}]}\n\n'] * 3
 FINISH = b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'

@@ -13,10 +13,10 @@ import pytest
 import yaml
 from rich.console import Console
 
-from proxy.app import create_app
 from proxy.bench.inproc import serve_app
-from proxy.config import hash_key, parse_config
-from proxy.live.top import render
+from proxy.config.schema import hash_key, parse_config
+from proxy.ops.live.top import render
+from proxy.server.app import create_app
 from tests.conftest import REPO
 from tests.fakes import ScriptedBackend, serve_scripted
 from tests.proxyrun import SECRET, make_config

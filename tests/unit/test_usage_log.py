@@ -10,8 +10,8 @@ import orjson
 import pytest
 
 from proxy.cli import main
-from proxy.usage_log import UsageLogSettings, UsageLogWriter, rotated_paths
-from proxy.usage_report import parse_since, summarize
+from proxy.ops.usage_log import UsageLogSettings, UsageLogWriter, rotated_paths
+from proxy.ops.usage_report import parse_since, summarize
 
 
 def _line(i: int, tenant: str = "a", ts: float = 1000.0, **extra: object) -> bytes:

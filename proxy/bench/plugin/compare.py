@@ -17,8 +17,8 @@ from proxy.bench.plugin.scenarios import (
     itl_scenario,
     preempt_scenario,
 )
-from proxy.engine import EngineProcess, EngineSpec, engine_cores, ensure_model, spread_cores
-from proxy.process import free_port
+from proxy.ops.engine import EngineProcess, EngineSpec, engine_cores, ensure_model, spread_cores
+from proxy.ops.process import free_port
 from proxy.ticket import DEFAULT_SECRET_ENV
 
 

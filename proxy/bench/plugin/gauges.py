@@ -9,8 +9,8 @@ from typing import Any
 
 import aiohttp
 
-from proxy import prometheus
 from proxy.bench.scrape import wait_idle
+from proxy.telemetry import prometheus
 
 RUNNING, WAITING = prometheus.VLLM_RUNNING, prometheus.VLLM_WAITING
 

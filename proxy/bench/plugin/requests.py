@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from proxy import sse
+from proxy.relay import sse
 from proxy.ticket import (
     DEFAULT_PREFILL_SHARE,
     REQUEST_ID_HEADER,

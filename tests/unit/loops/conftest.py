@@ -1,5 +1,5 @@
 """Every test here runs on both event loops the proxy may run on: the standard one and uvloop
-(``proxy.runtime.loop_factory`` picks it where installed)."""
+(``proxy.ops.runtime.loop_factory`` picks it where installed)."""
 
 from __future__ import annotations
 

@@ -19,9 +19,9 @@ import pytest
 from aiohttp import web
 
 from proxy.bench.inproc import serve_app
-from proxy.budget import MemoryBudget
-from proxy.forward import RelayResult, UpstreamCall
-from proxy.heldresponse import HeldResponse
+from proxy.relay.budget import MemoryBudget
+from proxy.relay.forward import RelayResult, UpstreamCall
+from proxy.relay.held import HeldResponse
 from tests.adversarial.test_relay_faults import config_for
 from tests.clock import FakeClock
 from tests.proxyrun import auth, make_config

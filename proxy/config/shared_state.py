@@ -1,0 +1,63 @@
+"""The ``shared_state:`` config section (docs/scale-out.md). Read at start."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from proxy.config.server import Strict
+
+
+class SharedState(Strict):
+    """Redis shared by the replicas (and ``--workers``) that must act as one proxy."""
+
+    url: str = Field(
+        "redis://127.0.0.1:6379/0",
+        description="Redis URL (redis:// or rediss://, with the database number).",
+    )
+    key_prefix: str = Field(
+        "tierproxy",
+        min_length=1,
+        description="Every key this deployment writes starts with it: several deployments may"
+        " share a Redis.",
+    )
+    call_timeout_s: float = Field(
+        0.25,
+        gt=0,
+        description="Each Redis call gives up after this long (then on_failure decides); a"
+        " request never waits on Redis longer than one such timeout before it is decided.",
+    )
+    on_failure: Literal["local", "refuse"] = Field(
+        "local",
+        description="Redis unreachable: `local` decides with this replica's own limits until"
+        " Redis answers again; `refuse` answers new requests 503 with Retry-After.",
+    )
+    sync_interval_s: float = Field(
+        0.1,
+        gt=0,
+        description="Fairness counters are merged this often (their staleness across replicas"
+        " is bounded by it plus one round trip); leases are renewed this often too.",
+    )
+    lease_ttl_s: float = Field(
+        5.0,
+        gt=0,
+        description="A replica that stops renewing (crashed, cut off) loses its concurrency"
+        " slots and backend room after this.",
+    )
+    max_connections: int = Field(
+        16,
+        gt=0,
+        description="Connections to Redis per process; more concurrent calls wait for one"
+        " (within the timeout).",
+    )
+    priority_reserve: int = Field(
+        1,
+        ge=0,
+        description="Slots past a backend's room that, across replicas, only a request of the"
+        " best tier may take (the plugin preempts lower tiers inside vLLM, so this over-commit"
+        " is safe).",
+    )
+    probe_interval_s: float = Field(
+        0.5, gt=0, description="While Redis is down, try it again this often."
+    )

@@ -1,0 +1,202 @@
+"""Per-tenant usage, for the teams that pay for the GPUs: Prometheus counters by tenant, tier,
+model and outcome, and one usage-log line per finished request.
+
+Label values are bounded by the config: tenants and tiers it names, models the configured
+backends serve; anything else (a tenant a reload removed, a model no backend lists) is folded
+into ``other``, and ``-`` stands for "not known" (refused before its body was read). Requests
+that never authenticated bill nobody and are not counted here.
+
+``queue_s`` runs from arrival to the upstream call that answered (tenant-limit wait, the tier's
+queue, failed attempts on other backends); ``engine_s`` from that call to the end of the answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+import orjson
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter
+
+from proxy.config.schema import Config
+from proxy.relay.forward import RelayResult, UpstreamCall
+
+if TYPE_CHECKING:
+    from proxy.request.admitted import Admitted, Relay, Trace
+
+log = logging.getLogger("tierproxy")
+
+OTHER = "other"
+UNKNOWN = "-"
+_STARTED = "usage_started_at"  # RelayResult.extra: when the answering upstream call began
+_LABELS = ["tenant", "tier", "model", "outcome"]
+
+
+class UsageCounters:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.requests = Counter(
+            "tierproxy_usage_requests", "Finished requests per tenant", _LABELS, registry=r
+        )
+        self.tokens = Counter(
+            "tierproxy_usage_tokens",
+            "Tokens per tenant by kind (prompt | completion), from the backends' usage",
+            [*_LABELS, "kind"],
+            registry=r,
+        )
+        self.queue_seconds = Counter(
+            "tierproxy_usage_queue_seconds",
+            "Seconds per tenant from arrival to the upstream call that answered",
+            _LABELS,
+            registry=r,
+        )
+        self.engine_seconds = Counter(
+            "tierproxy_usage_engine_seconds",
+            "Seconds per tenant from the upstream call to the end of the answer",
+            _LABELS,
+            registry=r,
+        )
+        self.log_dropped = Counter(
+            "tierproxy_usage_log_dropped",
+            "Usage-log lines dropped (the writer's queue was full, or the disk failed)",
+            registry=r,
+        )
+
+
+@dataclass(frozen=True)
+class UsageRecord:
+    """One line of the usage log."""
+
+    ts: float  # wall-clock time the request finished (Unix seconds)
+    request_id: str
+    tenant: str
+    tier: str
+    model: str | None
+    backend: str | None
+    status: int
+    outcome: str
+    prompt_tokens: int
+    completion_tokens: int
+    queue_s: float
+    engine_s: float
+    duration_s: float
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(asdict(self))
+
+
+class TimedRelay:
+    """The relay, noting when the call began (engine time starts there)."""
+
+    def __init__(self, inner: Relay) -> None:
+        self.inner = inner
+
+    async def __call__(
+        self, call: UpstreamCall, request: web.Request, *, stream: bool, now: Callable[[], float]
+    ) -> RelayResult:
+        started = now()
+        result = await self.inner(call, request, stream=stream, now=now)
+        result.extra[_STARTED] = started
+        return result
+
+
+class UsageMeter:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        *,
+        config: Callable[[], Config],
+        models: Callable[[], set[str]],
+        clock: Callable[[], float],
+        wall: Callable[[], float] = time.time,
+        sink: Callable[[bytes], object] | None = None,
+    ) -> None:
+        self.counters = UsageCounters(registry)
+        self.config = config
+        self.models = models  # what the configured backends serve
+        self.clock = clock
+        self.wall = wall
+        self.sink = sink  # the usage log's writer
+        self._names: tuple[Config | None, frozenset[str]] = (None, frozenset())
+        # The live view's per-tenant totals: a plain dict, cheaper to read than the counters.
+        self.tokens_by_tenant: dict[tuple[str, str], float] = {}
+
+    def finished(self, trace: Trace, adm: Admitted | None, result: RelayResult | None) -> None:
+        """The pipeline's last step for every request, whatever it ended in."""
+        if trace.tenant is None:
+            return
+        try:
+            self._count(trace, adm, result)
+        except Exception:  # a bug here must not turn an answered request into a 500
+            log.exception("usage accounting failed for request %s", trace.request_id)
+
+    def _count(self, trace: Trace, adm: Admitted | None, result: RelayResult | None) -> None:
+        record = self.record(trace, adm, result)
+        labels = self.bounded(record)
+        c = self.counters
+        c.requests.labels(*labels).inc()
+        if record.prompt_tokens:
+            c.tokens.labels(*labels, "prompt").inc(record.prompt_tokens)
+        if record.completion_tokens:
+            c.tokens.labels(*labels, "completion").inc(record.completion_tokens)
+        used = record.prompt_tokens + record.completion_tokens
+        if used:
+            key = labels[:2]
+            self.tokens_by_tenant[key] = self.tokens_by_tenant.get(key, 0.0) + used
+        c.queue_seconds.labels(*labels).inc(record.queue_s)
+        c.engine_seconds.labels(*labels).inc(record.engine_s)
+        if self.sink is not None:
+            self.sink(record.to_json())
+
+    def record(self, trace: Trace, adm: Admitted | None, result: RelayResult | None) -> UsageRecord:
+        assert trace.tenant is not None
+        end = self.clock()
+        usage = (result.usage if result is not None else None) or {}
+        started = result.extra.get(_STARTED) if result is not None else None
+        queue_end = started if isinstance(started, float) else end
+        return UsageRecord(
+            ts=self.wall(),
+            request_id=trace.request_id,
+            tenant=trace.tenant.name,
+            tier=trace.tenant.tier,
+            model=adm.parsed.model if adm is not None else None,
+            backend=_backend_of(adm) if result is not None else None,
+            status=trace.status,
+            outcome=str(trace.outcome),
+            prompt_tokens=_count(usage.get("prompt_tokens")),
+            completion_tokens=_count(usage.get("completion_tokens")),
+            queue_s=max(0.0, queue_end - trace.arrival),
+            engine_s=max(0.0, end - queue_end),
+            duration_s=max(0.0, end - trace.arrival),
+        )
+
+    def bounded(self, record: UsageRecord) -> tuple[str, str, str, str]:
+        """The record's label values, folded into the set the config allows."""
+        cfg = self.config()
+        if self._names[0] is not cfg:  # once per config, not per request (10,000 tenants)
+            self._names = (cfg, frozenset(t.name for t in cfg.tenants))
+        tenant = record.tenant if record.tenant in self._names[1] else OTHER
+        tier = record.tier if record.tier in cfg.tiers else OTHER
+        model = record.model
+        if model is None:
+            model = UNKNOWN
+        elif model not in self.models():
+            model = OTHER
+        return tenant, tier, model, record.outcome
+
+
+def _backend_of(adm: Admitted | None) -> str | None:
+    """The backend of the request's last lease (the one that answered)."""
+    waiter = adm.queued.waiter if adm is not None else None
+    if waiter is None or not waiter.done() or waiter.cancelled() or waiter.exception():
+        return None
+    label: str = waiter.result().backend.label
+    return label
+
+
+def _count(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0

@@ -1,0 +1,351 @@
+"""The upstream call and the relay back to the client.
+
+Streaming responses are relayed a read at a time: the complete events of each read in one
+write (``proxy.relay.sserelay`` finds the usage chunk, errors and ``[DONE]``); the client's response
+is only started once the first event is in hand, so a backend that fails before that can still
+be retried elsewhere. A buffered non-stream answer holds its bytes against the memory budget
+until sent (``proxy.relay.held``). Whatever happens after bytes reached the client ends the
+stream with an error event and ``[DONE]``, never a silent cut. Leaving this code by
+cancellation (the client went away) closes the upstream connection, which makes vLLM abort
+the request.
+
+Bounds (``config.Relay``): every write to the client (``ClientSender``), each SSE event, the
+part of a non-stream answer held in memory (beyond it the answer is streamed through) and its
+total size. A backend fault before any byte reached the client is an OpenAI-shaped 502 or, where
+the backend provably did not run the request, ``UpstreamUnavailable`` (retried elsewhere).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from proxy.api.errors import ProxyError, execution_timeout, upstream_failed, upstream_too_large
+from proxy.api.outcome import Outcome
+from proxy.config.server import Relay
+from proxy.relay.budget import MemoryBudget
+from proxy.relay.clientsend import ClientSender, ClientStalled
+from proxy.relay.held import held_response
+from proxy.relay.sse import EventTooLarge
+from proxy.relay.sserelay import SseRelay
+from proxy.ticket import REQUEST_ID_HEADER
+
+# What vLLM's EngineDeadError says (vllm/v1/engine/exceptions.py), answered as a 500 before any
+# byte when the engine core died: the request did not run to an answer anywhere; retry it.
+ENGINE_DEAD = b"EngineCore encountered an issue"
+# The end of a streamed-through answer kept to find its usage (vLLM writes it last).
+_TAIL_BYTES = 64 * 1024
+_USAGE = re.compile(rb'"usage"\s*:\s*(\{(?:[^{}]|\{[^{}]*\})*\})')
+# The backend's connection failed: reset, closed, or an invalid HTTP answer or body.
+UPSTREAM_BROKE = (
+    aiohttp.ClientPayloadError,
+    aiohttp.ServerDisconnectedError,
+    aiohttp.ClientOSError,
+    aiohttp.ClientResponseError,
+)
+CLIENT_LEFT = (ConnectionResetError, aiohttp.ClientConnectionResetError)
+
+
+class UpstreamUnavailable(Exception):
+    """The backend failed before anything reached the client: safe to retry elsewhere, once
+    only where the backend may have run the request (``maybe_ran``: a reset or an invalid
+    answer after it was sent)."""
+
+    def __init__(
+        self, kind: str, detail: str, status: int | None = None, body: bytes | None = None
+    ) -> None:
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind
+        self.detail = detail
+        self.status = status
+        self.body = body
+
+    @property
+    def maybe_ran(self) -> bool:
+        return self.kind == "reset"
+
+
+@dataclass
+class RelayResult:
+    """What the caller needs for accounting and metrics."""
+
+    response: web.StreamResponse
+    outcome: Outcome  # ok | backend_error | client_error | upstream_error | timeout | client_gone
+    status: int  # | client_stalled
+    usage: dict[str, Any] | None = None
+    first_token_at: float | None = None
+    backend_failed: bool = False  # counts toward passive ejection
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class UpstreamCall:
+    session: aiohttp.ClientSession
+    url: str
+    body: bytes
+    headers: Mapping[str, str]
+    deadline: float  # loop time
+    timeout_s: float  # the tier's limit, for messages
+    strip_usage_chunk: bool  # the proxy asked for usage; the client did not
+    bounds: Relay = field(default_factory=Relay)
+    budget: MemoryBudget | None = None  # what a buffered answer reserves while held
+
+
+async def relay(
+    call: UpstreamCall, request: web.Request, *, stream: bool, now: Callable[[], float]
+) -> RelayResult:
+    try:
+        async with asyncio.timeout_at(call.deadline):
+            resp = await open_upstream(call)
+    except TimeoutError:
+        raise execution_timeout(call.timeout_s) from None
+    send = ClientSender(request, call.deadline, call.bounds.send_idle_timeout_s)
+    async with resp:
+        if resp.status == 503:
+            body = await _read_bounded(resp, call.deadline)
+            raise UpstreamUnavailable("503", "backend overloaded", status=503, body=body)
+        if resp.status != 200 or not stream:
+            result = await _relay_whole(call, resp, send)
+        else:
+            result = await _relay_stream(call, resp, send, now)
+        if result.outcome not in (Outcome.OK, Outcome.CLIENT_ERROR, Outcome.BACKEND_ERROR):
+            resp.close()  # half-read: never back into the pool; vLLM aborts the request
+        return result
+
+
+async def open_upstream(call: UpstreamCall) -> aiohttp.ClientResponse:
+    try:
+        return await call.session.post(call.url, data=call.body, headers=call.headers)
+    except aiohttp.ClientConnectorError as exc:
+        raise UpstreamUnavailable("connect", str(exc)) from exc
+    except UPSTREAM_BROKE as exc:
+        raise UpstreamUnavailable("reset", str(exc)) from exc
+
+
+async def _read_bounded(resp: aiohttp.ClientResponse, deadline: float) -> bytes:
+    try:
+        async with asyncio.timeout_at(deadline):
+            return await resp.content.read(_TAIL_BYTES)
+    except (TimeoutError, aiohttp.ClientError):
+        return b""
+
+
+def _response_headers(call: UpstreamCall, resp: aiohttp.ClientResponse) -> dict[str, str]:
+    """Set before the response is prepared: the request id the pipeline gave the call (a
+    streamed response's headers cannot change once sent)."""
+    headers = {"Content-Type": resp.headers.get("Content-Type", "application/json")}
+    request_id = call.headers.get(REQUEST_ID_HEADER) or resp.headers.get(REQUEST_ID_HEADER)
+    if request_id:
+        headers[REQUEST_ID_HEADER] = request_id
+    return headers
+
+
+def _fault(err: ProxyError) -> RelayResult:
+    """A backend fault before any byte reached the client, not to be retried: 502."""
+    return RelayResult(err.response(), Outcome.UPSTREAM_ERROR, err.status, backend_failed=True)
+
+
+def _outcome_of_status(status: int) -> Outcome:
+    if status < 400:
+        return Outcome.OK
+    return Outcome.BACKEND_ERROR if status >= 500 else Outcome.CLIENT_ERROR
+
+
+async def _read_head(resp: aiohttp.ClientResponse, limit: int) -> tuple[bytes, bool]:
+    """Up to a little over ``limit`` bytes of the body, and whether that was all of it."""
+    parts: list[bytes] = []
+    held = 0
+    while held <= limit:
+        chunk = await resp.content.readany()
+        if not chunk:
+            return b"".join(parts), True
+        parts.append(chunk)
+        held += len(chunk)
+    return b"".join(parts), False
+
+
+async def _relay_whole(
+    call: UpstreamCall, resp: aiohttp.ClientResponse, send: ClientSender
+) -> RelayResult:
+    bounds = call.bounds
+    if resp.content_length is not None and resp.content_length > bounds.max_response_bytes:
+        return _fault(upstream_too_large(bounds.max_response_bytes))
+    try:
+        async with asyncio.timeout_at(call.deadline):
+            body, whole = await _read_head(resp, bounds.buffer_response_bytes)
+    except TimeoutError:
+        raise execution_timeout(call.timeout_s) from None
+    except UPSTREAM_BROKE as exc:
+        raise UpstreamUnavailable("reset", str(exc)) from exc  # nothing reached the client yet
+    if resp.status == 500 and ENGINE_DEAD in body:
+        raise UpstreamUnavailable("engine_dead", "the backend's engine died", status=500)
+    if resp.status >= 500 and not _is_error_body(body):
+        return _fault(upstream_failed(f"The backend answered {resp.status} without a JSON error."))
+    # Held until aiohttp has sent it: its bytes count against the memory budget meanwhile;
+    # over the budget it is streamed through instead (only a chunk at a time is held).
+    held = call.budget.try_reserve(len(body)) if whole and call.budget is not None else None
+    if not whole or (call.budget is not None and held is None):
+        return await _stream_through(call, resp, send, body)
+    out = held_response(resp.status, body, _response_headers(call, resp), held)
+    usage = _usage_of(body) if resp.status == 200 else None
+    return RelayResult(
+        out,
+        _outcome_of_status(resp.status),
+        resp.status,
+        usage=usage,
+        backend_failed=resp.status >= 500,
+    )
+
+
+async def _stream_through(
+    call: UpstreamCall, resp: aiohttp.ClientResponse, send: ClientSender, head: bytes
+) -> RelayResult:
+    """A large non-stream answer, relayed chunk by chunk; only its end is kept (for usage).
+    A failure after its start can only cut the connection: JSON has no error event."""
+    out = web.StreamResponse(status=resp.status, headers=_response_headers(call, resp))
+    if resp.content_length is not None:
+        out.content_length = resp.content_length
+    result = RelayResult(
+        out, _outcome_of_status(resp.status), resp.status, backend_failed=resp.status >= 500
+    )
+    limit, total, tail = call.bounds.max_response_bytes, len(head), head[-_TAIL_BYTES:]
+    try:
+        await send.prepare(out)
+        await send.write(out, head)
+        while chunk := await _read_chunk(resp, call.deadline):
+            total += len(chunk)
+            if total > limit:
+                raise EventTooLarge(limit)
+            tail = (tail + chunk)[-_TAIL_BYTES:]
+            await send.write(out, chunk)
+        await send.finish(out)
+    except ClientStalled:
+        result.outcome, result.status = Outcome.CLIENT_STALLED, 499
+    except CLIENT_LEFT:
+        result.outcome = Outcome.CLIENT_GONE
+    except (TimeoutError, EventTooLarge, *UPSTREAM_BROKE) as exc:
+        timed_out = isinstance(exc, TimeoutError)
+        result.outcome = Outcome.TIMEOUT if timed_out else Outcome.UPSTREAM_ERROR
+        result.backend_failed = not timed_out
+        send.abort()
+    if result.outcome == Outcome.OK and resp.status == 200:
+        match = _USAGE.search(tail)
+        result.usage = _usage_of(b'{"usage":' + match.group(1) + b"}") if match else None
+    return result
+
+
+async def _read_chunk(resp: aiohttp.ClientResponse, deadline: float) -> bytes:
+    async with asyncio.timeout_at(deadline):
+        return await resp.content.readany()
+
+
+def _is_error_body(body: bytes) -> bool:
+    """OpenAI's error shape, or vLLM's older flat one."""
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(parsed, dict) and ("error" in parsed or "message" in parsed)
+
+
+def _usage_of(body: bytes) -> dict[str, Any] | None:
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    usage = parsed.get("usage") if isinstance(parsed, dict) else None
+    return usage if isinstance(usage, dict) else None
+
+
+async def _relay_stream(
+    call: UpstreamCall,
+    resp: aiohttp.ClientResponse,
+    send: ClientSender,
+    now: Callable[[], float],
+) -> RelayResult:
+    scan = SseRelay(call.bounds.max_event_bytes, strip_usage=call.strip_usage_chunk)
+    content = resp.content
+    # Hold the client's response until the first event: a failure before it can be retried.
+    first = b""
+    try:
+        async with asyncio.timeout_at(call.deadline):
+            while not scan.started:
+                chunk = await content.readany()
+                if not chunk:  # the end: an event cut short counts, as proxy.relay.sse reads it
+                    if not (first := scan.finish()):
+                        raise UpstreamUnavailable("reset", "stream ended before its first event")
+                    break
+                first = scan.feed(chunk)
+    except TimeoutError:
+        raise execution_timeout(call.timeout_s) from None
+    except EventTooLarge as exc:
+        return _fault(upstream_too_large(exc.limit))  # it ran there; it would again
+    except UPSTREAM_BROKE as exc:
+        raise UpstreamUnavailable("reset", str(exc)) from exc
+
+    out = web.StreamResponse(status=200, headers=_response_headers(call, resp))
+    out.headers["Content-Type"] = "text/event-stream"
+    out.headers["Cache-Control"] = "no-cache"
+    result = RelayResult(out, Outcome.OK, 200, first_token_at=now())
+    last = b""  # an error event that ends the stream
+    # One timer for the whole stream rather than one per read: at the deadline the next read
+    # (or the one waiting) raises TimeoutError.
+    expire = asyncio.get_running_loop().call_at(call.deadline, _expire, content)
+    try:
+        await send.prepare(out)
+        if first:
+            await send.write(out, first)
+        while chunk := await content.readany():
+            if block := scan.feed(chunk):
+                await send.write(out, block)
+        if rest := scan.finish():
+            await send.write(out, rest)
+        if not scan.saw_done:
+            result.outcome, result.backend_failed = Outcome.UPSTREAM_ERROR, True
+            last = upstream_failed("The backend ended the stream without [DONE].").sse_event()
+    except ClientStalled:
+        result.outcome, result.status = Outcome.CLIENT_STALLED, 499
+    except CLIENT_LEFT:
+        result.outcome = Outcome.CLIENT_GONE
+    except TimeoutError:
+        result.outcome = Outcome.TIMEOUT
+        last = execution_timeout(call.timeout_s).sse_event()
+    except EventTooLarge as exc:
+        result.outcome, result.backend_failed = Outcome.UPSTREAM_ERROR, True
+        last = upstream_too_large(exc.limit).sse_event()
+    except UPSTREAM_BROKE as exc:
+        result.outcome, result.backend_failed = Outcome.UPSTREAM_ERROR, True
+        last = upstream_failed(f"The backend failed mid-stream: {exc}").sse_event()
+    finally:
+        expire.cancel()
+    result.usage = scan.usage
+    if scan.error_event and result.outcome == Outcome.OK:
+        result.outcome = Outcome.BACKEND_ERROR  # vLLM's error event, then [DONE]
+    if result.outcome not in (Outcome.CLIENT_GONE, Outcome.CLIENT_STALLED):
+        await _finish(send, out, last, result)
+    return result
+
+
+def _expire(content: aiohttp.StreamReader) -> None:
+    content.set_exception(TimeoutError())
+
+
+async def _finish(
+    send: ClientSender, out: web.StreamResponse, last: bytes, result: RelayResult
+) -> None:
+    try:
+        await send.finish(out, last)
+    except ClientStalled:
+        result.outcome, result.status = Outcome.CLIENT_STALLED, 499
+    except CLIENT_LEFT:
+        result.outcome = Outcome.CLIENT_GONE
+
+
+__all__ = ["ClientStalled", "RelayResult", "UpstreamCall", "UpstreamUnavailable", "relay"]

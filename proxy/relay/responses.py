@@ -1,0 +1,175 @@
+"""The relay of a streamed Responses API answer (``POST /v1/responses`` with ``stream``).
+
+Its events differ from chat's: each is ``event: response.<kind>`` plus ``data: {...}``, the
+usage comes inside the last one (``response.completed``, ``.incomplete`` or ``.failed``) and
+no ``[DONE]`` follows: the stream ends when the backend closes it. A stream that closes before
+its last event, times out or breaks ends with the API's own ``error`` event. Everything else
+(bounds, retries before the first byte, a client that stalls or leaves) as ``proxy.relay.forward``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from proxy.api.errors import ProxyError, execution_timeout, upstream_failed, upstream_too_large
+from proxy.api.outcome import Outcome
+from proxy.relay import sse
+from proxy.relay.clientsend import ClientSender, ClientStalled
+from proxy.relay.forward import (
+    CLIENT_LEFT,
+    ENGINE_DEAD,
+    UPSTREAM_BROKE,
+    RelayResult,
+    UpstreamCall,
+    UpstreamUnavailable,
+    open_upstream,
+    relay,
+)
+from proxy.ticket import REQUEST_ID_HEADER
+
+# The last event of a Responses stream: each carries the whole response, its usage included.
+FINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed"})
+
+
+async def relay_responses(
+    call: UpstreamCall, request: web.Request, *, stream: bool, now: Callable[[], float]
+) -> RelayResult:
+    """``proxy.relay.forward.relay`` for /v1/responses: a non-stream answer is an ordinary JSON
+    one."""
+    if not stream:
+        return await relay(call, request, stream=False, now=now)
+    try:
+        async with asyncio.timeout_at(call.deadline):
+            resp = await open_upstream(call)
+    except TimeoutError:
+        raise execution_timeout(call.timeout_s) from None
+    send = ClientSender(request, call.deadline, call.bounds.send_idle_timeout_s)
+    async with resp:
+        if resp.status != 200:
+            result = await _relay_refusal(call, resp)
+        else:
+            result = await _relay_events(call, resp, send, now)
+        if result.outcome not in (Outcome.OK, Outcome.CLIENT_ERROR, Outcome.BACKEND_ERROR):
+            resp.close()  # half-read: never back into the pool; vLLM aborts the request
+        return result
+
+
+async def _relay_refusal(call: UpstreamCall, resp: aiohttp.ClientResponse) -> RelayResult:
+    """A non-200 answer (vLLM's JSON error), whole; 503 and a dead engine are retried."""
+    try:
+        async with asyncio.timeout_at(call.deadline):
+            body = await resp.content.read(call.bounds.buffer_response_bytes)
+    except TimeoutError:
+        raise execution_timeout(call.timeout_s) from None
+    except UPSTREAM_BROKE as exc:
+        raise UpstreamUnavailable("reset", str(exc)) from exc
+    if resp.status == 503:
+        raise UpstreamUnavailable("503", "backend overloaded", status=503, body=body)
+    if resp.status == 500 and ENGINE_DEAD in body:
+        raise UpstreamUnavailable("engine_dead", "the backend's engine died", status=500)
+    failed = resp.status >= 500
+    if failed and not _is_json(body):
+        err = upstream_failed(f"The backend answered {resp.status} without a JSON error.")
+        return RelayResult(err.response(), Outcome.UPSTREAM_ERROR, 502, backend_failed=True)
+    content_type = resp.headers.get("Content-Type", "application/json")
+    out = web.Response(status=resp.status, body=body, headers={"Content-Type": content_type})
+    outcome = Outcome.BACKEND_ERROR if failed else Outcome.CLIENT_ERROR
+    return RelayResult(out, outcome, resp.status, backend_failed=failed)
+
+
+async def _relay_events(
+    call: UpstreamCall, resp: aiohttp.ClientResponse, send: ClientSender, now: Callable[[], float]
+) -> RelayResult:
+    events = sse.bounded_events(resp, call.bounds.max_event_bytes).__aiter__()
+    try:  # the client's response waits for the first event: a failure before it is retried
+        async with asyncio.timeout_at(call.deadline):
+            first = await anext(events)
+    except TimeoutError:
+        raise execution_timeout(call.timeout_s) from None
+    except StopAsyncIteration:
+        raise UpstreamUnavailable("reset", "stream ended before its first event") from None
+    except sse.EventTooLarge as exc:
+        err = upstream_too_large(exc.limit)
+        return RelayResult(err.response(), Outcome.UPSTREAM_ERROR, 502, backend_failed=True)
+    except UPSTREAM_BROKE as exc:
+        raise UpstreamUnavailable("reset", str(exc)) from exc
+
+    out = web.StreamResponse(status=200)
+    out.headers["Content-Type"] = "text/event-stream"
+    out.headers["Cache-Control"] = "no-cache"
+    out.headers["X-Request-Id"] = call.headers.get(REQUEST_ID_HEADER, "")
+    result = RelayResult(out, Outcome.OK, 200, first_token_at=now())
+    last: ProxyError | None = None
+    try:
+        await send.prepare(out)
+        event: bytes | None = first
+        ended = False
+        while event is not None:
+            kind, data = _kind_and_data(event)
+            if kind in FINAL_EVENTS:
+                ended = True
+                result.usage = _usage_of(data)
+            await send.write(out, event)
+            async with asyncio.timeout_at(call.deadline):
+                event = await anext(events, None)
+        if not ended:
+            result.outcome, result.backend_failed = Outcome.UPSTREAM_ERROR, True
+            last = upstream_failed("The backend ended the stream before its last event.")
+    except ClientStalled:
+        result.outcome, result.status = Outcome.CLIENT_STALLED, 499
+    except CLIENT_LEFT:
+        result.outcome = Outcome.CLIENT_GONE
+    except TimeoutError:
+        result.outcome, last = Outcome.TIMEOUT, execution_timeout(call.timeout_s)
+    except sse.EventTooLarge as exc:
+        result.outcome, result.backend_failed = Outcome.UPSTREAM_ERROR, True
+        last = upstream_too_large(exc.limit)
+    except UPSTREAM_BROKE as exc:
+        result.outcome, result.backend_failed = Outcome.UPSTREAM_ERROR, True
+        last = upstream_failed(f"The backend failed mid-stream: {exc}")
+    if result.outcome not in (Outcome.CLIENT_GONE, Outcome.CLIENT_STALLED):
+        try:
+            await send.finish(out, error_event(last) if last is not None else b"")
+        except ClientStalled:
+            result.outcome, result.status = Outcome.CLIENT_STALLED, 499
+        except CLIENT_LEFT:
+            result.outcome = Outcome.CLIENT_GONE
+    return result
+
+
+def error_event(err: ProxyError) -> bytes:
+    """The Responses API's ``error`` event, which ends a stream."""
+    payload = {"type": "error", "code": err.code, "message": err.message, "param": err.param}
+    return b"event: error\ndata: " + orjson.dumps(payload) + b"\n\n"
+
+
+def _kind_and_data(event: bytes) -> tuple[str | None, bytes | None]:
+    kind = None
+    for line in event.splitlines():
+        if line.startswith(b"event:"):
+            kind = line[6:].strip().decode("utf-8", "replace")
+    return kind, sse.event_data(event)
+
+
+def _usage_of(data: bytes | None) -> dict[str, Any] | None:
+    try:
+        parsed = orjson.loads(data or b"")
+    except orjson.JSONDecodeError:
+        return None
+    response = parsed.get("response") if isinstance(parsed, dict) else None
+    usage = response.get("usage") if isinstance(response, dict) else None
+    return usage if isinstance(usage, dict) else None
+
+
+def _is_json(body: bytes) -> bool:
+    try:
+        orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return False
+    return True

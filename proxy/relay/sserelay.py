@@ -1,0 +1,181 @@
+"""What to forward of a streamed answer, a read at a time (no I/O here).
+
+The relay forwards what arrived in one read as one write: the complete events of the read, in
+order and byte for byte; an unfinished event waits for the rest. Most reads hold only token
+events, and those pass with a few byte searches (``bytes.find`` and ``in``, in C) instead of a
+Python step per line and per event. A read is taken apart event by event only where one of its
+events needs something: the usage chunk (kept, stripped when the client did not ask for it),
+an error event, and, while the usage chunk is being stripped, a terminal chunk.
+
+vLLM stamps ``system_fingerprint`` on the terminal chunks (a ``finish_reason``) only without
+``include_usage``; with it (the proxy always asks), the usage chunk carries it instead. So that
+the client's stream is what vLLM sends without ``include_usage``, the terminal chunks wait for
+the usage chunk and get its fingerprint (with ``n`` > 1, what follows the first terminal chunk
+waits with it; the stream's end releases them in any case).
+
+Events end at a blank line; lines end at ``\\n`` (as aiohttp's readline and ``proxy.relay.sse`` cut
+them). An event longer than ``max_event_bytes`` raises ``EventTooLarge``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from proxy.relay.sse import EventTooLarge
+
+DONE_DATA = b"data: [DONE]"
+_DONE_INSIDE = b"\n" + DONE_DATA  # an event that starts past a block's start
+_USAGE_MARK = b'"choices":[]'
+_ERROR_MARK = b'"error"'
+_FINISH_MARK = b'"finish_reason":"'  # a terminal chunk: finish_reason is not null
+_FINGERPRINT = b'"system_fingerprint":'
+
+
+def split_events(block: bytes) -> list[bytes]:
+    """The events of a block that ends at an event's end, each with its blank line."""
+    events = []
+    start = line_start = 0
+    while (nl := block.find(b"\n", line_start)) >= 0:
+        size = nl + 1 - line_start
+        blank = size == 1 or (size == 2 and block[line_start] == 0x0D)
+        line_start = nl + 1
+        if blank:
+            events.append(block[start:line_start])
+            start = line_start
+    if start < len(block):
+        events.append(block[start:])
+    return events
+
+
+def _last_event_end(data: bytes) -> int:
+    """Where the last complete event of ``data`` ends (0: none)."""
+    lf = data.rfind(b"\n\n")
+    crlf = data.rfind(b"\n\r\n")
+    return max(lf + 2 if lf >= 0 else 0, crlf + 3 if crlf >= 0 else 0)
+
+
+def _json_of(event: bytes) -> Any:
+    data = event.strip()
+    if not data.startswith(b"data:"):
+        return None
+    try:
+        return orjson.loads(data[5:])
+    except orjson.JSONDecodeError:
+        return None
+
+
+def is_usage_chunk(event: bytes) -> bool:
+    return _USAGE_MARK in event and b'"usage"' in event
+
+
+def is_error_event(event: bytes) -> bool:
+    """OpenAI's error shape (``{"error": {...}}``) or vLLM's older flat one."""
+    if _ERROR_MARK not in event:
+        return False
+    parsed = _json_of(event)
+    return isinstance(parsed, dict) and ("error" in parsed or parsed.get("object") == "error")
+
+
+def with_fingerprint(event: bytes, fingerprint: bytes) -> bytes:
+    """A terminal chunk with vLLM's ``"system_fingerprint":...`` as its last field (where
+    vLLM's serialisation puts it when nothing follows ``choices``)."""
+    if _FINGERPRINT in event:
+        return event
+    end = event.rstrip()
+    if not end.endswith(b"}"):
+        return event
+    return end[:-1] + b',"system_fingerprint":' + fingerprint + b"}" + event[len(end) :]
+
+
+class SseRelay:
+    """Feed it each read (``feed``), then the end (``finish``); forward what they return."""
+
+    def __init__(self, max_event_bytes: int, *, strip_usage: bool) -> None:
+        self.max_event_bytes = max_event_bytes
+        self.strip_usage = strip_usage
+        self.started = False  # a complete event has arrived (the first token, for TTFT)
+        self.saw_done = False
+        self.error_event = False
+        self.usage: dict[str, Any] | None = None
+        self._pending = b""  # the start of an unfinished event
+        self._held: list[bytes] = []  # terminal chunks waiting for the usage chunk
+        self._too_large = False  # an event past the bound: raised once the rest is forwarded
+
+    def feed(self, chunk: bytes) -> bytes:
+        if self._too_large:  # the events before it were forwarded first
+            raise EventTooLarge(self.max_event_bytes)
+        data = self._pending + chunk if self._pending else chunk
+        end = _last_event_end(data)
+        if end == 0:
+            if len(data) > self.max_event_bytes:
+                raise EventTooLarge(self.max_event_bytes)
+            self._pending = data
+            return b""
+        block = data[:end] if end < len(data) else data
+        self._pending = data[end:] if end < len(data) else b""
+        self._too_large = len(self._pending) > self.max_event_bytes
+        out = self._inspect(block)
+        if self._too_large and not out:
+            raise EventTooLarge(self.max_event_bytes)
+        self.started = True
+        return out
+
+    def finish(self) -> bytes:
+        """What is left at the stream's end: an event cut short (with its end added, as
+        ``proxy.relay.sse`` gives it) and any terminal chunk still held."""
+        if self._too_large:
+            raise EventTooLarge(self.max_event_bytes)
+        rest, self._pending = self._pending, b""
+        out = self._inspect(rest + b"\n") if rest.strip() else b""
+        held, self._held = b"".join(self._held), []
+        return held + out  # what was held came first
+
+    def _inspect(self, block: bytes) -> bytes:
+        if not self.saw_done and (block.startswith(DONE_DATA) or _DONE_INSIDE in block):
+            self.saw_done = True
+        slow = (
+            _USAGE_MARK in block
+            or _ERROR_MARK in block
+            or self._held
+            or (self.strip_usage and _FINISH_MARK in block)
+            or len(block) > self.max_event_bytes
+        )
+        return self._by_event(block) if slow else block
+
+    def _by_event(self, block: bytes) -> bytes:
+        out: list[bytes] = []
+        if not self._held and len(block) <= self.max_event_bytes:
+            # The events before the first one that needs a look pass as they are.
+            marks = [_USAGE_MARK, _ERROR_MARK, *([_FINISH_MARK] if self.strip_usage else [])]
+            first = min((at for m in marks if (at := block.find(m)) >= 0), default=len(block))
+            start = _last_event_end(block[:first])
+            out.append(block[:start])
+            block = block[start:]
+        for event in split_events(block):
+            if len(event) > self.max_event_bytes:
+                self._too_large = True
+                break
+            if is_usage_chunk(event):
+                parsed = _json_of(event)
+                usage = parsed.get("usage") if isinstance(parsed, dict) else None
+                self.usage = usage if isinstance(usage, dict) else None
+                if self.strip_usage:
+                    fingerprint = parsed.get("system_fingerprint") if parsed else None
+                    self._release(out, fingerprint)
+                    continue
+            elif is_error_event(event):
+                self.error_event = True
+            if self.strip_usage and (self._held or _FINISH_MARK in event):
+                self._held.append(event)
+            else:
+                out.append(event)
+        return b"".join(out)
+
+    def _release(self, out: list[bytes], fingerprint: object) -> None:
+        if isinstance(fingerprint, str):
+            mark = orjson.dumps(fingerprint)
+            self._held = [with_fingerprint(e, mark) if _FINISH_MARK in e else e for e in self._held]
+        out.extend(self._held)
+        self._held = []

@@ -1,0 +1,90 @@
+"""What a generation request carries through the pipeline
+(``proxy.request.pipeline``): its trace for
+the access log, the admitted request with its queue entry, and the seams the pipeline is given
+(the relay, the finish hook)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from aiohttp import web
+
+from proxy.api.outcome import Outcome
+from proxy.config.schema import Config, Tenant
+from proxy.policies.prefix import prefix_hash
+from proxy.relay.budget import Reservation
+from proxy.relay.forward import RelayResult, UpstreamCall
+from proxy.request.inbound import ParsedRequest
+from proxy.scheduling.queue import QueuedRequest
+from proxy.telemetry.slo import Latency
+
+
+class Relay(Protocol):
+    """The upstream call and the relay of its answer (``proxy.relay.forward.relay``)."""
+
+    async def __call__(
+        self, call: UpstreamCall, request: web.Request, *, stream: bool, now: Callable[[], float]
+    ) -> RelayResult: ...
+
+
+@dataclass
+class Trace:
+    """What the access log needs, whatever step the request ended in."""
+
+    request_id: str
+    arrival: float
+    tenant: Tenant | None = None  # known once authenticated
+    admitted: bool = False  # parsed and its model known
+    outcome: Outcome = Outcome.ERROR
+    status: int = 500
+    latency: Latency | None = None  # of an answer relayed (for goodput)
+
+
+@dataclass
+class Admitted:
+    """A request that passed authentication and parsing."""
+
+    config: Config  # the config it was admitted under, kept across reloads
+    tenant: Tenant
+    parsed: ParsedRequest
+    request_id: str
+    arrival: float
+    queued: QueuedRequest = field(init=False)
+    held: Reservation | None = None  # its share of the memory budget
+    attempts: int = 0  # backends tried so far
+    resets: int = 0  # backends that broke while they may have been running it
+
+    def __post_init__(self) -> None:
+        self.queued = QueuedRequest(
+            tier=self.tier,
+            tenant=self.tenant.name,
+            prompt_tokens=self.parsed.prompt_tokens,
+            expected_output=self.parsed.expected_output,
+            arrival_s=self.arrival,
+            model=self.parsed.model,
+            tenant_weight=self.tenant.weight,
+            # For backend choosers that steer by prompt prefix (a few µs of hashing).
+            prefix_hash=prefix_hash(
+                self.parsed.body,
+                tokens=self.config.policies.prefix_tokens,
+                chars_per_token=self.config.scheduling.chars_per_token,
+            ),
+        )
+
+    @property
+    def tier(self) -> str:
+        return self.tenant.tier
+
+    @property
+    def reserved_tokens(self) -> float:
+        """What the tenant's token limit is charged up front (given back once usage is known)."""
+        return float(self.parsed.prompt_tokens + self.parsed.expected_output)
+
+
+FinishHook = Callable[[Trace, Admitted | None, RelayResult | None], None]
+
+
+def no_finish_hook(trace: Trace, adm: Admitted | None, result: RelayResult | None) -> None:
+    pass

@@ -1,0 +1,95 @@
+"""Reading a client's request body: bounded in size and time, decoded from its Content-Encoding.
+
+The proxy decodes the body itself (the app turns aiohttp's own request decompression off, which
+answered unsupported encodings in plain text before any handler ran): gzip and deflate with the
+decoded size bounded by the same limit as the body (a gzip bomb stops at ``limit + 1`` bytes),
+anything else 415. What goes on to the backend is always the identity JSON the proxy writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+
+from proxy.api.errors import (
+    ProxyError,
+    bad_encoding,
+    bad_framing,
+    body_timeout,
+    too_large,
+    unsupported_encoding,
+)
+from proxy.config.server import InputLimits
+
+_CHUNK = 64 * 1024
+
+
+async def read_body(request: web.Request, limit: int, inputs: InputLimits | None = None) -> bytes:
+    """The decoded body, refused with 413 as soon as it (or its decoding) passes ``limit``, with
+    408 when it does not arrive within the knob's time, 415/400 for encodings it cannot decode."""
+    inputs = inputs or InputLimits()
+    # Checked before reading: an unsupported encoding is refused without waiting for the body.
+    encodings = content_encodings(request.headers.get("Content-Encoding", ""))
+    for encoding in encodings:
+        if encoding not in inputs.decode_content_encodings:
+            raise unsupported_encoding(encoding, list(inputs.decode_content_encodings))
+    if request.content_length is not None and request.content_length > limit:
+        raise too_large(limit)
+    raw = await _read_raw(request, limit, inputs.body_read_timeout_s)
+    for encoding in reversed(encodings):  # the last one listed was applied last
+        raw = decode(raw, encoding, limit)
+    return raw
+
+
+def content_encodings(header: str) -> list[str]:
+    """The codings named by a Content-Encoding header, identity left out."""
+    names = [part.strip().lower() for part in header.split(",")]
+    return [name for name in names if name and name != "identity"]
+
+
+async def _read_raw(request: web.Request, limit: int, timeout_s: float) -> bytes:
+    body = bytearray()
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.content.iter_chunked(_CHUNK):
+                body += chunk
+                if len(body) > limit:
+                    raise too_large(limit)
+    except TimeoutError:
+        raise body_timeout(timeout_s) from None
+    except HttpProcessingError as exc:  # bad chunked framing, short Content-Length, ...
+        raise bad_framing(str(exc.message or exc)) from None
+    except (ConnectionError, EOFError):
+        raise ProxyError(400, "The connection closed before the body was complete.") from None
+    return bytes(body)
+
+
+def decode(data: bytes, encoding: str, limit: int) -> bytes:
+    """``data`` decoded from gzip or deflate (zlib-wrapped or raw, as clients send both)."""
+    if encoding == "gzip":
+        wbits = 31
+    elif len(data) >= 2 and data[0] & 0x0F == 8 and (data[0] << 8 | data[1]) % 31 == 0:
+        wbits = 15  # a zlib header
+    else:
+        wbits = -15  # raw deflate
+    out = bytearray()
+    rest = data
+    try:
+        while True:  # gzip allows several members one after the other
+            decoder = zlib.decompressobj(wbits)
+            out += decoder.decompress(rest, limit + 1 - len(out))
+            if len(out) > limit or decoder.unconsumed_tail:
+                raise too_large(limit)
+            if not decoder.eof:
+                raise bad_encoding(encoding)  # truncated
+            rest = decoder.unused_data
+            if not rest or wbits != 31:
+                break
+    except zlib.error:
+        raise bad_encoding(encoding) from None
+    if rest:
+        raise bad_encoding(encoding)  # bytes after the end of the compressed data
+    return bytes(out)

@@ -1,0 +1,171 @@
+"""What a request's input costs, per route, in characters of text (the tier's chars_per_token
+turns them into a token estimate for fairness and the tokens-per-minute limit); and the few
+coercions vLLM's pydantic models make, so the proxy accepts what vLLM accepts.
+
+The estimate is charged up front and corrected once the backend reports its usage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeGuard
+
+from proxy.api.errors import bad_request
+
+# Message parts whose size says nothing about their tokens (an image's base64 is not its token
+# count); their real cost is charged once the backend reports the usage.
+MEDIA_KEYS = frozenset(
+    {"image_url", "input_audio", "audio_url", "video_url", "file", "input_image", "file_data"}
+)
+SCALAR_CHARS = 4  # a number, a token id or a literal: about one token
+
+
+def text_chars(value: object, *, keys: bool = False) -> int:
+    """Characters of text in a prompt, message or schema, however nested (iteratively: a
+    client's nesting never meets Python's recursion limit); ``keys`` counts object keys too."""
+    chars = 0
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            chars += len(item)
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                if key in MEDIA_KEYS:
+                    continue
+                if keys:
+                    chars += len(key)
+                stack.append(child)
+        elif item is not None:
+            chars += SCALAR_CHARS
+    return chars
+
+
+def _required(body: dict[str, Any], *names: str) -> object:
+    """The first of ``names`` present; 400 naming them all when none is."""
+    for name in names:
+        if name in body:
+            return body[name]
+    listed = " or ".join(f"'{n}'" for n in names)
+    raise bad_request(f"{listed} is required", param=names[0])
+
+
+def _items(value: object) -> int:
+    """How many inputs a score/rerank side holds (a string or one object is one)."""
+    return len(value) if isinstance(value, list) and value else 1
+
+
+def _pairs_chars(left: object, right: object) -> int:
+    """Score and rerank run the model on every pair: one left item meets every right one."""
+    if _items(left) == 1:
+        return text_chars(left) * _items(right) + text_chars(right)
+    return text_chars(left) + text_chars(right)
+
+
+def responses_chars(body: dict[str, Any]) -> int:
+    """``input`` (a string or items), ``instructions`` and the schemas rendered into the
+    prompt (tools, the text format)."""
+    source = _required(body, "input")
+    chars = text_chars(source) + text_chars(body.get("instructions"))
+    return chars + sum(text_chars(body.get(name), keys=True) for name in ("tools", "text"))
+
+
+def pooled_input_chars(body: dict[str, Any]) -> int:
+    """Embeddings, pooling and classify: ``input`` (text, texts or token ids) or chat
+    ``messages``."""
+    return text_chars(_required(body, "input", "messages"))
+
+
+def score_chars(body: dict[str, Any]) -> int:
+    for left, right in (("text_1", "text_2"), ("queries", "documents"), ("queries", "items")):
+        if left in body and right in body:
+            return _pairs_chars(body[left], body[right])
+    return _pairs_chars(_required(body, "data_1", "text_1", "queries"), _required(body, "data_2"))
+
+
+def rerank_chars(body: dict[str, Any]) -> int:
+    return _pairs_chars(_required(body, "query"), _required(body, "documents"))
+
+
+def tokenize_chars(body: dict[str, Any]) -> int:
+    return text_chars(_required(body, "prompt", "messages"))
+
+
+def detokenize_chars(body: dict[str, Any]) -> int:
+    return text_chars(_required(body, "tokens"))
+
+
+# The routes besides chat and completions (proxy.request.inbound validates those two itself).
+INPUT_CHARS: dict[str, Callable[[dict[str, Any]], int]] = {
+    "responses": responses_chars,
+    "embeddings": pooled_input_chars,
+    "pooling": pooled_input_chars,
+    "classify": pooled_input_chars,
+    "score": score_chars,
+    "rerank": rerank_chars,
+    "tokenize": tokenize_chars,
+    "detokenize": detokenize_chars,
+}
+
+
+# -- coercions as pydantic's lax mode makes them (vLLM's request models) ---------------------
+
+_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
+_FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
+
+
+def lax_int(value: object) -> int | None:
+    """``value`` as pydantic reads an int field: ints, bools, integral floats and strings of
+    those ("4", " 4 ", "4.0"); None when it would refuse it."""
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else None
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            return int(text)
+        except ValueError:
+            pass
+        try:
+            number = float(text)
+        except ValueError:
+            return None
+        return int(number) if number.is_integer() and "e" not in text.lower() else None
+    return None
+
+
+def lax_bool(value: object) -> bool | None:
+    """``value`` as pydantic reads a bool field: bools, 0/1 and words like "true" or "no"."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in _TRUE or word in _FALSE:
+            return word in _TRUE
+    return None
+
+
+def usage_counts(usage: dict[str, Any] | None) -> tuple[int, int] | None:
+    """(input, output) tokens of a backend's usage: chat/completions/embeddings name them
+    prompt/completion tokens, the Responses API input/output tokens, rerank only a total."""
+    if not usage:
+        return None
+    for prompt_key, output_key in (
+        ("prompt_tokens", "completion_tokens"),
+        ("input_tokens", "output_tokens"),
+    ):
+        prompt = usage.get(prompt_key)
+        if _is_count(prompt):
+            output = usage.get(output_key)
+            return prompt, output if _is_count(output) else 0
+    total = usage.get("total_tokens")
+    return (total, 0) if _is_count(total) else None
+
+
+def _is_count(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

@@ -1,0 +1,323 @@
+"""What comes in from a client: the API key, the JSON body, and what must not pass on.
+
+Clients can never raise their own priority: the body's ``priority`` and ``vllm_xargs`` and every
+``X-Vllm-*`` / ``X-Tierproxy-*`` header are dropped here; only the proxy's signed ticket decides.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from proxy.api.errors import admin_disabled, bad_request, too_deep, unauthorized
+from proxy.api.routes import BY_ENDPOINT, Endpoint
+from proxy.config.schema import Limits, LoadedConfig, Scheduling, Tenant, Tier
+from proxy.request.body import read_body
+from proxy.request.costs import INPUT_CHARS, lax_bool, lax_int, text_chars
+
+__all__ = [
+    "BODY_READ_TIMEOUT_S",
+    "Endpoint",
+    "ParsedRequest",
+    "authenticate",
+    "authenticate_admin",
+    "parse_body",
+    "read_body",
+    "upstream_headers",
+]
+
+# The admin API's body wait (client bodies wait input.body_read_timeout_s).
+BODY_READ_TIMEOUT_S = 30.0
+
+STRIPPED_BODY_FIELDS = ("priority", "vllm_xargs")
+STRIPPED_HEADER_PREFIXES = ("x-vllm-", "x-tierproxy-")
+# Hop-by-hop headers (RFC 9110 §7.6.1, plus the obsolete Proxy-Connection); those the Connection
+# header names are dropped as well.
+HOP_BY_HOP_HEADERS = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+# Never forwarded, whatever the config says: credentials, what the proxy sets or rewrites itself
+# (the body goes on as identity JSON of its own length), and Expect (the proxy has the whole body;
+# a 100-continue towards the backend would only stall).
+NEVER_FORWARDED = HOP_BY_HOP_HEADERS | {
+    "authorization",
+    "api-key",
+    "proxy-authorization",
+    "host",
+    "content-length",
+    "content-type",
+    "content-encoding",
+    "accept-encoding",
+    "x-request-id",
+    "expect",
+}
+# Dropped unless input.forward_headers names them: the client's cookies, and headers that steer
+# vLLM's engine (its data-parallel rank, its session routing).
+DROPPED_BY_DEFAULT = frozenset({"cookie", "x-data-parallel-rank", "x-session-id"})
+DROPPED_HEADERS = NEVER_FORWARDED | DROPPED_BY_DEFAULT
+
+
+def api_key_from(headers: Mapping[str, str]) -> str | None:
+    auth = headers.get("Authorization", "")
+    scheme, _, token = auth.partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    key = headers.get("api-key", "").strip()
+    return key or None
+
+
+def authenticate(headers: Mapping[str, str], loaded: LoadedConfig) -> Tenant:
+    """The tenant whose key the request carries, or 401."""
+    key = api_key_from(headers)
+    tenant = loaded.tenant_for_key(key) if key else None
+    if tenant is None:
+        raise unauthorized()
+    return tenant
+
+
+def authenticate_admin(headers: Mapping[str, str], loaded: LoadedConfig) -> None:
+    """Pass an admin key, or 404 when the admin API is off, or 401."""
+    if not loaded.admin_key_hashes:
+        raise admin_disabled()
+    key = api_key_from(headers)
+    if key is None or not loaded.is_admin_key(key):
+        raise unauthorized()
+
+
+def upstream_headers(
+    client_headers: CIMultiDictProxy[str], forward: Collection[str] = ()
+) -> CIMultiDict[str]:
+    """The client's headers that go on to the backend; ``forward`` (input.forward_headers)
+    lets through those dropped by default, never the hop-by-hop or proxy-owned ones."""
+    allowed = {name.lower() for name in forward} - NEVER_FORWARDED
+    named_by_connection = {
+        token.strip().lower()
+        for value in client_headers.getall("Connection", [])
+        for token in value.split(",")
+    }
+    out: CIMultiDict[str] = CIMultiDict()
+    for name, value in client_headers.items():
+        lower = name.lower()
+        if lower.startswith(STRIPPED_HEADER_PREFIXES) or lower in named_by_connection:
+            continue
+        if lower in NEVER_FORWARDED or (lower in DROPPED_BY_DEFAULT and lower not in allowed):
+            continue
+        out.add(name, value)
+    return out
+
+
+@dataclass
+class ParsedRequest:
+    body: dict[str, Any]
+    endpoint: Endpoint
+    stream: bool
+    model: str | None
+    prompt_tokens: int  # estimate from characters
+    max_tokens: int | None  # after the tier's clamp
+    expected_output: int
+    client_wants_usage: bool  # the client asked for the final usage chunk itself
+    path: str = ""  # the route's path the client called (sent on unchanged); "" its first one
+
+    @property
+    def upstream_path(self) -> str:
+        return self.path or BY_ENDPOINT[self.endpoint].paths[0]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# What a chat prompt holds besides its messages: the schemas the backend renders into it.
+_SCHEMA_FIELDS = ("tools", "functions", "response_format", "tool_choice")
+
+
+def nesting_exceeds(value: object, limit: int) -> bool:
+    """Whether arrays and objects nest more than ``limit`` levels (``value`` itself is level 1);
+    iterative, and it stops at the first container past the limit."""
+    stack: list[tuple[object, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = item.values() if isinstance(item, dict) else item
+        assert isinstance(children, Collection)
+        for child in children:
+            if isinstance(child, (dict, list)):
+                stack.append((child, depth + 1))
+    return False
+
+
+def _validate_messages(messages: object) -> int:
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty array", param="messages")
+    chars = 0
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise bad_request(
+                f"messages[{i}] must be an object with a string 'role'", param=f"messages.[{i}]"
+            )
+        # Every part: content, name, tool calls and their arguments, tool results.
+        chars += text_chars(message) + 8
+    return chars
+
+
+def _validate_prompt(prompt: object) -> int:
+    ok = isinstance(prompt, str) or (
+        isinstance(prompt, list)
+        and prompt
+        and (
+            all(isinstance(p, str) for p in prompt)
+            or all(_is_int(p) for p in prompt)
+            or all(isinstance(p, list) and all(_is_int(x) for x in p) for p in prompt)
+        )
+    )
+    if not ok:
+        raise bad_request(
+            "'prompt' must be a string, an array of strings or an array of token ids",
+            param="prompt",
+        )
+    return text_chars(prompt)
+
+
+def parse_body(
+    raw: bytes,
+    endpoint: Endpoint,
+    tier: Tier,
+    limits: Limits,
+    scheduling: Scheduling,
+    *,
+    max_depth: int = 64,
+    path: str = "",
+) -> ParsedRequest:
+    """Validate a body and estimate its cost; 400 for what no backend could run. A ``null``
+    top-level field counts as absent, as in OpenAI's API; numbers and booleans sent as strings
+    are read as vLLM's pydantic models read them."""
+    try:
+        loaded = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        if "depth" in str(exc):  # orjson's own limit (1024), far past ours
+            raise too_deep(max_depth) from None
+        raise bad_request(f"The body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(loaded, dict):
+        raise bad_request("The body must be a JSON object", code="invalid_json")
+    if nesting_exceeds(loaded, max_depth):
+        raise too_deep(max_depth)
+    body: dict[str, Any] = {k: v for k, v in loaded.items() if v is not None}
+    route = BY_ENDPOINT[endpoint]
+
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request("'model' must be a string", param="model")
+    stream = _lax_field(body, "stream", lax_bool, "a boolean")
+    stream = bool(stream) and route.generates  # the pooling routes never stream
+
+    if endpoint == "chat":
+        chars = _validate_messages(body.get("messages"))
+        chars += sum(text_chars(body.get(name), keys=True) for name in _SCHEMA_FIELDS)
+    elif endpoint == "completions":
+        if "prompt" not in body:
+            raise bad_request("'prompt' is required", param="prompt")
+        chars = _validate_prompt(body["prompt"])
+    else:
+        chars = INPUT_CHARS[endpoint](body)
+
+    for name in STRIPPED_BODY_FIELDS:
+        body.pop(name, None)
+
+    max_tokens: int | None = None
+    expected = 0  # pooling and tokenizer routes generate nothing
+    if route.generates:
+        max_tokens = _clamped_max_tokens(body, tier, limits, _budget_fields(endpoint))
+        n = _lax_field(body, "n", lax_int, "an integer")
+        n = 1 if n is None else n
+        if n < 1 or n > 128:
+            raise bad_request("'n' must be an integer between 1 and 128", param="n")
+        expected = max_tokens if max_tokens is not None else scheduling.default_expected_output
+        if tier.max_tokens is not None:
+            expected = min(expected, tier.max_tokens)
+        expected *= n
+
+    # The Responses API always ends its stream with the usage (in response.completed).
+    client_wants_usage = endpoint == "responses"
+    if stream and endpoint != "responses":
+        options = body.get("stream_options")
+        if options is not None and not isinstance(options, dict):
+            raise bad_request("'stream_options' must be an object", param="stream_options")
+        options = dict(options or {})
+        client_wants_usage = bool(lax_bool(options.get("include_usage")))
+        # Ask for the usage chunk anyway: fairness and metrics count real tokens. The relay
+        # removes it again when the client did not ask for it.
+        options["include_usage"] = True
+        body["stream_options"] = options
+
+    return ParsedRequest(
+        body=body,
+        endpoint=endpoint,
+        stream=stream,
+        model=model,
+        prompt_tokens=max(1, math.ceil(chars / scheduling.chars_per_token)),
+        max_tokens=max_tokens,
+        expected_output=int(expected),
+        client_wants_usage=client_wants_usage,
+        path=path,
+    )
+
+
+def _lax_field(body: dict[str, Any], name: str, read: Callable[[object], Any], kind: str) -> Any:
+    """The field read as vLLM reads it, written back in its plain type; 400 when vLLM would
+    refuse it too; None when absent."""
+    if name not in body:
+        return None
+    value = read(body[name])
+    if value is None:
+        raise bad_request(f"'{name}' must be {kind}", param=name)
+    body[name] = value
+    return value
+
+
+def _budget_fields(endpoint: Endpoint) -> tuple[str, ...]:
+    return ("max_output_tokens",) if endpoint == "responses" else _TOKEN_FIELDS
+
+
+_TOKEN_FIELDS = ("max_tokens", "max_completion_tokens")
+
+
+def _clamped_max_tokens(
+    body: dict[str, Any], tier: Tier, limits: Limits, fields: tuple[str, ...] = _TOKEN_FIELDS
+) -> int | None:
+    """Validate the output budget fields and clamp them to the tier's cap."""
+    chosen: int | None = None
+    for name in fields:
+        value = _lax_field(body, name, lax_int, "a positive integer")
+        if value is None:
+            continue
+        if value < 1:
+            raise bad_request(f"'{name}' must be a positive integer", param=name)
+        if value > limits.max_tokens_ceiling:
+            raise bad_request(
+                f"'{name}' is {value}; the most this service allows is {limits.max_tokens_ceiling}",
+                param=name,
+            )
+        chosen = value if chosen is None else min(chosen, value)
+    if tier.max_tokens is not None:
+        if chosen is None or chosen > tier.max_tokens:
+            chosen = tier.max_tokens
+        for name in fields:
+            if name in body:
+                body[name] = min(body[name], chosen)
+        if not any(name in body for name in fields):
+            body[fields[0]] = chosen
+    return chosen

@@ -1,0 +1,412 @@
+"""The path of a generation request, one named step per method, in request order:
+
+authenticate → parse → tenant limits → queue → dispatch → forward → account → log
+
+``RequestPipeline.handle`` reads top to bottom as that list (the flat ``HandleRequest`` of the
+Gateway API Inference Extension). Every collaborator is injected — the clock, the sleep of the
+tenant-limit wait, the relay, the limits, the queue, the dispatcher, the pool, the metrics — so
+the whole path runs in unit tests against an in-process upstream with a fake clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import TypeGuard
+
+import aiohttp
+from aiohttp import web
+
+from proxy.api.errors import (
+    ProxyError,
+    backend_overloaded,
+    backends_failed,
+    config_changed,
+    memory_full,
+    model_not_found,
+    no_backend,
+    poison_pill,
+    queue_full,
+    queue_timeout,
+    rate_limited,
+    refused_early,
+)
+from proxy.api.hotpath import LabelCache
+from proxy.api.outcome import Outcome, outcome_of
+from proxy.api.reply_headers import (
+    REQUEST_ID,
+    ratelimit_headers,
+    request_id_for,
+    should_retry_header,
+)
+from proxy.api.routes import BY_ENDPOINT, Endpoint, Route
+from proxy.config.schema import Config, LoadedConfig, Tenant
+from proxy.policies.cost import weighted_tokens
+from proxy.relay.budget import MemoryBudget, held_estimate
+from proxy.relay.forward import RelayResult, UpstreamUnavailable, relay
+from proxy.relay.responses import relay_responses
+from proxy.request.admitted import Admitted, FinishHook, Relay, Trace, no_finish_hook
+from proxy.request.costs import usage_counts
+from proxy.request.inbound import (
+    authenticate,
+    parse_body,
+    read_body,
+)
+from proxy.request.upstream import upstream_call
+from proxy.scheduling.dispatch import Dispatcher, Lease, QueueTimeoutError
+from proxy.scheduling.early_refusal import EarlyRefusal
+from proxy.scheduling.limits import TenantLimits
+from proxy.scheduling.pool import BackendPool
+from proxy.scheduling.queue import AdmissionQueue, QueueFull, UnknownTier
+from proxy.telemetry.metrics import ProxyMetrics
+from proxy.telemetry.slo import Latency, backend_met, latency_of
+
+log = logging.getLogger("tierproxy")
+access_log = logging.getLogger("tierproxy.access")
+
+# Beyond the queue's own deadline (the dispatcher resolves the waiter by it): a backstop only.
+_DISPATCH_GUARD_S = 5.0
+
+
+class RequestPipeline:
+    def __init__(
+        self,
+        *,
+        config: Callable[[], LoadedConfig],
+        secret: bytes,
+        clock: Callable[[], float],
+        limits: TenantLimits,
+        queue: AdmissionQueue,
+        dispatcher: Dispatcher,
+        pool: BackendPool,
+        metrics: ProxyMetrics,
+        session: Callable[[], aiohttp.ClientSession],
+        relay: Relay = relay,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        budget: MemoryBudget | None = None,
+        on_finish: FinishHook | None = None,
+    ) -> None:
+        self.config = config  # the current config; read once per request
+        self.secret = secret
+        self.clock = clock
+        self.limits = limits
+        self.queue = queue
+        self.dispatcher = dispatcher
+        self.pool = pool
+        self.metrics = metrics
+        self.session = session  # exists once the app has started
+        self.relay = relay
+        self.sleep = sleep
+        self.budget = budget if budget is not None else MemoryBudget(None)
+        self.limit_waiting: Counter[str] = Counter()  # per tier: requests waiting for a limit
+        self.child = LabelCache()  # metric children of each request, looked up once
+        self.on_finish = on_finish or no_finish_hook  # per-tenant usage (proxy.ops.usage)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self.handle(request, "chat")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.handle(request, "completions")
+
+    def handler(self, route: Route) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        """The aiohttp handler of one of ``proxy.api.routes.ROUTES``."""
+
+        async def handle_route(request: web.Request) -> web.StreamResponse:
+            return await self.handle(request, route.endpoint)
+
+        return handle_route
+
+    async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+        trace = Trace(request_id_for(request.headers), self.clock())
+        request[REQUEST_ID] = trace.request_id  # for streams too (reply_headers)
+        loaded = self.config()  # one config for the whole request, even if a reload happens
+        adm: Admitted | None = None
+        result: RelayResult | None = None
+        try:
+            trace.tenant = authenticate(request.headers, loaded)
+            adm = await self.parse(request, endpoint, loaded.config, trace.tenant, trace)
+            trace.admitted = True
+            await self.pass_tenant_limits(adm)
+            try:
+                while result is None:  # None: a backend failed before its first byte, again
+                    if BY_ENDPOINT[endpoint].cheap:
+                        lease = self.direct_lease(adm)
+                    else:
+                        lease = await self.dispatch(adm, self.enqueue(adm))
+                    result = await self.forward(request, adm, lease)
+                self.account(adm, result)
+                trace.latency = latency_of(adm.arrival, result, self.clock())
+            finally:
+                self.settle_tenant_limits(adm, result)
+            return self.respond(trace, result)
+        except ProxyError as err:
+            return self.refuse(trace, err)
+        except asyncio.CancelledError:
+            trace.outcome, trace.status = Outcome.CLIENT_GONE, 499
+            raise
+        finally:
+            if adm is not None and adm.held is not None:
+                adm.held.release()
+            self.on_finish(trace, adm, result)
+            self.log(trace)
+
+    # -- parse ---------------------------------------------------------------------------
+
+    async def parse(
+        self,
+        request: web.Request,
+        endpoint: Endpoint,
+        config: Config,
+        tenant: Tenant,
+        trace: Trace,
+    ) -> Admitted:
+        # Everything a client can get wrong is refused here, before any queue or backend lease.
+        raw = await read_body(request, config.limits.max_body_bytes, config.input)
+        parsed = parse_body(
+            raw,
+            endpoint,
+            config.tiers[tenant.tier],
+            config.limits,
+            config.scheduling,
+            max_depth=config.input.max_json_depth,
+            path=request.path,
+        )
+        if not self.pool.model_known(parsed.model):
+            raise model_not_found(parsed.model, sorted(self.pool.known_models()))
+        # Held until the request ends; over the budget, refused now rather than grow the heap.
+        held = self.budget.try_reserve(held_estimate(len(raw)))
+        if held is None:
+            raise memory_full()
+        return Admitted(config, tenant, parsed, trace.request_id, trace.arrival, held=held)
+
+    # -- tenant limits -------------------------------------------------------------------
+
+    async def pass_tenant_limits(self, adm: Admitted) -> None:
+        """Take the tenant's rate and concurrency allowance, or wait for it (``on_limit: queue``,
+        within the tier's queue timeout), or refuse with 429 and the exact wait."""
+        tenant = adm.tenant
+        give_up_at = adm.arrival + adm.config.tiers[adm.tier].queue_timeout_s
+        while True:
+            verdict = await self.limits.admit(
+                tenant.name, adm.reserved_tokens, self.clock(), adm.request_id
+            )
+            if verdict.allowed:
+                return
+            self.metrics.rate_limited.labels(tenant.name, verdict.limit).inc()
+            wait = verdict.retry_after_s
+            if tenant.on_limit != "queue" or self.clock() + wait > give_up_at:
+                raise rate_limited(verdict.limit, wait)
+            # A request waiting for its tenant's limit holds its body like a queued one: it
+            # counts against the tier's queue cap.
+            waiting, cap = self.limit_waiting, adm.config.tiers[adm.tier].max_queue
+            if self.queue.depth(adm.tier) + waiting[adm.tier] >= cap:
+                raise queue_full(adm.tier, self.retry_after(adm.tier))
+            waiting[adm.tier] += 1
+            try:  # not a network wait: the bucket refills on the clock (or a slot frees)
+                await self.sleep(min(wait, 0.25) if verdict.limit == "max_concurrent" else wait)
+            finally:
+                waiting[adm.tier] -= 1
+
+    def settle_tenant_limits(self, adm: Admitted, result: RelayResult | None) -> None:
+        """Charge the tenant's token limit what the request really used: the unused part of the
+        reservation comes back, usage past it is debited (the next requests wait for it)."""
+        usage = result.usage if result is not None and result.usage else {}
+        used: float | None = None
+        total, counts = usage.get("total_tokens"), usage_counts(usage)
+        if _is_count(total):
+            used = float(total)
+        elif counts is not None:
+            used = float(sum(counts))
+        self.limits.settle(adm.tenant.name, adm.reserved_tokens, used, self.clock(), adm.request_id)
+
+    # -- queue and dispatch --------------------------------------------------------------
+
+    def enqueue(self, adm: Admitted) -> asyncio.Future[Lease]:
+        """Into the tier's queue; a retry goes back at its old place, past the cap."""
+        try:
+            return self.dispatcher.enqueue(adm.queued, force=adm.attempts > 0)
+        except QueueFull:
+            raise queue_full(adm.tier, self.retry_after(adm.tier)) from None
+        except EarlyRefusal as exc:
+            timeout = adm.config.tiers[adm.tier].queue_timeout_s
+            raise refused_early(adm.tier, exc.predicted_wait_s, timeout) from None
+        except UnknownTier:
+            # A reload removed the tier between this request's admission and its queueing.
+            raise config_changed() from None
+
+    async def dispatch(self, adm: Admitted, waiter: asyncio.Future[Lease]) -> Lease:
+        """Wait for the dispatcher to hand the request a slot on a backend."""
+        queued = adm.queued
+        # The tier is there: the request was queued without an await since.
+        waited_at_most = self.queue.limits(queued.tier).queue_timeout_s
+        try:
+            async with asyncio.timeout(waited_at_most + _DISPATCH_GUARD_S):
+                return await waiter
+        except QueueFull:  # displaced by a tenant with a smaller share of the full tier
+            raise queue_full(adm.tier, self.retry_after(adm.tier), displaced=True) from None
+        except QueueTimeoutError as exc:
+            raise queue_timeout(adm.tier, exc.waited_s, self.retry_after(adm.tier)) from None
+        except TimeoutError:
+            self.dispatcher.withdraw(queued)
+            raise queue_timeout(adm.tier, waited_at_most, self.retry_after(adm.tier)) from None
+        except asyncio.CancelledError:
+            self.dispatcher.withdraw(queued)
+            raise
+
+    def direct_lease(self, adm: Admitted) -> Lease:
+        """For the routes that run no model (the tokenizer's): no queue, but a backend that
+        serves the model, counted there like any request while it runs."""
+        now = self.clock()
+        for backend in self.pool.all():
+            if backend.available(now) and backend.serves(adm.parsed.model):
+                self.pool.acquire(backend, 0.0)
+                return Lease(backend, 0.0, self.dispatcher)
+        raise no_backend("No backend that serves the model is available; retry later.")
+
+    def retry_after(self, tier: str) -> float:
+        """A rough wait before retrying: the tier's backlog over the slots that serve it."""
+        slots = self.pool.slots() or 1
+        try:
+            ceiling = self.queue.limits(tier).queue_timeout_s
+        except UnknownTier:
+            return 1.0
+        return max(1.0, min(ceiling, self.queue.depth(tier) / slots))
+
+    # -- forward -------------------------------------------------------------------------
+
+    async def forward(
+        self, request: web.Request, adm: Admitted, lease: Lease
+    ) -> RelayResult | None:
+        """Send the request to the leased backend and relay the answer; None when the backend
+        failed before anything reached the client (retry), 503/502 once attempts run out, 502
+        at once when a second backend broke while it may have been running the request."""
+        adm.attempts += 1
+        try:
+            return await self.relay_once(request, adm, lease)
+        except UpstreamUnavailable as exc:
+            self.pool.record_failure(lease.backend, self.clock(), definitive=exc.kind == "connect")
+            self.metrics.backend_errors.labels(lease.backend.label, exc.kind).inc()
+            log.warning(
+                "request %s: backend %s unavailable (%s); attempt %d",
+                adm.request_id,
+                lease.backend.label,
+                exc.kind,
+                adm.attempts,
+            )
+            if exc.maybe_ran:
+                adm.resets += 1
+                if adm.resets > adm.config.relay.max_reset_retries:
+                    raise poison_pill(adm.resets) from None
+            if adm.attempts >= adm.config.backend_health.max_attempts:
+                raise _give_up(exc) from None
+            # Back into the queue at its old place: another backend takes it, or this one once
+            # its short ejection ends (a single backend's hiccup is no reason to fail).
+            self.metrics.retries.inc()
+            return None
+        finally:
+            lease.release()
+
+    async def relay_once(self, request: web.Request, adm: Admitted, lease: Lease) -> RelayResult:
+        call = upstream_call(
+            adm.config,
+            adm.parsed,
+            tier_name=adm.tier,
+            tenant=adm.tenant.name,
+            request_id=adm.request_id,
+            backend=lease.backend.cfg,
+            client_headers=request.headers,
+            secret=self.secret,
+            session=self.session(),
+            budget=self.budget,
+        )
+        # The Responses API streams events of its own kind (proxy.relay.responses).
+        relay_fn = relay_responses if adm.parsed.endpoint == "responses" else self.relay
+        result = await relay_fn(call, request, stream=adm.parsed.stream, now=self.clock)
+        if result.backend_failed:
+            self.pool.record_failure(lease.backend, self.clock())
+            self.metrics.backend_errors.labels(lease.backend.label, result.outcome).inc()
+        else:
+            self.pool.record_success(lease.backend, self.clock())
+            # The backend's part of the latency, for its room controller (docs/slo.md).
+            met = backend_met(
+                adm.config.tiers[adm.tier].slo, lease.granted_at, result, self.clock()
+            )
+            self.pool.observe_latency(lease.backend, self.clock(), met)
+        return result
+
+    # -- account -------------------------------------------------------------------------
+
+    def account(self, adm: Admitted, result: RelayResult) -> None:
+        """Metrics of the answer, and the fairness charge corrected to the real usage."""
+        if BY_ENDPOINT[adm.parsed.endpoint].cheap:
+            return  # never queued: no fairness charge to correct, no tokens
+        m = self.metrics
+        if result.first_token_at is not None:
+            self.child(m.ttft, adm.tier).observe(result.first_token_at - adm.arrival)
+        counts = usage_counts(result.usage)
+        if counts is not None:
+            prompt, completion = counts
+            self.child(m.tokens, adm.tier, "prompt").inc(prompt)
+            self.child(m.tokens, adm.tier, "completion").inc(completion)
+            self.queue.correct_charge(adm.queued, weighted_tokens(prompt, completion))
+        elif result.outcome != Outcome.OK:
+            # Nothing was generated that we know of: give back the estimate charged at dispatch.
+            self.queue.correct_charge(adm.queued, 0.0)
+
+    # -- the answer and the log ----------------------------------------------------------
+
+    def respond(self, trace: Trace, result: RelayResult) -> web.StreamResponse:
+        trace.outcome, trace.status = result.outcome, result.status
+        resp = result.response
+        if not resp.prepared:  # a stream's headers went out with its first event
+            resp.headers.setdefault("X-Request-Id", trace.request_id)
+            resp.headers.update(self.limit_headers(trace))
+            resp.headers.update(should_retry_header(result.status))
+        return resp
+
+    def refuse(self, trace: Trace, err: ProxyError) -> web.Response:
+        trace.outcome, trace.status = outcome_of(err), err.status
+        resp = err.response()
+        resp.headers["X-Request-Id"] = trace.request_id
+        resp.headers.update(self.limit_headers(trace))
+        return resp
+
+    def limit_headers(self, trace: Trace) -> dict[str, str]:
+        tenant = trace.tenant.name if trace.tenant else None
+        return ratelimit_headers(self.limits.windows(tenant, self.clock()) if tenant else {})
+
+    def log(self, trace: Trace) -> None:
+        elapsed = self.clock() - trace.arrival
+        tenant = trace.tenant
+        tier = tenant.tier if tenant else "-"
+        if tenant is not None:
+            self.child(self.metrics.requests, tier, trace.outcome).inc()
+        if trace.admitted:
+            self.child(self.metrics.e2e, tier).observe(elapsed)
+        if trace.admitted and tenant is not None:  # goodput (proxy/telemetry/slo.py)
+            latency = trace.latency or Latency(trace.arrival, None, self.clock(), None)
+            self.metrics.slo.record(self.config().config, tenant, trace.outcome, latency)
+        # Never the key: only the tenant it resolved to.
+        access_log.info(
+            "request_id=%s tenant=%s tier=%s status=%d outcome=%s duration_s=%.3f",
+            trace.request_id,
+            tenant.name if tenant else "-",
+            tier,
+            trace.status,
+            trace.outcome,
+            elapsed,
+        )
+
+
+def _give_up(exc: UpstreamUnavailable) -> ProxyError:
+    if exc.status == 503:
+        return backend_overloaded()
+    if exc.kind != "connect":  # the backends answered, and broke
+        return backends_failed(exc.kind)
+    return no_backend(f"No backend could take the request ({exc.kind}); retry later.")
+
+
+def _is_count(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

@@ -1,0 +1,77 @@
+"""What the proxy sends a backend: the body it decided on, the signed ticket bound to it, and
+the client's headers that may pass (``proxy.request.inbound.upstream_headers``)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import orjson
+from multidict import CIMultiDictProxy
+
+from proxy.config.schema import Backend, Config
+from proxy.relay.budget import MemoryBudget
+from proxy.relay.forward import UpstreamCall
+from proxy.request.inbound import ParsedRequest, upstream_headers
+from proxy.ticket import (
+    CONTENT_DIGEST_HEADER,
+    REQUEST_ID_HEADER,
+    TICKET_HEADER,
+    Ticket,
+    body_digest,
+    encode_ticket,
+    new_nonce,
+)
+
+
+def upstream_call(
+    config: Config,
+    parsed: ParsedRequest,
+    *,
+    tier_name: str,
+    tenant: str,
+    request_id: str,
+    backend: Backend,
+    client_headers: CIMultiDictProxy[str],
+    secret: bytes,
+    session: aiohttp.ClientSession,
+    budget: MemoryBudget | None = None,
+) -> UpstreamCall:
+    """One attempt's call: a fresh ticket each time (a nonce is good for one use)."""
+    tier = config.tiers[tier_name]
+    body = dict(parsed.body)
+    if backend.send_priority:
+        body["priority"] = tier.priority
+    payload = orjson.dumps(body)
+    # Bound to these exact bytes, this request id and a fresh nonce: one use, for a moment.
+    now = time.time()
+    digest = body_digest(payload)
+    ticket = Ticket(
+        tier=tier_name,
+        priority=tier.priority,
+        tenant=tenant,
+        deadline=now + tier.request_timeout_s,
+        prefill_share=config.prefill_share(tier_name),
+        budget=parsed.max_tokens or config.limits.max_tokens_ceiling,
+        request_id=request_id,
+        body_sha256=digest,
+        issued_at=now,
+        nonce=new_nonce(),
+    )
+    headers = upstream_headers(client_headers, forward=config.input.forward_headers)
+    headers["Content-Type"] = "application/json"
+    headers[REQUEST_ID_HEADER] = request_id
+    headers[CONTENT_DIGEST_HEADER] = f"sha-256=:{digest}:"  # content_digest(), hashed once
+    headers[TICKET_HEADER] = encode_ticket(ticket, secret)
+    return UpstreamCall(
+        session=session,
+        url=backend.url + parsed.upstream_path,
+        body=payload,
+        headers=headers,
+        deadline=asyncio.get_running_loop().time() + tier.request_timeout_s,
+        timeout_s=tier.request_timeout_s,
+        strip_usage_chunk=parsed.stream and not parsed.client_wants_usage,
+        bounds=config.relay,
+        budget=budget,
+    )

@@ -1,0 +1,115 @@
+"""The one place that turns the config's ``policies:`` into a queue, a pool and a dispatcher,
+and applies a reloaded config to them."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from proxy.config.schema import Config
+from proxy.policies import registry
+from proxy.policies.backends import BackendChooser
+from proxy.policies.displacement import LargestShare
+from proxy.policies.order import ShortFirst
+from proxy.policies.tenants import VirtualTokenCounter
+from proxy.policies.tiers import StrideTierSelector
+from proxy.scheduling.dispatch import Dispatcher
+from proxy.scheduling.pool import BackendPool
+from proxy.scheduling.queue import AdmissionQueue, QueuePolicies, TierLimits
+from proxy.telemetry.metrics import ProxyMetrics
+from proxy.telemetry.slo import slo_miss_budget
+
+log = logging.getLogger("tierproxy.policies")
+
+_QUEUE_SEAMS = ("tiers", "tenants", "order", "displacement")
+
+
+def tier_limits(config: Config) -> dict[str, TierLimits]:
+    return {
+        name: TierLimits(t.weight, t.max_queue, t.queue_timeout_s, t.priority, t.early_refusal)
+        for name, t in config.tiers.items()
+    }
+
+
+def queue_policies(config: Config) -> QueuePolicies:
+    chosen = config.policies
+    return QueuePolicies(
+        tiers=registry.TIERS[chosen.tiers](config),
+        tenants=registry.TENANTS[chosen.tenants](config),
+        order=registry.ORDERS[chosen.order](config),
+        displacement=registry.DISPLACEMENTS[chosen.displacement](config),
+    )
+
+
+def backend_chooser(config: Config) -> BackendChooser:
+    return registry.BACKENDS[config.policies.backends](config)
+
+
+@dataclass
+class Scheduling:
+    """The queue, the pool and the dispatcher built from one config."""
+
+    queue: AdmissionQueue
+    pool: BackendPool
+    dispatcher: Dispatcher
+    config: Config
+
+    def reconfigure(self, config: Config, tenant_names: frozenset[str] | None = None) -> None:
+        """Apply a reloaded config in place. A change of queue policies rebuilds the queue's
+        order keeping every queued request and its deadline (the new policies start with no
+        fairness history); a change of backend policy starts it with no memory.
+        ``tenant_names``: the config's tenant names where already known (made off the loop)."""
+        old, new = self.config.policies, config.policies
+        changed = [s for s in _QUEUE_SEAMS if getattr(old, s) != getattr(new, s)]
+        if changed:
+            log.warning(
+                "policies changed (%s): re-queueing %d requests under the new policies",
+                ", ".join(f"{s}: {getattr(old, s)} -> {getattr(new, s)}" for s in changed),
+                len(self.queue),
+            )
+            self.queue.replace_policies(queue_policies(config))
+        order = None
+        if not changed and config.scheduling != self.config.scheduling:
+            order = registry.ORDERS[new.order](config)  # new parameters, for new arrivals
+        self.queue.reconfigure(tier_limits(config), order=order)
+        names = tenant_names if tenant_names is not None else {t.name for t in config.tenants}
+        self.queue.fairness.forget(names)
+        if (old.backends, old.prefix_memory) != (new.backends, new.prefix_memory):
+            log.warning("backend policy changed: %s -> %s", old.backends, new.backends)
+            self.pool.chooser = backend_chooser(config)
+        self.pool.reconfigure(
+            config.backends,
+            config.backend_health,
+            config.adaptive_room,
+            miss_budget=slo_miss_budget(config),
+        )
+        self.config = config
+
+
+def build_scheduling(
+    config: Config, metrics: ProxyMetrics, clock: Callable[[], float] = time.monotonic
+) -> Scheduling:
+    queue = AdmissionQueue(tier_limits(config), queue_policies(config))
+    pool = BackendPool(
+        config.backends,
+        config.backend_health,
+        backend_chooser(config),
+        config.adaptive_room,
+        miss_budget=slo_miss_budget(config),
+    )
+    return Scheduling(queue, pool, Dispatcher(queue, pool, metrics, clock), config)
+
+
+def default_queue_policies(
+    *, aging_s: float = 30.0, reference_tokens: float = 8192
+) -> QueuePolicies:
+    """The default policies (stride, vtc, short_first, largest_share) for a queue built by
+    hand, as in tests and benchmarks."""
+    return QueuePolicies(
+        tiers=StrideTierSelector(),
+        tenants=VirtualTokenCounter(),
+        order=ShortFirst(reference_tokens=reference_tokens, aging_s=aging_s),
+        displacement=LargestShare(),
+    )

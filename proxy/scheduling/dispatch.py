@@ -1,0 +1,176 @@
+"""The dispatcher: hands queued requests to backends with room, in the queue's order.
+
+One task, owned by the app. It wakes when a request arrives, a slot frees, a backend's state
+changes or the next queue deadline comes, and never busy-loops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from proxy.scheduling.early_refusal import EarlyRefusal, ServiceRates
+from proxy.scheduling.pool import BackendPool, BackendState
+from proxy.scheduling.queue import AdmissionQueue, QueuedRequest, QueueFull
+from proxy.tasks import OwnedTask
+from proxy.telemetry.metrics import ProxyMetrics
+
+# While something waits and room depends on time (ejection backoff, ramp), look again this often.
+_RECHECK_S = 0.1
+
+
+class QueueTimeoutError(Exception):
+    def __init__(self, waited_s: float) -> None:
+        super().__init__(f"waited {waited_s:.1f}s")
+        self.waited_s = waited_s
+
+
+@dataclass
+class Lease:
+    """A slot on a backend; released exactly once."""
+
+    backend: BackendState
+    tokens: float
+    _dispatcher: Dispatcher
+    released: bool = False
+    granted_at: float = 0.0  # when the dispatcher handed it out (the backend's part starts)
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self._dispatcher.pool.release(self.backend, self.tokens)
+            # Hand the slot on now, so that a burst never sees a full queue beside a free slot.
+            self._dispatcher.dispatch_ready()
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        queue: AdmissionQueue,
+        pool: BackendPool,
+        metrics: ProxyMetrics,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.queue = queue
+        self.pool = pool
+        self.metrics = metrics
+        self.clock = clock
+        self._wake = asyncio.Event()
+        self._task = OwnedTask("tierproxy-dispatcher")
+        self.service = ServiceRates()  # per tier, for early refusal
+
+    def start(self) -> None:
+        self._task.start(self._run)
+
+    async def stop(self) -> None:
+        await self._task.stop()
+
+    def kick(self) -> None:
+        self._wake.set()
+
+    def enqueue(self, req: QueuedRequest, *, force: bool = False) -> asyncio.Future[Lease]:
+        """Queue a request (QueueFull propagates) and return the future of its lease, which is
+        already resolved when a backend had room: dispatch happens here, synchronously. A
+        request it displaces from a full tier gets QueueFull through its own future; one whose
+        tier refuses early and that would wait past the timeout gets EarlyRefusal."""
+        req.waiter = asyncio.get_running_loop().create_future()
+        limits = self.queue.limits(req.tier)
+        if not force and self.queue.depth(req.tier) >= limits.max_queue:
+            self.dispatch_ready()  # room may have appeared since (ramp, probe): use it first
+        if limits.early_refusal and not force:
+            self._refuse_early(req, limits.queue_timeout_s)
+        displaced = self.queue.push(req, self.clock(), force=force)
+        if displaced is not None:
+            self.metrics.queue_wait.labels(displaced.tier).observe(
+                self.clock() - displaced.arrival_s
+            )
+            if displaced.waiter is not None and not displaced.waiter.done():
+                depth = self.queue.depth(displaced.tier)
+                displaced.waiter.set_exception(QueueFull(displaced.tier, depth, displaced=True))
+        self.dispatch_ready()
+        self.metrics.queue_depth.labels(req.tier).set(self.queue.depth(req.tier))
+        waiter: asyncio.Future[Lease] = req.waiter
+        return waiter
+
+    def _refuse_early(self, req: QueuedRequest, timeout_s: float) -> None:
+        self.dispatch_ready()  # what can start now starts first: it is not ahead any more
+        tenant_depth, tenants = self.queue.tenant_depth(req.tier, req.tenant)
+        wait = self.service.predicted_wait(
+            req.tier, self.queue.depth(req.tier), tenant_depth, tenants
+        )
+        # Time already spent (tenant limits, parsing) counts against the timeout too.
+        if wait is not None and self.clock() - req.arrival_s + wait > timeout_s:
+            self.metrics.slo.early_refusals.labels(req.tier).inc()
+            raise EarlyRefusal(req.tier, wait)
+
+    def withdraw(self, req: QueuedRequest) -> None:
+        """The handler gave up on a request (client left): out of the queue, slot back."""
+        if self.queue.remove(req):
+            self.metrics.queue_depth.labels(req.tier).set(self.queue.depth(req.tier))
+            self.metrics.queue_wait.labels(req.tier).observe(self.clock() - req.arrival_s)
+            return
+        waiter = req.waiter
+        if (
+            waiter is not None
+            and waiter.done()
+            and not waiter.cancelled()
+            and not waiter.exception()
+        ):
+            waiter.result().release()
+
+    async def _run(self) -> None:
+        while True:
+            self._wake.clear()
+            self.dispatch_ready()
+            await self._sleep()
+
+    async def _sleep(self) -> None:
+        timeout: float | None = None
+        deadline = self.queue.next_deadline()
+        if deadline is not None:
+            timeout = max(0.0, deadline - self.clock())
+        if len(self.queue) and not self.pool.any_room(self.clock()):
+            timeout = _RECHECK_S if timeout is None else min(timeout, _RECHECK_S)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await self._wake.wait()
+
+    def dispatch_ready(self) -> int:
+        """Expire what waited too long, then dispatch while some backend has room."""
+        now = self.clock()
+        touched: set[str] = set()
+        for req in self.queue.expire(now):
+            touched.add(req.tier)
+            self.metrics.queue_wait.labels(req.tier).observe(now - req.arrival_s)
+            if req.waiter is not None and not req.waiter.done():
+                req.waiter.set_exception(QueueTimeoutError(now - req.arrival_s))
+        dispatched = 0
+        # No pop while no backend has a free slot: every head would be refused, one by one.
+        while len(self.queue) and self.pool.any_room(now):
+            popped = self.queue.pop(lambda r: self._choose(r, now) is not None)
+            if popped is None:
+                break
+            req = popped
+            backend = self._choose(req, now)
+            assert backend is not None
+            touched.add(req.tier)
+            tokens = float(req.prompt_tokens + req.expected_output)
+            self.pool.acquire(backend, tokens, prefix=req.prefix_hash)
+            self.service.dispatched(req.tier, now, self.queue.depth(req.tier))
+            lease = Lease(backend, tokens, self, granted_at=now)
+            if req.waiter is None or req.waiter.done():
+                lease.release()  # its handler is gone
+                continue
+            self.metrics.queue_wait.labels(req.tier).observe(now - req.arrival_s)
+            req.waiter.set_result(lease)
+            dispatched += 1
+        for tier in touched:
+            self.metrics.queue_depth.labels(tier).set(self.queue.depth(tier))
+        return dispatched
+
+    def _choose(self, req: QueuedRequest, now: float) -> BackendState | None:
+        tokens = float(req.prompt_tokens + req.expected_output)
+        return self.pool.choose(req.model, tokens, now, prefix=req.prefix_hash)

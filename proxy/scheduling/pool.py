@@ -1,0 +1,285 @@
+"""Backend state, health, and the candidates for a request at dispatch time. Pure logic, no I/O.
+
+The proxy's own in-flight counts come first (exact, instant); the load scraped from each vLLM's
+``/metrics`` corrects them (a backend whose own waiting queue grows gets no new work until it
+drains); scraped load older than ``stale_after_s`` is ignored on purpose and its age exported.
+The room of a backend and the choice among candidates belong to the chooser policy
+(``proxy.policies.backends``); how many requests a backend may hold at once, fixed or learned,
+to its room controller (``proxy.policies.room``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from proxy.config.schema import Backend, BackendHealth
+from proxy.config.slo import AdaptiveRoom
+from proxy.policies.backends import BackendChooser, Candidate
+from proxy.policies.room import FixedRoom, GradientRoom, RoomChange, RoomController, RoomSignals
+
+
+@dataclass(frozen=True)
+class ScrapedLoad:
+    waiting: float
+    running: float
+    kv_usage: float  # 0..1
+    at: float  # monotonic time of the scrape
+    preemptions: float | None = None  # vLLM's counter since it started; None: not exported
+
+
+@dataclass(eq=False)
+class BackendState:
+    cfg: Backend
+    inflight: int = 0
+    tokens_inflight: float = 0.0
+    healthy: bool = True  # optimistic until a probe or a request says otherwise
+    ejected_until: float = 0.0
+    failures: int = 0  # consecutive request failures
+    probe_failures: int = 0  # consecutive failed /health probes
+    reinstated_at: float | None = None
+    draining: bool = False  # gets no new work; in-flight work finishes
+    removed: bool = False  # left the config: dropped once idle
+    models: frozenset[str] | None = None  # None: not known yet, accept any
+    load: ScrapedLoad | None = None
+    dispatched_total: int = 0
+    # Slots this process holds when replicas meter the backend together through Redis
+    # (proxy.shared.room); None: this process alone meters it.
+    granted: int | None = None
+    room_controller: RoomController | None = None  # set by the pool; None: max_inflight fixed
+    peak_inflight: int = 0  # since the room controller's last look
+
+    @property
+    def max_room(self) -> float:
+        """Requests this backend may hold at once now (before ramps and vLLM's queue)."""
+        if self.room_controller is not None:
+            return self.room_controller.limit()
+        return float(self.cfg.max_inflight or AdaptiveRoom().initial_room)
+
+    def in_transit(self, load: ScrapedLoad | None) -> float:
+        """Requests in flight here that vLLM's scheduler does not hold at ``load``'s scrape:
+        in its API server on their way in, or done and still streaming out (0 without one)."""
+        if load is None:
+            return 0.0
+        return max(0.0, self.inflight - load.running - load.waiting)
+
+    @property
+    def label(self) -> str:
+        return self.cfg.label
+
+    def serves(self, model: str | None) -> bool:
+        return model is None or self.models is None or model in self.models
+
+    def available(self, now: float) -> bool:
+        return self.healthy and not self.draining and now >= self.ejected_until
+
+    def fresh_load(self, now: float, stale_after_s: float) -> ScrapedLoad | None:
+        if self.load is None or now - self.load.at > stale_after_s:
+            return None
+        return self.load
+
+
+class BackendPool:
+    """All backends, their room, their health transitions; which one takes a request is the
+    chooser's call."""
+
+    def __init__(
+        self,
+        backends: Iterable[Backend],
+        health: BackendHealth,
+        chooser: BackendChooser,
+        adaptive: AdaptiveRoom | None = None,
+        *,
+        miss_budget: float = 0.01,
+    ) -> None:
+        self.health = health
+        self.chooser = chooser
+        self.adaptive = adaptive or AdaptiveRoom()
+        self.miss_budget = miss_budget  # share of requests allowed to miss their tier's SLO
+        self.states: dict[str, BackendState] = {}
+        # Told when a backend shared with other replicas runs out of granted room (False) or
+        # frees a slot (True): proxy.shared.room asks for room or gives it back then.
+        self.on_shared_room: Callable[[bool], None] | None = None
+        self.reconfigure(backends, health)
+
+    def reconfigure(
+        self,
+        backends: Iterable[Backend],
+        health: BackendHealth,
+        adaptive: AdaptiveRoom | None = None,
+        *,
+        miss_budget: float | None = None,
+    ) -> None:
+        """Keep the state of backends that stay; drain those that left (they finish their work
+        and are dropped once idle). A learned room survives a reload unless its parameters or
+        the backend's kind of room changed."""
+        self.health = health
+        renew = adaptive is not None and adaptive != self.adaptive
+        self.adaptive = adaptive or self.adaptive
+        if miss_budget is not None:
+            self.miss_budget = miss_budget
+        wanted = {b.url: b for b in backends}
+        for url, state in list(self.states.items()):
+            if url in wanted:
+                kind_changed = state.cfg.adaptive_room != wanted[url].adaptive_room
+                state.cfg = wanted[url]
+                if renew or kind_changed:
+                    state.room_controller = self._controller(state.cfg)
+                elif state.room_controller is not None:
+                    state.room_controller.set_ceiling(self._ceiling(state.cfg))
+                    if isinstance(state.room_controller, GradientRoom):
+                        state.room_controller.miss_budget = self.miss_budget
+                if state.removed:
+                    state.removed = state.draining = False
+            elif state.inflight == 0:
+                del self.states[url]
+            else:
+                state.removed = state.draining = True
+        for url, cfg in wanted.items():
+            if url not in self.states:
+                self.states[url] = BackendState(cfg=cfg, room_controller=self._controller(cfg))
+
+    def _ceiling(self, cfg: Backend) -> float:
+        return float(cfg.max_inflight or self.adaptive.max_room)
+
+    def _controller(self, cfg: Backend) -> RoomController:
+        if not cfg.adaptive_room:
+            return FixedRoom(cfg.max_inflight or self.adaptive.initial_room)
+        return GradientRoom(self.adaptive, self._ceiling(cfg), self.miss_budget)
+
+    def tick_room(self, state: BackendState, now: float) -> RoomChange | None:
+        """One look of the backend's room controller (after each monitor pass)."""
+        if state.room_controller is None:
+            return None
+        load = state.fresh_load(now, self.health.stale_after_s)
+        signals = RoomSignals(
+            load=load,
+            had_metrics=state.load is not None,
+            peak_inflight=state.peak_inflight,
+            transit=state.in_transit(load),
+            allowance=float(self.health.max_backend_waiting),
+        )
+        state.peak_inflight = state.inflight
+        return state.room_controller.tick(now, signals)
+
+    def observe_latency(self, state: BackendState, now: float, met: bool | None) -> None:
+        """A request on this backend ended; whether its backend-side latency met its target
+        (None: no target, or nothing to judge)."""
+        if met is not None and state.room_controller is not None:
+            state.room_controller.observe(now, met)
+
+    def slots(self) -> float:
+        """Room of all backends together (for a rough Retry-After)."""
+        return sum(s.max_room for s in self.states.values())
+
+    def all(self) -> list[BackendState]:
+        return list(self.states.values())
+
+    # -- choice --------------------------------------------------------------------------
+    def room(self, state: BackendState, now: float) -> float:
+        """Free request slots on this backend now (may be fractional during a ramp)."""
+        room = self.chooser.room(state, now, self.health)
+        if state.granted is not None:
+            granted = state.granted - state.inflight
+            if granted < 1 and self.on_shared_room is not None:
+                self.on_shared_room(False)
+            room = max(0.0, min(room, granted))
+        return room
+
+    def fits_tokens(self, state: BackendState, tokens: float) -> bool:
+        budget = state.cfg.max_tokens_inflight
+        # A request larger than the whole budget still runs when the backend is idle.
+        return (
+            budget is None or state.tokens_inflight == 0 or state.tokens_inflight + tokens <= budget
+        )
+
+    def choose(
+        self, model: str | None, tokens: float, now: float, *, prefix: int | None = None
+    ) -> BackendState | None:
+        """The chooser's pick among the backends that serve the model, fit the tokens and have
+        a free slot; None if none can take it."""
+        candidates: list[Candidate] = []
+        for state in self.states.values():
+            if not state.serves(model) or not self.fits_tokens(state, tokens):
+                continue
+            room = self.room(state, now)
+            if room >= 1.0:
+                load = state.fresh_load(now, self.health.stale_after_s)
+                candidates.append(Candidate(state, room, load))
+        return self.chooser.pick(candidates, prefix) if candidates else None
+
+    def any_room(self, now: float) -> bool:
+        return any(self.room(s, now) >= 1.0 for s in self.states.values())
+
+    def any_available(self, now: float) -> bool:
+        return any(s.available(now) for s in self.states.values())
+
+    def known_models(self) -> set[str]:
+        models: set[str] = set()
+        for state in self.states.values():
+            if state.models:
+                models |= state.models
+        return models
+
+    def model_known(self, model: str | None) -> bool:
+        """False only when every backend has told us its models and none serves this one."""
+        if model is None:
+            return True
+        return any(s.models is None or model in s.models for s in self.states.values())
+
+    # -- bookkeeping ---------------------------------------------------------------------
+    def acquire(self, state: BackendState, tokens: float, *, prefix: int | None = None) -> None:
+        state.inflight += 1
+        state.peak_inflight = max(state.peak_inflight, state.inflight)
+        state.tokens_inflight += tokens
+        state.dispatched_total += 1
+        self.chooser.served(state, prefix)
+
+    def release(self, state: BackendState, tokens: float) -> None:
+        state.inflight -= 1
+        state.tokens_inflight = max(0.0, state.tokens_inflight - tokens)
+        if state.granted is not None and self.on_shared_room is not None:
+            self.on_shared_room(True)
+        if state.removed and state.inflight == 0 and self.states.get(state.cfg.url) is state:
+            del self.states[state.cfg.url]
+
+    def drain(self, url: str, draining: bool = True) -> BackendState | None:
+        """Admin drain: stop new work to a backend and let in-flight work finish."""
+        state = self.states.get(url.rstrip("/"))
+        if state is not None and not state.removed:
+            state.draining = draining
+        return state
+
+    # -- health --------------------------------------------------------------------------
+    def record_failure(self, state: BackendState, now: float, *, definitive: bool = False) -> None:
+        """Passive ejection, with a doubling backoff: at once when nothing listens
+        (``definitive``), after two failures in a row otherwise (a reset or a 5xx can be one
+        request's bad luck)."""
+        state.failures += 1
+        if not definitive and state.failures < 2:
+            return
+        backoff = min(self.health.eject_max_s, self.health.eject_base_s * 2 ** (state.failures - 1))
+        state.ejected_until = now + backoff
+        state.reinstated_at = None
+
+    def record_success(self, state: BackendState, now: float) -> None:
+        if state.failures:
+            state.failures = 0
+            state.reinstated_at = now
+
+    def probe_result(self, state: BackendState, ok: bool, now: float) -> None:
+        state.probe_failures = 0 if ok else state.probe_failures + 1
+        if not ok and state.probe_failures < self.health.unhealthy_after:
+            return
+        if ok and not state.healthy:
+            state.healthy = True
+            state.failures = 0
+            state.ejected_until = 0.0
+            state.reinstated_at = now
+        elif ok and state.failures and now >= state.ejected_until:
+            state.failures = 0
+            state.reinstated_at = now
+        elif not ok:
+            if state.healthy:
+                state.reinstated_at = None
+            state.healthy = False

@@ -1,0 +1,292 @@
+"""Wiring and lifecycle: the shared state, the route table, startup and shutdown, serving.
+
+The request path lives in ``proxy.request.pipeline``, the other routes in
+``proxy.server.endpoints`` and
+``proxy.server.admin``; this module only connects them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import AsyncIterator, Callable
+
+import aiohttp
+from aiohttp import web
+
+from proxy.api.reply_headers import add_request_id
+from proxy.api.routes import ROUTES
+from proxy.config.schema import Config, ConfigError, LoadedConfig, load_config
+from proxy.ops.live.collector import BackendRoomCollector
+from proxy.ops.live.status import LiveStatus
+from proxy.ops.reload import ConfigWatcher
+from proxy.ops.runtime import run, tune_gc, tune_logging
+from proxy.ops.usage import TimedRelay, UsageMeter
+from proxy.ops.usage_log import UsageLogWriter
+from proxy.relay.budget import MemoryBudget
+from proxy.relay.forward import relay
+from proxy.request.pipeline import RequestPipeline
+from proxy.scheduling.build import build_scheduling
+from proxy.scheduling.limits import LimitRegistry, TenantLimits, plan_changes
+from proxy.scheduling.monitor import BackendMonitor
+from proxy.server.admin import AdminEndpoints
+from proxy.server.endpoints import ServiceEndpoints
+from proxy.server.json_errors import json_error_bodies, json_errors
+from proxy.server.listeners import Listeners, raise_open_files_limit
+from proxy.shared.runtime import SharedRuntime
+from proxy.telemetry.metrics import ProxyMetrics
+from proxy.ticket import SecretError, check_secret, secret_from_env
+
+log = logging.getLogger("tierproxy")
+
+
+class ProxyState:
+    """Everything a request handler needs; swapped parts change on reload, in place."""
+
+    def __init__(self, loaded: LoadedConfig, secret: bytes, clock: Callable[[], float]) -> None:
+        self.loaded = loaded
+        self.secret = secret
+        self.clock = clock
+        self.metrics = ProxyMetrics()
+        cfg = loaded.config
+        self.scheduling = build_scheduling(cfg, self.metrics, clock)
+        self.queue = self.scheduling.queue
+        self.pool = self.scheduling.pool
+        self.dispatcher = self.scheduling.dispatcher
+        shared = cfg.shared_state  # read at start: a change needs a restart
+        self.shared = (
+            SharedRuntime(shared, self.metrics, self.queue, self.pool, self.dispatcher.kick)
+            if shared is not None
+            else None
+        )
+        self.limits: TenantLimits = self.shared.limits if self.shared else LimitRegistry()
+        self.limits.configure(cfg.tenants, clock())
+        self.session: aiohttp.ClientSession | None = None
+        self.monitor: BackendMonitor | None = None
+        self.watcher: ConfigWatcher | None = None
+        self.metrics.config_generation.set(1)
+        self.budget = MemoryBudget(cfg.limits.max_held_bytes)
+        self.usage_log = UsageLogWriter(cfg.usage_log) if cfg.usage_log else None  # at start only
+        self.usage = UsageMeter(
+            self.metrics.registry,
+            config=lambda: self.loaded.config,
+            models=self.pool.known_models,
+            clock=clock,
+            sink=self.usage_log.write if self.usage_log is not None else None,
+        )
+        self.pipeline = RequestPipeline(
+            config=lambda: self.loaded,
+            secret=secret,
+            clock=clock,
+            limits=self.limits,
+            queue=self.queue,
+            dispatcher=self.dispatcher,
+            pool=self.pool,
+            metrics=self.metrics,
+            session=self.upstream_session,
+            budget=self.budget,
+            relay=TimedRelay(relay),
+            on_finish=self.usage.finished,
+        )
+        self.live = LiveStatus(self, self.usage)
+        self.metrics.registry.register(BackendRoomCollector(self.pool, clock))
+        if self.usage_log is not None:
+            self.usage_log.on_drop = self.usage.counters.log_dropped.inc
+
+    @property
+    def config(self) -> Config:
+        return self.loaded.config
+
+    def upstream_session(self) -> aiohttp.ClientSession:
+        assert self.session is not None, "the app has not started"
+        return self.session
+
+    def apply(self, loaded: LoadedConfig) -> None:
+        """Swap in a validated config; queued and running requests keep going."""
+        self.prepare(loaded)()
+
+    def prepare(self, loaded: LoadedConfig) -> Callable[[], LoadedConfig]:
+        """Work out off the event loop (it reads the configs only) what ``loaded`` changes;
+        the returned commit applies it on the loop in O(changed tenants) and returns the
+        replaced config, for the caller to drop off the loop too."""
+        base, cfg = self.loaded, loaded.config
+        changes = plan_changes(base.config.tenants, cfg.tenants)
+
+        def commit() -> LoadedConfig:
+            old = self.loaded
+            self.scheduling.reconfigure(cfg, changes.names)
+            if old is base:
+                self.limits.apply_changes(changes, self.clock())
+            else:  # another config came into force meanwhile: the plan is stale
+                self.limits.configure(cfg.tenants, self.clock())
+            self.budget.limit_bytes = cfg.limits.max_held_bytes
+            self.loaded = loaded
+            self.metrics.config_generation.inc()
+            self.dispatcher.kick()
+            return old
+
+        return commit
+
+
+# Open files kept for upstream connections, probes, the config file and logs.
+FD_RESERVE = 256
+
+STATE = web.AppKey("tierproxy_state", ProxyState)
+
+
+def create_app(
+    loaded: LoadedConfig,
+    *,
+    secret: bytes | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    watch_config: bool = False,
+) -> web.Application:
+    """The proxy app; with ``watch_config``, the file in ``loaded.source`` is reloaded on SIGHUP
+    and whenever it changes."""
+    secret = secret if secret is not None else secret_from_env(loaded.config.ticket_secret_env)
+    try:
+        check_secret(secret)
+    except SecretError as exc:
+        raise ConfigError(
+            loaded.source,
+            [
+                f"ticket_secret_env: environment variable {loaded.config.ticket_secret_env}"
+                f" (the HMAC key shared with the vLLM plugin): {exc}"
+            ],
+        ) from None
+    # The body limit is enforced by our own reader, which answers in the OpenAI shape; so is
+    # the body's decoding (proxy.request.body), which aiohttp would otherwise do, refusing what it
+    # cannot
+    # decode in plain text before any handler or middleware runs.
+    app = web.Application(
+        client_max_size=2**62,
+        middlewares=[json_errors],
+        handler_args={"auto_decompress": False},
+    )
+    app.on_response_prepare.append(json_error_bodies)
+    app.on_response_prepare.append(add_request_id)
+    state = ProxyState(loaded, secret, clock)
+    app[STATE] = state
+    if watch_config:
+        state.watcher = ConfigWatcher(
+            loaded.source,
+            state.prepare,
+            state.metrics,
+            lambda: state.config,
+            debounce_s=loaded.config.server.reload_debounce_s,
+        )
+    app.cleanup_ctx.append(_lifecycle)
+    pipeline, service, admin = state.pipeline, ServiceEndpoints(state), AdminEndpoints(state)
+    for route in ROUTES:  # every vLLM route that runs the model, through the tiers
+        for path in route.paths:
+            app.router.add_post(path, pipeline.handler(route))
+            app.router.add_route("*", path, service.unsupported)  # 405 with Allow
+    app.router.add_get("/v1/models", service.models)
+    app.router.add_get("/health", service.health)
+    app.router.add_get("/version", service.version)
+    app.router.add_get("/healthz", service.healthz)
+    app.router.add_get("/readyz", service.readyz)
+    if loaded.config.admin_listen is None:
+        _add_operator_routes(app, service, admin)
+    app.router.add_route("*", "/v1/{tail:.*}", service.unsupported)
+    return app
+
+
+def _add_operator_routes(
+    app: web.Application, service: ServiceEndpoints, admin: AdminEndpoints
+) -> None:
+    app.router.add_get("/metrics", service.metrics)
+    app.router.add_get("/admin/backends", admin.backends)
+    app.router.add_get("/admin/status", admin.status)
+    app.router.add_post("/admin/backends/drain", admin.drain)
+
+
+def create_admin_app(public: web.Application) -> web.Application:
+    """/metrics and /admin for the ``admin_listen`` listener (the public app then has neither);
+    it shares the public app's state, whose lifecycle belongs to the public app."""
+    state = public[STATE]
+    app = web.Application()
+    _add_operator_routes(app, ServiceEndpoints(state), AdminEndpoints(state))
+    app.router.add_get("/healthz", ServiceEndpoints(state).healthz)
+    return app
+
+
+async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+    state = app[STATE]
+    health = state.config.backend_health
+    state.session = aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=health.connect_timeout_s),
+        # Idle upstream connections close before uvicorn's 5 s keep-alive would close them under
+        # us (a request written into a connection the server is closing fails for nothing).
+        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0),
+        read_bufsize=2**20,
+        auto_decompress=False,
+    )
+    state.monitor = BackendMonitor(
+        state.pool, state.session, state.metrics, state.dispatcher.kick, state.clock
+    )
+    if state.usage_log is not None:
+        state.usage_log.start()
+    state.dispatcher.start()
+    state.monitor.start()
+    if state.shared is not None:
+        await state.shared.start()
+    if state.watcher is not None:
+        state.watcher.start()
+    try:
+        yield
+    finally:
+        if state.watcher is not None:
+            await state.watcher.stop()
+        await state.monitor.stop()
+        await state.dispatcher.stop()
+        if state.shared is not None:
+            await state.shared.stop()
+        await state.session.close()
+        if state.usage_log is not None:  # after the requests: their lines are all queued
+            await asyncio.to_thread(state.usage_log.stop)
+
+
+def serve(
+    config_path: str, *, host: str | None = None, port: int | None = None, reuse_port: bool = False
+) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    loaded = load_config(config_path)
+    app = create_app(loaded, watch_config=True)
+    open_files, _ = raise_open_files_limit()
+    cap = loaded.config.server.max_connections
+    if cap + FD_RESERVE > open_files:
+        # Past the limit accept() fails and probes and upstream connections fail with it.
+        log.warning(
+            "server.max_connections %d leaves under %d of %d open files for backends and logs",
+            cap,
+            FD_RESERVE,
+            open_files,
+        )
+    tune_gc()
+    tune_logging()
+    run(_serve(app, host, port, reuse_port))  # on uvloop where installed
+
+
+async def _serve(
+    app: web.Application, host: str | None, port: int | None, reuse_port: bool = False
+) -> None:
+    """Run until SIGINT or SIGTERM: the public listener and, with ``admin_listen``, the
+    operator one; both under the connection cap of ``server:`` (read once, at start)."""
+    state = app[STATE]
+    cfg, listen = state.config, state.config.listen
+    async with Listeners(cfg.server, on_refused=state.metrics.connections_refused.inc) as listeners:
+        listeners.reuse_port = reuse_port
+        state.metrics.open_connections.set_function(listeners.open_connections)
+        await listeners.add(app, host or listen.host, port if port is not None else listen.port)
+        if cfg.admin_listen is not None:
+            admin = cfg.admin_listen
+            await listeners.add(create_admin_app(app), admin.host, admin.port)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("stopping")

@@ -1,0 +1,87 @@
+"""The routes around the model routes: /v1/models, probes (the proxy's /healthz and /readyz,
+vLLM's /health and /version), /metrics, and the answer to unknown URLs and wrong methods."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+import aiohttp
+import orjson
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from proxy.api.errors import ProxyError, method_not_allowed, no_backend, unknown_url
+from proxy.api.routes import POST_PATHS
+from proxy.request.inbound import authenticate
+
+if TYPE_CHECKING:
+    from proxy.server.app import ProxyState
+
+
+class ServiceEndpoints:
+    def __init__(self, state: ProxyState) -> None:
+        self.state = state
+
+    async def models(self, request: web.Request) -> web.Response:
+        """The models of the available backends, for tenants only."""
+        try:
+            authenticate(request.headers, self.state.loaded)
+        except ProxyError as err:
+            return err.response()
+        assert self.state.monitor is not None  # started with the app
+        cards = await self.state.monitor.models_payload()
+        return web.json_response(
+            {"object": "list", "data": cards}, dumps=lambda o: orjson.dumps(o).decode()
+        )
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        """Liveness: the process answers."""
+        return web.json_response({"status": "ok"})
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        """Readiness: some backend takes work now."""
+        ready = self.state.pool.any_available(self.state.clock())
+        return web.json_response({"ready": ready}, status=200 if ready else 503)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        if self.state.monitor is not None:
+            self.state.monitor.export_gauges()
+        body = generate_latest(self.state.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def health(self, request: web.Request) -> web.Response:
+        """vLLM's /health (GuideLLM's start-up check): 200 and no body while some backend takes
+        work, else 503. Unauthenticated, as in vLLM."""
+        if self.state.pool.any_available(self.state.clock()):
+            return web.Response(status=200)
+        return no_backend("No backend is available.").response()
+
+    async def version(self, request: web.Request) -> web.Response:
+        """vLLM's /version, as an available backend answers it (unauthenticated, as in vLLM)."""
+        now = self.state.clock()
+        health = self.state.config.backend_health
+        for backend in self.state.pool.all():
+            if not backend.available(now):
+                continue
+            try:
+                async with asyncio.timeout(health.probe_timeout_s):
+                    async with self.state.upstream_session().get(
+                        backend.cfg.url + "/version"
+                    ) as resp:
+                        body = await resp.content.read(4096)
+                        if resp.status == 200:
+                            version = orjson.loads(body).get("version")
+                            return web.json_response({"version": str(version)})
+            except (TimeoutError, aiohttp.ClientError, OSError, orjson.JSONDecodeError):
+                continue
+            except AttributeError:  # not an object
+                continue
+        return no_backend("No backend answered its version.").response()
+
+    async def unsupported(self, request: web.Request) -> web.Response:
+        if request.path in POST_PATHS:  # a route we serve, another method
+            resp = method_not_allowed(request.method, request.path, "POST").response()
+            resp.headers["Allow"] = "POST"
+            return resp
+        return unknown_url(request.method, request.path).response()

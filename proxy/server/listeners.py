@@ -1,0 +1,272 @@
+"""Client connections: a cap on open connections, a header timeout, keep-alive, open files.
+
+aiohttp has a keep-alive timeout (an idle connection closes) but no connection cap and no
+header timeout, so listeners are made here with a small protocol factory around the runner's
+``web.Server``: over the cap a connection gets a canned 503 and is closed before anything is
+parsed; a request whose headers are not complete in time gets a canned 408 and is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import resource
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage, HttpProcessingError
+from aiohttp.web_protocol import RequestHandler, _ErrInfo
+from aiohttp.web_request import BaseRequest
+
+from proxy.config.server import Server
+from proxy.server.json_errors import parser_detail, parser_error, where
+
+log = logging.getLogger("tierproxy")
+
+
+def _canned(status: str, code: str, message: str, extra: str = "") -> bytes:
+    body = (
+        f'{{"error": {{"message": "{message}", "type": "{code}", "param": null,'
+        f' "code": "{code}"}}}}'
+    ).encode()
+    head = (
+        f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n{extra}\r\n"
+    )
+    return head.encode() + body
+
+
+OVER_CAPACITY = _canned(
+    "503 Service Unavailable",
+    "too_many_connections",
+    "The proxy holds its maximum of open connections; retry shortly.",
+    "Retry-After: 1\r\n",
+)
+HEADER_TIMEOUT = _canned(
+    "408 Request Timeout", "header_timeout", "The request headers did not arrive in time."
+)
+
+
+def handler_kwargs(settings: Server) -> dict[str, Any]:
+    """What every connection's aiohttp RequestHandler is made with (AppRunner kwargs)."""
+    return {
+        "access_log": None,  # our own access line names tenant and tier, never the key
+        "handler_cancellation": True,  # a client that leaves cancels its handler
+        "keepalive_timeout": settings.keepalive_timeout_s,
+    }
+
+
+class _Refusal(asyncio.Protocol):
+    """One canned answer, then close: costs no parsing and no handler task."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        transport.write(OVER_CAPACITY)
+        transport.close()
+
+
+HEADER_TIMEOUT_SPREAD = 0.25  # a header timeout falls in [0.75, 1] x header_timeout_s
+
+
+class GuardedHandler(RequestHandler):
+    """aiohttp's handler plus a header timeout (armed when the connection opens and when the
+    first bytes of a later request arrive, disarmed when the request's headers are parsed), and
+    OpenAI JSON, not plain text, for what aiohttp's parser refuses."""
+
+    def __init__(self, manager: web.Server, *, header_timeout_s: float, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._header_timeout_s = header_timeout_s
+        self._header_timer: asyncio.TimerHandle | None = None
+
+    def _awaiting_request(self) -> bool:
+        # aiohttp's start() waits on _waiter between requests; parsed headers resolve it.
+        waiter = self._waiter
+        return waiter is not None and not waiter.done()
+
+    def _arm(self) -> None:
+        if self._header_timer is None:
+            loop = asyncio.get_running_loop()
+            # Spread over the timeout's last quarter: connections opened in one burst (a
+            # reconnect storm, an idle-connection attack) then time out over seconds, not all
+            # in one loop iteration that stalls every request on this core.
+            delay = self._header_timeout_s * (1.0 - HEADER_TIMEOUT_SPREAD * random.random())
+            self._header_timer = loop.call_later(delay, self._headers_late)
+
+    def _disarm(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_late(self) -> None:
+        self._header_timer = None
+        if self._awaiting_request() and self.transport is not None:
+            self.transport.write(HEADER_TIMEOUT)
+            self.force_close()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        if data and self._awaiting_request():
+            self._arm()
+        queued = len(self._messages)
+        super().data_received(data)
+        if len(self._messages) > queued:
+            self._fail_body_on_framing_error()
+        if not self._awaiting_request():
+            self._disarm()
+
+    def _fail_body_on_framing_error(self) -> None:
+        """aiohttp's C parser, failing on framing inside a body (a bad chunk size), queues an
+        error message for after the request but leaves that request's body waiting for bytes
+        that never come (until the body timeout). Hand the error to the body instead: its reader
+        answers 400 bad_framing, and the connection closes after that answer."""
+        message, _ = self._messages[-1]
+        request = self._current_request
+        if not isinstance(message, _ErrInfo) or request is None or request.content.is_eof():
+            return
+        self._messages.pop()
+        exc = message.exc
+        detail = parser_detail(exc) if isinstance(exc, HttpProcessingError) else "bad framing"
+        request.content.set_exception(BadHttpMessage(detail))
+        request.content.feed_eof()  # nothing more to wait for (nor to linger on)
+        self.close()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def handle_error(
+        self,
+        request: BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        """aiohttp answers what its parser refuses (and what no handler answered) here, in
+        plain text with a traceback in the log; this answers OpenAI JSON, logs one line and
+        closes the connection (after a framing error nothing later on it can be trusted)."""
+        if request.writer.output_size > 0:  # as aiohttp: too late for another answer
+            raise ConnectionError("an answer was sent already, cannot send the error")
+        err = parser_error(status, exc)
+        if err.status >= 500:
+            log.error(
+                "unhandled %s before the app's middleware at %s: %s",
+                type(exc).__name__,
+                where(exc) if exc is not None else "?",
+                str(exc)[:200],
+            )
+        else:
+            log.info(
+                "refused a malformed request from %s: %d %s",
+                request.remote,
+                err.status,
+                err.message[:200],
+            )
+        resp = err.response()
+        resp.headers["Connection"] = "close"  # aiohttp says it only to HTTP/1.1 requests
+        resp.force_close()
+        return resp
+
+
+class ConnectionGate:
+    """The protocol factory of a listener: aiohttp's handler, or a refusal over the cap."""
+
+    def __init__(
+        self,
+        server: web.Server,
+        settings: Server,
+        open_connections: Callable[[], int],
+        kwargs: dict[str, Any],
+        on_refused: Callable[[], None] | None = None,
+    ) -> None:
+        self.server = server
+        self.settings = settings
+        self.open_connections = open_connections
+        # handler_cancellation belongs to web.Server, not to each connection's handler.
+        self.kwargs = {k: v for k, v in kwargs.items() if k != "handler_cancellation"}
+        self.refused = 0
+        self.on_refused = on_refused  # e.g. a Prometheus counter's inc
+
+    def __call__(self) -> asyncio.BaseProtocol:
+        if self.open_connections() >= self.settings.max_connections:
+            self.refused += 1
+            if self.on_refused is not None:
+                self.on_refused()
+            if self.refused & (self.refused - 1) == 0:  # 1, 2, 4, 8...: the log stays short
+                log.warning(
+                    "connection cap %d reached: %d connection(s) refused so far",
+                    self.settings.max_connections,
+                    self.refused,
+                )
+            return _Refusal()
+        return GuardedHandler(
+            self.server,
+            loop=asyncio.get_running_loop(),
+            header_timeout_s=self.settings.header_timeout_s,
+            **self.kwargs,
+        )
+
+
+class Listeners:
+    """Apps served on their own listeners under one connection cap; leaving the ``async with``
+    closes the listeners, then cleans the apps up in reverse order (the first app, whose
+    lifecycle owns the shared state, last)."""
+
+    def __init__(self, settings: Server, on_refused: Callable[[], None] | None = None) -> None:
+        self.settings = settings
+        self.on_refused = on_refused
+        self.runners: list[web.AppRunner] = []
+        self.servers: list[asyncio.Server] = []
+        self.gates: list[ConnectionGate] = []
+        # `serve --workers N`: N processes bind the same port; the kernel spreads connections.
+        self.reuse_port = False
+
+    def open_connections(self) -> int:
+        return sum(len(runner.server.connections) for runner in self.runners if runner.server)
+
+    async def add(self, app: web.Application, host: str, port: int) -> int:
+        """Serve ``app`` on host:port; returns the bound port (for port 0)."""
+        kwargs = handler_kwargs(self.settings)
+        runner = web.AppRunner(app, **kwargs)
+        await runner.setup()
+        self.runners.append(runner)
+        assert runner.server is not None
+        gate = ConnectionGate(
+            runner.server, self.settings, self.open_connections, kwargs, self.on_refused
+        )
+        self.gates.append(gate)
+        loop = asyncio.get_running_loop()
+        # A burst of new connections waits in the kernel, not in connect errors.
+        server = await loop.create_server(
+            gate, host, port, backlog=2048, reuse_address=True, reuse_port=self.reuse_port or None
+        )
+        self.servers.append(server)
+        bound: int = server.sockets[0].getsockname()[1]
+        log.info("listening on %s:%d", host, bound)
+        return bound
+
+    async def __aenter__(self) -> Listeners:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for server in self.servers:
+            server.close()
+        for runner in reversed(self.runners):
+            await runner.cleanup()
+
+
+def raise_open_files_limit() -> tuple[int, int]:
+    """Raise this process's soft RLIMIT_NOFILE to the hard limit; returns (soft, hard) now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the open-files limit from %d to %d: %s", soft, hard, exc)
+    log.info("open files limit: %d (hard %d)", soft, hard)
+    return soft, hard

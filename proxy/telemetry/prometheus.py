@@ -1,0 +1,138 @@
+"""Samples out of Prometheus text: the one parser of the monitor, the bench and the tests.
+
+A filtered line parser rather than ``prometheus_client.parser``: on a real vLLM /metrics text
+(629 lines, 51 KB) the library took 7.5-8.8 ms per parse against 0.2 ms here (the load the
+monitor reads; 1.8 ms for every vllm: sample with its labels), and the monitor
+parses every backend's text every 0.5 s inside the proxy's event loop. Only lines of the wanted
+metrics are split into labels and value; everything else costs a ``startswith``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+from proxy.scheduling.pool import ScrapedLoad
+
+VLLM_RUNNING = "vllm:num_requests_running"
+VLLM_WAITING = "vllm:num_requests_waiting"
+VLLM_KV_USAGE = "vllm:kv_cache_usage_perc"
+VLLM_PREEMPTIONS = "vllm:num_preemptions_total"
+PROXY_QUEUE_DEPTH = "tierproxy_queue_depth"
+
+# {labels} after the name; label values may hold spaces, braces and escaped quotes.
+_LABELS = re.compile(r'\{((?:[^"}]|"(?:[^"\\]|\\.)*")*)\}')
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"')
+_UNESCAPE = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    name: str
+    labels: Mapping[str, str]
+    value: float
+
+
+def _unescape(value: str) -> str:
+    if "\\" not in value:
+        return value
+    return re.sub(r"\\[\\\"n]", lambda m: _UNESCAPE[m.group(0)], value)
+
+
+def samples(
+    text: str, prefix: str, wanted: Callable[[str], bool] | None = None
+) -> Iterator[Sample]:
+    """Every sample whose metric name starts with ``prefix`` (and passes ``wanted``, given the
+    name). Comments and unreadable lines are skipped."""
+    for line in text.splitlines():
+        if not line.startswith(prefix):
+            continue
+        # name{labels} value [timestamp]: the name decides before anything else is split.
+        brace, space = line.find("{"), line.find(" ")
+        end = brace if 0 <= brace < space or space < 0 else space
+        if end <= 0:
+            continue
+        name = line[:end]
+        if wanted is not None and not wanted(name):
+            continue
+        labels: dict[str, str] = {}
+        if end == brace:
+            m = _LABELS.match(line, end)
+            if m is None:
+                continue
+            labels = {k: _unescape(v) for k, v in _LABEL.findall(m.group(1))}
+            end = m.end()
+        rest = line[end:].split()
+        try:
+            value = float(rest[0])
+        except (IndexError, ValueError):
+            continue
+        yield Sample(name, labels, value)
+
+
+def of(text: str, name: str) -> Iterator[Sample]:
+    """Every sample of the one metric ``name``."""
+    return samples(text, name, lambda n: n == name)
+
+
+def total(text: str, name: str) -> float:
+    """Metric ``name`` summed over all its label sets (0 when absent)."""
+    return sum(s.value for s in of(text, name))
+
+
+def sum_by(text: str, name: str, label: str) -> dict[str, float]:
+    """Metric ``name`` summed per value of ``label`` (``""`` when the label is absent)."""
+    out: dict[str, float] = {}
+    for s in of(text, name):
+        key = s.labels.get(label, "")
+        out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+def vllm_busy(text: str) -> float:
+    """Requests vLLM runs or holds waiting, over all its engines."""
+    return total(text, VLLM_RUNNING) + total(text, VLLM_WAITING)
+
+
+@dataclass
+class _Counts:
+    waiting: float = 0.0
+    running: float = 0.0
+    kv_usage: float = 0.0
+    kv_samples: int = 0
+    preemptions: float = 0.0
+    seen: set[str] = field(default_factory=set)
+
+
+_WANTED = {
+    VLLM_WAITING: "waiting",
+    VLLM_RUNNING: "running",
+    VLLM_KV_USAGE: "kv_usage",
+    VLLM_PREEMPTIONS: "preemptions",
+}
+
+
+def parse_vllm_load(text: str, now: float) -> ScrapedLoad | None:
+    """Read the three gauges we steer by from vLLM's Prometheus text (summed over engines;
+    KV usage averaged). None when the text holds none of them (not a vLLM server)."""
+    counts = _Counts()
+    for sample in samples(text, "vllm:", _WANTED.__contains__):
+        attr = _WANTED[sample.name]
+        counts.seen.add(attr)
+        if attr == "kv_usage":
+            counts.kv_usage += sample.value
+            counts.kv_samples += 1
+        else:
+            setattr(counts, attr, getattr(counts, attr) + sample.value)
+    if not counts.seen:
+        return None
+    kv = counts.kv_usage / counts.kv_samples if counts.kv_samples else 0.0
+    preemptions = counts.preemptions if "preemptions" in counts.seen else None
+    return ScrapedLoad(
+        waiting=counts.waiting,
+        running=counts.running,
+        kv_usage=kv,
+        at=now,
+        preemptions=preemptions,
+    )
