@@ -51,6 +51,8 @@ lint: $(LIGHT)
 	$(BIN)/ruff check $(SOURCES)
 	$(BIN)/ruff format --check $(SOURCES)
 	$(BIN)/mypy
+	# The layer contracts in pyproject.toml ([tool.importlinter]): folders are floors.
+	$(BIN)/lint-imports
 
 format: $(LIGHT)
 	$(BIN)/ruff check --fix $(SOURCES)

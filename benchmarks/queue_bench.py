@@ -14,8 +14,9 @@ from __future__ import annotations
 import time
 
 from proxy.ops.runtime import tune_gc
+from proxy.policies.types import QueuedRequest, TierLimits
 from proxy.scheduling.build import default_queue_policies
-from proxy.scheduling.queue import AdmissionQueue, QueuedRequest, TierLimits
+from proxy.scheduling.queue import AdmissionQueue
 
 _ROUNDS = 5
 

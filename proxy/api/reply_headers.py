@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from aiohttp import web
 
 from proxy.api.hotpath import new_request_id
-
-if TYPE_CHECKING:
-    from proxy.scheduling.limits import BucketWindow
 
 REQUEST_ID_MAX_CHARS = 128
 _SAFE_REQUEST_ID = re.compile(rf"[A-Za-z0-9._:/+=@-]{{1,{REQUEST_ID_MAX_CHARS}}}")
@@ -25,6 +22,16 @@ _SAFE_REQUEST_ID = re.compile(rf"[A-Za-z0-9._:/+=@-]{{1,{REQUEST_ID_MAX_CHARS}}}
 # Answers that the same request cannot change by retrying: the OpenAI SDKs obey
 # ``x-should-retry: false`` over their own rule (which would retry 408, 409, 429 and 5xx).
 NO_RETRY_STATUSES = frozenset({400, 401, 403, 404, 405, 413, 415, 422})
+
+
+@dataclass(frozen=True)
+class BucketWindow:
+    """One rate limit as OpenAI's ``x-ratelimit-*`` headers tell it (``proxy.scheduling.limits``
+    fills it from a tenant's token bucket)."""
+
+    limit: float
+    remaining: float  # below zero while a tenant pays off usage past its reservation
+    reset_s: float  # until the bucket is full again
 
 
 # The id the pipeline chose for a request (the client's or its own), for every answer to it.

@@ -95,16 +95,6 @@ def _literal(value: Any) -> str:
     return text
 
 
-def _choices_note(model: type[BaseModel], name: str) -> str:
-    """For the policy seams: the names the registry knows (kept in step with the code)."""
-    from proxy.config.schema import Policies
-    from proxy.policies.registry import CHOICES
-
-    if model is Policies and name in CHOICES:
-        return " Choices: " + ", ".join(f"`{c}`" for c in CHOICES[name]) + "."
-    return ""
-
-
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
@@ -116,7 +106,7 @@ def field_row(model: type[BaseModel], name: str, field: FieldInfo) -> str:
         kind += ", " + ", ".join(bounds)
     has_default, default = default_of(field)
     shown = _literal(default) if has_default else "**required**"
-    meaning = (field.description or NO_DESCRIPTION) + _choices_note(model, name)
+    meaning = field.description or NO_DESCRIPTION
     return f"| `{name}` | {_cell(kind)} | {_cell(shown)} | {_cell(meaning)} |"
 
 

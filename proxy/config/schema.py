@@ -15,7 +15,6 @@ from pydantic import (
     Field,
     TypeAdapter,
     ValidationError,
-    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -23,8 +22,8 @@ from pydantic import (
 from proxy.config.server import AdminListen, InputLimits, Listen, Relay, Server, Strict
 from proxy.config.shared_state import SharedState
 from proxy.config.slo import AdaptiveRoom, TierSlo
+from proxy.config.usage_log import UsageLogSettings
 from proxy.config.yaml_load import Lines, safe_load, yield_gil
-from proxy.ops.usage_log import UsageLogSettings
 from proxy.ticket import DEFAULT_PREFILL_SHARE, DEFAULT_SECRET_ENV
 
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -83,30 +82,39 @@ class Scheduling(Strict):
     )
 
 
+# The names of each seam's implementations (``proxy.policies.registry`` builds them; a test keeps
+# the two in step, so the config needs no import of the policies).
+TierPolicy = Literal["stride", "strict_priority"]
+TenantPolicy = Literal["vtc", "edf"]
+OrderPolicy = Literal["short_first", "fcfs"]
+DisplacementPolicy = Literal["largest_share", "none"]
+BackendPolicy = Literal["least_utilised", "prefix_affinity"]
+
+
 class Policies(Strict):
     """Which implementation of each scheduling seam runs (docs/policies.md)."""
 
-    tiers: str = Field(
+    tiers: TierPolicy = Field(
         "stride",
         description="Which tier goes next: `stride` shares picks by tier weight"
         " (work-conserving); `strict_priority` always serves the best waiting tier.",
     )
-    tenants: str = Field(
+    tenants: TenantPolicy = Field(
         "vtc",
         description="Which tenant of a tier goes next: `vtc` (least weighted tokens served)"
         " or `edf` (earliest deadline).",
     )
-    order: str = Field(
+    order: OrderPolicy = Field(
         "short_first",
         description="Order inside a tenant: `short_first` (with `scheduling.aging_s`) or `fcfs`.",
     )
-    displacement: str = Field(
+    displacement: DisplacementPolicy = Field(
         "largest_share",
         description="What a full tier does with a newcomer: `largest_share` drops the newest"
         " request of the tenant holding the largest weighted share (its client gets the 429);"
         " `none` refuses the newcomer.",
     )
-    backends: str = Field(
+    backends: BackendPolicy = Field(
         "least_utilised",
         description="Which backend gets a request: `least_utilised` (most room) or"
         " `prefix_affinity` (the one that served the same prompt prefix, when it has room).",
@@ -120,17 +128,6 @@ class Policies(Strict):
     prefix_memory: int = Field(
         10_000, gt=0, description="`prefix_affinity`: how many prefixes are remembered (LRU)."
     )
-
-    @field_validator("tiers", "tenants", "order", "displacement", "backends")
-    @classmethod
-    def _known(cls, value: str, info: ValidationInfo) -> str:
-        # Imported here: the policy modules import the queue, which must not import the config.
-        from proxy.policies.registry import CHOICES
-
-        choices = CHOICES[str(info.field_name)]
-        if value not in choices:
-            raise ValueError(f"unknown policy {value!r}; choose one of: {', '.join(choices)}")
-        return value
 
 
 class BackendHealth(Strict):

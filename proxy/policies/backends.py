@@ -9,32 +9,36 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
+
+from proxy.policies.types import BackendView, ScrapedLoad
 
 if TYPE_CHECKING:
     from proxy.config.schema import BackendHealth
-    from proxy.scheduling.pool import BackendState, ScrapedLoad
+
+
+B = TypeVar("B", bound=BackendView)
 
 
 @dataclass(frozen=True, slots=True)
-class Candidate:
-    state: BackendState
+class Candidate(Generic[B]):
+    state: B
     room: float  # free slots, at least 1
     load: ScrapedLoad | None  # the scraped load if fresh
 
 
 class BackendChooser(Protocol):
-    def room(self, state: BackendState, now: float, health: BackendHealth) -> float:
+    def room(self, state: BackendView, now: float, health: BackendHealth) -> float:
         """Free request slots on this backend now (may be fractional during a ramp)."""
 
-    def pick(self, candidates: Sequence[Candidate], prefix: int | None) -> BackendState | None:
+    def pick(self, candidates: Sequence[Candidate[B]], prefix: int | None) -> B | None:
         """The backend for a request among those that can take it (None when empty)."""
 
-    def served(self, state: BackendState, prefix: int | None) -> None:
+    def served(self, state: BackendView, prefix: int | None) -> None:
         """A request with this prompt prefix hash (None: unknown) was sent to ``state``."""
 
 
-def slot_room(state: BackendState, now: float, health: BackendHealth) -> float:
+def slot_room(state: BackendView, now: float, health: BackendHealth) -> float:
     """The room controller's slots (``max_inflight``, or learned), ramped after a
     reinstatement, shrunk by vLLM's own queue beyond the allowance, less what is in flight."""
     if not state.available(now):
@@ -54,10 +58,10 @@ def slot_room(state: BackendState, now: float, health: BackendHealth) -> float:
     return max(0.0, cap - state.inflight)
 
 
-def least_utilised(candidates: Sequence[Candidate]) -> BackendState | None:
+def least_utilised(candidates: Sequence[Candidate[B]]) -> B | None:
     """The backend that stays least utilised after taking the request (so work spreads in
     proportion to each backend's room); ties toward free KV cache, then config order."""
-    best: BackendState | None = None
+    best: B | None = None
     best_score = 0.0
     for c in candidates:
         score = (c.room - 1.0) / c.state.max_room  # free share left after this one
@@ -69,13 +73,13 @@ def least_utilised(candidates: Sequence[Candidate]) -> BackendState | None:
 
 
 class LeastUtilised:
-    def room(self, state: BackendState, now: float, health: BackendHealth) -> float:
+    def room(self, state: BackendView, now: float, health: BackendHealth) -> float:
         return slot_room(state, now, health)
 
-    def pick(self, candidates: Sequence[Candidate], prefix: int | None) -> BackendState | None:
+    def pick(self, candidates: Sequence[Candidate[B]], prefix: int | None) -> B | None:
         return least_utilised(candidates)
 
-    def served(self, state: BackendState, prefix: int | None) -> None:
+    def served(self, state: BackendView, prefix: int | None) -> None:
         pass
 
 
@@ -88,10 +92,10 @@ class PrefixAffinity:
         self.capacity = capacity
         self._last: OrderedDict[int, str] = OrderedDict()  # prefix hash -> backend url
 
-    def room(self, state: BackendState, now: float, health: BackendHealth) -> float:
+    def room(self, state: BackendView, now: float, health: BackendHealth) -> float:
         return slot_room(state, now, health)
 
-    def pick(self, candidates: Sequence[Candidate], prefix: int | None) -> BackendState | None:
+    def pick(self, candidates: Sequence[Candidate[B]], prefix: int | None) -> B | None:
         url = self._last.get(prefix) if prefix is not None else None
         if url is not None:
             for c in candidates:
@@ -99,7 +103,7 @@ class PrefixAffinity:
                     return c.state
         return least_utilised(candidates)
 
-    def served(self, state: BackendState, prefix: int | None) -> None:
+    def served(self, state: BackendView, prefix: int | None) -> None:
         if prefix is None:
             return
         self._last[prefix] = state.cfg.url

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from proxy.scheduling.queue import QueuedRequest
+    from proxy.policies.types import QueuedRequest
 
 
 @dataclass(slots=True)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Protocol
 from proxy.policies.backlog import BacklogObserver, TenantBacklog
 
 if TYPE_CHECKING:
-    from proxy.scheduling.queue import QueuedRequest
+    from proxy.policies.types import QueuedRequest
 
 
 class Displacement(BacklogObserver, Protocol):

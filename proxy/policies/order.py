@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from proxy.scheduling.queue import QueuedRequest
+    from proxy.policies.types import QueuedRequest
 
 
 class RequestOrder(Protocol):

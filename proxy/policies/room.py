@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 from proxy.config.slo import AdaptiveRoom
 
 if TYPE_CHECKING:
-    from proxy.scheduling.pool import ScrapedLoad
+    from proxy.policies.types import ScrapedLoad
 
 # vLLM's batch limit is the most it ran over this long (scrapes are snapshots).
 _PEAK_WINDOW_S = 5.0

@@ -6,7 +6,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from proxy.scheduling.queue import TierLimits
+    from proxy.policies.types import TierLimits
 
 
 class TierSelector(Protocol):

@@ -14,10 +14,10 @@ from aiohttp import web
 from proxy.api.outcome import Outcome
 from proxy.config.schema import Config, Tenant
 from proxy.policies.prefix import prefix_hash
+from proxy.policies.types import QueuedRequest
 from proxy.relay.budget import Reservation
 from proxy.relay.forward import RelayResult, UpstreamCall
 from proxy.request.inbound import ParsedRequest
-from proxy.scheduling.queue import QueuedRequest
 from proxy.telemetry.slo import Latency
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import TypeGuard
 
@@ -100,7 +99,6 @@ class RequestPipeline:
         self.relay = relay
         self.sleep = sleep
         self.budget = budget if budget is not None else MemoryBudget(None)
-        self.limit_waiting: Counter[str] = Counter()  # per tier: requests waiting for a limit
         self.child = LabelCache()  # metric children of each request, looked up once
         self.on_finish = on_finish or no_finish_hook  # per-tenant usage (proxy.ops.usage)
 
@@ -200,14 +198,16 @@ class RequestPipeline:
                 raise rate_limited(verdict.limit, wait)
             # A request waiting for its tenant's limit holds its body like a queued one: it
             # counts against the tier's queue cap.
-            waiting, cap = self.limit_waiting, adm.config.tiers[adm.tier].max_queue
-            if self.queue.depth(adm.tier) + waiting[adm.tier] >= cap:
+            try:
+                waits = self.queue.begin_limit_wait(adm.tier)
+            except UnknownTier:
+                raise config_changed() from None
+            if not waits:
                 raise queue_full(adm.tier, self.retry_after(adm.tier))
-            waiting[adm.tier] += 1
             try:  # not a network wait: the bucket refills on the clock (or a slot frees)
                 await self.sleep(min(wait, 0.25) if verdict.limit == "max_concurrent" else wait)
             finally:
-                waiting[adm.tier] -= 1
+                self.queue.end_limit_wait(adm.tier)
 
     def settle_tenant_limits(self, adm: Admitted, result: RelayResult | None) -> None:
         """Charge the tenant's token limit what the request really used: the unused part of the
@@ -266,13 +266,7 @@ class RequestPipeline:
         raise no_backend("No backend that serves the model is available; retry later.")
 
     def retry_after(self, tier: str) -> float:
-        """A rough wait before retrying: the tier's backlog over the slots that serve it."""
-        slots = self.pool.slots() or 1
-        try:
-            ceiling = self.queue.limits(tier).queue_timeout_s
-        except UnknownTier:
-            return 1.0
-        return max(1.0, min(ceiling, self.queue.depth(tier) / slots))
+        return self.queue.retry_after(tier, self.pool.slots())
 
     # -- forward -------------------------------------------------------------------------
 

@@ -15,9 +15,10 @@ from proxy.policies.displacement import LargestShare
 from proxy.policies.order import ShortFirst
 from proxy.policies.tenants import VirtualTokenCounter
 from proxy.policies.tiers import StrideTierSelector
+from proxy.policies.types import TierLimits
 from proxy.scheduling.dispatch import Dispatcher
 from proxy.scheduling.pool import BackendPool
-from proxy.scheduling.queue import AdmissionQueue, QueuePolicies, TierLimits
+from proxy.scheduling.queue import AdmissionQueue, QueuePolicies
 from proxy.telemetry.metrics import ProxyMetrics
 from proxy.telemetry.slo import slo_miss_budget
 

@@ -12,9 +12,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from proxy.policies.types import QueuedRequest
 from proxy.scheduling.early_refusal import EarlyRefusal, ServiceRates
 from proxy.scheduling.pool import BackendPool, BackendState
-from proxy.scheduling.queue import AdmissionQueue, QueuedRequest, QueueFull
+from proxy.scheduling.queue import AdmissionQueue, QueueFull
 from proxy.tasks import OwnedTask
 from proxy.telemetry.metrics import ProxyMetrics
 

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
+from proxy.api.reply_headers import BucketWindow
 from proxy.config.schema import Tenant
 
 
@@ -51,13 +52,6 @@ class TokenBucket:
     def give_back(self, amount: float, now: float) -> None:
         self._refill(now)
         self._level = min(self.capacity, self._level + amount)
-
-
-@dataclass(frozen=True)
-class BucketWindow:
-    limit: float
-    remaining: float  # below zero while a tenant pays off usage past its reservation
-    reset_s: float  # until the bucket is full again
 
 
 @dataclass(frozen=True)

@@ -17,15 +17,7 @@ from proxy.config.schema import Backend, BackendHealth
 from proxy.config.slo import AdaptiveRoom
 from proxy.policies.backends import BackendChooser, Candidate
 from proxy.policies.room import FixedRoom, GradientRoom, RoomChange, RoomController, RoomSignals
-
-
-@dataclass(frozen=True)
-class ScrapedLoad:
-    waiting: float
-    running: float
-    kv_usage: float  # 0..1
-    at: float  # monotonic time of the scrape
-    preemptions: float | None = None  # vLLM's counter since it started; None: not exported
+from proxy.policies.types import ScrapedLoad
 
 
 @dataclass(eq=False)
@@ -198,7 +190,7 @@ class BackendPool:
     ) -> BackendState | None:
         """The chooser's pick among the backends that serve the model, fit the tokens and have
         a free slot; None if none can take it."""
-        candidates: list[Candidate] = []
+        candidates: list[Candidate[BackendState]] = []
         for state in self.states.values():
             if not state.serves(model) or not self.fits_tokens(state, tokens):
                 continue

@@ -10,59 +10,16 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
-from enum import Enum
-from typing import Any
+from dataclasses import dataclass
 
 from proxy.policies.backlog import TenantBacklog
-from proxy.policies.cost import weighted_tokens
 from proxy.policies.displacement import Displacement
 from proxy.policies.order import RequestOrder
 from proxy.policies.tenants import TenantFairness
 from proxy.policies.tiers import TierSelector
-
-
-class State(Enum):
-    QUEUED = "queued"
-    DISPATCHED = "dispatched"
-    REMOVED = "removed"  # the client left or the handler gave up
-    EXPIRED = "expired"  # waited past its tier's queue timeout
-    DISPLACED = "displaced"  # pushed out of a full tier by a tenant with a smaller share
-
-
-@dataclass(frozen=True)
-class TierLimits:
-    weight: float
-    max_queue: int
-    queue_timeout_s: float
-    priority: int = 0  # lower is better (for ``tiers: strict_priority``)
-    early_refusal: bool = False  # refuse at once a request that would wait past the timeout
-
-
-@dataclass(eq=False)
-class QueuedRequest:
-    tier: str
-    tenant: str
-    prompt_tokens: int
-    expected_output: int
-    arrival_s: float
-    model: str | None = None
-    tenant_weight: float = 1.0
-    # Hash of the prompt's first tokens (``proxy.policies.prefix``), for backend affinity.
-    prefix_hash: int | None = None
-    # Set by the queue.
-    deadline_s: float = 0.0
-    state: State = State.QUEUED
-    seq: int = -1
-    key: float = 0.0
-    # The mechanism's handle (a future in the server); the queue never looks at it.
-    waiter: Any = field(default=None, repr=False)
-
-    @property
-    def cost(self) -> float:
-        return weighted_tokens(self.prompt_tokens, self.expected_output)
+from proxy.policies.types import QueuedRequest, State, TierLimits
 
 
 @dataclass
@@ -119,6 +76,9 @@ class _TenantQueue:
 class AdmissionQueue:
     def __init__(self, tiers: Mapping[str, TierLimits], policies: QueuePolicies) -> None:
         self._limits = dict(tiers)
+        # Per tier: admitted requests waiting for their tenant's rate limit, outside the queue
+        # but holding their bodies like queued ones, so they count against the tier's cap.
+        self._limit_waiting: Counter[str] = Counter()
         self._seq = itertools.count()
         self._deadlines: list[_Entry] = []
         self._set_policies(policies)
@@ -172,6 +132,31 @@ class AdmissionQueue:
     # -- sizes ---------------------------------------------------------------------------
     def depth(self, tier: str) -> int:
         return self._tier_depth.get(tier, 0)
+
+    def limit_waiting(self, tier: str) -> int:
+        return self._limit_waiting[tier]
+
+    def begin_limit_wait(self, tier: str) -> bool:
+        """A request of ``tier`` starts waiting for its tenant's limit; False (and nothing
+        counted) when the tier's queue and limit waiters already fill its cap."""
+        if self.depth(tier) + self._limit_waiting[tier] >= self.limits(tier).max_queue:
+            return False
+        self._limit_waiting[tier] += 1
+        return True
+
+    def end_limit_wait(self, tier: str) -> None:
+        self._limit_waiting[tier] -= 1
+        if not self._limit_waiting[tier]:
+            del self._limit_waiting[tier]
+
+    def retry_after(self, tier: str, slots: float) -> float:
+        """A rough wait before retrying: the tier's backlog over the ``slots`` that serve it,
+        at least a second, at most the tier's queue timeout."""
+        try:
+            ceiling = self.limits(tier).queue_timeout_s
+        except UnknownTier:
+            return 1.0
+        return max(1.0, min(ceiling, self.depth(tier) / max(1.0, slots)))
 
     def __len__(self) -> int:
         return sum(self._tier_depth.values())

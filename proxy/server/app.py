@@ -90,7 +90,15 @@ class ProxyState:
             relay=TimedRelay(relay),
             on_finish=self.usage.finished,
         )
-        self.live = LiveStatus(self, self.usage)
+        self.live = LiveStatus(
+            config=lambda: self.loaded.config,
+            queue=self.queue,
+            limits=self.limits,
+            pool=self.pool,
+            metrics=self.metrics,
+            usage=self.usage,
+            clock=clock,
+        )
         self.metrics.registry.register(BackendRoomCollector(self.pool, clock))
         if self.usage_log is not None:
             self.usage_log.on_drop = self.usage.counters.log_dropped.inc

@@ -13,7 +13,7 @@ import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from proxy.scheduling.pool import ScrapedLoad
+from proxy.policies.types import ScrapedLoad
 
 VLLM_RUNNING = "vllm:num_requests_running"
 VLLM_WAITING = "vllm:num_requests_waiting"

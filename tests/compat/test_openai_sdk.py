@@ -83,7 +83,7 @@ async def test_chat_stream_async_same_chunks(both: Sides, include_usage: bool) -
         )
         summaries[side] = summarize_chunks([chunk async for chunk in stream])
     proxy, direct = summaries["proxy"], summaries["direct"]
-    assert (proxy.text, proxy.finish, proxy.ops.usage) == (direct.text, direct.finish, direct.usage)
+    assert (proxy.text, proxy.finish, proxy.usage) == (direct.text, direct.finish, direct.usage)
     # Every field the direct stream carries (system_fingerprint, too, without include_usage).
     assert proxy.fields == direct.fields
     assert proxy.chunks_with_usage == direct.chunks_with_usage == (1 if include_usage else 0)

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from proxy.config.shared_state import SharedState
 from proxy.policies.backlog import TenantBacklog
 from proxy.policies.tenants import VirtualTokenCounter
-from proxy.scheduling.queue import QueuedRequest
+from proxy.policies.types import QueuedRequest
 from proxy.shared.client import SharedStore
 from proxy.shared.fairness import FairnessSync
 from tests.redis_server import RedisServer

@@ -1,8 +1,9 @@
 import pytest
 
 from proxy.policies.order import ShortFirst
+from proxy.policies.types import QueuedRequest, State, TierLimits
 from proxy.scheduling.build import default_queue_policies
-from proxy.scheduling.queue import AdmissionQueue, QueuedRequest, QueueFull, State, TierLimits
+from proxy.scheduling.queue import AdmissionQueue, QueueFull
 from tests.clock import FakeClock
 
 

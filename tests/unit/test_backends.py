@@ -2,7 +2,8 @@ import pytest
 
 from proxy.config.schema import Backend, BackendHealth
 from proxy.policies.backends import LeastUtilised
-from proxy.scheduling.pool import BackendPool, ScrapedLoad
+from proxy.policies.types import ScrapedLoad
+from proxy.scheduling.pool import BackendPool
 
 HEALTH = BackendHealth(
     stale_after_s=2.0,

@@ -8,10 +8,11 @@ import pytest
 
 from proxy.config.schema import Backend, BackendHealth
 from proxy.policies.backends import LeastUtilised
+from proxy.policies.types import QueuedRequest, TierLimits
 from proxy.scheduling.build import default_queue_policies
 from proxy.scheduling.dispatch import Dispatcher, Lease, QueueTimeoutError
 from proxy.scheduling.pool import BackendPool
-from proxy.scheduling.queue import AdmissionQueue, QueuedRequest, QueueFull, TierLimits
+from proxy.scheduling.queue import AdmissionQueue, QueueFull
 from proxy.telemetry.metrics import ProxyMetrics
 from tests.clock import FakeClock
 

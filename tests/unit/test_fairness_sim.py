@@ -9,8 +9,9 @@ import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from proxy.policies.types import QueuedRequest, TierLimits
 from proxy.scheduling.build import default_queue_policies
-from proxy.scheduling.queue import AdmissionQueue, QueuedRequest, TierLimits
+from proxy.scheduling.queue import AdmissionQueue
 
 
 def _jain(values: list[float]) -> float:

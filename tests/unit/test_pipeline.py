@@ -492,4 +492,4 @@ async def test_limit_waiters_count_against_the_tier_queue_cap(clock: FakeClock) 
             assert (await error_of(refused))["code"] == "queue_full"
             r.sleep.gate.set()
             assert (await waiting).status == 200
-            assert r.state.pipeline.limit_waiting["normal"] == 0
+            assert r.state.queue.limit_waiting("normal") == 0

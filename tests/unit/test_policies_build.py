@@ -14,9 +14,9 @@ from proxy.policies.displacement import LargestShare
 from proxy.policies.order import Fcfs, ShortFirst
 from proxy.policies.tenants import EarliestDeadlineFirst, VirtualTokenCounter
 from proxy.policies.tiers import StrideTierSelector
+from proxy.policies.types import QueuedRequest
 from proxy.scheduling.build import build_scheduling
 from proxy.scheduling.dispatch import Lease
-from proxy.scheduling.queue import QueuedRequest
 from proxy.server.app import ProxyState
 from proxy.telemetry.metrics import ProxyMetrics
 from tests.clock import FakeClock
@@ -63,7 +63,7 @@ def test_unknown_policy_names_the_field_the_line_and_the_choices() -> None:
         parse_config(BASE + "policies:\n  order: lifo\n")
     (problem,) = exc.value.problems
     assert problem.startswith("policies.order (line 10)")
-    assert "unknown policy 'lifo'; choose one of: short_first, fcfs" in problem
+    assert "Input should be 'short_first' or 'fcfs'" in problem
 
 
 def _queued(state: ProxyState, tenant: str, arrival: float) -> tuple[asyncio.Future[Lease], int]:

@@ -13,9 +13,10 @@ from proxy.policies.displacement import NoDisplacement
 from proxy.policies.order import Fcfs
 from proxy.policies.tenants import EarliestDeadlineFirst
 from proxy.policies.tiers import StrictPriorityTierSelector
+from proxy.policies.types import QueuedRequest, TierLimits
 from proxy.scheduling.build import default_queue_policies
 from proxy.scheduling.pool import BackendPool
-from proxy.scheduling.queue import AdmissionQueue, QueuedRequest, QueueFull, TierLimits
+from proxy.scheduling.queue import AdmissionQueue, QueueFull
 
 
 def _req(tier: str, tenant: str, arrival: float, prompt: int = 10) -> QueuedRequest:

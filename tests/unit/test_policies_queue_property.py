@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 from proxy.policies.order import short_first_key
 from proxy.policies.tenants import VirtualTokenCounter
 from proxy.policies.tiers import StrideTierSelector
+from proxy.policies.types import QueuedRequest, State, TierLimits
 from proxy.scheduling.build import default_queue_policies
-from proxy.scheduling.queue import AdmissionQueue, QueuedRequest, QueueFull, State, TierLimits
+from proxy.scheduling.queue import AdmissionQueue, QueueFull
 
 TIERS = {"gold": TierLimits(3.0, 4, 5.0), "iron": TierLimits(1.0, 5, 8.0)}
 TENANT_WEIGHTS = {"a": 1.0, "b": 1.0, "c": 2.0, "d": 0.5}

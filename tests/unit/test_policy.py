@@ -6,8 +6,9 @@ import pytest
 from proxy.policies.order import short_first_key
 from proxy.policies.tenants import VirtualTokenCounter
 from proxy.policies.tiers import StrideTierSelector
+from proxy.policies.types import QueuedRequest, TierLimits
 from proxy.scheduling.build import default_queue_policies
-from proxy.scheduling.queue import AdmissionQueue, QueuedRequest, TierLimits
+from proxy.scheduling.queue import AdmissionQueue
 
 DEFAULT_WEIGHTS = {"high": 10.0, "normal": 5.0, "low": 1.0}
 

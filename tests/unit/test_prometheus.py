@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from proxy.scheduling.pool import ScrapedLoad
+from proxy.policies.types import ScrapedLoad
 from proxy.telemetry import prometheus
 from proxy.telemetry.prometheus import Sample, parse_vllm_load
 

@@ -16,7 +16,8 @@ from proxy.config.schema import Backend, BackendHealth
 from proxy.config.slo import AdaptiveRoom
 from proxy.policies.backends import LeastUtilised
 from proxy.policies.room import FixedRoom, GradientRoom, RoomChange
-from proxy.scheduling.pool import BackendPool, BackendState, ScrapedLoad
+from proxy.policies.types import ScrapedLoad
+from proxy.scheduling.pool import BackendPool, BackendState
 from tests.clock import FakeClock
 
 HEALTH = BackendHealth(max_backend_waiting=2, stale_after_s=2.0)

@@ -12,12 +12,13 @@ from proxy.api.errors import refused_early
 from proxy.api.outcome import Outcome, outcome_of
 from proxy.config.schema import Backend, BackendHealth, ConfigError, parse_config
 from proxy.policies.backends import LeastUtilised
+from proxy.policies.types import QueuedRequest, ScrapedLoad, TierLimits
 from proxy.scheduling.build import default_queue_policies
 from proxy.scheduling.dispatch import Dispatcher, Lease
 from proxy.scheduling.early_refusal import EarlyRefusal
 from proxy.scheduling.monitor import BackendMonitor
-from proxy.scheduling.pool import BackendPool, ScrapedLoad
-from proxy.scheduling.queue import AdmissionQueue, QueuedRequest, TierLimits
+from proxy.scheduling.pool import BackendPool
+from proxy.scheduling.queue import AdmissionQueue
 from proxy.telemetry.metrics import ProxyMetrics
 from tests.clock import FakeClock
 from tests.fakes import ScriptedBackend, serve_scripted

@@ -10,7 +10,8 @@ import orjson
 import pytest
 
 from proxy.cli import main
-from proxy.ops.usage_log import UsageLogSettings, UsageLogWriter, rotated_paths
+from proxy.config.usage_log import UsageLogSettings
+from proxy.ops.usage_log import UsageLogWriter, rotated_paths
 from proxy.ops.usage_report import parse_since, summarize
 
 

@@ -18,8 +18,12 @@ from proxy.ops.live.window import CounterWindow, Key, WindowView, histogram_quan
 from proxy.scheduling.pool import BackendState
 
 if TYPE_CHECKING:
+    from proxy.config.schema import Config
     from proxy.ops.usage import UsageMeter
-    from proxy.server.app import ProxyState
+    from proxy.scheduling.limits import TenantLimits
+    from proxy.scheduling.pool import BackendPool
+    from proxy.scheduling.queue import AdmissionQueue
+    from proxy.telemetry.metrics import ProxyMetrics
 
 WINDOW_S = 60.0
 # Outcomes that are the proxy saying no (the others are answers, good or bad).
@@ -56,15 +60,29 @@ def _samples(metric: MetricWrapperBase, suffix: str) -> Iterable[tuple[dict[str,
 
 
 class LiveStatus:
-    def __init__(self, state: ProxyState, usage: UsageMeter, window_s: float = WINDOW_S):
-        self.state = state
-        self.usage = usage
-        self.window = CounterWindow(window_s, state.clock)
+    """Reads the live objects it is handed (the server owns them; they keep their identity
+    across reloads, the config is read anew each time)."""
+
+    def __init__(
+        self,
+        *,
+        config: Callable[[], Config],
+        queue: AdmissionQueue,
+        limits: TenantLimits,
+        pool: BackendPool,
+        metrics: ProxyMetrics,
+        usage: UsageMeter,
+        clock: Callable[[], float],
+        window_s: float = WINDOW_S,
+    ):
+        self.config, self.queue, self.limits, self.pool = config, queue, limits, pool
+        self.metrics, self.usage, self.clock = metrics, usage, clock
+        self.window = CounterWindow(window_s, clock)
         self.wall: Callable[[], float] = time.time
 
     def totals(self) -> dict[Key, float]:
         """The counters the window follows, flattened to one key each."""
-        m, out = self.state.metrics, defaultdict[Key, float](float)
+        m, out = self.metrics, defaultdict[Key, float](float)
         for labels, value in _samples(m.queue_wait, "_bucket"):
             out["wait", labels["tier"], labels["le"]] += value
         for labels, value in _samples(m.requests, "_total"):
@@ -88,8 +106,7 @@ class LiveStatus:
         }
 
     def tiers(self, view: WindowView, tenants: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        cfg, queue = self.state.config, self.state.queue
-        waiting = self.state.pipeline.limit_waiting
+        cfg, queue = self.config(), self.queue
         out = []
         for name, tier in sorted(cfg.tiers.items(), key=lambda kv: kv[1].priority):
             buckets = [
@@ -107,7 +124,7 @@ class LiveStatus:
                     "weight": tier.weight,
                     "depth": queue.depth(name),
                     "max_queue": tier.max_queue,
-                    "limit_waiting": waiting[name],
+                    "limit_waiting": queue.limit_waiting(name),
                     "running": sum(t["running"] for t in mine),
                     "wait_p99_s": round(p99, 4) if p99 is not None else None,
                     "finished": round(sum(finished.values())),
@@ -119,16 +136,15 @@ class LiveStatus:
 
     def tenants(self, view: WindowView) -> list[dict[str, Any]]:
         """Tenants that queue, run, used tokens or hit a limit in the window; busiest first."""
-        state = self.state
-        queued = Counter(r.tenant for r in state.queue.queued())
+        queued = Counter(r.tenant for r in self.queue.queued())
         limits_hit: dict[str, dict[str, int]] = {}
         for key, value in view.deltas.items():
             if key[0] == "limited" and value:
                 limits_hit.setdefault(key[1], {})[key[2]] = round(value)
         tokens = {k[1:]: v for k, v in view.deltas.items() if k[0] == "tokens" and v}
-        concurrent = state.limits.concurrent
+        concurrent = self.limits.concurrent
         rows: list[dict[str, Any]] = []
-        for tenant in state.config.tenants:  # 10,000 tenants: a few ms, so little per tenant
+        for tenant in self.config().tenants:  # 10,000 tenants: a few ms, so little per tenant
             name = tenant.name
             active = concurrent(name)  # admitted, not yet finished (queued too)
             used = tokens.get((name, tenant.tier), 0.0)
@@ -156,17 +172,17 @@ class LiveStatus:
         return rows
 
     def backends(self) -> list[dict[str, Any]]:
-        state, now = self.state, self.state.clock()
-        ramp_s = state.config.backend_health.ramp_s
+        pool, now = self.pool, self.clock()
+        ramp_s = self.config().backend_health.ramp_s
         out = []
-        for b in state.pool.all():
+        for b in pool.all():
             load = b.load
             out.append(
                 {
                     "name": b.label,
                     "url": b.cfg.url,
                     "state": backend_state(b, now, ramp_s),
-                    "room": round(state.pool.room(b, now), 2),
+                    "room": round(pool.room(b, now), 2),
                     "inflight": b.inflight,
                     "max_inflight": b.cfg.max_inflight,  # null: the room is learned
                     "capacity": round(b.max_room, 1),  # max_inflight, or the learned room
