@@ -32,7 +32,7 @@ from aiohttp import web
 from proxy.bench.inproc import KEYS, auth, make_config, running_proxy, serve_app, until
 from proxy.config.schema import LoadedConfig, parse_config
 from proxy.ops.runtime import tune_gc
-from proxy.server.app import ProxyState
+from proxy.server.state import ProxyState
 
 TIERS = ("high", "normal", "low")
 

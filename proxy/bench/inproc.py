@@ -17,8 +17,9 @@ from aiohttp import web
 
 from proxy.config.schema import hash_key, load_config, parse_config
 from proxy.ops.process import free_port
-from proxy.server.app import STATE, ProxyState, create_admin_app, create_app
+from proxy.server.app import create_admin_app, create_app
 from proxy.server.listeners import Listeners
+from proxy.server.state import STATE, ProxyState
 
 SECRET = b"integration-test-secret-of-at-least-32-bytes"
 KEYS = {"high": "key-high", "normal": "key-normal", "low": "key-low"}

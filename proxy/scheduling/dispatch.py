@@ -13,8 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from proxy.policies.types import QueuedRequest
+from proxy.scheduling.backend import BackendState
 from proxy.scheduling.early_refusal import EarlyRefusal, ServiceRates
-from proxy.scheduling.pool import BackendPool, BackendState
+from proxy.scheduling.pool import BackendPool
 from proxy.scheduling.queue import AdmissionQueue, QueueFull
 from proxy.tasks import OwnedTask
 from proxy.telemetry.metrics import ProxyMetrics

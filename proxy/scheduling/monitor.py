@@ -14,7 +14,8 @@ from collections.abc import Callable
 import aiohttp
 import orjson
 
-from proxy.scheduling.pool import BackendPool, BackendState
+from proxy.scheduling.backend import BackendState
+from proxy.scheduling.pool import BackendPool
 from proxy.tasks import OwnedTask
 from proxy.telemetry.metrics import ProxyMetrics
 from proxy.telemetry.prometheus import parse_vllm_load

@@ -1,74 +1,25 @@
-"""Backend state, health, and the candidates for a request at dispatch time. Pure logic, no I/O.
+"""All backends: their room, the candidates for a request at dispatch time, bookkeeping of what
+runs where, and the models they serve. Pure logic, no I/O.
 
 The proxy's own in-flight counts come first (exact, instant); the load scraped from each vLLM's
 ``/metrics`` corrects them (a backend whose own waiting queue grows gets no new work until it
 drains); scraped load older than ``stale_after_s`` is ignored on purpose and its age exported.
 The room of a backend and the choice among candidates belong to the chooser policy
 (``proxy.policies.backends``); how many requests a backend may hold at once, fixed or learned,
-to its room controller (``proxy.policies.room``).
+to its room controller (``proxy.policies.room``); ejection and reinstatement to
+``proxy.scheduling.health``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 from proxy.config.schema import Backend, BackendHealth
 from proxy.config.slo import AdaptiveRoom
 from proxy.policies.backends import BackendChooser, Candidate
 from proxy.policies.room import FixedRoom, GradientRoom, RoomChange, RoomController, RoomSignals
-from proxy.policies.types import ScrapedLoad
-
-
-@dataclass(eq=False)
-class BackendState:
-    cfg: Backend
-    inflight: int = 0
-    tokens_inflight: float = 0.0
-    healthy: bool = True  # optimistic until a probe or a request says otherwise
-    ejected_until: float = 0.0
-    failures: int = 0  # consecutive request failures
-    probe_failures: int = 0  # consecutive failed /health probes
-    reinstated_at: float | None = None
-    draining: bool = False  # gets no new work; in-flight work finishes
-    removed: bool = False  # left the config: dropped once idle
-    models: frozenset[str] | None = None  # None: not known yet, accept any
-    load: ScrapedLoad | None = None
-    dispatched_total: int = 0
-    # Slots this process holds when replicas meter the backend together through Redis
-    # (proxy.shared.room); None: this process alone meters it.
-    granted: int | None = None
-    room_controller: RoomController | None = None  # set by the pool; None: max_inflight fixed
-    peak_inflight: int = 0  # since the room controller's last look
-
-    @property
-    def max_room(self) -> float:
-        """Requests this backend may hold at once now (before ramps and vLLM's queue)."""
-        if self.room_controller is not None:
-            return self.room_controller.limit()
-        return float(self.cfg.max_inflight or AdaptiveRoom().initial_room)
-
-    def in_transit(self, load: ScrapedLoad | None) -> float:
-        """Requests in flight here that vLLM's scheduler does not hold at ``load``'s scrape:
-        in its API server on their way in, or done and still streaming out (0 without one)."""
-        if load is None:
-            return 0.0
-        return max(0.0, self.inflight - load.running - load.waiting)
-
-    @property
-    def label(self) -> str:
-        return self.cfg.label
-
-    def serves(self, model: str | None) -> bool:
-        return model is None or self.models is None or model in self.models
-
-    def available(self, now: float) -> bool:
-        return self.healthy and not self.draining and now >= self.ejected_until
-
-    def fresh_load(self, now: float, stale_after_s: float) -> ScrapedLoad | None:
-        if self.load is None or now - self.load.at > stale_after_s:
-            return None
-        return self.load
+from proxy.scheduling.backend import BackendState
+from proxy.scheduling.health import OutlierDetection
 
 
 class BackendPool:
@@ -85,6 +36,7 @@ class BackendPool:
         miss_budget: float = 0.01,
     ) -> None:
         self.health = health
+        self.outliers = OutlierDetection(health)
         self.chooser = chooser
         self.adaptive = adaptive or AdaptiveRoom()
         self.miss_budget = miss_budget  # share of requests allowed to miss their tier's SLO
@@ -106,6 +58,7 @@ class BackendPool:
         and are dropped once idle). A learned room survives a reload unless its parameters or
         the backend's kind of room changed."""
         self.health = health
+        self.outliers.health = health
         renew = adaptive is not None and adaptive != self.adaptive
         self.adaptive = adaptive or self.adaptive
         if miss_budget is not None:
@@ -242,36 +195,12 @@ class BackendPool:
             state.draining = draining
         return state
 
-    # -- health --------------------------------------------------------------------------
+    # -- health (the state machine is ``proxy.scheduling.health``) -----------------------
     def record_failure(self, state: BackendState, now: float, *, definitive: bool = False) -> None:
-        """Passive ejection, with a doubling backoff: at once when nothing listens
-        (``definitive``), after two failures in a row otherwise (a reset or a 5xx can be one
-        request's bad luck)."""
-        state.failures += 1
-        if not definitive and state.failures < 2:
-            return
-        backoff = min(self.health.eject_max_s, self.health.eject_base_s * 2 ** (state.failures - 1))
-        state.ejected_until = now + backoff
-        state.reinstated_at = None
+        self.outliers.record_failure(state, now, definitive=definitive)
 
     def record_success(self, state: BackendState, now: float) -> None:
-        if state.failures:
-            state.failures = 0
-            state.reinstated_at = now
+        self.outliers.record_success(state, now)
 
     def probe_result(self, state: BackendState, ok: bool, now: float) -> None:
-        state.probe_failures = 0 if ok else state.probe_failures + 1
-        if not ok and state.probe_failures < self.health.unhealthy_after:
-            return
-        if ok and not state.healthy:
-            state.healthy = True
-            state.failures = 0
-            state.ejected_until = 0.0
-            state.reinstated_at = now
-        elif ok and state.failures and now >= state.ejected_until:
-            state.failures = 0
-            state.reinstated_at = now
-        elif not ok:
-            if state.healthy:
-                state.reinstated_at = None
-            state.healthy = False
+        self.outliers.probe_result(state, ok, now)

@@ -12,10 +12,10 @@ from aiohttp import web
 
 from proxy.api.errors import ProxyError, bad_request, unknown_backend
 from proxy.request.inbound import BODY_READ_TIMEOUT_S, authenticate_admin
-from proxy.scheduling.pool import BackendState
+from proxy.scheduling.backend import BackendState
 
 if TYPE_CHECKING:
-    from proxy.server.app import ProxyState
+    from proxy.server.state import ProxyState
 
 log = logging.getLogger("tierproxy")
 

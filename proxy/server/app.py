@@ -18,130 +18,22 @@ from aiohttp import web
 
 from proxy.api.reply_headers import add_request_id
 from proxy.api.routes import ROUTES
-from proxy.config.schema import Config, ConfigError, LoadedConfig, load_config
-from proxy.ops.live.collector import BackendRoomCollector
-from proxy.ops.live.status import LiveStatus
+from proxy.config.schema import ConfigError, LoadedConfig, load_config
 from proxy.ops.reload import ConfigWatcher
 from proxy.ops.runtime import run, tune_gc, tune_logging
-from proxy.ops.usage import TimedRelay, UsageMeter
-from proxy.ops.usage_log import UsageLogWriter
-from proxy.relay.budget import MemoryBudget
-from proxy.relay.forward import relay
-from proxy.request.pipeline import RequestPipeline
-from proxy.scheduling.build import build_scheduling
-from proxy.scheduling.limits import LimitRegistry, TenantLimits, plan_changes
 from proxy.scheduling.monitor import BackendMonitor
 from proxy.server.admin import AdminEndpoints
 from proxy.server.endpoints import ServiceEndpoints
 from proxy.server.json_errors import json_error_bodies, json_errors
 from proxy.server.listeners import Listeners, raise_open_files_limit
-from proxy.shared.runtime import SharedRuntime
-from proxy.telemetry.metrics import ProxyMetrics
+from proxy.server.state import STATE, ProxyState
 from proxy.ticket import SecretError, check_secret, secret_from_env
 
 log = logging.getLogger("tierproxy")
 
 
-class ProxyState:
-    """Everything a request handler needs; swapped parts change on reload, in place."""
-
-    def __init__(self, loaded: LoadedConfig, secret: bytes, clock: Callable[[], float]) -> None:
-        self.loaded = loaded
-        self.secret = secret
-        self.clock = clock
-        self.metrics = ProxyMetrics()
-        cfg = loaded.config
-        self.scheduling = build_scheduling(cfg, self.metrics, clock)
-        self.queue = self.scheduling.queue
-        self.pool = self.scheduling.pool
-        self.dispatcher = self.scheduling.dispatcher
-        shared = cfg.shared_state  # read at start: a change needs a restart
-        self.shared = (
-            SharedRuntime(shared, self.metrics, self.queue, self.pool, self.dispatcher.kick)
-            if shared is not None
-            else None
-        )
-        self.limits: TenantLimits = self.shared.limits if self.shared else LimitRegistry()
-        self.limits.configure(cfg.tenants, clock())
-        self.session: aiohttp.ClientSession | None = None
-        self.monitor: BackendMonitor | None = None
-        self.watcher: ConfigWatcher | None = None
-        self.metrics.config_generation.set(1)
-        self.budget = MemoryBudget(cfg.limits.max_held_bytes)
-        self.usage_log = UsageLogWriter(cfg.usage_log) if cfg.usage_log else None  # at start only
-        self.usage = UsageMeter(
-            self.metrics.registry,
-            config=lambda: self.loaded.config,
-            models=self.pool.known_models,
-            clock=clock,
-            sink=self.usage_log.write if self.usage_log is not None else None,
-        )
-        self.pipeline = RequestPipeline(
-            config=lambda: self.loaded,
-            secret=secret,
-            clock=clock,
-            limits=self.limits,
-            queue=self.queue,
-            dispatcher=self.dispatcher,
-            pool=self.pool,
-            metrics=self.metrics,
-            session=self.upstream_session,
-            budget=self.budget,
-            relay=TimedRelay(relay),
-            on_finish=self.usage.finished,
-        )
-        self.live = LiveStatus(
-            config=lambda: self.loaded.config,
-            queue=self.queue,
-            limits=self.limits,
-            pool=self.pool,
-            metrics=self.metrics,
-            usage=self.usage,
-            clock=clock,
-        )
-        self.metrics.registry.register(BackendRoomCollector(self.pool, clock))
-        if self.usage_log is not None:
-            self.usage_log.on_drop = self.usage.counters.log_dropped.inc
-
-    @property
-    def config(self) -> Config:
-        return self.loaded.config
-
-    def upstream_session(self) -> aiohttp.ClientSession:
-        assert self.session is not None, "the app has not started"
-        return self.session
-
-    def apply(self, loaded: LoadedConfig) -> None:
-        """Swap in a validated config; queued and running requests keep going."""
-        self.prepare(loaded)()
-
-    def prepare(self, loaded: LoadedConfig) -> Callable[[], LoadedConfig]:
-        """Work out off the event loop (it reads the configs only) what ``loaded`` changes;
-        the returned commit applies it on the loop in O(changed tenants) and returns the
-        replaced config, for the caller to drop off the loop too."""
-        base, cfg = self.loaded, loaded.config
-        changes = plan_changes(base.config.tenants, cfg.tenants)
-
-        def commit() -> LoadedConfig:
-            old = self.loaded
-            self.scheduling.reconfigure(cfg, changes.names)
-            if old is base:
-                self.limits.apply_changes(changes, self.clock())
-            else:  # another config came into force meanwhile: the plan is stale
-                self.limits.configure(cfg.tenants, self.clock())
-            self.budget.limit_bytes = cfg.limits.max_held_bytes
-            self.loaded = loaded
-            self.metrics.config_generation.inc()
-            self.dispatcher.kick()
-            return old
-
-        return commit
-
-
 # Open files kept for upstream connections, probes, the config file and logs.
 FD_RESERVE = 256
-
-STATE = web.AppKey("tierproxy_state", ProxyState)
 
 
 def create_app(

@@ -16,7 +16,7 @@ from proxy.api.routes import POST_PATHS
 from proxy.request.inbound import authenticate
 
 if TYPE_CHECKING:
-    from proxy.server.app import ProxyState
+    from proxy.server.state import ProxyState
 
 
 class ServiceEndpoints:

@@ -31,7 +31,8 @@ from collections.abc import Callable
 
 from redis.exceptions import RedisError
 
-from proxy.scheduling.pool import BackendPool, BackendState
+from proxy.scheduling.backend import BackendState
+from proxy.scheduling.pool import BackendPool
 from proxy.shared.client import SharedStateDown, SharedStore
 from proxy.shared.scripts import ROOM_ACQUIRE, ROOM_RELEASE
 from proxy.tasks import OwnedTask

@@ -10,7 +10,7 @@ import aiohttp
 import orjson
 
 from proxy.relay.budget import held_estimate
-from proxy.server.app import ProxyState
+from proxy.server.state import ProxyState
 from tests.adversarial.answers import assert_openai_error, read_answer
 from tests.fakes import ScriptedBackend, serve_scripted
 from tests.proxyrun import auth, make_config, running_proxy, until

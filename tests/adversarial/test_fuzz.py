@@ -22,7 +22,7 @@ import aiohttp
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from proxy.server.app import ProxyState
+from proxy.server.state import ProxyState
 from tests.adversarial.answers import assert_openai_error, read_answer
 from tests.adversarial.histogram import FUZZ
 from tests.adversarial.strategies import ClientCase, RawCase, client_cases, compress, raw_cases

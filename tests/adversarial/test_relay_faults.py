@@ -19,7 +19,7 @@ from aiohttp import web
 
 from proxy.bench.inproc import serve_app
 from proxy.relay import sse
-from proxy.scheduling.pool import BackendState
+from proxy.scheduling.backend import BackendState
 from tests.clock import FakeClock
 from tests.proxyrun import auth, make_config, until
 from tests.unit.test_pipeline import BODY, Rig, error_of, rig

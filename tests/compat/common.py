@@ -12,7 +12,7 @@ import openai
 import prometheus_client
 
 from proxy.ops.engine import EngineProcess
-from proxy.server.app import ProxyState
+from proxy.server.state import ProxyState
 from proxy.telemetry import prometheus
 from tests.conftest import TINY_MODEL_DIR, EngineFarm
 from tests.proxyrun import KEYS, make_config, running_proxy

@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 import yaml
 
-from proxy.server.app import ProxyState
+from proxy.server.state import ProxyState
 from tests.conftest import EngineFarm
 from tests.proxyrun import KEYS, auth, make_config, running_proxy, until
 

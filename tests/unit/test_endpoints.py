@@ -15,8 +15,9 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from proxy.config.schema import hash_key, parse_config
 from proxy.config.server import Server
-from proxy.server.app import STATE, create_admin_app, create_app
+from proxy.server.app import create_admin_app, create_app
 from proxy.server.listeners import Listeners
+from proxy.server.state import STATE
 from tests.clock import FakeClock
 from tests.fakes import ScriptedBackend, serve_scripted
 from tests.proxyrun import SECRET, auth, make_config

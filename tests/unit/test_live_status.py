@@ -16,8 +16,9 @@ from aiohttp.test_utils import TestClient, TestServer
 from proxy.config.schema import Backend, hash_key, parse_config
 from proxy.ops.live.status import backend_state
 from proxy.ops.usage import UsageRecord
-from proxy.scheduling.pool import BackendState
-from proxy.server.app import STATE, ProxyState, create_app
+from proxy.scheduling.backend import BackendState
+from proxy.server.app import create_app
+from proxy.server.state import STATE, ProxyState
 from tests.clock import FakeClock
 from tests.fakes import ScriptedBackend, serve_scripted
 from tests.proxyrun import SECRET, auth, make_config, until

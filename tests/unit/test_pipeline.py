@@ -21,7 +21,7 @@ from proxy.ops.engine import free_port
 from proxy.policies.cost import weighted_tokens
 from proxy.policies.tenants import VirtualTokenCounter
 from proxy.relay.budget import held_estimate
-from proxy.server.app import ProxyState
+from proxy.server.state import ProxyState
 from tests.clock import FakeClock
 from tests.fakes import ScriptedBackend, serve_scripted
 from tests.proxyrun import SECRET, auth, make_config, until

@@ -17,7 +17,7 @@ from proxy.policies.tiers import StrideTierSelector
 from proxy.policies.types import QueuedRequest
 from proxy.scheduling.build import build_scheduling
 from proxy.scheduling.dispatch import Lease
-from proxy.server.app import ProxyState
+from proxy.server.state import ProxyState
 from proxy.telemetry.metrics import ProxyMetrics
 from tests.clock import FakeClock
 

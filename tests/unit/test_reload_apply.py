@@ -13,7 +13,7 @@ import yaml
 from proxy.config.schema import Tenant, hash_key, load_config, parse_config
 from proxy.ops.reload import ConfigWatcher
 from proxy.scheduling.limits import LimitRegistry, plan_changes
-from proxy.server.app import ProxyState
+from proxy.server.state import ProxyState
 from proxy.telemetry.metrics import ProxyMetrics
 from tests.clock import FakeClock
 

@@ -17,7 +17,8 @@ from proxy.config.slo import AdaptiveRoom
 from proxy.policies.backends import LeastUtilised
 from proxy.policies.room import FixedRoom, GradientRoom, RoomChange
 from proxy.policies.types import ScrapedLoad
-from proxy.scheduling.pool import BackendPool, BackendState
+from proxy.scheduling.backend import BackendState
+from proxy.scheduling.pool import BackendPool
 from tests.clock import FakeClock
 
 HEALTH = BackendHealth(max_backend_waiting=2, stale_after_s=2.0)

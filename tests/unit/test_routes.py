@@ -17,7 +17,8 @@ from proxy.api.routes import POST_PATHS
 from proxy.config.schema import hash_key, parse_config
 from proxy.policies.tenants import VirtualTokenCounter
 from proxy.relay import sse
-from proxy.server.app import STATE, ProxyState, create_app
+from proxy.server.app import create_app
+from proxy.server.state import STATE, ProxyState
 from proxy.ticket import TICKET_HEADER
 from tests.clock import FakeClock
 from tests.fakes_routes import RESPONSES_USAGE, RoutesBackend, serve_routes

@@ -15,7 +15,7 @@ from prometheus_client.metrics import MetricWrapperBase
 
 from proxy.api.outcome import Outcome
 from proxy.ops.live.window import CounterWindow, Key, WindowView, histogram_quantile
-from proxy.scheduling.pool import BackendState
+from proxy.scheduling.backend import BackendState
 
 if TYPE_CHECKING:
     from proxy.config.schema import Config

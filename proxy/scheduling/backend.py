@@ -1,0 +1,63 @@
+"""One backend as the proxy sees it: its config, what the proxy has in flight there, its health
+state and its last scraped load. The pool changes it; the policies read it through
+``proxy.policies.types.BackendView``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from proxy.config.schema import Backend
+from proxy.config.slo import AdaptiveRoom
+from proxy.policies.room import RoomController
+from proxy.policies.types import ScrapedLoad
+
+
+@dataclass(eq=False)
+class BackendState:
+    cfg: Backend
+    inflight: int = 0
+    tokens_inflight: float = 0.0
+    healthy: bool = True  # optimistic until a probe or a request says otherwise
+    ejected_until: float = 0.0
+    failures: int = 0  # consecutive request failures
+    probe_failures: int = 0  # consecutive failed /health probes
+    reinstated_at: float | None = None
+    draining: bool = False  # gets no new work; in-flight work finishes
+    removed: bool = False  # left the config: dropped once idle
+    models: frozenset[str] | None = None  # None: not known yet, accept any
+    load: ScrapedLoad | None = None
+    dispatched_total: int = 0
+    # Slots this process holds when replicas meter the backend together through Redis
+    # (proxy.shared.room); None: this process alone meters it.
+    granted: int | None = None
+    room_controller: RoomController | None = None  # set by the pool; None: max_inflight fixed
+    peak_inflight: int = 0  # since the room controller's last look
+
+    @property
+    def max_room(self) -> float:
+        """Requests this backend may hold at once now (before ramps and vLLM's queue)."""
+        if self.room_controller is not None:
+            return self.room_controller.limit()
+        return float(self.cfg.max_inflight or AdaptiveRoom().initial_room)
+
+    def in_transit(self, load: ScrapedLoad | None) -> float:
+        """Requests in flight here that vLLM's scheduler does not hold at ``load``'s scrape:
+        in its API server on their way in, or done and still streaming out (0 without one)."""
+        if load is None:
+            return 0.0
+        return max(0.0, self.inflight - load.running - load.waiting)
+
+    @property
+    def label(self) -> str:
+        return self.cfg.label
+
+    def serves(self, model: str | None) -> bool:
+        return model is None or self.models is None or model in self.models
+
+    def available(self, now: float) -> bool:
+        return self.healthy and not self.draining and now >= self.ejected_until
+
+    def fresh_load(self, now: float, stale_after_s: float) -> ScrapedLoad | None:
+        if self.load is None or now - self.load.at > stale_after_s:
+            return None
+        return self.load
