@@ -233,7 +233,7 @@ def nginx_upstream_block(port: int) -> str:
 
 def tierproxy_config(tmp: Path, backend_port: int) -> Path:
     sys.path.insert(0, str(ROOT))
-    from proxy.config.schema import hash_key
+    from proxy.config.tenants import hash_key
 
     cfg = {
         "listen": {"host": "127.0.0.1", "port": PORTS["tierproxy"]},

@@ -30,7 +30,8 @@ import yaml
 from aiohttp import web
 
 from proxy.bench.inproc import KEYS, auth, make_config, running_proxy, serve_app, until
-from proxy.config.schema import LoadedConfig, parse_config
+from proxy.config.loader import parse_config
+from proxy.config.schema import LoadedConfig
 from proxy.ops.runtime import tune_gc
 from proxy.server.state import ProxyState
 

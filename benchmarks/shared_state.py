@@ -32,7 +32,7 @@ from proxy.bench.inproc import KEYS, SECRET, auth, make_config, serve_app
 from proxy.bench.null_upstream import NullUpstream
 from proxy.bench.redis_server import RedisServer
 from proxy.bench.stack import ProxyProcess
-from proxy.config.schema import hash_key
+from proxy.config.tenants import hash_key
 from proxy.ops.process import free_port
 from proxy.ticket import DEFAULT_SECRET_ENV
 

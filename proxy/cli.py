@@ -32,7 +32,7 @@ def _cmd_tiny_model(args: argparse.Namespace) -> int:
 
 
 def _cmd_hash_key(args: argparse.Namespace) -> int:
-    from proxy.config.schema import hash_key
+    from proxy.config.tenants import hash_key
 
     key = sys.stdin.readline().rstrip("\r\n")
     if not key:
@@ -43,7 +43,7 @@ def _cmd_hash_key(args: argparse.Namespace) -> int:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from proxy.config.schema import ConfigError, load_config, summarize
+    from proxy.config.loader import ConfigError, load_config, summarize
 
     try:
         loaded = load_config(args.config)
@@ -59,7 +59,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from proxy.config.schema import ConfigError
+    from proxy.config.loader import ConfigError
     from proxy.server.app import serve
 
     if args.workers < 1:
@@ -126,7 +126,7 @@ def _cmd_engine(args: argparse.Namespace) -> int:
 
 def _cmd_up(args: argparse.Namespace) -> int:
     """The embedded default: local CPU engine(s) plus the proxy on configs/example.yaml."""
-    from proxy.config.schema import load_config
+    from proxy.config.loader import load_config
     from proxy.ops.engine import EngineProcess, EngineSpec, engine_cores, ensure_model, spread_cores
     from proxy.server.app import serve
 

@@ -44,7 +44,7 @@ from proxy.bench.scenario import (
 )
 from proxy.bench.scrape import wait_idle
 from proxy.bench.stats import Slo
-from proxy.config.schema import ConfigError
+from proxy.config.loader import ConfigError
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 

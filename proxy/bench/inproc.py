@@ -15,7 +15,8 @@ from typing import Any
 import yaml
 from aiohttp import web
 
-from proxy.config.schema import hash_key, load_config, parse_config
+from proxy.config.loader import load_config, parse_config
+from proxy.config.tenants import hash_key
 from proxy.ops.process import free_port
 from proxy.server.app import create_admin_app, create_app
 from proxy.server.listeners import Listeners

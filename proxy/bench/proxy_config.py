@@ -12,7 +12,9 @@ from typing import Any
 import yaml
 
 from proxy.bench.scenario import Scenario
-from proxy.config.schema import LoadedConfig, hash_key, parse_config
+from proxy.config.loader import parse_config
+from proxy.config.schema import LoadedConfig
+from proxy.config.tenants import hash_key
 
 # Like configs/example.yaml, with waits and run times short enough that a benchmark run ends:
 # a request is answered, rejected or timed out within queue_timeout_s + request_timeout_s.

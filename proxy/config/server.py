@@ -5,13 +5,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-
-class Strict(BaseModel):
-    """Every config section: unknown fields are errors, values are frozen."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
+from proxy.config.base import Strict
 
 
 class Listen(Strict):

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from proxy.config.server import Strict
+from proxy.config.base import Strict
 
 
 class SharedState(Strict):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from proxy.config.server import Strict
+from proxy.config.base import Strict
 
 
 class TierSlo(Strict):

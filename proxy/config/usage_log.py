@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from proxy.config.server import Strict
+from proxy.config.base import Strict
 
 
 class UsageLogSettings(Strict):

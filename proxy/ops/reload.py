@@ -15,7 +15,8 @@ import signal
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from proxy.config.schema import Config, ConfigError, LoadedConfig, load_config, parse_config
+from proxy.config.loader import ConfigError, load_config, parse_config
+from proxy.config.schema import Config, LoadedConfig
 from proxy.tasks import OwnedTask
 from proxy.telemetry.metrics import ProxyMetrics
 

@@ -12,7 +12,7 @@ import threading
 import time
 from types import FrameType
 
-from proxy.config.schema import ConfigError, load_config
+from proxy.config.loader import ConfigError, load_config
 from proxy.ops.process import ManagedProcess
 
 log = logging.getLogger("tierproxy.workers")

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 from proxy.policies.types import BackendView, ScrapedLoad
 
 if TYPE_CHECKING:
-    from proxy.config.schema import BackendHealth
+    from proxy.config.backends import BackendHealth
 
 
 B = TypeVar("B", bound=BackendView)

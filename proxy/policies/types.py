@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from proxy.policies.cost import weighted_tokens
 
 if TYPE_CHECKING:
-    from proxy.config.schema import Backend
+    from proxy.config.backends import Backend
 
 
 class State(Enum):

@@ -12,7 +12,8 @@ from typing import Protocol
 from aiohttp import web
 
 from proxy.api.outcome import Outcome
-from proxy.config.schema import Config, Tenant
+from proxy.config.schema import Config
+from proxy.config.tenants import Tenant
 from proxy.policies.prefix import prefix_hash
 from proxy.policies.types import QueuedRequest
 from proxy.relay.budget import Reservation

@@ -16,7 +16,9 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.api.errors import admin_disabled, bad_request, too_deep, unauthorized
 from proxy.api.routes import BY_ENDPOINT, Endpoint
-from proxy.config.schema import Limits, LoadedConfig, Scheduling, Tenant, Tier
+from proxy.config.scheduling import Limits, Scheduling
+from proxy.config.schema import LoadedConfig
+from proxy.config.tenants import Tenant, Tier
 from proxy.request.body import read_body
 from proxy.request.costs import INPUT_CHARS, lax_bool, lax_int, text_chars
 

@@ -41,7 +41,8 @@ from proxy.api.reply_headers import (
     should_retry_header,
 )
 from proxy.api.routes import BY_ENDPOINT, Endpoint, Route
-from proxy.config.schema import Config, LoadedConfig, Tenant
+from proxy.config.schema import Config, LoadedConfig
+from proxy.config.tenants import Tenant
 from proxy.policies.cost import weighted_tokens
 from proxy.relay.budget import MemoryBudget, held_estimate
 from proxy.relay.forward import RelayResult, UpstreamUnavailable, relay

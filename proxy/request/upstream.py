@@ -10,7 +10,8 @@ import aiohttp
 import orjson
 from multidict import CIMultiDictProxy
 
-from proxy.config.schema import Backend, Config
+from proxy.config.backends import Backend
+from proxy.config.schema import Config
 from proxy.relay.budget import MemoryBudget
 from proxy.relay.forward import UpstreamCall
 from proxy.request.inbound import ParsedRequest, upstream_headers

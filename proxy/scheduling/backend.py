@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from proxy.config.schema import Backend
+from proxy.config.backends import Backend
 from proxy.config.slo import AdaptiveRoom
 from proxy.policies.room import RoomController
 from proxy.policies.types import ScrapedLoad

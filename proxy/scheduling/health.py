@@ -4,7 +4,7 @@ down (failed probes) and reinstated (with a ramp, which the room policy applies)
 
 from __future__ import annotations
 
-from proxy.config.schema import BackendHealth
+from proxy.config.backends import BackendHealth
 from proxy.scheduling.backend import BackendState
 
 

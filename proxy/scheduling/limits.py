@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from proxy.api.reply_headers import BucketWindow
-from proxy.config.schema import Tenant
+from proxy.config.tenants import Tenant
 
 
 class TokenBucket:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from proxy.config.schema import Backend, BackendHealth
+from proxy.config.backends import Backend, BackendHealth
 from proxy.config.slo import AdaptiveRoom
 from proxy.policies.backends import BackendChooser, Candidate
 from proxy.policies.room import FixedRoom, GradientRoom, RoomChange, RoomController, RoomSignals

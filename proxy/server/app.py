@@ -18,7 +18,8 @@ from aiohttp import web
 
 from proxy.api.reply_headers import add_request_id
 from proxy.api.routes import ROUTES
-from proxy.config.schema import ConfigError, LoadedConfig, load_config
+from proxy.config.loader import ConfigError, load_config
+from proxy.config.schema import LoadedConfig
 from proxy.ops.reload import ConfigWatcher
 from proxy.ops.runtime import run, tune_gc, tune_logging
 from proxy.scheduling.monitor import BackendMonitor

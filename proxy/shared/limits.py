@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from proxy.api.errors import shared_state_unavailable
 from proxy.api.reply_headers import BucketWindow
-from proxy.config.schema import Tenant
+from proxy.config.tenants import Tenant
 from proxy.scheduling.limits import LimitChanges, LimitRegistry, LimitVerdict
 from proxy.shared.client import SharedStateDown, SharedStore
 from proxy.shared.scripts import ADMIT, RENEW, SETTLE

@@ -16,8 +16,9 @@ from typing import Any, Protocol
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from proxy.api.outcome import Outcome
-from proxy.config.schema import Config, Tenant
+from proxy.config.schema import Config
 from proxy.config.slo import TierSlo
+from proxy.config.tenants import Tenant
 
 # Endings that say nothing about the service: the client left, stalled, sent bad input or ran
 # into its own tenant's rate limit.

@@ -17,7 +17,7 @@ import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from proxy.config.schema import parse_config
+from proxy.config.loader import parse_config
 from proxy.request.inbound import parse_body
 from proxy.server.app import create_app
 from proxy.server.json_errors import json_errors

@@ -15,7 +15,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionMessageParam
 
-from proxy.config.schema import hash_key
+from proxy.config.tenants import hash_key
 from proxy.relay import sse
 from tests.compat.common import (
     MODEL,

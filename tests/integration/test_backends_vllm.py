@@ -168,7 +168,7 @@ async def test_refused_connection_before_first_byte_is_retried_elsewhere(
 
 
 async def test_admin_drain_lets_inflight_finish_and_sends_no_new_work(engines: EngineFarm) -> None:
-    from proxy.config.schema import hash_key
+    from proxy.config.tenants import hash_key
 
     a, b = engines.get("core"), engines.get("pair-b")
     cfg = make_config(

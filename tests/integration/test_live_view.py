@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.config.schema import hash_key
+from proxy.config.tenants import hash_key
 from tests.conftest import REPO, EngineFarm
 from tests.dashboard import exposed_names, queried_names
 from tests.proxyrun import KEYS, auth, make_config, running_proxy

@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from proxy.bench.scrape import wait_idle
-from proxy.config.schema import hash_key
+from proxy.config.tenants import hash_key
 from proxy.relay import sse
 from proxy.telemetry import prometheus
 from tests.conftest import EngineFarm

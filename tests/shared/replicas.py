@@ -12,7 +12,7 @@ import yaml
 
 from proxy.bench.inproc import KEYS, SECRET, auth, make_config
 from proxy.bench.stack import ProxyProcess
-from proxy.config.schema import hash_key
+from proxy.config.tenants import hash_key
 from proxy.ops.process import free_port
 from proxy.ticket import DEFAULT_SECRET_ENV
 

@@ -16,7 +16,7 @@ import aiohttp
 
 from proxy.bench.inproc import make_config, serve_app
 from proxy.bench.null_upstream import NullUpstream
-from proxy.config.schema import hash_key
+from proxy.config.tenants import hash_key
 from tests.redis_server import RedisServer
 from tests.shared.replicas import start_replicas
 

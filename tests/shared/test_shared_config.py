@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from proxy.bench.inproc import SECRET, make_config
-from proxy.config.schema import ConfigError, parse_config
+from proxy.config.loader import ConfigError, parse_config
 from proxy.scheduling.limits import LimitRegistry
 from proxy.server.app import create_app
 from proxy.server.state import STATE

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from proxy.bench.inproc import serve_app, until
 from proxy.bench.null_upstream import NullUpstream
-from proxy.config.schema import Backend, BackendHealth
+from proxy.config.backends import Backend, BackendHealth
 from proxy.config.shared_state import SharedState
 from proxy.policies.backends import LeastUtilised
 from proxy.scheduling.pool import BackendPool

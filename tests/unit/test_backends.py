@@ -1,6 +1,6 @@
 import pytest
 
-from proxy.config.schema import Backend, BackendHealth
+from proxy.config.backends import Backend, BackendHealth
 from proxy.policies.backends import LeastUtilised
 from proxy.policies.types import ScrapedLoad
 from proxy.scheduling.pool import BackendPool

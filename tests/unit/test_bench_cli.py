@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from proxy.bench.cli import main
-from proxy.config.schema import load_config
+from proxy.config.loader import load_config
 
 
 def test_list_scenarios(capsys: pytest.CaptureFixture[str]) -> None:

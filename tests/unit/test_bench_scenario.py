@@ -10,7 +10,7 @@ import pytest
 from proxy.bench.plan import build_plan
 from proxy.bench.proxy_config import proxy_config, validate
 from proxy.bench.scenario import ScenarioError, available_scenarios, load_scenario
-from proxy.config.schema import hash_key
+from proxy.config.tenants import hash_key
 
 SHIPPED = ["burst", "fairness", "overload-2x", "seed-mixed"]
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from proxy.config.schema import load_config
+from proxy.config.loader import load_config
 from proxy.ticket import PLUGIN_FLAGS
 
 REPO = Path(__file__).resolve().parents[2]

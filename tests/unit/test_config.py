@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from proxy.config.schema import ConfigError, hash_key, load_config, parse_config
+from proxy.config.loader import ConfigError, load_config, parse_config
+from proxy.config.tenants import hash_key
 from proxy.config.yaml_load import safe_load
 
 REPO = Path(__file__).resolve().parents[2]

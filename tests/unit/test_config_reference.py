@@ -10,9 +10,10 @@ from typing import Any, Literal, get_args
 from pydantic import BaseModel, Field
 
 from proxy.config import reference as config_reference
+from proxy.config.base import Strict
 from proxy.config.reference import DOC_PATH, NO_DESCRIPTION, render, sections, type_name
-from proxy.config.schema import Config, Policies
-from proxy.config.server import Strict
+from proxy.config.scheduling import Policies
+from proxy.config.schema import Config
 
 REPO = Path(__file__).resolve().parents[2]
 MINIMAL: dict[str, Any] = {

@@ -6,7 +6,7 @@ import pytest
 
 from proxy.api.errors import ProxyError
 from proxy.api.reply_headers import openai_duration, ratelimit_headers, request_id_for
-from proxy.config.schema import Tenant
+from proxy.config.tenants import Tenant
 from proxy.request.costs import INPUT_CHARS, lax_bool, lax_int, usage_counts
 from proxy.scheduling.limits import LimitRegistry
 

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from proxy.config.schema import Backend, BackendHealth
+from proxy.config.backends import Backend, BackendHealth
 from proxy.policies.backends import LeastUtilised
 from proxy.policies.types import QueuedRequest, TierLimits
 from proxy.scheduling.build import default_queue_policies

@@ -13,8 +13,9 @@ import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from proxy.config.schema import hash_key, parse_config
+from proxy.config.loader import parse_config
 from proxy.config.server import Server
+from proxy.config.tenants import hash_key
 from proxy.server.app import create_admin_app, create_app
 from proxy.server.listeners import Listeners
 from proxy.server.state import STATE

@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 from aiohttp.test_utils import TestClient, TestServer
 
-from proxy.config.schema import parse_config
+from proxy.config.loader import parse_config
 from proxy.server.app import create_app
 from tests.clock import FakeClock
 from tests.dashboard import REPO, exposed_names, panels, queried_names

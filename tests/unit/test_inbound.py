@@ -3,7 +3,10 @@ import pytest
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.api.errors import ProxyError
-from proxy.config.schema import Limits, LoadedConfig, Scheduling, Tier, hash_key, parse_config
+from proxy.config.loader import parse_config
+from proxy.config.scheduling import Limits, Scheduling
+from proxy.config.schema import LoadedConfig
+from proxy.config.tenants import Tier, hash_key
 from proxy.request.inbound import (
     api_key_from,
     authenticate,

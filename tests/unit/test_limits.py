@@ -1,6 +1,6 @@
 import pytest
 
-from proxy.config.schema import Tenant
+from proxy.config.tenants import Tenant
 from proxy.scheduling.limits import LimitRegistry, TokenBucket
 
 

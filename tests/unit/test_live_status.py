@@ -13,7 +13,9 @@ import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from proxy.config.schema import Backend, hash_key, parse_config
+from proxy.config.backends import Backend
+from proxy.config.loader import parse_config
+from proxy.config.tenants import hash_key
 from proxy.ops.live.status import backend_state
 from proxy.ops.usage import UsageRecord
 from proxy.scheduling.backend import BackendState

@@ -16,7 +16,8 @@ import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from proxy.config.schema import hash_key, parse_config
+from proxy.config.loader import parse_config
+from proxy.config.tenants import hash_key
 from proxy.ops.engine import free_port
 from proxy.policies.cost import weighted_tokens
 from proxy.policies.tenants import VirtualTokenCounter

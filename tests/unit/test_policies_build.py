@@ -7,7 +7,9 @@ import asyncio
 
 import pytest
 
-from proxy.config.schema import ConfigError, LoadedConfig, hash_key, parse_config
+from proxy.config.loader import ConfigError, parse_config
+from proxy.config.schema import LoadedConfig
+from proxy.config.tenants import hash_key
 from proxy.policies import registry
 from proxy.policies.backends import LeastUtilised, PrefixAffinity
 from proxy.policies.displacement import LargestShare

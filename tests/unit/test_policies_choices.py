@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from proxy.config.schema import Backend, BackendHealth
+from proxy.config.backends import Backend, BackendHealth
 from proxy.policies.backends import LeastUtilised, PrefixAffinity
 from proxy.policies.displacement import NoDisplacement
 from proxy.policies.order import Fcfs

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from proxy.config.schema import Config, LoadedConfig, hash_key, load_config
+from proxy.config.loader import load_config
+from proxy.config.schema import Config, LoadedConfig
+from proxy.config.tenants import hash_key
 from proxy.ops.reload import ConfigWatcher
 from proxy.telemetry.metrics import ProxyMetrics
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import yaml
 
-from proxy.config.schema import Tenant, hash_key, load_config, parse_config
+from proxy.config.loader import load_config, parse_config
+from proxy.config.tenants import Tenant, hash_key
 from proxy.ops.reload import ConfigWatcher
 from proxy.scheduling.limits import LimitRegistry, plan_changes
 from proxy.server.state import ProxyState

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from proxy.config.schema import Backend, BackendHealth
+from proxy.config.backends import Backend, BackendHealth
 from proxy.config.slo import AdaptiveRoom
 from proxy.policies.backends import LeastUtilised
 from proxy.policies.room import FixedRoom, GradientRoom, RoomChange

@@ -14,7 +14,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from proxy.api.routes import POST_PATHS
-from proxy.config.schema import hash_key, parse_config
+from proxy.config.loader import parse_config
+from proxy.config.tenants import hash_key
 from proxy.policies.tenants import VirtualTokenCounter
 from proxy.relay import sse
 from proxy.server.app import create_app

@@ -10,7 +10,8 @@ import yaml
 
 from proxy.api.errors import refused_early
 from proxy.api.outcome import Outcome, outcome_of
-from proxy.config.schema import Backend, BackendHealth, ConfigError, parse_config
+from proxy.config.backends import Backend, BackendHealth
+from proxy.config.loader import ConfigError, parse_config
 from proxy.policies.backends import LeastUtilised
 from proxy.policies.types import QueuedRequest, ScrapedLoad, TierLimits
 from proxy.scheduling.build import default_queue_policies

@@ -142,7 +142,7 @@ def test_the_contract_module_imports_neither_aiohttp_nor_vllm() -> None:
 def test_the_proxy_refuses_to_start_with_a_weak_secret(secret: bytes) -> None:
     import yaml
 
-    from proxy.config.schema import ConfigError, parse_config
+    from proxy.config.loader import ConfigError, parse_config
     from proxy.server.app import create_app
     from tests.proxyrun import SECRET as GOOD
     from tests.proxyrun import make_config

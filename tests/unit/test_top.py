@@ -14,7 +14,8 @@ import yaml
 from rich.console import Console
 
 from proxy.bench.inproc import serve_app
-from proxy.config.schema import hash_key, parse_config
+from proxy.config.loader import parse_config
+from proxy.config.tenants import hash_key
 from proxy.ops.live.top import render
 from proxy.server.app import create_app
 from tests.conftest import REPO

@@ -1,0 +1,119 @@
+"""The `backends:` list and `backend_health:` (probes, ejection, vLLM's own queue)."""
+
+from __future__ import annotations
+
+import re
+
+from pydantic import (
+    Field,
+    field_validator,
+    model_validator,
+)
+
+from proxy.config.base import Strict
+
+
+class BackendHealth(Strict):
+    """How backends are watched (health, load, models), ejected and brought back."""
+
+    health_interval_s: float = Field(
+        1.0, gt=0, description="Seconds between active `GET /health` probes of each backend."
+    )
+    metrics_interval_s: float = Field(
+        0.5, gt=0, description="Seconds between scrapes of each backend's `/metrics` (its load)."
+    )
+    models_interval_s: float = Field(
+        10.0, gt=0, description="Seconds between refreshes of each backend's `/v1/models`."
+    )
+    stale_after_s: float = Field(
+        2.0,
+        gt=0,
+        description="Scraped load older than this is ignored (the proxy's own counts decide"
+        " alone).",
+    )
+    max_backend_waiting: int = Field(
+        2,
+        ge=0,
+        description="Requests a backend may hold in its own waiting queue; beyond this its room"
+        " shrinks by the excess until it drains.",
+    )
+    ramp_s: float = Field(
+        5.0,
+        ge=0,
+        description="After an ejection ends, the backend's room ramps from 25% to 100% over"
+        " this long.",
+    )
+    eject_base_s: float = Field(
+        1.0, gt=0, description="First ejection's length; it doubles with each one in a row."
+    )
+    eject_max_s: float = Field(30.0, gt=0, description="Longest ejection.")
+    connect_timeout_s: float = Field(
+        3.0, gt=0, description="Timeout to open a connection to a backend."
+    )
+    probe_timeout_s: float = Field(
+        5.0, gt=0, description="Timeout of one health, metrics or models probe."
+    )
+    unhealthy_after: int = Field(
+        3,
+        ge=1,
+        description="Consecutive failed /health probes before a backend counts as down (a slow"
+        " answer from a busy API server is not an outage; refused connections on requests eject"
+        " at once anyway).",
+    )
+    max_attempts: int = Field(
+        3,
+        ge=1,
+        description="Attempts for a request that has sent nothing to its client yet (refused,"
+        " reset, 503).",
+    )
+
+
+class Backend(Strict):
+    """One stock vLLM OpenAI server."""
+
+    url: str = Field(description="Base URL of the vLLM server, e.g. http://127.0.0.1:8100.")
+    name: str | None = Field(None, description="Label in logs and metrics; null: the URL.")
+    max_inflight: int | None = Field(
+        None,
+        gt=0,
+        description="Requests in flight on this backend at most. Unset: the room adapts"
+        " (docs/slo.md) up to adaptive_room.max_room. Set: a fixed room (keep it near vLLM's"
+        " --max-num-seqs), or the ceiling of an adaptive one with `adaptive: true`.",
+    )
+    adaptive: bool | None = Field(
+        None,
+        description="Learn the room from vLLM's queue and the tiers' SLOs; null: adaptive"
+        " exactly when max_inflight is unset.",
+    )
+    max_tokens_inflight: int | None = Field(
+        None,
+        gt=0,
+        description="Optional budget of prompt + expected output tokens in flight on this"
+        " backend; null: none.",
+    )
+    send_priority: bool = Field(
+        True,
+        description="Also pass the tier's priority as vLLM's own `priority` (needs"
+        " --scheduling-policy priority).",
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        if not re.match(r"^https?://[^/\s]+", value):
+            raise ValueError("must be an http(s) URL such as http://127.0.0.1:8100")
+        return value.rstrip("/")
+
+    @model_validator(mode="after")
+    def _fixed_needs_a_size(self) -> Backend:
+        if self.adaptive is False and self.max_inflight is None:
+            raise ValueError("adaptive: false needs max_inflight (the fixed room)")
+        return self
+
+    @property
+    def label(self) -> str:
+        return self.name or self.url
+
+    @property
+    def adaptive_room(self) -> bool:
+        return self.adaptive if self.adaptive is not None else self.max_inflight is None

@@ -1,0 +1,108 @@
+"""The scheduling sections: `limits:` (request and memory bounds), `scheduling:` (cost
+estimates, aging) and `policies:` (which implementation of each seam runs)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import (
+    Field,
+)
+
+from proxy.config.base import Strict
+
+
+class Limits(Strict):
+    """What one request may ask for and what the proxy holds for all of them."""
+
+    max_body_bytes: int = Field(
+        8 * 1024 * 1024,
+        gt=0,
+        description="Largest request body (after decoding gzip/deflate); larger: 413.",
+    )
+    max_tokens_ceiling: int = Field(
+        1_000_000,
+        gt=0,
+        description="Hard ceiling for any max_tokens a client may ask for, whatever its tier.",
+    )
+    max_held_bytes: int | None = Field(
+        1024 * 1024 * 1024,
+        gt=0,
+        description="Memory the proxy may hold for accepted requests not yet sent (their"
+        " parsed bodies, estimated as 6x their bytes: proxy/relay/budget.py); over it, new requests"
+        " get 503 at once. null: no bound.",
+    )
+
+
+class Scheduling(Strict):
+    """Inside a tenant, short requests go first, with aging (the `short_first` order)."""
+
+    aging_s: float = Field(
+        30.0,
+        gt=0,
+        description="A request is never overtaken by one that arrived more than this many"
+        " seconds after it.",
+    )
+    reference_tokens: int = Field(
+        8192,
+        gt=0,
+        description='Cost at which a request counts as "as long as they come" for the'
+        " short-first order.",
+    )
+    chars_per_token: float = Field(
+        4.0, gt=0, description="Characters per token, to estimate a prompt's tokens cheaply."
+    )
+    default_expected_output: int = Field(
+        256,
+        gt=0,
+        description="Expected output tokens when the client sets no max_tokens (the tier cap"
+        " wins when lower).",
+    )
+
+
+# The names of each seam's implementations (``proxy.policies.registry`` builds them; a test keeps
+# the two in step, so the config needs no import of the policies).
+TierPolicy = Literal["stride", "strict_priority"]
+TenantPolicy = Literal["vtc", "edf"]
+OrderPolicy = Literal["short_first", "fcfs"]
+DisplacementPolicy = Literal["largest_share", "none"]
+BackendPolicy = Literal["least_utilised", "prefix_affinity"]
+
+
+class Policies(Strict):
+    """Which implementation of each scheduling seam runs (docs/policies.md)."""
+
+    tiers: TierPolicy = Field(
+        "stride",
+        description="Which tier goes next: `stride` shares picks by tier weight"
+        " (work-conserving); `strict_priority` always serves the best waiting tier.",
+    )
+    tenants: TenantPolicy = Field(
+        "vtc",
+        description="Which tenant of a tier goes next: `vtc` (least weighted tokens served)"
+        " or `edf` (earliest deadline).",
+    )
+    order: OrderPolicy = Field(
+        "short_first",
+        description="Order inside a tenant: `short_first` (with `scheduling.aging_s`) or `fcfs`.",
+    )
+    displacement: DisplacementPolicy = Field(
+        "largest_share",
+        description="What a full tier does with a newcomer: `largest_share` drops the newest"
+        " request of the tenant holding the largest weighted share (its client gets the 429);"
+        " `none` refuses the newcomer.",
+    )
+    backends: BackendPolicy = Field(
+        "least_utilised",
+        description="Which backend gets a request: `least_utilised` (most room) or"
+        " `prefix_affinity` (the one that served the same prompt prefix, when it has room).",
+    )
+    prefix_tokens: int = Field(
+        256,
+        gt=0,
+        description="`prefix_affinity`: leading tokens that identify a prompt prefix"
+        " (approximated with `scheduling.chars_per_token`).",
+    )
+    prefix_memory: int = Field(
+        10_000, gt=0, description="`prefix_affinity`: how many prefixes are remembered (LRU)."
+    )

@@ -1,0 +1,122 @@
+"""`tiers:` and `tenants:` with their keys (stored as sha256, never in clear)."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import Literal
+
+from pydantic import (
+    Field,
+    field_validator,
+    model_validator,
+)
+
+from proxy.config.base import Strict
+from proxy.config.slo import TierSlo
+
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+def hash_key(key: str) -> str:
+    """The stored form of an API key: lowercase hex sha256 of its UTF-8 bytes."""
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+class Tier(Strict):
+    """One service tier: its place in vLLM's priority order, its share and its bounds."""
+
+    priority: int = Field(
+        description="vLLM priority of the tier's requests; lower is better (the best tier"
+        " preempts the others in the plugin's scheduler)."
+    )
+    weight: float = Field(
+        gt=0, description="Share of dispatches while tiers compete (`policies.tiers: stride`)."
+    )
+    max_queue: int = Field(
+        ge=0,
+        description="Requests that may wait in the tier (queued plus waiting for a tenant"
+        " limit); beyond it: 429 `queue_full` at once.",
+    )
+    queue_timeout_s: float = Field(
+        gt=0, description="Longest wait in the queue; then 503 `queue_timeout` with Retry-After."
+    )
+    request_timeout_s: float = Field(
+        gt=0,
+        description="Longest run upstream; then 504, or an error event and [DONE] inside a stream.",
+    )
+    max_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="Cap on a request's max_tokens (clamped, not refused); null: no tier cap.",
+    )
+    prefill_share: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="Share of a vLLM step that this tier's prefills may take while better tiers"
+        " decode. null: 1.0 for the best tier, 0.2 for the others.",
+    )
+    slo: TierSlo | None = Field(
+        None,
+        description="Latency target (docs/slo.md): goodput metrics, and the adaptive backend"
+        " room steers by it.",
+        examples=[{"ttft_s": 1.0, "itl_s": 0.1, "percentile": 99}],
+    )
+    early_refusal: bool = Field(
+        False,
+        description="429 at once, Retry-After the predicted wait, when a new request's predicted"
+        " queue wait exceeds queue_timeout_s (false: it waits and gets 503 at the timeout).",
+    )
+
+
+class KeySpec(Strict):
+    """One API key: its sha256 (`tierproxy hash-key`) or the variable that holds it."""
+
+    sha256: str | None = Field(
+        None, description="Lowercase hex sha256 of the key (`echo -n KEY | tierproxy hash-key`)."
+    )
+    env: str | None = Field(
+        None, description="Environment variable that holds the key itself (read at load)."
+    )
+
+    @field_validator("sha256")
+    @classmethod
+    def _hex(cls, value: str | None) -> str | None:
+        if value is not None and not _SHA256_RE.match(value.lower()):
+            raise ValueError("must be 64 hex characters (see `tierproxy hash-key`)")
+        return value.lower() if value else value
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> KeySpec:
+        if (self.sha256 is None) == (self.env is None):
+            raise ValueError("give exactly one of sha256 or env")
+        return self
+
+
+class Tenant(Strict):
+    """A team or application: its keys, its tier, its share and limits inside the tier."""
+
+    name: str = Field(min_length=1, description="Unique name (in logs and metrics).")
+    tier: str = Field(description="Name of one of `tiers`.")
+    keys: list[KeySpec] = Field(min_length=1, description="API keys that identify the tenant.")
+    weight: float = Field(
+        1.0, gt=0, description="Share against the other tenants of its tier (fairness)."
+    )
+    requests_per_minute: float | None = Field(
+        None, gt=0, description="Rate limit on requests (token bucket); null: none."
+    )
+    tokens_per_minute: float | None = Field(
+        None,
+        gt=0,
+        description="Rate limit on prompt + output tokens, estimated up front and corrected"
+        " from the answer's usage; null: none.",
+    )
+    max_concurrent: int | None = Field(
+        None, gt=0, description="Requests in flight at once (queued ones not counted); null: none."
+    )
+    on_limit: Literal["reject", "queue"] = Field(
+        "reject",
+        description="Over a limit: `reject` answers 429 with Retry-After; `queue` waits for the"
+        " allowance (within the tier's queue_timeout_s).",
+    )
