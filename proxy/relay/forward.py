@@ -18,8 +18,9 @@ the backend provably did not run the request, ``UpstreamUnavailable`` (retried e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,23 +102,36 @@ class UpstreamCall:
 async def relay(
     call: UpstreamCall, request: web.Request, *, stream: bool, now: Callable[[], float]
 ) -> RelayResult:
+    async with open_relay(call, request) as (resp, send):
+        if resp.status == 503:
+            body = await _read_bounded(resp, call.deadline)
+            raise UpstreamUnavailable("503", "backend overloaded", status=503, body=body)
+        if resp.status != 200 or not stream:
+            return settled(resp, await _relay_whole(call, resp, send))
+        return settled(resp, await _relay_stream(call, resp, send, now))
+
+
+@contextlib.asynccontextmanager
+async def open_relay(
+    call: UpstreamCall, request: web.Request
+) -> AsyncIterator[tuple[aiohttp.ClientResponse, ClientSender]]:
+    """The upstream's answer, opened within the call's deadline, and the sender to the client
+    (under the same deadline and the relay's send-idle bound); both relays start here."""
     try:
         async with asyncio.timeout_at(call.deadline):
             resp = await open_upstream(call)
     except TimeoutError:
         raise execution_timeout(call.timeout_s) from None
-    send = ClientSender(request, call.deadline, call.bounds.send_idle_timeout_s)
     async with resp:
-        if resp.status == 503:
-            body = await _read_bounded(resp, call.deadline)
-            raise UpstreamUnavailable("503", "backend overloaded", status=503, body=body)
-        if resp.status != 200 or not stream:
-            result = await _relay_whole(call, resp, send)
-        else:
-            result = await _relay_stream(call, resp, send, now)
-        if result.outcome not in (Outcome.OK, Outcome.CLIENT_ERROR, Outcome.BACKEND_ERROR):
-            resp.close()  # half-read: never back into the pool; vLLM aborts the request
-        return result
+        yield resp, ClientSender(request, call.deadline, call.bounds.send_idle_timeout_s)
+
+
+def settled(resp: aiohttp.ClientResponse, result: RelayResult) -> RelayResult:
+    """A relay's result; an answer not read to its end is closed, never pooled again (vLLM
+    aborts the request when its connection closes)."""
+    if result.outcome not in (Outcome.OK, Outcome.CLIENT_ERROR, Outcome.BACKEND_ERROR):
+        resp.close()
+    return result
 
 
 async def open_upstream(call: UpstreamCall) -> aiohttp.ClientResponse:

@@ -28,8 +28,9 @@ from proxy.relay.forward import (
     RelayResult,
     UpstreamCall,
     UpstreamUnavailable,
-    open_upstream,
+    open_relay,
     relay,
+    settled,
 )
 from proxy.ticket import REQUEST_ID_HEADER
 
@@ -44,20 +45,10 @@ async def relay_responses(
     one."""
     if not stream:
         return await relay(call, request, stream=False, now=now)
-    try:
-        async with asyncio.timeout_at(call.deadline):
-            resp = await open_upstream(call)
-    except TimeoutError:
-        raise execution_timeout(call.timeout_s) from None
-    send = ClientSender(request, call.deadline, call.bounds.send_idle_timeout_s)
-    async with resp:
+    async with open_relay(call, request) as (resp, send):
         if resp.status != 200:
-            result = await _relay_refusal(call, resp)
-        else:
-            result = await _relay_events(call, resp, send, now)
-        if result.outcome not in (Outcome.OK, Outcome.CLIENT_ERROR, Outcome.BACKEND_ERROR):
-            resp.close()  # half-read: never back into the pool; vLLM aborts the request
-        return result
+            return settled(resp, await _relay_refusal(call, resp))
+        return settled(resp, await _relay_events(call, resp, send, now))
 
 
 async def _relay_refusal(call: UpstreamCall, resp: aiohttp.ClientResponse) -> RelayResult:

@@ -7,6 +7,7 @@ starts and stops what runs).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import aiohttp
@@ -107,11 +108,15 @@ class ProxyState:
         replaced config, for the caller to drop off the loop too."""
         base, cfg = self.loaded, loaded.config
         changes = plan_changes(base.config.tenants, cfg.tenants)
+        # Weak: the worker thread that ran this may still hold ``commit`` when the caller drops
+        # the replaced config, which must then be freed there, off the loop, not by that thread.
+        planned_against = weakref.ref(base)
+        del base
 
         def commit() -> LoadedConfig:
             old = self.loaded
             self.scheduling.reconfigure(cfg, changes.names)
-            if old is base:
+            if old is planned_against():
                 self.limits.apply_changes(changes, self.clock())
             else:  # another config came into force meanwhile: the plan is stale
                 self.limits.configure(cfg.tenants, self.clock())
