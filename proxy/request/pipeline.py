@@ -33,12 +33,10 @@ from proxy.api.errors import (
     refused_early,
 )
 from proxy.api.hotpath import LabelCache
-from proxy.api.outcome import Outcome, outcome_of
+from proxy.api.outcome import Outcome
 from proxy.api.reply_headers import (
     REQUEST_ID,
-    ratelimit_headers,
     request_id_for,
-    should_retry_header,
 )
 from proxy.api.routes import BY_ENDPOINT, Endpoint, Route
 from proxy.config.schema import Config, LoadedConfig
@@ -48,6 +46,7 @@ from proxy.relay.budget import MemoryBudget, held_estimate
 from proxy.relay.forward import RelayResult, UpstreamUnavailable, relay
 from proxy.relay.responses import relay_responses
 from proxy.request.admitted import Admitted, FinishHook, Relay, Trace, no_finish_hook
+from proxy.request.answers import Answers
 from proxy.request.costs import usage_counts
 from proxy.request.inbound import (
     authenticate,
@@ -61,10 +60,9 @@ from proxy.scheduling.limits import TenantLimits
 from proxy.scheduling.pool import BackendPool
 from proxy.scheduling.queue import AdmissionQueue, QueueFull, UnknownTier
 from proxy.telemetry.metrics import ProxyMetrics
-from proxy.telemetry.slo import Latency, backend_met, latency_of
+from proxy.telemetry.slo import backend_met, latency_of
 
 log = logging.getLogger("tierproxy")
-access_log = logging.getLogger("tierproxy.access")
 
 # Beyond the queue's own deadline (the dispatcher resolves the waiter by it): a backstop only.
 _DISPATCH_GUARD_S = 5.0
@@ -102,6 +100,9 @@ class RequestPipeline:
         self.budget = budget if budget is not None else MemoryBudget(None)
         self.child = LabelCache()  # metric children of each request, looked up once
         self.on_finish = on_finish or no_finish_hook  # per-tenant usage (proxy.ops.usage)
+        self.answers = Answers(
+            config=config, clock=clock, limits=limits, metrics=metrics, child=self.child
+        )
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self.handle(request, "chat")
@@ -139,9 +140,9 @@ class RequestPipeline:
                 trace.latency = latency_of(adm.arrival, result, self.clock())
             finally:
                 self.settle_tenant_limits(adm, result)
-            return self.respond(trace, result)
+            return self.answers.respond(trace, result)
         except ProxyError as err:
-            return self.refuse(trace, err)
+            return self.answers.refuse(trace, err)
         except asyncio.CancelledError:
             trace.outcome, trace.status = Outcome.CLIENT_GONE, 499
             raise
@@ -149,7 +150,7 @@ class RequestPipeline:
             if adm is not None and adm.held is not None:
                 adm.held.release()
             self.on_finish(trace, adm, result)
-            self.log(trace)
+            self.answers.log(trace)
 
     # -- parse ---------------------------------------------------------------------------
 
@@ -349,50 +350,6 @@ class RequestPipeline:
         elif result.outcome != Outcome.OK:
             # Nothing was generated that we know of: give back the estimate charged at dispatch.
             self.queue.correct_charge(adm.queued, 0.0)
-
-    # -- the answer and the log ----------------------------------------------------------
-
-    def respond(self, trace: Trace, result: RelayResult) -> web.StreamResponse:
-        trace.outcome, trace.status = result.outcome, result.status
-        resp = result.response
-        if not resp.prepared:  # a stream's headers went out with its first event
-            resp.headers.setdefault("X-Request-Id", trace.request_id)
-            resp.headers.update(self.limit_headers(trace))
-            resp.headers.update(should_retry_header(result.status))
-        return resp
-
-    def refuse(self, trace: Trace, err: ProxyError) -> web.Response:
-        trace.outcome, trace.status = outcome_of(err), err.status
-        resp = err.response()
-        resp.headers["X-Request-Id"] = trace.request_id
-        resp.headers.update(self.limit_headers(trace))
-        return resp
-
-    def limit_headers(self, trace: Trace) -> dict[str, str]:
-        tenant = trace.tenant.name if trace.tenant else None
-        return ratelimit_headers(self.limits.windows(tenant, self.clock()) if tenant else {})
-
-    def log(self, trace: Trace) -> None:
-        elapsed = self.clock() - trace.arrival
-        tenant = trace.tenant
-        tier = tenant.tier if tenant else "-"
-        if tenant is not None:
-            self.child(self.metrics.requests, tier, trace.outcome).inc()
-        if trace.admitted:
-            self.child(self.metrics.e2e, tier).observe(elapsed)
-        if trace.admitted and tenant is not None:  # goodput (proxy/telemetry/slo.py)
-            latency = trace.latency or Latency(trace.arrival, None, self.clock(), None)
-            self.metrics.slo.record(self.config().config, tenant, trace.outcome, latency)
-        # Never the key: only the tenant it resolved to.
-        access_log.info(
-            "request_id=%s tenant=%s tier=%s status=%d outcome=%s duration_s=%.3f",
-            trace.request_id,
-            tenant.name if tenant else "-",
-            tier,
-            trace.status,
-            trace.outcome,
-            elapsed,
-        )
 
 
 def _give_up(exc: UpstreamUnavailable) -> ProxyError:

@@ -1,0 +1,78 @@
+"""What every request ends with, whatever happened to it: its answer's headers (request id,
+``x-ratelimit-*``, ``x-should-retry``), its metrics and goodput, and one access-log line."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from aiohttp import web
+
+from proxy.api.errors import ProxyError
+from proxy.api.hotpath import LabelCache
+from proxy.api.outcome import outcome_of
+from proxy.api.reply_headers import ratelimit_headers, should_retry_header
+from proxy.config.schema import LoadedConfig
+from proxy.relay.forward import RelayResult
+from proxy.request.admitted import Trace
+from proxy.scheduling.limits import TenantLimits
+from proxy.telemetry.metrics import ProxyMetrics
+from proxy.telemetry.slo import Latency
+
+access_log = logging.getLogger("tierproxy.access")
+
+
+class Answers:
+    def __init__(
+        self,
+        *,
+        config: Callable[[], LoadedConfig],
+        clock: Callable[[], float],
+        limits: TenantLimits,
+        metrics: ProxyMetrics,
+        child: LabelCache,
+    ) -> None:
+        self.config, self.clock, self.limits = config, clock, limits
+        self.metrics, self.child = metrics, child
+
+    def respond(self, trace: Trace, result: RelayResult) -> web.StreamResponse:
+        trace.outcome, trace.status = result.outcome, result.status
+        resp = result.response
+        if not resp.prepared:  # a stream's headers went out with its first event
+            resp.headers.setdefault("X-Request-Id", trace.request_id)
+            resp.headers.update(self.limit_headers(trace))
+            resp.headers.update(should_retry_header(result.status))
+        return resp
+
+    def refuse(self, trace: Trace, err: ProxyError) -> web.Response:
+        trace.outcome, trace.status = outcome_of(err), err.status
+        resp = err.response()
+        resp.headers["X-Request-Id"] = trace.request_id
+        resp.headers.update(self.limit_headers(trace))
+        return resp
+
+    def limit_headers(self, trace: Trace) -> dict[str, str]:
+        tenant = trace.tenant.name if trace.tenant else None
+        return ratelimit_headers(self.limits.windows(tenant, self.clock()) if tenant else {})
+
+    def log(self, trace: Trace) -> None:
+        elapsed = self.clock() - trace.arrival
+        tenant = trace.tenant
+        tier = tenant.tier if tenant else "-"
+        if tenant is not None:
+            self.child(self.metrics.requests, tier, trace.outcome).inc()
+        if trace.admitted:
+            self.child(self.metrics.e2e, tier).observe(elapsed)
+        if trace.admitted and tenant is not None:  # goodput (proxy/telemetry/slo.py)
+            latency = trace.latency or Latency(trace.arrival, None, self.clock(), None)
+            self.metrics.slo.record(self.config().config, tenant, trace.outcome, latency)
+        # Never the key: only the tenant it resolved to.
+        access_log.info(
+            "request_id=%s tenant=%s tier=%s status=%d outcome=%s duration_s=%.3f",
+            trace.request_id,
+            tenant.name if tenant else "-",
+            tier,
+            trace.status,
+            trace.outcome,
+            elapsed,
+        )
