@@ -207,6 +207,34 @@ def parse_body(
     """Validate a body and estimate its cost; 400 for what no backend could run. A ``null``
     top-level field counts as absent, as in OpenAI's API; numbers and booleans sent as strings
     are read as vLLM's pydantic models read them."""
+    body = _decode_object(raw, max_depth)
+    route = BY_ENDPOINT[endpoint]
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request("'model' must be a string", param="model")
+    stream = _lax_field(body, "stream", lax_bool, "a boolean")
+    stream = bool(stream) and route.generates  # the pooling routes never stream
+    chars = _input_chars(body, endpoint)
+    for name in STRIPPED_BODY_FIELDS:
+        body.pop(name, None)
+    max_tokens, expected = (
+        _output_budget(body, endpoint, tier, limits, scheduling) if route.generates else (None, 0)
+    )
+    return ParsedRequest(
+        body=body,
+        endpoint=endpoint,
+        stream=stream,
+        model=model,
+        prompt_tokens=max(1, math.ceil(chars / scheduling.chars_per_token)),
+        max_tokens=max_tokens,
+        expected_output=expected,
+        client_wants_usage=_ask_for_usage(body, endpoint, stream),
+        path=path,
+    )
+
+
+def _decode_object(raw: bytes, max_depth: int) -> dict[str, Any]:
+    """The body as a JSON object, nested at most ``max_depth`` deep, its null fields dropped."""
     try:
         loaded = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -217,65 +245,53 @@ def parse_body(
         raise bad_request("The body must be a JSON object", code="invalid_json")
     if nesting_exceeds(loaded, max_depth):
         raise too_deep(max_depth)
-    body: dict[str, Any] = {k: v for k, v in loaded.items() if v is not None}
-    route = BY_ENDPOINT[endpoint]
+    return {k: v for k, v in loaded.items() if v is not None}
 
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise bad_request("'model' must be a string", param="model")
-    stream = _lax_field(body, "stream", lax_bool, "a boolean")
-    stream = bool(stream) and route.generates  # the pooling routes never stream
 
+def _input_chars(body: dict[str, Any], endpoint: Endpoint) -> int:
+    """Characters of the input the request sends to the model (validating its shape)."""
     if endpoint == "chat":
         chars = _validate_messages(body.get("messages"))
-        chars += sum(text_chars(body.get(name), keys=True) for name in _SCHEMA_FIELDS)
-    elif endpoint == "completions":
+        return chars + sum(text_chars(body.get(name), keys=True) for name in _SCHEMA_FIELDS)
+    if endpoint == "completions":
         if "prompt" not in body:
             raise bad_request("'prompt' is required", param="prompt")
-        chars = _validate_prompt(body["prompt"])
-    else:
-        chars = INPUT_CHARS[endpoint](body)
+        return _validate_prompt(body["prompt"])
+    return INPUT_CHARS[endpoint](body)
 
-    for name in STRIPPED_BODY_FIELDS:
-        body.pop(name, None)
 
-    max_tokens: int | None = None
-    expected = 0  # pooling and tokenizer routes generate nothing
-    if route.generates:
-        max_tokens = _clamped_max_tokens(body, tier, limits, _budget_fields(endpoint))
-        n = _lax_field(body, "n", lax_int, "an integer")
-        n = 1 if n is None else n
-        if n < 1 or n > 128:
-            raise bad_request("'n' must be an integer between 1 and 128", param="n")
-        expected = max_tokens if max_tokens is not None else scheduling.default_expected_output
-        if tier.max_tokens is not None:
-            expected = min(expected, tier.max_tokens)
-        expected *= n
+def _output_budget(
+    body: dict[str, Any], endpoint: Endpoint, tier: Tier, limits: Limits, scheduling: Scheduling
+) -> tuple[int | None, int]:
+    """(max_tokens as sent on, clamped to the tier; output tokens expected from all n
+    choices) of a generating request."""
+    max_tokens = _clamped_max_tokens(body, tier, limits, _budget_fields(endpoint))
+    n = _lax_field(body, "n", lax_int, "an integer")
+    n = 1 if n is None else n
+    if n < 1 or n > 128:
+        raise bad_request("'n' must be an integer between 1 and 128", param="n")
+    expected = max_tokens if max_tokens is not None else scheduling.default_expected_output
+    if tier.max_tokens is not None:
+        expected = min(expected, tier.max_tokens)
+    return max_tokens, int(expected * n)
 
-    # The Responses API always ends its stream with the usage (in response.completed).
-    client_wants_usage = endpoint == "responses"
-    if stream and endpoint != "responses":
-        options = body.get("stream_options")
-        if options is not None and not isinstance(options, dict):
-            raise bad_request("'stream_options' must be an object", param="stream_options")
-        options = dict(options or {})
-        client_wants_usage = bool(lax_bool(options.get("include_usage")))
-        # Ask for the usage chunk anyway: fairness and metrics count real tokens. The relay
-        # removes it again when the client did not ask for it.
-        options["include_usage"] = True
-        body["stream_options"] = options
 
-    return ParsedRequest(
-        body=body,
-        endpoint=endpoint,
-        stream=stream,
-        model=model,
-        prompt_tokens=max(1, math.ceil(chars / scheduling.chars_per_token)),
-        max_tokens=max_tokens,
-        expected_output=int(expected),
-        client_wants_usage=client_wants_usage,
-        path=path,
-    )
+def _ask_for_usage(body: dict[str, Any], endpoint: Endpoint, stream: bool) -> bool:
+    """Whether the client asked for a stream's usage; the body asks vLLM for it anyway
+    (fairness and metrics count real tokens; the relay drops the chunk again if unasked).
+    The Responses API always ends its stream with the usage (in response.completed)."""
+    if endpoint == "responses":
+        return True
+    if not stream:
+        return False
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise bad_request("'stream_options' must be an object", param="stream_options")
+    options = dict(options or {})
+    wants = bool(lax_bool(options.get("include_usage")))
+    options["include_usage"] = True
+    body["stream_options"] = options
+    return wants
 
 
 def _lax_field(body: dict[str, Any], name: str, read: Callable[[object], Any], kind: str) -> Any:
