@@ -1,1 +1,7 @@
-"""TODO layer docstring."""
+"""Running the proxy — above the request path: config reload (``reload``), usage metering,
+its log and reports (``usage``, ``usage_log``, ``usage_report``), the live view
+(``live``), the event loop and runtime tuning (``runtime``), ``--workers`` (``workers``), and
+local vLLM engines (``engine``, ``process``, ``tiny_model``).
+
+May import ``request``, ``shared`` and every floor below; never ``server``.
+"""
