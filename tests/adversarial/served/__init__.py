@@ -1,0 +1,1 @@
+"""Hostile clients against `tierproxy serve` itself (uvloop, aiohttp's C parser)."""
