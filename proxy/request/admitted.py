@@ -56,6 +56,7 @@ class Admitted:
     held: Reservation | None = None  # its share of the memory budget
     attempts: int = 0  # backends tried so far
     resets: int = 0  # backends that broke while they may have been running it
+    limit_hold: str = ""  # the tenant limits' key for this admission (LimitVerdict.hold)
 
     def __post_init__(self) -> None:
         self.queued = QueuedRequest(

@@ -189,10 +189,9 @@ class RequestPipeline:
         tenant = adm.tenant
         give_up_at = adm.arrival + adm.config.tiers[adm.tier].queue_timeout_s
         while True:
-            verdict = await self.limits.admit(
-                tenant.name, adm.reserved_tokens, self.clock(), adm.request_id
-            )
+            verdict = await self.limits.admit(tenant.name, adm.reserved_tokens, self.clock())
             if verdict.allowed:
+                adm.limit_hold = verdict.hold
                 return
             self.metrics.rate_limited.labels(tenant.name, verdict.limit).inc()
             wait = verdict.retry_after_s
@@ -221,7 +220,7 @@ class RequestPipeline:
             used = float(total)
         elif counts is not None:
             used = float(sum(counts))
-        self.limits.settle(adm.tenant.name, adm.reserved_tokens, used, self.clock(), adm.request_id)
+        self.limits.settle(adm.tenant.name, adm.reserved_tokens, used, self.clock(), adm.limit_hold)
 
     # -- queue and dispatch --------------------------------------------------------------
 

@@ -59,6 +59,9 @@ class LimitVerdict:
     allowed: bool
     retry_after_s: float = 0.0
     limit: str = ""  # which limit said no: requests_per_minute | tokens_per_minute | max_concurrent
+    # The registry's own key for this admission, handed back to ``settle``: minted by the
+    # registry, never a client's header (a reused X-Request-Id must not merge two admissions).
+    hold: str = ""
 
 
 class TenantLimiter:
@@ -127,18 +130,17 @@ class TenantLimiter:
 
 class TenantLimits(Protocol):
     """What the pipeline needs of tenant limits: this process's ``LimitRegistry`` or the
-    replicas' shared one (``proxy.shared.limits``). ``request_id`` ties a settle to its admit."""
+    replicas' shared one (``proxy.shared.limits``). ``settle`` is given the ``hold`` of the
+    verdict that admitted the request: that ties it to its admit."""
 
     def configure(self, tenants: list[Tenant], now: float) -> None: ...
 
     def apply_changes(self, changes: LimitChanges, now: float) -> None: ...
 
-    async def admit(
-        self, tenant: str, tokens: float, now: float, request_id: str = ""
-    ) -> LimitVerdict: ...
+    async def admit(self, tenant: str, tokens: float, now: float) -> LimitVerdict: ...
 
     def settle(
-        self, tenant: str, reserved: float, used: float | None, now: float, request_id: str = ""
+        self, tenant: str, reserved: float, used: float | None, now: float, hold: str = ""
     ) -> None: ...
 
     def concurrent(self, tenant: str) -> int: ...
@@ -224,14 +226,14 @@ class LimitRegistry:
             limiter.admit(tokens, now)
         return verdict
 
-    async def admit(
-        self, tenant: str, tokens: float, now: float, request_id: str = ""
-    ) -> LimitVerdict:
+    async def admit(self, tenant: str, tokens: float, now: float) -> LimitVerdict:
         return self.try_admit(tenant, tokens, now)
 
     def settle(
-        self, tenant: str, reserved: float, used: float | None, now: float, request_id: str = ""
+        self, tenant: str, reserved: float, used: float | None, now: float, hold: str = ""
     ) -> None:
+        # Keyed by nothing but the tenant: one settle per admission is the pipeline's promise
+        # (its finally), so no client-chosen value can free or keep a slot here.
         limiter = self._by_tenant.get(tenant)
         if limiter is not None:
             limiter.settle(reserved, used, now)

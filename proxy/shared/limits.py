@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import uuid
 from dataclasses import dataclass
@@ -28,6 +29,10 @@ class _SharedHold:
     member: str  # this request's lease in the tenant's concurrency set ("" when uncapped)
 
 
+# What ``_held`` keeps for a request admitted by this replica's own registry (Redis down).
+_LOCAL = None
+
+
 class SharedLimitRegistry:
     """``proxy.scheduling.limits.TenantLimits`` over Redis, with
     this replica's registry as the fallback."""
@@ -37,7 +42,10 @@ class SharedLimitRegistry:
         self.local = local if local is not None else LimitRegistry()
         self.replica = uuid.uuid4().hex[:12]
         self._tenants: dict[str, Tenant] = {}
-        self._held: dict[str, _SharedHold | None] = {}  # request id -> shared hold, None: local
+        # Admission key (minted here, LimitVerdict.hold) -> shared hold, or _LOCAL. Never a
+        # client's X-Request-Id: a reused one would merge admissions (slots and tpm debits lost).
+        self._held: dict[str, _SharedHold | None] = {}
+        self._admissions = itertools.count(1)
         self._settling: set[asyncio.Task[None]] = set()
         self._renewer = OwnedTask("tierproxy-shared-renew")
 
@@ -66,14 +74,18 @@ class SharedLimitRegistry:
         base = self.store.key("limit", "{" + tenant + "}")
         return [f"{base}:rpm", f"{base}:tpm", f"{base}:concurrent"]
 
-    async def admit(
-        self, tenant: str, tokens: float, now: float, request_id: str = ""
-    ) -> LimitVerdict:
+    def _mint(self) -> str:
+        # Unique within this process; the replica's random id makes the lease member unique
+        # across replicas.
+        return f"{next(self._admissions):x}"
+
+    async def admit(self, tenant: str, tokens: float, now: float) -> LimitVerdict:
         cfg = self._tenants.get(tenant)
         if cfg is None or not _limited(cfg):
             return LimitVerdict(True)
+        hold = self._mint()
         if self.store.up:
-            member = f"{self.replica}:{request_id or uuid.uuid4().hex}"
+            member = f"{self.replica}:{hold}"
             try:
                 allowed, wait, which = await self.store.run(
                     ADMIT,
@@ -93,31 +105,32 @@ class SharedLimitRegistry:
                 if int(allowed) != 1:
                     return LimitVerdict(False, float(wait), _text(which))
                 capped = cfg.max_concurrent is not None
-                self._held[request_id] = _SharedHold(tenant, member if capped else "")
-                return LimitVerdict(True)
+                self._held[hold] = _SharedHold(tenant, member if capped else "")
+                return LimitVerdict(True, hold=hold)
         if self.store.cfg.on_failure == "refuse":
             raise shared_state_unavailable(self.store.cfg.probe_interval_s)
         verdict = self.local.try_admit(tenant, tokens, now)
-        if verdict.allowed:
-            self._held[request_id] = None
-        return verdict
+        if not verdict.allowed:
+            return verdict
+        self._held[hold] = _LOCAL
+        return LimitVerdict(True, hold=hold)
 
     def settle(
-        self, tenant: str, reserved: float, used: float | None, now: float, request_id: str = ""
+        self, tenant: str, reserved: float, used: float | None, now: float, hold: str = ""
     ) -> None:
-        if request_id not in self._held:
+        if hold not in self._held:
             return  # admitted with no limit at all
-        hold = self._held.pop(request_id)
-        if hold is None:
+        held = self._held.pop(hold)
+        if held is _LOCAL:
             self.local.settle(tenant, reserved, used, now)
             return
         cfg = self._tenants.get(tenant)
         tpm = (cfg.tokens_per_minute or 0) if cfg is not None else 0
-        if not hold.member and (not tpm or used is None or used == reserved):
+        if not held.member and (not tpm or used is None or used == reserved):
             return  # nothing to give back or take
         keys = self._keys(tenant)
         task = asyncio.create_task(
-            self._settle(keys, [tpm, reserved, -1 if used is None else used, hold.member])
+            self._settle(keys, [tpm, reserved, -1 if used is None else used, held.member])
         )
         self._settling.add(task)
         task.add_done_callback(self._settling.discard)

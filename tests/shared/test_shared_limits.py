@@ -54,9 +54,7 @@ async def admit_all(
     regs: list[SharedLimitRegistry], n: int, tokens: float = 1
 ) -> list[LimitVerdict]:
     """``n`` admissions at once, spread round-robin over the replicas."""
-    return await asyncio.gather(
-        *(regs[i % len(regs)].admit("acme", tokens, 0.0, f"r{i}") for i in range(n))
-    )
+    return await asyncio.gather(*(regs[i % len(regs)].admit("acme", tokens, 0.0) for i in range(n)))
 
 
 async def test_rpm_is_global_and_exact_across_two_replicas(replicas: Callable[..., Any]) -> None:
@@ -77,8 +75,8 @@ async def test_rpm_is_global_and_exact_across_two_replicas(replicas: Callable[..
 async def test_retry_after_is_the_exact_wait(replicas: Callable[..., Any]) -> None:
     (a, b) = await replicas(2, tenant(requests_per_minute=6))  # one request per 10 s
     assert sum(v.allowed for v in await admit_all([a, b], 6)) == 6
-    first = await a.admit("acme", 1, 0.0, "x")
-    second = await b.admit("acme", 1, 0.0, "y")
+    first = await a.admit("acme", 1, 0.0)
+    second = await b.admit("acme", 1, 0.0)
     assert not first.allowed and not second.allowed
     assert 9.0 < first.retry_after_s <= 10.0
     assert second.retry_after_s <= first.retry_after_s  # one clock: Redis's
@@ -88,16 +86,18 @@ async def test_tpm_charges_real_usage(
     replicas: Callable[..., Any], redis_server: RedisServer
 ) -> None:
     (a, b) = await replicas(2, tenant(tokens_per_minute=600))  # 10 tokens/s
-    assert (await a.admit("acme", 500, 0.0, "big")).allowed
+    big = await a.admit("acme", 500, 0.0)
+    assert big.allowed
     # 100 left: 200 does not fit now.
-    assert not (await b.admit("acme", 200, 0.0, "no")).allowed
-    a.settle("acme", 500, 50.0, 0.0, "big")  # it used 50: 450 come back
+    assert not (await b.admit("acme", 200, 0.0)).allowed
+    a.settle("acme", 500, 50.0, 0.0, big.hold)  # it used 50: 450 come back
     await until(lambda: not a._settling, 5, "the settle to reach Redis")
-    assert (await b.admit("acme", 200, 0.0, "now")).allowed
+    now = await b.admit("acme", 200, 0.0)
+    assert now.allowed
     # Usage past the reservation is debited: the bucket goes below zero.
-    b.settle("acme", 200, 1000.0, 0.0, "now")
+    b.settle("acme", 200, 1000.0, 0.0, now.hold)
     await until(lambda: not b._settling, 5, "the settle to reach Redis")
-    verdict = await a.admit("acme", 10, 0.0, "after")
+    verdict = await a.admit("acme", 10, 0.0)
     assert not verdict.allowed and verdict.limit == "tokens_per_minute"
     # 100 + 450 back - 200 - 800 debt = -450: 460 tokens to refill at 10/s.
     assert 45.5 < verdict.retry_after_s <= 46.0
@@ -111,8 +111,8 @@ async def test_max_concurrent_is_global(replicas: Callable[..., Any]) -> None:
     holder = a if a._held else b
     holder.settle("acme", 1, 1.0, 0.0, next(iter(holder._held)))
     await until(lambda: not holder._settling, 5, "the settle to reach Redis")
-    assert (await b.admit("acme", 1, 0.0, "next")).allowed
-    assert not (await a.admit("acme", 1, 0.0, "over")).allowed
+    assert (await b.admit("acme", 1, 0.0)).allowed
+    assert not (await a.admit("acme", 1, 0.0)).allowed
 
 
 async def test_a_dead_replicas_slots_return_within_the_lease_ttl(
@@ -120,24 +120,24 @@ async def test_a_dead_replicas_slots_return_within_the_lease_ttl(
 ) -> None:
     (dead, alive) = await replicas(2, tenant(max_concurrent=2), lease_ttl_s=0.5)
     alive.start()  # the survivor renews; the dead one never will
-    assert (await dead.admit("acme", 1, 0.0, "d1")).allowed
-    assert (await alive.admit("acme", 1, 0.0, "a1")).allowed
-    assert not (await alive.admit("acme", 1, 0.0, "a2")).allowed
+    assert (await dead.admit("acme", 1, 0.0)).allowed
+    assert (await alive.admit("acme", 1, 0.0)).allowed
+    assert not (await alive.admit("acme", 1, 0.0)).allowed
     started = time.monotonic()
-    while not (await alive.admit("acme", 1, 0.0, "a3")).allowed:
+    while not (await alive.admit("acme", 1, 0.0)).allowed:
         await asyncio.sleep(0.05)
     assert time.monotonic() - started < 1.5  # TTL 0.5 s, plus the machine's lag
     # The survivor's own lease was renewed past the TTL: still counted, so one slot only.
-    assert not (await alive.admit("acme", 1, 0.0, "a4")).allowed
+    assert not (await alive.admit("acme", 1, 0.0)).allowed
 
 
 async def test_scripts_are_reloaded_after_a_restart(
     replicas: Callable[..., Any], redis_server: RedisServer
 ) -> None:
     (a,) = await replicas(1, tenant(requests_per_minute=60))
-    assert (await a.admit("acme", 1, 0.0, "1")).allowed
+    assert (await a.admit("acme", 1, 0.0)).allowed
     await a.store.redis.script_flush()  # type: ignore[no-untyped-call]  # as a restart does
-    assert (await a.admit("acme", 1, 0.0, "2")).allowed
+    assert (await a.admit("acme", 1, 0.0)).allowed
     assert a.store.up
 
 
@@ -151,11 +151,11 @@ async def test_redis_down_falls_back_to_local_limits_and_recovers(
     assert sum(v.allowed for v in await admit_all([a], 60)) == 60
     redis_server.kill()
     started = time.monotonic()
-    verdict = await a.admit("acme", 1, 0.0, "down")
+    verdict = await a.admit("acme", 1, 0.0)
     assert time.monotonic() - started < 0.5  # bounded by call_timeout_s
     assert verdict.allowed  # this replica's own (full) bucket decided
     assert gauge._value.get() == 1
-    assert "down" in a._held and a._held["down"] is None  # settled locally
+    assert verdict.hold in a._held and a._held[verdict.hold] is None  # settled locally
     redis_server.start()
     await until(lambda: a.store.up, 5, "the probe to find Redis again")
     assert gauge._value.get() == 0
@@ -169,5 +169,5 @@ async def test_refuse_answers_503_while_redis_is_down(
     (a,) = await replicas(1, tenant(requests_per_minute=60), on_failure="refuse")
     redis_server.kill()
     with pytest.raises(ProxyError) as refused:
-        await a.admit("acme", 1, 0.0, "x")
+        await a.admit("acme", 1, 0.0)
     assert refused.value.status == 503 and "Retry-After" in refused.value.headers()
