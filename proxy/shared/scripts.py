@@ -9,7 +9,9 @@ from proxy.shared.client import Script
 
 # A token bucket in a hash {level, at}; an absent key is a full bucket. Mirrors
 # proxy.scheduling.limits.TokenBucket
-# (capacity = per minute, refilled at per minute / 60 per second).
+# (capacity = per minute, refilled at per minute / 60 per second), debt floor included: the
+# level never goes below -capacity, so one huge answer costs a tenant at most one minute of its
+# limit (a Retry-After of at most ~60 s plus its own request), not hours.
 _BUCKET = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
@@ -18,9 +20,11 @@ local function level(key, per_min)
   local lvl, at = tonumber(v[1]), tonumber(v[2])
   if lvl == nil then return per_min end
   if now > at then lvl = lvl + (now - at) * per_min / 60 end
-  return math.min(per_min, lvl)
+  -- The debt floor also caps a level stored before there was one.
+  return math.max(-per_min, math.min(per_min, lvl))
 end
 local function store(key, per_min, lvl)
+  lvl = math.max(-per_min, lvl)
   redis.call('HSET', key, 'level', tostring(lvl), 'at', tostring(now))
   -- Once refilled the key says nothing an absent key would not: let it go then.
   local full_in_ms = math.ceil((per_min - lvl) / (per_min / 60) * 1000) + 1000

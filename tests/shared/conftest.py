@@ -5,10 +5,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from proxy.bench.inproc import KEYS
+from proxy.config.schema import hash_key
+from tests.adversarial.served.served import NullBackend, ServedProxy, served_config
 from tests.redis_server import RedisServer
+from tests.shared.replicas import TENANT
 
 
 @pytest.fixture
@@ -21,3 +26,28 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
         yield server
     finally:
         server.kill()
+
+
+@pytest.fixture
+def start(backend: NullBackend, redis_server: RedisServer, tmp_path: Path) -> Iterator[Any]:
+    """``start(**tenant_limits)``: `tierproxy serve` with one tenant (the normal tier's demo key)
+    and shared state in ``redis_server`` (``shared=False``: without), in front of the test
+    module's own ``backend`` fixture; all stopped at teardown."""
+    started: list[ServedProxy] = []
+
+    def run(shared: bool = True, **limits: Any) -> ServedProxy:
+        tenant = {"name": TENANT, "tier": "normal", "keys": [{"sha256": hash_key(KEYS["normal"])}]}
+        state = {"url": redis_server.url, "call_timeout_s": 0.2, "probe_interval_s": 0.1}
+        extra: dict[str, Any] = {"shared_state": state} if shared else {}
+        config = served_config(backend.url, tenants=[{**tenant, **limits}], **extra)
+        proxy = ServedProxy(config, tmp_path, name=f"proxy-{len(started)}")
+        started.append(proxy)
+        proxy.start()
+        assert proxy.on_default_loop()
+        return proxy
+
+    try:
+        yield run
+    finally:
+        for proxy in started:
+            proxy.stop()

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,12 +15,11 @@ import redis
 
 from proxy.bench.inproc import KEYS
 from proxy.bench.null_upstream import NullUpstream
-from proxy.config.schema import hash_key
 from tests.adversarial.served.kit import Response, exchange, json_request
-from tests.adversarial.served.served import NullBackend, ServedProxy, served_config
+from tests.adversarial.served.served import NullBackend, ServedProxy
 from tests.redis_server import RedisServer
+from tests.shared.replicas import TENANT
 
-TENANT = "acme"
 REUSED = "same-id-every-time"
 USED = 450  # total_tokens the backend reports for every answer
 
@@ -35,28 +33,6 @@ def backend() -> Iterator[NullBackend]:
         yield upstream
     finally:
         upstream.stop()
-
-
-@pytest.fixture
-def start(backend: NullBackend, redis_server: RedisServer, tmp_path: Path) -> Iterator[Any]:
-    started: list[ServedProxy] = []
-
-    def run(shared: bool = True, **limits: Any) -> ServedProxy:
-        tenant = {"name": TENANT, "tier": "normal", "keys": [{"sha256": hash_key(KEYS["normal"])}]}
-        state = {"url": redis_server.url, "call_timeout_s": 0.2, "probe_interval_s": 0.1}
-        extra = {"shared_state": state} if shared else {}
-        config = served_config(backend.url, tenants=[{**tenant, **limits}], **extra)
-        proxy = ServedProxy(config, tmp_path, name=f"proxy-{len(started)}")
-        started.append(proxy)
-        proxy.start()
-        assert proxy.on_default_loop()
-        return proxy
-
-    try:
-        yield run
-    finally:
-        for proxy in started:
-            proxy.stop()
 
 
 async def chat(proxy: ServedProxy, request_id: str | None, max_tokens: int = 1) -> Response:

@@ -171,3 +171,22 @@ async def test_refuse_answers_503_while_redis_is_down(
     with pytest.raises(ProxyError) as refused:
         await a.admit("acme", 1, 0.0)
     assert refused.value.status == 503 and "Retry-After" in refused.value.headers()
+
+
+async def test_tpm_debt_is_capped_at_one_minute_as_the_local_limiter_does(
+    replicas: Callable[..., Any],
+) -> None:
+    (a,) = await replicas(1, tenant(tokens_per_minute=600))  # 10 tokens/s
+    small = await a.admit("acme", 100, 0.0)
+    assert small.allowed
+    a.settle("acme", 100, 100_000.0, 0.0, small.hold)  # used 99,900 past its reservation
+    await until(lambda: not a._settling, 5, "the settle to reach Redis")
+    verdict = await a.admit("acme", 10, 0.0)
+    # The floor is -600 (one minute's worth): 610 tokens to refill at 10/s, not ~10,000 s.
+    assert not verdict.allowed and 60.0 < verdict.retry_after_s <= 61.0, verdict
+    # Same floor for a request bigger than the whole bucket: it goes when the bucket is full
+    # and leaves at most one minute of debt.
+    (b,) = await replicas(1, tenant(tokens_per_minute=600), key_prefix="other")
+    assert (await b.admit("acme", 1_000_000, 0.0)).allowed
+    after = await b.admit("acme", 10, 0.0)
+    assert not after.allowed and 60.0 < after.retry_after_s <= 61.0, after
