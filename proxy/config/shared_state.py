@@ -25,8 +25,17 @@ class SharedState(Strict):
     call_timeout_s: float = Field(
         0.25,
         gt=0,
-        description="Each Redis call gives up after this long (then on_failure decides); a"
-        " request never waits on Redis longer than one such timeout before it is decided.",
+        description="Each Redis call gives up after this long once it has a connection (then"
+        " on_failure decides); timeouts of calls, never waits for a connection, mark Redis"
+        " down.",
+    )
+    pool_wait_s: float = Field(
+        0.25,
+        gt=0,
+        description="A call waits this long for a free connection (a burst past"
+        " max_connections), then its request is decided as on_failure says, without marking"
+        " Redis down: a busy pool says this process is busy, not that Redis is. A request"
+        " waits on Redis at most pool_wait_s + call_timeout_s before it is decided.",
     )
     on_failure: Literal["local", "refuse"] = Field(
         "local",
@@ -48,8 +57,8 @@ class SharedState(Strict):
     max_connections: int = Field(
         16,
         gt=0,
-        description="Connections to Redis per process; more concurrent calls wait for one"
-        " (within the timeout).",
+        description="Redis calls at once per process (one connection each; one more carries"
+        " the room messages); more concurrent calls wait for one, within pool_wait_s.",
     )
     priority_reserve: int = Field(
         1,

@@ -1,6 +1,11 @@
 """The one connection to Redis: every call under a timeout, Lua scripts by EVALSHA (loaded again
 after NOSCRIPT: a restarted Redis has forgotten them), and the up/down state the callers fall
 back on. While Redis is down a probe task pings it; the first answer brings shared state back.
+
+Waiting for a pooled connection is kept apart from the call: a call first takes one of
+``max_connections`` slots (within ``pool_wait_s``; past it ``SharedStateBusy``, Redis stays up),
+then has its whole ``call_timeout_s``. Only the call's own failures count towards "down": a
+burst larger than the pool no longer flips a healthy Redis to down.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -31,10 +36,17 @@ WARN_EVERY_S = 10.0
 # A lost connection means down at once; a slow answer only after this many in a row (one slow
 # call is decided locally, the next ones still try Redis).
 DOWN_AFTER_TIMEOUTS = 3
+# Connections past max_connections: the room's subscriber holds one for good (proxy.shared.room).
+SUBSCRIBER_CONNECTIONS = 1
 
 
 class SharedStateDown(Exception):
     """Redis did not answer in time (or at all): the caller decides without it."""
+
+
+class SharedStateBusy(SharedStateDown):
+    """No connection came free within ``pool_wait_s``: decided without Redis, which is not
+    marked down (it may be perfectly healthy; this process has more calls than connections)."""
 
 
 class Script:
@@ -55,11 +67,14 @@ class SharedStore:
     ) -> None:
         self.cfg = cfg
         # A bounded pool: a burst of requests queues for a connection instead of opening
-        # hundreds at once. The client's own retries would stretch a call past call_timeout_s.
+        # hundreds at once (on ``_slots``, where the wait is timed apart from the call). The
+        # pool never makes a call wait itself: it has a connection per slot, plus the
+        # subscriber's. The client's own retries would stretch a call past call_timeout_s.
+        self._slots = asyncio.Semaphore(cfg.max_connections)
         pool = BlockingConnectionPool.from_url(
             cfg.url,
-            max_connections=cfg.max_connections,
-            timeout=cfg.call_timeout_s,
+            max_connections=cfg.max_connections + SUBSCRIBER_CONNECTIONS,
+            timeout=cfg.pool_wait_s + cfg.call_timeout_s,
             socket_timeout=cfg.call_timeout_s,
             # Calls stay bounded by call_timeout_s; warm() may take longer to connect.
             socket_connect_timeout=max(1.0, cfg.call_timeout_s),
@@ -70,6 +85,12 @@ class SharedStore:
         self.fallback = Gauge(
             "tierproxy_shared_state_fallback",
             "1 while Redis is unreachable and this process decides without shared state",
+            registry=registry,
+        )
+        self.pool_timeouts = Counter(
+            "tierproxy_shared_state_pool_timeouts",
+            "Redis calls that found no free connection within pool_wait_s (decided without"
+            " Redis; Redis not marked down)",
             registry=registry,
         )
         self._probe = OwnedTask("tierproxy-shared-probe")
@@ -85,10 +106,19 @@ class SharedStore:
         await self.redis.aclose()
 
     async def call(self, op: Callable[[Redis], Awaitable[T]]) -> T:
-        """``op`` under the call timeout; any failure marks Redis down and raises
-        ``SharedStateDown``."""
+        """``op`` on a connection of its own, under the call timeout; a failure of the call
+        marks Redis down (a lost connection at once, timeouts after a few in a row) and raises
+        ``SharedStateDown``. No connection free within ``pool_wait_s``: ``SharedStateBusy``."""
         if not self.up:
             raise SharedStateDown("redis is down")
+        try:
+            async with asyncio.timeout(self.cfg.pool_wait_s):
+                await self._slots.acquire()
+        except TimeoutError:
+            self.pool_timeouts.inc()
+            raise SharedStateBusy(
+                f"no Redis connection free within {self.cfg.pool_wait_s} s"
+            ) from None
         try:
             async with asyncio.timeout(self.cfg.call_timeout_s):
                 result = await op(self.redis)
@@ -98,6 +128,8 @@ class SharedStore:
             if self._timeouts >= DOWN_AFTER_TIMEOUTS:
                 self.mark_down(exc)
             raise SharedStateDown(str(exc) or type(exc).__name__) from exc
+        finally:
+            self._slots.release()
         self._timeouts = 0
         return result
 
