@@ -15,6 +15,15 @@ Binding: ``body_sha256`` is the RFC 9530 ``sha-256`` value (base64 of the SHA-25
 body bytes sent), ``request_id`` equals the ``X-Request-Id`` header, ``issued_at`` starts a short
 validity window the plugin enforces, and ``nonce`` is single-use within that window. v1 tickets
 (no binding) are refused.
+
+Time: the proxy and vLLM run on different hosts whose clocks disagree. The deadline travels as
+a duration: ``time_limit_s`` (= ``deadline - issued_at``, both stamped by the proxy's one clock,
+so no skew between hosts enters it), counted by the plugin from when it receives the request on
+its own clock. ``deadline`` stays in the payload so that v2 tickets keep their exact format
+(a proxy and a plugin of different versions interoperate during a rolling upgrade); nothing
+compares it with another host's clock. Only ``issued_at`` is compared across hosts (the
+validity window), within ``TIERPROXY_TICKET_MAX_SKEW_S``; a ticket outside it is refused with a
+rate-limited warning and counted (``proxy.vllm_plugin.clock``).
 """
 
 from __future__ import annotations
@@ -65,7 +74,8 @@ DEFAULT_PREFILL_SHARE = 0.2
 XARG_PREFIX = "tierproxy_"
 XARG_TIER = f"{XARG_PREFIX}tier"
 XARG_PRIORITY = f"{XARG_PREFIX}priority"
-XARG_DEADLINE = f"{XARG_PREFIX}deadline"
+# Seconds the request may run, counted by the scheduler from when it receives the request.
+XARG_TIME_LIMIT = f"{XARG_PREFIX}time_limit_s"
 XARG_PREFILL_SHARE = f"{XARG_PREFIX}prefill_share"
 XARG_BUDGET = f"{XARG_PREFIX}budget"
 XARG_TRUSTED = f"{XARG_PREFIX}trusted"
@@ -84,7 +94,9 @@ class Ticket:
     tier: str
     priority: int  # vLLM convention: lower runs earlier
     tenant: str
-    deadline: float  # unix epoch seconds; past it nobody waits for the answer
+    # Unix epoch seconds on the proxy's clock; past it nobody waits for the answer. Read only
+    # against issued_at (time_limit_s): the plugin's host clock may be seconds off.
+    deadline: float
     prefill_share: float  # max share of a step's tokens for this request's tier prefill
     budget: int  # max output tokens the proxy allowed
     request_id: str  # equals the X-Request-Id header
@@ -92,8 +104,11 @@ class Ticket:
     issued_at: float  # unix epoch seconds; the plugin accepts it for a short window
     nonce: str  # single use: the plugin remembers it for the window
 
-    def expired(self, now_epoch: float) -> bool:
-        return now_epoch >= self.deadline
+    @property
+    def time_limit_s(self) -> float:
+        """How long the request may run from when the plugin receives it: both ends on the
+        proxy's clock, so skew between the hosts does not move it (0: already past)."""
+        return max(0.0, self.deadline - self.issued_at)
 
 
 def body_digest(body: bytes) -> str:

@@ -9,8 +9,9 @@ then rewrites the JSON body:
 
 - ``priority`` comes from the ticket, or is the unticketed priority (the lowest tier);
 - tierproxy keys a caller put in ``vllm_xargs`` (or ``sampling_params.extra_args``) are dropped;
-- on the proxy's generation routes ``vllm_xargs`` carries tier, priority, deadline, prefill
-  share and budget to the scheduler, and the ``max_*tokens`` fields are clamped to the budget.
+- on the proxy's generation routes ``vllm_xargs`` carries tier, priority, time limit (a
+  duration, ``Ticket.time_limit_s``), prefill share and budget to the scheduler, and the
+  ``max_*tokens`` fields are clamped to the budget.
 
 ``X-Vllm-Priority`` is removed from every request, since vLLM lets it override the body. With
 ``TIERPROXY_REQUIRE_TICKET=1`` a request without a valid ticket is refused: 401 when there is
@@ -29,17 +30,20 @@ from proxy.ticket import (
     REQUEST_ID_HEADER,
     TICKET_HEADER,
     XARG_BUDGET,
-    XARG_DEADLINE,
     XARG_PREFILL_SHARE,
     XARG_PREFIX,
     XARG_PRIORITY,
     XARG_TIER,
+    XARG_TIME_LIMIT,
     XARG_TRUSTED,
     Ticket,
 )
+from proxy.vllm_plugin.clock import ClockWatch
 from proxy.vllm_plugin.routes import GENERATION_PATHS, Rule, rule_for
 from proxy.vllm_plugin.settings import MiddlewareSettings
 from proxy.vllm_plugin.verify import (
+    EXPIRED,
+    ISSUED_IN_FUTURE,
     ReplayCache,
     ReplayCacheFull,
     body_matches,
@@ -92,7 +96,7 @@ def rewrite_body(
             {
                 XARG_TIER: ticket.tier,
                 XARG_PRIORITY: ticket.priority,
-                XARG_DEADLINE: ticket.deadline,
+                XARG_TIME_LIMIT: ticket.time_limit_s,  # a duration: no clock skew in it
                 XARG_PREFILL_SHARE: ticket.prefill_share,
                 XARG_BUDGET: ticket.budget,
                 XARG_TRUSTED: 1,  # vllm_xargs values are str/int/float: no bool
@@ -153,6 +157,9 @@ class TicketMiddleware:
         self.settings = settings if settings is not None else MiddlewareSettings.from_env()
         self.clock = clock  # epoch seconds, as the proxy's issued_at
         self.replay = ReplayCache(self.settings.replay_cache_size)
+        self.clock_watch = ClockWatch(
+            window_s=self.settings.ticket_window_s, max_skew_s=self.settings.ticket_max_skew_s
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -219,13 +226,17 @@ class TicketMiddleware:
     def _verified_headers(self, tickets: list[bytes], request_ids: list[bytes]) -> Ticket | None:
         ticket, problem = check_ticket(tickets, self.settings.secret)
         if ticket is not None:
+            now = self.clock()
             problem = check_binding(
                 ticket,
                 request_ids,
-                now=self.clock(),
+                now=now,
                 window_s=self.settings.ticket_window_s,
                 max_skew_s=self.settings.ticket_max_skew_s,
             )
+            if problem in (ISSUED_IN_FUTURE, EXPIRED):  # genuine, but the clocks disagree
+                reason = "future" if problem == ISSUED_IN_FUTURE else "expired"
+                self.clock_watch.refused(reason, ticket.issued_at, now)
         if problem is not None:
             self._untrusted(problem)
             return None

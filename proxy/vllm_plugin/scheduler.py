@@ -3,7 +3,9 @@
 ``TierScheduler`` subclasses vLLM's own ``Scheduler`` and leaves its one long ``schedule()``
 loop alone: it only prepares the queues around ``super().schedule()``:
 
-1. Deadlines: requests whose ticket deadline has passed are finished with vLLM's own
+1. Deadlines: a ticketed request's deadline is the ticket's time limit (a duration) counted on
+   this host's monotonic clock from when the scheduler receives it (no clock of another host
+   enters it). Requests whose deadline has passed are finished with vLLM's own
    ``finish_requests`` (KV freed) and reported to the API server as aborted, so the client gets
    a proper end of response (``finish_reason: "abort"``) and no step is spent on them.
 2. Preemptive priority: when a waiting request has a strictly better priority than a running
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
@@ -36,7 +39,7 @@ from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
-from proxy.ticket import XARG_DEADLINE, XARG_PREFILL_SHARE
+from proxy.ticket import XARG_PREFILL_SHARE, XARG_TIME_LIMIT
 from proxy.vllm_plugin.settings import SchedulerSettings
 
 # A child of vLLM's logger, so lines land in vLLM's log with its format.
@@ -67,11 +70,11 @@ def _extra_args(request: Request) -> dict[str, Any]:
     return extra if isinstance(extra, dict) else {}
 
 
-def request_deadline(request: Request) -> float | None:
-    """The ticket deadline (unix epoch seconds) the middleware put into ``vllm_xargs``."""
-    value = _extra_args(request).get(XARG_DEADLINE)
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
+def request_time_limit(request: Request) -> float | None:
+    """The ticket's time limit (seconds, from receipt) the middleware put into ``vllm_xargs``."""
+    value = _extra_args(request).get(XARG_TIME_LIMIT)
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        return max(0.0, float(value))
     return None
 
 
@@ -103,14 +106,14 @@ class TierScheduler(Scheduler):
     def __init__(
         self,
         *args: Any,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = time.monotonic,
         plugin_settings: SchedulerSettings | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.plugin_settings = plugin_settings or SchedulerSettings.from_env()
         self.plugin_counters = PluginCounters()
-        self._clock = clock  # epoch seconds, the unit of ticket deadlines
+        self._clock = clock  # this host's own seconds: deadlines are received as durations
         self._deadlines: list[tuple[float, str]] = []  # min-heap of (deadline, request id)
         self._plugin_preemptions: dict[str, int] = {}  # request id -> times we preempted it
         self._pending_outputs: list[EngineCoreOutput] = []
@@ -134,9 +137,9 @@ class TierScheduler(Scheduler):
 
     def add_request(self, request: Request) -> None:
         super().add_request(request)
-        deadline = request_deadline(request)
-        if deadline is not None:
-            heapq.heappush(self._deadlines, (deadline, request.request_id))
+        limit = request_time_limit(request)
+        if limit is not None:
+            heapq.heappush(self._deadlines, (self._clock() + limit, request.request_id))
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         self._drop_expired()

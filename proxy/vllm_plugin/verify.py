@@ -8,6 +8,10 @@ import hmac
 
 from proxy.ticket import Ticket, TicketError, body_digest, decode_ticket
 
+# check_binding's answers about time: the only ones a clock skew between hosts can cause.
+ISSUED_IN_FUTURE = "ticket issued in the future"
+EXPIRED = "ticket expired"
+
 
 class ReplayCacheFull(Exception):
     """More live nonces than the cache may hold: refuse rather than forget one (fail closed)."""
@@ -66,14 +70,14 @@ def check_binding(
 ) -> str | None:
     """Why the ticket does not fit this request's headers at ``now`` (epoch s), or None.
 
-    A deadline that has passed is not a misfit: the ticket is genuine and the scheduler
-    finishes such a request before it runs (no token generated), as for one whose deadline
-    passes while it waits; refusing it here instead would run it unticketed when tickets are
-    not required, with no deadline at all."""
+    The deadline is not checked here: it travels as a duration (``Ticket.time_limit_s``) that
+    the scheduler counts from receipt; one already spent (0) finishes the request before it
+    runs, as for one whose deadline passes while it waits (refusing it here instead would run
+    it unticketed when tickets are not required, with no deadline at all)."""
     if ticket.issued_at > now + max_skew_s:
-        return "ticket issued in the future"
+        return ISSUED_IN_FUTURE
     if now > ticket.issued_at + window_s:
-        return "ticket expired"
+        return EXPIRED
     if len(request_ids) != 1:
         return "ticket needs exactly one X-Request-Id"
     if not hmac.compare_digest(request_ids[0], ticket.request_id.encode("utf-8")):

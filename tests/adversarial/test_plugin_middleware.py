@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import pytest
@@ -12,16 +13,17 @@ from proxy.ticket import (
     REQUEST_ID_HEADER,
     TICKET_HEADER,
     XARG_BUDGET,
-    XARG_DEADLINE,
     XARG_PREFILL_SHARE,
     XARG_PRIORITY,
     XARG_TIER,
+    XARG_TIME_LIMIT,
     XARG_TRUSTED,
     SecretError,
     Ticket,
     body_digest,
     encode_ticket,
 )
+from proxy.vllm_plugin.clock import CLOCK_REFUSALS
 from proxy.vllm_plugin.middleware import Message, TicketMiddleware, check_ticket, rewrite_body
 from proxy.vllm_plugin.settings import MiddlewareSettings
 from proxy.vllm_plugin.verify import ReplayCache
@@ -59,7 +61,7 @@ def test_a_body_without_vllm_xargs_gets_the_tickets_xargs() -> None:
     """The proxy strips every client's vllm_xargs: its bodies carry none of their own."""
     t = ticket()
     out = rewrite_body({"model": "tiny", "prompt": "x"}, t, path=CHAT, unticketed_priority=10)
-    assert out["vllm_xargs"][XARG_DEADLINE] == t.deadline
+    assert out["vllm_xargs"][XARG_TIME_LIMIT] == 60.0  # deadline - issued_at: a duration
     assert out["vllm_xargs"][XARG_PREFILL_SHARE] == 1.0 and out["vllm_xargs"][XARG_TRUSTED] == 1
 
 
@@ -69,7 +71,7 @@ def test_ticket_sets_priority_xargs_and_drops_caller_tierproxy_xargs() -> None:
         "model": "tiny",
         "priority": -1000,
         "max_tokens": 50,
-        "vllm_xargs": {"tierproxy_priority": -1000, "tierproxy_deadline": 9e99, "mine": "x"},
+        "vllm_xargs": {"tierproxy_priority": -1000, "tierproxy_time_limit_s": 9e99, "mine": "x"},
     }
     out = rewrite_body(body, t, path=CHAT, unticketed_priority=10)
     assert out["priority"] == 0
@@ -78,7 +80,7 @@ def test_ticket_sets_priority_xargs_and_drops_caller_tierproxy_xargs() -> None:
         "mine": "x",
         XARG_TIER: "high",
         XARG_PRIORITY: 0,
-        XARG_DEADLINE: t.deadline,
+        XARG_TIME_LIMIT: 60.0,
         XARG_PREFILL_SHARE: 1.0,
         XARG_BUDGET: 100,
         XARG_TRUSTED: 1,
@@ -320,7 +322,7 @@ async def test_asgi_validity_window_is_enforced_by_the_clock() -> None:
     # A genuine ticket past its deadline goes on with it: the scheduler drops the request
     # before it runs (refusing it would run it unticketed where tickets are optional).
     await call(mw, body, signed(body, issued_at=clock.now, deadline=clock.now - 1))
-    assert json.loads(app.body)["vllm_xargs"][XARG_DEADLINE] == clock.now - 1
+    assert json.loads(app.body)["vllm_xargs"][XARG_TIME_LIMIT] == 0.0
     await call(mw, body, signed(body, issued_at=clock.now - 29))  # still inside the window
     assert json.loads(app.body)["priority"] == 0
 
@@ -432,3 +434,42 @@ def test_plugin_refuses_to_start_with_a_weak_secret(
         TicketMiddleware(App())
     with pytest.raises(SecretError):
         MiddlewareSettings(secret=secret)
+
+
+# ---- clocks of two hosts -------------------------------------------------------------------------
+
+
+async def test_a_proxy_clock_ahead_is_warned_about_and_counted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A proxy 10 s ahead (allowed skew 5 s): its tickets are refused, and that is no longer
+    silent (it was one DEBUG line per request): a WARNING with the offset, at most once a
+    minute, and every refusal counted by reason on vLLM's /metrics."""
+    app = App()
+    mw = mw_with(app)  # tickets optional: the request runs unticketed, lowest priority
+    future = CLOCK_REFUSALS.labels("future")
+    before = future._value.get()
+    body = b'{"prompt":"hi"}'
+    with caplog.at_level(logging.DEBUG, logger="vllm.tierproxy"):
+        for _ in range(5):
+            await call(mw, body, signed(body, issued_at=NOW + 10))
+            assert json.loads(app.body)["priority"] == 10
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
+    assert "10.0 s ahead" in warnings[0].getMessage()
+    assert future._value.get() - before == 5
+    # One behind by more than the window is counted apart.
+    expired = CLOCK_REFUSALS.labels("expired")
+    before = expired._value.get()
+    await call(mw, body, signed(body, issued_at=NOW - 45))
+    assert expired._value.get() - before == 1
+
+
+async def test_a_ticket_within_the_window_counts_nothing() -> None:
+    app = App()
+    mw = mw_with(app)
+    counts = [CLOCK_REFUSALS.labels(r)._value.get() for r in ("future", "expired")]
+    body = b'{"prompt":"hi"}'
+    await call(mw, body, signed(body, issued_at=NOW + 4))  # inside the allowed skew
+    assert json.loads(app.body)["priority"] == 0
+    assert [CLOCK_REFUSALS.labels(r)._value.get() for r in ("future", "expired")] == counts

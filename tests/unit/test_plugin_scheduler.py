@@ -35,7 +35,8 @@ from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
-from proxy.ticket import XARG_DEADLINE, XARG_PREFILL_SHARE, XARG_TRUSTED  # noqa: E402
+from proxy.ticket import XARG_PREFILL_SHARE, XARG_TIME_LIMIT, XARG_TRUSTED, Ticket  # noqa: E402
+from proxy.vllm_plugin.middleware import rewrite_body  # noqa: E402
 from proxy.vllm_plugin.scheduler import AsyncTierScheduler, TierScheduler  # noqa: E402
 from proxy.vllm_plugin.settings import SchedulerSettings  # noqa: E402
 from tests.clock import FakeClock  # noqa: E402
@@ -44,7 +45,7 @@ REPO = Path(__file__).resolve().parents[2]
 BLOCK = 16
 HIGH, LOW = 0, 10
 TOKEN = 7
-EPOCH = 1_000_000.0  # the plugin's deadlines are epoch seconds
+EPOCH = 1_000_000.0  # the scheduler's own clock (deadlines arrive as durations)
 
 init_none_hash(sha256)
 _HASHER = get_request_block_hasher(BLOCK, sha256)
@@ -120,12 +121,13 @@ def make_request(
     priority: int,
     *,
     arrival: float | None = None,
-    deadline: float | None = None,
+    time_limit: float | None = None,
     share: float | None = None,
+    extra_args: dict[str, Any] | None = None,
 ) -> Request:
-    extra: dict[str, Any] = {XARG_TRUSTED: 1}
-    if deadline is not None:
-        extra[XARG_DEADLINE] = deadline
+    extra: dict[str, Any] = {XARG_TRUSTED: 1, **(extra_args or {})}
+    if time_limit is not None:
+        extra[XARG_TIME_LIMIT] = time_limit
     if share is not None:
         extra[XARG_PREFILL_SHARE] = share
     n = next(_ids)
@@ -336,11 +338,11 @@ def test_waiting_request_past_deadline_never_runs(model_dir: Path) -> None:
     clock = FakeClock(EPOCH)
     run = Run(make_scheduler(model_dir, clock=clock))
     fill_with_low(run)
-    late = make_request(32, 5, HIGH + 1, deadline=clock.now + 5)
-    late_low = make_request(32, 5, LOW + 1, deadline=clock.now + 5)
+    late = make_request(32, 5, HIGH + 1, time_limit=0)
+    late_low = make_request(32, 5, LOW + 1, time_limit=5)
     run.s.add_request(late_low)
     clock.now += 10
-    run.s.add_request(late)  # arrives already expired
+    run.s.add_request(late)  # arrives already expired (its ticket's deadline had passed)
     run.step()
     for r in (late, late_low):
         assert r.request_id not in run.ever_scheduled
@@ -355,7 +357,7 @@ def test_waiting_request_past_deadline_never_runs(model_dir: Path) -> None:
 def test_running_request_past_deadline_is_stopped_and_freed(model_dir: Path) -> None:
     clock = FakeClock(EPOCH)
     run = Run(make_scheduler(model_dir, clock=clock))
-    req = make_request(64, 500, LOW, deadline=clock.now + 5)
+    req = make_request(64, 500, LOW, time_limit=5)
     run.s.add_request(req)
     list(run.steps(5))
     assert run.s.kv_cache_manager.usage > 0
@@ -367,6 +369,40 @@ def test_running_request_past_deadline_is_stopped_and_freed(model_dir: Path) -> 
     assert run.s.plugin_counters.deadline_drops_running == 1  # type: ignore[attr-defined]
     assert not run.s.has_unfinished_requests()
     assert run.s.kv_cache_manager.usage == 0.0
+
+
+def test_an_engine_host_ahead_of_the_proxy_runs_a_request_its_whole_time(
+    model_dir: Path,
+) -> None:
+    """The engine's host clock 10 s ahead of the proxy's: an 8 s request still gets its 8 s,
+    counted from when the plugin received it (it was dropped at its first step: the absolute
+    deadline had passed by this host's clock). Through the middleware's own rewrite."""
+    proxy_now = 1.8e9
+    ticket = Ticket(
+        tier="low",
+        priority=LOW,
+        tenant="acme",
+        deadline=proxy_now + 8,
+        prefill_share=1.0,
+        budget=500,
+        request_id="req-1",
+        body_sha256="-",
+        issued_at=proxy_now,
+        nonce="n",
+    )
+    body = rewrite_body({"prompt": "hi"}, ticket, path="/v1/completions", unticketed_priority=10)
+    host = FakeClock(proxy_now + 10)
+    run = Run(make_scheduler(model_dir, clock=host))
+    req = make_request(64, 500, LOW, extra_args=body["vllm_xargs"])
+    run.s.add_request(req)
+    list(run.steps(3))
+    assert req.request_id in run.ever_scheduled and req.request_id not in run.finish
+    host.advance(7.9)
+    run.step()
+    assert req.request_id not in run.finish
+    host.advance(0.2)  # its 8 s are up
+    run.step()
+    assert run.finish[req.request_id] == FinishReason.ABORT
 
 
 def test_requests_without_deadline_are_untouched(model_dir: Path) -> None:

@@ -101,8 +101,30 @@ def test_no_secret_never_verifies() -> None:
         encode_ticket(T, b"")
 
 
-def test_expiry() -> None:
-    assert T.expired(1.8e9) and not T.expired(1.8e9 - 1)
+def test_the_time_limit_is_a_duration_on_the_proxys_clock_alone() -> None:
+    assert T.time_limit_s == 10.0  # deadline - issued_at: both stamped by the proxy
+    assert dataclasses.replace(T, deadline=T.issued_at - 5).time_limit_s == 0.0
+
+
+def test_the_v2_wire_format_is_unchanged_for_rolling_upgrades() -> None:
+    """Proxy and plugin of different versions meet during an upgrade: the payload keeps
+    exactly the v2 fields (a plugin before durations reads ``deadline``, one after reads
+    ``deadline - issued_at``; an older proxy's ticket carries both)."""
+    payload = encode_ticket(T, SECRET).split(".")[1]
+    raw = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+    assert sorted(raw) == [
+        "body_sha256",
+        "budget",
+        "deadline",
+        "issued_at",
+        "nonce",
+        "prefill_share",
+        "priority",
+        "request_id",
+        "tenant",
+        "tier",
+    ]
+    assert encode_ticket(T, SECRET).startswith("v2.")
 
 
 @given(st.text(max_size=200) | st.binary(max_size=200))
