@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from proxy.bench.inproc import KEYS
-from proxy.config.schema import hash_key
+from proxy.config.tenants import hash_key
 from tests.adversarial.served.served import NullBackend, ServedProxy, served_config
 from tests.redis_server import RedisServer
 from tests.shared.replicas import TENANT

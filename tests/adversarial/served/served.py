@@ -88,7 +88,7 @@ class NullBackend(ThreadedUpstream):
 def served_config(backend_url: str, *, admin: bool = True, **extra: Any) -> dict[str, Any]:
     """The demo tenants (``KEYS``) in front of ``backend_url``; an admin listener (with
     ``ADMIN_KEY``) unless ``admin`` is False; ``extra``: top-level sections (``server=...``)."""
-    from proxy.config.schema import hash_key
+    from proxy.config.tenants import hash_key
 
     if admin:
         extra.setdefault("admin_listen", {"host": HOST, "port": free_port()})
