@@ -315,6 +315,7 @@ class RequestPipeline:
             secret=self.secret,
             session=self.session(),
             budget=self.budget,
+            clock_correction_s=lease.backend.ticket_time_correction,
         )
         # The Responses API streams events of its own kind (proxy.relay.responses).
         relay_fn = relay_responses if adm.parsed.endpoint == "responses" else self.relay

@@ -38,15 +38,19 @@ def upstream_call(
     secret: bytes,
     session: aiohttp.ClientSession,
     budget: MemoryBudget | None = None,
+    clock_correction_s: float = 0.0,
 ) -> UpstreamCall:
-    """One attempt's call: a fresh ticket each time (a nonce is good for one use)."""
+    """One attempt's call: a fresh ticket each time (a nonce is good for one use).
+    ``clock_correction_s``: the backend's clock minus ours where measured
+    (``BackendState.ticket_time_correction``), so that its plugin's window check sees
+    ``issued_at`` on its own clock."""
     tier = config.tiers[tier_name]
     body = dict(parsed.body)
     if backend.send_priority:
         body["priority"] = tier.priority
     payload = orjson.dumps(body)
     # Bound to these exact bytes, this request id and a fresh nonce: one use, for a moment.
-    now = time.time()
+    now = time.time() + clock_correction_s
     digest = body_digest(payload)
     ticket = Ticket(
         tier=tier_name,

@@ -10,6 +10,7 @@ from proxy.config.backends import Backend
 from proxy.config.slo import AdaptiveRoom
 from proxy.policies.room import RoomController
 from proxy.policies.types import ScrapedLoad
+from proxy.scheduling.clock_offset import correction
 
 
 @dataclass(eq=False)
@@ -32,6 +33,13 @@ class BackendState:
     granted: int | None = None
     room_controller: RoomController | None = None  # set by the pool; None: max_inflight fixed
     peak_inflight: int = 0  # since the room controller's last look
+    # Its clock minus ours, from its Date header (proxy.scheduling.clock_offset); None: unknown.
+    clock_offset_s: float | None = None
+
+    @property
+    def ticket_time_correction(self) -> float:
+        """Seconds to add to this host's time for a ticket's issued_at on the backend's clock."""
+        return correction(self.clock_offset_s) if self.clock_offset_s is not None else 0.0
 
     @property
     def max_room(self) -> float:

@@ -15,6 +15,7 @@ import aiohttp
 import orjson
 
 from proxy.scheduling.backend import BackendState
+from proxy.scheduling.clock_offset import OffsetWarnings, date_offset
 from proxy.scheduling.pool import BackendPool
 from proxy.tasks import OwnedTask
 from proxy.telemetry.metrics import ProxyMetrics
@@ -31,12 +32,15 @@ class BackendMonitor:
         metrics: ProxyMetrics,
         on_change: Callable[[], None],
         clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         self.pool = pool
         self.session = session
         self.metrics = metrics
         self.on_change = on_change
         self.clock = clock
+        self.wall = wall  # epoch seconds, to read a backend's Date against
+        self.offset_warnings = OffsetWarnings(clock)
         self._task = OwnedTask("tierproxy-backend-monitor")
         self._last_health: dict[str, float] = {}
         self._last_models: dict[str, float] = {}
@@ -92,6 +96,8 @@ class BackendMonitor:
             age = now - state.load.at if state.load is not None else float("inf")
             self.metrics.backend_metrics_age.labels(label).set(age)
             self.metrics.slo.backend_room.labels(label).set(state.max_room)
+            if state.clock_offset_s is not None:
+                self.metrics.backend_clock_offset.labels(label).set(state.clock_offset_s)
             load = state.fresh_load(now, self.pool.health.stale_after_s)
             if load is not None:
                 self.metrics.slo.backend_transit.labels(label).set(state.in_transit(load))
@@ -111,7 +117,7 @@ class BackendMonitor:
         models_due = now - self._last_models.get(state.cfg.url, -1e9) >= health.models_interval_s
         if models_due and await self._refresh_models(state):
             self._last_models[state.cfg.url] = now
-        text = await self._get_text(state, "/metrics")
+        text = await self._get_text(state, "/metrics", clock_of=state)
         if text is not None:
             load = parse_vllm_load(text, self.clock())
             if load is not None:
@@ -126,15 +132,25 @@ class BackendMonitor:
         except (TimeoutError, aiohttp.ClientError, OSError):
             return False
 
-    async def _get_text(self, state: BackendState, path: str) -> str | None:
+    async def _get_text(
+        self, state: BackendState, path: str, *, clock_of: BackendState | None = None
+    ) -> str | None:
         try:
             async with asyncio.timeout(self.pool.health.probe_timeout_s):
                 async with self.session.get(state.cfg.url + path) as resp:
+                    if clock_of is not None:
+                        self._read_clock(clock_of, resp.headers.get("Date"))
                     if resp.status != 200:
                         return None
                     return await resp.text()
         except (TimeoutError, aiohttp.ClientError, OSError, UnicodeDecodeError):
             return None
+
+    def _read_clock(self, state: BackendState, date_header: str | None) -> None:
+        offset = date_offset(date_header, self.wall())
+        if offset is not None:
+            state.clock_offset_s = offset
+            self.offset_warnings.saw(state.label, offset)
 
     async def _refresh_models(self, state: BackendState) -> bool:
         text = await self._get_text(state, "/v1/models")

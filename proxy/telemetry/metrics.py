@@ -61,6 +61,13 @@ class ProxyMetrics:
             ["backend"],
             registry=r,
         )
+        self.backend_clock_offset = Gauge(
+            "tierproxy_backend_clock_offset_seconds",
+            "Each backend's clock minus this host's, from the Date header of its /metrics"
+            " (±0.5 s); tickets for it are stamped on its clock from 1 s apart",
+            ["backend"],
+            registry=r,
+        )
         self.backend_metrics_age = Gauge(
             "tierproxy_backend_metrics_age_seconds",
             "Age of the last successful /metrics scrape per backend (stale ones are ignored)",
