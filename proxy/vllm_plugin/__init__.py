@@ -1,5 +1,5 @@
-"""tierproxy's vLLM plugin: runs inside vLLM's processes, imports vLLM and of the proxy
-only its side of the contract, ``proxy.ticket``.
+"""tierproxy's vLLM plugin: runs inside vLLM's processes, imports vLLM (and its
+prometheus_client) and of the proxy only its side of the contract, ``proxy.ticket``.
 
 - ``proxy.vllm_plugin.middleware.TicketMiddleware``: ``--middleware`` for the API server;
 - ``proxy.vllm_plugin.scheduler.TierScheduler``: ``--scheduler-cls`` for the engine core.
