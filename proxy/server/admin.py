@@ -13,6 +13,7 @@ from aiohttp import web
 from proxy.api.errors import ProxyError, bad_request, unknown_backend
 from proxy.request.inbound import BODY_READ_TIMEOUT_S, authenticate_admin
 from proxy.scheduling.backend import BackendState
+from proxy.shared.client import SharedStateDown
 
 if TYPE_CHECKING:
     from proxy.server.state import ProxyState
@@ -53,11 +54,28 @@ class AdminEndpoints:
         backend = self.state.pool.drain(url, drain)
         if backend is None:
             return unknown_backend(url).response()
+        shared = await self._share_drain(backend.cfg.url, drain)
         log.warning(
-            "admin: backend %s %s", backend.label, "draining" if drain else "back in service"
+            "admin: backend %s %s%s",
+            backend.label,
+            "draining" if drain else "back in service",
+            {None: "", True: " (every replica)", False: " (this replica only: shared state down)"}[
+                shared
+            ],
         )
         self.state.dispatcher.kick()
-        return web.json_response(self.backend_view(backend))
+        # shared: null without shared_state; false when only this replica could apply it.
+        return web.json_response({**self.backend_view(backend), "shared": shared})
+
+    async def _share_drain(self, url: str, drain: bool) -> bool | None:
+        """With shared_state, every replica (every worker too) applies the drain."""
+        if self.state.shared is None:
+            return None
+        try:
+            await self.state.shared.drain.publish(url, drain)
+        except SharedStateDown:
+            return False
+        return True
 
     def backend_view(self, backend: BackendState) -> dict[str, object]:
         now = self.state.clock()

@@ -10,6 +10,7 @@ from proxy.config.shared_state import SharedState
 from proxy.scheduling.pool import BackendPool
 from proxy.scheduling.queue import AdmissionQueue
 from proxy.shared.client import SharedStore
+from proxy.shared.drain import SharedDrain
 from proxy.shared.fairness import FairnessSync
 from proxy.shared.limits import SharedLimitRegistry
 from proxy.shared.room import SharedBackendRoom
@@ -37,6 +38,7 @@ class SharedRuntime:
             best_tier_waiting=self.best_tier_waiting,
             kick=kick,
         )
+        self.drain = SharedDrain(self.store, pool)
 
     def best_tier_waiting(self) -> bool:
         """A request of the best configured tier waits here (it may take the reserve)."""
@@ -54,8 +56,10 @@ class SharedRuntime:
         self.limits.start()
         self.fairness.start()
         self.room.start()
+        self.drain.start()
 
     async def stop(self) -> None:
+        await self.drain.stop()
         await self.room.stop()
         await self.fairness.stop()
         await self.limits.stop()

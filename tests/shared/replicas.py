@@ -4,6 +4,8 @@ upstream, for the shared-state tests."""
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +15,7 @@ import yaml
 from proxy.bench.inproc import KEYS, SECRET, auth, make_config
 from proxy.bench.stack import ProxyProcess
 from proxy.config.tenants import hash_key
-from proxy.ops.process import free_port
+from proxy.ops.process import ManagedProcess, free_port
 from proxy.ticket import DEFAULT_SECRET_ENV
 
 TENANT = "acme"
@@ -80,3 +82,12 @@ async def metric(session: aiohttp.ClientSession, base: str, name: str) -> float:
             if line.startswith(name + " ") or line.startswith(name + "{"):
                 return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"{name} not in {base}/metrics")
+
+
+def owner(config: dict[str, object], tmp_path: Path, port: int) -> ManagedProcess:
+    path = tmp_path / "proxy.yaml"
+    path.write_text(yaml.safe_dump(config))
+    command = [sys.executable, "-m", "proxy.cli", "serve", "-c", str(path)]
+    command += ["--workers", "2", "--port", str(port)]
+    env = {**os.environ, DEFAULT_SECRET_ENV: SECRET.decode()}
+    return ManagedProcess(command, env=env, log_path=tmp_path / "owner.log", name="owner")

@@ -6,18 +6,15 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import sys
 from pathlib import Path
 
 import aiohttp
-import yaml
 
-from proxy.bench.inproc import SECRET, serve_app
+from proxy.bench.inproc import serve_app
 from proxy.bench.null_upstream import NullUpstream
-from proxy.ops.process import ManagedProcess, free_port, http_ok
-from proxy.ticket import DEFAULT_SECRET_ENV
+from proxy.ops.process import free_port, http_ok
 from tests.redis_server import RedisServer
-from tests.shared.replicas import post, replica_config
+from tests.shared.replicas import owner, post, replica_config
 
 
 def children(pid: int) -> set[int]:
@@ -31,15 +28,6 @@ def children(pid: int) -> set[int]:
             if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
                 found.add(int(entry.name))
     return found
-
-
-def owner(config: dict[str, object], tmp_path: Path, port: int) -> ManagedProcess:
-    path = tmp_path / "proxy.yaml"
-    path.write_text(yaml.safe_dump(config))
-    command = [sys.executable, "-m", "proxy.cli", "serve", "-c", str(path)]
-    command += ["--workers", "2", "--port", str(port)]
-    env = {**os.environ, DEFAULT_SECRET_ENV: SECRET.decode()}
-    return ManagedProcess(command, env=env, log_path=tmp_path / "owner.log", name="owner")
 
 
 async def test_two_workers_serve_one_port_and_a_killed_one_is_replaced(
