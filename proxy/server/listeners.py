@@ -55,6 +55,11 @@ def handler_kwargs(settings: Server) -> dict[str, Any]:
         "access_log": None,  # our own access line names tenant and tier, never the key
         "handler_cancellation": True,  # a client that leaves cancels its handler
         "keepalive_timeout": settings.keepalive_timeout_s,
+        # The body's Content-Encoding is decoded by proxy.request.body, bounded and answered
+        # in JSON. The app's handler_args say so too, but a listener's gate makes each
+        # connection's handler itself: without this aiohttp's parser decoded first (a good
+        # body then twice: 400; a corrupt one failed in the C parser's payload: 500).
+        "auto_decompress": False,
     }
 
 
