@@ -49,7 +49,7 @@ async def header_memory(
         await asyncio.sleep(settle_s)  # the proxy reads what is in flight
         held_rss = proxy.rss_bytes()
         answers: collections.Counter[str] = collections.Counter()
-        closed = await asyncio.gather(*(c.closed_by_peer(timeout_s=0.05) for c in held.clients))
+        closed = await asyncio.gather(*(c.closed_by_peer(timeout_s=1.0) for c in held.clients))
         still_open = closed.count(False)
         if still_open:
             answers["none yet"] = still_open

@@ -67,6 +67,12 @@ class ThreadedUpstream:
         self.port = self._call(up)
         return self
 
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def stop(self) -> None:
         if self.runner is not None:
             runner, self.runner = self.runner, None
@@ -149,6 +155,12 @@ class ServedProxy:
 
     def stop(self) -> None:
         self.process.stop(grace_s=5.0)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
     def alive(self) -> bool:
         return self.process.alive()
