@@ -12,6 +12,14 @@ process (its RSS is its own), then prints:
   (b) the proxy's RSS under a flood of maximal bodies (limits.max_body_bytes) against a small
       memory budget (limits.max_held_bytes): peak RSS, the budget, refusals, status histogram.
 Raises its own open-files limit; every process and socket it opens is closed on the way out.
+
+    python benchmarks/hostile.py --served-rows [--header-conns 1000] [--budget-conns 4096]
+
+runs only the rows against `tierproxy serve` (uvloop, C parser) in front of a fake backend (no
+vLLM; tests/adversarial/served): (d) RSS over idle per 1,000 connections that send headers
+without the blank line that ends them (the issue's 127 x 8,000 bytes; then heads under
+server.max_header_bytes, at the default 4,096 connections); (e) a flood past the connection
+cap: 503s answered and log lines per refused connection.
 """
 
 from __future__ import annotations
@@ -45,6 +53,8 @@ from proxy.bench.live import (
 from proxy.bench.scrape import fetch_metrics
 from proxy.server.listeners import raise_open_files_limit
 from proxy.telemetry.prometheus import VLLM_RUNNING, total
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the served-process kit in tests/
 
 LOW_TIMEOUT_S = 4.0  # the low tier's request_timeout_s
 SEND_IDLE_S = 2.0  # relay.send_idle_timeout_s
@@ -302,6 +312,30 @@ async def run(args: argparse.Namespace, out_dir: Path) -> None:
             print((await proxy_usage(http, stack)).line("proxy at the end"))
 
 
+# -- (d), (e) against the served process, in front of a fake backend ---------------------------
+async def served_rows(args: argparse.Namespace, out_dir: Path) -> None:
+    from tests.adversarial.served.kit import unfinished_headers
+    from tests.adversarial.served.measure import header_memory, hostile_head, over_cap
+    from tests.adversarial.served.served import NullBackend, ServedProxy, served_config
+
+    with NullBackend().start() as backend:
+        caps = {"max_connections": args.budget_conns + 100}
+        print("(d) unfinished request heads (tierproxy serve, uvloop, C parser)")
+        for name, conns, head in (
+            ("1 MiB heads", args.header_conns, unfinished_headers()),
+            ("31 KiB heads", args.budget_conns, hostile_head(31 * 1024)),
+        ):
+            proxy = ServedProxy(served_config(backend.url, server=caps), out_dir, name=name[:5])
+            with proxy.start():
+                figures = await header_memory(proxy, conns, head)
+            print(f"  {figures.line()}")
+        print("(e) a flood past the connection cap")
+        cap = 100
+        config = served_config(backend.url, server={"max_connections": cap})
+        with ServedProxy(config, out_dir, name="cap").start() as proxy:
+            print(f"  cap {cap}: {(await over_cap(proxy, cap, args.flood_conns)).line()}")
+
+
 def main() -> None:
     if len(sys.argv) == 5 and sys.argv[1] == "--attack":
         asyncio.run(attack(sys.argv[2], int(sys.argv[3]), int(sys.argv[4])))
@@ -318,9 +352,19 @@ def main() -> None:
     parser.add_argument("--flood", type=int, default=200, help="maximal bodies sent (200)")
     parser.add_argument("--budget-mib", type=int, default=32, help="limits.max_held_bytes (32)")
     parser.add_argument("--out", type=Path, help="where logs go (a temporary folder)")
+    parser.add_argument(
+        "--served-rows", action="store_true", help="only (d) and (e): served proxy, fake backend"
+    )
+    parser.add_argument("--header-conns", type=int, default=1000, help="(d) 1 MiB heads (1000)")
+    parser.add_argument("--budget-conns", type=int, default=4096, help="(d) 31 KiB heads (4096)")
+    parser.add_argument("--flood-conns", type=int, default=1000, help="(e) over the cap (1000)")
     args = parser.parse_args()
     soft, hard = raise_open_files_limit()
     print(f"open-files limit of this process: {soft} (hard {hard})")
+    if args.served_rows:
+        with tempfile.TemporaryDirectory() as out:
+            asyncio.run(served_rows(args, args.out or Path(out)))
+        return
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         asyncio.run(run(args, args.out))

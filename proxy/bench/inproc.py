@@ -93,7 +93,12 @@ async def running_proxy(
         port = await listeners.add(app, "127.0.0.1", 0)
         if cfg.admin_listen is not None:
             admin = cfg.admin_listen
-            await listeners.add(create_admin_app(app), admin.host, admin.port)
+            await listeners.add(
+                create_admin_app(app),
+                admin.host,
+                admin.port,
+                reserved=cfg.server.admin_connections,
+            )
         yield f"http://127.0.0.1:{port}", state
 
 

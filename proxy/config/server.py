@@ -46,6 +46,32 @@ class Server(Strict):
     keepalive_timeout_s: float = Field(
         15.0, gt=0, description="An idle connection (no request in progress) closes after this."
     )
+    admin_connections: int = Field(
+        64,
+        gt=0,
+        description="Connections of the admin listener's own (`admin_listen`), apart from"
+        " `max_connections`: /metrics, /admin and drain answer while the public listener is"
+        " flooded. Without `admin_listen` they share the public listener's cap.",
+    )
+    # nginx reads a request head into at most 4 x 8 KiB buffers (large_client_header_buffers);
+    # Envoy's max_request_headers_kb defaults to 60 KiB.
+    max_header_bytes: int = Field(
+        32 * 1024,
+        ge=1024,
+        description="A request's line and headers together, in bytes; past it 431 JSON and the"
+        " connection closes (before the headers end: they are never parsed whole). Each line"
+        " is also bounded by aiohttp's parser (8,190 bytes; 128 fields).",
+    )
+    max_pending_header_bytes: int = Field(
+        32 * 1024 * 1024,
+        ge=1024,
+        description="Bytes of request heads received but not yet complete, on all connections"
+        " together (the parser keeps them while it waits for the blank line that ends them);"
+        " a connection whose head would pass it gets 503 JSON (`header_memory_full`, Retry-After)"
+        " and closes. With `max_header_bytes` it bounds what clients that never finish their"
+        " headers hold, however many connections they open. A head that arrives whole in one"
+        " read (almost every real client's) is never counted.",
+    )
     reload_debounce_s: float = Field(
         0.2,
         ge=0,

@@ -13,6 +13,7 @@ import zlib
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from proxy.api.errors import (
     ProxyError,
@@ -62,6 +63,8 @@ async def _read_raw(request: web.Request, limit: int, timeout_s: float) -> bytes
         raise body_timeout(timeout_s) from None
     except HttpProcessingError as exc:  # bad chunked framing, short Content-Length, ...
         raise bad_framing(str(exc.message or exc)) from None
+    except RequestPayloadError as exc:  # the C parser wraps what failed in a body in this
+        raise bad_framing(str(exc).splitlines()[-1].strip()[:200]) from None
     except (ConnectionError, EOFError):
         raise ProxyError(400, "The connection closed before the body was complete.") from None
     return bytes(body)

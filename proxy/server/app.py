@@ -158,10 +158,13 @@ def serve(
     app = create_app(loaded, watch_config=True)
     open_files, _ = raise_open_files_limit()
     cap = loaded.config.server.max_connections
+    if loaded.config.admin_listen is not None:
+        cap += loaded.config.server.admin_connections
     if cap + FD_RESERVE > open_files:
         # Past the limit accept() fails and probes and upstream connections fail with it.
         log.warning(
-            "server.max_connections %d leaves under %d of %d open files for backends and logs",
+            "server.max_connections (+ admin_connections) %d leaves under %d of %d open files"
+            " for backends and logs",
             cap,
             FD_RESERVE,
             open_files,
@@ -175,7 +178,7 @@ async def _serve(
     app: web.Application, host: str | None, port: int | None, reuse_port: bool = False
 ) -> None:
     """Run until SIGINT or SIGTERM: the public listener and, with ``admin_listen``, the
-    operator one; both under the connection cap of ``server:`` (read once, at start)."""
+    operator one with connections of its own (``server:`` is read once, at start)."""
     state = app[STATE]
     cfg, listen = state.config, state.config.listen
     async with Listeners(cfg.server, on_refused=state.metrics.connections_refused.inc) as listeners:
@@ -184,7 +187,12 @@ async def _serve(
         await listeners.add(app, host or listen.host, port if port is not None else listen.port)
         if cfg.admin_listen is not None:
             admin = cfg.admin_listen
-            await listeners.add(create_admin_app(app), admin.host, admin.port)
+            await listeners.add(
+                create_admin_app(app),
+                admin.host,
+                admin.port,
+                reserved=cfg.server.admin_connections,
+            )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -1,9 +1,13 @@
-"""Client connections: a cap on open connections, a header timeout, keep-alive, open files.
+"""Client connections: a cap on open connections, a header timeout and size, keep-alive, open
+files.
 
-aiohttp has a keep-alive timeout (an idle connection closes) but no connection cap and no
-header timeout, so listeners are made here with a small protocol factory around the runner's
-``web.Server``: over the cap a connection gets a canned 503 and is closed before anything is
-parsed; a request whose headers are not complete in time gets a canned 408 and is closed.
+aiohttp has a keep-alive timeout (an idle connection closes) but no connection cap, no header
+timeout and no bound on a request head's total size (only per line and per field count), so
+listeners are made here with a small protocol factory around the runner's ``web.Server``: over
+the cap a connection gets a canned 503 and is closed before anything is parsed; a request whose
+headers are not complete in time gets a canned 408, one whose head passes
+``server.max_header_bytes`` a canned 431, one whose unfinished head would pass the budget of all
+unfinished heads a canned 503; each then closes (answers in ``proxy.server.refusals``).
 """
 
 from __future__ import annotations
@@ -22,31 +26,17 @@ from aiohttp.web_request import BaseRequest
 
 from proxy.config.server import Server
 from proxy.server.json_errors import parser_detail, parser_error, where
+from proxy.server.refusals import (
+    HEADER_MEMORY_FULL,
+    HEADER_TIMEOUT,
+    OVER_CAPACITY,
+    HeaderBudget,
+    Refusal,
+    RefusalLog,
+    headers_too_large,
+)
 
 log = logging.getLogger("tierproxy")
-
-
-def _canned(status: str, code: str, message: str, extra: str = "") -> bytes:
-    body = (
-        f'{{"error": {{"message": "{message}", "type": "{code}", "param": null,'
-        f' "code": "{code}"}}}}'
-    ).encode()
-    head = (
-        f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\nConnection: close\r\n{extra}\r\n"
-    )
-    return head.encode() + body
-
-
-OVER_CAPACITY = _canned(
-    "503 Service Unavailable",
-    "too_many_connections",
-    "The proxy holds its maximum of open connections; retry shortly.",
-    "Retry-After: 1\r\n",
-)
-HEADER_TIMEOUT = _canned(
-    "408 Request Timeout", "header_timeout", "The request headers did not arrive in time."
-)
 
 
 def handler_kwargs(settings: Server) -> dict[str, Any]:
@@ -55,16 +45,12 @@ def handler_kwargs(settings: Server) -> dict[str, Any]:
         "access_log": None,  # our own access line names tenant and tier, never the key
         "handler_cancellation": True,  # a client that leaves cancels its handler
         "keepalive_timeout": settings.keepalive_timeout_s,
+        # The body's Content-Encoding is decoded by proxy.request.body, bounded and answered
+        # in JSON. The app's handler_args say so too, but a listener's gate makes each
+        # connection's handler itself: without this aiohttp's parser decoded first (a good
+        # body then twice: 400; a corrupt one failed in the C parser's payload: 500).
+        "auto_decompress": False,
     }
-
-
-class _Refusal(asyncio.Protocol):
-    """One canned answer, then close: costs no parsing and no handler task."""
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        transport.write(OVER_CAPACITY)
-        transport.close()
 
 
 HEADER_TIMEOUT_SPREAD = 0.25  # a header timeout falls in [0.75, 1] x header_timeout_s
@@ -75,10 +61,23 @@ class GuardedHandler(RequestHandler):
     first bytes of a later request arrive, disarmed when the request's headers are parsed), and
     OpenAI JSON, not plain text, for what aiohttp's parser refuses."""
 
-    def __init__(self, manager: web.Server, *, header_timeout_s: float, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        manager: web.Server,
+        *,
+        header_timeout_s: float,
+        max_header_bytes: int = 32 * 1024,
+        header_budget: HeaderBudget | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(manager, **kwargs)
         self._header_timeout_s = header_timeout_s
         self._header_timer: asyncio.TimerHandle | None = None
+        self._max_header_bytes = max_header_bytes
+        self._header_budget = header_budget or HeaderBudget(2**62)
+        self._head_bytes = 0  # of the request head being received (charged to the budget)
+        self._head_tail = b""  # its last bytes: a blank line may span two reads
+        self._body: Any = None  # the last parsed request's payload (a StreamReader)
 
     def _awaiting_request(self) -> bool:
         # aiohttp's start() waits on _waiter between requests; parsed headers resolve it.
@@ -112,12 +111,51 @@ class GuardedHandler(RequestHandler):
     def data_received(self, data: bytes) -> None:
         if data and self._awaiting_request():
             self._arm()
+        in_head = self._in_head() and not (self._force_close or self._close)
+        if in_head and not self._head_fits(data):
+            self._refuse(headers_too_large(self._max_header_bytes))
+            return
         queued = len(self._messages)
         super().data_received(data)
         if len(self._messages) > queued:
+            self._body = self._messages[-1][1]
+            self._release_head()
             self._fail_body_on_framing_error()
+        elif in_head and self._in_head() and not (self._force_close or self._close):
+            if not self._header_budget.charge(len(data)):
+                self._header_budget.refused.refused()
+                self._refuse(HEADER_MEMORY_FULL)
+                return
+            self._head_bytes += len(data)
+            self._head_tail = (self._head_tail + data)[-3:]
         if not self._awaiting_request():
             self._disarm()
+
+    def _in_head(self) -> bool:
+        """Whether the next bytes belong to a request head (not to a body being received)."""
+        body = self._body
+        return body is None or body.is_eof() or body.exception() is not None
+
+    def _head_fits(self, data: bytes) -> bool:
+        """Whether ``data`` keeps the head within ``max_header_bytes`` (or ends it within)."""
+        room = self._max_header_bytes - self._head_bytes
+        if len(data) <= room:
+            return True
+        window = self._head_tail + data[: max(room, 0)]
+        return b"\n\r\n" in window or b"\n\n" in window
+
+    def _release_head(self) -> None:
+        self._header_budget.release(self._head_bytes)
+        self._head_bytes = 0
+        self._head_tail = b""
+
+    def _refuse(self, answer: bytes) -> None:
+        """A canned answer before any request was parsed, then close."""
+        self._release_head()
+        # Not in the middle of another request's answer (a pipelined head): that one is cut.
+        if self.transport is not None and self._current_request is None:
+            self.transport.write(answer)
+        self.force_close()
 
     def _fail_body_on_framing_error(self) -> None:
         """aiohttp's C parser, failing on framing inside a body (a bad chunk size), queues an
@@ -137,6 +175,7 @@ class GuardedHandler(RequestHandler):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._disarm()
+        self._release_head()
         super().connection_lost(exc)
 
     def handle_error(
@@ -173,7 +212,7 @@ class GuardedHandler(RequestHandler):
 
 
 class ConnectionGate:
-    """The protocol factory of a listener: aiohttp's handler, or a refusal over the cap."""
+    """The protocol factory of a listener: aiohttp's handler, or a refusal over its cap."""
 
     def __init__(
         self,
@@ -182,62 +221,94 @@ class ConnectionGate:
         open_connections: Callable[[], int],
         kwargs: dict[str, Any],
         on_refused: Callable[[], None] | None = None,
+        *,
+        cap: int | None = None,
+        header_budget: HeaderBudget | None = None,
+        refusal_log: RefusalLog | None = None,
     ) -> None:
         self.server = server
         self.settings = settings
-        self.open_connections = open_connections
+        self.open_connections = open_connections  # on the listeners sharing this cap
+        self.cap = cap if cap is not None else settings.max_connections
         # handler_cancellation belongs to web.Server, not to each connection's handler.
         self.kwargs = {k: v for k, v in kwargs.items() if k != "handler_cancellation"}
         self.refused = 0
         self.on_refused = on_refused  # e.g. a Prometheus counter's inc
+        self.header_budget = header_budget or HeaderBudget(settings.max_pending_header_bytes)
+        self.refusal_log = refusal_log or RefusalLog(f"connection cap {self.cap} reached")
+        self.lingering = [0]  # refused connections not closed yet (shared with each Refusal)
 
     def __call__(self) -> asyncio.BaseProtocol:
-        if self.open_connections() >= self.settings.max_connections:
+        if self.open_connections() >= self.cap:
             self.refused += 1
             if self.on_refused is not None:
                 self.on_refused()
-            if self.refused & (self.refused - 1) == 0:  # 1, 2, 4, 8...: the log stays short
-                log.warning(
-                    "connection cap %d reached: %d connection(s) refused so far",
-                    self.settings.max_connections,
-                    self.refused,
-                )
-            return _Refusal()
+            self.refusal_log.refused()
+            return Refusal(OVER_CAPACITY, self.lingering)
         return GuardedHandler(
             self.server,
             loop=asyncio.get_running_loop(),
             header_timeout_s=self.settings.header_timeout_s,
+            max_header_bytes=self.settings.max_header_bytes,
+            header_budget=self.header_budget,
             **self.kwargs,
         )
 
 
 class Listeners:
-    """Apps served on their own listeners under one connection cap; leaving the ``async with``
-    closes the listeners, then cleans the apps up in reverse order (the first app, whose
-    lifecycle owns the shared state, last)."""
+    """Apps served on their own listeners; leaving the ``async with`` closes the listeners, then
+    cleans the apps up in reverse order (the first app, whose lifecycle owns the shared state,
+    last). Listeners share ``server.max_connections``, but for one added with ``reserved``
+    connections of its own (the admin listener: /metrics and drain answer during a flood)."""
 
     def __init__(self, settings: Server, on_refused: Callable[[], None] | None = None) -> None:
         self.settings = settings
         self.on_refused = on_refused
         self.runners: list[web.AppRunner] = []
+        self.shared: list[web.AppRunner] = []  # the runners under server.max_connections
         self.servers: list[asyncio.Server] = []
         self.gates: list[ConnectionGate] = []
+        self.header_budget = HeaderBudget(settings.max_pending_header_bytes)
+        self.refusal_log = RefusalLog(f"connection cap {settings.max_connections} reached")
         # `serve --workers N`: N processes bind the same port; the kernel spreads connections.
         self.reuse_port = False
 
     def open_connections(self) -> int:
-        return sum(len(runner.server.connections) for runner in self.runners if runner.server)
+        """On every listener, reserved ones included."""
+        return _count(self.runners)
 
-    async def add(self, app: web.Application, host: str, port: int) -> int:
-        """Serve ``app`` on host:port; returns the bound port (for port 0)."""
+    async def add(
+        self, app: web.Application, host: str, port: int, *, reserved: int | None = None
+    ) -> int:
+        """Serve ``app`` on host:port; returns the bound port (for port 0). With ``reserved``,
+        the listener has that many connections of its own, apart from the shared cap."""
         kwargs = handler_kwargs(self.settings)
         runner = web.AppRunner(app, **kwargs)
         await runner.setup()
         self.runners.append(runner)
         assert runner.server is not None
-        gate = ConnectionGate(
-            runner.server, self.settings, self.open_connections, kwargs, self.on_refused
-        )
+        if reserved is None:
+            self.shared.append(runner)
+            gate = ConnectionGate(
+                runner.server,
+                self.settings,
+                lambda: _count(self.shared),
+                kwargs,
+                self.on_refused,
+                header_budget=self.header_budget,
+                refusal_log=self.refusal_log,
+            )
+        else:
+            gate = ConnectionGate(
+                runner.server,
+                self.settings,
+                lambda: _count([runner]),
+                kwargs,
+                self.on_refused,
+                cap=reserved,
+                header_budget=self.header_budget,
+                refusal_log=RefusalLog(f"{host}:{port}: its {reserved} reserved connections"),
+            )
         self.gates.append(gate)
         loop = asyncio.get_running_loop()
         # A burst of new connections waits in the kernel, not in connect errors.
@@ -257,6 +328,10 @@ class Listeners:
             server.close()
         for runner in reversed(self.runners):
             await runner.cleanup()
+
+
+def _count(runners: list[web.AppRunner]) -> int:
+    return sum(len(runner.server.connections) for runner in runners if runner.server)
 
 
 def raise_open_files_limit() -> tuple[int, int]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.adversarial.histogram import FUZZ, HISTOGRAM_PATH
+from tests.adversarial.histogram import FUZZ, SERVED_FUZZ
 from tests.clock import FakeClock
 
 
@@ -15,11 +15,12 @@ def clock() -> FakeClock:
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    if not FUZZ.cases():
-        return
-    terminalreporter.section("fuzz status histogram")
-    terminalreporter.write_line(FUZZ.summary())
-    for kind, counts in sorted(FUZZ.by_kind.items()):
-        line = ", ".join(f"{s}: {n}" for s, n in sorted(counts.items()))
-        terminalreporter.write_line(f"  {kind}: {line}")
-    terminalreporter.write_line(f"written to {HISTOGRAM_PATH}")
+    for histogram in (FUZZ, SERVED_FUZZ):
+        if not histogram.cases():
+            continue
+        terminalreporter.section(f"{histogram.title} status histogram")
+        terminalreporter.write_line(histogram.summary())
+        for kind, counts in sorted(histogram.by_kind.items()):
+            line = ", ".join(f"{s}: {n}" for s, n in sorted(counts.items()))
+            terminalreporter.write_line(f"  {kind}: {line}")
+        terminalreporter.write_line(f"written to {histogram.path}")

@@ -12,7 +12,9 @@ HISTOGRAM_PATH = REPO / ".tierproxy" / "test-logs" / "fuzz-histogram.json"
 
 
 class FuzzHistogram:
-    def __init__(self) -> None:
+    def __init__(self, title: str = "fuzz", path: Path = HISTOGRAM_PATH) -> None:
+        self.title = title
+        self.path = path
         self.by_kind: dict[str, collections.Counter[int]] = collections.defaultdict(
             collections.Counter
         )
@@ -45,9 +47,13 @@ class FuzzHistogram:
         statuses = ", ".join(f"{s}: {n}" for s, n in sorted(self.statuses().items()))
         return f"{self.cases()} cases in {self.seconds:.1f}s; statuses {statuses}"
 
-    def write(self, path: Path = HISTOGRAM_PATH) -> None:
+    def write(self, path: Path | None = None) -> None:
+        path = path or self.path
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(self.as_json(), indent=2) + "\n")
 
 
-FUZZ = FuzzHistogram()
+FUZZ = FuzzHistogram("fuzz (in process)")
+SERVED_FUZZ = FuzzHistogram(
+    "fuzz (tierproxy serve: uvloop, C parser)", HISTOGRAM_PATH.with_name("fuzz-served.json")
+)

@@ -94,14 +94,29 @@ raw_bodies = st.one_of(
 encodings = st.sampled_from(["", "gzip", "deflate", "br", "zstd", "gzip, gzip", "x-garbage"])
 
 
-def compress(data: bytes, encoding: str, corrupt: bool) -> bytes:
+# How a body is spoilt after its encoding: cut in half, not the coding at all, bytes after its
+# end, one byte flipped (a bad CRC or a bad deflate block). The C parser once answered every
+# kind but the first with 500 (issue 22).
+CORRUPTIONS = ("", "truncate", "garbage", "trailing", "flip")
+
+
+def compress(data: bytes, encoding: str, corrupt: str) -> bytes:
     if encoding == "gzip":
         data = gzip.compress(data)
     elif encoding == "gzip, gzip":
         data = gzip.compress(gzip.compress(data))
     elif encoding == "deflate":
         data = zlib.compress(data)
-    return data[: len(data) // 2] if corrupt else data
+    if corrupt == "truncate":
+        return data[: len(data) // 2]
+    if corrupt == "garbage":
+        return b"this is not " + encoding.encode() + b" data" + data[:8]
+    if corrupt == "trailing":
+        return data + b"\x00trailing"
+    if corrupt == "flip" and data:
+        middle = len(data) // 2
+        return data[:middle] + bytes([data[middle] ^ 0x55]) + data[middle + 1 :]
+    return data
 
 
 header_sets = st.dictionaries(
@@ -134,7 +149,7 @@ class ClientCase:
     path: str
     body: bytes
     encoding: str
-    corrupt: bool
+    corrupt: str  # one of CORRUPTIONS
     headers: dict[str, str]
 
 
@@ -144,7 +159,7 @@ client_cases = st.builds(
     path=paths,
     body=raw_bodies,
     encoding=encodings,
-    corrupt=st.booleans(),
+    corrupt=st.sampled_from(CORRUPTIONS),
     headers=header_sets,
 )
 

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from proxy.server.state import ProxyState
 from tests.adversarial.answers import assert_openai_error, read_answer
-from tests.adversarial.histogram import FUZZ
+from tests.adversarial.histogram import FUZZ, FuzzHistogram
 from tests.adversarial.strategies import ClientCase, RawCase, client_cases, compress, raw_cases
 from tests.fakes import ScriptedBackend, serve_scripted
 from tests.proxyrun import KEYS, auth, make_config, running_proxy, until
@@ -35,10 +35,23 @@ ANSWER_TIMEOUT_S = 10.0
 AUTHORIZATION = f"Bearer {KEYS['low']}".encode()
 
 
+def fuzz_config(backend_url: str, **extra: Any) -> dict[str, Any]:
+    config = make_config(
+        [{"url": backend_url}],
+        # A body that never completes (a Content-Length the fuzz does not send) costs 0.5 s.
+        input={"body_read_timeout_s": 0.5},
+        server={"header_timeout_s": 2},
+        **extra,
+    )
+    config["tiers"]["low"]["max_tokens"] = 100  # a capped tier: max_tokens null must pass
+    return config
+
+
 class Harness:
     """The proxy in front of a scripted backend, a client session, and the checks per case."""
 
-    def __init__(self) -> None:
+    def __init__(self, histogram: FuzzHistogram = FUZZ) -> None:
+        self.histogram = histogram
         self.stack = contextlib.AsyncExitStack()
         self.session: aiohttp.ClientSession
         self.base = ""
@@ -48,14 +61,9 @@ class Harness:
 
     async def start(self) -> None:
         backend_url = await self.stack.enter_async_context(serve_scripted(ScriptedBackend()))
-        config = make_config(
-            [{"url": backend_url}],
-            # A body that never completes (a Content-Length the fuzz does not send) costs 0.5 s.
-            input={"body_read_timeout_s": 0.5},
-            server={"header_timeout_s": 2},
+        self.base, self.state = await self.stack.enter_async_context(
+            running_proxy(fuzz_config(backend_url))
         )
-        config["tiers"]["low"]["max_tokens"] = 100  # a capped tier: max_tokens null must pass
-        self.base, self.state = await self.stack.enter_async_context(running_proxy(config))
         self.port = int(self.base.rsplit(":", 1)[1])
         self.session = await self.stack.enter_async_context(
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=ANSWER_TIMEOUT_S))
@@ -80,7 +88,7 @@ class Harness:
             case.method, self.base + case.path, data=data, headers=headers, allow_redirects=False
         ) as resp:
             raw = await resp.read()
-        FUZZ.record("client", resp.status)
+        self.histogram.record("client", resp.status)
         assert resp.status < 500, (case, resp.status, raw[:300])
         if resp.status >= 300:
             assert_openai_error(resp.status, resp.content_type, raw)
@@ -93,7 +101,7 @@ class Harness:
                 status, headers, body = await read_answer(reader)
         finally:
             writer.close()
-        FUZZ.record("raw", status)
+        self.histogram.record("raw", status)
         assert status < 500, (case, status, body[:300])
         if status >= 400:
             assert_openai_error(status, headers.get(b"content-type", b"").decode(), body)
@@ -113,15 +121,17 @@ class Harness:
         )
 
 
-def test_fuzzed_requests_never_get_a_5xx_nor_leak() -> None:
+def fuzz(harness: Harness, cases: int) -> None:
+    """``cases`` fuzzed requests through ``harness`` (on one loop), then nothing held; fails on
+    any 5xx or any error that is not OpenAI JSON."""
+    histogram = harness.histogram
     started = time.perf_counter()
     with asyncio.Runner() as runner:
-        harness = Harness()
         runner.run(harness.start())
         try:
 
             @settings(
-                max_examples=math.ceil(FUZZ_CASES / BATCH),
+                max_examples=math.ceil(cases / BATCH),
                 deadline=None,
                 database=None,
                 phases=[Phase.explicit, Phase.generate, Phase.shrink],
@@ -135,7 +145,11 @@ def test_fuzzed_requests_never_get_a_5xx_nor_leak() -> None:
             runner.run(harness.nothing_held())
         finally:
             runner.run(harness.stop())
-    FUZZ.seconds = time.perf_counter() - started
-    FUZZ.write()
-    assert FUZZ.cases() >= FUZZ_CASES
-    assert sum(n for status, n in FUZZ.statuses().items() if status >= 500) == 0
+    histogram.seconds = time.perf_counter() - started
+    histogram.write()
+    assert histogram.cases() >= cases
+    assert sum(n for status, n in histogram.statuses().items() if status >= 500) == 0
+
+
+def test_fuzzed_requests_never_get_a_5xx_nor_leak() -> None:
+    fuzz(Harness(), FUZZ_CASES)

@@ -22,10 +22,12 @@ from proxy.request.inbound import parse_body
 from proxy.server.app import create_app
 from proxy.server.json_errors import json_errors
 from tests.adversarial.answers import assert_openai_error
+from tests.adversarial.encoding_cases import CASES as ENCODING_CASES
+from tests.adversarial.served.kit import exchange, is_openai_error, request_bytes
 from tests.adversarial.strategies import deep_raw, encode, nested
 from tests.clock import FakeClock
 from tests.fakes import ScriptedBackend, serve_scripted
-from tests.proxyrun import SECRET, auth, make_config
+from tests.proxyrun import SECRET, auth, make_config, running_proxy
 from tests.unit.test_pipeline import BODY, error_of, rig, tenants
 
 
@@ -186,3 +188,28 @@ async def test_tpm_overage_makes_the_next_request_429_with_the_exact_retry_after
             # debt is capped at one minute of the limit. The reservation refills at 10 tokens/s.
             assert second.headers["Retry-After"] == str(math.ceil((600 + need) / 10))
             assert r.state.limits.concurrent("tenant-normal") == 0
+
+
+@pytest.mark.parametrize(
+    ("name", "encoding", "data", "status", "code"),
+    ENCODING_CASES,
+    ids=[c[0] for c in ENCODING_CASES],
+)
+async def test_encoded_bodies_on_the_listeners_production_serves_with(
+    name: str, encoding: str, data: bytes, status: int, code: str | None
+) -> None:
+    """As TestServer above, but on ``Listeners`` (the connection gate makes each connection's
+    handler): aiohttp's own decompression must be off there too, or a good body is decoded
+    twice and a corrupt one fails inside aiohttp's payload (500 on the C parser)."""
+    async with contextlib.AsyncExitStack() as stack:
+        url = await stack.enter_async_context(serve_scripted(ScriptedBackend()))
+        base, _ = await stack.enter_async_context(running_proxy(make_config([{"url": url}])))
+        host, port = base.removeprefix("http://").rsplit(":", 1)
+        headers = {**auth("low"), "Content-Type": "application/json", "Content-Encoding": encoding}
+        req = request_bytes("POST", "/v1/chat/completions", headers, data)
+        resp = await exchange(host, int(port), req)
+    assert resp.status == status, (name, resp.body[:300])
+    if status != 200:
+        assert is_openai_error(resp), resp.body[:300]
+        if code is not None:
+            assert resp.error_code() == code

@@ -14,6 +14,7 @@ from aiohttp import web
 
 from proxy.config.server import Server
 from proxy.server.listeners import Listeners, raise_open_files_limit
+from proxy.server.refusals import RefusalLog
 from tests.proxyrun import until
 
 GET = b"GET /ping HTTP/1.1\r\nHost: proxy\r\n\r\n"
@@ -149,3 +150,116 @@ async def test_header_timeouts_are_spread_over_the_last_quarter(
         waited = loop.time() - opened
         assert 2.9 <= waited < 3.8, waited  # 3 s, not the full 4 s
         writer.close()
+
+
+def test_over_the_cap_on_uvloop_a_connection_gets_503_json() -> None:
+    """uvloop's transports are not asyncio.Transport instances (the served proxy's loop): the
+    refusal must write all the same (once an assert failed there and the client got nothing)."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def main() -> bytes:
+        settings = Server(max_connections=1, header_timeout_s=30, keepalive_timeout_s=30)
+        async with serving(settings, _app()) as (listeners, port):
+            held = await asyncio.open_connection("127.0.0.1", port)
+            await until(lambda: listeners.open_connections() == 1, 5, "one open connection")
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(GET)
+            answer = await closed(reader)
+            writer.close()
+            held[1].close()
+            return answer
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        answer = runner.run(main())
+    assert answer.startswith(b"HTTP/1.1 503 ") and b'"code": "too_many_connections"' in answer
+
+
+async def test_a_reserved_listener_answers_while_the_shared_cap_is_full() -> None:
+    settings = Server(max_connections=2, header_timeout_s=30, keepalive_timeout_s=30)
+    async with Listeners(settings) as listeners:
+        public = await listeners.add(_app(), "127.0.0.1", 0)
+        admin = await listeners.add(_app(), "127.0.0.1", 0, reserved=1)
+        held = [await asyncio.open_connection("127.0.0.1", public) for _ in range(2)]
+        await until(lambda: listeners.open_connections() == 2, 5, "two open connections")
+        reader, writer = await asyncio.open_connection("127.0.0.1", public)
+        assert (await closed(reader)).startswith(b"HTTP/1.1 503 ")
+        writer.close()
+        reader, writer = await asyncio.open_connection("127.0.0.1", admin)
+        writer.write(GET)
+        head, _ = await response(reader)
+        assert head.startswith(b"HTTP/1.1 200 ")
+        # The reserved listener has its own cap (1, held now), apart from the shared one.
+        second, second_writer = await asyncio.open_connection("127.0.0.1", admin)
+        assert (await closed(second)).startswith(b"HTTP/1.1 503 ")
+        for w in (writer, second_writer, *(conn[1] for conn in held)):
+            w.close()
+
+
+def test_refusals_log_one_line_per_period_with_the_count(caplog: pytest.LogCaptureFixture) -> None:
+    now = [100.0]
+    refusals = RefusalLog("connection cap 2 reached", every_s=10.0, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="tierproxy"):
+        for _ in range(1000):
+            refusals.refused()
+            now[0] += 0.001
+        records = [r.getMessage() for r in caplog.records]
+        assert len(records) == 1 and "1 connection(s) refused, 1 since start" in records[0]
+        now[0] += 10.0
+        refusals.refused()
+    records = [r.getMessage() for r in caplog.records]
+    assert len(records) == 2
+    assert "1000 connection(s) refused in the last 11 s, 1001 since start" in records[1]
+
+
+async def _head_answer(settings: Server, *chunks: bytes) -> bytes:
+    async with serving(settings, _app()) as (_, port):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        for chunk in chunks:
+            writer.write(chunk)
+            await writer.drain()
+        answer = await closed(reader)
+        writer.close()
+        return answer
+
+
+HEAD = b"GET /ping HTTP/1.1\r\nHost: proxy\r\n"
+
+
+def _fields(n: int, size: int = 4000) -> bytes:
+    return b"".join(b"X-Pad-%d: %s\r\n" % (i, b"a" * size) for i in range(n))
+
+
+async def test_a_head_past_max_header_bytes_gets_431_before_it_ends() -> None:
+    settings = Server(max_header_bytes=16 * 1024, header_timeout_s=30, keepalive_timeout_s=0.5)
+    # 5 fields of 4 KB: each under aiohttp's 8,190-byte field limit, together over 16 KiB; no
+    # blank line, so aiohttp alone would wait (and keep them) until the header timeout.
+    answer = await _head_answer(settings, HEAD, _fields(5))
+    assert answer.startswith(b"HTTP/1.1 431 ")
+    assert b'"code": "request_header_fields_too_large"' in answer
+
+
+async def test_a_head_within_max_header_bytes_is_served_in_small_pieces() -> None:
+    settings = Server(max_header_bytes=16 * 1024, header_timeout_s=30, keepalive_timeout_s=0.5)
+    head = HEAD + _fields(3) + b"\r\n"  # 12 KB, sent in 1,000-byte reads
+    answer = await _head_answer(settings, *(head[i : i + 1000] for i in range(0, len(head), 1000)))
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+
+
+async def test_unfinished_heads_past_the_budget_get_503_and_release_it() -> None:
+    settings = Server(
+        max_header_bytes=16 * 1024,
+        max_pending_header_bytes=20 * 1024,
+        header_timeout_s=30,
+        keepalive_timeout_s=30,
+    )
+    async with serving(settings, _app()) as (listeners, port):
+        _first, first_writer = await asyncio.open_connection("127.0.0.1", port)
+        first_writer.write(HEAD + _fields(3))  # 12 KB held, unfinished
+        await until(lambda: listeners.header_budget.held > 12000, 5, "the first head charged")
+        second, second_writer = await asyncio.open_connection("127.0.0.1", port)
+        second_writer.write(HEAD + _fields(3))  # 12 KB more: over the 20 KiB budget
+        answer = await closed(second)
+        assert answer.startswith(b"HTTP/1.1 503 ") and b"header_memory_full" in answer
+        first_writer.close()
+        await until(lambda: listeners.header_budget.held == 0, 5, "the budget released")
+        second_writer.close()

@@ -24,6 +24,7 @@ from aiohttp import web
 from proxy.bench.inproc import KEYS, SECRET, make_config
 from proxy.bench.null_upstream import NullUpstream
 from proxy.bench.stack import ProxyProcess
+from proxy.config.tenants import hash_key
 from proxy.ops.process import free_port, http_ok
 from proxy.ops.runtime import LOOP_ENV
 from proxy.ticket import DEFAULT_SECRET_ENV
@@ -66,6 +67,12 @@ class ThreadedUpstream:
         self.port = self._call(up)
         return self
 
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def stop(self) -> None:
         if self.runner is not None:
             runner, self.runner = self.runner, None
@@ -85,15 +92,19 @@ class NullBackend(ThreadedUpstream):
         super().__init__(self.null.app())
 
 
+def admin_sections() -> dict[str, Any]:
+    """An admin listener on a free port, ``ADMIN_KEY`` its key."""
+    return {
+        "admin_listen": {"host": HOST, "port": free_port()},
+        "admin_keys": [{"sha256": hash_key(ADMIN_KEY)}],
+    }
+
+
 def served_config(backend_url: str, *, admin: bool = True, **extra: Any) -> dict[str, Any]:
     """The demo tenants (``KEYS``) in front of ``backend_url``; an admin listener (with
     ``ADMIN_KEY``) unless ``admin`` is False; ``extra``: top-level sections (``server=...``)."""
-    from proxy.config.tenants import hash_key
-
-    if admin:
-        extra.setdefault("admin_listen", {"host": HOST, "port": free_port()})
-        extra.setdefault("admin_keys", [{"sha256": hash_key(ADMIN_KEY)}])
-    return make_config([{"url": backend_url, "max_inflight": 64}], **extra)
+    sections = {**admin_sections(), **extra} if admin else extra
+    return make_config([{"url": backend_url, "max_inflight": 64}], **sections)
 
 
 class ServedProxy:
@@ -144,6 +155,12 @@ class ServedProxy:
 
     def stop(self) -> None:
         self.process.stop(grace_s=5.0)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
     def alive(self) -> bool:
         return self.process.alive()

@@ -3,14 +3,18 @@ served process is the one a user runs (uvloop, C parser)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import socket
 
+from tests.adversarial.served.conftest import StartServed
 from tests.adversarial.served.kit import (
     MSS,
     RawClient,
     exchange,
     is_openai_error,
     json_request,
+    request_bytes,
 )
 from tests.adversarial.served.served import ServedProxy, auth_header
 
@@ -34,3 +38,27 @@ async def test_the_socket_options_hold_before_connect(served: ServedProxy) -> No
         assert resp.status == 401 and is_openai_error(resp)
     finally:
         client.close()
+
+
+async def test_a_slow_body_gets_408_json_within_the_knob(start_served: StartServed) -> None:
+    proxy = start_served(input={"body_read_timeout_s": 0.5})
+    body = b'{"model": "null", "messages": [{"role": "user", "content": "hi"}]}'
+    headers = {
+        "Authorization": auth_header("low"),
+        "Content-Type": "application/json",
+        "Content-Length": str(len(body)),
+    }
+    client = await RawClient.connect(proxy.host, proxy.port)
+    try:
+        await client.send(request_bytes("POST", "/v1/chat/completions", headers))
+        sender = asyncio.create_task(client.send_slowly(body, chunk=1, gap_s=0.1))
+        try:
+            resp = await client.read_response(timeout_s=5)
+        finally:
+            sender.cancel()
+            with contextlib.suppress(asyncio.CancelledError, OSError):
+                await sender
+    finally:
+        client.close()
+    assert resp.status == 408 and is_openai_error(resp), resp.body[:300]
+    assert resp.error_code() == "body_timeout"

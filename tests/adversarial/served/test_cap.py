@@ -1,0 +1,117 @@
+"""The connection cap on the served proxy (uvloop, whose transports are not asyncio.Transport
+instances): every refused connection gets the documented 503 JSON, the log gets a line per
+ten seconds rather than a traceback per connection, and the admin listener, with connections
+of its own, answers /metrics and drain through the flood."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import orjson
+
+from tests.adversarial.served.conftest import StartServed
+from tests.adversarial.served.kit import (
+    ClosedEarly,
+    Crowd,
+    RawClient,
+    crowd,
+    exchange,
+    is_openai_error,
+    request_bytes,
+)
+from tests.adversarial.served.served import ADMIN_KEY, NullBackend, ServedProxy
+
+CAP = 20
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+
+
+async def open_connections(proxy: ServedProxy) -> float:
+    """``tierproxy_open_connections`` from the admin listener (its own connection included)."""
+    req = request_bytes("GET", "/metrics", ADMIN)
+    resp = await exchange(proxy.host, proxy.admin_port or proxy.port, req)
+    assert resp.status == 200, resp.body[:300]
+    for line in resp.body.decode().splitlines():
+        if line.startswith("tierproxy_open_connections"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("tierproxy_open_connections not in /metrics")
+
+
+async def fill_the_cap(proxy: ServedProxy) -> Crowd:
+    """``CAP`` idle connections (the header timeout is 10 s), counted by the proxy: /metrics
+    says so (the admin's own connection included). A proxy whose admin listener shares the cap
+    cannot say so: then give it a moment, and the test's own checks tell."""
+    held = await crowd(proxy.host, proxy.port, CAP)
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:
+        with contextlib.suppress(ClosedEarly, OSError, AssertionError):
+            if await open_connections(proxy) >= CAP + 1:
+                break
+        await asyncio.sleep(0.05)
+    return held
+
+
+async def test_every_connection_over_the_cap_gets_503_json_and_the_log_stays_short(
+    start_served: StartServed,
+) -> None:
+    proxy = start_served(server={"max_connections": CAP})
+    held = await fill_the_cap(proxy)
+    mark = proxy.mark()
+    flood = await crowd(proxy.host, proxy.port, 100, payload=request_bytes("GET", "/v1/models"))
+    try:
+        answers = await flood.answers(timeout_s=10)
+    finally:
+        flood.close()
+        held.close()
+    refused = [a for a in answers if a is not None and a.status == 503]
+    assert len(refused) == 100, [a.status if a else None for a in answers]
+    for answer in refused:
+        assert is_openai_error(answer) and answer.error_code() == "too_many_connections"
+        assert answer.headers["retry-after"] == "1"
+    new = proxy.lines_since(mark)
+    assert proxy.tracebacks(mark) == 0, "\n".join(new[:40])
+    # One line for the first refusal; the others fall in the same ten seconds.
+    assert sum("refused" in line for line in new) == 1, "\n".join(new)
+    assert len(new) <= 3, "\n".join(new)
+
+
+async def test_the_admin_listener_answers_metrics_and_drain_through_a_flood(
+    start_served: StartServed, backend: NullBackend
+) -> None:
+    proxy = start_served(server={"max_connections": CAP})
+    held = await fill_the_cap(proxy)
+    try:
+        over = await exchange(proxy.host, proxy.port, request_bytes("GET", "/v1/models"))
+        assert over.status == 503  # the public listener is full
+        assert await open_connections(proxy) >= CAP
+        body = orjson.dumps({"url": backend.url, "drain": True})
+        headers = {**ADMIN, "Content-Type": "application/json"}
+        drain = request_bytes("POST", "/admin/backends/drain", headers, body)
+        resp = await exchange(proxy.host, proxy.admin_port or 0, drain)
+        assert resp.status == 200, resp.body[:300]
+        assert orjson.loads(resp.body)["draining"] is True
+    finally:
+        held.close()
+
+
+async def test_a_refused_client_that_already_sent_its_request_still_reads_the_503(
+    start_served: StartServed,
+) -> None:
+    """A request sent in the same instant as the connect: the proxy drops it unread and must
+    not answer the close with a RST that destroys the 503 before the client reads it."""
+    proxy = start_served(server={"max_connections": CAP})
+    held = await fill_the_cap(proxy)
+    try:
+        for _ in range(20):
+            client = await RawClient.connect(proxy.host, proxy.port)
+            try:
+                big = request_bytes("POST", "/v1/chat/completions", {}, b"x" * 3000)
+                await client.send(big)
+                await asyncio.sleep(0.05)  # the refusal is written and its FIN sent meanwhile
+                resp = await client.read_response(timeout_s=5)
+            finally:
+                client.close()
+            assert resp.status == 503 and resp.error_code() == "too_many_connections"
+    finally:
+        held.close()
