@@ -1,18 +1,26 @@
 """A buffered answer whose bytes are reserved from the memory budget until they are sent.
 
-The handler returns the response and aiohttp writes it afterwards, so the reservation is given
-back at the end of ``write_eof`` — or, where the client left before, when the response is
-dropped (a finalizer: refcounting frees it as soon as aiohttp lets go of it).
+The pipeline writes it itself (``HeldResponse.send``), a slice at a time, each write bounded by
+the send-idle timeout like a stream's (``proxy.relay.clientsend``): a client that stops reading
+a buffered answer is cut, logged 499 ``client_stalled``, and its bytes leave the budget then.
+aiohttp's own write after the handler returns finds the answer already sent. The finalizer gives
+the reservation back where the answer is dropped unsent (the client left before).
 """
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Mapping
 
 from aiohttp import web
 
 from proxy.relay.budget import Reservation
+from proxy.relay.clientsend import ClientSender
+
+# One write's size: a slow client that keeps reading makes progress within each write's bound;
+# one write of the whole answer would have to drain in a single idle timeout.
+SLICE_BYTES = 64 * 1024
 
 
 class HeldResponse(web.Response):
@@ -21,11 +29,30 @@ class HeldResponse(web.Response):
     ) -> None:
         super().__init__(status=status, body=body, headers=headers)
         self.held = held
+        self._payload = body
+        self._sent_in_slices = False
         weakref.finalize(self, held.release)
+
+    async def send(self, request: web.Request, idle_s: float) -> None:
+        """Write the whole answer now, each slice within ``idle_s``; raises ``ClientStalled``
+        (the connection is aborted) or a connection error. The reservation is released either
+        way: the bytes are on their way out or will never be."""
+        sender = ClientSender(request, math.inf, idle_s)
+        body, self._sent_in_slices = self._payload, True
+        try:
+            await sender.prepare(self)
+            for start in range(0, len(body), SLICE_BYTES):
+                await sender.write(self, body[start : start + SLICE_BYTES])
+            await sender.finish(self)
+        finally:
+            self.held.release()
 
     async def write_eof(self, data: bytes = b"") -> None:
         try:
-            await super().write_eof(data)
+            if self._sent_in_slices:  # the body went out in slices: only the end is left
+                await web.StreamResponse.write_eof(self, data)
+            else:
+                await super().write_eof(data)
         finally:
             self.held.release()
 

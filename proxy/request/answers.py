@@ -1,5 +1,6 @@
 """What every request ends with, whatever happened to it: its answer's headers (request id,
-``x-ratelimit-*``, ``x-should-retry``), its metrics and goodput, and one access-log line."""
+``x-ratelimit-*``, ``x-should-retry``), a buffered answer's bounded write, its metrics and
+goodput, and one access-log line."""
 
 from __future__ import annotations
 
@@ -10,10 +11,13 @@ from aiohttp import web
 
 from proxy.api.errors import ProxyError
 from proxy.api.hotpath import LabelCache
-from proxy.api.outcome import outcome_of
+from proxy.api.outcome import Outcome, outcome_of
 from proxy.api.reply_headers import ratelimit_headers, should_retry_header
 from proxy.config.schema import LoadedConfig
-from proxy.relay.forward import RelayResult
+from proxy.config.server import Relay as RelayBounds
+from proxy.relay.clientsend import ClientStalled
+from proxy.relay.forward import CLIENT_LEFT, RelayResult
+from proxy.relay.held import HeldResponse
 from proxy.request.admitted import Trace
 from proxy.scheduling.limits import TenantLimits
 from proxy.telemetry.metrics import ProxyMetrics
@@ -42,6 +46,23 @@ class Answers:
             resp.headers.setdefault("X-Request-Id", trace.request_id)
             resp.headers.update(self.limit_headers(trace))
             resp.headers.update(should_retry_header(result.status))
+        return resp
+
+    async def deliver(
+        self, request: web.Request, trace: Trace, result: RelayResult, bounds: RelayBounds
+    ) -> web.StreamResponse:
+        """The answer; a buffered one is written here, under the send-idle timeout, before the
+        request is logged: a client that stops reading it is cut (499 ``client_stalled``) and its
+        bytes leave the memory budget then, not whenever aiohttp's unbounded write would end."""
+        resp = self.respond(trace, result)
+        if not isinstance(resp, HeldResponse):
+            return resp
+        try:
+            await resp.send(request, bounds.send_idle_timeout_s)
+        except ClientStalled:
+            trace.outcome, trace.status = Outcome.CLIENT_STALLED, 499
+        except CLIENT_LEFT:
+            trace.outcome, trace.status = Outcome.CLIENT_GONE, 499
         return resp
 
     def refuse(self, trace: Trace, err: ProxyError) -> web.Response:

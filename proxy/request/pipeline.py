@@ -140,7 +140,7 @@ class RequestPipeline:
                 trace.latency = latency_of(adm.arrival, result, self.clock())
             finally:
                 self.settle_tenant_limits(adm, result)
-            return self.answers.respond(trace, result)
+            return await self.answers.deliver(request, trace, result, adm.config.relay)
         except ProxyError as err:
             return self.answers.refuse(trace, err)
         except asyncio.CancelledError:
