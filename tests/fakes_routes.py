@@ -4,6 +4,7 @@ its last event)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -34,6 +35,10 @@ class RoutesBackend:
     cut_responses_stream: bool = False
     tokenize_status: int = 200  # else /tokenize answers this status with a vLLM-shaped error
     received: list[Received] = field(default_factory=list)
+    # Set: /tokenize and /detokenize wait for it (a tokenizer busy with a long prompt).
+    tokenize_gate: asyncio.Event | None = None
+    tokenizing: int = 0  # tokenizer calls waiting at the gate now
+    version_calls: int = 0
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -48,6 +53,7 @@ class RoutesBackend:
         return web.Response()
 
     async def _version(self, request: web.Request) -> web.Response:
+        self.version_calls += 1
         return web.json_response({"version": "0.32.0"})
 
     async def _models(self, request: web.Request) -> web.Response:
@@ -66,6 +72,12 @@ class RoutesBackend:
             error = {"message": "scripted", "type": "BadRequestError", "code": 400}
             return web.json_response({"error": error}, status=self.tokenize_status)
         if request.path in ("/tokenize", "/detokenize"):
+            if self.tokenize_gate is not None:
+                self.tokenizing += 1
+                try:
+                    await self.tokenize_gate.wait()
+                finally:
+                    self.tokenizing -= 1
             return web.json_response({"count": 2, "tokens": [1, 2], "max_model_len": 2048})
         return web.json_response({"object": "list", "data": [], "usage": USAGE})
 

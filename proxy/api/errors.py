@@ -162,6 +162,17 @@ def no_backend(message: str) -> ProxyError:
     )
 
 
+def cheap_busy() -> ProxyError:
+    """Every backend runs its cap of tokenizer calls (``backends[].max_cheap_inflight``)."""
+    return ProxyError(
+        503,
+        "Every backend is running its cap of tokenizer calls; retry shortly.",
+        type="server_error",
+        code="backend_busy",
+        retry_after_s=1,
+    )
+
+
 def backend_overloaded() -> ProxyError:
     """Every attempt met a backend answering 503 (vLLM's own overload answer)."""
     return ProxyError(

@@ -91,6 +91,13 @@ class Backend(Strict):
         description="Optional budget of prompt + expected output tokens in flight on this"
         " backend; null: none.",
     )
+    max_cheap_inflight: int = Field(
+        4,
+        ge=1,
+        description="Tokenizer calls (/tokenize, /detokenize) in flight on this backend at"
+        " most, apart from max_inflight: they never take a generation's room and never wait"
+        " in a queue; past the cap on every backend, 503 backend_busy with Retry-After.",
+    )
     send_priority: bool = Field(
         True,
         description="Also pass the tier's priority as vLLM's own `priority` (needs"

@@ -22,6 +22,7 @@ from proxy.api.errors import (
     ProxyError,
     backend_overloaded,
     backends_failed,
+    cheap_busy,
     config_changed,
     memory_full,
     model_not_found,
@@ -54,7 +55,7 @@ from proxy.request.inbound import (
     read_body,
 )
 from proxy.request.upstream import upstream_call
-from proxy.scheduling.dispatch import Dispatcher, Lease, QueueTimeoutError
+from proxy.scheduling.dispatch import CheapLease, Dispatcher, Lease, QueueTimeoutError
 from proxy.scheduling.early_refusal import EarlyRefusal
 from proxy.scheduling.limits import TenantLimits
 from proxy.scheduling.pool import BackendPool
@@ -131,6 +132,7 @@ class RequestPipeline:
             await self.pass_tenant_limits(adm)
             try:
                 while result is None:  # None: a backend failed before its first byte, again
+                    lease: Lease | CheapLease
                     if BY_ENDPOINT[endpoint].cheap:
                         lease = self.direct_lease(adm)
                     else:
@@ -256,15 +258,16 @@ class RequestPipeline:
             self.dispatcher.withdraw(queued)
             raise
 
-    def direct_lease(self, adm: Admitted) -> Lease:
-        """For the routes that run no model (the tokenizer's): no queue, but a backend that
-        serves the model, counted there like any request while it runs."""
-        now = self.clock()
-        for backend in self.pool.all():
-            if backend.available(now) and backend.serves(adm.parsed.model):
-                self.pool.acquire(backend, 0.0)
-                return Lease(backend, 0.0, self.dispatcher)
-        raise no_backend("No backend that serves the model is available; retry later.")
+    def direct_lease(self, adm: Admitted) -> CheapLease:
+        """For the routes that run no model (the tokenizer's): no queue and no generation
+        room (a better tier's generation never waits behind them), but a small cap of their
+        own per backend (``backends[].max_cheap_inflight``)."""
+        backend = self.pool.acquire_cheap(adm.parsed.model, self.clock())
+        if backend is not None:
+            return CheapLease(backend, self.pool, granted_at=self.clock())
+        if not self.pool.any_available(self.clock()):
+            raise no_backend("No backend that serves the model is available; retry later.")
+        raise cheap_busy()
 
     def retry_after(self, tier: str) -> float:
         return self.queue.retry_after(tier, self.pool.slots())
@@ -272,7 +275,7 @@ class RequestPipeline:
     # -- forward -------------------------------------------------------------------------
 
     async def forward(
-        self, request: web.Request, adm: Admitted, lease: Lease
+        self, request: web.Request, adm: Admitted, lease: Lease | CheapLease
     ) -> RelayResult | None:
         """Send the request to the leased backend and relay the answer; None when the backend
         failed before anything reached the client (retry), 503/502 once attempts run out, 502
@@ -303,7 +306,9 @@ class RequestPipeline:
         finally:
             lease.release()
 
-    async def relay_once(self, request: web.Request, adm: Admitted, lease: Lease) -> RelayResult:
+    async def relay_once(
+        self, request: web.Request, adm: Admitted, lease: Lease | CheapLease
+    ) -> RelayResult:
         call = upstream_call(
             adm.config,
             adm.parsed,
@@ -325,6 +330,8 @@ class RequestPipeline:
             self.metrics.backend_errors.labels(lease.backend.label, result.outcome).inc()
         else:
             self.pool.record_success(lease.backend, self.clock())
+            if isinstance(lease, CheapLease):
+                return result  # no generation: nothing for the room controller's latency
             # The backend's part of the latency, for its room controller (docs/slo.md).
             met = backend_met(
                 adm.config.tiers[adm.tier].slo, lease.granted_at, result, self.clock()

@@ -33,6 +33,9 @@ class BackendState:
     granted: int | None = None
     room_controller: RoomController | None = None  # set by the pool; None: max_inflight fixed
     peak_inflight: int = 0  # since the room controller's last look
+    # Tokenizer calls (/tokenize, /detokenize) running here: bounded apart from the generation
+    # room (cfg.max_cheap_inflight), so they never take a slot a generation waits for.
+    cheap_inflight: int = 0
     # Its clock minus ours, from its Date header (proxy.scheduling.clock_offset); None: unknown.
     clock_offset_s: float | None = None
 

@@ -48,6 +48,21 @@ class Lease:
             self._dispatcher.dispatch_ready()
 
 
+@dataclass
+class CheapLease:
+    """A tokenizer call's place on a backend, outside its generation room; released once."""
+
+    backend: BackendState
+    pool: BackendPool
+    granted_at: float = 0.0
+    released: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.pool.release_cheap(self.backend)
+
+
 class Dispatcher:
     def __init__(
         self,

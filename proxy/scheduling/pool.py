@@ -172,6 +172,25 @@ class BackendPool:
             return True
         return any(s.models is None or model in s.models for s in self.states.values())
 
+    def acquire_cheap(self, model: str | None, now: float) -> BackendState | None:
+        """For a tokenizer call: the available backend serving the model with the fewest such
+        calls below its own small cap; None when every one is at its cap. The generation room
+        is neither checked nor taken: vLLM tokenizes in its API server, not in the engine."""
+        best: BackendState | None = None
+        for state in self.states.values():
+            if not (state.available(now) and state.serves(model)):
+                continue
+            if state.cheap_inflight >= state.cfg.max_cheap_inflight:
+                continue
+            if best is None or state.cheap_inflight < best.cheap_inflight:
+                best = state
+        if best is not None:
+            best.cheap_inflight += 1
+        return best
+
+    def release_cheap(self, state: BackendState) -> None:
+        state.cheap_inflight = max(0, state.cheap_inflight - 1)
+
     # -- bookkeeping ---------------------------------------------------------------------
     def acquire(self, state: BackendState, tokens: float, *, prefix: int | None = None) -> None:
         state.inflight += 1

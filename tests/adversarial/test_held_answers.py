@@ -26,7 +26,9 @@ ANSWER_BYTES = 900 * 1024  # held whole (under buffer_response_bytes), too big f
 def big_completion() -> bytes:
     message = {"role": "assistant", "content": "z" * ANSWER_BYTES}
     usage = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
-    return orjson.dumps({"object": "chat.completion", "choices": [{"message": message}], "usage": usage})
+    return orjson.dumps(
+        {"object": "chat.completion", "choices": [{"message": message}], "usage": usage}
+    )
 
 
 async def big_answer(request: web.Request, n: int) -> web.StreamResponse:
@@ -87,5 +89,3 @@ async def test_a_reader_of_a_held_answer_gets_it_whole(clock: FakeClock) -> None
             assert await resp.read() == big_completion()
             assert r.state.budget.held == 0
             assert requests_total(r, "ok") == 1
-
-
