@@ -22,6 +22,7 @@ import orjson
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 
+from proxy.api.usage import token_usage
 from proxy.config.schema import Config
 from proxy.relay.forward import RelayResult, UpstreamCall
 
@@ -155,7 +156,7 @@ class UsageMeter:
     def record(self, trace: Trace, adm: Admitted | None, result: RelayResult | None) -> UsageRecord:
         assert trace.tenant is not None
         end = self.clock()
-        usage = (result.usage if result is not None else None) or {}
+        counts = token_usage(result.usage if result is not None else None)
         started = result.extra.get(_STARTED) if result is not None else None
         queue_end = started if isinstance(started, float) else end
         return UsageRecord(
@@ -167,8 +168,8 @@ class UsageMeter:
             backend=_backend_of(adm) if result is not None else None,
             status=trace.status,
             outcome=str(trace.outcome),
-            prompt_tokens=_count(usage.get("prompt_tokens")),
-            completion_tokens=_count(usage.get("completion_tokens")),
+            prompt_tokens=counts.prompt if counts is not None else 0,
+            completion_tokens=counts.completion if counts is not None else 0,
             queue_s=max(0.0, queue_end - trace.arrival),
             engine_s=max(0.0, end - queue_end),
             duration_s=max(0.0, end - trace.arrival),
@@ -196,7 +197,3 @@ def _backend_of(adm: Admitted | None) -> str | None:
         return None
     label: str = waiter.result().backend.label
     return label
-
-
-def _count(value: object) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0

@@ -8,9 +8,10 @@ The estimate is charged up front and corrected once the backend reports its usag
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeGuard
+from typing import Any
 
 from proxy.api.errors import bad_request
+from proxy.api.usage import token_usage
 
 # Message parts whose size says nothing about their tokens (an image's base64 is not its token
 # count); their real cost is charged once the backend reports the usage.
@@ -151,21 +152,6 @@ def lax_bool(value: object) -> bool | None:
 
 
 def usage_counts(usage: dict[str, Any] | None) -> tuple[int, int] | None:
-    """(input, output) tokens of a backend's usage: chat/completions/embeddings name them
-    prompt/completion tokens, the Responses API input/output tokens, rerank only a total."""
-    if not usage:
-        return None
-    for prompt_key, output_key in (
-        ("prompt_tokens", "completion_tokens"),
-        ("input_tokens", "output_tokens"),
-    ):
-        prompt = usage.get(prompt_key)
-        if _is_count(prompt):
-            output = usage.get(output_key)
-            return prompt, output if _is_count(output) else 0
-    total = usage.get("total_tokens")
-    return (total, 0) if _is_count(total) else None
-
-
-def _is_count(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    """(input, output) tokens of a backend's usage (``proxy.api.usage.token_usage``)."""
+    counts = token_usage(usage)
+    return None if counts is None else (counts.prompt, counts.completion)

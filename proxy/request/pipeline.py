@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TypeGuard
 
 import aiohttp
 from aiohttp import web
@@ -40,6 +39,7 @@ from proxy.api.reply_headers import (
     request_id_for,
 )
 from proxy.api.routes import BY_ENDPOINT, Endpoint, Route
+from proxy.api.usage import token_usage
 from proxy.config.schema import Config, LoadedConfig
 from proxy.config.tenants import Tenant
 from proxy.policies.cost import weighted_tokens
@@ -48,7 +48,6 @@ from proxy.relay.forward import RelayResult, UpstreamUnavailable, relay
 from proxy.relay.responses import relay_responses
 from proxy.request.admitted import Admitted, FinishHook, Relay, Trace, no_finish_hook
 from proxy.request.answers import Answers
-from proxy.request.costs import usage_counts
 from proxy.request.inbound import (
     authenticate,
     parse_body,
@@ -215,13 +214,8 @@ class RequestPipeline:
     def settle_tenant_limits(self, adm: Admitted, result: RelayResult | None) -> None:
         """Charge the tenant's token limit what the request really used: the unused part of the
         reservation comes back, usage past it is debited (the next requests wait for it)."""
-        usage = result.usage if result is not None and result.usage else {}
-        used: float | None = None
-        total, counts = usage.get("total_tokens"), usage_counts(usage)
-        if _is_count(total):
-            used = float(total)
-        elif counts is not None:
-            used = float(sum(counts))
+        counts = token_usage(result.usage) if result is not None else None
+        used = float(counts.total) if counts is not None else None
         self.limits.settle(adm.tenant.name, adm.reserved_tokens, used, self.clock(), adm.limit_hold)
 
     # -- queue and dispatch --------------------------------------------------------------
@@ -348,9 +342,9 @@ class RequestPipeline:
         m = self.metrics
         if result.first_token_at is not None:
             self.child(m.ttft, adm.tier).observe(result.first_token_at - adm.arrival)
-        counts = usage_counts(result.usage)
+        counts = token_usage(result.usage)
         if counts is not None:
-            prompt, completion = counts
+            prompt, completion = counts.prompt, counts.completion
             self.child(m.tokens, adm.tier, "prompt").inc(prompt)
             self.child(m.tokens, adm.tier, "completion").inc(completion)
             self.queue.correct_charge(adm.queued, weighted_tokens(prompt, completion))
@@ -365,7 +359,3 @@ def _give_up(exc: UpstreamUnavailable) -> ProxyError:
     if exc.kind != "connect":  # the backends answered, and broke
         return backends_failed(exc.kind)
     return no_backend(f"No backend could take the request ({exc.kind}); retry later.")
-
-
-def _is_count(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from proxy.api.outcome import Outcome
+from proxy.api.usage import token_usage
 from proxy.config.schema import Config
 from proxy.config.slo import TierSlo
 from proxy.config.tenants import Tenant
@@ -85,9 +86,8 @@ class Answer(Protocol):
 
 
 def latency_of(start: float, answer: Answer, now: float) -> Latency:
-    value = (answer.usage or {}).get("completion_tokens")
-    tokens = value if isinstance(value, int) and not isinstance(value, bool) else None
-    return Latency(start, answer.first_token_at, now, tokens)
+    counts = token_usage(answer.usage)
+    return Latency(start, answer.first_token_at, now, counts.completion if counts else None)
 
 
 def backend_met(slo: TierSlo | None, granted_at: float, answer: Answer, now: float) -> bool | None:
