@@ -20,17 +20,26 @@ from proxy.api.errors import (
     bad_encoding,
     bad_framing,
     body_timeout,
+    memory_full,
     too_large,
     unsupported_encoding,
 )
 from proxy.config.server import InputLimits
+from proxy.relay.budget import Reservation, held_estimate
 
 _CHUNK = 64 * 1024
 
 
-async def read_body(request: web.Request, limit: int, inputs: InputLimits | None = None) -> bytes:
+async def read_body(
+    request: web.Request,
+    limit: int,
+    inputs: InputLimits | None = None,
+    held: Reservation | None = None,
+) -> bytes:
     """The decoded body, refused with 413 as soon as it (or its decoding) passes ``limit``, with
-    408 when it does not arrive within the knob's time, 415/400 for encodings it cannot decode."""
+    408 when it does not arrive within the knob's time, 415/400 for encodings it cannot decode.
+    ``held``: the request's share of the memory budget, grown to the body's estimate before it
+    is read (its Content-Length) or as it arrives (chunked); 503 where it does not fit."""
     inputs = inputs or InputLimits()
     # Checked before reading: an unsupported encoding is refused without waiting for the body.
     encodings = content_encodings(request.headers.get("Content-Encoding", ""))
@@ -39,10 +48,22 @@ async def read_body(request: web.Request, limit: int, inputs: InputLimits | None
             raise unsupported_encoding(encoding, list(inputs.decode_content_encodings))
     if request.content_length is not None and request.content_length > limit:
         raise too_large(limit)
-    raw = await _read_raw(request, limit, inputs.body_read_timeout_s)
+    if request.content_length is not None:
+        _cover(held, request.content_length)  # before a byte is read
+    raw = await _read_raw(request, limit, inputs.body_read_timeout_s, held)
     for encoding in reversed(encodings):  # the last one listed was applied last
         raw = decode(raw, encoding, limit)
+    _cover(held, len(raw))  # the decoded body is what gets parsed
     return raw
+
+
+def _cover(held: Reservation | None, body_bytes: int) -> None:
+    """Grow ``held`` to the estimate of a ``body_bytes`` body, or refuse the request (503)."""
+    if held is None:
+        return
+    missing = held_estimate(body_bytes) - held.amount
+    if missing > 0 and not held.grow(missing):
+        raise memory_full()
 
 
 def content_encodings(header: str) -> list[str]:
@@ -51,7 +72,9 @@ def content_encodings(header: str) -> list[str]:
     return [name for name in names if name and name != "identity"]
 
 
-async def _read_raw(request: web.Request, limit: int, timeout_s: float) -> bytes:
+async def _read_raw(
+    request: web.Request, limit: int, timeout_s: float, held: Reservation | None
+) -> bytes:
     body = bytearray()
     try:
         async with asyncio.timeout(timeout_s):
@@ -59,6 +82,7 @@ async def _read_raw(request: web.Request, limit: int, timeout_s: float) -> bytes
                 body += chunk
                 if len(body) > limit:
                     raise too_large(limit)
+                _cover(held, len(body))  # a chunked upload: reserved as it arrives
     except TimeoutError:
         raise body_timeout(timeout_s) from None
     except HttpProcessingError as exc:  # bad chunked framing, short Content-Length, ...

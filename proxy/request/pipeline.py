@@ -43,7 +43,7 @@ from proxy.api.usage import token_usage
 from proxy.config.schema import Config, LoadedConfig
 from proxy.config.tenants import Tenant
 from proxy.policies.cost import weighted_tokens
-from proxy.relay.budget import MemoryBudget, held_estimate
+from proxy.relay.budget import MemoryBudget, Reservation
 from proxy.relay.forward import RelayResult, UpstreamUnavailable, relay
 from proxy.relay.responses import relay_responses
 from proxy.request.admitted import Admitted, FinishHook, Relay, Trace, no_finish_hook
@@ -163,8 +163,28 @@ class RequestPipeline:
         tenant: Tenant,
         trace: Trace,
     ) -> Admitted:
+        # Held until the request ends, reserved before its body is read (proxy.request.body);
+        # over the budget, refused now rather than grow the heap.
+        held = self.budget.try_reserve(0)
+        if held is None:
+            raise memory_full()
+        try:
+            return await self._parse(request, endpoint, config, tenant, trace, held)
+        except BaseException:
+            held.release()
+            raise
+
+    async def _parse(
+        self,
+        request: web.Request,
+        endpoint: Endpoint,
+        config: Config,
+        tenant: Tenant,
+        trace: Trace,
+        held: Reservation,
+    ) -> Admitted:
         # Everything a client can get wrong is refused here, before any queue or backend lease.
-        raw = await read_body(request, config.limits.max_body_bytes, config.input)
+        raw = await read_body(request, config.limits.max_body_bytes, config.input, held)
         parsed = parse_body(
             raw,
             endpoint,
@@ -176,10 +196,6 @@ class RequestPipeline:
         )
         if not self.pool.model_known(parsed.model):
             raise model_not_found(parsed.model, sorted(self.pool.known_models()))
-        # Held until the request ends; over the budget, refused now rather than grow the heap.
-        held = self.budget.try_reserve(held_estimate(len(raw)))
-        if held is None:
-            raise memory_full()
         return Admitted(config, tenant, parsed, trace.request_id, trace.arrival, held=held)
 
     # -- tenant limits -------------------------------------------------------------------

@@ -33,7 +33,7 @@ async def proxy(
 ) -> AsyncIterator[tuple[Client, ProxyState]]:
     async with serve_routes(backend) as url:
         config = make_config(
-            [{"url": url, "max_inflight": 6, **backend_cfg}],
+            [{"url": url, "max_inflight": 4, **backend_cfg}],
             tiers={"high": {"queue_timeout_s": 3}},
         )
         app = create_app(parse_config(yaml.safe_dump(config)), secret=SECRET, clock=clock)
@@ -43,13 +43,13 @@ async def proxy(
 
 async def test_low_tier_tokenize_calls_never_delay_a_high_tier_chat(clock: FakeClock) -> None:
     backend = RoutesBackend(tokenize_gate=asyncio.Event())
-    async with proxy(clock, backend, max_cheap_inflight=6) as (client, state):
+    async with proxy(clock, backend) as (client, state):  # 4 slots; 4 tokenizer calls (default)
         calls = [
             asyncio.create_task(client.post("/tokenize", json=TOKENIZE, headers=auth("low")))
-            for _ in range(6)
+            for _ in range(4)
         ]
         try:
-            await until(lambda: backend.tokenizing == 6, 5, "six tokenizer calls at the backend")
+            await until(lambda: backend.tokenizing == 4, 5, "four tokenizer calls at the backend")
             async with asyncio.timeout(5):
                 resp = await client.post("/v1/chat/completions", json=CHAT, headers=auth("high"))
             assert resp.status == 200, await resp.text()

@@ -37,3 +37,17 @@ def test_no_limit_never_refuses() -> None:
 
 def test_the_estimate_is_the_measured_upper_bound() -> None:
     assert held_estimate(1000) == 1000 * HELD_PER_BODY_BYTE
+
+
+def test_a_reservation_grows_within_the_limit_or_not_at_all() -> None:
+    budget = MemoryBudget(100)
+    upload = budget.try_reserve(0)
+    other = budget.try_reserve(30)
+    assert upload is not None and other is not None
+    assert upload.grow(70) and budget.held == 100
+    assert not upload.grow(1) and upload.amount == 70 and budget.held == 100
+    other.release()
+    assert upload.grow(200)  # alone in the budget: it may pass it (no request refused forever)
+    upload.release()
+    assert budget.held == 0
+    assert not upload.grow(1) and budget.held == 0  # released: grows nothing

@@ -1,0 +1,79 @@
+"""Uploads in progress are reserved in the memory budget before they are read (issue 22):
+with their Content-Length, the whole estimate before a byte of the body; chunked, as the chunks
+arrive. Concurrent large uploads cannot pass ``limits.max_held_bytes``. In process, over the
+pipeline rig; the served twin is in tests/adversarial/served/test_served_round2.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+
+from proxy.relay.budget import held_estimate
+from tests.adversarial.served.kit import RawClient
+from tests.adversarial.test_relay_faults import config_for
+from tests.clock import FakeClock
+from tests.proxyrun import KEYS, until
+from tests.unit.test_pipeline import BODY, rig
+
+UPLOAD = 1_000_000  # bytes of body announced
+
+
+def upload_head(length: int | None) -> bytes:
+    framing = f"Content-Length: {length}" if length is not None else "Transfer-Encoding: chunked"
+    return (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\n"
+        f"Authorization: Bearer {KEYS['normal']}\r\nContent-Type: application/json\r\n"
+        f"{framing}\r\n\r\n"
+    ).encode()
+
+
+def padded_body(size: int) -> bytes:
+    """A valid chat body of about ``size`` bytes."""
+    body = orjson.dumps({**BODY, "messages": [{"role": "user", "content": "x"}]})
+    content = "x" * (size - len(body))
+    return orjson.dumps({**BODY, "messages": [{"role": "user", "content": content}]})
+
+
+async def test_an_upload_with_its_length_is_reserved_before_its_body(clock: FakeClock) -> None:
+    async with rig(config_for("http://127.0.0.1:9"), clock) as r:
+        client = await RawClient.connect(str(r.client.host), r.client.port or 0)
+        try:
+            await client.send(upload_head(UPLOAD) + b'{"model":')
+            await until(lambda: r.state.budget.held > 0, 3, "the upload's reservation")
+            assert r.state.budget.held == held_estimate(UPLOAD)
+        finally:
+            client.close()
+        await until(lambda: r.state.budget.held == 0, 3, "the reservation released")
+
+
+async def test_a_chunked_upload_is_reserved_as_it_arrives(clock: FakeClock) -> None:
+    async with rig(config_for("http://127.0.0.1:9"), clock) as r:
+        client = await RawClient.connect(str(r.client.host), r.client.port or 0)
+        try:
+            piece = b"x" * 200_000
+            await client.send(upload_head(None) + b"%x\r\n%s\r\n" % (len(piece), piece))
+            await until(lambda: r.state.budget.held >= held_estimate(len(piece)), 3, "reserved")
+        finally:
+            client.close()
+        await until(lambda: r.state.budget.held == 0, 3, "the reservation released")
+
+
+async def test_concurrent_uploads_cannot_pass_the_budget(clock: FakeClock) -> None:
+    config = config_for("http://127.0.0.1:9")
+    config["limits"] = {"max_held_bytes": held_estimate(UPLOAD) + 1000}
+    async with rig(config, clock) as r:
+        first = await RawClient.connect(str(r.client.host), r.client.port or 0)
+        second = await RawClient.connect(str(r.client.host), r.client.port or 0)
+        try:
+            await first.send(upload_head(UPLOAD) + b'{"model":')
+            await until(lambda: r.state.budget.held > 0, 3, "the first upload's reservation")
+            body = padded_body(UPLOAD)
+            await second.send(upload_head(len(body)))
+            answer = await second.read_response()
+            assert answer.status == 503 and answer.error_code() == "proxy_memory_full"
+            assert r.state.budget.held == held_estimate(UPLOAD)
+        finally:
+            first.close()
+            second.close()
+        await asyncio.sleep(0)
