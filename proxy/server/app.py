@@ -142,6 +142,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         if state.watcher is not None:
             await state.watcher.stop()
         await state.monitor.stop()
+        await state.version.stop()
         await state.dispatcher.stop()
         if state.shared is not None:
             await state.shared.stop()

@@ -3,10 +3,8 @@ vLLM's /health and /version), /metrics, and the answer to unknown URLs and wrong
 
 from __future__ import annotations
 
-import asyncio
 from typing import TYPE_CHECKING
 
-import aiohttp
 import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -58,26 +56,12 @@ class ServiceEndpoints:
         return no_backend("No backend is available.").response()
 
     async def version(self, request: web.Request) -> web.Response:
-        """vLLM's /version, as an available backend answers it (unauthenticated, as in vLLM)."""
-        now = self.state.clock()
-        health = self.state.config.backend_health
-        for backend in self.state.pool.all():
-            if not backend.available(now):
-                continue
-            try:
-                async with asyncio.timeout(health.probe_timeout_s):
-                    async with self.state.upstream_session().get(
-                        backend.cfg.url + "/version"
-                    ) as resp:
-                        body = await resp.content.read(4096)
-                        if resp.status == 200:
-                            version = orjson.loads(body).get("version")
-                            return web.json_response({"version": str(version)})
-            except (TimeoutError, aiohttp.ClientError, OSError, orjson.JSONDecodeError):
-                continue
-            except AttributeError:  # not an object
-                continue
-        return no_backend("No backend answered its version.").response()
+        """vLLM's /version, as an available backend answers it (unauthenticated, as in vLLM),
+        from a cache (``proxy.server.version``): never a backend call per request."""
+        version = await self.state.version.get()
+        if version is None:
+            return no_backend("No backend answered its version.").response()
+        return web.json_response({"version": version})
 
     async def unsupported(self, request: web.Request) -> web.Response:
         if request.path in POST_PATHS:  # a route we serve, another method

@@ -25,6 +25,7 @@ from proxy.request.pipeline import RequestPipeline
 from proxy.scheduling.build import build_scheduling
 from proxy.scheduling.limits import LimitRegistry, TenantLimits, plan_changes
 from proxy.scheduling.monitor import BackendMonitor
+from proxy.server.version import VersionCache, fetch_version
 from proxy.shared.runtime import SharedRuntime
 from proxy.telemetry.metrics import ProxyMetrics
 
@@ -85,6 +86,12 @@ class ProxyState:
             metrics=self.metrics,
             usage=self.usage,
             clock=clock,
+        )
+        self.version = VersionCache(
+            lambda: fetch_version(
+                self.pool, clock, lambda: self.config.backend_health, self.upstream_session
+            ),
+            clock,
         )
         self.metrics.registry.register(BackendRoomCollector(self.pool, clock))
         if self.usage_log is not None:

@@ -3,6 +3,7 @@ the tiers, the path sent on, the headers of the answer, 405s and vLLM's probes."
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
@@ -20,6 +21,7 @@ from proxy.policies.tenants import VirtualTokenCounter
 from proxy.relay import sse
 from proxy.server.app import create_app
 from proxy.server.state import STATE, ProxyState
+from proxy.server.version import VERSION_TTL_S
 from proxy.ticket import TICKET_HEADER
 from tests.clock import FakeClock
 from tests.fakes_routes import RESPONSES_USAGE, RoutesBackend, serve_routes
@@ -105,8 +107,27 @@ async def test_health_and_version_as_vllm_answers_them(clock: FakeClock) -> None
         state.pool.all()[0].healthy = False
         async with client.get("/health") as resp:
             assert resp.status == 503
+        async with client.get("/version") as resp:  # from the cache
+            assert resp.status == 200
+        clock.advance(VERSION_TTL_S)
         async with client.get("/version") as resp:
             assert resp.status == 503
+
+
+async def test_version_is_answered_from_a_cache_never_per_request(clock: FakeClock) -> None:
+    """Unauthenticated, so a scanner may flood it: one backend call per cache period."""
+    backend = RoutesBackend()
+    async with proxy(clock, backend) as (client, _):
+
+        async def one() -> int:
+            async with client.get("/version") as resp:
+                return resp.status
+
+        assert await asyncio.gather(*(one() for _ in range(50))) == [200] * 50
+        assert await one() == 200
+        assert backend.version_calls == 1
+        clock.advance(VERSION_TTL_S)
+        assert await one() == 200 and backend.version_calls == 2
 
 
 async def test_client_request_id_is_kept_when_plain(clock: FakeClock) -> None:
