@@ -17,6 +17,17 @@ from proxy.config.schema import Config, LoadedConfig
 from proxy.config.tenants import KeySpec, Tenant, hash_key
 from proxy.config.yaml_load import Lines, safe_load, yield_gil
 
+# The example keys shipped in configs/tierproxy.env.example (and the secret's placeholder, in
+# case it is pasted as a key): a deployment that kept them would let anyone in as that tenant.
+# Refused at start and on reload, by value (env keys) and by hash (sha256 keys).
+PLACEHOLDER_KEYS = ("change-me", "change-me-too", "change-me-to-a-long-random-string")
+PLACEHOLDER_KEY_PREFIX = "change-me"
+PLACEHOLDER_KEY_HASHES = frozenset(hash_key(key) for key in PLACEHOLDER_KEYS)
+_PLACEHOLDER_PROBLEM = (
+    "an example placeholder (configs/tierproxy.env.example): generate a key, e.g."
+    " python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+)
+
 
 class ConfigError(Exception):
     """Every problem found in one config file, each naming its field and line."""
@@ -28,13 +39,20 @@ class ConfigError(Exception):
 
 
 def _digest_of(spec: KeySpec) -> tuple[str | None, str | None]:
-    """(sha256 of the key, None) or (None, the problem)."""
+    """(sha256 of the key, None) or (None, the problem); a placeholder key is a problem, as the
+    placeholder ticket secret is (``proxy.ticket.check_secret``)."""
     if spec.env is not None:
         raw = os.environ.get(spec.env)
         if not raw:
             return None, f"environment variable {spec.env} is not set"
-        return hash_key(raw), None
-    return spec.sha256, None
+        if raw.strip().lower().startswith(PLACEHOLDER_KEY_PREFIX):
+            return None, f"environment variable {spec.env} holds {_PLACEHOLDER_PROBLEM}"
+        digest: str | None = hash_key(raw)
+    else:
+        digest = spec.sha256
+    if digest in PLACEHOLDER_KEY_HASHES:
+        return None, f"the key is {_PLACEHOLDER_PROBLEM}"
+    return digest, None
 
 
 def _resolve_keys(
