@@ -48,7 +48,10 @@ class BackendHealth(Strict):
     )
     eject_max_s: float = Field(30.0, gt=0, description="Longest ejection.")
     connect_timeout_s: float = Field(
-        3.0, gt=0, description="Timeout to open a connection to a backend."
+        3.0,
+        gt=0,
+        description="Timeout to open a connection to a backend. Read at start (a restart"
+        " applies a change).",
     )
     probe_timeout_s: float = Field(
         5.0, gt=0, description="Timeout of one health, metrics or models probe."

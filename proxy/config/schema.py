@@ -22,8 +22,10 @@ from proxy.ticket import DEFAULT_PREFILL_SHARE, DEFAULT_SECRET_ENV
 
 
 class Config(Strict):
-    """The whole file. Most sections apply on a live reload; `listen`, `admin_listen` and
-    `server` are read at start."""
+    """The whole file. Most sections apply on a live reload; `listen`, `admin_listen`,
+    `server`, `ticket_secret_env`, `shared_state`, `usage_log` and
+    `backend_health.connect_timeout_s` are read at start (a reload that changes one names it
+    in a warning: a restart applies it)."""
 
     listen: Listen = Field(Listen(), description="Where clients reach the proxy.")
     admin_listen: AdminListen | None = Field(

@@ -29,13 +29,45 @@ Sleep = Callable[[float], Awaitable[None]]
 Prepare = Callable[[LoadedConfig], Callable[[], object]]
 
 
-# Read once, at start: a reload that changes them logs that a restart is needed.
-RESTART_FIELDS = ("listen", "admin_listen", "server", "ticket_secret_env")
+# Read once, at start (proxy.server.app, proxy.server.listeners): a reload that changes one
+# applies the rest of the file and logs, for each of these, that a restart is needed. Dotted:
+# one field of a section that is otherwise live (the upstream session's connect timeout).
+RESTART_FIELDS = (
+    "listen",
+    "admin_listen",
+    "server",
+    "ticket_secret_env",
+    "shared_state",
+    "usage_log",
+    "backend_health.connect_timeout_s",
+)
+# Applied by a reload (ProxyState.prepare): every other top-level section. A new section must be
+# named in one of the two lists (tests/unit/test_reload.py checks).
+LIVE_SECTIONS = (
+    "limits",
+    "scheduling",
+    "backend_health",
+    "policies",
+    "adaptive_room",
+    "input",
+    "relay",
+    "tiers",
+    "tenants",
+    "backends",
+    "admin_keys",
+)
+
+
+def _value(config: Config, path: str) -> object:
+    value: object = config
+    for part in path.split("."):
+        value = getattr(value, part, None)
+    return value
 
 
 def restart_needed(old: Config, new: Config) -> list[str]:
     """The fields whose change only a restart applies."""
-    return [name for name in RESTART_FIELDS if getattr(old, name) != getattr(new, name)]
+    return [name for name in RESTART_FIELDS if _value(old, name) != _value(new, name)]
 
 
 class ConfigWatcher:
