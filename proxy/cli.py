@@ -60,6 +60,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from proxy.config.loader import ConfigError
+    from proxy.ops.worker_share import WorkerShare
     from proxy.server.app import serve
 
     if args.workers < 1:
@@ -70,7 +71,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             from proxy.ops.workers import serve_workers
 
             return serve_workers(args.config, args.workers, args.host, args.port)
-        serve(args.config, host=args.host, port=args.port, reuse_port=args.reuse_port)
+        share = WorkerShare.parse(args.worker_share) if args.worker_share else None
+        serve(args.config, host=args.host, port=args.port, reuse_port=args.reuse_port, share=share)
     except ConfigError as exc:
         for problem in exc.problems:
             print(f"{exc.source}: {problem}", file=sys.stderr)
@@ -256,9 +258,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--workers",
         type=int,
         default=1,
-        help="processes serving one port (SO_REUSEPORT); more than 1 needs shared_state",
+        help="processes serving one port (SO_REUSEPORT); more than 1 needs shared_state;"
+        " per-process bounds (max_connections, max_held_bytes, max_queue, max_cheap_inflight)"
+        " are divided among them",
     )
     p.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # a worker
+    p.add_argument("--worker-share", help=argparse.SUPPRESS)  # SLOT/N: a worker's bounds
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("check", help="validate a config; print a summary or every error")

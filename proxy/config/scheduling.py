@@ -29,8 +29,9 @@ class Limits(Strict):
         1024 * 1024 * 1024,
         gt=0,
         description="Memory the proxy may hold for accepted requests not yet sent (their"
-        " parsed bodies, estimated as 6x their bytes: proxy/relay/budget.py); over it, new requests"
-        " get 503 at once. null: no bound.",
+        " bodies, estimated as 6x their bytes and reserved before they are read, and buffered"
+        " answers until sent: proxy/relay/budget.py); over it, new requests get 503 at once."
+        " null: no bound. With `serve --workers N`: the total, divided among the workers.",
     )
 
 

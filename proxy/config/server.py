@@ -33,7 +33,7 @@ class Server(Strict):
         gt=0,
         description="Open client connections on all listeners together; beyond it a new"
         " connection gets a canned 503 JSON with Retry-After and is closed before anything"
-        " is parsed.",
+        " is parsed. With `serve --workers N`: the port's total, divided among the workers.",
     )
     header_timeout_s: float = Field(
         10.0,

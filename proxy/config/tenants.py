@@ -36,7 +36,8 @@ class Tier(Strict):
     max_queue: int = Field(
         ge=0,
         description="Requests that may wait in the tier (queued plus waiting for a tenant"
-        " limit); beyond it: 429 `queue_full` at once.",
+        " limit); beyond it: 429 `queue_full` at once. With `serve --workers N`: the port's"
+        " total, divided among the workers.",
     )
     queue_timeout_s: float = Field(
         gt=0, description="Longest wait in the queue; then 503 `queue_timeout` with Retry-After."

@@ -88,6 +88,7 @@ class ConfigWatcher:
         interval_s: float = 1.0,
         debounce_s: float = 0.2,
         sleep: Sleep = asyncio.sleep,
+        transform: Callable[[LoadedConfig], LoadedConfig] | None = None,
     ) -> None:
         self.path = Path(path)
         self.prepare = prepare
@@ -96,6 +97,7 @@ class ConfigWatcher:
         self.interval_s = interval_s
         self.debounce_s = debounce_s
         self.sleep = sleep
+        self.transform = transform  # a worker's share of the bounds (proxy.ops.worker_share)
         self._digest = self._read()[1]
         self._task = OwnedTask("tierproxy-config-watcher")
         self._lock = asyncio.Lock()
@@ -172,6 +174,8 @@ class ConfigWatcher:
 
     def _load_and_prepare(self, data: bytes | None) -> tuple[LoadedConfig, Callable[[], object]]:
         loaded = self._load(data)
+        if self.transform is not None:
+            loaded = self.transform(loaded)
         return loaded, self.prepare(loaded)
 
     def _load(self, data: bytes | None) -> LoadedConfig:

@@ -1,7 +1,9 @@
 """`tierproxy serve --workers N`: N proxy processes on one port (SO_REUSEPORT: the kernel
 spreads new connections over them), and this owner process that starts them, restarts one that
 dies, forwards SIGHUP (reload) and stops them all on SIGTERM/SIGINT. With N > 1 the workers
-must share tenant limits, fairness and backend room: ``shared_state`` is required."""
+must share tenant limits, fairness and backend room: ``shared_state`` is required. The
+per-process bounds are divided among the workers (``proxy.ops.worker_share``): the port-wide
+totals are the config's, logged at start."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from types import FrameType
 
 from proxy.config.loader import ConfigError, load_config
 from proxy.ops.process import ManagedProcess
+from proxy.ops.worker_share import WorkerShare, shares_summary
 
 log = logging.getLogger("tierproxy.workers")
 
@@ -23,7 +26,8 @@ CHECK_EVERY_S = 0.2
 
 
 def check_workers(config_path: str, workers: int, port: int | None) -> None:
-    """Raises ConfigError when the config cannot run ``workers`` processes."""
+    """Raises ConfigError when the config cannot run ``workers`` processes; else logs how the
+    per-process bounds are shared among them."""
     loaded = load_config(config_path)
     problems = []
     if workers > 1 and loaded.config.shared_state is None:
@@ -36,6 +40,9 @@ def check_workers(config_path: str, workers: int, port: int | None) -> None:
         problems.append("--workers needs a fixed port (listen.port or --port), not 0")
     if problems:
         raise ConfigError(loaded.source, problems)
+    log.info("%d workers share the per-process bounds (port-wide totals as configured):", workers)
+    for line in shares_summary(loaded.config, workers):
+        log.info("  %s", line)
 
 
 class WorkerOwner:
@@ -52,7 +59,8 @@ class WorkerOwner:
         self._stop = threading.Event()
 
     def _spawn(self, slot: int) -> ManagedProcess:
-        proc = ManagedProcess(self.command, name=f"worker {slot}").start()
+        share = ["--worker-share", str(WorkerShare(slot, self.count))]
+        proc = ManagedProcess(self.command + share, name=f"worker {slot}").start()
         log.info("worker %d started (pid %s)", slot, proc.pid)
         return proc
 

@@ -22,6 +22,7 @@ from proxy.config.loader import ConfigError, load_config
 from proxy.config.schema import LoadedConfig
 from proxy.ops.reload import ConfigWatcher
 from proxy.ops.runtime import run, tune_gc, tune_logging
+from proxy.ops.worker_share import WorkerShare
 from proxy.scheduling.monitor import BackendMonitor
 from proxy.server.admin import AdminEndpoints
 from proxy.server.endpoints import ServiceEndpoints
@@ -43,6 +44,7 @@ def create_app(
     secret: bytes | None = None,
     clock: Callable[[], float] = time.monotonic,
     watch_config: bool = False,
+    transform: Callable[[LoadedConfig], LoadedConfig] | None = None,
 ) -> web.Application:
     """The proxy app; with ``watch_config``, the file in ``loaded.source`` is reloaded on SIGHUP
     and whenever it changes."""
@@ -77,6 +79,7 @@ def create_app(
             state.metrics,
             lambda: state.config,
             debounce_s=loaded.config.server.reload_debounce_s,
+            transform=transform,
         )
     app.cleanup_ctx.append(_lifecycle)
     pipeline, service, admin = state.pipeline, ServiceEndpoints(state), AdminEndpoints(state)
@@ -152,11 +155,27 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
 
 
 def serve(
-    config_path: str, *, host: str | None = None, port: int | None = None, reuse_port: bool = False
+    config_path: str,
+    *,
+    host: str | None = None,
+    port: int | None = None,
+    reuse_port: bool = False,
+    share: WorkerShare | None = None,
 ) -> None:
+    """``share``: this process is one of ``serve --workers N``; its bounds are its share."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     loaded = load_config(config_path)
-    app = create_app(loaded, watch_config=True)
+    transform = share.apply if share is not None else None
+    if share is not None:
+        loaded = share.apply(loaded)
+        log.info(
+            "worker %s: max_connections %d, max_held_bytes %s, max_queue %s",
+            share,
+            loaded.config.server.max_connections,
+            loaded.config.limits.max_held_bytes,
+            {name: tier.max_queue for name, tier in loaded.config.tiers.items()},
+        )
+    app = create_app(loaded, watch_config=True, transform=transform)
     open_files, _ = raise_open_files_limit()
     cap = loaded.config.server.max_connections
     if loaded.config.admin_listen is not None:

@@ -29,9 +29,10 @@ def example_keys() -> dict[str, str]:
 
 def config_with(spec: dict[str, str], admin: bool = False) -> str:
     tenant = {"name": "t", "tier": "high", "keys": [spec]}
-    extra = {"admin_keys": [spec]} if admin else {}
-    tenants = [tenant] if not admin else []
-    return yaml.safe_dump(make_config([{"url": "http://127.0.0.1:9"}], tenants=tenants, **extra))
+    config = make_config([{"url": "http://127.0.0.1:9"}], tenants=[] if admin else [tenant])
+    if admin:
+        config["admin_keys"] = [spec]
+    return yaml.safe_dump(config)
 
 
 def test_the_example_has_keys_to_refuse() -> None:
