@@ -13,6 +13,7 @@ import aiohttp
 from proxy.bench.inproc import serve_app
 from proxy.bench.null_upstream import NullUpstream
 from proxy.ops.process import free_port, http_ok
+from tests.adversarial.served.kit import RawClient
 from tests.redis_server import RedisServer
 from tests.shared.replicas import owner, post, replica_config
 
@@ -82,3 +83,41 @@ def test_more_than_one_worker_needs_shared_state(tmp_path: Path) -> None:
         assert "shared_state" in (tmp_path / "owner.log").read_text()
     finally:
         proc.stop()
+
+
+async def test_workers_share_the_connection_cap_so_the_port_admits_the_configured_total(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """16 idle connections against `server.max_connections: 10` over 2 workers: the port keeps
+    at most 10 open, however the kernel spreads them (each worker took all 10 before: 16 open).
+    The owner logs the totals and each worker's share at start."""
+    null = NullUpstream()
+    async with serve_app(null.app()) as url:
+        port = free_port()
+        config = replica_config(url, redis_server.url)
+        config["server"] = {"max_connections": 10, "header_timeout_s": 30}
+        proc = owner(config, tmp_path, port).start()
+        clients: list[RawClient] = []
+        try:
+            await asyncio.to_thread(
+                proc.wait_until, lambda: len(children(proc.pid or 0)) == 2, 60, "two workers"
+            )
+            log = tmp_path / "owner.log"
+            await asyncio.to_thread(
+                proc.wait_until,
+                lambda: log.read_text().count("tierproxy listening on") == 2,
+                60,
+                "both workers listening",
+            )
+            await asyncio.sleep(0.5)  # the probe's connection closed
+            for _ in range(16):
+                clients.append(await RawClient.connect("127.0.0.1", port))
+            closed = await asyncio.gather(*(c.closed_by_peer(2.0) for c in clients))
+            assert sum(not c for c in closed) <= 10, f"{sum(not c for c in closed)} kept open"
+            text = log.read_text()
+            assert "server.max_connections: 10 in all, 5 per worker" in text
+            assert text.count(": max_connections 5,") == 2  # each worker's own line
+        finally:
+            for client in clients:
+                client.close()
+            proc.stop()

@@ -1,0 +1,311 @@
+"""Issue 22's second list, against the process that serves (`tierproxy serve` on uvloop with
+aiohttp's C parser), each with realistic clients from the kit: a non-reader of a buffered
+answer, uploads in progress and the memory budget, tokenizer calls beside a better tier's
+chat, Responses usage in the usage log, /version under a flood, placeholder keys at start, and
+a reload of read-at-start sections. The in-process twins: tests/adversarial/test_held_answers.py,
+test_upload_budget.py, test_cheap_routes.py; tests/unit/test_usage_any_route.py,
+test_routes.py (version), test_placeholder_keys.py, test_reload.py."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import orjson
+import pytest
+import yaml
+from aiohttp import web
+
+from proxy.config.schema import hash_key
+from proxy.relay.budget import held_estimate
+from proxy.ticket import DEFAULT_SECRET_ENV
+from tests.adversarial.served.conftest import StartServed
+from tests.adversarial.served.kit import (
+    RawClient,
+    exchange,
+    json_request,
+    non_reader,
+    request_bytes,
+)
+from tests.adversarial.served.served import ServedProxy, ThreadedUpstream, served_config
+from tests.fakes_routes import RESPONSES_USAGE, RoutesBackend
+from tests.proxyrun import KEYS, SECRET
+
+BIG_ANSWER_BYTES = 900 * 1024  # held whole; loopback alone would swallow it
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+class Round2Backend(RoutesBackend):
+    """vLLM's routes (tests/fakes_routes.py); a chat whose ``user`` is "big" gets a 0.9 MiB
+    answer; the tokenizer routes wait at a gate that is never opened (a busy tokenizer)."""
+
+    def app(self) -> web.Application:
+        app = super().app()
+        app.router.add_get("/metrics", self._metrics)
+        return app
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def _answer(self, request: web.Request) -> web.StreamResponse:
+        if request.path == "/v1/chat/completions":
+            body = await request.json()
+            if body.get("user") == "big":
+                message = {"role": "assistant", "content": "z" * BIG_ANSWER_BYTES}
+                usage = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+                answer = {"object": "chat.completion", "choices": [{"message": message}]}
+                return web.json_response({**answer, "usage": usage}, dumps=_dumps)
+            if not body.get("stream"):
+                usage = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+                message = {"role": "assistant", "content": "ok"}
+                answer = {"object": "chat.completion", "choices": [{"message": message}]}
+                return web.json_response({**answer, "usage": usage})
+        return await super()._answer(request)
+
+
+def _dumps(value: object) -> str:
+    return orjson.dumps(value).decode()
+
+
+class Upstream(ThreadedUpstream):
+    def __init__(self) -> None:
+        self.routes = Round2Backend(tokenize_gate=asyncio.Event())
+        super().__init__(self.routes.app())
+
+
+@pytest.fixture(scope="module")
+def backend() -> Iterator[Upstream]:
+    """This module's fake backend (the served fixtures forward to it)."""
+    upstream = Upstream().start()
+    try:
+        yield upstream
+    finally:
+        upstream.stop()
+
+
+def chat(tier: str, body: dict[str, object] | None = None) -> bytes:
+    return json_request("/v1/chat/completions", body or CHAT, KEYS[tier])
+
+
+async def wait_for(test: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not test():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+# -- a. a non-reader of a buffered answer -------------------------------------------------------
+
+
+async def test_non_readers_of_buffered_answers_are_cut_and_their_memory_freed(
+    start_served: StartServed,
+) -> None:
+    # Four 0.9 MiB answers nearly fill a 4 MiB budget: held by non-readers, another tenant's
+    # 100 KB request (0.6 MB reserved) would get 503 proxy_memory_full.
+    proxy = start_served(
+        relay={"send_idle_timeout_s": 1, "buffer_response_bytes": 2 * 1024 * 1024},
+        limits={"max_held_bytes": 4 * 1024 * 1024},
+    )
+    mark = proxy.mark()
+    stalled = [
+        await non_reader(proxy.host, proxy.port, chat("normal", {**CHAT, "user": "big"}))
+        for _ in range(4)
+    ]
+    try:
+        await wait_for(
+            lambda: proxy.count(r"status=499 outcome=client_stalled", mark) == 4,
+            10,
+            "four non-readers cut at the send-idle timeout",
+        )
+        body = {**CHAT, "messages": [{"role": "user", "content": "x" * 100_000}]}
+        answer = await exchange(proxy.host, proxy.port, chat("high", body))
+        assert answer.status == 200, answer.body[:300]
+        for client in stalled:  # cut: the proxy closed them
+            assert await client.closed_by_peer(5)
+    finally:
+        for client in stalled:
+            client.close()
+    assert proxy.tracebacks(mark) == 0
+
+
+async def test_a_slow_but_steady_reader_of_a_buffered_answer_gets_it_whole(
+    start_served: StartServed,
+) -> None:
+    proxy = start_served(relay={"send_idle_timeout_s": 1, "buffer_response_bytes": 2 << 20})
+    client = await RawClient.connect(proxy.host, proxy.port)
+    try:
+        await client.send(chat("normal", {**CHAT, "user": "big"}))
+        answer = await client.read_response(30)
+        assert answer.status == 200 and len(answer.body) > BIG_ANSWER_BYTES
+    finally:
+        client.close()
+
+
+# -- b. uploads in progress are budgeted ------------------------------------------------------
+
+
+def upload_head(length: int) -> bytes:
+    return (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\n"
+        f"Authorization: Bearer {KEYS['normal']}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {length}\r\n\r\n"
+    ).encode()
+
+
+async def test_an_upload_in_progress_holds_its_place_in_the_memory_budget(
+    start_served: StartServed,
+) -> None:
+    upload = 1_000_000
+    proxy = start_served(limits={"max_held_bytes": held_estimate(upload) + 100_000})
+    body = {**CHAT, "messages": [{"role": "user", "content": "x" * 300_000}]}
+    slow = await RawClient.connect(proxy.host, proxy.port)
+    try:
+        await slow.send(upload_head(upload) + b'{"model": "tiny", ')  # and never the rest
+        refused = None
+        deadline = time.monotonic() + 5
+        while refused is None and time.monotonic() < deadline:
+            answer = await exchange(proxy.host, proxy.port, chat("high", body))
+            if answer.status == 503:
+                refused = answer
+            else:
+                assert answer.status == 200
+                await asyncio.sleep(0.05)
+        assert refused is not None, "the upload in progress was not budgeted"
+        assert refused.error_code() == "proxy_memory_full"
+    finally:
+        slow.close()
+    deadline = time.monotonic() + 5
+    while (answer := await exchange(proxy.host, proxy.port, chat("high", body))).status != 200:
+        assert time.monotonic() < deadline, "the upload's reservation was never released"
+        await asyncio.sleep(0.1)
+
+
+# -- c. tokenizer calls never delay a better tier's generation ---------------------------------
+
+
+async def test_low_tier_tokenize_calls_never_delay_a_high_tier_chat(
+    backend: Upstream, tmp_path: Path
+) -> None:
+    config = served_config(backend.url, admin=False, tiers={"high": {"queue_timeout_s": 3}})
+    config["backends"] = [{"url": backend.url, "max_inflight": 4}]  # 4 slots, 4 tokenizer calls
+    proxy = ServedProxy(config, tmp_path, name="tokenize").start()
+    try:
+        await _tokenize_then_chat(proxy, backend)
+    finally:
+        proxy.stop()
+
+
+async def _tokenize_then_chat(proxy: ServedProxy, backend: Upstream) -> None:
+    tokenize = json_request("/tokenize", {"model": "tiny", "prompt": "hi"}, KEYS["low"])
+    busy = []
+    try:
+        for _ in range(4):  # the backend's four slots, were they generation's
+            client = await RawClient.connect(proxy.host, proxy.port)
+            busy.append(client)
+            await client.send(tokenize)
+        await wait_for(lambda: backend.routes.tokenizing >= 4, 5, "four tokenizer calls")
+        started = time.monotonic()
+        answer = await exchange(proxy.host, proxy.port, chat("high"), timeout_s=10)
+        assert answer.status == 200, answer.body[:300]
+        assert time.monotonic() - started < 2
+    finally:
+        for client in busy:
+            client.close()
+
+
+# -- d. Responses usage billed ------------------------------------------------------------------
+
+
+async def test_responses_usage_is_in_the_usage_log(
+    start_served: StartServed, tmp_path: Path
+) -> None:
+    log = tmp_path / "usage.jsonl"
+    proxy = start_served(usage_log={"path": str(log)})
+    body = {"model": "tiny", "input": "hello", "max_output_tokens": 4}
+    for stream in (False, True):
+        request = json_request("/v1/responses", {**body, "stream": stream}, KEYS["high"])
+        answer = await exchange(proxy.host, proxy.port, request)
+        assert answer.status == 200
+
+    def records() -> list[dict[str, object]]:
+        text = log.read_text() if log.exists() else ""
+        return [orjson.loads(line) for line in text.splitlines()]
+
+    await wait_for(lambda: len(records()) == 2, 10, "two usage-log lines")
+    expected = (RESPONSES_USAGE["input_tokens"], RESPONSES_USAGE["output_tokens"])
+    assert [(r["prompt_tokens"], r["completion_tokens"]) for r in records()] == [expected] * 2
+
+
+# -- f. /version from a cache -------------------------------------------------------------------
+
+
+async def test_a_version_flood_costs_the_backends_one_call(
+    served: ServedProxy, backend: Upstream
+) -> None:
+    before = backend.routes.version_calls
+    request = request_bytes("GET", "/version")
+    answers = await asyncio.gather(
+        *(exchange(served.host, served.port, request) for _ in range(100))
+    )
+    assert {a.status for a in answers} == {200}
+    assert backend.routes.version_calls - before <= 1
+
+
+# -- e. placeholder keys refused at start ------------------------------------------------------
+
+
+def test_the_served_proxy_refuses_to_start_with_a_placeholder_key(
+    backend: Upstream, tmp_path: Path
+) -> None:
+    config = served_config(backend.url, admin=False)
+    config["tenants"].append(
+        {"name": "chat-app", "tier": "high", "keys": [{"env": "CHAT_APP_KEY"}]}
+    )
+    path = tmp_path / "proxy.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = {**os.environ, DEFAULT_SECRET_ENV: SECRET.decode(), "CHAT_APP_KEY": "change-me"}
+    command = [sys.executable, "-m", "proxy.cli", "serve", "-c", str(path)]
+    with subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ) as proc:
+        try:
+            out, _ = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+    assert proc.returncode != 0
+    assert "CHAT_APP_KEY" in out and "placeholder" in out
+
+
+# -- g. a reload names every read-at-start section -----------------------------------------------
+
+
+async def test_a_reload_names_every_read_at_start_section_it_cannot_apply(
+    start_served: StartServed, tmp_path: Path
+) -> None:
+    proxy = start_served()
+    mark = proxy.mark()
+    config = dict(proxy.config)
+    config["shared_state"] = {"url": "redis://127.0.0.1:1/0"}
+    config["usage_log"] = {"path": str(tmp_path / "usage.jsonl")}
+    config["tenants"] = [
+        *config["tenants"],
+        {"name": "added", "tier": "low", "keys": [{"sha256": hash_key("added-key")}]},
+    ]
+    new = proxy.config_path.with_suffix(".new")
+    new.write_text(yaml.safe_dump(config))
+    new.rename(proxy.config_path)
+    await wait_for(lambda: proxy.count("config reloaded", mark) >= 1, 15, "the reload")
+    for name in ("shared_state", "usage_log"):
+        assert proxy.count(f"{name} changed; it takes effect only after a restart", mark) == 1
+    answer = await exchange(
+        proxy.host, proxy.port, json_request("/v1/chat/completions", CHAT, "added-key")
+    )
+    assert answer.status == 200  # the rest of the file is in force
