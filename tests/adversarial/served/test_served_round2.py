@@ -21,7 +21,7 @@ import pytest
 import yaml
 from aiohttp import web
 
-from proxy.config.schema import hash_key
+from proxy.config.tenants import hash_key
 from proxy.relay.budget import held_estimate
 from proxy.ticket import DEFAULT_SECRET_ENV
 from tests.adversarial.served.conftest import StartServed
