@@ -29,7 +29,6 @@ class HeldResponse(web.Response):
     ) -> None:
         super().__init__(status=status, body=body, headers=headers)
         self.held = held
-        self._payload = body
         self._sent_in_slices = False
         weakref.finalize(self, held.release)
 
@@ -38,12 +37,21 @@ class HeldResponse(web.Response):
         (the connection is aborted) or a connection error. The reservation is released either
         way: the bytes are on their way out or will never be."""
         sender = ClientSender(request, math.inf, idle_s)
-        body, self._sent_in_slices = self._payload, True
         try:
             await sender.prepare(self)
-            for start in range(0, len(body), SLICE_BYTES):
-                await sender.write(self, body[start : start + SLICE_BYTES])
-            await sender.finish(self)
+            # Read after prepare: its hooks may have replaced the body (proxy.server.json_errors
+            # rewrites a backend's non-JSON error), and the Content-Length sent is the new one.
+            body = self.body
+            writer = self._payload_writer
+            if isinstance(body, bytes | bytearray) and writer is not None:
+                # aiohttp fixed the writer's length before the hooks ran; the headers sent carry
+                # the body's length now (a hook that replaces the body sets it).
+                if writer.length is not None:
+                    writer.length = len(body)
+                self._sent_in_slices = True
+                for start in range(0, len(body), SLICE_BYTES):
+                    await sender.write(self, bytes(body[start : start + SLICE_BYTES]))
+            await sender.finish(self)  # a body of another kind: written whole by write_eof
         finally:
             self.held.release()
 

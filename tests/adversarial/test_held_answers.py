@@ -11,13 +11,14 @@ import logging
 import socket
 from collections.abc import AsyncIterator
 
+import aiohttp
 import orjson
 import pytest
 from aiohttp import web
 
 from tests.adversarial.test_relay_faults import FaultyBackend, config_for, requests_total
 from tests.clock import FakeClock
-from tests.proxyrun import auth, until
+from tests.proxyrun import auth, running_proxy, until
 from tests.unit.test_pipeline import BODY, rig
 
 ANSWER_BYTES = 900 * 1024  # held whole (under buffer_response_bytes), too big for loopback
@@ -89,3 +90,22 @@ async def test_a_reader_of_a_held_answer_gets_it_whole(clock: FakeClock) -> None
             assert await resp.read() == big_completion()
             assert r.state.budget.held == 0
             assert requests_total(r, "ok") == 1
+
+
+async def plain_404(request: web.Request, n: int) -> web.StreamResponse:
+    return web.Response(status=404, text="404: Not Found")
+
+
+async def test_a_held_answer_whose_body_a_prepare_hook_replaces_arrives_whole() -> None:
+    """The app's hook rewrites a backend's plain-text error into OpenAI JSON while the answer
+    is prepared: the held answer's slices are the new body, as long as its Content-Length."""
+    backend = FaultyBackend(plain_404)
+    async with (
+        backend.serve() as url,
+        running_proxy(config_for(url)) as (base, _),
+        aiohttp.ClientSession() as session,
+        session.post(base + "/v1/chat/completions", json=BODY, headers=auth("normal")) as resp,
+    ):
+        body = await resp.json()
+        assert resp.status == 404
+        assert body["error"]["message"] == "404: Not Found"
