@@ -40,6 +40,8 @@ class EngineFarm:
         self.live: OrderedDict[tuple[object, ...], EngineProcess] = OrderedDict()
         self.used_by_current_test: list[EngineProcess] = []
         self.started = 0
+        # (setting name, seconds from start to ready) per engine started: the suite's main cost.
+        self.starts: list[tuple[str, float]] = []
 
     def model_dir(self) -> Path:
         from proxy.ops.tiny_model import make_tiny_model
@@ -78,9 +80,11 @@ class EngineFarm:
                 cpus=engine_cores(),  # off the core of this process, which runs the proxy
             )
             self.started += 1
+            t0 = time.monotonic()
             engine = EngineProcess(spec, self.log_dir / f"vllm-{name}-{spec.port}.log").start()
             self.live[key] = engine
             engine.wait_ready()
+            self.starts.append((name, time.monotonic() - t0))
         self.live.move_to_end(key)
         self.used_by_current_test.append(engine)
         return engine
@@ -103,6 +107,16 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineFarm]:
         yield farm
     finally:
         farm.stop_all()
+        _report_starts(farm)
+
+
+def _report_starts(farm: EngineFarm) -> None:
+    lines = [f"{name}\t{seconds:.1f}" for name, seconds in farm.starts]
+    total = sum(seconds for _, seconds in farm.starts)
+    summary = f"vLLM engine starts: {len(farm.starts)}, {total:.0f} s to ready in all"
+    farm.log_dir.mkdir(parents=True, exist_ok=True)
+    (farm.log_dir / "starts.tsv").write_text("\n".join([*lines, summary, ""]))
+    print(f"\n{summary} ({farm.log_dir / 'starts.tsv'})")
 
 
 @pytest.hookimpl(wrapper=True)
