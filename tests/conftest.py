@@ -1,27 +1,38 @@
 """Shared fixtures: real stock vLLM servers (CPU build, tiny model) started by the suite.
 
-Engines are started once per distinct setting and shared across tests; at most
-``MAX_LIVE_ENGINES`` (4) run at once (each holds ~3 GB; the suite needs 4), the least recently used one is stopped
-to make room. Every engine logs to a file; when a test fails, the tails of the logs of the
-engines it used are printed. All engines are stopped by PID at the end, also on Ctrl-C.
+A test module names the engines it uses with ``pytest.mark.engines(CORE, ...)`` (settings in
+tests/engines.py). The collection is reordered so that each setting starts once, during tests
+that need no engine (tests/engineplan.py), and the farm (tests/enginefarm.py) starts, shares
+and stops them: at most ``TIERPROXY_TEST_MAX_ENGINES`` (3) live, each ~3 GB. Every engine logs
+to a file; when a test fails, the tails of the logs of the engines it used are printed. All
+engines are stopped by PID at the end, also on Ctrl-C. The starts (how many, seconds to ready,
+seconds tests waited) are printed at the end and written to the log folder's starts.tsv.
 """
 
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import os
 import time
-from collections import OrderedDict
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Generator, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
-from proxy.ops.engine import EngineProcess, EngineSpec, engine_cores, free_port, spread_cores, tail
+from proxy.ops.engine import tail
+from tests.enginefarm import EngineFarm
+from tests.engineplan import order
+
+if TYPE_CHECKING:  # the settings import the proxy's app: only the engine tests load them
+    from tests.engines import EngineSetting
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_MODEL_DIR = REPO / ".tierproxy" / "tiny-model"
-MAX_LIVE_ENGINES = int(os.environ.get("TIERPROXY_TEST_MAX_ENGINES", "4"))
+MAX_LIVE_ENGINES = int(os.environ.get("TIERPROXY_TEST_MAX_ENGINES", "3"))
+_FARM = pytest.StashKey[EngineFarm]()
+_POSITION = pytest.StashKey[int]()
 
 
 def _engines_available() -> bool:
@@ -32,91 +43,83 @@ def _engines_available() -> bool:
     return True
 
 
-class EngineFarm:
-    """Starts and caches real vLLM servers keyed by their settings."""
+def _model_dir() -> Path:
+    from proxy.ops.tiny_model import make_tiny_model
 
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
-        self.live: OrderedDict[tuple[object, ...], EngineProcess] = OrderedDict()
-        self.used_by_current_test: list[EngineProcess] = []
-        self.started = 0
-        # (setting name, seconds from start to ready) per engine started: the suite's main cost.
-        self.starts: list[tuple[str, float]] = []
+    return make_tiny_model(TINY_MODEL_DIR)
 
-    def model_dir(self) -> Path:
-        from proxy.ops.tiny_model import make_tiny_model
 
-        return make_tiny_model(TINY_MODEL_DIR)
+def _needs(item: pytest.Item) -> frozenset[EngineSetting]:
+    return frozenset(s for mark in item.iter_markers("engines") for s in mark.args)
 
-    def get(
-        self,
-        name: str,
-        *,
-        max_num_seqs: int = 4,
-        plugin: bool = False,
-        extra_args: Sequence[str] = (),
-        env: dict[str, str] | None = None,
-        fresh: bool = False,
-    ) -> EngineProcess:
-        key = (name, max_num_seqs, plugin, tuple(extra_args), tuple(sorted((env or {}).items())))
-        engine = self.live.get(key)
-        if engine is not None and (fresh or not engine.alive()):
-            engine.stop()
-            del self.live[key]
-            engine = None
-        if engine is None:
-            while len(self.live) >= MAX_LIVE_ENGINES:
-                _, oldest = self.live.popitem(last=False)
-                oldest.stop()
-            spec = EngineSpec(
-                port=free_port(),
-                model=str(self.model_dir()),
-                served_name="tiny",
-                max_num_seqs=max_num_seqs,
-                plugin=plugin,
-                extra_args=extra_args,
-                env=env or {},
-                cpu_bind=spread_cores(self.started),
-                cpus=engine_cores(),  # off the core of this process, which runs the proxy
-            )
-            self.started += 1
-            t0 = time.monotonic()
-            engine = EngineProcess(spec, self.log_dir / f"vllm-{name}-{spec.port}.log").start()
-            self.live[key] = engine
-            engine.wait_ready()
-            self.starts.append((name, time.monotonic() - t0))
-        self.live.move_to_end(key)
-        self.used_by_current_test.append(engine)
-        return engine
 
-    def stop_all(self) -> None:
-        while self.live:
-            _, engine = self.live.popitem()
-            engine.stop()
+@pytest.hookimpl(trylast=True)  # after -k/-m deselection
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Modules reordered (each kept whole) so that engines start once, ahead of their tests."""
+    modules: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    units = list(modules.values())
+    needs = [frozenset().union(*map(_needs, unit)) for unit in units]
+    if not any(needs):
+        return
+    weights = [len(unit) for unit in units]
+    items[:] = [item for i in order(needs, weights, MAX_LIVE_ENGINES) for item in units[i]]
+
+
+def _farm(config: pytest.Config) -> EngineFarm:
+    farm = config.stash.get(_FARM, None)
+    if farm is None:
+        # Not under pytest's basetemp: concurrent pytest runs prune each other's basetemp dirs.
+        stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        farm = EngineFarm(REPO / ".tierproxy" / "test-logs" / stamp, _model_dir, MAX_LIVE_ENGINES)
+        atexit.register(farm.stop_all)  # also on interpreter exit after Ctrl-C
+        config.stash[_FARM] = farm
+    return farm
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    plan = [_needs(item) for item in session.items]
+    if not any(plan) or importlib.util.find_spec("vllm") is None:
+        return  # the engines fixture says why, in the first test that asks
+    for position, item in enumerate(session.items):
+        item.stash[_POSITION] = position
+    _farm(session.config).follow(plan)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    farm = item.config.stash.get(_FARM, None)
+    position = item.stash.get(_POSITION, None)
+    if farm is not None and position is not None:
+        farm.advance(position)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    farm = session.config.stash.get(_FARM, None)
+    if farm is None:
+        return
+    farm.stop_all()
+    if farm.starts:
+        farm.log_dir.mkdir(parents=True, exist_ok=True)
+        (farm.log_dir / "starts.tsv").write_text(farm.report())
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    farm = terminalreporter.config.stash.get(_FARM, None)
+    if farm is not None and farm.starts:
+        terminalreporter.write_line(f"{farm.summary()} ({farm.log_dir / 'starts.tsv'})")
 
 
 @pytest.fixture(scope="session")
-def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineFarm]:
+def engines(pytestconfig: pytest.Config) -> Iterator[EngineFarm]:
     if not _engines_available():
         pytest.fail("vLLM is not installed: run `make test`, which installs the engine extra")
-    # Not under pytest's basetemp: concurrent pytest runs prune each other's basetemp dirs.
-    log_dir = REPO / ".tierproxy" / "test-logs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-    farm = EngineFarm(log_dir)
-    atexit.register(farm.stop_all)  # also on interpreter exit after Ctrl-C
+    farm = _farm(pytestconfig)
     try:
         yield farm
     finally:
         farm.stop_all()
-        _report_starts(farm)
-
-
-def _report_starts(farm: EngineFarm) -> None:
-    lines = [f"{name}\t{seconds:.1f}" for name, seconds in farm.starts]
-    total = sum(seconds for _, seconds in farm.starts)
-    summary = f"vLLM engine starts: {len(farm.starts)}, {total:.0f} s to ready in all"
-    farm.log_dir.mkdir(parents=True, exist_ok=True)
-    (farm.log_dir / "starts.tsv").write_text("\n".join([*lines, summary, ""]))
-    print(f"\n{summary} ({farm.log_dir / 'starts.tsv'})")
 
 
 @pytest.hookimpl(wrapper=True)
@@ -163,4 +166,7 @@ def _dump_asyncio_tasks(signum: int, frame: object) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     import signal
 
+    config.addinivalue_line(
+        "markers", "engines(*settings): the vLLM engines (tests/engines.py) the tests use"
+    )
     signal.signal(signal.SIGUSR1, _dump_asyncio_tasks)

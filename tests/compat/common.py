@@ -14,12 +14,11 @@ import prometheus_client
 from proxy.ops.engine import EngineProcess
 from proxy.server.state import ProxyState
 from proxy.telemetry import prometheus
-from tests.conftest import TINY_MODEL_DIR, EngineFarm
+from tests.conftest import TINY_MODEL_DIR
+from tests.enginefarm import EngineFarm
+from tests.engines import LONG_CONTEXT
 from tests.proxyrun import KEYS, make_config, running_proxy
 
-# The same engine settings as tests/integration/test_proxy_core.py: one engine for both.
-ENGINE_NAME = "proxy-core"
-LONG = ("--max-model-len", "16384")
 MODEL = "tiny"
 TOKENIZER_DIR = TINY_MODEL_DIR
 # Fields whose values differ between any two calls, whoever serves them.
@@ -27,7 +26,8 @@ VOLATILE = frozenset({"id", "created", "created_at", "system_fingerprint"})
 
 
 def engine(engines: EngineFarm) -> EngineProcess:
-    return engines.get(ENGINE_NAME, extra_args=LONG)
+    """The engine the compatibility tests share with tests/integration/test_proxy_core.py."""
+    return engines.get(LONG_CONTEXT)
 
 
 @dataclass

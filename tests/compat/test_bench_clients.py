@@ -15,9 +15,11 @@ import aiohttp
 import pytest
 
 from tests.compat.common import MODEL, TOKENIZER_DIR, Sides, engine, sides
-from tests.conftest import REPO, EngineFarm
+from tests.conftest import REPO
+from tests.enginefarm import EngineFarm
+from tests.engines import LONG_CONTEXT
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.engines(LONG_CONTEXT)]
 TOOLS_BIN = REPO / ".tierproxy" / "tools-venv" / "bin"
 PROMPTS = 8
 INPUT_LEN = 32

@@ -10,16 +10,16 @@ from collections.abc import AsyncIterator
 import pytest
 
 from tests.compat.common import MODEL, Sides, dump, shape, sides
-from tests.conftest import EngineFarm
+from tests.enginefarm import EngineFarm
+from tests.engines import EMBED
 
-pytestmark = pytest.mark.integration
-POOLING = ("--runner", "pooling", "--convert", "embed")
+pytestmark = [pytest.mark.integration, pytest.mark.engines(EMBED)]
 INPUTS = ["hello there", "a second, longer sentence to embed"]
 
 
 @pytest.fixture
 async def both(engines: EngineFarm) -> AsyncIterator[Sides]:
-    async with sides(engines.get("compat-embed", extra_args=POOLING)) as s:
+    async with sides(engines.get(EMBED)) as s:
         yield s
 
 

@@ -28,10 +28,11 @@ from tests.compat.common import (
     summarize_chunks,
     without_volatile,
 )
-from tests.conftest import EngineFarm
+from tests.enginefarm import EngineFarm
+from tests.engines import LONG_CONTEXT
 from tests.proxyrun import make_config, until
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.engines(LONG_CONTEXT)]
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say something."}]
 # Greedy decoding: the same answer from the same engine, whoever asks.
 GREEDY: dict[str, Any] = {"temperature": 0, "seed": 1, "max_tokens": 12}

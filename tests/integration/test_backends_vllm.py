@@ -12,11 +12,12 @@ import orjson
 import pytest
 
 from proxy.relay import sse
-from tests.conftest import EngineFarm
+from tests.enginefarm import EngineFarm
+from tests.engines import CORE, PAIR_B
 from tests.fakes import dies_mid_stream_backend, hung_backend
 from tests.proxyrun import auth, make_config, running_proxy, until
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.engines(CORE, PAIR_B)]
 TIMEOUT = aiohttp.ClientTimeout(total=180)
 
 
@@ -58,7 +59,7 @@ async def _call(
 async def test_load_spreads_evenly_and_by_room(engines: EngineFarm) -> None:
     """Waves of half the total room: each wave is placed by the meter alone (no slot frees
     mid-wave), so the split shows the choice, not the two engines' relative speed."""
-    a, b = engines.get("core"), engines.get("pair-b")
+    a, b = engines.get(CORE), engines.get(PAIR_B)
     for caps, want_a in (((4, 4), 0.5), ((2, 6), 0.25)):
         cfg = make_config(
             [
@@ -77,8 +78,8 @@ async def test_load_spreads_evenly_and_by_room(engines: EngineFarm) -> None:
 
 
 async def test_killed_backend_loses_nothing_and_comes_back(engines: EngineFarm) -> None:
-    a = engines.get("core")
-    b = engines.get("pair-b")
+    a = engines.get(CORE)
+    b = engines.get(PAIR_B)
     cfg = make_config(
         [{"url": a.spec.url, "max_inflight": 4}, {"url": b.spec.url, "max_inflight": 4}],
         backend_health={"health_interval_s": 0.5, "eject_base_s": 0.5, "ramp_s": 1.0},
@@ -117,7 +118,7 @@ async def test_killed_backend_loses_nothing_and_comes_back(engines: EngineFarm) 
 
 
 async def test_hung_backend_is_ejected_by_probe_timeout(engines: EngineFarm) -> None:
-    real = engines.get("core")
+    real = engines.get(CORE)
     async with hung_backend() as hung_url:
         cfg = make_config(
             [{"url": hung_url, "max_inflight": 4}, {"url": real.spec.url, "max_inflight": 4}],
@@ -152,7 +153,7 @@ async def test_refused_connection_before_first_byte_is_retried_elsewhere(
 ) -> None:
     from proxy.ops.engine import free_port
 
-    real = engines.get("core")
+    real = engines.get(CORE)
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     cfg = make_config(
         [{"url": dead, "max_inflight": 8}, {"url": real.spec.url, "max_inflight": 1}],
@@ -170,7 +171,7 @@ async def test_refused_connection_before_first_byte_is_retried_elsewhere(
 async def test_admin_drain_lets_inflight_finish_and_sends_no_new_work(engines: EngineFarm) -> None:
     from proxy.config.tenants import hash_key
 
-    a, b = engines.get("core"), engines.get("pair-b")
+    a, b = engines.get(CORE), engines.get(PAIR_B)
     cfg = make_config(
         [{"url": a.spec.url, "max_inflight": 2}, {"url": b.spec.url, "max_inflight": 2}],
         admin_keys=[{"sha256": hash_key("admin-secret")}],

@@ -16,9 +16,10 @@ from proxy.bench.proxy_config import proxy_config, write_proxy_config
 from proxy.bench.scenario import load_scenario
 from proxy.bench.stack import ProxyProcess
 from proxy.ops.engine import EngineProcess, free_port
-from tests.conftest import EngineFarm
+from tests.enginefarm import EngineFarm
+from tests.engines import CORE
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.engines(CORE)]
 
 SCENARIO = """
 name: smoke
@@ -38,7 +39,7 @@ tenants:
 def engine(engines: EngineFarm) -> EngineProcess:
     """The shared tiny engine; started here so that its start-up counts as setup, not as the
     smoke run."""
-    return engines.get("core")
+    return engines.get(CORE)
 
 
 def test_bench_direct_and_through_the_proxy(engine: EngineProcess, tmp_path: Path) -> None:

@@ -10,9 +10,10 @@ import orjson
 import pytest
 
 from proxy.relay import sse
-from tests.conftest import EngineFarm
+from tests.enginefarm import EngineFarm
+from tests.engines import CORE
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.engines(CORE)]
 TIMEOUT = aiohttp.ClientTimeout(total=60)
 
 
@@ -21,7 +22,7 @@ async def _sse(resp: aiohttp.ClientResponse) -> list[dict[str, Any]]:
 
 
 async def test_chat_and_completions_shapes_and_counts(engines: EngineFarm) -> None:
-    url = engines.get("core").spec.url
+    url = engines.get(CORE).spec.url
     async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
         chat = {
             "model": "tiny",

@@ -18,11 +18,13 @@ import aiohttp
 import pytest
 
 from proxy.config.tenants import hash_key
-from tests.conftest import REPO, EngineFarm
+from tests.conftest import REPO
 from tests.dashboard import exposed_names, queried_names
+from tests.enginefarm import EngineFarm
+from tests.engines import CORE
 from tests.proxyrun import KEYS, auth, make_config, running_proxy
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.engines(CORE)]
 ADMIN_KEY = "live-view-admin-key"
 TIMEOUT = aiohttp.ClientTimeout(total=60)
 # The last good screen, for docs/live-view.md (the test-logs folder is not in git).
@@ -114,7 +116,7 @@ def _screen_is_complete(screen: str) -> bool:
 async def test_top_in_a_terminal_shows_tiers_tenants_and_backends(
     engines: EngineFarm, tmp_path: Path
 ) -> None:
-    engine = engines.get("core")
+    engine = engines.get(CORE)
     tenants: list[dict[str, Any]] = [
         {"name": f"tenant-{tier}", "tier": tier, "keys": [{"sha256": hash_key(key)}]}
         for tier, key in KEYS.items()

@@ -14,20 +14,19 @@ from typing import BinaryIO
 import pytest
 
 from proxy.bench.plugin import scenarios as sc
-from proxy.bench.plugin.requests import ENGINE_ARGS, LOW_TOKENS
+from proxy.bench.plugin.requests import LOW_TOKENS
 from proxy.ops.engine import EngineProcess
-from tests.conftest import EngineFarm
+from tests.enginefarm import EngineFarm
+from tests.engines import PLUGIN_ON, PLUGIN_SECRET, PLUGIN_STOCK
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.engines(PLUGIN_STOCK, PLUGIN_ON)]
 
-SECRET = "plugin-test-secret-of-at-least-32-bytes"
-ENV = {"TIERPROXY_TICKET_SECRET": SECRET, "TIERPROXY_PLUGIN_STATS_INTERVAL_S": "1"}
-KEY = SECRET.encode()
+KEY = PLUGIN_SECRET.encode()
 
 
 @pytest.fixture(scope="module")
 def stock(engines: EngineFarm) -> EngineProcess:
-    return engines.get("plugin-stock", plugin=False, extra_args=ENGINE_ARGS, env=ENV)
+    return engines.get(PLUGIN_STOCK)
 
 
 # Read handles on the plugin engines' logs, opened as soon as the engine is: a concurrent
@@ -37,7 +36,7 @@ _LOGS: dict[str, BinaryIO] = {}
 
 @pytest.fixture(scope="module")
 def plugin(engines: EngineFarm) -> EngineProcess:
-    engine = engines.get("plugin-on", plugin=True, extra_args=ENGINE_ARGS, env=ENV)
+    engine = engines.get(PLUGIN_ON)
     if engine.spec.url not in _LOGS and engine.log_path is not None:
         _LOGS[engine.spec.url] = engine.log_path.open("rb")
     return engine

@@ -15,14 +15,14 @@ from proxy.bench.scrape import wait_idle
 from proxy.config.tenants import hash_key
 from proxy.relay import sse
 from proxy.telemetry import prometheus
-from tests.conftest import EngineFarm
+from tests.enginefarm import EngineFarm
+from tests.engines import LONG_CONTEXT
 from tests.proxyrun import auth, make_config, running_proxy, until
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.engines(LONG_CONTEXT)]
 # The tiny model's whole context: a "long" request then holds its slot for 15 s or more even on
 # a quiet machine (the tiny model generates ~900 tokens/s), so tests do not race it. Tests
 # close such holders rather than wait for them.
-LONG = ("--max-model-len", "16384")
 LONG_TOKENS = 16000
 TIMEOUT = aiohttp.ClientTimeout(total=120)
 
@@ -78,7 +78,7 @@ async def _stream_timed(
 
 
 async def test_high_tier_overtakes_40_queued_low_requests(engines: EngineFarm) -> None:
-    engine = engines.get("proxy-core", extra_args=LONG)
+    engine = engines.get(LONG_CONTEXT)
     cfg = make_config([{"url": engine.spec.url, "max_inflight": 4}])
     async with running_proxy(cfg) as (base, state), aiohttp.ClientSession(timeout=TIMEOUT) as s:
         lows = [
@@ -101,7 +101,7 @@ async def test_high_tier_overtakes_40_queued_low_requests(engines: EngineFarm) -
 async def test_queue_full_is_an_immediate_429_and_no_tenant_locks_others_out(
     engines: EngineFarm,
 ) -> None:
-    engine = engines.get("proxy-core", extra_args=LONG)
+    engine = engines.get(LONG_CONTEXT)
     tenants = make_config([])["tenants"] + [
         {"name": "batch-b", "tier": "low", "keys": [{"sha256": hash_key("key-batch-b")}]}
     ]
@@ -152,7 +152,7 @@ async def test_queue_full_is_an_immediate_429_and_no_tenant_locks_others_out(
 
 
 async def test_queue_timeout_503_and_execution_timeout_504(engines: EngineFarm) -> None:
-    engine = engines.get("proxy-core", extra_args=LONG)
+    engine = engines.get(LONG_CONTEXT)
     cfg = make_config(
         [{"url": engine.spec.url, "max_inflight": 1}],
         tiers={"low": {"queue_timeout_s": 0.5, "request_timeout_s": 0.5}},
@@ -198,7 +198,7 @@ async def test_queue_timeout_503_and_execution_timeout_504(engines: EngineFarm) 
 
 
 async def test_client_leaving_mid_stream_or_in_queue_frees_everything(engines: EngineFarm) -> None:
-    engine = engines.get("proxy-core", extra_args=LONG)
+    engine = engines.get(LONG_CONTEXT)
     cfg = make_config([{"url": engine.spec.url, "max_inflight": 1}])
     async with running_proxy(cfg) as (base, state), aiohttp.ClientSession(timeout=TIMEOUT) as s:
         before = await _finished_when_idle(s, engine.spec.url)
@@ -231,7 +231,7 @@ async def test_client_leaving_mid_stream_or_in_queue_frees_everything(engines: E
 
 
 async def test_openai_sdk_works_unchanged_and_sees_retryable_errors(engines: EngineFarm) -> None:
-    engine = engines.get("proxy-core", extra_args=LONG)
+    engine = engines.get(LONG_CONTEXT)
     cfg = make_config(
         [{"url": engine.spec.url, "max_inflight": 1}],
         tiers={"low": {"max_queue": 1, "queue_timeout_s": 3}},
@@ -296,7 +296,7 @@ async def test_openai_sdk_works_unchanged_and_sees_retryable_errors(engines: Eng
 
 
 async def test_bad_input_and_unknown_paths(engines: EngineFarm) -> None:
-    engine = engines.get("proxy-core", extra_args=LONG)
+    engine = engines.get(LONG_CONTEXT)
     cfg = make_config(
         [{"url": engine.spec.url, "max_inflight": 4}], limits={"max_body_bytes": 2000}
     )

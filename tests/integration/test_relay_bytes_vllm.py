@@ -12,11 +12,12 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.conftest import EngineFarm
-from tests.integration.test_proxy_core import LONG, TIMEOUT
+from tests.enginefarm import EngineFarm
+from tests.engines import LONG_CONTEXT
 from tests.proxyrun import auth, make_config, running_proxy
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.engines(LONG_CONTEXT)]
+TIMEOUT = aiohttp.ClientTimeout(total=120)
 _PER_REQUEST = re.compile(rb'"id":"[^"]*"|"created":\d+')
 
 
@@ -25,7 +26,7 @@ def _same_but_fresh_ids(body: bytes) -> bytes:
 
 
 async def test_the_client_gets_vllms_bytes(engines: EngineFarm) -> None:
-    engine = engines.get("proxy-core", extra_args=LONG)
+    engine = engines.get(LONG_CONTEXT)
     cfg = make_config([{"url": engine.spec.url, "max_inflight": 4}])
     base_body = {
         "model": "tiny",

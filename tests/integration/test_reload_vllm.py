@@ -12,10 +12,11 @@ import pytest
 import yaml
 
 from proxy.server.state import ProxyState
-from tests.conftest import EngineFarm
+from tests.enginefarm import EngineFarm
+from tests.engines import CORE
 from tests.proxyrun import KEYS, auth, make_config, running_proxy, until
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.engines(CORE)]
 TIMEOUT = aiohttp.ClientTimeout(total=180)
 BODY = {
     "model": "tiny",
@@ -37,7 +38,7 @@ async def _reloaded(state: ProxyState, after: float) -> float:
 async def test_edits_during_load_apply_atomically_and_broken_file_changes_nothing(
     engines: EngineFarm, tmp_path: Path
 ) -> None:
-    engine = engines.get("core")
+    engine = engines.get(CORE)
     path = tmp_path / "tierproxy.yaml"
     cfg = make_config([{"url": engine.spec.url, "max_inflight": 4}])
     async with (

@@ -15,15 +15,13 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy.ops.engine import POOLING_ARGS, EngineProcess
-from proxy.ticket import DEFAULT_SECRET_ENV
-from proxy.vllm_plugin.settings import ENV_REQUIRE_TICKET
-from tests.conftest import EngineFarm
-from tests.proxyrun import SECRET, auth, make_config, running_proxy
+from proxy.ops.engine import EngineProcess
+from tests.enginefarm import EngineFarm
+from tests.engines import CORE, POOLING_TICKETED
+from tests.proxyrun import auth, make_config, running_proxy
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.engines(POOLING_TICKETED, CORE)]
 TIMEOUT = aiohttp.ClientTimeout(total=60)
-TICKETED_ENV = {DEFAULT_SECRET_ENV: SECRET.decode(), ENV_REQUIRE_TICKET: "1"}
 
 POOLING_CALLS: dict[str, dict[str, Any]] = {
     "/v1/embeddings": {"model": "tiny", "input": ["hello world", "the fox"]},
@@ -38,7 +36,7 @@ POOLING_CALLS: dict[str, dict[str, Any]] = {
 
 @pytest.fixture(scope="module")
 def pooling(engines: EngineFarm) -> EngineProcess:
-    return engines.get("pooling", plugin=True, extra_args=POOLING_ARGS, env=TICKETED_ENV)
+    return engines.get(POOLING_TICKETED)
 
 
 @pytest.fixture
@@ -73,7 +71,7 @@ async def test_pooling_routes_carry_tickets_that_verify(
 async def test_responses_tokenizer_and_probes_as_direct(
     engines: EngineFarm, session: aiohttp.ClientSession
 ) -> None:
-    direct = engines.get("core").spec.url
+    direct = engines.get(CORE).spec.url
     body = {"model": "tiny", "input": "hello", "max_output_tokens": 6, "temperature": 0}
     async with running_proxy(make_config([{"url": direct}])) as (base, state):
 

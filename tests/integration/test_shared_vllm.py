@@ -12,10 +12,11 @@ import aiohttp
 import pytest
 
 from proxy.bench.redis_server import RedisServer
-from tests.conftest import EngineFarm
+from tests.enginefarm import EngineFarm
+from tests.engines import CORE
 from tests.proxyrun import auth, make_config, running_proxy
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.engines(CORE)]
 TIMEOUT = aiohttp.ClientTimeout(total=180)
 ROOM = 3
 GAUGE = re.compile(r"^vllm:num_requests_(running|waiting)\{[^}]*\} ([0-9.e+]+)$", re.M)
@@ -30,7 +31,7 @@ async def engine_load(s: aiohttp.ClientSession, url: str) -> float:
 async def test_two_replicas_never_run_more_than_the_engines_room(
     engines: EngineFarm, tmp_path: Path
 ) -> None:
-    engine = engines.get("core")
+    engine = engines.get(CORE)
     if not RedisServer.available():
         pytest.skip("redis-server is not installed (make test installs it)")
     redis = RedisServer(tmp_path)

@@ -9,10 +9,11 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.conftest import EngineFarm
+from tests.enginefarm import EngineFarm
+from tests.engines import CORE
 from tests.proxyrun import auth, make_config, running_proxy
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.engines(CORE)]
 TIMEOUT = aiohttp.ClientTimeout(total=60)
 BODY: dict[str, Any] = {
     "model": "tiny",
@@ -23,7 +24,7 @@ BODY: dict[str, Any] = {
 
 
 async def test_room_learns_the_engine_batch_without_max_inflight(engines: EngineFarm) -> None:
-    engine = engines.get("core")  # --max-num-seqs 4
+    engine = engines.get(CORE)  # --max-num-seqs 4
     cfg = make_config(
         [{"url": engine.spec.url}],  # no max_inflight: the room adapts
         tiers={"high": {"slo": {"ttft_s": 30.0}}, "normal": {"slo": {"ttft_s": 30.0}}},
