@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -85,7 +85,13 @@ class EngineFarm:
             self._stop(setting)
         self._note_ready()
         if self.plan[position]:
-            return  # starts share the engine cores with the engines this test measures
+            # What this test needs and is not live starts now, all at once (the test waits
+            # for them anyway); nothing else: starts would share the engine cores with the
+            # engines this test measures.
+            for setting in sorted(self.plan[position] - self.live.keys(), key=lambda s: s.name):
+                self._make_room(self.plan[position])
+                self._start(setting, ahead=False)
+            return
         for setting in self._coming(position):
             if len(self.live) >= self.capacity:
                 break
@@ -105,12 +111,7 @@ class EngineFarm:
             self._stop(setting)
             engine = None
         if engine is None:
-            current = self.plan[self.position] if self.position is not None else frozenset()
-            while len(self.live) >= self.capacity:
-                spare = next((s for s in self.live if s not in current), None)
-                if spare is None:
-                    break
-                self._stop(spare)
+            self._make_room(self.plan[self.position] if self.position is not None else {setting})
             engine = self._start(setting, ahead=False)
         record = self.pending.pop(setting, None)
         if record is not None:
@@ -152,6 +153,14 @@ class EngineFarm:
             if len(seen) == len(wanted):
                 break
         return list(seen)
+
+    def _make_room(self, keep: Set[EngineSetting]) -> None:
+        """Stop the least recently used engines outside ``keep`` while at the capacity."""
+        while len(self.live) >= self.capacity:
+            spare = next((s for s in self.live if s not in keep), None)
+            if spare is None:
+                return
+            self._stop(spare)
 
     def _start(self, setting: EngineSetting, *, ahead: bool) -> EngineProcess:
         spec = setting.spec(self.model_dir(), len(self.starts))

@@ -89,19 +89,19 @@ class FakeEngine:
 
 
 def run_plan(farm: EngineFarm, plan: list[frozenset[EngineSetting]]) -> tuple[list[str], list[str]]:
-    """Each test of ``plan`` run against the farm: the settings launched, and when ("ahead,
-    free": before a test that needs none; "ahead, busy": before one that uses engines; "asked":
-    by a test); checks that live engines stay within the capacity."""
+    """Each test of ``plan`` run against the farm: the settings launched, and when ("ahead":
+    before a test that needs none; "for its test": before a test that uses it; "in get": when
+    a test asked); checks that live engines stay within the capacity."""
     launched_at: list[str] = []
     farm.follow(plan)
     for position, need in enumerate(plan):
         before = len(farm.starts)
         farm.advance(position)
-        launched_at += ["ahead, busy" if need else "ahead, free"] * (len(farm.starts) - before)
+        launched_at += ["for its test" if need else "ahead"] * (len(farm.starts) - before)
         before = len(farm.starts)
         for setting in sorted(need, key=lambda s: s.name):
             assert farm.get(setting).alive()
-        launched_at += ["asked"] * (len(farm.starts) - before)
+        launched_at += ["in get"] * (len(farm.starts) - before)
         assert len(farm.live) <= farm.capacity
         # Nothing live that no later test uses.
         assert set(farm.live) <= set().union(*plan[position:])
@@ -126,7 +126,7 @@ def test_the_suites_plan_starts_each_engine_once_and_all_ahead(tmp_path: Path) -
     plan = [need for need in plan for _ in range(tests_per_module)]
     started, launched_at = run_plan(make_farm(tmp_path), plan)
     assert sorted(started) == sorted(s.name for s in (C, B, P, L, S, G, E))
-    assert launched_at == ["ahead, free"] * len(started)
+    assert launched_at == ["ahead"] * len(started)
 
 
 def test_in_collection_order_an_engine_starts_again(tmp_path: Path) -> None:
@@ -139,7 +139,21 @@ def test_no_start_ahead_without_memory_for_one_more(tmp_path: Path) -> None:
     plan = [NONE, NONE, frozenset({C})]
     farm = make_farm(tmp_path, memory_gib=2.0)
     started, launched_at = run_plan(farm, plan)
-    assert started == ["c"] and launched_at == ["asked"]
+    assert started == ["c"] and launched_at == ["for its test"]
+    assert not farm.starts[0].ahead
+
+
+def test_the_engines_a_test_needs_start_together_before_it_asks(tmp_path: Path) -> None:
+    farm = make_farm(tmp_path)
+    farm.follow([frozenset({S, G}), frozenset({S, G})])
+    farm.advance(0)
+    assert set(farm.live) == {S, G} and all(e.alive() for e in farm.live.values())
+    assert not any(start.ahead for start in farm.starts)
+    farm.get(S)
+    farm.get(G)
+    farm.advance(1)
+    assert len(farm.starts) == 2
+    farm.stop_all()
 
 
 def test_an_undeclared_engine_is_refused(tmp_path: Path) -> None:
