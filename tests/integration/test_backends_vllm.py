@@ -109,7 +109,11 @@ async def test_killed_backend_loses_nothing_and_comes_back(engines: EngineFarm) 
 
         # Restart on the same port: the health checks bring it back into rotation.
         await asyncio.to_thread(b.stop)
-        await asyncio.to_thread(lambda: b.start().wait_ready())
+        # Started from this thread, not a worker: the engine gets SIGTERM when the thread that
+        # started it ends (PR_SET_PDEATHSIG), and the loop's workers end with the test; the
+        # farm then found it dead and started pair-b again for the next test.
+        b.start()
+        await asyncio.to_thread(b.wait_ready)
         before = victim.dispatched_total
         await until(lambda: victim.available(state.clock()), 30, "the restarted backend back")
         results = await asyncio.gather(*(_call(s, base, _chat(8)) for _ in range(20)))
