@@ -3,8 +3,9 @@
 The farm follows the run's plan (each test's settings, in run order: tests/engineplan.py).
 Before each test it stops the engines no later test uses, and, while the test about to run
 needs no engine, starts the next settings the plan needs (at most ``capacity`` live, and only
-with memory for one more): their ~25 s starts overlap tests that need none. A test that gets an
-engine not started yet starts it and waits, as without a plan. Each start is recorded: its
+with memory for one more): their ~25 s starts overlap tests that need none. Before a test that
+uses engines, what it needs starts (all at once) and every start under way is waited for, so
+that no engine starts beside the engines a test measures. Each start is recorded: its
 setting, whether it started ahead, seconds from start to ready, seconds a test waited for it.
 """
 
@@ -85,12 +86,14 @@ class EngineFarm:
             self._stop(setting)
         self._note_ready()
         if self.plan[position]:
-            # What this test needs and is not live starts now, all at once (the test waits
-            # for them anyway); nothing else: starts would share the engine cores with the
-            # engines this test measures.
+            # What this test needs and is not live starts now, all at once; then every start
+            # still under way is waited for: a start shares the engine cores with the engines
+            # this test measures (a plugin test lost its tokens to one).
             for setting in sorted(self.plan[position] - self.live.keys(), key=lambda s: s.name):
                 self._make_room(self.plan[position])
                 self._start(setting, ahead=False)
+            for setting in list(self.pending):
+                self._wait_ready(setting)
             return
         for setting in self._coming(position):
             if len(self.live) >= self.capacity:
@@ -113,13 +116,7 @@ class EngineFarm:
         if engine is None:
             self._make_room(self.plan[self.position] if self.position is not None else {setting})
             engine = self._start(setting, ahead=False)
-        record = self.pending.pop(setting, None)
-        if record is not None:
-            t0 = time.monotonic()
-            engine.wait_ready()
-            now = time.monotonic()
-            record.waited_s = now - t0
-            record.ready_s = now - record.started_at
+        self._wait_ready(setting)
         self.live.move_to_end(setting)
         self.used_by_current_test.append(engine)
         return engine
@@ -172,6 +169,15 @@ class EngineFarm:
         self.starts.append(record)
         self.pending[setting] = record
         return engine
+
+    def _wait_ready(self, setting: EngineSetting) -> None:
+        record = self.pending.pop(setting, None)
+        if record is not None:
+            t0 = time.monotonic()
+            self.live[setting].wait_ready()
+            now = time.monotonic()
+            record.waited_s += now - t0
+            record.ready_s = now - record.started_at
 
     def _note_ready(self) -> None:
         for setting, record in list(self.pending.items()):

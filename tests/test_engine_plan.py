@@ -98,6 +98,8 @@ def run_plan(farm: EngineFarm, plan: list[frozenset[EngineSetting]]) -> tuple[li
         before = len(farm.starts)
         farm.advance(position)
         launched_at += ["for its test" if need else "ahead"] * (len(farm.starts) - before)
+        # No engine is starting while a test that uses engines runs.
+        assert not need or not farm.pending
         before = len(farm.starts)
         for setting in sorted(need, key=lambda s: s.name):
             assert farm.get(setting).alive()
@@ -153,6 +155,16 @@ def test_the_engines_a_test_needs_start_together_before_it_asks(tmp_path: Path) 
     farm.get(G)
     farm.advance(1)
     assert len(farm.starts) == 2
+    farm.stop_all()
+
+
+def test_a_start_ahead_is_waited_for_before_any_test_that_uses_engines(tmp_path: Path) -> None:
+    farm = make_farm(tmp_path)
+    farm.follow([NONE, frozenset({C}), frozenset({B})])
+    farm.advance(0)
+    assert set(farm.pending) == {C, B}
+    farm.advance(1)
+    assert not farm.pending and all(start.ready_s is not None for start in farm.starts)
     farm.stop_all()
 
 
