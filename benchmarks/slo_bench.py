@@ -33,8 +33,10 @@ import aiohttp
 
 from proxy.bench.inproc import SECRET, auth, make_config, running_proxy
 from proxy.bench.stats import percentile
-from proxy.ops.engine import EngineProcess, EngineSpec, engine_cores, ensure_model, spread_cores
-from proxy.ops.process import free_port
+from proxy.ops.engine import (
+    EngineProcess,
+    local_engine,
+)
 from proxy.relay import sse
 from proxy.ticket import DEFAULT_SECRET_ENV
 
@@ -44,16 +46,11 @@ SLO = {"high": {"ttft_s": 1.0}, "normal": {"ttft_s": 3.0}}
 
 @contextmanager
 def engines(*sizes: int) -> Iterator[list[EngineProcess]]:
-    model, served = ensure_model(None)
     procs = [
         EngineProcess(
-            EngineSpec(
-                port=free_port(),
-                model=model,
-                served_name=served,
+            local_engine(
+                index=i,
                 max_num_seqs=n,
-                cpu_bind=spread_cores(i),
-                cpus=engine_cores(),
                 env={DEFAULT_SECRET_ENV: SECRET.decode()},  # the plugin checks the proxy's tickets
             ),
             Path(f".tierproxy/logs/slo-bench-{i}-{n}.log"),

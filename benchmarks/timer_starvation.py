@@ -23,7 +23,11 @@ import time
 import urllib.request
 from pathlib import Path
 
-from proxy.ops.engine import EngineProcess, EngineSpec, engine_cores, ensure_model, free_port
+from proxy.ops.engine import (
+    EngineProcess,
+    engine_cores,
+    local_engine,
+)
 
 # Runs in its own process, started at sys.argv[1] (CLOCK_MONOTONIC is shared by processes):
 # wakes every `nap` seconds on a fixed schedule and prints how late its worst wake-up was
@@ -72,16 +76,11 @@ def start_probe(core: int, seconds: float, nap: float) -> subprocess.Popen[str]:
 
 
 def measure(confined: bool, seconds: float, nap: float, log_dir: Path) -> tuple[list[float], float]:
-    model, served = ensure_model(None)
-    cores = engine_cores() if confined else None
-    spec = EngineSpec(
-        port=free_port(),
-        model=model,
-        served_name=served,
+    spec = local_engine(
         max_num_seqs=4,
         plugin=False,
         extra_args=("--max-model-len", "16384"),
-        cpus=cores,
+        cpus=engine_cores() if confined else None,
     )
     name = "confined" if confined else "free"
     engine = EngineProcess(spec, log_dir / f"timer-starvation-{name}.log")

@@ -19,8 +19,10 @@ from pathlib import Path
 
 from proxy.bench.stack import ProxyProcess
 from proxy.bench.throughput import compare, start_proxy
-from proxy.ops.engine import EngineProcess, EngineSpec, engine_cores, ensure_model, spread_cores
-from proxy.ops.process import free_port
+from proxy.ops.engine import (
+    EngineProcess,
+    local_engine,
+)
 
 
 def main() -> int:
@@ -34,18 +36,9 @@ def main() -> int:
     parser.add_argument("--no-plugin", action="store_true", help="stock vLLM, without the plugin")
     parser.add_argument("--rounds", type=int, default=2, help="direct/proxy pairs, alternated")
     args = parser.parse_args()
-    model, served = ensure_model(None)
     engines = [
         EngineProcess(
-            EngineSpec(
-                port=free_port(),
-                model=model,
-                served_name=served,
-                max_num_seqs=args.max_num_seqs,
-                cpu_bind=spread_cores(i),
-                cpus=engine_cores(),
-                plugin=not args.no_plugin,
-            ),
+            local_engine(index=i, max_num_seqs=args.max_num_seqs, plugin=not args.no_plugin),
             Path(f".tierproxy/logs/two-backends-{i}.log"),
         )
         for i in range(2)

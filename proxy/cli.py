@@ -89,15 +89,13 @@ def _install_stop_handlers() -> None:
 
 def engine_spec(args: argparse.Namespace) -> EngineSpec:
     """`tierproxy engine`'s vLLM: a CPU build confined to its own cores like `up`'s."""
-    from proxy.ops.engine import POOLING_ARGS, EngineSpec, cpu_confinement, ensure_model
+    from proxy.ops.engine import POOLING_ARGS, cpu_confinement, local_engine
 
-    model, served = ensure_model(args.model)
     extra = [a for a in args.vllm_args if a != "--"]
-    return EngineSpec(
+    return local_engine(
+        model=args.model,
         port=args.port,
         host=args.host,
-        model=model,
-        served_name=served,
         max_num_seqs=args.max_num_seqs,
         plugin=not args.no_plugin,
         extra_args=[*POOLING_ARGS, *extra] if args.pooling else extra,
@@ -129,7 +127,11 @@ def _cmd_engine(args: argparse.Namespace) -> int:
 def _cmd_up(args: argparse.Namespace) -> int:
     """The embedded default: local CPU engine(s) plus the proxy on configs/example.yaml."""
     from proxy.config.loader import load_config
-    from proxy.ops.engine import EngineProcess, EngineSpec, engine_cores, ensure_model, spread_cores
+    from proxy.ops.engine import (
+        EngineProcess,
+        ensure_model,
+        local_engine,
+    )
     from proxy.server.app import serve
 
     os.environ.setdefault("TIERPROXY_TICKET_SECRET", secrets.token_urlsafe(32))
@@ -139,13 +141,12 @@ def _cmd_up(args: argparse.Namespace) -> int:
     engines = []
     for index, backend in enumerate(loaded.config.backends[: args.engines]):
         port = int(backend.url.rsplit(":", 1)[1])
-        spec = EngineSpec(
-            port=port,
+        spec = local_engine(
             model=model,
             served_name=served,
+            port=port,
             max_num_seqs=args.max_num_seqs,
-            cpu_bind=spread_cores(index) if args.engines > 1 else None,
-            cpus=engine_cores(),  # the last core stays for the proxy
+            index=index if args.engines > 1 else None,  # the last core stays for the proxy
             # Requests that reach vLLM without the proxy's ticket run as the lowest tier.
             env={"TIERPROXY_UNTICKETED_PRIORITY": str(loaded.config.lowest_priority)},
         )

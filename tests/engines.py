@@ -17,9 +17,7 @@ from proxy.ops.engine import (
     POOLING_ARGS,
     TINY_SERVED_NAME,
     EngineSpec,
-    engine_cores,
-    free_port,
-    spread_cores,
+    local_engine,
 )
 from proxy.ticket import DEFAULT_SECRET_ENV
 from proxy.vllm_plugin.settings import ENV_REQUIRE_TICKET
@@ -45,16 +43,14 @@ class EngineSetting:
     def spec(self, model: Path, index: int) -> EngineSpec:
         """The index-th engine the session starts, on a free port, confined to the engine
         cores (off the last one, where this process runs the proxy: see DESIGN.md)."""
-        return EngineSpec(
-            port=free_port(),
+        return local_engine(
             model=str(model),
             served_name=TINY_SERVED_NAME,
+            index=index,
             max_num_seqs=self.max_num_seqs,
             plugin=self.plugin,
             extra_args=self.extra_args,
             env=dict(self.env),
-            cpu_bind=spread_cores(index),
-            cpus=engine_cores(),
         )
 
 

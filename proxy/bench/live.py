@@ -21,7 +21,7 @@ import yaml
 from proxy.bench.inproc import KEYS, auth, make_config
 from proxy.bench.scrape import fetch_metrics
 from proxy.bench.stack import ProxyProcess
-from proxy.ops.engine import EngineProcess, EngineSpec, engine_cores, ensure_model
+from proxy.ops.engine import EngineProcess, local_engine
 from proxy.ops.process import StopOnExit, free_port
 from proxy.telemetry.prometheus import total
 from proxy.ticket import DEFAULT_SECRET_ENV
@@ -42,16 +42,8 @@ class LiveStack(StopOnExit):
 
     def start(self, proxy_config: dict[str, Any]) -> LiveStack:
         secret = os.environ.get(DEFAULT_SECRET_ENV) or secrets.token_urlsafe(32)
-        model, served = ensure_model(None)
-        self.model = served or model
-        spec = EngineSpec(
-            port=free_port(),
-            model=model,
-            served_name=served,
-            max_num_seqs=self.max_num_seqs,
-            env={DEFAULT_SECRET_ENV: secret},
-            cpus=engine_cores(),
-        )
+        spec = local_engine(max_num_seqs=self.max_num_seqs, env={DEFAULT_SECRET_ENV: secret})
+        self.model = spec.served_name or spec.model
         self.engine = EngineProcess(spec, self.out_dir / "vllm.log")
         print(f"starting vLLM on {spec.url} (log {self.engine.log_path})", file=sys.stderr)
         self.engine.start().wait_ready(300.0)

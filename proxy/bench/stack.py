@@ -14,7 +14,7 @@ from typing import Self
 
 from proxy.bench.proxy_config import proxy_config, write_proxy_config
 from proxy.bench.scenario import Scenario
-from proxy.ops.engine import EngineProcess, EngineSpec, engine_cores, ensure_model
+from proxy.ops.engine import EngineProcess, local_engine
 from proxy.ops.process import ManagedProcess, StopOnExit, free_port, http_ok
 from proxy.ticket import DEFAULT_SECRET_ENV
 
@@ -58,18 +58,15 @@ class LocalStack(StopOnExit):
     def start(self, ready_timeout_s: float = 300.0) -> LocalStack:
         env_name = DEFAULT_SECRET_ENV
         secret = os.environ.get(env_name) or secrets.token_urlsafe(32)
-        model, served = ensure_model(self.model)
-        self.served_name = served or model
-        spec = EngineSpec(
-            port=free_port(),
-            model=model,
-            served_name=served,
+        # Confined: the last core stays for the proxy and the load generator.
+        spec = local_engine(
+            model=self.model,
             max_num_seqs=self.max_num_seqs,
             plugin=self.plugin,
             extra_args=self.engine_args,
             env={env_name: secret},
-            cpus=engine_cores(),  # the last core stays for the proxy and the load generator
         )
+        self.served_name = spec.served_name or spec.model
         self.engine = EngineProcess(spec, self.out_dir / "vllm.log")
         print(f"starting vLLM on {spec.url} (log {self.engine.log_path})", file=sys.stderr)
         self.engine.start().wait_ready(ready_timeout_s)

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from proxy.ops.process import ManagedProcess, free_port, http_ok, tail
 from proxy.ticket import PLUGIN_CLASS_FLAGS, PRIORITY_FLAGS
@@ -186,3 +187,27 @@ def spread_cores(index: int) -> str | None:
     (None: leave vLLM's default)."""
     cores = engine_cores()
     return str(sorted(cores)[index % len(cores)]) if cores else None
+
+
+def local_engine(
+    *,
+    model: str | None = None,
+    served_name: str | None = None,
+    port: int | None = None,
+    index: int | None = None,
+    **settings: Any,
+) -> EngineSpec:
+    """A local vLLM engine as every launcher here wants it: ``model`` (None: the tiny one,
+    made on first use) on a free port, confined to the engine cores (see ``engine_cores``);
+    ``index`` spreads co-located engines over those cores. Other ``EngineSpec`` fields as
+    keywords (``max_num_seqs``, ``plugin``, ``extra_args``, ``env``, ``cpus`` to override)."""
+    path, served = ensure_model(model)
+    settings.setdefault("cpus", engine_cores())
+    if index is not None:
+        settings.setdefault("cpu_bind", spread_cores(index))
+    return EngineSpec(
+        port=port if port is not None else free_port(),
+        model=path,
+        served_name=served_name or served,
+        **settings,
+    )

@@ -17,8 +17,10 @@ from proxy.bench.plugin.scenarios import (
     itl_scenario,
     preempt_scenario,
 )
-from proxy.ops.engine import EngineProcess, EngineSpec, engine_cores, ensure_model, spread_cores
-from proxy.ops.process import free_port
+from proxy.ops.engine import (
+    EngineProcess,
+    local_engine,
+)
 from proxy.ticket import DEFAULT_SECRET_ENV
 
 
@@ -79,17 +81,13 @@ async def measure(url: str, repeats: int) -> Figures:
 
 
 def start_engine(plugin: bool, log_dir: Path) -> EngineProcess:
-    model, _ = ensure_model(None)
-    spec = EngineSpec(
-        port=free_port(),
-        model=model,
+    spec = local_engine(
         served_name=MODEL,
+        index=1 if plugin else 0,  # as the tests do; vLLM's "auto" picks core 0
         max_num_seqs=4,
         plugin=plugin,
         extra_args=ENGINE_ARGS,
         env={DEFAULT_SECRET_ENV: secret()},
-        cpu_bind=spread_cores(1 if plugin else 0),  # as the tests do; vLLM's "auto" picks core 0
-        cpus=engine_cores(),
     )
     name = "plugin" if plugin else "stock"
     engine = EngineProcess(spec, log_dir / f"vllm-{name}.log").start()
