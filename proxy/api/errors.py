@@ -23,8 +23,10 @@ class ProxyError(Exception):
         code: str | None = None,
         param: str | None = None,
         retry_after_s: float | None = None,
+        retryable: bool | None = None,  # None: as the status says (should_retry_header)
     ) -> None:
         super().__init__(message)
+        self.retryable = retryable
         self.status = status
         self.message = message
         self.type = type
@@ -36,7 +38,12 @@ class ProxyError(Exception):
         return error_body(self.message, type=self.type, code=self.code, param=self.param)
 
     def headers(self) -> dict[str, str]:
-        headers = should_retry_header(self.status, execution_timeout=self.code == "request_timeout")
+        if self.retryable is False:
+            headers = {"x-should-retry": "false"}
+        else:
+            headers = should_retry_header(
+                self.status, execution_timeout=self.code == "request_timeout"
+            )
         if self.retry_after_s is not None:
             headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
         return headers
@@ -133,6 +140,22 @@ def rate_limited(what: str, retry_after_s: float) -> ProxyError:
         type="rate_limit_error",
         code="rate_limit_exceeded",
         retry_after_s=retry_after_s,
+    )
+
+
+def over_token_limit(limit: float, requested: float) -> ProxyError:
+    """A request whose token estimate exceeds the tenant's whole tokens_per_minute: no wait
+    makes it fit, so 429 with ``x-should-retry: false`` and no Retry-After (OpenAI answers
+    "Request too large ... on tokens per min" with a 429 too)."""
+    return ProxyError(
+        429,
+        f"Request too large for your key's tokens_per_minute: limit {limit:.0f}, requested about"
+        f" {requested:.0f} (the prompt's estimate plus max_tokens for each of n choices and"
+        " each prompt). Lower max_tokens, n or the number of prompts; waiting will not help.",
+        type="rate_limit_error",
+        code="request_over_token_limit",
+        param="max_tokens",
+        retryable=False,
     )
 
 

@@ -110,8 +110,11 @@ class Tenant(Strict):
     tokens_per_minute: float | None = Field(
         None,
         gt=0,
-        description="Rate limit on prompt + output tokens, estimated up front and corrected"
-        " from the answer's usage; null: none.",
+        description="Rate limit on prompt + output tokens, estimated up front (max_tokens for"
+        " each of n choices and each prompt of a prompt list) and corrected from the answer's"
+        " usage (a stream without one: what it delivered); a request whose estimate exceeds it"
+        " is refused (429 request_over_token_limit, x-should-retry: false); debt past one"
+        " minute's worth is forgiven; null: none.",
     )
     max_concurrent: int | None = Field(
         None, gt=0, description="Requests in flight at once (queued ones not counted); null: none."

@@ -85,6 +85,9 @@ class UsageRecord:
     queue_s: float
     engine_s: float
     duration_s: float
+    # The tokens are the proxy's estimate, not the backend's usage: a stream that ended
+    # without it, billed what it delivered (a lower bound) and its prompt's estimate.
+    usage_estimated: bool = False
 
     def to_json(self) -> bytes:
         return orjson.dumps(asdict(self))
@@ -156,7 +159,10 @@ class UsageMeter:
     def record(self, trace: Trace, adm: Admitted | None, result: RelayResult | None) -> UsageRecord:
         assert trace.tenant is not None
         end = self.clock()
-        counts = token_usage(result.usage if result is not None else None)
+        if adm is not None:
+            counts, estimated = adm.billed_usage(result)
+        else:
+            counts, estimated = token_usage(result.usage if result is not None else None), False
         started = result.extra.get(_STARTED) if result is not None else None
         queue_end = started if isinstance(started, float) else end
         return UsageRecord(
@@ -165,7 +171,7 @@ class UsageMeter:
             tenant=trace.tenant.name,
             tier=trace.tenant.tier,
             model=adm.parsed.model if adm is not None else None,
-            backend=_backend_of(adm) if result is not None else None,
+            backend=_backend_of(adm) if result is not None or estimated else None,
             status=trace.status,
             outcome=str(trace.outcome),
             prompt_tokens=counts.prompt if counts is not None else 0,
@@ -173,6 +179,7 @@ class UsageMeter:
             queue_s=max(0.0, queue_end - trace.arrival),
             engine_s=max(0.0, end - queue_end),
             duration_s=max(0.0, end - trace.arrival),
+            usage_estimated=estimated,
         )
 
     def bounded(self, record: UsageRecord) -> tuple[str, str, str, str]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,17 +32,18 @@ from proxy.api.outcome import Outcome
 from proxy.config.server import Relay
 from proxy.relay.budget import MemoryBudget
 from proxy.relay.clientsend import ClientSender, ClientStalled
+from proxy.relay.delivered import Delivered
 from proxy.relay.held import held_response
 from proxy.relay.sse import EventTooLarge
 from proxy.relay.sserelay import SseRelay
+from proxy.relay.usagescan import UsageScan
 from proxy.ticket import REQUEST_ID_HEADER
 
 # What vLLM's EngineDeadError says (vllm/v1/engine/exceptions.py), answered as a 500 before any
 # byte when the engine core died: the request did not run to an answer anywhere; retry it.
 ENGINE_DEAD = b"EngineCore encountered an issue"
-# The end of a streamed-through answer kept to find its usage (vLLM writes it last).
+# What is read of an error answer (503 and the like).
 _TAIL_BYTES = 64 * 1024
-_USAGE = re.compile(rb'"usage"\s*:\s*(\{(?:[^{}]|\{[^{}]*\})*\})')
 # The backend's connection failed: reset, closed, or an invalid HTTP answer or body.
 UPSTREAM_BROKE = (
     aiohttp.ClientPayloadError,
@@ -97,6 +97,8 @@ class UpstreamCall:
     strip_usage_chunk: bool  # the proxy asked for usage; the client did not
     bounds: Relay = field(default_factory=Relay)
     budget: MemoryBudget | None = None  # what a buffered answer reserves while held
+    # What a stream wrote to the client (the request's, kept when the handler is cancelled).
+    delivered: Delivered = field(default_factory=Delivered)
 
 
 async def relay(
@@ -221,7 +223,7 @@ async def _relay_whole(
 async def _stream_through(
     call: UpstreamCall, resp: aiohttp.ClientResponse, send: ClientSender, head: bytes
 ) -> RelayResult:
-    """A large non-stream answer, relayed chunk by chunk; only its end is kept (for usage).
+    """A large non-stream answer, relayed chunk by chunk, its usage picked up on the way.
     A failure after its start can only cut the connection: JSON has no error event."""
     out = web.StreamResponse(status=resp.status, headers=_response_headers(call, resp))
     if resp.content_length is not None:
@@ -229,7 +231,9 @@ async def _stream_through(
     result = RelayResult(
         out, _outcome_of_status(resp.status), resp.status, backend_failed=resp.status >= 500
     )
-    limit, total, tail = call.bounds.max_response_bytes, len(head), head[-_TAIL_BYTES:]
+    limit, total = call.bounds.max_response_bytes, len(head)
+    scan = UsageScan()  # vLLM writes usage before prompt_logprobs & co.: not at the end
+    scan.feed(head)
     try:
         await send.prepare(out)
         await send.write(out, head)
@@ -237,7 +241,7 @@ async def _stream_through(
             total += len(chunk)
             if total > limit:
                 raise EventTooLarge(limit)
-            tail = (tail + chunk)[-_TAIL_BYTES:]
+            scan.feed(chunk)
             await send.write(out, chunk)
         await send.finish(out)
     except ClientStalled:
@@ -249,9 +253,10 @@ async def _stream_through(
         result.outcome = Outcome.TIMEOUT if timed_out else Outcome.UPSTREAM_ERROR
         result.backend_failed = not timed_out
         send.abort()
-    if result.outcome == Outcome.OK and resp.status == 200:
-        match = _USAGE.search(tail)
-        result.usage = _usage_of(b'{"usage":' + match.group(1) + b"}") if match else None
+    if resp.status == 200:
+        # The answer was generated whole before its first byte came: billed whatever became
+        # of its relay, as soon as its usage went by.
+        result.usage = scan.usage
     return result
 
 
@@ -312,15 +317,19 @@ async def _relay_stream(
     # One timer for the whole stream rather than one per read: at the deadline the next read
     # (or the one waiting) raises TimeoutError.
     expire = asyncio.get_running_loop().call_at(call.deadline, _expire, content)
+    delivered = call.delivered
     try:
         await send.prepare(out)
         if first:
             await send.write(out, first)
+            delivered.chunks(first)
         while chunk := await content.readany():
             if block := scan.feed(chunk):
                 await send.write(out, block)
+                delivered.chunks(block)
         if rest := scan.finish():
             await send.write(out, rest)
+            delivered.chunks(rest)
         if not scan.saw_done:
             result.outcome, result.backend_failed = Outcome.UPSTREAM_ERROR, True
             last = upstream_failed("The backend ended the stream without [DONE].").sse_event()

@@ -107,6 +107,7 @@ async def _relay_events(
                 ended = True
                 result.usage = _usage_of(data)
             await send.write(out, event)
+            call.delivered.responses_event(event)
             async with asyncio.timeout_at(call.deadline):
                 event = await anext(events, None)
         if not ended:

@@ -12,11 +12,13 @@ from typing import Protocol
 from aiohttp import web
 
 from proxy.api.outcome import Outcome
+from proxy.api.usage import TokenUsage, token_usage
 from proxy.config.schema import Config
 from proxy.config.tenants import Tenant
 from proxy.policies.prefix import prefix_hash
 from proxy.policies.types import QueuedRequest
 from proxy.relay.budget import Reservation
+from proxy.relay.delivered import Delivered
 from proxy.relay.forward import RelayResult, UpstreamCall
 from proxy.request.inbound import ParsedRequest
 from proxy.telemetry.slo import Latency
@@ -57,6 +59,9 @@ class Admitted:
     attempts: int = 0  # backends tried so far
     resets: int = 0  # backends that broke while they may have been running it
     limit_hold: str = ""  # the tenant limits' key for this admission (LimitVerdict.hold)
+    # What its stream wrote to the client, counted by the relay: kept here so that a request
+    # whose handler is cancelled (the client left) is still billed for it.
+    delivered: Delivered = field(default_factory=Delivered)
 
     def __post_init__(self) -> None:
         self.queued = QueuedRequest(
@@ -83,6 +88,20 @@ class Admitted:
     def reserved_tokens(self) -> float:
         """What the tenant's token limit is charged up front (given back once usage is known)."""
         return float(self.parsed.prompt_tokens + self.parsed.expected_output)
+
+    def billed_usage(self, result: RelayResult | None) -> tuple[TokenUsage | None, bool]:
+        """(the usage to bill, whether it is an estimate): the backend's, else, for a stream
+        that ended without it (client gone, timeout, backend broke), the events it delivered
+        (a lower bound of its output tokens) and the prompt's estimate; None when nothing
+        was delivered either."""
+        counts = token_usage(result.usage) if result is not None else None
+        if counts is not None:
+            return counts, False
+        output = self.delivered.events
+        if output <= 0:
+            return None, False
+        prompt = self.parsed.prompt_tokens
+        return TokenUsage(prompt, output, prompt + output), True
 
 
 FinishHook = Callable[[Trace, Admitted | None, RelayResult | None], None]

@@ -142,8 +142,16 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-# What a chat prompt holds besides its messages: the schemas the backend renders into it.
-_SCHEMA_FIELDS = ("tools", "functions", "response_format", "tool_choice")
+# What a chat prompt holds besides its messages: the schemas the backend renders into it, and
+# what its chat template renders (vLLM's ``documents`` for RAG, ``chat_template_kwargs``).
+_SCHEMA_FIELDS = (
+    "tools",
+    "functions",
+    "response_format",
+    "tool_choice",
+    "documents",
+    "chat_template_kwargs",
+)
 
 
 def nesting_exceeds(value: object, limit: int) -> bool:
@@ -264,7 +272,7 @@ def _output_budget(
     body: dict[str, Any], endpoint: Endpoint, tier: Tier, limits: Limits, scheduling: Scheduling
 ) -> tuple[int | None, int]:
     """(max_tokens as sent on, clamped to the tier; output tokens expected from all n
-    choices) of a generating request."""
+    choices of every prompt) of a generating request."""
     max_tokens = _clamped_max_tokens(body, tier, limits, _budget_fields(endpoint))
     n = _lax_field(body, "n", lax_int, "an integer")
     n = 1 if n is None else n
@@ -273,7 +281,16 @@ def _output_budget(
     expected = max_tokens if max_tokens is not None else scheduling.default_expected_output
     if tier.max_tokens is not None:
         expected = min(expected, tier.max_tokens)
-    return max_tokens, int(expected * n)
+    return max_tokens, int(expected * n * _prompts(body, endpoint))
+
+
+def _prompts(body: dict[str, Any], endpoint: Endpoint) -> int:
+    """How many generations of ``n`` choices the request runs: vLLM runs every prompt of a
+    completions prompt list (strings or token-id lists; a flat token-id list is one)."""
+    prompt = body.get("prompt") if endpoint == "completions" else None
+    if isinstance(prompt, list) and prompt and not _is_int(prompt[0]):
+        return len(prompt)
+    return 1
 
 
 def _ask_for_usage(body: dict[str, Any], endpoint: Endpoint, stream: bool) -> bool:

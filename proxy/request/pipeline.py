@@ -26,6 +26,7 @@ from proxy.api.errors import (
     memory_full,
     model_not_found,
     no_backend,
+    over_token_limit,
     poison_pill,
     queue_full,
     queue_timeout,
@@ -39,7 +40,6 @@ from proxy.api.reply_headers import (
     request_id_for,
 )
 from proxy.api.routes import BY_ENDPOINT, Endpoint, Route
-from proxy.api.usage import token_usage
 from proxy.config.schema import Config, LoadedConfig
 from proxy.config.tenants import Tenant
 from proxy.policies.cost import weighted_tokens
@@ -146,6 +146,9 @@ class RequestPipeline:
             return self.answers.refuse(trace, err)
         except asyncio.CancelledError:
             trace.outcome, trace.status = Outcome.CLIENT_GONE, 499
+            if adm is not None and result is None:
+                # The client left mid-stream: what was delivered is charged all the same.
+                self.charge_usage(adm, None)
             raise
         finally:
             if adm is not None and adm.held is not None:
@@ -204,6 +207,12 @@ class RequestPipeline:
         """Take the tenant's rate and concurrency allowance, or wait for it (``on_limit: queue``,
         within the tier's queue timeout), or refuse with 429 and the exact wait."""
         tenant = adm.tenant
+        cap = tenant.tokens_per_minute
+        if cap is not None and adm.reserved_tokens > cap:
+            # Bigger than the whole bucket: once the bucket is full, it would pass and run
+            # tokens_per_minute many times over (a prompt list of 200, max_tokens 2048).
+            self.metrics.rate_limited.labels(tenant.name, "tokens_per_minute").inc()
+            raise over_token_limit(cap, adm.reserved_tokens)
         give_up_at = adm.arrival + adm.config.tiers[adm.tier].queue_timeout_s
         while True:
             verdict = await self.limits.admit(tenant.name, adm.reserved_tokens, self.clock())
@@ -230,7 +239,7 @@ class RequestPipeline:
     def settle_tenant_limits(self, adm: Admitted, result: RelayResult | None) -> None:
         """Charge the tenant's token limit what the request really used: the unused part of the
         reservation comes back, usage past it is debited (the next requests wait for it)."""
-        counts = token_usage(result.usage) if result is not None else None
+        counts, _ = adm.billed_usage(result)
         used = float(counts.total) if counts is not None else None
         self.limits.settle(adm.tenant.name, adm.reserved_tokens, used, self.clock(), adm.limit_hold)
 
@@ -331,6 +340,7 @@ class RequestPipeline:
             session=self.session(),
             budget=self.budget,
             clock_correction_s=lease.backend.ticket_time_correction,
+            delivered=adm.delivered,
         )
         # The Responses API streams events of its own kind (proxy.relay.responses).
         relay_fn = relay_responses if adm.parsed.endpoint == "responses" else self.relay
@@ -358,15 +368,21 @@ class RequestPipeline:
         m = self.metrics
         if result.first_token_at is not None:
             self.child(m.ttft, adm.tier).observe(result.first_token_at - adm.arrival)
-        counts = token_usage(result.usage)
-        if counts is not None:
-            prompt, completion = counts.prompt, counts.completion
-            self.child(m.tokens, adm.tier, "prompt").inc(prompt)
-            self.child(m.tokens, adm.tier, "completion").inc(completion)
-            self.queue.correct_charge(adm.queued, weighted_tokens(prompt, completion))
-        elif result.outcome != Outcome.OK:
+        if not self.charge_usage(adm, result) and result.outcome != Outcome.OK:
             # Nothing was generated that we know of: give back the estimate charged at dispatch.
             self.queue.correct_charge(adm.queued, 0.0)
+
+    def charge_usage(self, adm: Admitted, result: RelayResult | None) -> bool:
+        """Token metrics and the fairness charge from the usage billed (the backend's, or
+        what a cut stream delivered); False when there is none."""
+        counts, _ = adm.billed_usage(result)
+        if counts is None:
+            return False
+        prompt, completion = counts.prompt, counts.completion
+        self.child(self.metrics.tokens, adm.tier, "prompt").inc(prompt)
+        self.child(self.metrics.tokens, adm.tier, "completion").inc(completion)
+        self.queue.correct_charge(adm.queued, weighted_tokens(prompt, completion))
+        return True
 
 
 def _give_up(exc: UpstreamUnavailable) -> ProxyError:

@@ -13,6 +13,7 @@ from multidict import CIMultiDictProxy
 from proxy.config.backends import Backend
 from proxy.config.schema import Config
 from proxy.relay.budget import MemoryBudget
+from proxy.relay.delivered import Delivered
 from proxy.relay.forward import UpstreamCall
 from proxy.request.inbound import ParsedRequest, upstream_headers
 from proxy.ticket import (
@@ -39,6 +40,7 @@ def upstream_call(
     session: aiohttp.ClientSession,
     budget: MemoryBudget | None = None,
     clock_correction_s: float = 0.0,
+    delivered: Delivered | None = None,
 ) -> UpstreamCall:
     """One attempt's call: a fresh ticket each time (a nonce is good for one use).
     ``clock_correction_s``: the backend's clock minus ours where measured
@@ -79,4 +81,5 @@ def upstream_call(
         strip_usage_chunk=parsed.stream and not parsed.client_wants_usage,
         bounds=config.relay,
         budget=budget,
+        delivered=delivered if delivered is not None else Delivered(),
     )

@@ -33,7 +33,9 @@ class TokenBucket:
     def wait_for(self, amount: float, now: float) -> float:
         """Seconds until ``amount`` can be taken (0 when it can be now)."""
         self._refill(now)
-        # A request bigger than the whole bucket waits for a full bucket, then goes.
+        # The pipeline refuses a request bigger than the whole bucket before it gets here
+        # (proxy.api.errors.over_token_limit); one that a reload made bigger waits for a full
+        # bucket, then goes.
         need = min(amount, self.capacity) - self._level
         return max(0.0, need / self.rate_per_s)
 
