@@ -4,7 +4,8 @@ vLLM does not write ``usage`` last: ``ChatCompletionResponse`` serialises it bef
 ``prompt_logprobs``, ``prompt_token_ids`` and ``kv_transfer_params``, ``ResponsesResponse``
 before ``input_messages``/``output_messages`` (vllm/entrypoints/openai/*/protocol.py), and a
 client chooses those fields' size. So every chunk is searched (``bytes.find``, in C), with the
-end of the previous one carried over in case the object spans two reads, until it is found.
+last few KiB of the previous one searched again in case the object spans two reads, until it is
+found; then the search stops.
 The first ``"usage":{...}`` of the answer is the top-level one: the fields before it
 (``choices``: text, token strings and tool-call arguments, all JSON strings whose quotes are
 escaped) hold no such key.
@@ -40,7 +41,7 @@ class UsageScan:
 
     def __init__(self) -> None:
         self.usage: dict[str, Any] | None = None
-        self._carry = b""  # a key, or a usage object, cut at the previous chunk's end
+        self._carry = b""  # the previous chunk's end: a usage object may start there
 
     def feed(self, chunk: bytes) -> None:
         if self.usage is not None:
@@ -48,11 +49,10 @@ class UsageScan:
         text = self._carry + chunk if self._carry else chunk
         start = 0
         while (at := text.find(_KEY, start)) >= 0:
+            # Not every "usage" key holds the usage (a completions top_logprobs entry for the
+            # token "usage" is a number); one cut at the end is tried again with the rest.
             if (usage := usage_in(text[at : at + MAX_USAGE_BYTES])) is not None:
                 self.usage, self._carry = usage, b""
                 return
-            if len(text) - at < MAX_USAGE_BYTES:  # perhaps cut short: wait for the rest
-                self._carry = text[at:]
-                return
             start = at + 1
-        self._carry = text[-(len(_KEY) - 1) :]  # a key cut at the end
+        self._carry = text[-MAX_USAGE_BYTES:]

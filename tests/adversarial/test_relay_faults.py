@@ -276,6 +276,49 @@ async def test_a_large_answer_is_streamed_through_with_its_usage(clock: FakeCloc
         assert r.metric("tierproxy_tokens_total", {"tier": "normal", "kind": "completion"}) == 3
 
 
+def usage_first(content: str, prompt_logprobs: int) -> bytes:
+    """vLLM's ChatCompletionResponse field order: ``usage`` before ``prompt_logprobs`` and
+    ``prompt_token_ids`` (vllm/entrypoints/openai/chat_completion/protocol.py)."""
+    message = {"role": "assistant", "content": content}
+    choice = {"index": 0, "message": message, "finish_reason": "stop"}
+    logprobs = [None] + [
+        {str(1000 + i): {"logprob": -1.25, "rank": 1, "decoded_token": "usage"}}
+        for i in range(prompt_logprobs)
+    ]
+    answer = {"object": "chat.completion", "choices": [choice], "usage": USAGE}
+    return orjson.dumps({**answer, "prompt_logprobs": logprobs, "prompt_token_ids": None})
+
+
+@pytest.mark.parametrize("piece", [10_000, 4_099, 7])
+async def test_a_large_answer_whose_usage_comes_first_is_billed(
+    clock: FakeClock, piece: int
+) -> None:
+    # Before: only the last 64 KiB were searched, and the usage is ~200 KB before the end:
+    # no tokens counted, the fairness and tpm charges never corrected. ``piece`` cuts the
+    # usage object across reads at many places (7 bytes: every one of its keys is cut).
+    body = usage_first("y" * 1_000, 3_000)
+    assert len(body) - body.find(b'"usage"') > 64 * 1024
+
+    async def answer(request: web.Request, n: int) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await resp.prepare(request)
+        head = body.find(b'"usage"') - 3
+        await resp.write(body[:head])  # past the held part, then small pieces
+        for at in range(head, len(body), piece):
+            await resp.write(body[at : at + piece])
+        await resp.write_eof()
+        return resp
+
+    backend = FaultyBackend(answer)
+    bounds = {"buffer_response_bytes": 1_000, "max_response_bytes": 1_000_000}
+    async with backend.serve() as url, rig(config_for(url, **bounds), clock) as r:
+        resp = await r.client.post("/v1/chat/completions", json=BODY, headers=auth("normal"))
+        assert resp.status == 200 and await resp.read() == body
+        for kind, count in (("prompt", USAGE["prompt_tokens"]), ("completion", 3)):
+            labels = {"tier": "normal", "kind": kind}
+            assert r.metric("tierproxy_tokens_total", labels) == count
+
+
 @pytest.mark.parametrize("announced", [True, False])
 async def test_an_answer_over_the_max_is_refused_or_cut(clock: FakeClock, announced: bool) -> None:
     body = completion("y" * 300_000)

@@ -1,0 +1,68 @@
+"""tokens_per_minute is a bound (issue 22's fresh-eyes finding 6): the output estimate counts
+every prompt vLLM runs and what a chat template renders, and a request whose estimate exceeds
+the tenant's whole bucket is refused (429, ``x-should-retry: false``) instead of passing once
+the bucket is full. The served twin: tests/adversarial/served/test_billing.py."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from proxy.config.scheduling import Limits, Scheduling
+from proxy.config.tenants import Tier
+from proxy.request.inbound import parse_body
+from tests.clock import FakeClock
+from tests.fakes import ScriptedBackend, serve_scripted
+from tests.proxyrun import auth, make_config
+from tests.unit.test_pipeline import BODY, error_of, rig, tenants
+
+TIER = Tier(priority=0, weight=1, max_queue=10, queue_timeout_s=10, request_timeout_s=60)
+LIMITS = Limits(max_tokens_ceiling=100_000)
+SCHED = Scheduling(chars_per_token=4)
+
+
+def expected(endpoint: str, body: dict[str, object]) -> int:
+    return parse_body(orjson.dumps(body), endpoint, TIER, LIMITS, SCHED).expected_output  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("prompt", "prompts"),
+    [("one", 1), (["a"] * 200, 200), ([[1, 2], [3], [4]], 3), ([1, 2, 3], 1)],
+)
+def test_every_prompt_of_a_completions_list_is_expected_to_generate(
+    prompt: object, prompts: int
+) -> None:
+    # Before: max_tokens x n, whatever the number of prompts vLLM runs.
+    body = {"model": "m", "prompt": prompt, "max_tokens": 2048, "n": 2}
+    assert expected("completions", body) == 2048 * 2 * prompts
+
+
+def test_chat_documents_and_template_kwargs_count_as_prompt() -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    bare = parse_body(orjson.dumps({"messages": messages}), "chat", TIER, LIMITS, SCHED)
+    documents = [{"title": "t", "text": "x" * 40_000}]
+    body = {"messages": messages, "documents": documents, "chat_template_kwargs": {"k": "y" * 400}}
+    rag = parse_body(orjson.dumps(body), "chat", TIER, LIMITS, SCHED)
+    assert rag.prompt_tokens - bare.prompt_tokens >= (40_000 + 400) // 4
+
+
+async def test_a_request_over_the_whole_bucket_is_refused_for_good(clock: FakeClock) -> None:
+    # Before: the bucket was full, so the request passed (a prompt list of 200 at max_tokens
+    # 2048 ran 68 times the minute's limit; here four choices of 2000 tokens, 8000 > 6000).
+    backend = ScriptedBackend()
+    async with serve_scripted(backend) as url:
+        config = make_config([{"url": url}], tenants=tenants(tokens_per_minute=6000))
+        async with rig(config, clock) as r:
+            resp = await r.client.post(
+                "/v1/chat/completions",
+                json={**BODY, "n": 4, "max_tokens": 2000},
+                headers=auth("normal"),
+            )
+            assert resp.status == 429
+            assert resp.headers["x-should-retry"] == "false" and "Retry-After" not in resp.headers
+            error = await error_of(resp)
+            assert error["code"] == "request_over_token_limit" and "6000" in error["message"]
+            assert backend.received == []
+            window = r.state.limits.windows("tenant-normal", clock())["tokens"]
+            assert window.remaining == 6000  # a refused request takes nothing
+            assert (await r.chat(max_tokens=5000)).status == 200  # under the bucket: as before
