@@ -220,6 +220,14 @@ class RawClient:
             body += await self._exactly(size, deadline, head)
             await self._line(deadline, head)
 
+    async def read_until(self, marker: bytes, count: int, timeout_s: float = TIMEOUT_S) -> int:
+        """Read (head and body as they come) until ``marker`` was seen ``count`` times or the
+        server closed; how many times it was seen. Then the client may vanish mid-answer."""
+        deadline = time.monotonic() + timeout_s
+        while self.buffer.count(marker) < count and await self._fill(deadline):
+            pass
+        return self.buffer.count(marker)
+
     async def closed_by_peer(self, timeout_s: float = TIMEOUT_S) -> bool:
         """Drain until the server closes (True) or ``timeout_s`` passes (False)."""
         deadline = time.monotonic() + timeout_s

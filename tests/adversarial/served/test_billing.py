@@ -1,0 +1,208 @@
+"""What a client can get without paying, against the process that serves (`tierproxy serve` on
+uvloop with aiohttp's C parser) and realistic clients from the kit (issue 22's fresh-eyes
+findings 4-6): a stream cut after reading almost all of it, a stream the tier's time limit cuts,
+a large answer whose usage vLLM writes before a client-sized tail, a prompt list far over the
+tenant's tokens_per_minute. The in-process twins: tests/unit/test_cut_stream_billing.py,
+tests/adversarial/test_relay_faults.py (usage first), tests/unit/test_tpm_bound.py."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from aiohttp import web
+
+from proxy.config.tenants import hash_key
+from tests.adversarial.served.conftest import StartServed
+from tests.adversarial.served.kit import RawClient, exchange, json_request
+from tests.adversarial.served.served import ThreadedUpstream
+from tests.proxyrun import KEYS
+
+TOKEN = b'"content":"tok "'
+USAGE = {"prompt_tokens": 10, "completion_tokens": 1500, "total_tokens": 1510}
+
+
+def _chunk(delta: bytes) -> bytes:
+    return (
+        b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"tiny",'
+        b'"choices":[{"index":0,"delta":%s,"logprobs":null,"finish_reason":null}]}\n\n' % delta
+    )
+
+
+class BillingBackend:
+    """vLLM-shaped answers chosen by the body's ``user``: "hang" streams ``max_tokens`` tokens
+    then waits (the engine goes on until its caller leaves), "slow" streams a token every
+    10 ms for ever, "bigtail" answers with usage before a 1.7 MB ``prompt_logprobs``. It
+    counts the generations it received."""
+
+    def __init__(self) -> None:
+        self.received = 0
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/health", self._empty)
+        app.router.add_get("/metrics", self._empty)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._completions)
+        return app
+
+    async def _empty(self, request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.received += 1
+        if body.get("user") == "bigtail":
+            return web.Response(body=_bigtail(), content_type="application/json")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(_chunk(b'{"role":"assistant","content":""}'))
+        if body.get("user") == "slow":
+            while True:  # until the proxy's deadline closes the connection
+                await resp.write(_chunk(b'{"content":"tok "}'))
+                await asyncio.sleep(0.01)
+        await resp.write(_chunk(b'{"content":"tok "}') * int(body["max_tokens"]))
+        await asyncio.Event().wait()  # generating on, until the proxy hangs up
+        return resp
+
+    async def _completions(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.received += 1
+        prompts = len(body["prompt"]) if isinstance(body["prompt"], list) else 1
+        completion = int(body["max_tokens"]) * prompts
+        usage = {"prompt_tokens": prompts, "completion_tokens": completion}
+        choices = [{"index": i, "text": "x", "finish_reason": "length"} for i in range(prompts)]
+        answer = {"object": "text_completion", "choices": choices, "usage": usage}
+        return web.json_response(answer)
+
+
+def _bigtail() -> bytes:
+    """vLLM's ChatCompletionResponse field order: ..., usage, prompt_logprobs, prompt_token_ids."""
+    message = {"role": "assistant", "content": "tok " * 1000}
+    logprobs = [None] + [
+        {str(1000 + i): {"logprob": -1.25, "rank": 1, "decoded_token": "abc"}}
+        for i in range(30_000)
+    ]
+    answer = {
+        "id": "c",
+        "object": "chat.completion",
+        "choices": [{"index": 0, "message": message, "finish_reason": "length"}],
+        "usage": USAGE,
+        "prompt_logprobs": logprobs,
+        "prompt_token_ids": None,
+    }
+    return orjson.dumps(answer)
+
+
+class Upstream(ThreadedUpstream):
+    def __init__(self) -> None:
+        self.fake = BillingBackend()
+        super().__init__(self.fake.app())
+
+
+@pytest.fixture(scope="module")
+def backend() -> Iterator[Upstream]:
+    """This module's fake backend (the served fixtures forward to it)."""
+    upstream = Upstream().start()
+    try:
+        yield upstream
+    finally:
+        upstream.stop()
+
+
+def usage_records(log: Path) -> list[dict[str, Any]]:
+    text = log.read_text() if log.exists() else ""
+    return [orjson.loads(line) for line in text.splitlines()]
+
+
+async def wait_for(test: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not test():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+def chat(user: str, **extra: object) -> bytes:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "user": user}
+    return json_request("/v1/chat/completions", {**body, **extra}, KEYS["normal"])
+
+
+async def test_a_client_that_leaves_just_before_the_usage_is_billed_what_it_read(
+    start_served: StartServed, tmp_path: Path
+) -> None:
+    # Before: billed completion_tokens=0 (the handler was cancelled; nothing was accounted).
+    log = tmp_path / "usage.jsonl"
+    proxy = start_served(usage_log={"path": str(log)})
+    client = await RawClient.connect(proxy.host, proxy.port)
+    try:
+        await client.send(chat("hang", stream=True, max_tokens=3000))
+        read = await client.read_until(TOKEN, 2995, timeout_s=20)
+    finally:
+        client.abort()  # gone, with 2,995 of 3,000 tokens in hand
+    assert read >= 2995
+    await wait_for(lambda: len(usage_records(log)) == 1, 10, "the usage-log line")
+    (record,) = usage_records(log)
+    assert (record["status"], record["outcome"]) == (499, "client_gone")
+    assert read <= record["completion_tokens"] <= 3000
+    assert record["usage_estimated"] is True and record["prompt_tokens"] > 0
+
+
+async def test_a_stream_cut_by_the_request_timeout_is_billed_what_it_delivered(
+    start_served: StartServed, tmp_path: Path
+) -> None:
+    # Before: outcome=timeout completion_tokens=0, and the fairness charge refunded to zero.
+    log = tmp_path / "usage.jsonl"
+    proxy = start_served(usage_log={"path": str(log)}, tiers={"normal": {"request_timeout_s": 2}})
+    answer = await exchange(proxy.host, proxy.port, chat("slow", stream=True), timeout_s=15)
+    seen = answer.body.count(TOKEN)
+    assert answer.status == 200 and b"request_timeout" in answer.body and seen > 20
+    await wait_for(lambda: len(usage_records(log)) == 1, 10, "the usage-log line")
+    (record,) = usage_records(log)
+    assert record["outcome"] == "timeout"
+    assert 0.9 * seen <= record["completion_tokens"] <= seen
+    assert record["usage_estimated"] is True
+
+
+async def test_a_large_answer_with_its_usage_before_the_tail_is_billed(
+    start_served: StartServed, tmp_path: Path
+) -> None:
+    # Before: usage log prompt=0 completion=0 (only the last 64 KiB were searched).
+    log = tmp_path / "usage.jsonl"
+    proxy = start_served(usage_log={"path": str(log)})
+    answer = await exchange(proxy.host, proxy.port, chat("bigtail"), timeout_s=20)
+    assert answer.status == 200 and len(answer.body) > 1_500_000
+    await wait_for(lambda: len(usage_records(log)) == 1, 10, "the usage-log line")
+    (record,) = usage_records(log)
+    assert (record["prompt_tokens"], record["completion_tokens"]) == (10, 1500)
+    assert record["usage_estimated"] is False
+
+
+async def test_a_prompt_list_over_the_whole_tpm_bucket_is_refused_for_good(
+    start_served: StartServed, backend: Upstream
+) -> None:
+    # Before: 200 OK, 409,610 tokens against tokens_per_minute 6,000 (the bucket was full).
+    tenant = {"name": "tenant-normal", "tier": "normal", "tokens_per_minute": 6000}
+    tenants = [{**tenant, "keys": [{"sha256": hash_key(KEYS["normal"])}]}]
+    proxy = start_served(tenants=tenants)
+    before = backend.fake.received
+    body = {"model": "tiny", "prompt": ["p"] * 200, "max_tokens": 2048}
+    request = json_request("/v1/completions", body, KEYS["normal"])
+    answer = await exchange(proxy.host, proxy.port, request)
+    assert answer.status == 429 and answer.error_code() == "request_over_token_limit"
+    assert answer.headers["x-should-retry"] == "false" and "retry-after" not in answer.headers
+    assert backend.fake.received == before
+    fits = {"model": "tiny", "prompt": ["p"] * 2, "max_tokens": 2000}
+    ok = await exchange(
+        proxy.host, proxy.port, json_request("/v1/completions", fits, KEYS["normal"])
+    )
+    assert ok.status == 200 and backend.fake.received == before + 1
