@@ -5,9 +5,9 @@ never nothing.
 
 The count is of events, not of tokens, and it is a lower bound: vLLM sends each chunk for one
 engine step of one choice, at least one generated token (more with speculative decoding or a
-``--stream-interval`` above 1). Counting them costs two ``bytes.count`` per block written (in
-C: no JSON parsed per chunk); a chat stream's first chunk of each choice (its ``role``) carries
-no token and is not counted.
+``--stream-interval`` above 1). Counting them costs one ``bytes.count`` per block written (in
+C: no JSON parsed per chunk; ~0.1-0.2 µs an event, benchmarks/delivered_bench.py); a chat
+stream's opening chunk of each choice (its ``role``) carries no token and is not counted.
 
 vLLM's ``stream_options.continuous_usage_stats`` was weighed and not used: its counts are per
 choice (``previous_num_tokens[i]``), so the last one seen undercounts ``n`` > 1 and prompt
@@ -35,10 +35,17 @@ class Delivered:
     happens only before the first byte, so at most one attempt counts any)."""
 
     events: int = 0
+    _past_roles: bool = False  # a token chunk was seen: no opening chunk comes after it
 
     def chunks(self, block: bytes) -> None:
-        """A block of chat or completions events was written."""
-        self.events += block.count(_CHOICE) - block.count(_ROLE)
+        """A block of chat or completions events was written. One scan per block; the
+        opening chunks (chat's role, all sent before any token) are looked for only until
+        the first token chunk."""
+        count = block.count(_CHOICE)
+        if not self._past_roles:
+            count -= block.count(_ROLE)
+            self._past_roles = count > 0
+        self.events += count
 
     def responses_event(self, event: bytes) -> None:
         """One Responses API event was written."""
