@@ -113,7 +113,8 @@ class Tenant(Strict):
         description="Rate limit on prompt + output tokens, estimated up front (max_tokens for"
         " each of n choices and each prompt of a prompt list) and corrected from the answer's"
         " usage (a stream without one: what it delivered); a request whose estimate exceeds it"
-        " is refused (429 request_over_token_limit, x-should-retry: false); debt past one"
+        " is refused (429 request_over_token_limit, x-should-retry: false), one without"
+        " max_tokens gets each sequence's share of it as max_tokens; debt past one"
         " minute's worth is forgiven; null: none.",
     )
     max_concurrent: int | None = Field(

@@ -211,10 +211,12 @@ def parse_body(
     *,
     max_depth: int = 64,
     path: str = "",
+    token_limit: float | None = None,
 ) -> ParsedRequest:
     """Validate a body and estimate its cost; 400 for what no backend could run. A ``null``
     top-level field counts as absent, as in OpenAI's API; numbers and booleans sent as strings
-    are read as vLLM's pydantic models read them."""
+    are read as vLLM's pydantic models read them. ``token_limit``: the tenant's
+    tokens_per_minute, which also caps each sequence of a request that sets no max_tokens."""
     body = _decode_object(raw, max_depth)
     route = BY_ENDPOINT[endpoint]
     model = body.get("model")
@@ -226,7 +228,9 @@ def parse_body(
     for name in STRIPPED_BODY_FIELDS:
         body.pop(name, None)
     max_tokens, expected = (
-        _output_budget(body, endpoint, tier, limits, scheduling) if route.generates else (None, 0)
+        _output_budget(body, endpoint, tier, limits, scheduling, token_limit)
+        if route.generates
+        else (None, 0)
     )
     return ParsedRequest(
         body=body,
@@ -269,11 +273,18 @@ def _input_chars(body: dict[str, Any], endpoint: Endpoint) -> int:
 
 
 def _output_budget(
-    body: dict[str, Any], endpoint: Endpoint, tier: Tier, limits: Limits, scheduling: Scheduling
+    body: dict[str, Any],
+    endpoint: Endpoint,
+    tier: Tier,
+    limits: Limits,
+    scheduling: Scheduling,
+    token_limit: float | None = None,
 ) -> tuple[int | None, int]:
     """(max_tokens as sent on, clamped to the tier; output tokens expected from all n
     choices of every prompt) of a generating request."""
-    max_tokens = _clamped_max_tokens(body, tier, limits, _budget_fields(endpoint))
+    fields = _budget_fields(endpoint)
+    client_set = any(name in body for name in fields)
+    max_tokens = _clamped_max_tokens(body, tier, limits, fields)
     n = _lax_field(body, "n", lax_int, "an integer")
     n = 1 if n is None else n
     if n < 1 or n > 128:
@@ -281,7 +292,16 @@ def _output_budget(
     expected = max_tokens if max_tokens is not None else scheduling.default_expected_output
     if tier.max_tokens is not None:
         expected = min(expected, tier.max_tokens)
-    return max_tokens, int(expected * n * _prompts(body, endpoint))
+    prompts = _prompts(body, endpoint)
+    if token_limit is not None and not client_set:
+        # Without max_tokens vLLM runs to the context's end (or the tier's cap), past what the
+        # tenant's whole tokens_per_minute allows, and debt past one minute is forgiven: each
+        # sequence gets at most its share of the limit (vLLM still stops at the context's end).
+        share = max(1, int(token_limit // (n * prompts)))
+        if max_tokens is None or max_tokens > share:
+            max_tokens = body[fields[0]] = share
+        expected = min(expected, share)
+    return max_tokens, int(expected * n * prompts)
 
 
 def _prompts(body: dict[str, Any], endpoint: Endpoint) -> int:

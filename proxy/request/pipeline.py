@@ -196,6 +196,7 @@ class RequestPipeline:
             config.scheduling,
             max_depth=config.input.max_json_depth,
             path=request.path,
+            token_limit=tenant.tokens_per_minute,
         )
         if not self.pool.model_known(parsed.model):
             raise model_not_found(parsed.model, sorted(self.pool.known_models()))

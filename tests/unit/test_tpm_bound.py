@@ -66,3 +66,24 @@ async def test_a_request_over_the_whole_bucket_is_refused_for_good(clock: FakeCl
             window = r.state.limits.windows("tenant-normal", clock())["tokens"]
             assert window.remaining == 6000  # a refused request takes nothing
             assert (await r.chat(max_tokens=5000)).status == 200  # under the bucket: as before
+
+
+def parsed_for(endpoint: str, body: dict[str, object], tier: Tier = TIER) -> tuple[object, int]:
+    """(the max_tokens sent on, the output estimate) for a tenant of tokens_per_minute 6000."""
+    parsed = parse_body(orjson.dumps(body), endpoint, tier, LIMITS, SCHED, token_limit=6000)  # type: ignore[arg-type]
+    return parsed.body.get("max_tokens"), parsed.expected_output
+
+
+def test_without_max_tokens_each_sequence_gets_its_share_of_the_limit() -> None:
+    # Before: no max_tokens went on as none (vLLM runs to the context's end: 23 prompts x
+    # 32k tokens against 6000 a minute), estimated 256 each, the debt past a minute forgiven.
+    assert parsed_for("completions", {"prompt": ["p"] * 23}) == (6000 // 23, 256 * 23)
+    assert parsed_for("chat", {"messages": [{"role": "user", "content": "x"}], "n": 2}) == (
+        3000,
+        512,
+    )
+    # A tier cap above the share: the share, and the request still fits the bucket.
+    capped = Tier(**{**TIER.model_dump(), "max_tokens": 8192})
+    assert parsed_for("completions", {"prompt": "p"}, capped) == (6000, 6000)
+    # What the client set is its own: over the limit, the pipeline refuses it.
+    assert parsed_for("completions", {"prompt": "p", "max_tokens": 9000}) == (9000, 9000)

@@ -42,6 +42,7 @@ class BillingBackend:
 
     def __init__(self) -> None:
         self.received = 0
+        self.max_tokens: list[object] = []  # what each completions call asked for
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -78,7 +79,8 @@ class BillingBackend:
         body = await request.json()
         self.received += 1
         prompts = len(body["prompt"]) if isinstance(body["prompt"], list) else 1
-        completion = int(body["max_tokens"]) * prompts
+        self.max_tokens.append(body.get("max_tokens"))
+        completion = int(body.get("max_tokens") or 30_000) * prompts  # none: the context's end
         usage = {"prompt_tokens": prompts, "completion_tokens": completion}
         choices = [{"index": i, "text": "x", "finish_reason": "length"} for i in range(prompts)]
         answer = {"object": "text_completion", "choices": choices, "usage": usage}
@@ -190,7 +192,8 @@ async def test_a_large_answer_with_its_usage_before_the_tail_is_billed(
 async def test_a_prompt_list_over_the_whole_tpm_bucket_is_refused_for_good(
     start_served: StartServed, backend: Upstream
 ) -> None:
-    # Before: 200 OK, 409,610 tokens against tokens_per_minute 6,000 (the bucket was full).
+    # Before: 200 OK, 409,610 tokens against tokens_per_minute 6,000 (the bucket was full);
+    # and a prompt list without max_tokens went on without one.
     tenant = {"name": "tenant-normal", "tier": "normal", "tokens_per_minute": 6000}
     tenants = [{**tenant, "keys": [{"sha256": hash_key(KEYS["normal"])}]}]
     proxy = start_served(tenants=tenants)
@@ -201,8 +204,14 @@ async def test_a_prompt_list_over_the_whole_tpm_bucket_is_refused_for_good(
     assert answer.status == 429 and answer.error_code() == "request_over_token_limit"
     assert answer.headers["x-should-retry"] == "false" and "retry-after" not in answer.headers
     assert backend.fake.received == before
-    fits = {"model": "tiny", "prompt": ["p"] * 2, "max_tokens": 2000}
+    fits = {"model": "tiny", "prompt": ["p"] * 2, "max_tokens": 500}
     ok = await exchange(
         proxy.host, proxy.port, json_request("/v1/completions", fits, KEYS["normal"])
     )
     assert ok.status == 200 and backend.fake.received == before + 1
+    # No max_tokens: vLLM would run each of 10 prompts to the context's end (300,000 tokens
+    # here); each gets its share of the minute's limit instead.
+    unset = {"model": "tiny", "prompt": ["p"] * 10}
+    request = json_request("/v1/completions", unset, KEYS["normal"])
+    answer = await exchange(proxy.host, proxy.port, request)
+    assert answer.status == 200 and backend.fake.max_tokens[-1] == 6000 // 10
