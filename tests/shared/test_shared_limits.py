@@ -136,7 +136,7 @@ async def test_scripts_are_reloaded_after_a_restart(
 ) -> None:
     (a,) = await replicas(1, tenant(requests_per_minute=60))
     assert (await a.admit("acme", 1, 0.0)).allowed
-    await a.store.redis.script_flush()  # type: ignore[no-untyped-call]  # as a restart does
+    await a.store.redis.script_flush()  # as a restart does
     assert (await a.admit("acme", 1, 0.0)).allowed
     assert a.store.up
 

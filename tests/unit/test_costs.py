@@ -15,7 +15,7 @@ def _tenant(rpm: int, tpm: int) -> Tenant:
     return Tenant(
         name="t",
         tier="low",
-        keys=[{"sha256": "0" * 64}],  # type: ignore[list-item]
+        keys=[{"sha256": "0" * 64}],
         requests_per_minute=rpm,
         tokens_per_minute=tpm,
     )

@@ -5,7 +5,7 @@ from proxy.scheduling.limits import LimitRegistry, TokenBucket
 
 
 def _tenant(**limits: object) -> Tenant:
-    return Tenant(name="t", tier="low", keys=[{"sha256": "0" * 64}], **limits)  # type: ignore[arg-type, list-item]
+    return Tenant(name="t", tier="low", keys=[{"sha256": "0" * 64}], **limits)
 
 
 def _simulate(registry: LimitRegistry, per_second: float, seconds: float, tokens: float = 1) -> int:

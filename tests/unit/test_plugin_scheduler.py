@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 
@@ -37,7 +37,11 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from proxy.ticket import XARG_PREFILL_SHARE, XARG_TIME_LIMIT, XARG_TRUSTED, Ticket  # noqa: E402
 from proxy.vllm_plugin.middleware import rewrite_body  # noqa: E402
-from proxy.vllm_plugin.scheduler import AsyncTierScheduler, TierScheduler  # noqa: E402
+from proxy.vllm_plugin.scheduler import (  # noqa: E402
+    AsyncTierScheduler,
+    PluginCounters,
+    TierScheduler,
+)
 from proxy.vllm_plugin.settings import SchedulerSettings  # noqa: E402
 from tests.clock import FakeClock  # noqa: E402
 
@@ -67,14 +71,14 @@ def make_scheduler(
     num_blocks: int = 1000,
     clock: FakeClock | None = None,
     max_preemptions: int = 2,
-    policy: str = "priority",
+    policy: Literal["fcfs", "priority"] = "priority",
 ) -> Scheduler:
     scheduler_config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
         max_model_len=2048,
         enable_chunked_prefill=True,
-        policy=policy,  # type: ignore[arg-type]
+        policy=policy,
         is_encoder_decoder=False,
     )
     model_config = ModelConfig(
@@ -110,6 +114,11 @@ def make_scheduler(
             max_preemptions=max_preemptions, stats_interval_s=0.0
         )
     return cls(**kwargs)
+
+
+def counters_of(scheduler: Scheduler) -> PluginCounters:
+    assert isinstance(scheduler, TierScheduler)
+    return scheduler.plugin_counters
 
 
 _ids = iter(range(1_000_000))
@@ -207,7 +216,7 @@ def test_high_preempts_worst_low_only_as_many_as_needed(model_dir: Path) -> None
     assert out.preempted_req_ids == {latest_low.request_id}
     assert latest_low.status == RequestStatus.PREEMPTED
     assert sum(r.status == RequestStatus.RUNNING for r in lows) == 3
-    assert run.s.plugin_counters.preemptions == 1  # type: ignore[attr-defined]
+    assert counters_of(run.s).preemptions == 1
 
 
 def test_stock_scheduler_makes_high_wait(model_dir: Path) -> None:
@@ -231,7 +240,7 @@ def test_preempted_requests_complete_with_full_output(model_dir: Path) -> None:
         assert run.finish[r.request_id] == FinishReason.LENGTH
         assert r.sampling_params is not None and r.sampling_params.max_tokens is not None
         assert run.tokens[r.request_id] == [TOKEN] * r.sampling_params.max_tokens
-    assert run.s.plugin_counters.preemptions == 2  # type: ignore[attr-defined]
+    assert counters_of(run.s).preemptions == 2
     assert run.s.kv_cache_manager.usage == 0.0
 
 
@@ -256,7 +265,7 @@ def test_preemptions_per_request_are_bounded(model_dir: Path) -> None:
         while high.request_id not in run.finish:
             run.step()
         list(run.steps(2))  # low resumes
-    counters = run.s.plugin_counters  # type: ignore[attr-defined]
+    counters = counters_of(run.s)
     assert counters.preemptions == 1  # once, then the bound protects it
     assert counters.preemptions_refused >= 1
     assert low.num_preemptions == 1
@@ -302,7 +311,7 @@ def test_worse_tier_prefill_capped_while_better_tier_decodes(model_dir: Path) ->
         chunks.append(out.num_scheduled_tokens.get(low.request_id, 0))
     assert max(chunks) <= int(0.2 * 512)
     assert sum(chunks) == 1500
-    counters = run.s.plugin_counters  # type: ignore[attr-defined]
+    counters = counters_of(run.s)
     assert counters.prefill_tokens_deferred > 0
     assert run.s.max_num_scheduled_tokens == 512  # restored after every step
 
@@ -328,7 +337,7 @@ def test_no_cap_without_better_tier_decoding(model_dir: Path) -> None:
     low = make_request(1500, 4, LOW, share=0.2)
     run.s.add_request(low)
     assert run.step().num_scheduled_tokens[low.request_id] == 512
-    assert run.s.plugin_counters.prefill_tokens_deferred == 0  # type: ignore[attr-defined]
+    assert counters_of(run.s).prefill_tokens_deferred == 0
 
 
 # ---- 3. deadlines ----------------------------------------------------------------------------
@@ -349,7 +358,7 @@ def test_waiting_request_past_deadline_never_runs(model_dir: Path) -> None:
         assert run.finish[r.request_id] == FinishReason.ABORT
         assert run.tokens[r.request_id] == []
         assert r.request_id not in run.s.requests
-    counters = run.s.plugin_counters  # type: ignore[attr-defined]
+    counters = counters_of(run.s)
     assert counters.deadline_drops_waiting == 2
     assert counters.preemptions == 0  # an expired request is not worth a preemption
 
@@ -366,7 +375,7 @@ def test_running_request_past_deadline_is_stopped_and_freed(model_dir: Path) -> 
     assert req.request_id not in out.num_scheduled_tokens
     assert run.finish[req.request_id] == FinishReason.ABORT
     assert len(run.tokens[req.request_id]) == 5  # what its 5 steps produced before the deadline
-    assert run.s.plugin_counters.deadline_drops_running == 1  # type: ignore[attr-defined]
+    assert counters_of(run.s).deadline_drops_running == 1
     assert not run.s.has_unfinished_requests()
     assert run.s.kv_cache_manager.usage == 0.0
 

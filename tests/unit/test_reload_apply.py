@@ -21,7 +21,7 @@ from tests.clock import FakeClock
 
 def _tenant(name: str, **limits: object) -> Tenant:
     keys = [{"sha256": hash_key(f"key-{name}")}]
-    return Tenant(name=name, tier="normal", keys=keys, **limits)  # type: ignore[arg-type]
+    return Tenant(name=name, tier="normal", keys=keys, **limits)
 
 
 def _config(tenants: list[dict[str, object]]) -> str:
