@@ -21,7 +21,7 @@ from proxy.ops.engine import (
 )
 from proxy.ticket import DEFAULT_SECRET_ENV
 from proxy.vllm_plugin.settings import ENV_REQUIRE_TICKET
-from tests.proxyrun import SECRET
+from tests.helpers.proxyrun import SECRET
 
 PLUGIN_SECRET = "plugin-test-secret-of-at-least-32-bytes"
 

@@ -25,8 +25,9 @@ from multidict import CIMultiDictProxy
 from proxy.api.routes import POST_PATHS
 from proxy.bench.inproc import serve_app
 
-# The test's own answer to the n-th request (from 1): for byte-level faults no setting covers.
-Script = Callable[[web.Request, int], Awaitable[web.StreamResponse]]
+# The test's own answer to the n-th request (from 1): for byte-level faults no setting covers;
+# None: the configured answer.
+Script = Callable[[web.Request, int], Awaitable[web.StreamResponse | None]]
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,9 @@ class FakeVLLM:
     accepts and never answers. ``die_after_events``: a generation streams that many events, then
     the connection drops without ``[DONE]``. ``cut_responses_stream``: a Responses stream ends
     before ``response.completed``. ``tokenize_status``: else ``/tokenize`` answers this status.
-    ``script``: the test's own answer to generations (status, usage and delays then unused).
+    ``tokenize_gate``: set, ``/tokenize`` and ``/detokenize`` wait for it (a busy tokenizer;
+    ``tokenizing`` counts the waiting). ``script``: the test's own answer to every POST (None
+    from it: the configured answer). ``version_calls`` counts ``GET /version``.
     Serve it with ``serve()``: a caller hanging up cancels its handler, counted in ``hung_up``.
     """
 
@@ -150,6 +153,7 @@ class FakeVLLM:
         die_after_events: int | None = None,
         cut_responses_stream: bool = False,
         tokenize_status: int = 200,
+        tokenize_gate: asyncio.Event | None = None,
         script: Script | None = None,
         metrics_text: str = "",
     ) -> None:
@@ -162,6 +166,7 @@ class FakeVLLM:
         self.die_after_events = die_after_events
         self.cut_responses_stream = cut_responses_stream
         self.tokenize_status = tokenize_status
+        self.tokenize_gate = tokenize_gate
         self.script = script
         self.metrics_text = metrics_text
         self.gate = asyncio.Event()
@@ -172,6 +177,8 @@ class FakeVLLM:
         self.active = 0  # requests in a handler now
         self.max_active = 0
         self.hung_up = 0  # handlers cancelled (or reset) by the caller leaving
+        self.tokenizing = 0  # tokenizer calls waiting at ``tokenize_gate`` now
+        self.version_calls = 0
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -203,6 +210,7 @@ class FakeVLLM:
         return web.Response(text="")
 
     async def _version(self, request: web.Request) -> web.Response:
+        self.version_calls += 1
         return web.json_response({"version": "0.32.0"})
 
     async def _metrics(self, request: web.Request) -> web.Response:
@@ -220,8 +228,9 @@ class FakeVLLM:
         self.max_active = max(self.max_active, self.active)
         try:
             await self.gate.wait()
-            if self.script is not None:
-                return await self.script(request, n)
+            scripted = await self.script(request, n) if self.script is not None else None
+            if scripted is not None:
+                return scripted
             answer = await self._answer(request, body)
             self.served += 1
             user = str(body.get("user", ""))
@@ -241,6 +250,12 @@ class FakeVLLM:
         if path in ("/tokenize", "/detokenize"):
             if path == "/tokenize" and self.tokenize_status != 200:
                 return _error(self.tokenize_status, "BadRequestError")
+            if self.tokenize_gate is not None:
+                self.tokenizing += 1
+                try:
+                    await self.tokenize_gate.wait()
+                finally:
+                    self.tokenizing -= 1
             return web.json_response({"count": 2, "tokens": [1, 2], "max_model_len": 2048})
         if self.status != 200:
             return _error(self.status, "server_error")

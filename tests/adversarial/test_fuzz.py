@@ -22,12 +22,12 @@ import aiohttp
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from proxy.bench.fake_vllm import FakeVLLM
 from proxy.server.state import ProxyState
 from tests.adversarial.answers import assert_openai_error, read_answer
 from tests.adversarial.histogram import FUZZ, FuzzHistogram
 from tests.adversarial.strategies import ClientCase, RawCase, client_cases, compress, raw_cases
-from tests.fakes import ScriptedBackend, serve_scripted
-from tests.proxyrun import KEYS, auth, make_config, running_proxy, until
+from tests.helpers.proxyrun import KEYS, auth, make_config, running_proxy, until
 
 FUZZ_CASES = int(os.environ.get("TIERPROXY_FUZZ_CASES", "10000"))
 BATCH = 10
@@ -60,7 +60,7 @@ class Harness:
         self.state: ProxyState
 
     async def start(self) -> None:
-        backend_url = await self.stack.enter_async_context(serve_scripted(ScriptedBackend()))
+        backend_url = await self.stack.enter_async_context(FakeVLLM().serve())
         self.base, self.state = await self.stack.enter_async_context(
             running_proxy(fuzz_config(backend_url))
         )

@@ -17,8 +17,8 @@ import pytest
 from aiohttp import web
 
 from tests.adversarial.test_relay_faults import FaultyBackend, config_for, requests_total
-from tests.clock import FakeClock
-from tests.proxyrun import auth, running_proxy, until
+from tests.helpers.clock import FakeClock
+from tests.helpers.proxyrun import auth, running_proxy, until
 from tests.unit.test_pipeline import BODY, rig
 
 ANSWER_BYTES = 900 * 1024  # held whole (under buffer_response_bytes), too big for loopback

@@ -12,8 +12,8 @@ import orjson
 from proxy.relay.budget import held_estimate
 from tests.adversarial.served.kit import RawClient
 from tests.adversarial.test_relay_faults import config_for
-from tests.clock import FakeClock
-from tests.proxyrun import KEYS, until
+from tests.helpers.clock import FakeClock
+from tests.helpers.proxyrun import KEYS, until
 from tests.unit.test_pipeline import BODY, rig
 
 UPLOAD = 1_000_000  # bytes of body announced

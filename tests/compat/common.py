@@ -17,7 +17,7 @@ from proxy.telemetry import prometheus
 from tests.conftest import TINY_MODEL_DIR
 from tests.enginefarm import EngineFarm
 from tests.engines import LONG_CONTEXT
-from tests.proxyrun import KEYS, make_config, running_proxy
+from tests.helpers.proxyrun import KEYS, make_config, running_proxy
 
 MODEL = "tiny"
 TOKENIZER_DIR = TINY_MODEL_DIR

@@ -30,7 +30,7 @@ from tests.compat.common import (
 )
 from tests.enginefarm import EngineFarm
 from tests.engines import LONG_CONTEXT
-from tests.proxyrun import make_config, until
+from tests.helpers.proxyrun import make_config, until
 
 pytestmark = [pytest.mark.integration, pytest.mark.engines(LONG_CONTEXT)]
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say something."}]

@@ -17,7 +17,7 @@ from proxy.relay import sse
 from proxy.telemetry import prometheus
 from tests.enginefarm import EngineFarm
 from tests.engines import LONG_CONTEXT
-from tests.proxyrun import auth, make_config, running_proxy, until
+from tests.helpers.proxyrun import auth, make_config, running_proxy, until
 
 pytestmark = [pytest.mark.integration, pytest.mark.engines(LONG_CONTEXT)]
 # The tiny model's whole context: a "long" request then holds its slot for 15 s or more even on

@@ -14,7 +14,7 @@ import pytest
 
 from tests.enginefarm import EngineFarm
 from tests.engines import LONG_CONTEXT
-from tests.proxyrun import auth, make_config, running_proxy
+from tests.helpers.proxyrun import auth, make_config, running_proxy
 
 pytestmark = [pytest.mark.integration, pytest.mark.engines(LONG_CONTEXT)]
 TIMEOUT = aiohttp.ClientTimeout(total=120)

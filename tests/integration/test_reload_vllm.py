@@ -14,7 +14,7 @@ import yaml
 from proxy.server.state import ProxyState
 from tests.enginefarm import EngineFarm
 from tests.engines import CORE
-from tests.proxyrun import KEYS, auth, make_config, running_proxy, until
+from tests.helpers.proxyrun import KEYS, auth, make_config, running_proxy, until
 
 pytestmark = [pytest.mark.integration, pytest.mark.engines(CORE)]
 TIMEOUT = aiohttp.ClientTimeout(total=180)

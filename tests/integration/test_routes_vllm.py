@@ -18,7 +18,7 @@ import pytest
 from proxy.ops.engine import EngineProcess
 from tests.enginefarm import EngineFarm
 from tests.engines import CORE, POOLING_TICKETED
-from tests.proxyrun import auth, make_config, running_proxy
+from tests.helpers.proxyrun import auth, make_config, running_proxy
 
 pytestmark = [pytest.mark.integration, pytest.mark.engines(POOLING_TICKETED, CORE)]
 TIMEOUT = aiohttp.ClientTimeout(total=60)

@@ -19,7 +19,7 @@ from proxy.config.tenants import Tenant
 from proxy.scheduling.limits import LimitVerdict
 from proxy.shared.client import SharedStore
 from proxy.shared.limits import SharedLimitRegistry
-from tests.redis_server import RedisServer
+from tests.helpers.redis_server import RedisServer
 
 
 def tenant(**limits: Any) -> Tenant:

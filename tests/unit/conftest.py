@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.clock import FakeClock
+from tests.helpers.clock import FakeClock
 
 
 @pytest.fixture

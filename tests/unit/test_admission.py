@@ -4,7 +4,7 @@ from proxy.policies.order import ShortFirst
 from proxy.policies.types import QueuedRequest, State, TierLimits
 from proxy.scheduling.build import default_queue_policies
 from proxy.scheduling.queue import AdmissionQueue, QueueFull
-from tests.clock import FakeClock
+from tests.helpers.clock import FakeClock
 
 
 def _queue() -> AdmissionQueue:

@@ -13,7 +13,7 @@ from proxy.scheduling.clock_offset import (
     correction,
     date_offset,
 )
-from tests.clock import FakeClock
+from tests.helpers.clock import FakeClock
 
 NOW = 1_800_000_000.25
 

@@ -8,8 +8,7 @@ import yaml
 from proxy.config.loader import ConfigError, load_config, parse_config
 from proxy.config.tenants import hash_key
 from proxy.config.yaml_load import safe_load
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers.paths import REPO
 
 GOOD = """
 listen: {{host: 127.0.0.1, port: 8000}}

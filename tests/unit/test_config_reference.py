@@ -14,8 +14,8 @@ from proxy.config.base import Strict
 from proxy.config.reference import DOC_PATH, NO_DESCRIPTION, render, sections, type_name
 from proxy.config.scheduling import Policies
 from proxy.config.schema import Config
+from tests.helpers.paths import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 MINIMAL: dict[str, Any] = {
     "tiers": {
         "t": {

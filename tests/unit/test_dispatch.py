@@ -14,7 +14,7 @@ from proxy.scheduling.dispatch import Dispatcher, Lease, QueueTimeoutError
 from proxy.scheduling.pool import BackendPool
 from proxy.scheduling.queue import AdmissionQueue, QueueFull
 from proxy.telemetry.metrics import ProxyMetrics
-from tests.clock import FakeClock
+from tests.helpers.clock import FakeClock
 
 
 def _dispatcher(slots: int, cap: int, clock: FakeClock) -> Dispatcher:

@@ -13,15 +13,15 @@ import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
+from proxy.bench.fake_vllm import FakeVLLM
 from proxy.config.loader import parse_config
 from proxy.config.server import Server
 from proxy.config.tenants import hash_key
 from proxy.server.app import create_admin_app, create_app
 from proxy.server.listeners import Listeners
 from proxy.server.state import STATE
-from tests.clock import FakeClock
-from tests.fakes import ScriptedBackend, serve_scripted
-from tests.proxyrun import SECRET, auth, make_config
+from tests.helpers.clock import FakeClock
+from tests.helpers.proxyrun import SECRET, auth, make_config
 
 ADMIN = {"Authorization": "Bearer admin-secret"}
 
@@ -31,7 +31,7 @@ Client = TestClient[web.Request, web.Application]
 @contextlib.asynccontextmanager
 async def proxy(clock: FakeClock, *, admin: bool = True) -> AsyncIterator[tuple[Client, str]]:
     """The whole app (monitor included) over one scripted backend; yields (client, its url)."""
-    async with serve_scripted(ScriptedBackend()) as url:
+    async with FakeVLLM().serve() as url:
         extra: dict[str, Any] = {"admin_keys": [{"sha256": hash_key("admin-secret")}]}
         config = make_config([{"url": url}], **(extra if admin else {}))
         app = create_app(parse_config(yaml.safe_dump(config)), secret=SECRET, clock=clock)
@@ -112,7 +112,7 @@ async def test_admin_drain_takes_a_backend_out_and_back(clock: FakeClock) -> Non
 
 
 async def test_admin_listen_serves_metrics_and_admin_there_only(clock: FakeClock) -> None:
-    async with serve_scripted(ScriptedBackend()) as url:
+    async with FakeVLLM().serve() as url:
         config = make_config(
             [{"url": url}],
             admin_keys=[{"sha256": hash_key("admin-secret")}],

@@ -10,18 +10,18 @@ from typing import Any
 import yaml
 from aiohttp.test_utils import TestClient, TestServer
 
+from proxy.bench.fake_vllm import FakeVLLM
 from proxy.config.loader import parse_config
 from proxy.server.app import create_app
-from tests.clock import FakeClock
-from tests.dashboard import REPO, exposed_names, panels, queried_names
-from tests.fakes import ScriptedBackend, serve_scripted
-from tests.proxyrun import SECRET, make_config
+from tests.helpers.clock import FakeClock
+from tests.helpers.dashboard import REPO, exposed_names, panels, queried_names
+from tests.helpers.proxyrun import SECRET, make_config
 
 
 async def test_every_proxy_metric_a_panel_queries_is_on_metrics(
     clock: FakeClock, tmp_path: Path
 ) -> None:
-    async with serve_scripted(ScriptedBackend()) as url:
+    async with FakeVLLM().serve() as url:
         config = make_config([{"url": url}], usage_log={"path": str(tmp_path / "u.jsonl")})
         app = create_app(parse_config(yaml.safe_dump(config)), secret=SECRET, clock=clock)
         async with TestClient(TestServer(app)) as client, client.get("/metrics") as resp:

@@ -13,6 +13,7 @@ import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
+from proxy.bench.fake_vllm import FakeVLLM
 from proxy.config.backends import Backend
 from proxy.config.loader import parse_config
 from proxy.config.tenants import hash_key
@@ -21,9 +22,8 @@ from proxy.ops.usage import UsageRecord
 from proxy.scheduling.backend import BackendState
 from proxy.server.app import create_app
 from proxy.server.state import STATE, ProxyState
-from tests.clock import FakeClock
-from tests.fakes import ScriptedBackend, serve_scripted
-from tests.proxyrun import SECRET, auth, make_config, until
+from tests.helpers.clock import FakeClock
+from tests.helpers.proxyrun import SECRET, auth, make_config, until
 
 ADMIN = {"Authorization": "Bearer admin-secret"}
 Client = TestClient[web.Request, web.Application]
@@ -70,9 +70,9 @@ async def _post(client: Client, tier: str) -> int:
 async def test_status_shows_queues_tenants_backends_and_the_window(
     clock: FakeClock, tmp_path: Path
 ) -> None:
-    backend = ScriptedBackend(usage=(7, 3))
+    backend = FakeVLLM(usage=(7, 3))
     log = tmp_path / "usage.jsonl"
-    async with serve_scripted(backend) as url:
+    async with backend.serve() as url:
         app = create_app(
             parse_config(yaml.safe_dump(_config(url, log))), secret=SECRET, clock=clock
         )
@@ -150,7 +150,7 @@ async def test_status_shows_queues_tenants_backends_and_the_window(
 
 
 async def test_status_needs_an_admin_key(clock: FakeClock, tmp_path: Path) -> None:
-    async with serve_scripted(ScriptedBackend()) as url:
+    async with FakeVLLM().serve() as url:
         config = _config(url, tmp_path / "u.jsonl")
         app = create_app(parse_config(yaml.safe_dump(config)), secret=SECRET, clock=clock)
         async with TestClient(TestServer(app)) as client:
@@ -162,7 +162,7 @@ async def test_status_needs_an_admin_key(clock: FakeClock, tmp_path: Path) -> No
 
 
 async def test_usage_labels_stay_within_the_config(clock: FakeClock, tmp_path: Path) -> None:
-    async with serve_scripted(ScriptedBackend()) as url:
+    async with FakeVLLM().serve() as url:
         config = _config(url, tmp_path / "u.jsonl")
         state = create_app(parse_config(yaml.safe_dump(config)), secret=SECRET, clock=clock)[STATE]
     meter = state.usage

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from proxy.ops.live.window import CounterWindow, histogram_quantile
-from tests.clock import FakeClock
+from tests.helpers.clock import FakeClock
 
 
 def test_early_on_the_window_runs_from_creation(clock: FakeClock) -> None:

@@ -12,7 +12,7 @@ import yaml
 
 from proxy.config.loader import ConfigError, parse_config
 from proxy.config.tenants import hash_key
-from tests.proxyrun import make_config
+from tests.helpers.proxyrun import make_config
 
 REPO = Path(__file__).resolve().parents[2]
 

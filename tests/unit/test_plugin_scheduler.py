@@ -43,9 +43,9 @@ from proxy.vllm_plugin.scheduler import (  # noqa: E402
     TierScheduler,
 )
 from proxy.vllm_plugin.settings import SchedulerSettings  # noqa: E402
-from tests.clock import FakeClock  # noqa: E402
+from tests.helpers.clock import FakeClock  # noqa: E402
+from tests.helpers.paths import REPO  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
 BLOCK = 16
 HIGH, LOW = 0, 10
 TOKEN = 7

@@ -21,7 +21,7 @@ from proxy.scheduling.build import build_scheduling
 from proxy.scheduling.dispatch import Lease
 from proxy.server.state import ProxyState
 from proxy.telemetry.metrics import ProxyMetrics
-from tests.clock import FakeClock
+from tests.helpers.clock import FakeClock
 
 BASE = f"""
 tiers:

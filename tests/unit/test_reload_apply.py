@@ -16,7 +16,7 @@ from proxy.ops.reload import ConfigWatcher
 from proxy.scheduling.limits import LimitRegistry, plan_changes
 from proxy.server.state import ProxyState
 from proxy.telemetry.metrics import ProxyMetrics
-from tests.clock import FakeClock
+from tests.helpers.clock import FakeClock
 
 
 def _tenant(name: str, **limits: object) -> Tenant:

@@ -19,7 +19,7 @@ from proxy.policies.room import FixedRoom, GradientRoom, RoomChange
 from proxy.policies.types import ScrapedLoad
 from proxy.scheduling.backend import BackendState
 from proxy.scheduling.pool import BackendPool
-from tests.clock import FakeClock
+from tests.helpers.clock import FakeClock
 
 HEALTH = BackendHealth(max_backend_waiting=2, stale_after_s=2.0)
 TICK_S = 0.5

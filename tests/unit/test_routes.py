@@ -15,6 +15,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from proxy.api.routes import POST_PATHS
+from proxy.bench.fake_vllm import FakeVLLM
 from proxy.config.loader import parse_config
 from proxy.config.tenants import hash_key
 from proxy.policies.tenants import VirtualTokenCounter
@@ -23,13 +24,13 @@ from proxy.server.app import create_app
 from proxy.server.state import STATE, ProxyState
 from proxy.server.version import VERSION_TTL_S
 from proxy.ticket import TICKET_HEADER
-from tests.clock import FakeClock
-from tests.fakes_routes import RESPONSES_USAGE, RoutesBackend, serve_routes
-from tests.proxyrun import SECRET, auth, make_config
+from tests.helpers.clock import FakeClock
+from tests.helpers.proxyrun import SECRET, auth, make_config
 
 Client = TestClient[web.Request, web.Application]
 
 LIMITED_KEY = "key-limited"
+USAGE = (5, 1)  # prompt, completion tokens the fake reports (a pooling answer: 5, 0)
 BODIES: dict[str, dict[str, Any]] = {
     "/v1/responses": {"model": "tiny", "input": "hello", "max_output_tokens": 4},
     "/v1/embeddings": {"model": "tiny", "input": ["hello", "world"]},
@@ -48,10 +49,8 @@ BODIES: dict[str, dict[str, Any]] = {
 
 
 @contextlib.asynccontextmanager
-async def proxy(
-    clock: FakeClock, backend: RoutesBackend
-) -> AsyncIterator[tuple[Client, ProxyState]]:
-    async with serve_routes(backend) as url:
+async def proxy(clock: FakeClock, backend: FakeVLLM) -> AsyncIterator[tuple[Client, ProxyState]]:
+    async with backend.serve() as url:
         limited = {
             "name": "limited",
             "tier": "normal",
@@ -74,7 +73,7 @@ def test_every_route_has_a_body_here() -> None:
 async def test_each_route_goes_through_the_tiers_to_the_same_path(
     clock: FakeClock, path: str
 ) -> None:
-    backend = RoutesBackend()
+    backend = FakeVLLM(usage=USAGE)
     async with proxy(clock, backend) as (client, state):
         async with client.post(path, json=BODIES[path], headers=auth("high")) as resp:
             assert resp.status == 200, await resp.text()
@@ -89,7 +88,7 @@ async def test_each_route_goes_through_the_tiers_to_the_same_path(
 
 
 async def test_wrong_method_is_405_with_allow(clock: FakeClock) -> None:
-    async with proxy(clock, RoutesBackend()) as (client, _):
+    async with proxy(clock, FakeVLLM(usage=USAGE)) as (client, _):
         for path in ("/v1/responses", "/pooling", "/tokenize", "/v1/chat/completions"):
             async with client.get(path, headers=auth("high")) as resp:
                 assert resp.status == 405 and resp.headers["Allow"] == "POST"
@@ -99,7 +98,7 @@ async def test_wrong_method_is_405_with_allow(clock: FakeClock) -> None:
 
 
 async def test_health_and_version_as_vllm_answers_them(clock: FakeClock) -> None:
-    async with proxy(clock, RoutesBackend()) as (client, state):
+    async with proxy(clock, FakeVLLM(usage=USAGE)) as (client, state):
         async with client.get("/health") as resp:  # no key, as with vLLM
             assert resp.status == 200 and await resp.read() == b""
         async with client.get("/version") as resp:
@@ -116,7 +115,7 @@ async def test_health_and_version_as_vllm_answers_them(clock: FakeClock) -> None
 
 async def test_version_is_answered_from_a_cache_never_per_request(clock: FakeClock) -> None:
     """Unauthenticated, so a scanner may flood it: one backend call per cache period."""
-    backend = RoutesBackend()
+    backend = FakeVLLM(usage=USAGE)
     async with proxy(clock, backend) as (client, _):
 
         async def one() -> int:
@@ -131,7 +130,7 @@ async def test_version_is_answered_from_a_cache_never_per_request(clock: FakeClo
 
 
 async def test_client_request_id_is_kept_when_plain(clock: FakeClock) -> None:
-    backend = RoutesBackend()
+    backend = FakeVLLM(usage=USAGE)
     body = BODIES["/v1/embeddings"]
     async with proxy(clock, backend) as (client, _):
         mine = {**auth("high"), "X-Request-Id": "req-42.a:b"}
@@ -148,7 +147,7 @@ async def test_client_request_id_is_kept_when_plain(clock: FakeClock) -> None:
 
 
 async def test_every_answer_carries_the_request_id(clock: FakeClock) -> None:
-    backend = RoutesBackend()
+    backend = FakeVLLM(usage=USAGE)
     mine = {**auth("high"), "X-Request-Id": "stream-7"}
     body = {**BODIES["/v1/completions"], "stream": True}
     async with proxy(clock, backend) as (client, _):
@@ -164,7 +163,7 @@ async def test_every_answer_carries_the_request_id(clock: FakeClock) -> None:
 
 async def test_ratelimit_headers_for_a_tenant_with_limits(clock: FakeClock) -> None:
     body = BODIES["/v1/embeddings"]
-    async with proxy(clock, RoutesBackend()) as (client, _):
+    async with proxy(clock, FakeVLLM(usage=USAGE)) as (client, _):
         key = {"Authorization": f"Bearer {LIMITED_KEY}"}
         async with client.post("/v1/embeddings", json=body, headers=key) as resp:
             assert resp.status == 200
@@ -182,7 +181,7 @@ async def test_ratelimit_headers_for_a_tenant_with_limits(clock: FakeClock) -> N
 
 async def test_responses_stream_relays_events_and_charges_usage(clock: FakeClock) -> None:
     body = {**BODIES["/v1/responses"], "stream": True}
-    backend = RoutesBackend()
+    backend = FakeVLLM(usage=USAGE)
     async with proxy(clock, backend) as (client, state):
         async with client.post("/v1/responses", json=body, headers=auth("high")) as resp:
             assert resp.status == 200 and "X-Request-Id" in resp.headers
@@ -190,8 +189,8 @@ async def test_responses_stream_relays_events_and_charges_usage(clock: FakeClock
         kinds = [line for line in raw.split(b"\n") if line.startswith(b"event:")]
         assert kinds[-1] == b"event: response.completed" and b"[DONE]" not in raw
         tokens = state.metrics.tokens
-        assert tokens.labels("high", "prompt")._value.get() == RESPONSES_USAGE["input_tokens"]
-        assert tokens.labels("high", "completion")._value.get() == 4
+        assert tokens.labels("high", "prompt")._value.get() == USAGE[0]
+        assert tokens.labels("high", "completion")._value.get() == USAGE[1]
         assert state.metrics.requests.labels("high", "ok")._value.get() == 1
     assert "stream_options" not in backend.received[0].body  # not a Responses API field
 
@@ -200,7 +199,7 @@ async def test_responses_stream_cut_before_its_end_gets_an_error_event(
     clock: FakeClock,
 ) -> None:
     body = {**BODIES["/v1/responses"], "stream": True}
-    async with proxy(clock, RoutesBackend(cut_responses_stream=True)) as (client, state):
+    async with proxy(clock, FakeVLLM(usage=USAGE, cut_responses_stream=True)) as (client, state):
         async with client.post("/v1/responses", json=body, headers=auth("high")) as resp:
             events = [e async for e in sse.read_events(resp.content)]
         assert events[-1].startswith(b"event: error\n")
@@ -211,7 +210,7 @@ async def test_responses_stream_cut_before_its_end_gets_an_error_event(
 
 async def test_tokenize_skips_the_queue(clock: FakeClock) -> None:
     """With the backend's every slot taken, a tokenize request still runs at once."""
-    fake = RoutesBackend()
+    fake = FakeVLLM(usage=USAGE)
     async with proxy(clock, fake) as (client, state):
         backend = state.pool.all()[0]
         backend.inflight = int(backend.max_room)
@@ -235,7 +234,7 @@ async def test_tokenize_skips_the_queue(clock: FakeClock) -> None:
 
 
 async def test_unknown_model_lists_the_served_names(clock: FakeClock) -> None:
-    async with proxy(clock, RoutesBackend()) as (client, state):
+    async with proxy(clock, FakeVLLM(usage=USAGE)) as (client, state):
         assert state.monitor is not None
         await state.monitor.probe_all()
         body = {**BODIES["/v1/embeddings"], "model": "nope"}
@@ -247,7 +246,7 @@ async def test_unknown_model_lists_the_served_names(clock: FakeClock) -> None:
 
 
 async def test_max_tokens_as_a_string_is_read_as_vllm_reads_it(clock: FakeClock) -> None:
-    backend = RoutesBackend()
+    backend = FakeVLLM(usage=USAGE)
     body = {**BODIES["/v1/completions"], "max_tokens": "4", "stream": "false", "n": None}
     async with proxy(clock, backend) as (client, _):
         resp = await client.post("/v1/completions", json=body, headers=auth("high"))

@@ -10,6 +10,7 @@ import yaml
 
 from proxy.api.errors import refused_early
 from proxy.api.outcome import Outcome, outcome_of
+from proxy.bench.fake_vllm import FakeVLLM
 from proxy.config.backends import Backend, BackendHealth
 from proxy.config.loader import ConfigError, parse_config
 from proxy.policies.backends import LeastUtilised
@@ -21,10 +22,9 @@ from proxy.scheduling.monitor import BackendMonitor
 from proxy.scheduling.pool import BackendPool
 from proxy.scheduling.queue import AdmissionQueue
 from proxy.telemetry.metrics import ProxyMetrics
-from tests.clock import FakeClock
-from tests.fakes import ScriptedBackend, serve_scripted
-from tests.proxyrun import make_config, until
-from tests.unit.test_pipeline import rig, tenants
+from tests.helpers.clock import FakeClock
+from tests.helpers.proxyrun import make_config, until
+from tests.helpers.rig import rig, tenants
 
 SLO = {"ttft_s": 5.0, "itl_s": 1.0, "percentile": 95}
 
@@ -52,8 +52,8 @@ def test_config_reads_slo_and_adaptive_room() -> None:
 
 
 async def test_goodput_counts_met_and_missed_per_tier_and_tenant(clock: FakeClock) -> None:
-    backend = ScriptedBackend(usage=(7, 3))
-    async with serve_scripted(backend) as url:
+    backend = FakeVLLM(usage=(7, 3))
+    async with backend.serve() as url:
         config = make_config(
             [{"url": url, "max_inflight": 1}],
             tiers={"normal": {"slo": SLO, "queue_timeout_s": 10}},

@@ -13,14 +13,14 @@ import pytest
 import yaml
 from rich.console import Console
 
+from proxy.bench.fake_vllm import FakeVLLM
 from proxy.bench.inproc import serve_app
 from proxy.config.loader import parse_config
 from proxy.config.tenants import hash_key
 from proxy.ops.live.top import render
 from proxy.server.app import create_app
-from tests.conftest import REPO
-from tests.fakes import ScriptedBackend, serve_scripted
-from tests.proxyrun import SECRET, make_config
+from tests.helpers.paths import REPO
+from tests.helpers.proxyrun import SECRET, make_config
 
 STATUS: dict[str, Any] = {
     "window_s": 42.0,
@@ -73,7 +73,7 @@ async def test_top_in_tmux_shows_a_refusal_and_quits_on_q() -> None:
             out, _ = await proc.communicate()
         return proc.returncode or 0, out.decode(errors="replace")
 
-    async with serve_scripted(ScriptedBackend()) as url:
+    async with FakeVLLM().serve() as url:
         config = make_config([{"url": url}], admin_keys=[{"sha256": hash_key("right-key")}])
         app = create_app(parse_config(yaml.safe_dump(config)), secret=SECRET)
         async with serve_app(app) as base:

@@ -12,16 +12,18 @@ import yaml
 from aiohttp.test_utils import TestClient, TestServer
 
 from proxy.api.usage import TokenUsage, token_usage
+from proxy.bench.fake_vllm import FakeVLLM
 from proxy.config.loader import parse_config
 from proxy.config.tenants import hash_key
 from proxy.relay import sse
 from proxy.server.app import create_app
 from proxy.server.state import STATE
-from tests.clock import FakeClock
-from tests.fakes_routes import RESPONSES_USAGE, RoutesBackend, serve_routes
-from tests.proxyrun import SECRET, auth, make_config, until
+from tests.helpers.clock import FakeClock
+from tests.helpers.proxyrun import SECRET, auth, make_config, until
 
 BODY = {"model": "tiny", "input": "hello", "max_output_tokens": 4}
+# A Responses answer's usage, as vLLM writes it (the fake below reports 6 in, 4 out).
+RESPONSES_USAGE = {"input_tokens": 6, "output_tokens": 4, "total_tokens": 10}
 
 
 def test_every_usage_shape_reads_the_same() -> None:
@@ -37,7 +39,7 @@ async def test_a_responses_answer_is_billed_everywhere(
     clock: FakeClock, tmp_path: Path, stream: bool
 ) -> None:
     log_path = tmp_path / "usage.jsonl"
-    async with serve_routes(RoutesBackend()) as url:
+    async with FakeVLLM(usage=(6, 4)).serve() as url:
         tenant = {
             "name": "tenant-high",
             "tier": "high",

@@ -18,7 +18,7 @@ from proxy.ops.worker_share import WorkerShare, shares_summary
 from proxy.ops.workers import check_workers
 from proxy.server.app import create_app
 from proxy.server.state import STATE
-from tests.proxyrun import SECRET, make_config
+from tests.helpers.proxyrun import SECRET, make_config
 
 
 def config(**extra: Any) -> Config:

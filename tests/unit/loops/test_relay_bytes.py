@@ -22,10 +22,9 @@ from proxy.bench.inproc import serve_app
 from proxy.relay.budget import MemoryBudget
 from proxy.relay.forward import RelayResult, UpstreamCall
 from proxy.relay.held import HeldResponse
-from tests.adversarial.test_relay_faults import config_for
-from tests.clock import FakeClock
-from tests.proxyrun import auth, make_config
-from tests.unit.test_pipeline import BODY, rig
+from tests.helpers.clock import FakeClock
+from tests.helpers.proxyrun import auth, make_config
+from tests.helpers.rig import BODY, relay_config, rig
 
 FINGERPRINT = "vllm-0.32.0-1a2b3c4d"
 USAGE = {"prompt_tokens": 9, "completion_tokens": 5, "total_tokens": 14}
@@ -125,7 +124,7 @@ async def test_the_client_gets_the_direct_bytes(
     if ask.get("usage"):
         body["stream_options"] = {"include_usage": True}
     backend = VllmLike(cut)
-    async with backend.serve() as url, rig(config_for(url), clock) as r:
+    async with backend.serve() as url, rig(relay_config(url), clock) as r:
         expected = await direct(url, body)
         relay, held_after_relay = r.state.pipeline.relay, []
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.helpers.paths import REPO
+
 DASHBOARD = REPO / "configs" / "grafana" / "dashboards" / "tierproxy.json"
 _NAME = re.compile(r"\b(tierproxy_[a-zA-Z0-9_]+|vllm:[a-zA-Z0-9_:]+)")
 _SUFFIXES = {
