@@ -16,6 +16,7 @@ from aiohttp import web
 from proxy.bench import results as results_file
 from proxy.bench.cli import rerender
 from proxy.bench.client import ClientSettings, send
+from proxy.bench.fake_vllm import FakeVLLM
 from proxy.bench.records import Outcome, PlannedRequest, RequestRecord
 from proxy.bench.report import comparison, run_report
 from proxy.bench.runner import RunSettings, check_fd_budget, run_plan
@@ -26,7 +27,7 @@ def _chunk(data: object) -> bytes:
     return b"data: " + orjson.dumps(data) + b"\n\n"
 
 
-async def _handler(request: web.Request) -> web.StreamResponse:
+async def _handler(request: web.Request, n: int) -> web.StreamResponse:
     body = await request.json()
     mode = body["messages"][0]["content"]
     assert request.headers["Authorization"].startswith("Bearer bench-")
@@ -58,26 +59,13 @@ async def _handler(request: web.Request) -> web.StreamResponse:
     return resp
 
 
-async def _metrics(request: web.Request) -> web.Response:
-    return web.Response(
-        text='tierproxy_queue_depth{tier="high"} 3.0\ntierproxy_queue_depth{tier="low"} 9.0\n'
-    )
+METRICS = 'tierproxy_queue_depth{tier="high"} 3.0\ntierproxy_queue_depth{tier="low"} 9.0\n'
 
 
 @pytest.fixture
 async def server() -> AsyncIterator[str]:
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", _handler)
-    app.router.add_get("/metrics", _metrics)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    async with FakeVLLM(script=_handler, metrics_text=METRICS).serve() as url:
+        yield url
 
 
 def planned(mode: str, index: int = 0, at: float = 0.0, tier: str = "high") -> PlannedRequest:
