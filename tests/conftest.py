@@ -27,6 +27,7 @@ from tests.engineplan import order
 
 if TYPE_CHECKING:  # the settings import the proxy's app: only the engine tests load them
     from tests.engines import EngineSetting
+from tests.helpers.clock import FakeClock
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_MODEL_DIR = REPO / ".tierproxy" / "tiny-model"
@@ -170,3 +171,9 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "engines(*settings): the vLLM engines (tests/engines.py) the tests use"
     )
     signal.signal(signal.SIGUSR1, _dump_asyncio_tasks)
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    """The fake clock of the unit and adversarial tests (tests/helpers/clock.py)."""
+    return FakeClock()
