@@ -1,6 +1,6 @@
 """The backend faults test_relay_faults.py does not play: a backend that dies mid-stream and one
 that never answers (the fake vLLM of proxy/bench/fake_vllm.py, also used beside real vLLM in the integration
-tests). A refusing or overloaded backend: tests/unit/test_pipeline.py."""
+tests). A refusing or overloaded backend: tests/unit/request/test_pipeline.py."""
 
 from __future__ import annotations
 
