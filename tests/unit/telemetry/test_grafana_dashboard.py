@@ -14,7 +14,8 @@ from proxy.bench.fake_vllm import FakeVLLM
 from proxy.config.loader import parse_config
 from proxy.server.app import create_app
 from tests.helpers.clock import FakeClock
-from tests.helpers.dashboard import REPO, exposed_names, panels, queried_names
+from tests.helpers.dashboard import exposed_names, panels, queried_names
+from tests.helpers.paths import REPO
 from tests.helpers.proxyrun import SECRET, make_config
 
 
