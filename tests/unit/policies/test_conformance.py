@@ -26,12 +26,14 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.config.schema import Backend, BackendHealth, Config, parse_config
+from proxy.config.backends import Backend, BackendHealth
+from proxy.config.loader import parse_config
+from proxy.config.schema import Config
 from proxy.policies.backends import Candidate
 from proxy.policies.backlog import TenantBacklog
 from proxy.policies.registry import BACKENDS, CHOICES, DISPLACEMENTS, ORDERS, TENANTS, TIERS
-from proxy.scheduling.pool import BackendState, ScrapedLoad
-from proxy.scheduling.queue import QueuedRequest, TierLimits
+from proxy.policies.types import QueuedRequest, ScrapedLoad, TierLimits
+from proxy.scheduling.backend import BackendState
 from tests.helpers.proxyrun import make_config
 
 T = TypeVar("T")
