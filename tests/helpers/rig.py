@@ -17,10 +17,10 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from proxy.bench.fake_vllm import FakeVLLM
 from proxy.config.loader import parse_config
-from proxy.config.schema import hash_key
+from proxy.config.tenants import hash_key
 from proxy.policies.tenants import VirtualTokenCounter
-from proxy.scheduling.pool import BackendState
-from proxy.server.app import ProxyState
+from proxy.scheduling.backend import BackendState
+from proxy.server.state import ProxyState
 from tests.helpers.clock import FakeClock
 from tests.helpers.proxyrun import SECRET, auth, make_config
 
