@@ -14,6 +14,7 @@ from pathlib import Path
 import aiohttp
 
 from proxy.bench.fake_vllm import FakeVLLM
+from tests.adversarial.fuzzing import ANSWER_TIMEOUT_S, Harness, fuzz, fuzz_config
 from tests.adversarial.histogram import SERVED_FUZZ
 from tests.adversarial.served.served import (
     ADMIN_KEY,
@@ -21,7 +22,6 @@ from tests.adversarial.served.served import (
     ThreadedUpstream,
     admin_sections,
 )
-from tests.adversarial.test_fuzz import ANSWER_TIMEOUT_S, Harness, fuzz, fuzz_config
 
 FUZZ_SERVED_CASES = int(os.environ.get("TIERPROXY_FUZZ_SERVED_CASES", "10000"))
 
