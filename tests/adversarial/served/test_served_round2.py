@@ -3,7 +3,7 @@ aiohttp's C parser), each with realistic clients from the kit: a non-reader of a
 answer, uploads in progress and the memory budget, tokenizer calls beside a better tier's
 chat, Responses usage in the usage log, /version under a flood, placeholder keys at start, and
 a reload of read-at-start sections. The in-process twins: tests/adversarial/test_held_answers.py,
-test_upload_budget.py, test_cheap_routes.py; tests/unit/test_usage_any_route.py,
+test_upload_budget.py, test_cheap_routes.py; tests/unit/api/test_usage_any_route.py,
 test_routes.py (version), test_placeholder_keys.py, test_reload.py."""
 
 from __future__ import annotations
