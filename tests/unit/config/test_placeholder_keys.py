@@ -5,16 +5,13 @@ tier). The served twin: tests/adversarial/served/test_served_round2.py."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import yaml
 
 from proxy.config.loader import ConfigError, parse_config
 from proxy.config.tenants import hash_key
+from tests.helpers.paths import REPO
 from tests.helpers.proxyrun import make_config
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def example_keys() -> dict[str, str]:
