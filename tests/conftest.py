@@ -22,15 +22,14 @@ from typing import TYPE_CHECKING
 import pytest
 
 from proxy.ops.engine import tail
-from tests.enginefarm import EngineFarm
-from tests.engineplan import order
+from tests.helpers.clock import FakeClock
+from tests.helpers.enginefarm import EngineFarm
+from tests.helpers.engineplan import order
+from tests.helpers.paths import REPO, TINY_MODEL_DIR
 
 if TYPE_CHECKING:  # the settings import the proxy's app: only the engine tests load them
-    from tests.engines import EngineSetting
-from tests.helpers.clock import FakeClock
+    from tests.helpers.engines import EngineSetting
 
-REPO = Path(__file__).resolve().parent.parent
-TINY_MODEL_DIR = REPO / ".tierproxy" / "tiny-model"
 MAX_LIVE_ENGINES = int(os.environ.get("TIERPROXY_TEST_MAX_ENGINES", "3"))
 _FARM = pytest.StashKey[EngineFarm]()
 _POSITION = pytest.StashKey[int]()

@@ -10,7 +10,7 @@ import pytest
 
 from proxy.ops.engine import EngineProcess
 from tests.compat.common import Sides, engine, sides
-from tests.enginefarm import EngineFarm
+from tests.helpers.enginefarm import EngineFarm
 
 
 @pytest.fixture

@@ -15,8 +15,8 @@ import aiohttp
 import pytest
 
 from tests.compat.common import MODEL, TOKENIZER_DIR, Sides
-from tests.conftest import REPO
-from tests.engines import LONG_CONTEXT
+from tests.helpers.engines import LONG_CONTEXT
+from tests.helpers.paths import REPO
 
 pytestmark = [pytest.mark.integration, pytest.mark.engines(LONG_CONTEXT)]
 TOOLS_BIN = REPO / ".tierproxy" / "tools-venv" / "bin"

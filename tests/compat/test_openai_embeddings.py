@@ -10,8 +10,8 @@ import pytest
 
 from proxy.ops.engine import EngineProcess
 from tests.compat.common import MODEL, Sides, dump, shape
-from tests.enginefarm import EngineFarm
-from tests.engines import EMBED
+from tests.helpers.enginefarm import EngineFarm
+from tests.helpers.engines import EMBED
 
 pytestmark = [pytest.mark.integration, pytest.mark.engines(EMBED)]
 INPUTS = ["hello there", "a second, longer sentence to embed"]

@@ -27,8 +27,8 @@ from tests.compat.common import (
     summarize_chunks,
     without_volatile,
 )
-from tests.enginefarm import EngineFarm
-from tests.engines import LONG_CONTEXT
+from tests.helpers.enginefarm import EngineFarm
+from tests.helpers.engines import LONG_CONTEXT
 from tests.helpers.proxyrun import make_config, until
 
 pytestmark = [pytest.mark.integration, pytest.mark.engines(LONG_CONTEXT)]

@@ -13,8 +13,8 @@ import pytest
 
 from proxy.bench.fake_vllm import FakeVLLM
 from proxy.relay import sse
-from tests.enginefarm import EngineFarm
-from tests.engines import CORE, PAIR_B
+from tests.helpers.enginefarm import EngineFarm
+from tests.helpers.engines import CORE, PAIR_B
 from tests.helpers.proxyrun import auth, make_config, running_proxy, until
 
 pytestmark = [pytest.mark.integration, pytest.mark.engines(CORE, PAIR_B)]

@@ -15,8 +15,8 @@ from proxy.bench.scrape import wait_idle
 from proxy.config.tenants import hash_key
 from proxy.relay import sse
 from proxy.telemetry import prometheus
-from tests.enginefarm import EngineFarm
-from tests.engines import LONG_CONTEXT
+from tests.helpers.enginefarm import EngineFarm
+from tests.helpers.engines import LONG_CONTEXT
 from tests.helpers.proxyrun import auth, make_config, running_proxy, until
 
 pytestmark = [pytest.mark.integration, pytest.mark.engines(LONG_CONTEXT)]

@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from proxy.server.state import ProxyState
-from tests.enginefarm import EngineFarm
-from tests.engines import CORE
+from tests.helpers.enginefarm import EngineFarm
+from tests.helpers.engines import CORE
 from tests.helpers.proxyrun import KEYS, auth, make_config, running_proxy, until
 
 pytestmark = [pytest.mark.integration, pytest.mark.engines(CORE)]

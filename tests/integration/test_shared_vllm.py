@@ -12,8 +12,8 @@ import aiohttp
 import pytest
 
 from proxy.bench.redis_server import RedisServer
-from tests.enginefarm import EngineFarm
-from tests.engines import CORE
+from tests.helpers.enginefarm import EngineFarm
+from tests.helpers.engines import CORE
 from tests.helpers.proxyrun import auth, make_config, running_proxy
 
 pytestmark = [pytest.mark.integration, pytest.mark.engines(CORE)]

@@ -11,9 +11,9 @@ from typing import Any, cast
 import pytest
 
 from proxy.ops.engine import EngineSpec
-from tests.enginefarm import EngineFarm
-from tests.engineplan import order, split, waves
-from tests.engines import EngineSetting
+from tests.helpers.enginefarm import EngineFarm
+from tests.helpers.engineplan import order, split, waves
+from tests.helpers.engines import EngineSetting
 
 C, B, P, L, S, G, E = (EngineSetting(n) for n in ("c", "b", "p", "l", "s", "g", "e"))
 NONE: frozenset[EngineSetting] = frozenset()

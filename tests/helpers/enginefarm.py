@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from proxy.ops.engine import EngineProcess, EngineSpec, http_ok
 
 if TYPE_CHECKING:  # the settings import the proxy's app: only the engine tests need it loaded
-    from tests.engines import EngineSetting
+    from tests.helpers.engines import EngineSetting
 
 ENGINE_GIB = 3.0  # one CPU engine with the tiny model and its 1 GiB KV cache, measured ~3 GB
 MEMORY_MARGIN_GIB = 1.0
