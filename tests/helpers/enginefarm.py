@@ -1,6 +1,6 @@
 """Real vLLM servers for the suite, one per setting, started ahead of the tests that use them.
 
-The farm follows the run's plan (each test's settings, in run order: tests/engineplan.py).
+The farm follows the run's plan (each test's settings, in run order: tests/helpers/engineplan.py).
 Before each test it stops the engines no later test uses, and, while the test about to run
 needs no engine, starts the next settings the plan needs (at most ``capacity`` live, and only
 with memory for one more): their ~25 s starts overlap tests that need none. Before a test that

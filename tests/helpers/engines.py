@@ -1,8 +1,8 @@
 """The vLLM engine settings the suite runs, by name, and the one place that builds their spec.
 
 A test module says which engines it uses with ``pytest.mark.engines(CORE, ...)``; the farm
-(tests/enginefarm.py) starts each setting once, and the collection is ordered
-(tests/engineplan.py) so that the tests sharing an engine run together and engines start while
+(tests/helpers/enginefarm.py) starts each setting once, and the collection is ordered
+(tests/helpers/engineplan.py) so that the tests sharing an engine run together and engines start while
 tests that need none run.
 """
 

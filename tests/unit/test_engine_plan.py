@@ -1,7 +1,7 @@
-"""The suite's own engine plan (tests/engineplan.py) and the farm that follows it
-(tests/enginefarm.py), with engines that start nothing: each setting starts once, ahead of its
-tests while tests that need none run, never more than the capacity live, stopped after its
-last use."""
+"""The suite's own engine plan (tests/helpers/engineplan.py) and the farm that follows it
+(tests/helpers/enginefarm.py), with engines that start nothing: each setting starts once, ahead
+of its tests while tests that need none run, never more than the capacity live, stopped after
+its last use."""
 
 from __future__ import annotations
 
