@@ -1,9 +1,11 @@
 """A fast null OpenAI backend for the overhead benchmark: fixed answers, no model.
 
-Raw asyncio protocol (uvloop when installed), HTTP/1.1 keep-alive. POST /v1/chat/completions
-answers a fixed chat completion, or, when the body asks ``"stream": true``, a fixed SSE stream:
-``burst`` writes the whole stream at once; ``paced`` writes one event per tick to every open
-stream, as vLLM writes one event per decode step for each running request.
+Raw asyncio protocol (uvloop when installed), HTTP/1.1 keep-alive: an aiohttp server (the fake
+of proxy/bench/fake_vllm.py) would measure itself at wrk's rates; the answers are that module's.
+POST /v1/chat/completions answers a fixed chat completion, or, when the body asks
+``"stream": true``, a fixed SSE stream: ``burst`` writes the whole stream at once; ``paced``
+writes one event per tick to every open stream, as vLLM writes one event per decode step for
+each running request.
 
     python benchmarks/nullserver.py --port 18100 [--paced-gap-ms 1]
 """
@@ -14,60 +16,16 @@ import argparse
 import asyncio
 import contextlib
 import re
-import sys
-from pathlib import Path
 
-import orjson
+from proxy.bench.fake_vllm import (
+    NULL_MODEL,
+    models_list,
+    null_completion,
+    null_stream_events,
+)
+from proxy.ops.runtime import run  # uvloop where installed
 
-MODEL = "null-model"
-EVENTS = 60  # content events of one streamed answer (the issue's table)
-USAGE = {"prompt_tokens": 12, "completion_tokens": EVENTS, "total_tokens": 12 + EVENTS}
-
-
-def _chunk(choices: list[dict[str, object]], **extra: object) -> bytes:
-    body = {
-        "id": "chatcmpl-null",
-        "object": "chat.completion.chunk",
-        "created": 1,
-        "model": MODEL,
-        "choices": choices,
-        **extra,
-    }
-    return b"data: " + orjson.dumps(body) + b"\n\n"
-
-
-def stream_events() -> list[bytes]:
-    """The events of one streamed answer as vLLM writes them with include_usage: the role, the
-    content events, the finish, the usage chunk and [DONE]."""
-    delta = {"index": 0, "logprobs": None, "finish_reason": None}
-    events = [_chunk([{**delta, "delta": {"role": "assistant", "content": ""}}])]
-    events += [_chunk([{**delta, "delta": {"content": f" t{i}"}}]) for i in range(EVENTS - 1)]
-    events.append(_chunk([{**delta, "delta": {"content": ""}, "finish_reason": "length"}]))
-    events.append(_chunk([], usage=USAGE))
-    events.append(b"data: [DONE]\n\n")
-    return events
-
-
-def completion() -> bytes:
-    return orjson.dumps(
-        {
-            "id": "chatcmpl-null",
-            "object": "chat.completion",
-            "created": 1,
-            "model": MODEL,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": "null " * 16},
-                    "finish_reason": "length",
-                }
-            ],
-            "usage": USAGE,
-        }
-    )
-
-
-MODELS = orjson.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+MODELS = models_list(NULL_MODEL)
 _LENGTH = re.compile(rb"\r\ncontent-length:\s*(\d+)", re.IGNORECASE)
 _STREAM = re.compile(rb'"stream"\s*:\s*true')
 
@@ -84,14 +42,14 @@ def _chunked(data: bytes) -> bytes:
 class Answers:
     def __init__(self, gap_s: float) -> None:
         self.gap_s = gap_s
-        events = stream_events()
+        events = null_stream_events()
         self.events = [_chunked(e) for e in events]
         self.burst = b"".join(self.events) + b"0\r\n\r\n"
         self.stream_head = (
             b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
             b"transfer-encoding: chunked\r\n\r\n"
         )
-        self.json = _fixed(b"200 OK", b"application/json", completion())
+        self.json = _fixed(b"200 OK", b"application/json", null_completion())
         self.models = _fixed(b"200 OK", b"application/json", MODELS)
         self.empty = _fixed(b"200 OK", b"text/plain", b"")
         self.missing = _fixed(b"404 Not Found", b"text/plain", b"")
@@ -181,9 +139,6 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--paced-gap-ms", type=float, default=0.0, help="0: burst")
     args = parser.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from proxy.ops.runtime import run  # uvloop where installed
-
     with contextlib.suppress(KeyboardInterrupt):
         run(serve(args.port, args.paced_gap_ms / 1000))
 

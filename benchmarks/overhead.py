@@ -35,8 +35,14 @@ from pathlib import Path
 import orjson
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from nullserver import EVENTS, MODEL, MODELS, completion, stream_events
+from proxy.bench.fake_vllm import NULL_EVENTS as EVENTS
+from proxy.bench.fake_vllm import NULL_MODEL as MODEL
+from proxy.bench.fake_vllm import models_list
+from proxy.bench.fake_vllm import null_completion as completion
+from proxy.bench.fake_vllm import null_stream_events as stream_events
+from proxy.config.tenants import hash_key
+
+MODELS = models_list(MODEL)
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "overhead-bench-key"
@@ -232,9 +238,6 @@ def nginx_upstream_block(port: int) -> str:
 
 
 def tierproxy_config(tmp: Path, backend_port: int) -> Path:
-    sys.path.insert(0, str(ROOT))
-    from proxy.config.tenants import hash_key
-
     cfg = {
         "listen": {"host": "127.0.0.1", "port": PORTS["tierproxy"]},
         "tiers": {
@@ -389,7 +392,12 @@ def run(args: argparse.Namespace) -> None:
             stack.enter_context(process([nginx, "-c", str(conf)], args.load_cpu, tmp / "null.log"))
         else:
             stack.enter_context(
-                process([*null_cmd, "--port", str(PORTS["null"])], args.load_cpu, tmp / "null.log")
+                process(
+                    [*null_cmd, "--port", str(PORTS["null"])],
+                    args.load_cpu,
+                    tmp / "null.log",
+                    env=env,
+                )
             )
         stack.enter_context(
             process(
@@ -402,6 +410,7 @@ def run(args: argparse.Namespace) -> None:
                 ],
                 args.load_cpu,
                 tmp / "paced.log",
+                env=env,
             )
         )
         for port in (PORTS["null"], PORTS["paced"]):
@@ -469,7 +478,12 @@ def run(args: argparse.Namespace) -> None:
             # LiteLLM does not pass the X-Null-Stream header on: the built-in null answers it.
             builtin = PORTS["null"] + 2
             stack.enter_context(
-                process([*null_cmd, "--port", str(builtin)], args.load_cpu, tmp / "null2.log")
+                process(
+                    [*null_cmd, "--port", str(builtin)],
+                    args.load_cpu,
+                    tmp / "null2.log",
+                    env=env,
+                )
             )
             wait_http(f"http://127.0.0.1:{builtin}/v1/models")
             for rows, port in ((burst_rows, builtin), (paced_rows, PORTS["paced"])):

@@ -27,9 +27,9 @@ from typing import Any
 
 import aiohttp
 import yaml
-from aiohttp import web
 
-from proxy.bench.inproc import KEYS, auth, make_config, running_proxy, serve_app, until
+from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.inproc import KEYS, auth, make_config, running_proxy, until
 from proxy.config.loader import parse_config
 from proxy.config.schema import LoadedConfig
 from proxy.ops.runtime import tune_gc
@@ -55,27 +55,6 @@ def big_config(backend_url: str, tenants: int, weight: float = 1.0) -> dict[str,
         for tier in KEYS
     ]
     return make_config([{"url": backend_url, "max_inflight": 64}], tenants=demo + extra)
-
-
-def _fake_backend() -> web.Application:
-    async def health(request: web.Request) -> web.Response:
-        return web.Response(text="")
-
-    async def models(request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
-
-    async def chat(request: web.Request) -> web.Response:
-        await request.read()
-        usage = {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}
-        message = {"role": "assistant", "content": "ok"}
-        choice = {"index": 0, "message": message, "finish_reason": "stop"}
-        return web.json_response({"id": "c", "choices": [choice], "usage": usage})
-
-    app = web.Application()
-    app.router.add_get("/health", health)
-    app.router.add_get("/v1/models", models)
-    app.router.add_post("/v1/chat/completions", chat)
-    return app
 
 
 def time_loading(text: str, path: Path) -> None:
@@ -163,7 +142,7 @@ def report(name: str, latencies: list[float]) -> None:
 async def run(tenants: int, seconds: float, clients: int, workdir: Path) -> None:
     for tier, key in KEYS.items():
         os.environ["RELOAD_BENCH_KEY_" + tier] = key
-    async with serve_app(_fake_backend()) as backend:
+    async with FakeVLLM(usage=(5, 1)).serve() as backend:
         config = big_config(backend, tenants)
         path = workdir / "config.yaml"
         text = yaml.safe_dump(config)

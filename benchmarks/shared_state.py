@@ -28,8 +28,8 @@ from typing import Any
 import aiohttp
 import yaml
 
-from proxy.bench.inproc import KEYS, SECRET, auth, make_config, serve_app
-from proxy.bench.null_upstream import NullUpstream
+from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.inproc import KEYS, SECRET, auth, make_config
 from proxy.bench.redis_server import RedisServer
 from proxy.bench.stack import ProxyProcess
 from proxy.config.tenants import hash_key
@@ -162,9 +162,9 @@ async def main() -> None:
         workdir = Path(tmp)
         redis = RedisServer(workdir)
         redis.start()
-        null = NullUpstream()
+        null = FakeVLLM(model="null", usage=(4, 4))
         try:
-            async with serve_app(null.app()) as upstream:
+            async with null.serve() as upstream:
                 await added_latency(upstream, redis, workdir, args.requests)
                 await rpm_accuracy(upstream, redis, workdir, args.seconds)
         finally:

@@ -1,8 +1,8 @@
 """Shared fixtures: real stock vLLM servers (CPU build, tiny model) started by the suite.
 
 A test module names the engines it uses with ``pytest.mark.engines(CORE, ...)`` (settings in
-tests/engines.py). The collection is reordered so that each setting starts once, during tests
-that need no engine (tests/engineplan.py), and the farm (tests/enginefarm.py) starts, shares
+tests/helpers/engines.py). The collection is reordered so that each setting starts once, during tests
+that need no engine (tests/helpers/engineplan.py), and the farm (tests/helpers/enginefarm.py) starts, shares
 and stops them: at most ``TIERPROXY_TEST_MAX_ENGINES`` (3) live, each ~3 GB. Every engine logs
 to a file; when a test fails, the tails of the logs of the engines it used are printed. All
 engines are stopped by PID at the end, also on Ctrl-C. The starts (how many, seconds to ready,
@@ -22,14 +22,14 @@ from typing import TYPE_CHECKING
 import pytest
 
 from proxy.ops.engine import tail
-from tests.enginefarm import EngineFarm
-from tests.engineplan import order
+from tests.helpers.clock import FakeClock
+from tests.helpers.enginefarm import EngineFarm
+from tests.helpers.engineplan import order
+from tests.helpers.paths import REPO, TINY_MODEL_DIR
 
 if TYPE_CHECKING:  # the settings import the proxy's app: only the engine tests load them
-    from tests.engines import EngineSetting
+    from tests.helpers.engines import EngineSetting
 
-REPO = Path(__file__).resolve().parent.parent
-TINY_MODEL_DIR = REPO / ".tierproxy" / "tiny-model"
 MAX_LIVE_ENGINES = int(os.environ.get("TIERPROXY_TEST_MAX_ENGINES", "3"))
 _FARM = pytest.StashKey[EngineFarm]()
 _POSITION = pytest.StashKey[int]()
@@ -167,6 +167,12 @@ def pytest_configure(config: pytest.Config) -> None:
     import signal
 
     config.addinivalue_line(
-        "markers", "engines(*settings): the vLLM engines (tests/engines.py) the tests use"
+        "markers", "engines(*settings): the vLLM engines (tests/helpers/engines.py) the tests use"
     )
     signal.signal(signal.SIGUSR1, _dump_asyncio_tasks)
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    """The fake clock of the unit and adversarial tests (tests/helpers/clock.py)."""
+    return FakeClock()

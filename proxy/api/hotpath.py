@@ -61,4 +61,4 @@ class LabelCache:
         child = self._children.get(key)
         if child is None:
             child = self._children[key] = metric.labels(*values)
-        return child  # type: ignore[no-any-return]
+        return child

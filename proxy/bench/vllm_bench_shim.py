@@ -38,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = ["vllm", *(sys.argv[1:] if argv is None else argv)]
-    vllm_main()  # type: ignore[no-untyped-call]
+    vllm_main()
     return 0
 
 

@@ -42,7 +42,7 @@ RESTART_FIELDS = (
     "backend_health.connect_timeout_s",
 )
 # Applied by a reload (ProxyState.prepare): every other top-level section. A new section must be
-# named in one of the two lists (tests/unit/test_reload.py checks).
+# named in one of the two lists (tests/unit/ops/test_reload.py checks).
 LIVE_SECTIONS = (
     "limits",
     "scheduling",

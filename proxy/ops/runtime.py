@@ -53,7 +53,7 @@ def tune_logging() -> None:
     """Leave out what the log format never shows: the caller's file and line (a stack walk on
     every record, the access log's included), thread and process fields (the logging HOWTO's
     "Optimization" table)."""
-    logging._srcfile = None  # type: ignore[attr-defined]
+    logging._srcfile = None
     logging.logThreads = False
     logging.logProcesses = False
     logging.logMultiprocessing = False

@@ -142,10 +142,10 @@ class SharedStore:
     async def run(self, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
         async def evalsha(redis: Redis) -> Any:
             try:
-                return await redis.evalsha(script.sha, len(keys), *keys, *args)  # type: ignore[misc]
+                return await redis.evalsha(script.sha, len(keys), *keys, *args)
             except NoScriptError:
-                await redis.script_load(script.source)  # type: ignore[no-untyped-call]
-                return await redis.evalsha(script.sha, len(keys), *keys, *args)  # type: ignore[misc]
+                await redis.script_load(script.source)
+                return await redis.evalsha(script.sha, len(keys), *keys, *args)
 
         return await self.call(evalsha)
 

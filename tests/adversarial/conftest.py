@@ -1,17 +1,11 @@
-"""The standing adversarial suite: hostile clients, faulty backends, forged tickets. Fixtures
-as tests/unit's, and the fuzz's status histogram in pytest's terminal summary."""
+"""The standing adversarial suite: hostile clients, faulty backends, forged tickets; the
+fuzzes' status histograms in pytest's terminal summary (the clock fixture: tests/conftest.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.adversarial.histogram import FUZZ, SERVED_FUZZ
-from tests.clock import FakeClock
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -14,12 +14,12 @@ import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
+from proxy.bench.fake_vllm import FakeVLLM
 from proxy.config.loader import parse_config
 from proxy.server.app import create_app
 from proxy.server.state import STATE, ProxyState
-from tests.clock import FakeClock
-from tests.fakes_routes import RoutesBackend, serve_routes
-from tests.proxyrun import SECRET, auth, make_config, until
+from tests.helpers.clock import FakeClock
+from tests.helpers.proxyrun import SECRET, auth, make_config, until
 
 Client = TestClient[web.Request, web.Application]
 TOKENIZE = {"model": "tiny", "prompt": "hello"}
@@ -29,9 +29,9 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_to
 
 @contextlib.asynccontextmanager
 async def proxy(
-    clock: FakeClock, backend: RoutesBackend, **backend_cfg: Any
+    clock: FakeClock, backend: FakeVLLM, **backend_cfg: Any
 ) -> AsyncIterator[tuple[Client, ProxyState]]:
-    async with serve_routes(backend) as url:
+    async with backend.serve() as url:
         config = make_config(
             [{"url": url, "max_inflight": 4, **backend_cfg}],
             tiers={"high": {"queue_timeout_s": 3}},
@@ -42,7 +42,7 @@ async def proxy(
 
 
 async def test_low_tier_tokenize_calls_never_delay_a_high_tier_chat(clock: FakeClock) -> None:
-    backend = RoutesBackend(tokenize_gate=asyncio.Event())
+    backend = FakeVLLM(tokenize_gate=asyncio.Event())
     async with proxy(clock, backend) as (client, state):  # 4 slots; 4 tokenizer calls (default)
         calls = [
             asyncio.create_task(client.post("/tokenize", json=TOKENIZE, headers=auth("low")))
@@ -63,7 +63,7 @@ async def test_low_tier_tokenize_calls_never_delay_a_high_tier_chat(clock: FakeC
 
 
 async def test_tokenizer_calls_past_their_cap_get_503_with_retry_after(clock: FakeClock) -> None:
-    backend = RoutesBackend(tokenize_gate=asyncio.Event())
+    backend = FakeVLLM(tokenize_gate=asyncio.Event())
     async with proxy(clock, backend, max_cheap_inflight=2) as (client, state):
         calls = [
             asyncio.create_task(client.post("/tokenize", json=TOKENIZE, headers=auth("low")))

@@ -9,11 +9,11 @@ from typing import Any
 import aiohttp
 import orjson
 
+from proxy.bench.fake_vllm import FakeVLLM
 from proxy.relay.budget import held_estimate
 from proxy.server.state import ProxyState
 from tests.adversarial.answers import assert_openai_error, read_answer
-from tests.fakes import ScriptedBackend, serve_scripted
-from tests.proxyrun import auth, make_config, running_proxy, until
+from tests.helpers.proxyrun import auth, make_config, running_proxy, until
 
 MAX_BODY = 256 * 1024
 ADMITTED = 6  # the budget holds this many maximal bodies
@@ -32,11 +32,11 @@ def maximal_body() -> bytes:
 async def test_a_flood_of_maximal_bodies_is_refused_past_the_budget_then_all_is_released() -> None:
     body = maximal_body()
     budget = ADMITTED * held_estimate(MAX_BODY)
-    backend = ScriptedBackend()
+    backend = FakeVLLM()
     backend.gate.clear()  # the admitted requests wait at the backend, holding their bodies
     peak = 0
 
-    async with serve_scripted(backend) as url:
+    async with backend.serve() as url:
         config = make_config(
             [{"url": url}], limits={"max_body_bytes": MAX_BODY, "max_held_bytes": budget}
         )
@@ -114,7 +114,7 @@ async def _slowloris(port: int) -> bytes:
 
 
 async def test_idle_and_slowloris_connections_are_cut_and_a_real_request_is_served() -> None:
-    async with serve_scripted(ScriptedBackend()) as url:
+    async with FakeVLLM().serve() as url:
         config = make_config(
             [{"url": url}],
             server={"max_connections": 30, "header_timeout_s": 0.3, "keepalive_timeout_s": 2},

@@ -16,10 +16,10 @@ import orjson
 import pytest
 from aiohttp import web
 
-from tests.adversarial.test_relay_faults import FaultyBackend, config_for, requests_total
-from tests.clock import FakeClock
-from tests.proxyrun import auth, running_proxy, until
-from tests.unit.test_pipeline import BODY, rig
+from proxy.bench.fake_vllm import FakeVLLM
+from tests.helpers.clock import FakeClock
+from tests.helpers.proxyrun import auth, running_proxy, until
+from tests.helpers.rig import BODY, relay_config, rig
 
 ANSWER_BYTES = 900 * 1024  # held whole (under buffer_response_bytes), too big for loopback
 
@@ -68,20 +68,20 @@ async def test_a_non_reader_of_a_held_answer_is_cut_and_its_bytes_released(
     clock: FakeClock, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, "tierproxy.access")
-    backend = FaultyBackend(big_answer)
-    config = config_for("x", send_idle_timeout_s=0.5, buffer_response_bytes=2 * 1024 * 1024)
+    backend = FakeVLLM(script=big_answer)
+    config = relay_config("x", send_idle_timeout_s=0.5, buffer_response_bytes=2 * 1024 * 1024)
     async with backend.serve() as url:
         config["backends"] = [{"url": url}]
         async with rig(config, clock) as r, non_reader(str(r.client.host), r.client.port or 0):
-            await until(lambda: backend.received == 1, 5, "the request at the backend")
-            await until(lambda: requests_total(r, "client_stalled") == 1, 4, "the cut")
+            await until(lambda: len(backend.received) == 1, 5, "the request at the backend")
+            await until(lambda: r.requests_total("client_stalled") == 1, 4, "the cut")
             assert r.state.budget.held == 0
     assert "status=499 outcome=client_stalled" in caplog.text
 
 
 async def test_a_reader_of_a_held_answer_gets_it_whole(clock: FakeClock) -> None:
-    backend = FaultyBackend(big_answer)
-    config = config_for("x", send_idle_timeout_s=0.5, buffer_response_bytes=2 * 1024 * 1024)
+    backend = FakeVLLM(script=big_answer)
+    config = relay_config("x", send_idle_timeout_s=0.5, buffer_response_bytes=2 * 1024 * 1024)
     async with backend.serve() as url:
         config["backends"] = [{"url": url}]
         async with rig(config, clock) as r:
@@ -89,7 +89,7 @@ async def test_a_reader_of_a_held_answer_gets_it_whole(clock: FakeClock) -> None
             assert resp.status == 200
             assert await resp.read() == big_completion()
             assert r.state.budget.held == 0
-            assert requests_total(r, "ok") == 1
+            assert r.requests_total("ok") == 1
 
 
 async def plain_404(request: web.Request, n: int) -> web.StreamResponse:
@@ -99,10 +99,10 @@ async def plain_404(request: web.Request, n: int) -> web.StreamResponse:
 async def test_a_held_answer_whose_body_a_prepare_hook_replaces_arrives_whole() -> None:
     """The app's hook rewrites a backend's plain-text error into OpenAI JSON while the answer
     is prepared: the held answer's slices are the new body, as long as its Content-Length."""
-    backend = FaultyBackend(plain_404)
+    backend = FakeVLLM(script=plain_404)
     async with (
         backend.serve() as url,
-        running_proxy(config_for(url)) as (base, _),
+        running_proxy(relay_config(url)) as (base, _),
         aiohttp.ClientSession() as session,
         session.post(base + "/v1/chat/completions", json=BODY, headers=auth("normal")) as resp,
     ):

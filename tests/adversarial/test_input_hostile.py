@@ -17,6 +17,7 @@ import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
+from proxy.bench.fake_vllm import FakeVLLM
 from proxy.config.loader import parse_config
 from proxy.request.inbound import parse_body
 from proxy.server.app import create_app
@@ -25,18 +26,17 @@ from tests.adversarial.answers import assert_openai_error
 from tests.adversarial.encoding_cases import CASES as ENCODING_CASES
 from tests.adversarial.served.kit import exchange, is_openai_error, request_bytes
 from tests.adversarial.strategies import deep_raw, encode, nested
-from tests.clock import FakeClock
-from tests.fakes import ScriptedBackend, serve_scripted
-from tests.proxyrun import SECRET, auth, make_config, running_proxy
-from tests.unit.test_pipeline import BODY, error_of, rig, tenants
+from tests.helpers.clock import FakeClock
+from tests.helpers.proxyrun import SECRET, auth, make_config, running_proxy
+from tests.helpers.rig import BODY, error_of, rig, tenants
 
 
 @contextlib.asynccontextmanager
 async def proxy_app(
     max_body_bytes: int | None = None, **input_knobs: Any
 ) -> AsyncIterator[tuple[TestClient[Any, Any], str]]:
-    backend = ScriptedBackend()
-    async with serve_scripted(backend) as url:
+    backend = FakeVLLM()
+    async with backend.serve() as url:
         config = make_config([{"url": url}])
         if max_body_bytes is not None:
             config["limits"] = {"max_body_bytes": max_body_bytes}
@@ -171,8 +171,8 @@ async def test_an_unexpected_exception_is_json_and_one_log_line(
 async def test_tpm_overage_makes_the_next_request_429_with_the_exact_retry_after(
     clock: FakeClock, usage: tuple[int, int]
 ) -> None:
-    backend = ScriptedBackend(usage=usage)  # far past what the request reserved
-    async with serve_scripted(backend) as url:
+    backend = FakeVLLM(usage=usage)  # far past what the request reserved
+    async with backend.serve() as url:
         config = make_config([{"url": url}], tenants=tenants(tokens_per_minute=600))
         async with rig(config, clock) as r:
             assert (await r.chat()).status == 200
@@ -202,7 +202,7 @@ async def test_encoded_bodies_on_the_listeners_production_serves_with(
     handler): aiohttp's own decompression must be off there too, or a good body is decoded
     twice and a corrupt one fails inside aiohttp's payload (500 on the C parser)."""
     async with contextlib.AsyncExitStack() as stack:
-        url = await stack.enter_async_context(serve_scripted(ScriptedBackend()))
+        url = await stack.enter_async_context(FakeVLLM().serve())
         base, _ = await stack.enter_async_context(running_proxy(make_config([{"url": url}])))
         host, port = base.removeprefix("http://").rsplit(":", 1)
         headers = {**auth("low"), "Content-Type": "application/json", "Content-Encoding": encoding}

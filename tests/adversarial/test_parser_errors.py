@@ -11,9 +11,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from proxy.bench.fake_vllm import FakeVLLM
 from tests.adversarial.answers import assert_openai_error, read_answer
-from tests.fakes import ScriptedBackend, serve_scripted
-from tests.proxyrun import KEYS, make_config, running_proxy
+from tests.helpers.proxyrun import KEYS, make_config, running_proxy
 
 KEY = f"Authorization: Bearer {KEYS['low']}\r\n".encode()
 CHAT = b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\n" + KEY
@@ -61,7 +61,7 @@ MALFORMED: dict[str, tuple[bytes, int]] = {
 @contextlib.asynccontextmanager
 async def proxy_port() -> AsyncIterator[int]:
     async with (
-        serve_scripted(ScriptedBackend()) as url,
+        FakeVLLM().serve() as url,
         running_proxy(make_config([{"url": url}])) as (base, _),
     ):
         yield int(base.rsplit(":", 1)[1])

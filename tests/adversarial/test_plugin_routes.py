@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from proxy.vllm_plugin.routes import UNTICKETED_POST_PATHS, Rule, rule_for
-from tests.adversarial.test_plugin_middleware import App, call, mw_with, refused
+from tests.helpers.plugin_asgi import App, call, mw_with, refused
 
 # Routes the rule lets through, each for a reason (see routes.UNTICKETED_POST_PATHS).
 ALLOWED_UNTICKETED = frozenset({"/ping"})

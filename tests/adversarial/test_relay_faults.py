@@ -1,5 +1,5 @@
 """Faulty backends and clients that stop reading, through the real pipeline (the rig of
-test_pipeline) against in-process fake backends written here: each fault is an OpenAI-shaped
+tests/helpers/rig.py) against the fake vLLM playing faults scripted here: each fault is an OpenAI-shaped
 502 before the first byte (retried only where the backend cannot have run the request, once
 after a reset), an error event and [DONE] after it, and a stalled client frees its slot."""
 
@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -17,12 +17,11 @@ import orjson
 import pytest
 from aiohttp import web
 
-from proxy.bench.inproc import serve_app
+from proxy.bench.fake_vllm import FakeVLLM, Script
 from proxy.relay import sse
-from proxy.scheduling.backend import BackendState
-from tests.clock import FakeClock
-from tests.proxyrun import auth, make_config, until
-from tests.unit.test_pipeline import BODY, Rig, error_of, rig
+from tests.helpers.clock import FakeClock
+from tests.helpers.proxyrun import auth, make_config, until
+from tests.helpers.rig import BODY, Rig, error_of, relay_config, rig, stream_body
 
 USAGE = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
 ENGINE_DEAD = {
@@ -33,34 +32,6 @@ ENGINE_DEAD = {
         "code": 500,
     }
 }
-
-Answer = Callable[[web.Request, int], Awaitable[web.StreamResponse]]
-
-
-class FaultyBackend:
-    """A backend whose /v1/chat/completions runs ``answer(request, n)`` for its n-th request
-    (from 1), after reading the body; counts requests and hang-ups (the proxy closed on it)."""
-
-    def __init__(self, answer: Answer) -> None:
-        self.answer = answer
-        self.received = 0
-        self.hung_up = 0
-
-    async def _chat(self, request: web.Request) -> web.StreamResponse:
-        await request.read()
-        self.received += 1
-        try:
-            return await self.answer(request, self.received)
-        except (asyncio.CancelledError, ConnectionResetError):
-            self.hung_up += 1
-            raise
-
-    @contextlib.asynccontextmanager
-    async def serve(self) -> AsyncIterator[str]:
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", self._chat)
-        async with serve_app(app, handler_cancellation=True) as url:
-            yield url
 
 
 def chunk(text: str) -> bytes:
@@ -87,23 +58,6 @@ async def reset(request: web.Request, n: int) -> web.StreamResponse:
     assert request.transport is not None
     request.transport.abort()  # it read the request, then the connection drops
     return web.Response()
-
-
-def config_for(url: str, **relay: Any) -> dict[str, Any]:
-    return make_config([{"url": url}], relay=relay)
-
-
-def backend_state(r: Rig) -> BackendState:
-    (state,) = r.state.pool.all()
-    return state
-
-
-def requests_total(r: Rig, outcome: str) -> float:
-    return r.metric("tierproxy_requests_total", {"tier": "normal", "outcome": outcome})
-
-
-async def stream_body(resp: aiohttp.ClientResponse) -> list[bytes]:
-    return [e for e in (await resp.read()).split(b"\n\n") if e]
 
 
 # -- before the first byte: 502, retried only where it cannot have run ------------------------
@@ -137,23 +91,26 @@ async def invalid_http_backend(counter: list[int]) -> AsyncIterator[str]:
 
 async def test_invalid_http_is_a_502_after_one_retry(clock: FakeClock) -> None:
     received: list[int] = []
-    async with invalid_http_backend(received) as url, rig(config_for(url), clock) as r:
+    async with invalid_http_backend(received) as url, rig(relay_config(url), clock) as r:
         resp = await r.chat()
         assert resp.status == 502 and (await error_of(resp))["code"] == "upstream_reset"
         assert len(received) == 2  # it may have run: one retry, never max_attempts (3)
-        assert backend_state(r).failures == 2 and backend_state(r).inflight == 0
-        assert requests_total(r, "upstream_error") == 1
+        assert r.backend().failures == 2 and r.backend().inflight == 0
+        assert r.requests_total("upstream_error") == 1
 
 
 @pytest.mark.parametrize("retries", [0, 1])
 async def test_a_backend_reset_after_reading_is_retried_at_most_as_configured(
     clock: FakeClock, retries: int
 ) -> None:
-    backend = FaultyBackend(reset)
-    async with backend.serve() as url, rig(config_for(url, max_reset_retries=retries), clock) as r:
+    backend = FakeVLLM(script=reset)
+    async with (
+        backend.serve() as url,
+        rig(relay_config(url, max_reset_retries=retries), clock) as r,
+    ):
         resp = await r.chat()
         assert resp.status == 502 and (await error_of(resp))["code"] == "upstream_reset"
-        assert backend.received == 1 + retries
+        assert len(backend.received) == 1 + retries
         assert r.metric("tierproxy_retries_total") == retries
 
 
@@ -163,10 +120,10 @@ async def test_a_reset_then_an_answer_is_served(clock: FakeClock) -> None:
             return await reset(request, n)
         return web.Response(body=completion("ok"), content_type="application/json")
 
-    backend = FaultyBackend(answer)
-    async with backend.serve() as url, rig(config_for(url), clock) as r:
+    backend = FakeVLLM(script=answer)
+    async with backend.serve() as url, rig(relay_config(url), clock) as r:
         resp = await r.chat()
-        assert resp.status == 200 and backend.received == 2
+        assert resp.status == 200 and len(backend.received) == 2
 
 
 async def test_vllm_engine_dead_500_is_retried_elsewhere(clock: FakeClock) -> None:
@@ -175,10 +132,10 @@ async def test_vllm_engine_dead_500_is_retried_elsewhere(clock: FakeClock) -> No
             return web.json_response(ENGINE_DEAD, status=500)
         return web.Response(body=completion("ok"), content_type="application/json")
 
-    backend = FaultyBackend(answer)
-    async with backend.serve() as url, rig(config_for(url), clock) as r:
+    backend = FakeVLLM(script=answer)
+    async with backend.serve() as url, rig(relay_config(url), clock) as r:
         resp = await r.chat()
-        assert resp.status == 200 and backend.received == 2
+        assert resp.status == 200 and len(backend.received) == 2
         labels = {"backend": url, "kind": "engine_dead"}
         assert r.metric("tierproxy_backend_errors_total", labels) == 1
 
@@ -187,14 +144,14 @@ async def test_engine_dead_on_every_attempt_ends_in_502(clock: FakeClock) -> Non
     async def answer(request: web.Request, n: int) -> web.StreamResponse:
         return web.json_response(ENGINE_DEAD, status=500)
 
-    backend = FaultyBackend(answer)
+    backend = FakeVLLM(script=answer)
     config = make_config([{"url": "x"}], backend_health={"max_attempts": 2})
     async with backend.serve() as url:
         config["backends"] = [{"url": url}]
         async with rig(config, clock) as r:
             task = asyncio.create_task(r.chat())
             # The second failure ejects the backend; the retry waits for the ejection to end.
-            await until(lambda: backend.received == 2 or task.done(), 5, "the retry")
+            await until(lambda: len(backend.received) == 2 or task.done(), 5, "the retry")
             resp = await task
             assert resp.status == 502 and (await error_of(resp))["code"] == "backends_failed"
 
@@ -208,14 +165,14 @@ async def test_another_500_is_passed_through_and_a_non_json_5xx_becomes_502(
             return web.json_response(error, status=500)
         return web.Response(text="Internal Server Error", status=500)
 
-    backend = FaultyBackend(answer)
-    async with backend.serve() as url, rig(config_for(url), clock) as r:
+    backend = FakeVLLM(script=answer)
+    async with backend.serve() as url, rig(relay_config(url), clock) as r:
         first = await r.chat()
         assert first.status == 500 and (await error_of(first))["message"] == "boom"
         second = await r.chat()
         assert second.status == 502 and (await error_of(second))["code"] == "upstream_error"
-        assert backend.received == 2  # neither retried: the backend ran them
-        assert backend_state(r).failures == 2
+        assert len(backend.received) == 2  # neither retried: the backend ran them
+        assert r.backend().failures == 2
 
 
 @pytest.mark.parametrize("shape", ["one long line", "lines without a blank one"])
@@ -228,11 +185,11 @@ async def test_an_oversize_first_event_is_a_502_not_retried(clock: FakeClock, sh
                 await resp.write(b"x" * 1000 if shape == "one long line" else b"data: x\n")
         return resp
 
-    backend = FaultyBackend(answer)
-    async with backend.serve() as url, rig(config_for(url, max_event_bytes=64_000), clock) as r:
+    backend = FakeVLLM(script=answer)
+    async with backend.serve() as url, rig(relay_config(url, max_event_bytes=64_000), clock) as r:
         resp = await r.chat(stream=True)
         assert resp.status == 502 and (await error_of(resp))["code"] == "upstream_too_large"
-        assert backend.received == 1 and backend_state(r).failures == 1
+        assert len(backend.received) == 1 and r.backend().failures == 1
 
 
 # -- after the first byte: an error event and [DONE] ------------------------------------------
@@ -242,16 +199,16 @@ async def test_an_oversize_event_mid_stream_ends_with_an_error_event(clock: Fake
     async def answer(request: web.Request, n: int) -> web.StreamResponse:
         return await sse_answer(request, chunk("a"), b"data: " + b"x" * 100_000 + b"\n\n")
 
-    backend = FaultyBackend(answer)
-    async with backend.serve() as url, rig(config_for(url, max_event_bytes=64_000), clock) as r:
+    backend = FakeVLLM(script=answer)
+    async with backend.serve() as url, rig(relay_config(url, max_event_bytes=64_000), clock) as r:
         resp = await r.chat(stream=True)
         assert resp.status == 200
         events = await stream_body(resp)
         assert events[0] == chunk("a").strip() and events[-1] == b"data: [DONE]"
         error = orjson.loads(events[-2].removeprefix(b"data: "))["error"]
         assert error["code"] == "upstream_too_large"
-        assert backend_state(r).failures == 1
-        assert requests_total(r, "upstream_error") == 1
+        assert r.backend().failures == 1
+        assert r.requests_total("upstream_error") == 1
 
 
 # -- non-stream answers: held up to a bound, streamed through past it, refused past the max ----
@@ -268,9 +225,9 @@ async def test_a_large_answer_is_streamed_through_with_its_usage(clock: FakeCloc
         await resp.write_eof()
         return resp
 
-    backend = FaultyBackend(answer)
+    backend = FakeVLLM(script=answer)
     bounds = {"buffer_response_bytes": 50_000, "max_response_bytes": 1_000_000}
-    async with backend.serve() as url, rig(config_for(url, **bounds), clock) as r:
+    async with backend.serve() as url, rig(relay_config(url, **bounds), clock) as r:
         resp = await r.client.post("/v1/chat/completions", json=BODY, headers=auth("normal"))
         assert resp.status == 200 and await resp.read() == body
         assert r.metric("tierproxy_tokens_total", {"tier": "normal", "kind": "completion"}) == 3
@@ -334,9 +291,9 @@ async def test_an_answer_over_the_max_is_refused_or_cut(clock: FakeClock, announ
             await resp.write_eof()
         return resp
 
-    backend = FaultyBackend(answer)
+    backend = FakeVLLM(script=answer)
     bounds = {"buffer_response_bytes": 50_000, "max_response_bytes": 100_000}
-    async with backend.serve() as url, rig(config_for(url, **bounds), clock) as r:
+    async with backend.serve() as url, rig(relay_config(url, **bounds), clock) as r:
         resp = await r.client.post("/v1/chat/completions", json=BODY, headers=auth("normal"))
         if announced:
             assert resp.status == 502 and (await error_of(resp))["code"] == "upstream_too_large"
@@ -344,8 +301,8 @@ async def test_an_answer_over_the_max_is_refused_or_cut(clock: FakeClock, announ
             assert resp.status == 200  # its start was sent: only a cut can say it failed
             with pytest.raises(aiohttp.ClientPayloadError):
                 await resp.read()
-        assert backend.received == 1 and backend_state(r).failures == 1
-        await until(lambda: requests_total(r, "upstream_error") == 1, 5, "the outcome")
+        assert len(backend.received) == 1 and r.backend().failures == 1
+        await until(lambda: r.requests_total("upstream_error") == 1, 5, "the outcome")
 
 
 # -- clients that stop reading -----------------------------------------------------------------
@@ -392,24 +349,24 @@ async def non_reading_client(r: Rig, body: dict[str, Any]) -> AsyncIterator[sock
     ("answer", "stream"), [(endless_stream, True), (endless_json, False)], ids=["sse", "json"]
 )
 async def test_a_client_that_stops_reading_frees_its_slot_at_the_send_idle_timeout(
-    clock: FakeClock, answer: Answer, stream: bool, caplog: pytest.LogCaptureFixture
+    clock: FakeClock, answer: Script, stream: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, "tierproxy.access")
-    backend = FaultyBackend(answer)
+    backend = FakeVLLM(script=answer)
     bounds = {"send_idle_timeout_s": 0.5, "buffer_response_bytes": 50_000}
-    async with backend.serve() as url, rig(config_for(url, **bounds), clock) as r:
+    async with backend.serve() as url, rig(relay_config(url, **bounds), clock) as r:
         async with non_reading_client(r, {**BODY, "stream": stream}):
-            await until(lambda: backend.received == 1, 5, "the request at the backend")
+            await until(lambda: len(backend.received) == 1, 5, "the request at the backend")
             # The request deadline is 120 s: only the send-idle timeout can free the slot.
-            await until(lambda: backend_state(r).inflight == 0, 3, "the slot to be freed")
+            await until(lambda: r.backend().inflight == 0, 3, "the slot to be freed")
             await until(lambda: backend.hung_up == 1, 3, "the upstream to be closed")
-            await until(lambda: requests_total(r, "client_stalled") == 1, 3, "the outcome")
-        assert backend_state(r).failures == 0  # not the backend's fault
+            await until(lambda: r.requests_total("client_stalled") == 1, 3, "the outcome")
+        assert r.backend().failures == 0  # not the backend's fault
         assert "status=499 outcome=client_stalled" in caplog.text
 
 
 async def test_a_stalled_client_is_cut_at_the_request_deadline(clock: FakeClock) -> None:
-    backend = FaultyBackend(endless_stream)
+    backend = FakeVLLM(script=endless_stream)
     config = make_config(
         [{"url": "x"}],
         tiers={"normal": {"request_timeout_s": 1}},
@@ -418,8 +375,8 @@ async def test_a_stalled_client_is_cut_at_the_request_deadline(clock: FakeClock)
     async with backend.serve() as url:
         config["backends"] = [{"url": url}]
         async with rig(config, clock) as r, non_reading_client(r, {**BODY, "stream": True}):
-            await until(lambda: backend_state(r).inflight == 0, 4, "the slot to be freed")
-            await until(lambda: requests_total(r, "client_stalled") == 1, 3, "the outcome")
+            await until(lambda: r.backend().inflight == 0, 4, "the slot to be freed")
+            await until(lambda: r.requests_total("client_stalled") == 1, 3, "the outcome")
 
 
 # -- the bounded SSE reader ----------------------------------------------------------------------

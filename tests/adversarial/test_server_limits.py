@@ -15,7 +15,7 @@ from aiohttp import web
 from proxy.config.server import Server
 from proxy.server.listeners import Listeners, raise_open_files_limit
 from proxy.server.refusals import RefusalLog
-from tests.proxyrun import until
+from tests.helpers.proxyrun import until
 
 GET = b"GET /ping HTTP/1.1\r\nHost: proxy\r\n\r\n"
 Conn = tuple[asyncio.StreamReader, asyncio.StreamWriter]

@@ -11,10 +11,9 @@ import orjson
 
 from proxy.relay.budget import held_estimate
 from tests.adversarial.served.kit import RawClient
-from tests.adversarial.test_relay_faults import config_for
-from tests.clock import FakeClock
-from tests.proxyrun import KEYS, until
-from tests.unit.test_pipeline import BODY, rig
+from tests.helpers.clock import FakeClock
+from tests.helpers.proxyrun import KEYS, until
+from tests.helpers.rig import BODY, relay_config, rig
 
 UPLOAD = 1_000_000  # bytes of body announced
 
@@ -36,7 +35,7 @@ def padded_body(size: int) -> bytes:
 
 
 async def test_an_upload_with_its_length_is_reserved_before_its_body(clock: FakeClock) -> None:
-    async with rig(config_for("http://127.0.0.1:9"), clock) as r:
+    async with rig(relay_config("http://127.0.0.1:9"), clock) as r:
         client = await RawClient.connect(str(r.client.host), r.client.port or 0)
         try:
             await client.send(upload_head(UPLOAD) + b'{"model":')
@@ -48,7 +47,7 @@ async def test_an_upload_with_its_length_is_reserved_before_its_body(clock: Fake
 
 
 async def test_a_chunked_upload_is_reserved_as_it_arrives(clock: FakeClock) -> None:
-    async with rig(config_for("http://127.0.0.1:9"), clock) as r:
+    async with rig(relay_config("http://127.0.0.1:9"), clock) as r:
         client = await RawClient.connect(str(r.client.host), r.client.port or 0)
         try:
             piece = b"x" * 200_000
@@ -60,7 +59,7 @@ async def test_a_chunked_upload_is_reserved_as_it_arrives(clock: FakeClock) -> N
 
 
 async def test_concurrent_uploads_cannot_pass_the_budget(clock: FakeClock) -> None:
-    config = config_for("http://127.0.0.1:9")
+    config = relay_config("http://127.0.0.1:9")
     config["limits"] = {"max_held_bytes": held_estimate(UPLOAD) + 1000}
     async with rig(config, clock) as r:
         first = await RawClient.connect(str(r.client.host), r.client.port or 0)

@@ -14,10 +14,10 @@ import prometheus_client
 from proxy.ops.engine import EngineProcess
 from proxy.server.state import ProxyState
 from proxy.telemetry import prometheus
-from tests.conftest import TINY_MODEL_DIR
-from tests.enginefarm import EngineFarm
-from tests.engines import LONG_CONTEXT
-from tests.proxyrun import KEYS, make_config, running_proxy
+from tests.helpers.enginefarm import EngineFarm
+from tests.helpers.engines import LONG_CONTEXT
+from tests.helpers.paths import TINY_MODEL_DIR
+from tests.helpers.proxyrun import KEYS, make_config, running_proxy
 
 MODEL = "tiny"
 TOKENIZER_DIR = TINY_MODEL_DIR

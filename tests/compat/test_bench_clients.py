@@ -14,10 +14,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.compat.common import MODEL, TOKENIZER_DIR, Sides, engine, sides
-from tests.conftest import REPO
-from tests.enginefarm import EngineFarm
-from tests.engines import LONG_CONTEXT
+from tests.compat.common import MODEL, TOKENIZER_DIR, Sides
+from tests.helpers.engines import LONG_CONTEXT
+from tests.helpers.paths import REPO
 
 pytestmark = [pytest.mark.integration, pytest.mark.engines(LONG_CONTEXT)]
 TOOLS_BIN = REPO / ".tierproxy" / "tools-venv" / "bin"
@@ -48,12 +47,6 @@ async def _run(cmd: list[str], env: dict[str, str], timeout_s: float) -> str:
     text = out.decode(errors="replace")
     assert proc.returncode == 0, f"{cmd[0]} exited {proc.returncode}:\n{text[-4000:]}"
     return text
-
-
-@pytest.fixture
-async def both(engines: EngineFarm) -> Any:
-    async with sides(engine(engines)) as s:
-        yield s
 
 
 async def test_vllm_bench_serve_same_results(both: Sides, tmp_path: Path) -> None:

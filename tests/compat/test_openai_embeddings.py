@@ -5,22 +5,21 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterator
 
 import pytest
 
-from tests.compat.common import MODEL, Sides, dump, shape, sides
-from tests.enginefarm import EngineFarm
-from tests.engines import EMBED
+from proxy.ops.engine import EngineProcess
+from tests.compat.common import MODEL, Sides, dump, shape
+from tests.helpers.enginefarm import EngineFarm
+from tests.helpers.engines import EMBED
 
 pytestmark = [pytest.mark.integration, pytest.mark.engines(EMBED)]
 INPUTS = ["hello there", "a second, longer sentence to embed"]
 
 
 @pytest.fixture
-async def both(engines: EngineFarm) -> AsyncIterator[Sides]:
-    async with sides(engines.get(EMBED)) as s:
-        yield s
+def compat_engine(engines: EngineFarm) -> EngineProcess:
+    return engines.get(EMBED)
 
 
 def _close(a: list[float], b: list[float]) -> bool:

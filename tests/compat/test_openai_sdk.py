@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -28,20 +27,14 @@ from tests.compat.common import (
     summarize_chunks,
     without_volatile,
 )
-from tests.enginefarm import EngineFarm
-from tests.engines import LONG_CONTEXT
-from tests.proxyrun import make_config, until
+from tests.helpers.enginefarm import EngineFarm
+from tests.helpers.engines import LONG_CONTEXT
+from tests.helpers.proxyrun import make_config, until
 
 pytestmark = [pytest.mark.integration, pytest.mark.engines(LONG_CONTEXT)]
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say something."}]
 # Greedy decoding: the same answer from the same engine, whoever asks.
 GREEDY: dict[str, Any] = {"temperature": 0, "seed": 1, "max_tokens": 12}
-
-
-@pytest.fixture
-async def both(engines: EngineFarm) -> AsyncIterator[Sides]:
-    async with sides(engine(engines)) as s:
-        yield s
 
 
 def assert_same(proxy: dict[str, Any], direct: dict[str, Any]) -> None:

@@ -11,11 +11,11 @@ import aiohttp
 import orjson
 import pytest
 
+from proxy.bench.fake_vllm import FakeVLLM
 from proxy.relay import sse
-from tests.enginefarm import EngineFarm
-from tests.engines import CORE, PAIR_B
-from tests.fakes import dies_mid_stream_backend, hung_backend
-from tests.proxyrun import auth, make_config, running_proxy, until
+from tests.helpers.enginefarm import EngineFarm
+from tests.helpers.engines import CORE, PAIR_B
+from tests.helpers.proxyrun import auth, make_config, running_proxy, until
 
 pytestmark = [pytest.mark.integration, pytest.mark.engines(CORE, PAIR_B)]
 TIMEOUT = aiohttp.ClientTimeout(total=180)
@@ -123,7 +123,7 @@ async def test_killed_backend_loses_nothing_and_comes_back(engines: EngineFarm) 
 
 async def test_hung_backend_is_ejected_by_probe_timeout(engines: EngineFarm) -> None:
     real = engines.get(CORE)
-    async with hung_backend() as hung_url:
+    async with FakeVLLM(hang=True).serve() as hung_url:
         cfg = make_config(
             [{"url": hung_url, "max_inflight": 4}, {"url": real.spec.url, "max_inflight": 4}],
             backend_health={"health_interval_s": 0.2, "probe_timeout_s": 0.5},
@@ -145,7 +145,7 @@ async def test_hung_backend_is_ejected_by_probe_timeout(engines: EngineFarm) -> 
 
 
 async def test_backend_dying_mid_stream_gives_an_error_event(engines: EngineFarm) -> None:
-    async with dies_mid_stream_backend(events=3) as url:
+    async with FakeVLLM(die_after_events=3).serve() as url:
         cfg = make_config([{"url": url, "max_inflight": 2}])
         async with running_proxy(cfg) as (base, _), aiohttp.ClientSession(timeout=TIMEOUT) as s:
             r = await _call(s, base, _chat(16, stream=True))

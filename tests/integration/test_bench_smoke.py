@@ -16,8 +16,8 @@ from proxy.bench.proxy_config import proxy_config, write_proxy_config
 from proxy.bench.scenario import load_scenario
 from proxy.bench.stack import ProxyProcess
 from proxy.ops.engine import EngineProcess, free_port
-from tests.enginefarm import EngineFarm
-from tests.engines import CORE
+from tests.helpers.enginefarm import EngineFarm
+from tests.helpers.engines import CORE
 
 pytestmark = [pytest.mark.integration, pytest.mark.engines(CORE)]
 

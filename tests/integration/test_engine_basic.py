@@ -10,8 +10,8 @@ import orjson
 import pytest
 
 from proxy.relay import sse
-from tests.enginefarm import EngineFarm
-from tests.engines import CORE
+from tests.helpers.enginefarm import EngineFarm
+from tests.helpers.engines import CORE
 
 pytestmark = [pytest.mark.integration, pytest.mark.engines(CORE)]
 TIMEOUT = aiohttp.ClientTimeout(total=60)

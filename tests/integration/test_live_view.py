@@ -18,11 +18,11 @@ import aiohttp
 import pytest
 
 from proxy.config.tenants import hash_key
-from tests.conftest import REPO
-from tests.dashboard import exposed_names, queried_names
-from tests.enginefarm import EngineFarm
-from tests.engines import CORE
-from tests.proxyrun import KEYS, auth, make_config, running_proxy
+from tests.helpers.dashboard import exposed_names, queried_names
+from tests.helpers.enginefarm import EngineFarm
+from tests.helpers.engines import CORE
+from tests.helpers.paths import REPO
+from tests.helpers.proxyrun import KEYS, auth, make_config, running_proxy
 
 pytestmark = [pytest.mark.integration, pytest.mark.engines(CORE)]
 ADMIN_KEY = "live-view-admin-key"

@@ -16,8 +16,8 @@ import pytest
 from proxy.bench.plugin import scenarios as sc
 from proxy.bench.plugin.requests import LOW_TOKENS
 from proxy.ops.engine import EngineProcess
-from tests.enginefarm import EngineFarm
-from tests.engines import PLUGIN_ON, PLUGIN_SECRET, PLUGIN_STOCK
+from tests.helpers.enginefarm import EngineFarm
+from tests.helpers.engines import PLUGIN_ON, PLUGIN_SECRET, PLUGIN_STOCK
 
 pytestmark = [pytest.mark.integration, pytest.mark.engines(PLUGIN_STOCK, PLUGIN_ON)]
 

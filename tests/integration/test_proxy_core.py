@@ -15,9 +15,9 @@ from proxy.bench.scrape import wait_idle
 from proxy.config.tenants import hash_key
 from proxy.relay import sse
 from proxy.telemetry import prometheus
-from tests.enginefarm import EngineFarm
-from tests.engines import LONG_CONTEXT
-from tests.proxyrun import auth, make_config, running_proxy, until
+from tests.helpers.enginefarm import EngineFarm
+from tests.helpers.engines import LONG_CONTEXT
+from tests.helpers.proxyrun import auth, make_config, running_proxy, until
 
 pytestmark = [pytest.mark.integration, pytest.mark.engines(LONG_CONTEXT)]
 # The tiny model's whole context: a "long" request then holds its slot for 15 s or more even on

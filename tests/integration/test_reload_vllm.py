@@ -12,9 +12,9 @@ import pytest
 import yaml
 
 from proxy.server.state import ProxyState
-from tests.enginefarm import EngineFarm
-from tests.engines import CORE
-from tests.proxyrun import KEYS, auth, make_config, running_proxy, until
+from tests.helpers.enginefarm import EngineFarm
+from tests.helpers.engines import CORE
+from tests.helpers.proxyrun import KEYS, auth, make_config, running_proxy, until
 
 pytestmark = [pytest.mark.integration, pytest.mark.engines(CORE)]
 TIMEOUT = aiohttp.ClientTimeout(total=180)

@@ -12,9 +12,9 @@ import aiohttp
 import pytest
 
 from proxy.bench.redis_server import RedisServer
-from tests.enginefarm import EngineFarm
-from tests.engines import CORE
-from tests.proxyrun import auth, make_config, running_proxy
+from tests.helpers.enginefarm import EngineFarm
+from tests.helpers.engines import CORE
+from tests.helpers.proxyrun import auth, make_config, running_proxy
 
 pytestmark = [pytest.mark.integration, pytest.mark.engines(CORE)]
 TIMEOUT = aiohttp.ClientTimeout(total=180)

@@ -9,9 +9,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.enginefarm import EngineFarm
-from tests.engines import CORE
-from tests.proxyrun import auth, make_config, running_proxy
+from tests.helpers.enginefarm import EngineFarm
+from tests.helpers.engines import CORE
+from tests.helpers.proxyrun import auth, make_config, running_proxy
 
 pytestmark = [pytest.mark.integration, pytest.mark.engines(CORE)]
 TIMEOUT = aiohttp.ClientTimeout(total=60)

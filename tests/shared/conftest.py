@@ -12,7 +12,7 @@ import pytest
 from proxy.bench.inproc import KEYS
 from proxy.config.tenants import hash_key
 from tests.adversarial.served.served import NullBackend, ServedProxy, served_config
-from tests.redis_server import RedisServer
+from tests.helpers.redis_server import RedisServer
 from tests.shared.replicas import TENANT
 
 

@@ -14,10 +14,10 @@ from typing import Any
 
 import aiohttp
 
-from proxy.bench.inproc import make_config, serve_app
-from proxy.bench.null_upstream import NullUpstream
+from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.inproc import make_config
 from proxy.config.tenants import hash_key
-from tests.redis_server import RedisServer
+from tests.helpers.redis_server import RedisServer
 from tests.shared.replicas import start_replicas
 
 KEYS = {"heavy": "key-heavy", "light": "key-light"}
@@ -30,8 +30,8 @@ def jain(values: list[float]) -> float:
 async def served_shares(
     redis_server: RedisServer, tmp_path: Path, *, share_fairness: bool, seconds: float = 4.0
 ) -> dict[str, int]:
-    null = NullUpstream(delay_s=0.08)
-    async with serve_app(null.app(), handler_cancellation=True) as url:
+    null = FakeVLLM(model="null", usage=(4, 4), delay_s=0.08)
+    async with null.serve() as url:
         tenants = [
             {"name": name, "tier": "normal", "keys": [{"sha256": hash_key(key)}]}
             for name, key in KEYS.items()
@@ -69,7 +69,7 @@ async def served_shares(
         finally:
             a.stop()
             b.stop()
-        assert null.max_running <= 4
+        assert null.max_active <= 4
         return dict(null.served_by_user)
 
 

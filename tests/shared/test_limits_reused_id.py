@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 import redis
 
+from proxy.bench.fake_vllm import FakeVLLM
 from proxy.bench.inproc import KEYS
-from proxy.bench.null_upstream import NullUpstream
 from tests.adversarial.served.kit import Response, exchange, json_request
 from tests.adversarial.served.served import NullBackend, ServedProxy
-from tests.redis_server import RedisServer
+from tests.helpers.redis_server import RedisServer
 from tests.shared.replicas import TENANT
 
 REUSED = "same-id-every-time"
@@ -27,8 +27,8 @@ USED = 450  # total_tokens the backend reports for every answer
 @pytest.fixture
 def backend() -> Iterator[NullBackend]:
     """Each answer takes 0.6 s (so requests overlap) and reports ``USED`` tokens."""
-    usage = {"prompt_tokens": 50, "completion_tokens": USED - 50, "total_tokens": USED}
-    upstream = NullBackend(NullUpstream(delay_s=0.6, usage=usage)).start()
+    fake = FakeVLLM(model="null", delay_s=0.6, usage=(50, USED - 50))
+    upstream = NullBackend(fake).start()
     try:
         yield upstream
     finally:
@@ -80,7 +80,7 @@ async def test_a_reused_request_id_does_not_lift_max_concurrent(
     proxy = start(max_concurrent=2)
     statuses = await burst(proxy, 6, REUSED)
     assert statuses == Counter({200: 2, 429: 4}), statuses  # was 6 of 6
-    assert backend.null.max_running <= 2
+    assert backend.null.max_active <= 2
     # Every lease came back: the next pair runs too.
     await settled(redis_server)
     assert await burst(proxy, 2, REUSED) == Counter({200: 2})

@@ -18,17 +18,17 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from proxy.bench.inproc import serve_app, until
-from proxy.bench.null_upstream import NullUpstream
+from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.inproc import until
 from proxy.bench.stack import ProxyProcess
-from tests.redis_server import RedisServer
+from tests.helpers.redis_server import RedisServer
 from tests.shared.replicas import metric, post, replica_config, start_replicas
 
 
 @pytest.fixture
-async def upstream() -> AsyncIterator[tuple[str, NullUpstream]]:
-    null = NullUpstream(delay_per_token_s=0.001)
-    async with serve_app(null.app(), handler_cancellation=True) as url:
+async def upstream() -> AsyncIterator[tuple[str, FakeVLLM]]:
+    null = FakeVLLM(model="null", usage=(4, 4), delay_per_token_s=0.001)
+    async with null.serve() as url:
         yield url, null
 
 
@@ -53,7 +53,7 @@ async def hammer(
 
 
 async def test_two_replicas_hold_the_tenants_rpm_globally(
-    redis_server: RedisServer, upstream: tuple[str, NullUpstream], tmp_path: Path
+    redis_server: RedisServer, upstream: tuple[str, FakeVLLM], tmp_path: Path
 ) -> None:
     url, _ = upstream
     rpm = 120  # a bucket of 120, refilled at 2/s
@@ -75,7 +75,7 @@ async def test_two_replicas_hold_the_tenants_rpm_globally(
 
 
 async def test_redis_killed_and_restarted_mid_run_loses_nothing(
-    redis_server: RedisServer, upstream: tuple[str, NullUpstream], tmp_path: Path
+    redis_server: RedisServer, upstream: tuple[str, FakeVLLM], tmp_path: Path
 ) -> None:
     url, _ = upstream
     config = replica_config(url, redis_server.url, requests_per_minute=6000)
@@ -123,7 +123,7 @@ def _redis_keys(server: RedisServer) -> list[bytes]:
 
 
 async def test_a_killed_replicas_slots_come_back_within_the_lease_ttl(
-    redis_server: RedisServer, upstream: tuple[str, NullUpstream], tmp_path: Path
+    redis_server: RedisServer, upstream: tuple[str, FakeVLLM], tmp_path: Path
 ) -> None:
     url, null = upstream
     procs = await start_replicas(
@@ -137,7 +137,7 @@ async def test_a_killed_replicas_slots_come_back_within_the_lease_ttl(
                 asyncio.create_task(post(session, doomed.url, max_tokens=60_000, timeout_s=90))
                 for _ in range(2)
             ]
-            await until(lambda: null.running == 2, 10, "two requests running upstream")
+            await until(lambda: null.active == 2, 10, "two requests running upstream")
             refused = await post(session, survivor.url)
             assert refused.status == 429  # max_concurrent is global
             doomed.signal(signal.SIGKILL)
@@ -156,7 +156,7 @@ async def test_a_killed_replicas_slots_come_back_within_the_lease_ttl(
 
 
 async def test_without_shared_state_each_replica_admits_its_own_bucket(
-    upstream: tuple[str, NullUpstream], tmp_path: Path
+    upstream: tuple[str, FakeVLLM], tmp_path: Path
 ) -> None:
     """The baseline the first test beats: two independent replicas admit two buckets."""
     url, _ = upstream

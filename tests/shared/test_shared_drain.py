@@ -9,8 +9,7 @@ from pathlib import Path
 
 import aiohttp
 
-from proxy.bench.inproc import serve_app
-from proxy.bench.null_upstream import NullUpstream
+from proxy.bench.fake_vllm import FakeVLLM
 from proxy.config.backends import Backend, BackendHealth
 from proxy.config.shared_state import SharedState
 from proxy.config.tenants import hash_key
@@ -19,7 +18,7 @@ from proxy.policies.backends import LeastUtilised
 from proxy.scheduling.pool import BackendPool
 from proxy.shared.client import SharedStore
 from proxy.shared.drain import SharedDrain
-from tests.redis_server import RedisServer
+from tests.helpers.redis_server import RedisServer
 from tests.shared.replicas import owner, post, replica_config
 
 ADMIN_KEY = "admin-key-for-drain"
@@ -61,8 +60,8 @@ async def test_a_drain_published_by_one_replica_is_applied_and_taken_back_by_ano
 async def test_with_two_workers_a_drained_backend_gets_no_new_work(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:
-    kept, drained = NullUpstream(), NullUpstream()
-    async with serve_app(kept.app()) as kept_url, serve_app(drained.app()) as drained_url:
+    kept, drained = FakeVLLM(model="null", usage=(4, 4)), FakeVLLM(model="null", usage=(4, 4))
+    async with kept.serve() as kept_url, drained.serve() as drained_url:
         config = replica_config(kept_url, redis_server.url)
         # The drained one first: on a tie (both idle) a worker that missed the drain picks it.
         config["backends"] = [

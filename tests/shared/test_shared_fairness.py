@@ -17,7 +17,7 @@ from proxy.policies.tenants import VirtualTokenCounter
 from proxy.policies.types import QueuedRequest
 from proxy.shared.client import SharedStore
 from proxy.shared.fairness import FairnessSync
-from tests.redis_server import RedisServer
+from tests.helpers.redis_server import RedisServer
 
 COST = 100.0  # weighted tokens of every request
 

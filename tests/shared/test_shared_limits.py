@@ -19,7 +19,7 @@ from proxy.config.tenants import Tenant
 from proxy.scheduling.limits import LimitVerdict
 from proxy.shared.client import SharedStore
 from proxy.shared.limits import SharedLimitRegistry
-from tests.redis_server import RedisServer
+from tests.helpers.redis_server import RedisServer
 
 
 def tenant(**limits: Any) -> Tenant:
@@ -136,7 +136,7 @@ async def test_scripts_are_reloaded_after_a_restart(
 ) -> None:
     (a,) = await replicas(1, tenant(requests_per_minute=60))
     assert (await a.admit("acme", 1, 0.0)).allowed
-    await a.store.redis.script_flush()  # type: ignore[no-untyped-call]  # as a restart does
+    await a.store.redis.script_flush()  # as a restart does
     assert (await a.admit("acme", 1, 0.0)).allowed
     assert a.store.up
 

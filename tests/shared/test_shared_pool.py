@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from proxy.config.shared_state import SharedState
 from proxy.shared.client import SharedStateBusy, SharedStateDown, SharedStore
-from tests.redis_server import RedisServer
+from tests.helpers.redis_server import RedisServer
 
 
 @pytest.fixture

@@ -15,15 +15,15 @@ import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry
 
-from proxy.bench.inproc import serve_app, until
-from proxy.bench.null_upstream import NullUpstream
+from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.inproc import until
 from proxy.config.backends import Backend, BackendHealth
 from proxy.config.shared_state import SharedState
 from proxy.policies.backends import LeastUtilised
 from proxy.scheduling.pool import BackendPool
 from proxy.shared.client import SharedStore
 from proxy.shared.room import SharedBackendRoom
-from tests.redis_server import RedisServer
+from tests.helpers.redis_server import RedisServer
 from tests.shared.replicas import post, replica_config, start_replicas
 
 URL = "http://127.0.0.1:1"
@@ -174,8 +174,8 @@ async def test_a_stopped_replicas_slots_return_within_the_ttl(
 async def test_two_proxy_processes_never_run_more_than_the_backends_room(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:
-    null = NullUpstream(delay_s=0.05)
-    async with serve_app(null.app(), handler_cancellation=True) as url:
+    null = FakeVLLM(model="null", usage=(4, 4), delay_s=0.05)
+    async with null.serve() as url:
         config = replica_config(url, redis_server.url)
         config["backends"] = [{"url": url, "max_inflight": 3}]
         config["shared_state"]["priority_reserve"] = 0
@@ -189,4 +189,4 @@ async def test_two_proxy_processes_never_run_more_than_the_backends_room(
             for proc in procs:
                 proc.stop()
     assert [r.status for r in answers] == [200] * 40
-    assert null.max_running == 3  # the room, used in full, never exceeded
+    assert null.max_active == 3  # the room, used in full, never exceeded

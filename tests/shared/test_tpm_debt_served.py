@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
+from proxy.bench.fake_vllm import FakeVLLM
 from proxy.bench.inproc import KEYS
-from proxy.bench.null_upstream import NullUpstream
 from tests.adversarial.served.kit import exchange, json_request
 from tests.adversarial.served.served import NullBackend
 
@@ -19,8 +19,7 @@ HUGE = 200_000  # total_tokens the backend reports for the answer
 
 @pytest.fixture
 def backend() -> Iterator[NullBackend]:
-    usage = {"prompt_tokens": 10, "completion_tokens": HUGE - 10, "total_tokens": HUGE}
-    upstream = NullBackend(NullUpstream(usage=usage)).start()
+    upstream = NullBackend(FakeVLLM(model="null", usage=(10, HUGE - 10))).start()
     try:
         yield upstream
     finally:

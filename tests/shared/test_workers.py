@@ -10,11 +10,10 @@ from pathlib import Path
 
 import aiohttp
 
-from proxy.bench.inproc import serve_app
-from proxy.bench.null_upstream import NullUpstream
+from proxy.bench.fake_vllm import FakeVLLM
 from proxy.ops.process import free_port, http_ok
 from tests.adversarial.served.kit import RawClient
-from tests.redis_server import RedisServer
+from tests.helpers.redis_server import RedisServer
 from tests.shared.replicas import owner, post, replica_config
 
 
@@ -34,8 +33,8 @@ def children(pid: int) -> set[int]:
 async def test_two_workers_serve_one_port_and_a_killed_one_is_replaced(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:
-    null = NullUpstream()
-    async with serve_app(null.app()) as url:
+    null = FakeVLLM(model="null", usage=(4, 4))
+    async with null.serve() as url:
         port = free_port()
         proc = owner(replica_config(url, redis_server.url), tmp_path, port).start()
         base = f"http://127.0.0.1:{port}"
@@ -91,8 +90,8 @@ async def test_workers_share_the_connection_cap_so_the_port_admits_the_configure
     """16 idle connections against `server.max_connections: 10` over 2 workers: the port keeps
     at most 10 open, however the kernel spreads them (each worker took all 10 before: 16 open).
     The owner logs the totals and each worker's share at start."""
-    null = NullUpstream()
-    async with serve_app(null.app()) as url:
+    null = FakeVLLM(model="null", usage=(4, 4))
+    async with null.serve() as url:
         port = free_port()
         config = replica_config(url, redis_server.url)
         config["server"] = {"max_connections": 10, "header_timeout_s": 30}

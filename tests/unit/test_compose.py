@@ -14,8 +14,7 @@ import yaml
 
 from proxy.config.loader import load_config
 from proxy.ticket import PLUGIN_FLAGS
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers.paths import REPO
 
 
 def _compose() -> dict[str, Any]:

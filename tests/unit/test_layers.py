@@ -4,11 +4,11 @@ module past the size guideline, nothing at the root but the entry points and the
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import grimp
 
-PROXY = Path(__file__).resolve().parents[2] / "proxy"
+from tests.helpers.paths import REPO
+
+PROXY = REPO / "proxy"
 MAX_LINES = 400
 ROOT_MODULES = {"__init__.py", "cli.py", "ticket.py", "tasks.py"}
 

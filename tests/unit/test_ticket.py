@@ -166,8 +166,8 @@ def test_the_proxy_refuses_to_start_with_a_weak_secret(secret: bytes) -> None:
 
     from proxy.config.loader import ConfigError, parse_config
     from proxy.server.app import create_app
-    from tests.proxyrun import SECRET as GOOD
-    from tests.proxyrun import make_config
+    from tests.helpers.proxyrun import SECRET as GOOD
+    from tests.helpers.proxyrun import make_config
 
     loaded = parse_config(yaml.safe_dump(make_config([{"url": "http://127.0.0.1:9"}])))
     with pytest.raises(ConfigError, match="ticket secret"):

@@ -2,7 +2,7 @@
 subprocess on its default loop (uvloop where installed) with aiohttp's C parser, in front of a
 fake backend, as a user's deployment runs; its log in a file a test can read.
 
-The fake backend is ``NullUpstream`` on an event loop of its own in a thread of the test
+The fake backend is ``FakeVLLM`` (proxy.bench.fake_vllm) on an event loop of its own in a thread of the test
 process: the served proxy reaches it whatever the test's loop is doing, it starts in
 milliseconds, and a test can read its counters. Fixtures pick it in one place (``conftest.py``).
 """
@@ -21,8 +21,8 @@ from typing import Any, Self
 import yaml
 from aiohttp import web
 
+from proxy.bench.fake_vllm import FakeVLLM
 from proxy.bench.inproc import KEYS, SECRET, make_config
-from proxy.bench.null_upstream import NullUpstream
 from proxy.bench.stack import ProxyProcess
 from proxy.config.tenants import hash_key
 from proxy.ops.process import free_port, http_ok
@@ -85,10 +85,10 @@ class ThreadedUpstream:
 
 
 class NullBackend(ThreadedUpstream):
-    """``NullUpstream`` (fixed answers, counts what it serves) as the fake backend."""
+    """``FakeVLLM`` (fixed answers, counts what it serves; model ``null``) as the fake backend."""
 
-    def __init__(self, null: NullUpstream | None = None) -> None:
-        self.null = null or NullUpstream()
+    def __init__(self, null: FakeVLLM | None = None) -> None:
+        self.null = null or FakeVLLM(model="null", usage=(4, 4))
         super().__init__(self.null.app())
 
 

@@ -14,8 +14,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from proxy.bench.fake_vllm import FakeVLLM
 from proxy.bench.inproc import SECRET
-from proxy.bench.null_upstream import NullUpstream
 from proxy.ticket import REQUEST_ID_HEADER, TICKET_HEADER
 from proxy.vllm_plugin.settings import DEFAULT_TICKET_MAX_SKEW_S, DEFAULT_TICKET_WINDOW_S
 from proxy.vllm_plugin.verify import body_matches, check_binding, check_ticket
@@ -33,7 +33,7 @@ def engine_now() -> float:
 def skewed_engine() -> web.Application:
     """The null backend on a host whose clock is ``SKEW_S`` off: its Date headers say so, and
     it trusts a request only as the plugin's middleware would (same checks, its clock)."""
-    app = NullUpstream().app()
+    app = FakeVLLM(model="null", usage=(4, 4)).app()
 
     async def date(request: web.Request, response: web.StreamResponse) -> None:
         response.headers["Date"] = email.utils.formatdate(engine_now(), usegmt=True)

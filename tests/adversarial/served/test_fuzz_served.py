@@ -13,6 +13,8 @@ from pathlib import Path
 
 import aiohttp
 
+from proxy.bench.fake_vllm import FakeVLLM
+from tests.adversarial.fuzzing import ANSWER_TIMEOUT_S, Harness, fuzz, fuzz_config
 from tests.adversarial.histogram import SERVED_FUZZ
 from tests.adversarial.served.served import (
     ADMIN_KEY,
@@ -20,8 +22,6 @@ from tests.adversarial.served.served import (
     ThreadedUpstream,
     admin_sections,
 )
-from tests.adversarial.test_fuzz import ANSWER_TIMEOUT_S, Harness, fuzz, fuzz_config
-from tests.fakes import ScriptedBackend
 
 FUZZ_SERVED_CASES = int(os.environ.get("TIERPROXY_FUZZ_SERVED_CASES", "10000"))
 
@@ -37,7 +37,7 @@ class ServedHarness(Harness):
         self.proxy: ServedProxy | None = None
 
     async def start(self) -> None:
-        self.backend = ThreadedUpstream(ScriptedBackend().app()).start()
+        self.backend = ThreadedUpstream(FakeVLLM().app()).start()
         config = fuzz_config(self.backend.url, **admin_sections())
         self.proxy = ServedProxy(config, self.workdir)
         await asyncio.to_thread(self.proxy.start)

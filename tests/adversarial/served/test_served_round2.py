@@ -3,7 +3,7 @@ aiohttp's C parser), each with realistic clients from the kit: a non-reader of a
 answer, uploads in progress and the memory budget, tokenizer calls beside a better tier's
 chat, Responses usage in the usage log, /version under a flood, placeholder keys at start, and
 a reload of read-at-start sections. The in-process twins: tests/adversarial/test_held_answers.py,
-test_upload_budget.py, test_cheap_routes.py; tests/unit/test_usage_any_route.py,
+test_upload_budget.py, test_cheap_routes.py; tests/unit/api/test_usage_any_route.py,
 test_routes.py (version), test_placeholder_keys.py, test_reload.py."""
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import pytest
 import yaml
 from aiohttp import web
 
+from proxy.bench.fake_vllm import FakeVLLM
 from proxy.config.tenants import hash_key
 from proxy.relay.budget import held_estimate
 from proxy.ticket import DEFAULT_SECRET_ENV
@@ -33,39 +34,23 @@ from tests.adversarial.served.kit import (
     request_bytes,
 )
 from tests.adversarial.served.served import ServedProxy, ThreadedUpstream, served_config
-from tests.fakes_routes import RESPONSES_USAGE, RoutesBackend
-from tests.proxyrun import KEYS, SECRET
+from tests.helpers.proxyrun import KEYS, SECRET
 
 BIG_ANSWER_BYTES = 900 * 1024  # held whole; loopback alone would swallow it
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
-class Round2Backend(RoutesBackend):
-    """vLLM's routes (tests/fakes_routes.py); a chat whose ``user`` is "big" gets a 0.9 MiB
-    answer; the tokenizer routes wait at a gate that is never opened (a busy tokenizer)."""
-
-    def app(self) -> web.Application:
-        app = super().app()
-        app.router.add_get("/metrics", self._metrics)
-        return app
-
-    async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(text="")
-
-    async def _answer(self, request: web.Request) -> web.StreamResponse:
-        if request.path == "/v1/chat/completions":
-            body = await request.json()
-            if body.get("user") == "big":
-                message = {"role": "assistant", "content": "z" * BIG_ANSWER_BYTES}
-                usage = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
-                answer = {"object": "chat.completion", "choices": [{"message": message}]}
-                return web.json_response({**answer, "usage": usage}, dumps=_dumps)
-            if not body.get("stream"):
-                usage = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
-                message = {"role": "assistant", "content": "ok"}
-                answer = {"object": "chat.completion", "choices": [{"message": message}]}
-                return web.json_response({**answer, "usage": usage})
-        return await super()._answer(request)
+async def big_answers(request: web.Request, n: int) -> web.StreamResponse | None:
+    """A chat whose ``user`` is "big" gets a 0.9 MiB answer; anything else the fake's own."""
+    if request.path != "/v1/chat/completions":
+        return None
+    body = await request.json()
+    if body.get("user") != "big":
+        return None
+    message = {"role": "assistant", "content": "z" * BIG_ANSWER_BYTES}
+    usage = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+    answer = {"object": "chat.completion", "choices": [{"message": message}]}
+    return web.json_response({**answer, "usage": usage}, dumps=_dumps)
 
 
 def _dumps(value: object) -> str:
@@ -74,7 +59,8 @@ def _dumps(value: object) -> str:
 
 class Upstream(ThreadedUpstream):
     def __init__(self) -> None:
-        self.routes = Round2Backend(tokenize_gate=asyncio.Event())
+        # vLLM's routes; the tokenizer routes wait at a gate never opened (a busy tokenizer).
+        self.routes = FakeVLLM(tokenize_gate=asyncio.Event(), script=big_answers)
         super().__init__(self.routes.app())
 
 
@@ -223,7 +209,7 @@ async def _tokenize_then_chat(proxy: ServedProxy, backend: Upstream) -> None:
 
 
 async def test_responses_usage_is_in_the_usage_log(
-    start_served: StartServed, tmp_path: Path
+    start_served: StartServed, backend: Upstream, tmp_path: Path
 ) -> None:
     log = tmp_path / "usage.jsonl"
     proxy = start_served(usage_log={"path": str(log)})
@@ -238,7 +224,7 @@ async def test_responses_usage_is_in_the_usage_log(
         return [orjson.loads(line) for line in text.splitlines()]
 
     await wait_for(lambda: len(records()) == 2, 10, "two usage-log lines")
-    expected = (RESPONSES_USAGE["input_tokens"], RESPONSES_USAGE["output_tokens"])
+    expected = backend.routes.usage
     assert [(r["prompt_tokens"], r["completion_tokens"]) for r in records()] == [expected] * 2
 
 

@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import gc
 import socket
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -18,14 +17,13 @@ import orjson
 import pytest
 from aiohttp import web
 
-from proxy.bench.inproc import serve_app
+from proxy.bench.fake_vllm import FakeVLLM, Script
 from proxy.relay.budget import MemoryBudget
 from proxy.relay.forward import RelayResult, UpstreamCall
 from proxy.relay.held import HeldResponse
-from tests.adversarial.test_relay_faults import config_for
-from tests.clock import FakeClock
-from tests.proxyrun import auth, make_config
-from tests.unit.test_pipeline import BODY, rig
+from tests.helpers.clock import FakeClock
+from tests.helpers.proxyrun import auth
+from tests.helpers.rig import BODY, relay_config, rig, served_rig
 
 FINGERPRINT = "vllm-0.32.0-1a2b3c4d"
 USAGE = {"prompt_tokens": 9, "completion_tokens": 5, "total_tokens": 14}
@@ -71,16 +69,11 @@ def writes(data: list[bytes], cuts: list[int]) -> list[bytes]:
     return out
 
 
-class VllmLike:
+def vllm_like(cut: str) -> Script:
     """Answers as vLLM would the request it got, written in the cuts of ``cut``."""
 
-    def __init__(self, cut: str) -> None:
-        self.cut = cut
-        self.request_ids: list[str] = []
-
-    async def chat(self, request: web.Request) -> web.StreamResponse:
+    async def chat(request: web.Request, n: int) -> web.StreamResponse:
         body = orjson.loads(await request.read())
-        self.request_ids.append(request.headers.get("X-Request-Id", ""))
         if not body.get("stream"):
             return web.Response(body=completion(), content_type="application/json")
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -90,18 +83,13 @@ class VllmLike:
         request.transport.get_extra_info("socket").setsockopt(
             socket.IPPROTO_TCP, socket.TCP_NODELAY, 1
         )
-        for part in writes(vllm_stream(include_usage), CUTS[self.cut]):
+        for part in writes(vllm_stream(include_usage), CUTS[cut]):
             await resp.write(part)
             await asyncio.sleep(0)  # a separate send, where the kernel keeps them apart
         await resp.write_eof()
         return resp
 
-    @contextlib.asynccontextmanager
-    async def serve(self) -> AsyncIterator[str]:
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", self.chat)
-        async with serve_app(app) as url:
-            yield url
+    return chat
 
 
 async def direct(url: str, body: dict[str, Any]) -> bytes:
@@ -124,8 +112,8 @@ async def test_the_client_gets_the_direct_bytes(
     body: dict[str, Any] = {**BODY, "stream": ask["stream"]}
     if ask.get("usage"):
         body["stream_options"] = {"include_usage": True}
-    backend = VllmLike(cut)
-    async with backend.serve() as url, rig(config_for(url), clock) as r:
+    backend = FakeVLLM(script=vllm_like(cut))
+    async with backend.serve() as url, rig(relay_config(url), clock) as r:
         expected = await direct(url, body)
         relay, held_after_relay = r.state.pipeline.relay, []
 
@@ -141,7 +129,7 @@ async def test_the_client_gets_the_direct_bytes(
         assert resp.status == 200
         assert got == expected
         # The id the backend got, on the streamed answer's headers too (set before prepare).
-        assert resp.headers["X-Request-Id"] == backend.request_ids[-1] != ""
+        assert resp.headers["X-Request-Id"] == backend.received[-1].headers["X-Request-Id"] != ""
         if ask["stream"]:
             assert b"data: [DONE]" in got and (b'"usage"' in got) == bool(ask.get("usage"))
             assert got.count(FINGERPRINT.encode()) == 1
@@ -175,7 +163,7 @@ async def test_a_stream_that_stalls_past_the_deadline_ends_with_a_timeout_event(
     """One timer for the whole stream: a read waiting at the deadline ends the stream."""
     first = vllm_stream(include_usage=True)[0]
 
-    async def stalls(request: web.Request) -> web.StreamResponse:
+    async def stalls(request: web.Request, n: int) -> web.StreamResponse:
         await request.read()
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
@@ -183,14 +171,11 @@ async def test_a_stream_that_stalls_past_the_deadline_ends_with_a_timeout_event(
         await asyncio.sleep(30)  # cancelled when the proxy closes the connection
         return resp
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", stalls)
-    config = make_config([{"url": "x"}], tiers={"normal": {"request_timeout_s": 0.4}})
-    async with serve_app(app, handler_cancellation=True) as url:
-        config["backends"] = [{"url": url}]
-        async with rig(config, clock) as r:
-            resp = await r.chat(stream=True)
-            got = await resp.read()
+    async with served_rig(
+        clock, FakeVLLM(script=stalls), tiers={"normal": {"request_timeout_s": 0.4}}
+    ) as r:
+        resp = await r.chat(stream=True)
+        got = await resp.read()
     assert got.startswith(first) and got.endswith(b"data: [DONE]\n\n")
     assert b'"code":"request_timeout"' in got
     assert r.metric("tierproxy_requests_total", {"tier": "normal", "outcome": "timeout"}) == 1

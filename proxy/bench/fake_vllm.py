@@ -1,0 +1,358 @@
+"""The one fake vLLM OpenAI server, for what a real engine cannot show on demand (a backend that
+hangs, dies mid-stream, answers 503, holds a request until the test lets it go, cuts a
+Responses stream) and for measuring the proxy's own cost (answers at once, or after a set time
+per token as an engine's decode would take). Never a stand-in for anything real vLLM can show:
+the integration tests run vLLM itself.
+
+Every route the proxy sends on (``proxy.api.routes.POST_PATHS``) plus vLLM's probes (``/health``,
+``/version``, ``/v1/models``, ``/metrics``), answered in vLLM's shapes. It counts what it
+received, served and had hung up on. The answer builders (``chat_completion``, ``chat_chunk``,
+``models_list``) are also what ``benchmarks/nullserver.py`` writes on its raw wire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from aiohttp import web
+from multidict import CIMultiDictProxy
+
+from proxy.api.routes import POST_PATHS
+from proxy.bench.inproc import serve_app
+
+# The test's own answer to the n-th request (from 1): for byte-level faults no setting covers;
+# None: the configured answer.
+Script = Callable[[web.Request, int], Awaitable[web.StreamResponse | None]]
+
+
+@dataclass(frozen=True)
+class Received:
+    path: str
+    headers: CIMultiDictProxy[str]
+    body: dict[str, Any]
+
+
+def usage_of(prompt: int, completion: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def chat_completion(
+    model: str,
+    content: str,
+    usage: dict[str, int],
+    *,
+    finish_reason: str = "stop",
+    id_: str = "chatcmpl-fake",
+) -> bytes:
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": content},
+        "finish_reason": finish_reason,
+    }
+    body = {
+        "id": id_,
+        "object": "chat.completion",
+        "created": 1,
+        "model": model,
+        "choices": [choice],
+        "usage": usage,
+    }
+    return orjson.dumps(body)
+
+
+def chat_chunk(
+    model: str, choices: list[dict[str, Any]], *, id_: str = "chatcmpl-fake", **extra: Any
+) -> bytes:
+    """One SSE event of a streamed chat answer, as vLLM writes it."""
+    body = {
+        "id": id_,
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": model,
+        "choices": choices,
+        **extra,
+    }
+    return b"data: " + orjson.dumps(body) + b"\n\n"
+
+
+def models_list(model: str) -> bytes:
+    return orjson.dumps({"object": "list", "data": [{"id": model, "object": "model"}]})
+
+
+DONE = b"data: [DONE]\n\n"
+
+# The overhead benchmark's fixed answers (benchmarks/nullserver.py writes them on a raw wire,
+# benchmarks/overhead.py has nginx serve them as files): a stream of 60 token events.
+NULL_MODEL = "null-model"
+NULL_EVENTS = 60
+NULL_USAGE = usage_of(12, NULL_EVENTS)
+
+
+def null_stream_events() -> list[bytes]:
+    """The events of one streamed answer as vLLM writes them with include_usage: the role, the
+    content events, the finish, the usage chunk and [DONE]."""
+    delta = {"index": 0, "logprobs": None, "finish_reason": None}
+    events = [
+        chat_chunk(
+            NULL_MODEL,
+            [{**delta, "delta": {"role": "assistant", "content": ""}}],
+            id_="chatcmpl-null",
+        )
+    ]
+    events += [
+        chat_chunk(NULL_MODEL, [{**delta, "delta": {"content": f" t{i}"}}], id_="chatcmpl-null")
+        for i in range(NULL_EVENTS - 1)
+    ]
+    finish = {**delta, "delta": {"content": ""}, "finish_reason": "length"}
+    events.append(chat_chunk(NULL_MODEL, [finish], id_="chatcmpl-null"))
+    events.append(chat_chunk(NULL_MODEL, [], id_="chatcmpl-null", usage=NULL_USAGE))
+    events.append(DONE)
+    return events
+
+
+def null_completion() -> bytes:
+    return chat_completion(
+        NULL_MODEL, "null " * 16, NULL_USAGE, finish_reason="length", id_="chatcmpl-null"
+    )
+
+
+class FakeVLLM:
+    """A vLLM server whose answers a test sets.
+
+    ``status``: 200, or an error status answered with a vLLM-shaped error body (e.g. 503).
+    ``usage``: (prompt, completion) tokens it reports. ``delay_s`` before every answer, plus
+    ``delay_per_token_s`` times the request's ``max_tokens``. ``gate``: while cleared, requests
+    wait at the backend before any byte of the answer. ``hang``: every route (probes too)
+    accepts and never answers. ``die_after_events``: a generation streams that many events, then
+    the connection drops without ``[DONE]``. ``cut_responses_stream``: a Responses stream ends
+    before ``response.completed``. ``tokenize_status``: else ``/tokenize`` answers this status.
+    ``tokenize_gate``: set, ``/tokenize`` and ``/detokenize`` wait for it (a busy tokenizer;
+    ``tokenizing`` counts the waiting). ``script``: the test's own answer to every POST (None
+    from it: the configured answer). ``version_calls`` counts ``GET /version``.
+    Serve it with ``serve()``: a caller hanging up cancels its handler, counted in ``hung_up``.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: str = "tiny",
+        status: int = 200,
+        usage: tuple[int, int] = (7, 3),
+        delay_s: float = 0.0,
+        delay_per_token_s: float = 0.0,
+        hang: bool = False,
+        die_after_events: int | None = None,
+        cut_responses_stream: bool = False,
+        tokenize_status: int = 200,
+        tokenize_gate: asyncio.Event | None = None,
+        script: Script | None = None,
+        metrics_text: str = "",
+    ) -> None:
+        self.model = model
+        self.status = status
+        self.usage = usage
+        self.delay_s = delay_s
+        self.delay_per_token_s = delay_per_token_s
+        self.hang = hang
+        self.die_after_events = die_after_events
+        self.cut_responses_stream = cut_responses_stream
+        self.tokenize_status = tokenize_status
+        self.tokenize_gate = tokenize_gate
+        self.script = script
+        self.metrics_text = metrics_text
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.received: list[Received] = []
+        self.served = 0  # generations answered in full
+        self.served_by_user: dict[str, int] = {}  # by the body's "user" field
+        self.active = 0  # requests in a handler now
+        self.max_active = 0
+        self.hung_up = 0  # handlers cancelled (or reset) by the caller leaving
+        self.tokenizing = 0  # tokenizer calls waiting at ``tokenize_gate`` now
+        self.version_calls = 0
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        if self.hang:
+            app.router.add_route("*", "/{tail:.*}", self._hang)
+            return app
+        app.router.add_get("/health", self._empty)
+        app.router.add_get("/version", self._version)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/v1/models", self._models)
+        for path in POST_PATHS:
+            app.router.add_post(path, self._post)
+        return app
+
+    @contextlib.asynccontextmanager
+    async def serve(self) -> AsyncIterator[str]:
+        """Serve on a free loopback port; yields the base URL."""
+        async with serve_app(self.app(), handler_cancellation=True) as url:
+            yield url
+
+    def usage_body(self) -> dict[str, int]:
+        return usage_of(*self.usage)
+
+    async def _hang(self, request: web.Request) -> web.Response:
+        await asyncio.sleep(3600)  # accepts, reads nothing, never answers (cancelled on close)
+        return web.Response()
+
+    async def _empty(self, request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def _version(self, request: web.Request) -> web.Response:
+        self.version_calls += 1
+        return web.json_response({"version": "0.32.0"})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(text=self.metrics_text)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.Response(body=models_list(self.model), content_type="application/json")
+
+    async def _post(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        body: dict[str, Any] = orjson.loads(raw) if raw else {}
+        self.received.append(Received(request.path, request.headers, body))
+        n = len(self.received)
+        self.active += 1
+        self.max_active = max(self.max_active, self.active)
+        try:
+            await self.gate.wait()
+            scripted = await self.script(request, n) if self.script is not None else None
+            if scripted is not None:
+                return scripted
+            answer = await self._answer(request, body)
+            self.served += 1
+            user = str(body.get("user", ""))
+            self.served_by_user[user] = self.served_by_user.get(user, 0) + 1
+            return answer
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.hung_up += 1
+            raise
+        finally:
+            self.active -= 1
+
+    async def _answer(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        path = request.path
+        delay = self.delay_s + self.delay_per_token_s * float(body.get("max_tokens") or 0)
+        if delay:
+            await asyncio.sleep(delay)
+        if path in ("/tokenize", "/detokenize"):
+            if path == "/tokenize" and self.tokenize_status != 200:
+                return _error(self.tokenize_status, "BadRequestError")
+            if self.tokenize_gate is not None:
+                self.tokenizing += 1
+                try:
+                    await self.tokenize_gate.wait()
+                finally:
+                    self.tokenizing -= 1
+            return web.json_response({"count": 2, "tokens": [1, 2], "max_model_len": 2048})
+        if self.status != 200:
+            return _error(self.status, "server_error")
+        if self.die_after_events is not None and path in GENERATIONS:
+            return await self._die_mid_stream(request)
+        stream = body.get("stream") is True
+        if path == "/v1/responses":
+            return await (self._responses_stream(request) if stream else self._responses())
+        if path in GENERATIONS:
+            if stream:
+                return await self._generation_stream(request, body)
+            return web.Response(body=self._generation(path), content_type="application/json")
+        prompt, _ = self.usage  # pooling, scoring: no completion tokens
+        usage = {"prompt_tokens": prompt, "total_tokens": prompt, "completion_tokens": 0}
+        return web.json_response({"object": "list", "data": [], "usage": usage})
+
+    def _generation(self, path: str) -> bytes:
+        if path == "/v1/chat/completions":
+            return chat_completion(self.model, "ok", self.usage_body())
+        choice = {"index": 0, "text": "ok", "finish_reason": "stop"}
+        return orjson.dumps(
+            {
+                "id": "cmpl-fake",
+                "object": "text_completion",
+                "created": 1,
+                "model": self.model,
+                "choices": [choice],
+                "usage": self.usage_body(),
+            }
+        )
+
+    async def _generation_stream(
+        self, request: web.Request, body: dict[str, Any]
+    ) -> web.StreamResponse:
+        resp = await _sse(request)
+        if request.path == "/v1/chat/completions":
+            choice: dict[str, Any] = {"index": 0, "delta": {"content": "ok"}}
+        else:
+            choice = {"index": 0, "text": "ok"}
+        await resp.write(chat_chunk(self.model, [{**choice, "finish_reason": "stop"}]))
+        if (body.get("stream_options") or {}).get("include_usage"):  # as vLLM: only if asked
+            await resp.write(chat_chunk(self.model, [], usage=self.usage_body()))
+        await resp.write(DONE)
+        await resp.write_eof()
+        return resp
+
+    async def _die_mid_stream(self, request: web.Request) -> web.StreamResponse:
+        resp = await _sse(request)
+        for i in range(self.die_after_events or 0):
+            delta = {"index": 0, "delta": {"content": f"t{i}"}, "finish_reason": None}
+            await resp.write(chat_chunk(self.model, [delta]))
+            await asyncio.sleep(0.01)  # separate events on the wire
+        assert request.transport is not None
+        request.transport.abort()  # the connection drops without [DONE]
+        return resp
+
+    async def _responses(self) -> web.Response:
+        prompt, completion = self.usage
+        usage = {
+            "input_tokens": prompt,
+            "output_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+        return web.json_response({"object": "response", "usage": usage})
+
+    async def _responses_stream(self, request: web.Request) -> web.StreamResponse:
+        resp = await _sse(request)
+        created = {"type": "response.created", "response": {"status": "in_progress"}}
+        await resp.write(_event("response.created", created))
+        delta = {"type": "response.output_text.delta", "delta": "ok"}
+        await resp.write(_event("response.output_text.delta", delta))
+        if not self.cut_responses_stream:
+            prompt, completion = self.usage
+            usage = {
+                "input_tokens": prompt,
+                "output_tokens": completion,
+                "total_tokens": prompt + completion,
+            }
+            done = {"type": "response.completed", "response": {"usage": usage}}
+            await resp.write(_event("response.completed", done))
+        await resp.write_eof()
+        return resp
+
+
+GENERATIONS = ("/v1/chat/completions", "/v1/completions")
+
+
+def _error(status: int, kind: str) -> web.Response:
+    error = {"message": "scripted", "type": kind, "param": None, "code": status}
+    return web.json_response({"error": error}, status=status)
+
+
+async def _sse(request: web.Request) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    return resp
+
+
+def _event(kind: str, data: dict[str, Any]) -> bytes:
+    return f"event: {kind}\ndata: ".encode() + orjson.dumps(data) + b"\n\n"

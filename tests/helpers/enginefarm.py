@@ -1,0 +1,191 @@
+"""Real vLLM servers for the suite, one per setting, started ahead of the tests that use them.
+
+The farm follows the run's plan (each test's settings, in run order: tests/helpers/engineplan.py).
+Before each test it stops the engines no later test uses, and, while the test about to run
+needs no engine, starts the next settings the plan needs (at most ``capacity`` live, and only
+with memory for one more): their ~25 s starts overlap tests that need none. Before a test that
+uses engines, what it needs starts (all at once) and every start under way is waited for, so
+that no engine starts beside the engines a test measures. Each start is recorded: its
+setting, whether it started ahead, seconds from start to ready, seconds a test waited for it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence, Set
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from proxy.ops.engine import EngineProcess, EngineSpec, http_ok
+
+if TYPE_CHECKING:  # the settings import the proxy's app: only the engine tests need it loaded
+    from tests.helpers.engines import EngineSetting
+
+ENGINE_GIB = 3.0  # one CPU engine with the tiny model and its 1 GiB KV cache, measured ~3 GB
+MEMORY_MARGIN_GIB = 1.0
+
+
+@dataclass
+class Start:
+    setting: str
+    ahead: bool  # started before a test asked for it
+    started_at: float
+    ready_s: float | None = None  # start to ready (seen ready: to the nearest test boundary)
+    waited_s: float = 0.0  # time tests spent blocked on it
+
+
+def available_gib() -> float:
+    """MemAvailable of the machine (infinite where /proc/meminfo is missing)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / (1024 * 1024)
+    except OSError:
+        pass
+    return float("inf")
+
+
+class EngineFarm:
+    """Starts, shares and stops real vLLM servers keyed by their setting."""
+
+    def __init__(
+        self,
+        log_dir: Path,
+        model_dir: Callable[[], Path],
+        capacity: int,
+        memory_gib: Callable[[], float] = available_gib,
+        launch: Callable[[EngineSpec, Path], EngineProcess] = EngineProcess,
+    ) -> None:
+        self.log_dir = log_dir
+        self.model_dir = model_dir
+        self.capacity = capacity
+        self.memory_gib = memory_gib
+        self.launch = launch
+        self.live: OrderedDict[EngineSetting, EngineProcess] = OrderedDict()
+        self.pending: dict[EngineSetting, Start] = {}  # started, not yet seen ready
+        self.starts: list[Start] = []
+        self.used_by_current_test: list[EngineProcess] = []
+        self.plan: Sequence[frozenset[EngineSetting]] = ()
+        self.later: list[frozenset[EngineSetting]] = []  # later[i]: used by plan[i:]
+        self.position: int | None = None
+
+    def follow(self, plan: Sequence[frozenset[EngineSetting]]) -> None:
+        self.plan = plan
+        self.later = [frozenset()] * (len(plan) + 1)
+        for i in range(len(plan) - 1, -1, -1):
+            self.later[i] = self.later[i + 1] | plan[i]
+
+    def advance(self, position: int) -> None:
+        """Before the test at ``position`` of the plan: stop what no later test uses; start
+        ahead what is coming while this test needs no engine."""
+        self.position = position
+        for setting in [s for s in self.live if s not in self.later[position]]:
+            self._stop(setting)
+        self._note_ready()
+        if self.plan[position]:
+            # What this test needs and is not live starts now, all at once; then every start
+            # still under way is waited for: a start shares the engine cores with the engines
+            # this test measures (a plugin test lost its tokens to one).
+            for setting in sorted(self.plan[position] - self.live.keys(), key=lambda s: s.name):
+                self._make_room(self.plan[position])
+                self._start(setting, ahead=False)
+            for setting in list(self.pending):
+                self._wait_ready(setting)
+            return
+        for setting in self._coming(position):
+            if len(self.live) >= self.capacity:
+                break
+            if self.memory_gib() < ENGINE_GIB + MEMORY_MARGIN_GIB:
+                break
+            self._start(setting, ahead=True)
+
+    def get(self, setting: EngineSetting) -> EngineProcess:
+        """The live engine of ``setting``, started (and waited for) if need be."""
+        if self.position is not None and setting not in self.plan[self.position]:
+            raise RuntimeError(
+                f"engine {setting.name!r} is not declared: add it to the test module's "
+                "pytest.mark.engines(...) so that the run is planned around it"
+            )
+        engine = self.live.get(setting)
+        if engine is not None and not engine.alive():
+            self._stop(setting)
+            engine = None
+        if engine is None:
+            self._make_room(self.plan[self.position] if self.position is not None else {setting})
+            engine = self._start(setting, ahead=False)
+        self._wait_ready(setting)
+        self.live.move_to_end(setting)
+        self.used_by_current_test.append(engine)
+        return engine
+
+    def stop_all(self) -> None:
+        for setting in list(self.live):
+            self._stop(setting)
+
+    def summary(self) -> str:
+        waited = sum(s.waited_s for s in self.starts)
+        ahead = sum(s.ahead for s in self.starts)
+        return (
+            f"vLLM engine starts: {len(self.starts)} ({ahead} ahead of their tests); "
+            f"tests waited {waited:.0f} s for engines"
+        )
+
+    def report(self) -> str:
+        lines = ["setting\tahead\tready_s\twaited_s"]
+        for s in self.starts:
+            ready = f"{s.ready_s:.1f}" if s.ready_s is not None else "-"
+            lines.append(f"{s.setting}\t{s.ahead}\t{ready}\t{s.waited_s:.1f}")
+        return "\n".join([*lines, self.summary(), ""])
+
+    def _coming(self, position: int) -> list[EngineSetting]:
+        """Settings not live, in the order the plan first needs them from ``position``."""
+        wanted = self.later[position] - self.live.keys()
+        seen: dict[EngineSetting, None] = {}
+        for need in self.plan[position:]:
+            for setting in sorted(need & wanted, key=lambda s: s.name):
+                seen.setdefault(setting, None)
+            if len(seen) == len(wanted):
+                break
+        return list(seen)
+
+    def _make_room(self, keep: Set[EngineSetting]) -> None:
+        """Stop the least recently used engines outside ``keep`` while at the capacity."""
+        while len(self.live) >= self.capacity:
+            spare = next((s for s in self.live if s not in keep), None)
+            if spare is None:
+                return
+            self._stop(spare)
+
+    def _start(self, setting: EngineSetting, *, ahead: bool) -> EngineProcess:
+        spec = setting.spec(self.model_dir(), len(self.starts))
+        log = self.log_dir / f"vllm-{setting.name}-{spec.port}.log"
+        # Started from this (main) thread: the engine dies with the thread that started it.
+        engine = self.launch(spec, log).start()
+        self.live[setting] = engine
+        record = Start(setting.name, ahead, time.monotonic())
+        self.starts.append(record)
+        self.pending[setting] = record
+        return engine
+
+    def _wait_ready(self, setting: EngineSetting) -> None:
+        record = self.pending.pop(setting, None)
+        if record is not None:
+            t0 = time.monotonic()
+            self.live[setting].wait_ready()
+            now = time.monotonic()
+            record.waited_s += now - t0
+            record.ready_s = now - record.started_at
+
+    def _note_ready(self) -> None:
+        for setting, record in list(self.pending.items()):
+            if http_ok(f"{self.live[setting].spec.url}/v1/models", timeout_s=1.0):
+                record.ready_s = time.monotonic() - record.started_at
+                del self.pending[setting]
+
+    def _stop(self, setting: EngineSetting) -> None:
+        engine = self.live.pop(setting)
+        self.pending.pop(setting, None)
+        engine.stop()

@@ -1,0 +1,77 @@
+"""The vLLM engine settings the suite runs, by name, and the one place that builds their spec.
+
+A test module says which engines it uses with ``pytest.mark.engines(CORE, ...)``; the farm
+(tests/helpers/enginefarm.py) starts each setting once, and the collection is ordered
+(tests/helpers/engineplan.py) so that the tests sharing an engine run together and engines start while
+tests that need none run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from proxy.bench.plugin.requests import ENGINE_ARGS as PLUGIN_BENCH_ARGS
+from proxy.ops.engine import (
+    POOLING_ARGS,
+    TINY_SERVED_NAME,
+    EngineSpec,
+    local_engine,
+)
+from proxy.ticket import DEFAULT_SECRET_ENV
+from proxy.vllm_plugin.settings import ENV_REQUIRE_TICKET
+from tests.helpers.proxyrun import SECRET
+
+PLUGIN_SECRET = "plugin-test-secret-of-at-least-32-bytes"
+
+
+@dataclass(frozen=True)
+class EngineSetting:
+    """How one test engine is started; equal settings are one engine."""
+
+    name: str
+    max_num_seqs: int = 4
+    plugin: bool = False
+    extra_args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+
+    @staticmethod
+    def environ(values: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+        return tuple(sorted(values.items()))
+
+    def spec(self, model: Path, index: int) -> EngineSpec:
+        """The index-th engine the session starts, on a free port, confined to the engine
+        cores (off the last one, where this process runs the proxy: see DESIGN.md)."""
+        return local_engine(
+            model=str(model),
+            served_name=TINY_SERVED_NAME,
+            index=index,
+            max_num_seqs=self.max_num_seqs,
+            plugin=self.plugin,
+            extra_args=self.extra_args,
+            env=dict(self.env),
+        )
+
+
+# The generative engine most tests share (--max-num-seqs 4, the default context).
+CORE = EngineSetting("core")
+# A second engine like CORE, for the tests that meter over two backends.
+PAIR_B = EngineSetting("pair-b")
+# CORE with a 16k context: the proxy-core tests hold requests of 16,000 tokens.
+LONG_CONTEXT = EngineSetting("proxy-core", extra_args=("--max-model-len", "16384"))
+# The tiny model served for pooling, no plugin: compared directly with the proxy.
+EMBED = EngineSetting("compat-embed", extra_args=POOLING_ARGS)
+# The pooling engine with the plugin requiring a ticket on every route.
+POOLING_TICKETED = EngineSetting(
+    "pooling",
+    plugin=True,
+    extra_args=POOLING_ARGS,
+    env=EngineSetting.environ({DEFAULT_SECRET_ENV: SECRET.decode(), ENV_REQUIRE_TICKET: "1"}),
+)
+# Stock vLLM and the plugin, with the same flags, for the plugin's A/B tests.
+_PLUGIN_ENV = EngineSetting.environ(
+    {"TIERPROXY_TICKET_SECRET": PLUGIN_SECRET, "TIERPROXY_PLUGIN_STATS_INTERVAL_S": "1"}
+)
+PLUGIN_STOCK = EngineSetting("plugin-stock", extra_args=PLUGIN_BENCH_ARGS, env=_PLUGIN_ENV)
+PLUGIN_ON = EngineSetting("plugin-on", plugin=True, extra_args=PLUGIN_BENCH_ARGS, env=_PLUGIN_ENV)

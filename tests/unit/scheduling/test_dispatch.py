@@ -1,0 +1,104 @@
+"""The dispatcher's mechanism on a fake clock: no sockets, no sleeps."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from proxy.config.backends import Backend, BackendHealth
+from proxy.policies.backends import LeastUtilised
+from proxy.policies.types import QueuedRequest, TierLimits
+from proxy.scheduling.build import default_queue_policies
+from proxy.scheduling.dispatch import Dispatcher, Lease, QueueTimeoutError
+from proxy.scheduling.pool import BackendPool
+from proxy.scheduling.queue import AdmissionQueue, QueueFull
+from proxy.telemetry.metrics import ProxyMetrics
+from tests.helpers.clock import FakeClock
+
+
+def _dispatcher(slots: int, cap: int, clock: FakeClock) -> Dispatcher:
+    queue = AdmissionQueue(
+        {"low": TierLimits(1, cap, 5.0), "high": TierLimits(10, cap, 5.0)},
+        default_queue_policies(aging_s=30, reference_tokens=8192),
+    )
+    pool = BackendPool(
+        [Backend(url="http://b:1", max_inflight=slots)], BackendHealth(), LeastUtilised()
+    )
+    return Dispatcher(queue, pool, ProxyMetrics(), clock)
+
+
+def _req(tier: str, clock: FakeClock) -> QueuedRequest:
+    return QueuedRequest(
+        tier=tier, tenant="t", prompt_tokens=5, expected_output=5, arrival_s=clock()
+    )
+
+
+async def test_burst_uses_the_free_slot_before_counting_against_the_cap() -> None:
+    clock = FakeClock()
+    d = _dispatcher(slots=1, cap=3, clock=clock)
+    waiters = [d.enqueue(_req("low", clock)) for _ in range(4)]  # one runs, three wait
+    assert waiters[0].done() and not any(w.done() for w in waiters[1:])
+    with pytest.raises(QueueFull):
+        d.enqueue(_req("low", clock))
+    # Releasing the slot hands it on at once, to the next by policy.
+    high = d.enqueue(_req("high", clock), force=True)
+    waiters[0].result().release()
+    assert high.done() and not waiters[1].done()
+
+
+async def test_expired_waiters_get_queue_timeout_and_leave_nothing() -> None:
+    clock = FakeClock()
+    d = _dispatcher(slots=1, cap=10, clock=clock)
+    running = d.enqueue(_req("low", clock))
+    waiting = d.enqueue(_req("low", clock))
+    clock.now += 5.0
+    d.dispatch_ready()
+    with pytest.raises(QueueTimeoutError):
+        waiting.result()
+    assert len(d.queue) == 0
+    running.result().release()
+    assert d.pool.all()[0].inflight == 0
+
+
+async def test_withdraw_queued_or_already_dispatched() -> None:
+    clock = FakeClock()
+    d = _dispatcher(slots=1, cap=10, clock=clock)
+    first, second = _req("low", clock), _req("low", clock)
+    w1 = d.enqueue(first)
+    d.enqueue(second)
+    d.withdraw(second)  # client left while queued
+    assert len(d.queue) == 0
+    d.withdraw(first)  # client left right after dispatch: its slot comes back
+    assert isinstance(w1.result(), Lease) and w1.result().released
+    assert d.pool.all()[0].inflight == 0
+
+
+async def test_dispatcher_task_wakes_for_deadlines_and_stops_cleanly() -> None:
+    clock = FakeClock()
+    d = _dispatcher(slots=1, cap=10, clock=clock)
+    d.start()
+    d.enqueue(_req("low", clock))
+    waiting = d.enqueue(_req("low", clock))
+    clock.now += 10
+    d.kick()
+    with pytest.raises(QueueTimeoutError):
+        await asyncio.wait_for(waiting, 1.0)
+    await d.stop()
+
+
+async def test_a_displaced_waiter_gets_queue_full_and_its_slot_goes_to_the_newcomer() -> None:
+    clock = FakeClock()
+    d = _dispatcher(slots=1, cap=2, clock=clock)
+    running = d.enqueue(_req("low", clock))
+    flood = [d.enqueue(_req("low", clock)) for _ in range(2)]
+    other = _req("low", clock)
+    other.tenant = "other"
+    mine = d.enqueue(other)
+    with pytest.raises(QueueFull) as exc:
+        flood[-1].result()
+    assert exc.value.displaced and not flood[0].done() and not mine.done()
+    running.result().release()
+    running2 = flood[0] if flood[0].done() else mine
+    running2.result().release()
+    assert flood[0].done() and mine.done() and len(d.queue) == 0

@@ -1,0 +1,71 @@
+"""The Grafana dashboard in the repo: provisioned by docker-compose next to Prometheus, and
+every proxy metric a panel queries is on a live proxy's /metrics (vLLM's names are checked
+against a real vLLM in tests/integration/test_live_view.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from aiohttp.test_utils import TestClient, TestServer
+
+from proxy.bench.fake_vllm import FakeVLLM
+from proxy.config.loader import parse_config
+from proxy.server.app import create_app
+from tests.helpers.clock import FakeClock
+from tests.helpers.dashboard import exposed_names, panels, queried_names
+from tests.helpers.paths import REPO
+from tests.helpers.proxyrun import SECRET, make_config
+
+
+async def test_every_proxy_metric_a_panel_queries_is_on_metrics(
+    clock: FakeClock, tmp_path: Path
+) -> None:
+    async with FakeVLLM().serve() as url:
+        config = make_config([{"url": url}], usage_log={"path": str(tmp_path / "u.jsonl")})
+        app = create_app(parse_config(yaml.safe_dump(config)), secret=SECRET, clock=clock)
+        async with TestClient(TestServer(app)) as client, client.get("/metrics") as resp:
+            exposed = exposed_names(await resp.text())
+    wanted = {n for n in queried_names() if n.startswith("tierproxy_")}
+    assert len(wanted) >= 14
+    assert wanted <= exposed, f"not on /metrics: {sorted(wanted - exposed)}"
+    assert {n for n in queried_names() if n.startswith("vllm:")}  # checked live elsewhere
+
+
+def test_panels_cover_tiers_tenants_backends_and_vllm() -> None:
+    exprs = " ".join(t["expr"] for p in panels() for t in p["targets"])
+    for needed in (
+        "tierproxy_time_to_first_token_seconds_bucket",
+        "tierproxy_queue_wait_seconds_bucket",
+        "tierproxy_queue_depth",
+        'tierproxy_requests_total{outcome!="ok"}',
+        "tierproxy_usage_tokens_total",
+        "tierproxy_rate_limited_total",
+        "tierproxy_backend_free_slots",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+    ):
+        assert needed in exprs
+    ids = [p["id"] for p in panels()]
+    assert len(ids) == len(set(ids))
+
+
+def test_compose_provisions_grafana_with_the_dashboard() -> None:
+    services: dict[str, Any] = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]
+    grafana = services["grafana"]
+    assert "prometheus" in grafana["depends_on"]
+    mounts = {}
+    for volume in grafana["volumes"]:
+        source, target, _mode = volume.split(":")
+        mounts[target] = source
+    provisioning = REPO / mounts["/etc/grafana/provisioning"]
+    dashboards_dir = mounts["/var/lib/grafana/dashboards"]
+    assert (REPO / dashboards_dir / "tierproxy.json").exists()
+    provider = yaml.safe_load((provisioning / "dashboards" / "tierproxy.yml").read_text())
+    assert provider["providers"][0]["options"]["path"] == "/var/lib/grafana/dashboards"
+    source = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())
+    (ds,) = source["datasources"]
+    assert ds["url"] == "http://prometheus:9090" and "prometheus" in services
+    assert {t["datasource"]["uid"] for p in panels() for t in p["targets"]} == {ds["uid"]}
