@@ -266,9 +266,9 @@ async def test_a_large_answer_whose_usage_comes_first_is_billed(
         await resp.write_eof()
         return resp
 
-    backend = FaultyBackend(answer)
+    backend = FakeVLLM(script=answer)
     bounds = {"buffer_response_bytes": 1_000, "max_response_bytes": 1_000_000}
-    async with backend.serve() as url, rig(config_for(url, **bounds), clock) as r:
+    async with backend.serve() as url, rig(relay_config(url, **bounds), clock) as r:
         resp = await r.client.post("/v1/chat/completions", json=BODY, headers=auth("normal"))
         assert resp.status == 200 and await resp.read() == body
         for kind, count in (("prompt", USAGE["prompt_tokens"]), ("completion", 3)):

@@ -3,15 +3,13 @@ each killed at teardown."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.adversarial.served.served import NullBackend, ServedProxy, served_config
-
-StartServed = Callable[..., ServedProxy]
+from tests.adversarial.served.served import NullBackend, ServedProxy, StartServed, served_config
 
 
 @pytest.fixture(scope="module")

@@ -204,3 +204,7 @@ class ServedProxy:
 
 def auth_header(tier: str) -> str:
     return f"Bearer {KEYS[tier]}"
+
+
+# The ``start_served`` fixture: a served proxy in front of the module's backend.
+StartServed = Callable[..., ServedProxy]

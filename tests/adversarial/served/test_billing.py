@@ -18,10 +18,9 @@ import pytest
 from aiohttp import web
 
 from proxy.config.tenants import hash_key
-from tests.adversarial.served.conftest import StartServed
 from tests.adversarial.served.kit import RawClient, exchange, json_request
-from tests.adversarial.served.served import ThreadedUpstream
-from tests.proxyrun import KEYS
+from tests.adversarial.served.served import StartServed, ThreadedUpstream
+from tests.helpers.proxyrun import KEYS
 
 TOKEN = b'"content":"tok "'
 USAGE = {"prompt_tokens": 10, "completion_tokens": 1500, "total_tokens": 1510}

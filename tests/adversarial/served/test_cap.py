@@ -11,7 +11,6 @@ import time
 
 import orjson
 
-from tests.adversarial.served.conftest import StartServed
 from tests.adversarial.served.kit import (
     ClosedEarly,
     Crowd,
@@ -21,7 +20,7 @@ from tests.adversarial.served.kit import (
     is_openai_error,
     request_bytes,
 )
-from tests.adversarial.served.served import ADMIN_KEY, NullBackend, ServedProxy
+from tests.adversarial.served.served import ADMIN_KEY, NullBackend, ServedProxy, StartServed
 
 CAP = 20
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}

@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import socket
 
-from tests.adversarial.served.conftest import StartServed
 from tests.adversarial.served.kit import (
     MSS,
     RawClient,
@@ -16,7 +15,7 @@ from tests.adversarial.served.kit import (
     json_request,
     request_bytes,
 )
-from tests.adversarial.served.served import ServedProxy, auth_header
+from tests.adversarial.served.served import ServedProxy, StartServed, auth_header
 
 
 async def test_a_realistic_client_gets_a_whole_answer(served: ServedProxy) -> None:

@@ -25,7 +25,6 @@ from proxy.bench.fake_vllm import FakeVLLM
 from proxy.config.tenants import hash_key
 from proxy.relay.budget import held_estimate
 from proxy.ticket import DEFAULT_SECRET_ENV
-from tests.adversarial.served.conftest import StartServed
 from tests.adversarial.served.kit import (
     RawClient,
     exchange,
@@ -33,7 +32,12 @@ from tests.adversarial.served.kit import (
     non_reader,
     request_bytes,
 )
-from tests.adversarial.served.served import ServedProxy, ThreadedUpstream, served_config
+from tests.adversarial.served.served import (
+    ServedProxy,
+    StartServed,
+    ThreadedUpstream,
+    served_config,
+)
 from tests.helpers.proxyrun import KEYS, SECRET
 
 BIG_ANSWER_BYTES = 900 * 1024  # held whole; loopback alone would swallow it

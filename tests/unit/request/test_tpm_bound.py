@@ -8,13 +8,13 @@ from __future__ import annotations
 import orjson
 import pytest
 
+from proxy.bench.fake_vllm import FakeVLLM
 from proxy.config.scheduling import Limits, Scheduling
 from proxy.config.tenants import Tier
 from proxy.request.inbound import parse_body
-from tests.clock import FakeClock
-from tests.fakes import ScriptedBackend, serve_scripted
-from tests.proxyrun import auth, make_config
-from tests.unit.test_pipeline import BODY, error_of, rig, tenants
+from tests.helpers.clock import FakeClock
+from tests.helpers.proxyrun import auth, make_config
+from tests.helpers.rig import BODY, error_of, rig, tenants
 
 TIER = Tier(priority=0, weight=1, max_queue=10, queue_timeout_s=10, request_timeout_s=60)
 LIMITS = Limits(max_tokens_ceiling=100_000)
@@ -49,8 +49,8 @@ def test_chat_documents_and_template_kwargs_count_as_prompt() -> None:
 async def test_a_request_over_the_whole_bucket_is_refused_for_good(clock: FakeClock) -> None:
     # Before: the bucket was full, so the request passed (a prompt list of 200 at max_tokens
     # 2048 ran 68 times the minute's limit; here four choices of 2000 tokens, 8000 > 6000).
-    backend = ScriptedBackend()
-    async with serve_scripted(backend) as url:
+    backend = FakeVLLM()
+    async with backend.serve() as url:
         config = make_config([{"url": url}], tenants=tenants(tokens_per_minute=6000))
         async with rig(config, clock) as r:
             resp = await r.client.post(

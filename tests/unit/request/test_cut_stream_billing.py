@@ -23,9 +23,9 @@ from proxy.policies.cost import weighted_tokens
 from proxy.policies.tenants import VirtualTokenCounter
 from proxy.relay.delivered import Delivered
 from proxy.server.state import ProxyState
-from tests.clock import FakeClock
-from tests.proxyrun import SECRET, auth, make_config, until
-from tests.unit.test_pipeline import tenants
+from tests.helpers.clock import FakeClock
+from tests.helpers.proxyrun import SECRET, auth, make_config, until
+from tests.helpers.rig import tenants
 
 TOKENS = 40  # content chunks the backend streams before it hangs or breaks
 TPM = 100_000
