@@ -233,6 +233,14 @@ def too_deep(limit: int) -> ProxyError:
     )
 
 
+def too_many_elements(what: str, limit: int, knob: str) -> ProxyError:
+    return ProxyError(
+        400,
+        f"The body holds more than {limit} {what} (input.{knob}).",
+        code="json_too_many_elements",
+    )
+
+
 def body_timeout(limit_s: float) -> ProxyError:
     return ProxyError(
         408,

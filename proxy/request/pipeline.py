@@ -194,12 +194,16 @@ class RequestPipeline:
             config.tiers[tenant.tier],
             config.limits,
             config.scheduling,
-            max_depth=config.input.max_json_depth,
             path=request.path,
             token_limit=tenant.tokens_per_minute,
+            inputs=config.input,
         )
         if not self.pool.model_known(parsed.model):
             raise model_not_found(parsed.model, sorted(self.pool.known_models()))
+        # What the parsed body measures replaces the estimate reserved while it was read: more
+        # for bodies of tiny containers (24x their bytes, not 6x), less for plain text.
+        if not held.resize(parsed.held_bytes):
+            raise memory_full()
         return Admitted(config, tenant, parsed, trace.request_id, trace.arrival, held=held)
 
     # -- tenant limits -------------------------------------------------------------------
