@@ -74,9 +74,11 @@ async def expect_reply(served: ServedProxy, key: str, length: int) -> str:
 
 async def test_expect_continue_only_after_the_key_and_the_size(served: ServedProxy) -> None:
     good = auth_header("high").removeprefix("Bearer ")
-    replies = await asyncio.gather(
-        expect_reply(served, "not-a-key", 1000),
-        expect_reply(served, good, 100_000_000),  # past max_body_bytes (8 MiB)
-        expect_reply(served, good, 1000),
+    replies = list(
+        await asyncio.gather(
+            expect_reply(served, "not-a-key", 1000),
+            expect_reply(served, good, 100_000_000),  # past max_body_bytes (8 MiB)
+            expect_reply(served, good, 1000),
+        )
     )
     assert replies == ["401 invalid_api_key", "413 request_too_large", "100"]
