@@ -123,12 +123,3 @@ def test_held_bytes_bounds_what_a_parsed_body_holds(name: str) -> None:
     # not ASCII, where a string's width is only known after parsing).
     slack = 7 if not raw.isascii() or b"\\u" in raw else 4
     assert estimate <= slack * held + 4096, f"{name}: {estimate / held:.1f}x what it holds"
-
-
-def test_upstream_asks_for_identity_answers() -> None:
-    """#12: answers are relayed undecoded, so the backend is asked for them plain."""
-    import inspect
-
-    from proxy.request import upstream
-
-    assert 'headers["Accept-Encoding"] = "identity"' in inspect.getsource(upstream.upstream_call)
