@@ -44,16 +44,6 @@ class Reservation:
         self.amount += extra
         return True
 
-    def resize(self, amount: int) -> bool:
-        """Hold ``amount`` instead (a parsed body's measured size replacing the estimate made
-        while it was read): less always fits; more as ``grow`` allows."""
-        budget = self._budget
-        if budget is None or amount > self.amount:
-            return self.grow(amount - self.amount)
-        budget.held -= self.amount - amount
-        self.amount = amount
-        return True
-
     def release(self) -> None:
         budget, self._budget = self._budget, None
         if budget is not None:

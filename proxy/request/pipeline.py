@@ -200,9 +200,9 @@ class RequestPipeline:
         )
         if not self.pool.model_known(parsed.model):
             raise model_not_found(parsed.model, sorted(self.pool.known_models()))
-        # What the parsed body measures replaces the estimate reserved while it was read: more
-        # for bodies of tiny containers (24x their bytes, not 6x), less for plain text.
-        if not held.resize(parsed.held_bytes):
+        # The estimate reserved while the body was read (6x its bytes) grows to what the parsed
+        # body measures where that is more: tiny containers hold up to 24x their bytes.
+        if not held.grow(parsed.held_bytes - held.amount):
             raise memory_full()
         return Admitted(config, tenant, parsed, trace.request_id, trace.arrival, held=held)
 

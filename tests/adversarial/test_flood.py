@@ -9,7 +9,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from proxy.request.jsonshape import measure
+from proxy.relay.budget import held_estimate
 from proxy.server.state import ProxyState
 from tests.adversarial.answers import assert_openai_error, read_answer
 from tests.fakes import ScriptedBackend, serve_scripted
@@ -31,8 +31,7 @@ def maximal_body() -> bytes:
 
 async def test_a_flood_of_maximal_bodies_is_refused_past_the_budget_then_all_is_released() -> None:
     body = maximal_body()
-    shape = measure(orjson.loads(body), max_depth=64, max_elements=100, max_containers=100)
-    budget = ADMITTED * shape.held_bytes(body)  # what each parsed body reserves
+    budget = ADMITTED * held_estimate(MAX_BODY)
     backend = ScriptedBackend()
     backend.gate.clear()  # the admitted requests wait at the backend, holding their bodies
     peak = 0
