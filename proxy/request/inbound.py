@@ -28,7 +28,13 @@ from proxy.config.server import InputLimits
 from proxy.config.tenants import Tenant, Tier
 from proxy.request.body import read_body
 from proxy.request.costs import INPUT_CHARS, lax_bool, lax_int, text_chars
-from proxy.request.jsonshape import JsonShape, TooDeep, TooManyElements, measure
+from proxy.request.jsonshape import (
+    JsonShape,
+    TooDeep,
+    TooManyElements,
+    measure,
+    nesting_exceeds,
+)
 
 __all__ = [
     "BODY_READ_TIMEOUT_S",
@@ -36,6 +42,7 @@ __all__ = [
     "ParsedRequest",
     "authenticate",
     "authenticate_admin",
+    "nesting_exceeds",
     "parse_body",
     "read_body",
     "upstream_headers",
@@ -163,15 +170,6 @@ _SCHEMA_FIELDS = (
     "documents",
     "chat_template_kwargs",
 )
-
-
-def nesting_exceeds(value: object, limit: int) -> bool:
-    """Whether arrays and objects nest more than ``limit`` levels (``value`` itself is level 1)."""
-    try:
-        measure(value, max_depth=limit, max_elements=2**62, max_containers=2**62)
-    except TooDeep:
-        return True
-    return False
 
 
 def _validate_messages(messages: object) -> int:

@@ -111,3 +111,12 @@ def measure(value: Any, *, max_depth: int, max_elements: int, max_containers: in
         level = below
         depth += 1
     return JsonShape(elements, members, objects, arrays)
+
+
+def nesting_exceeds(value: object, limit: int) -> bool:
+    """Whether arrays and objects nest more than ``limit`` levels (``value`` itself is level 1)."""
+    try:
+        measure(value, max_depth=limit, max_elements=2**62, max_containers=2**62)
+    except TooDeep:
+        return True
+    return False
