@@ -233,6 +233,14 @@ def too_deep(limit: int) -> ProxyError:
     )
 
 
+def too_many_elements(what: str, limit: int, knob: str) -> ProxyError:
+    return ProxyError(
+        400,
+        f"The body holds more than {limit} {what} (input.{knob}).",
+        code="json_too_many_elements",
+    )
+
+
 def body_timeout(limit_s: float) -> ProxyError:
     return ProxyError(
         408,
@@ -279,10 +287,13 @@ def internal_error() -> ProxyError:
 
 
 def upstream_too_large(limit: int) -> ProxyError:
-    """The backend's answer (or one event of its stream) passed the proxy's bound."""
+    """The backend's answer (or one event of its stream) passed the proxy's bound: what the
+    request asked for (echo with logprobs, prompt_logprobs ...) is too large to relay."""
     return ProxyError(
         502,
-        f"The backend's answer passed the proxy's limit of {limit} bytes.",
+        f"The answer to this request passed the proxy's limit of {limit} bytes (for one"
+        " event of a stream, or a whole answer); ask for less (echo, logprobs,"
+        " prompt_logprobs, n) or ask the operator to raise the relay's bounds.",
         type="server_error",
         code="upstream_too_large",
     )

@@ -29,9 +29,11 @@ class Limits(Strict):
         1024 * 1024 * 1024,
         gt=0,
         description="Memory the proxy may hold for accepted requests not yet sent (their"
-        " bodies, estimated as 6x their bytes and reserved before they are read, and buffered"
-        " answers until sent: proxy/relay/budget.py); over it, new requests get 503 at once."
-        " null: no bound. With `serve --workers N`: the total, divided among the workers.",
+        " bodies, reserved before they are read at 6x their bytes, grown to what the parsed body"
+        " measures where that is more: its text plus a cost per value, object and array,"
+        " proxy/request/jsonshape.py; and buffered answers until sent: proxy/relay/budget.py);"
+        " over it, new requests get 503"
+        " at once. null: no bound. With `serve --workers N`: the total, divided among the workers.",
     )
 
 

@@ -128,6 +128,23 @@ class InputLimits(Strict):
         description="Deepest nesting of arrays and objects in a body (the body itself is depth"
         " 1); deeper bodies get 400 at parse time.",
     )
+    # Every value parsed is walked in Python on the event loop (validation, the token estimate):
+    # ~0.2 µs a scalar, ~1 µs an object or array. Bodies of tiny containers ([{},{},...]: one per
+    # 3 bytes) froze the loop for seconds; these bound that work to ~0.35 s per body.
+    max_json_elements: int = Field(
+        1_048_576,
+        ge=1,
+        description="Most values (strings, numbers, arrays, objects ...) inside a body's arrays"
+        " and objects, at every level; past it 400 `json_too_many_elements` at parse time"
+        " (a prompt of a million token ids fits).",
+    )
+    max_json_containers: int = Field(
+        100_000,
+        ge=1,
+        description="Most arrays and objects in a body, at every level; past it 400"
+        " `json_too_many_elements` at parse time (10,000 chat messages with content parts"
+        " take ~50,000).",
+    )
     body_read_timeout_s: float = Field(
         30.0,
         gt=0,

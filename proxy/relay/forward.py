@@ -168,6 +168,14 @@ def _fault(err: ProxyError) -> RelayResult:
     return RelayResult(err.response(), Outcome.UPSTREAM_ERROR, err.status, backend_failed=True)
 
 
+def _too_large(limit: int) -> RelayResult:
+    """An answer past the relay's bounds before any byte reached the client: the request chose
+    its size (echo with logprobs, prompt_logprobs, n), so it is this request's 502, never a
+    failure of the backend (no ejection) and never retried on another one."""
+    err = upstream_too_large(limit)
+    return RelayResult(err.response(), Outcome.UPSTREAM_ERROR, err.status)
+
+
 def _outcome_of_status(status: int) -> Outcome:
     if status < 400:
         return Outcome.OK
@@ -192,7 +200,7 @@ async def _relay_whole(
 ) -> RelayResult:
     bounds = call.bounds
     if resp.content_length is not None and resp.content_length > bounds.max_response_bytes:
-        return _fault(upstream_too_large(bounds.max_response_bytes))
+        return _too_large(bounds.max_response_bytes)
     try:
         async with asyncio.timeout_at(call.deadline):
             body, whole = await _read_head(resp, bounds.buffer_response_bytes)
@@ -251,7 +259,7 @@ async def _stream_through(
     except (TimeoutError, EventTooLarge, *UPSTREAM_BROKE) as exc:
         timed_out = isinstance(exc, TimeoutError)
         result.outcome = Outcome.TIMEOUT if timed_out else Outcome.UPSTREAM_ERROR
-        result.backend_failed = not timed_out
+        result.backend_failed = not timed_out and not isinstance(exc, EventTooLarge)
         send.abort()
     if resp.status == 200:
         # The answer was generated whole before its first byte came: billed whatever became
@@ -305,7 +313,7 @@ async def _relay_stream(
     except TimeoutError:
         raise execution_timeout(call.timeout_s) from None
     except EventTooLarge as exc:
-        return _fault(upstream_too_large(exc.limit))  # it ran there; it would again
+        return _too_large(exc.limit)  # it ran there; it would again
     except UPSTREAM_BROKE as exc:
         raise UpstreamUnavailable("reset", str(exc)) from exc
 
@@ -340,8 +348,8 @@ async def _relay_stream(
     except TimeoutError:
         result.outcome = Outcome.TIMEOUT
         last = execution_timeout(call.timeout_s).sse_event()
-    except EventTooLarge as exc:
-        result.outcome, result.backend_failed = Outcome.UPSTREAM_ERROR, True
+    except EventTooLarge as exc:  # the request's doing, not the backend's (see _too_large)
+        result.outcome = Outcome.UPSTREAM_ERROR
         last = upstream_too_large(exc.limit).sse_event()
     except UPSTREAM_BROKE as exc:
         result.outcome, result.backend_failed = Outcome.UPSTREAM_ERROR, True

@@ -10,8 +10,10 @@ an error event, and, while the usage chunk is being stripped, a terminal chunk.
 vLLM stamps ``system_fingerprint`` on the terminal chunks (a ``finish_reason``) only without
 ``include_usage``; with it (the proxy always asks), the usage chunk carries it instead. So that
 the client's stream is what vLLM sends without ``include_usage``, the terminal chunks wait for
-the usage chunk and get its fingerprint (with ``n`` > 1, what follows the first terminal chunk
-waits with it; the stream's end releases them in any case).
+the usage chunk and get its fingerprint. Only they wait: with ``n`` > 1 the other choices'
+tokens pass as they come (each choice's own events stay in order: nothing of a choice follows
+its terminal chunk), and what waits is bounded (``MAX_HELD_BYTES``: past it the terminal chunks
+go on without the fingerprint). The stream's end releases them in any case.
 
 Events end at a blank line; lines end at ``\\n`` (as aiohttp's readline and ``proxy.relay.sse`` cut
 them). An event longer than ``max_event_bytes`` raises ``EventTooLarge``.
@@ -31,6 +33,8 @@ _USAGE_MARK = b'"choices":[]'
 _ERROR_MARK = b'"error"'
 _FINISH_MARK = b'"finish_reason":"'  # a terminal chunk: finish_reason is not null
 _FINGERPRINT = b'"system_fingerprint":'
+# Terminal chunks held for the fingerprint: n (at most 128) chunks of a few hundred bytes.
+MAX_HELD_BYTES = 64 * 1024
 
 
 def split_events(block: bytes) -> list[bytes]:
@@ -101,6 +105,7 @@ class SseRelay:
         self.usage: dict[str, Any] | None = None
         self._pending = b""  # the start of an unfinished event
         self._held: list[bytes] = []  # terminal chunks waiting for the usage chunk
+        self._held_bytes = 0
         self._too_large = False  # an event past the bound: raised once the rest is forwarded
 
     def feed(self, chunk: bytes) -> bytes:
@@ -129,7 +134,7 @@ class SseRelay:
             raise EventTooLarge(self.max_event_bytes)
         rest, self._pending = self._pending, b""
         out = self._inspect(rest + b"\n") if rest.strip() else b""
-        held, self._held = b"".join(self._held), []
+        held, self._held, self._held_bytes = b"".join(self._held), [], 0
         return held + out  # what was held came first
 
     def _inspect(self, block: bytes) -> bytes:
@@ -138,7 +143,6 @@ class SseRelay:
         slow = (
             _USAGE_MARK in block
             or _ERROR_MARK in block
-            or self._held
             or (self.strip_usage and _FINISH_MARK in block)
             or len(block) > self.max_event_bytes
         )
@@ -146,7 +150,7 @@ class SseRelay:
 
     def _by_event(self, block: bytes) -> bytes:
         out: list[bytes] = []
-        if not self._held and len(block) <= self.max_event_bytes:
+        if len(block) <= self.max_event_bytes:
             # The events before the first one that needs a look pass as they are.
             marks = [_USAGE_MARK, _ERROR_MARK, *([_FINISH_MARK] if self.strip_usage else [])]
             first = min((at for m in marks if (at := block.find(m)) >= 0), default=len(block))
@@ -167,15 +171,24 @@ class SseRelay:
                     continue
             elif is_error_event(event):
                 self.error_event = True
-            if self.strip_usage and (self._held or _FINISH_MARK in event):
-                self._held.append(event)
+            if self.strip_usage and _FINISH_MARK in event:
+                self._hold(event, out)
             else:
                 out.append(event)
         return b"".join(out)
+
+    def _hold(self, event: bytes, out: list[bytes]) -> None:
+        """Hold a terminal chunk for the usage chunk's fingerprint; past the bound, let
+        everything held go on as it is (the fingerprint is a nicety, memory is not)."""
+        self._held.append(event)
+        self._held_bytes += len(event)
+        if self._held_bytes > MAX_HELD_BYTES:
+            out.extend(self._held)
+            self._held, self._held_bytes = [], 0
 
     def _release(self, out: list[bytes], fingerprint: object) -> None:
         if isinstance(fingerprint, str):
             mark = orjson.dumps(fingerprint)
             self._held = [with_fingerprint(e, mark) if _FINISH_MARK in e else e for e in self._held]
         out.extend(self._held)
-        self._held = []
+        self._held, self._held_bytes = [], 0

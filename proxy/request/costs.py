@@ -25,14 +25,24 @@ def text_chars(value: object, *, keys: bool = False) -> int:
     """Characters of text in a prompt, message or schema, however nested (iteratively: a
     client's nesting never meets Python's recursion limit); ``keys`` counts object keys too."""
     chars = 0
-    stack = [value]
+    stack: list[Any] = [value]  # Any: narrowed by exact type() checks below
     while stack:
         item = stack.pop()
-        if isinstance(item, str):
+        kind = type(item)  # orjson makes exact types: no ABC or subclass checks needed
+        if kind is str:
             chars += len(item)
-        elif isinstance(item, list):
-            stack.extend(item)
-        elif isinstance(item, dict):
+        elif kind is list:
+            # Scalars counted here rather than pushed: a list of a million token ids is one
+            # loop, not a million trips through the stack.
+            for child in item:
+                sort = type(child)
+                if sort is str:
+                    chars += len(child)
+                elif sort is list or sort is dict:
+                    stack.append(child)
+                elif child is not None:
+                    chars += SCALAR_CHARS
+        elif kind is dict:
             for key, child in item.items():
                 if key in MEDIA_KEYS:
                     continue

@@ -14,13 +14,27 @@ from typing import Any
 import orjson
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from proxy.api.errors import admin_disabled, bad_request, too_deep, unauthorized
+from proxy.api.errors import (
+    admin_disabled,
+    bad_request,
+    too_deep,
+    too_many_elements,
+    unauthorized,
+)
 from proxy.api.routes import BY_ENDPOINT, Endpoint
 from proxy.config.scheduling import Limits, Scheduling
 from proxy.config.schema import LoadedConfig
+from proxy.config.server import InputLimits
 from proxy.config.tenants import Tenant, Tier
 from proxy.request.body import read_body
 from proxy.request.costs import INPUT_CHARS, lax_bool, lax_int, text_chars
+from proxy.request.jsonshape import (
+    JsonShape,
+    TooDeep,
+    TooManyElements,
+    measure,
+    nesting_exceeds,
+)
 
 __all__ = [
     "BODY_READ_TIMEOUT_S",
@@ -28,6 +42,7 @@ __all__ = [
     "ParsedRequest",
     "authenticate",
     "authenticate_admin",
+    "nesting_exceeds",
     "parse_body",
     "read_body",
     "upstream_headers",
@@ -132,6 +147,7 @@ class ParsedRequest:
     expected_output: int
     client_wants_usage: bool  # the client asked for the final usage chunk itself
     path: str = ""  # the route's path the client called (sent on unchanged); "" its first one
+    held_bytes: int = 0  # what the parsed body holds in memory (an upper bound)
 
     @property
     def upstream_path(self) -> str:
@@ -141,6 +157,8 @@ class ParsedRequest:
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
+
+_DEFAULT_INPUTS = InputLimits()
 
 # What a chat prompt holds besides its messages: the schemas the backend renders into it, and
 # what its chat template renders (vLLM's ``documents`` for RAG, ``chat_template_kwargs``).
@@ -152,22 +170,6 @@ _SCHEMA_FIELDS = (
     "documents",
     "chat_template_kwargs",
 )
-
-
-def nesting_exceeds(value: object, limit: int) -> bool:
-    """Whether arrays and objects nest more than ``limit`` levels (``value`` itself is level 1);
-    iterative, and it stops at the first container past the limit."""
-    stack: list[tuple[object, int]] = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if depth > limit:
-            return True
-        children = item.values() if isinstance(item, dict) else item
-        assert isinstance(children, Collection)
-        for child in children:
-            if isinstance(child, (dict, list)):
-                stack.append((child, depth + 1))
-    return False
 
 
 def _validate_messages(messages: object) -> int:
@@ -209,15 +211,20 @@ def parse_body(
     limits: Limits,
     scheduling: Scheduling,
     *,
-    max_depth: int = 64,
+    max_depth: int | None = None,
     path: str = "",
     token_limit: float | None = None,
+    inputs: InputLimits | None = None,
 ) -> ParsedRequest:
     """Validate a body and estimate its cost; 400 for what no backend could run. A ``null``
     top-level field counts as absent, as in OpenAI's API; numbers and booleans sent as strings
     are read as vLLM's pydantic models read them. ``token_limit``: the tenant's
-    tokens_per_minute, which also caps each sequence of a request that sets no max_tokens."""
-    body = _decode_object(raw, max_depth)
+    tokens_per_minute, which also caps each sequence of a request that sets no max_tokens.
+    ``inputs`` bounds the body's shape (``max_depth`` overrides its depth)."""
+    inputs = inputs or _DEFAULT_INPUTS
+    if max_depth is not None:
+        inputs = inputs.model_copy(update={"max_json_depth": max_depth})
+    body, shape = _decode_object(raw, inputs)
     route = BY_ENDPOINT[endpoint]
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -242,11 +249,15 @@ def parse_body(
         expected_output=expected,
         client_wants_usage=_ask_for_usage(body, endpoint, stream),
         path=path,
+        held_bytes=shape.held_bytes(raw),
     )
 
 
-def _decode_object(raw: bytes, max_depth: int) -> dict[str, Any]:
-    """The body as a JSON object, nested at most ``max_depth`` deep, its null fields dropped."""
+def _decode_object(raw: bytes, inputs: InputLimits) -> tuple[dict[str, Any], JsonShape]:
+    """The body as a JSON object, its null fields dropped, and its shape; 400 past the
+    input's bounds on nesting and on the number of values (checked in one pass, before any
+    other step walks the body)."""
+    max_depth = inputs.max_json_depth
     try:
         loaded = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -255,9 +266,19 @@ def _decode_object(raw: bytes, max_depth: int) -> dict[str, Any]:
         raise bad_request(f"The body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(loaded, dict):
         raise bad_request("The body must be a JSON object", code="invalid_json")
-    if nesting_exceeds(loaded, max_depth):
-        raise too_deep(max_depth)
-    return {k: v for k, v in loaded.items() if v is not None}
+    try:
+        shape = measure(
+            loaded,
+            max_depth=max_depth,
+            max_elements=inputs.max_json_elements,
+            max_containers=inputs.max_json_containers,
+        )
+    except TooDeep:
+        raise too_deep(max_depth) from None
+    except TooManyElements as exc:
+        knob = "max_json_elements" if exc.what == "values" else "max_json_containers"
+        raise too_many_elements(exc.what, exc.limit, knob) from None
+    return {k: v for k, v in loaded.items() if v is not None}, shape
 
 
 def _input_chars(body: dict[str, Any], endpoint: Endpoint) -> int:

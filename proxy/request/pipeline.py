@@ -194,12 +194,16 @@ class RequestPipeline:
             config.tiers[tenant.tier],
             config.limits,
             config.scheduling,
-            max_depth=config.input.max_json_depth,
             path=request.path,
             token_limit=tenant.tokens_per_minute,
+            inputs=config.input,
         )
         if not self.pool.model_known(parsed.model):
             raise model_not_found(parsed.model, sorted(self.pool.known_models()))
+        # The estimate reserved while the body was read (6x its bytes) grows to what the parsed
+        # body measures where that is more: tiny containers hold up to 24x their bytes.
+        if not held.grow(parsed.held_bytes - held.amount):
+            raise memory_full()
         return Admitted(config, tenant, parsed, trace.request_id, trace.arrival, held=held)
 
     # -- tenant limits -------------------------------------------------------------------

@@ -68,6 +68,7 @@ def upstream_call(
     )
     headers = upstream_headers(client_headers, forward=config.input.forward_headers)
     headers["Content-Type"] = "application/json"
+    headers["Accept-Encoding"] = "identity"  # relayed undecoded: never ask for gzip
     headers[REQUEST_ID_HEADER] = request_id
     headers[CONTENT_DIGEST_HEADER] = f"sha-256=:{digest}:"  # content_digest(), hashed once
     headers[TICKET_HEADER] = encode_ticket(ticket, secret)

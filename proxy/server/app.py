@@ -23,6 +23,7 @@ from proxy.config.schema import LoadedConfig
 from proxy.ops.reload import ConfigWatcher
 from proxy.ops.runtime import run, tune_gc, tune_logging
 from proxy.ops.worker_share import WorkerShare
+from proxy.request.expect import expect_checker
 from proxy.scheduling.monitor import BackendMonitor
 from proxy.server.admin import AdminEndpoints
 from proxy.server.endpoints import ServiceEndpoints
@@ -83,9 +84,10 @@ def create_app(
         )
     app.cleanup_ctx.append(_lifecycle)
     pipeline, service, admin = state.pipeline, ServiceEndpoints(state), AdminEndpoints(state)
+    expect = expect_checker(pipeline.config)  # key and size checked before 100 Continue
     for route in ROUTES:  # every vLLM route that runs the model, through the tiers
         for path in route.paths:
-            app.router.add_post(path, pipeline.handler(route))
+            app.router.add_post(path, pipeline.handler(route), expect_handler=expect)
             app.router.add_route("*", path, service.unsupported)  # 405 with Allow
     app.router.add_get("/v1/models", service.models)
     app.router.add_get("/health", service.health)
@@ -126,7 +128,10 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         # us (a request written into a connection the server is closing fails for nothing).
         connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0),
         read_bufsize=2**20,
+        # Answers are relayed as they come, never decoded: ask for them plain (aiohttp would
+        # offer gzip, and a gzip-ing front's bytes reached clients labelled application/json).
         auto_decompress=False,
+        headers={"Accept-Encoding": "identity"},
     )
     state.monitor = BackendMonitor(
         state.pool, state.session, state.metrics, state.dispatcher.kick, state.clock

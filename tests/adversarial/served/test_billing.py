@@ -2,8 +2,8 @@
 uvloop with aiohttp's C parser) and realistic clients from the kit (issue 22's fresh-eyes
 findings 4-6): a stream cut after reading almost all of it, a stream the tier's time limit cuts,
 a large answer whose usage vLLM writes before a client-sized tail, a prompt list far over the
-tenant's tokens_per_minute. The in-process twins: tests/unit/test_cut_stream_billing.py,
-tests/adversarial/test_relay_faults.py (usage first), tests/unit/test_tpm_bound.py."""
+tenant's tokens_per_minute. The in-process twins: tests/unit/request/test_cut_stream_billing.py,
+tests/adversarial/test_relay_faults.py (usage first), tests/unit/request/test_tpm_bound.py."""
 
 from __future__ import annotations
 

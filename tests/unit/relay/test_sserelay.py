@@ -65,3 +65,41 @@ def test_split_events_cuts_at_blank_lines_as_the_line_reader() -> None:
         b": ping\r\n\r\n",
         b"data: b\ndata: c\n\n",
     ]
+
+
+def _choice(index: int, finish: str | None = None, text: str = "a") -> bytes:
+    delta = {} if finish else {"content": text}
+    choice = {"index": index, "delta": delta, "finish_reason": finish}
+    return b"data: " + orjson.dumps({"choices": [choice]}) + b"\n\n"
+
+
+def test_n_choices_pass_as_they_come_only_terminal_chunks_wait() -> None:
+    """n > 1 without include_usage: once choice 0 finished, choice 1's tokens used to wait
+    (in memory, unbounded) for the usage chunk at the stream's end; the client saw nothing."""
+    relay = SseRelay(4096, strip_usage=True)
+    assert relay.feed(_choice(0) + _choice(1)) == _choice(0) + _choice(1)
+    assert relay.feed(_choice(0, "stop")) == b""  # waits for the fingerprint
+    for _ in range(100):
+        assert relay.feed(_choice(1)) == _choice(1)  # as it comes
+    assert relay.feed(_choice(1, "length")) == b""
+    end = relay.feed(USAGE + DONE) + relay.finish()
+    stamp = b',"system_fingerprint":"fp-1"}\n'
+    assert end == b"".join(
+        [
+            _choice(0, "stop").replace(b"}\n", stamp, 1),
+            _choice(1, "length").replace(b"}\n", stamp, 1),
+            DONE,
+        ]
+    )
+
+
+def test_what_waits_for_the_usage_chunk_is_bounded() -> None:
+    from proxy.relay.sserelay import MAX_HELD_BYTES
+
+    relay = SseRelay(1 << 20, strip_usage=True)
+    held_out = b""
+    fat = _choice(0, "stop").replace(b'"delta":{}', b'"delta":{"x":"' + b"y" * 10_000 + b'"}')
+    for _ in range(2 * MAX_HELD_BYTES // len(fat) + 2):
+        held_out += relay.feed(fat)
+    assert held_out  # past the bound the terminal chunks went on without the fingerprint
+    assert relay._held_bytes <= MAX_HELD_BYTES

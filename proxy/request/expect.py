@@ -1,0 +1,43 @@
+"""``Expect: 100-continue`` on the model routes: the key and the announced size are checked
+before the client is invited to send its body (aiohttp's default answers ``100 Continue`` to
+anyone, so an unauthenticated client, or one announcing 100 MB past ``limits.max_body_bytes``,
+was asked to upload what would be refused)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+from aiohttp.http import HttpVersion11
+
+from proxy.api.errors import ProxyError, too_large
+from proxy.config.schema import LoadedConfig
+from proxy.request.inbound import authenticate
+
+ExpectHandler = Callable[[web.Request], Awaitable[web.StreamResponse | None]]
+
+
+def expect_checker(config: Callable[[], LoadedConfig]) -> ExpectHandler:
+    """An aiohttp ``expect_handler``: 401 / 413 (OpenAI JSON, connection closed: the body was
+    never sent) instead of ``100 Continue``; 417 for an expectation other than 100-continue."""
+
+    async def expect(request: web.Request) -> web.StreamResponse | None:
+        if request.headers.get("Expect", "").lower() != "100-continue":
+            raise web.HTTPExpectationFailed(text=f"Unknown Expect: {request.headers['Expect']}")
+        if request.version != HttpVersion11:
+            return None  # HTTP/1.0 knows no 100 Continue: the body comes anyway
+        loaded = config()
+        limit = loaded.config.limits.max_body_bytes
+        try:
+            authenticate(request.headers, loaded)
+            if request.content_length is not None and request.content_length > limit:
+                raise too_large(limit)
+        except ProxyError as err:
+            refused = err.response()
+            refused.force_close()  # the announced body never comes: nothing to read past
+            return refused
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the 100 is not part of the response's size
+        return None
+
+    return expect

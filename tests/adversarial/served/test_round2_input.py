@@ -1,0 +1,85 @@
+"""Round two of the fresh-eyes findings, against `tierproxy serve` (uvloop, C parser): a small
+body of many tiny containers must not freeze the event loop (#1), and ``Expect: 100-continue``
+is answered only after the key and the announced size are checked (#13)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from tests.adversarial.served.kit import (
+    RawClient,
+    exchange,
+    is_openai_error,
+    request_bytes,
+)
+from tests.adversarial.served.served import ServedProxy, auth_header
+
+# 8 MiB (the default max_body_bytes) of empty objects: 2.8 million containers.
+TINY = (8 * 1024 * 1024 - 200) // 3
+FREEZER = (
+    b'{"model":"null","max_tokens":1,"messages":[{"role":"user","content":['
+    + b"{}," * TINY
+    + b"{}]}]}"
+)
+
+
+async def healthz_s(served: ServedProxy) -> float:
+    started = time.perf_counter()
+    resp = await exchange(served.host, served.port, request_bytes("GET", "/healthz"), 30.0)
+    assert resp.status == 200
+    return time.perf_counter() - started
+
+
+async def test_many_tiny_containers_are_refused_without_freezing_the_loop(
+    served: ServedProxy,
+) -> None:
+    quiet = max([await healthz_s(served) for _ in range(3)])
+    headers = {"Authorization": auth_header("low"), "Content-Type": "application/json"}
+    attacker = await RawClient.connect(served.host, served.port)
+    try:
+        await attacker.send(request_bytes("POST", "/v1/chat/completions", headers, FREEZER), 30)
+        # The body is in; the proxy parses it now. Probe the loop meanwhile, several times.
+        probes = [await healthz_s(served) for _ in range(5)]
+        answer = await attacker.read_response(30.0)
+    finally:
+        attacker.close()
+    print(f"/healthz quiet {quiet * 1e3:.1f} ms, during the attack max {max(probes) * 1e3:.1f} ms")
+    # Before: /healthz waited 3-8 s behind one such request (the nesting and text walks).
+    assert max(probes) < 1.0, f"/healthz {max(probes):.2f}s during the attack, quiet {quiet:.3f}s"
+    assert answer.status == 400 and is_openai_error(answer), answer.body[:300]
+    assert answer.error_code() == "json_too_many_elements"
+
+
+async def expect_reply(served: ServedProxy, key: str, length: int) -> str:
+    client = await RawClient.connect(served.host, served.port)
+    try:
+        head = request_bytes(
+            "POST",
+            "/v1/chat/completions",
+            {
+                "Authorization": f"Bearer {key}",
+                "Content-Type": "application/json",
+                "Expect": "100-continue",
+                "Content-Length": str(length),
+            },
+        )
+        await client.send(head)
+        resp = await client.read_response(5.0)  # the body is never sent
+    finally:
+        client.close()
+    if resp.status != 100:
+        assert is_openai_error(resp), resp.body[:200]
+    return f"{resp.status} {resp.error_code() if resp.status != 100 else ''}".strip()
+
+
+async def test_expect_continue_only_after_the_key_and_the_size(served: ServedProxy) -> None:
+    good = auth_header("high").removeprefix("Bearer ")
+    replies = list(
+        await asyncio.gather(
+            expect_reply(served, "not-a-key", 1000),
+            expect_reply(served, good, 100_000_000),  # past max_body_bytes (8 MiB)
+            expect_reply(served, good, 1000),
+        )
+    )
+    assert replies == ["401 invalid_api_key", "413 request_too_large", "100"]
