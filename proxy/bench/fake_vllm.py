@@ -244,7 +244,11 @@ class FakeVLLM:
 
     async def _answer(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         path = request.path
-        delay = self.delay_s + self.delay_per_token_s * float(body.get("max_tokens") or 0)
+        # Whatever the field holds (the proxy forwards what vLLM itself would judge), a fake
+        # never fails on it: only a plain number scales the delay.
+        tokens = body.get("max_tokens")
+        per_token = float(tokens) if isinstance(tokens, int | float) else 0.0
+        delay = self.delay_s + self.delay_per_token_s * per_token
         if delay:
             await asyncio.sleep(delay)
         if path in ("/tokenize", "/detokenize"):
