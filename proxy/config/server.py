@@ -33,7 +33,16 @@ class Server(Strict):
         gt=0,
         description="Open client connections on all listeners together; beyond it a new"
         " connection gets a canned 503 JSON with Retry-After and is closed before anything"
-        " is parsed. With `serve --workers N`: the port's total, divided among the workers.",
+        " is parsed (unless `evict_at_cap` makes room for it). With `serve --workers N`: the"
+        " port's total, divided among the workers.",
+    )
+    evict_at_cap: bool = Field(
+        True,
+        description="At `max_connections`, close the oldest connection that has not yet sent"
+        " a whole request head (a canned 503 too_many_connections) to make room for the new"
+        " one, which is refused only when no such connection is left. A client holding every"
+        " slot with half-sent heads then locks nobody out; a connection whose request is in"
+        " progress (body, queue, answer) is never cut. `false`: the newcomer is refused.",
     )
     header_timeout_s: float = Field(
         10.0,

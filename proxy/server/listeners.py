@@ -4,7 +4,9 @@ files.
 aiohttp has a keep-alive timeout (an idle connection closes) but no connection cap, no header
 timeout and no bound on a request head's total size (only per line and per field count), so
 listeners are made here with a small protocol factory around the runner's ``web.Server``: over
-the cap a connection gets a canned 503 and is closed before anything is parsed; a request whose
+the cap the oldest connection still waiting for its first request head is evicted (a canned 503)
+for the newcomer, and only when there is none the newcomer gets the 503, before anything is
+parsed (``server.evict_at_cap``); a request whose
 headers are not complete in time gets a canned 408, one whose head passes
 ``server.max_header_bytes`` a canned 431, one whose unfinished head would pass the budget of all
 unfinished heads a canned 503; each then closes (answers in ``proxy.server.refusals``).
@@ -31,6 +33,7 @@ from proxy.server.refusals import (
     HEADER_TIMEOUT,
     OVER_CAPACITY,
     HeaderBudget,
+    HeadWaiters,
     Refusal,
     RefusalLog,
     headers_too_large,
@@ -68,9 +71,12 @@ class GuardedHandler(RequestHandler):
         header_timeout_s: float,
         max_header_bytes: int = 32 * 1024,
         header_budget: HeaderBudget | None = None,
+        waiters: HeadWaiters | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(manager, **kwargs)
+        self._waiters = waiters  # this connection is in it until its first head is parsed
+        self._evicted = False
         self._header_timeout_s = header_timeout_s
         self._header_timer: asyncio.TimerHandle | None = None
         self._max_header_bytes = max_header_bytes
@@ -107,6 +113,13 @@ class GuardedHandler(RequestHandler):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         self._arm()
+        if self._waiters is not None:
+            self._waiters.add(self)
+
+    def evict(self) -> None:
+        """Make room at the cap: this connection has not sent a whole request head yet."""
+        self._evicted = True
+        self._refuse(OVER_CAPACITY)
 
     def data_received(self, data: bytes) -> None:
         if data and self._awaiting_request():
@@ -120,6 +133,8 @@ class GuardedHandler(RequestHandler):
         if len(self._messages) > queued:
             self._body = self._messages[-1][1]
             self._release_head()
+            if self._waiters is not None:
+                self._waiters.discard(self)  # a request in progress is never evicted
             self._fail_body_on_framing_error()
         elif in_head and self._in_head() and not (self._force_close or self._close):
             if not self._header_budget.charge(len(data)):
@@ -176,6 +191,11 @@ class GuardedHandler(RequestHandler):
     def connection_lost(self, exc: BaseException | None) -> None:
         self._disarm()
         self._release_head()
+        if self._waiters is not None:
+            self._waiters.discard(self)
+            if self._evicted:
+                self._waiters.lost()
+            self._waiters = None
         super().connection_lost(exc)
 
     def handle_error(
@@ -225,6 +245,7 @@ class ConnectionGate:
         cap: int | None = None,
         header_budget: HeaderBudget | None = None,
         refusal_log: RefusalLog | None = None,
+        waiters: HeadWaiters | None = None,
     ) -> None:
         self.server = server
         self.settings = settings
@@ -237,20 +258,34 @@ class ConnectionGate:
         self.header_budget = header_budget or HeaderBudget(settings.max_pending_header_bytes)
         self.refusal_log = refusal_log or RefusalLog(f"connection cap {self.cap} reached")
         self.lingering = [0]  # refused connections not closed yet (shared with each Refusal)
+        self.waiters = waiters or HeadWaiters()  # shared by the listeners sharing this cap
+        self.evicted = 0
+        self.eviction_log = RefusalLog(
+            f"connection cap {self.cap} reached, oldest waiting for a request head", verb="evicted"
+        )
 
     def __call__(self) -> asyncio.BaseProtocol:
-        if self.open_connections() >= self.cap:
+        # Evicted connections count as open until their connection_lost: not evicted twice over.
+        if self.open_connections() - self.waiters.evicting >= self.cap:
+            if self.settings.evict_at_cap and self.waiters.evict_oldest():
+                self.evicted += 1
+                self.eviction_log.refused()
+                return self._handler()
             self.refused += 1
             if self.on_refused is not None:
                 self.on_refused()
             self.refusal_log.refused()
             return Refusal(OVER_CAPACITY, self.lingering)
+        return self._handler()
+
+    def _handler(self) -> GuardedHandler:
         return GuardedHandler(
             self.server,
             loop=asyncio.get_running_loop(),
             header_timeout_s=self.settings.header_timeout_s,
             max_header_bytes=self.settings.max_header_bytes,
             header_budget=self.header_budget,
+            waiters=self.waiters,
             **self.kwargs,
         )
 
@@ -270,6 +305,7 @@ class Listeners:
         self.gates: list[ConnectionGate] = []
         self.header_budget = HeaderBudget(settings.max_pending_header_bytes)
         self.refusal_log = RefusalLog(f"connection cap {settings.max_connections} reached")
+        self.waiters = HeadWaiters()  # of the listeners under the shared cap
         # `serve --workers N`: N processes bind the same port; the kernel spreads connections.
         self.reuse_port = False
 
@@ -297,6 +333,7 @@ class Listeners:
                 self.on_refused,
                 header_budget=self.header_budget,
                 refusal_log=self.refusal_log,
+                waiters=self.waiters,
             )
         else:
             gate = ConnectionGate(

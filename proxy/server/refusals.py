@@ -8,7 +8,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import cast
+from typing import Protocol, cast
 
 log = logging.getLogger("tierproxy")
 
@@ -99,9 +99,14 @@ class RefusalLog:
     with the count since the last line (a flood of refusals must not flood the log)."""
 
     def __init__(
-        self, what: str, every_s: float = 10.0, clock: Callable[[], float] = time.monotonic
+        self,
+        what: str,
+        every_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+        verb: str = "refused",
     ) -> None:
         self.what = what
+        self.verb = verb
         self.every_s = every_s
         self.clock = clock
         self.total = 0
@@ -116,9 +121,10 @@ class RefusalLog:
             return
         since = "" if self.logged_at is None else f" in the last {now - self.logged_at:.0f} s"
         log.warning(
-            "%s: %d connection(s) refused%s, %d since start",
+            "%s: %d connection(s) %s%s, %d since start",
             self.what,
             self.unlogged,
+            self.verb,
             since,
             self.total,
         )
@@ -145,3 +151,42 @@ class HeaderBudget:
 
     def release(self, n: int) -> None:
         self.held -= n
+
+
+class Evictable(Protocol):
+    def evict(self) -> None:
+        """Answer the canned 503 and close (its connection_lost calls ``HeadWaiters.lost``)."""
+
+
+class HeadWaiters:
+    """The connections under one cap still waiting for their first request head, oldest first.
+
+    At the cap the oldest of them is evicted for a newcomer, rather than the newcomer refused: a
+    client that holds every slot with half-sent heads (re-opened as the header timeout closes
+    them) then locks nobody out, while connections with a request in progress are never cut."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[Evictable, None] = {}  # insertion order: the oldest first
+        self.evicting = 0  # evicted, their connection_lost not yet called (still counted open)
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def add(self, handler: Evictable) -> None:
+        self._waiting[handler] = None
+
+    def discard(self, handler: Evictable) -> None:
+        self._waiting.pop(handler, None)
+
+    def evict_oldest(self) -> bool:
+        """Evict the oldest waiting connection; False when there is none."""
+        for handler in self._waiting:
+            del self._waiting[handler]
+            self.evicting += 1
+            handler.evict()
+            return True
+        return False
+
+    def lost(self) -> None:
+        """An evicted connection is gone (no longer counted open)."""
+        self.evicting -= 1

@@ -1,7 +1,8 @@
 """The connection cap on the served proxy (uvloop, whose transports are not asyncio.Transport
-instances): every refused connection gets the documented 503 JSON, the log gets a line per
-ten seconds rather than a traceback per connection, and the admin listener, with connections
-of its own, answers /metrics and drain through the flood."""
+instances): with every slot's request in progress, every refused connection gets the
+documented 503 JSON, the log gets a line per ten seconds rather than a traceback per
+connection, and the admin listener, with connections of its own, answers /metrics and drain
+through the flood. Eviction of connections still waiting for a head: test_cap_eviction.py."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from tests.adversarial.served.kit import (
     request_bytes,
 )
 from tests.adversarial.served.served import ADMIN_KEY, NullBackend, ServedProxy, StartServed
+from tests.proxyrun import KEYS
 
 CAP = 20
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -37,11 +39,24 @@ async def open_connections(proxy: ServedProxy) -> float:
     raise AssertionError("tierproxy_open_connections not in /metrics")
 
 
+# A request whose head is in and whose body is still coming (for input.body_read_timeout_s, 30 s):
+# a request in progress, which the cap never evicts (an idle connection would be, for a newcomer).
+_BODY = b'{"model": "null", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1'
+_BODY += b" " * (999 - len(_BODY)) + b"}"
+UPLOAD_REST = _BODY[-500:]  # what completes the upload
+UPLOADING = request_bytes(
+    "POST",
+    "/v1/chat/completions",
+    {"Authorization": f"Bearer {KEYS['normal']}", "Content-Type": "application/json"},
+    _BODY,
+)[: -len(UPLOAD_REST)]
+
+
 async def fill_the_cap(proxy: ServedProxy) -> Crowd:
-    """``CAP`` idle connections (the header timeout is 10 s), counted by the proxy: /metrics
-    says so (the admin's own connection included). A proxy whose admin listener shares the cap
+    """``CAP`` connections with an upload in progress each, counted by the proxy: /metrics says
+    so (the admin's own connection included). A proxy whose admin listener shares the cap
     cannot say so: then give it a moment, and the test's own checks tell."""
-    held = await crowd(proxy.host, proxy.port, CAP)
+    held = await crowd(proxy.host, proxy.port, CAP, payload=UPLOADING)
     deadline = time.monotonic() + 3
     while time.monotonic() < deadline:
         with contextlib.suppress(ClosedEarly, OSError, AssertionError):
