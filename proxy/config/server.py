@@ -44,6 +44,15 @@ class Server(Strict):
         " slot with half-sent heads then locks nobody out; a connection whose request is in"
         " progress (body, queue, answer) is never cut. `false`: the newcomer is refused.",
     )
+    max_connections_per_address: int | None = Field(
+        None,
+        gt=0,
+        description="Open connections one client address may hold (IPv4/IPv6 peer address, as"
+        " the proxy sees it); past it a new one from that address gets the canned 503"
+        " too_many_connections and is closed. Unset (default): no share, because clients"
+        " behind one NAT, proxy or load balancer reach the proxy from one address: set it"
+        " only where clients connect directly, above what one real client needs.",
+    )
     header_timeout_s: float = Field(
         10.0,
         gt=0,

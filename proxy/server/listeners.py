@@ -1,5 +1,5 @@
-"""Client connections: a cap on open connections, a header timeout and size, keep-alive, open
-files.
+"""Client connections: a cap on open connections, a header timeout and size, keep-alive (the
+open-files limit: ``proxy.server.open_files``).
 
 aiohttp has a keep-alive timeout (an idle connection closes) but no connection cap, no header
 timeout and no bound on a request head's total size (only per line and per field count), so
@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import resource
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +31,8 @@ from proxy.server.refusals import (
     HEADER_MEMORY_FULL,
     HEADER_TIMEOUT,
     OVER_CAPACITY,
+    AddressShare,
+    Admission,
     HeaderBudget,
     HeadWaiters,
     Refusal,
@@ -72,11 +73,14 @@ class GuardedHandler(RequestHandler):
         max_header_bytes: int = 32 * 1024,
         header_budget: HeaderBudget | None = None,
         waiters: HeadWaiters | None = None,
+        admission: Admission | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(manager, **kwargs)
         self._waiters = waiters  # this connection is in it until its first head is parsed
         self._evicted = False
+        self._admission = admission  # the address share and, at the cap, making room
+        self._address: str | None = None  # counted in the address share
         self._header_timeout_s = header_timeout_s
         self._header_timer: asyncio.TimerHandle | None = None
         self._max_header_bytes = max_header_bytes
@@ -112,6 +116,11 @@ class GuardedHandler(RequestHandler):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
+        if self._admission is not None:
+            refusal, self._address = self._admission.admit(transport)
+            if refusal is not None:
+                self._refuse(refusal)
+                return
         self._arm()
         if self._waiters is not None:
             self._waiters.add(self)
@@ -196,6 +205,9 @@ class GuardedHandler(RequestHandler):
             if self._evicted:
                 self._waiters.lost()
             self._waiters = None
+        if self._admission is not None and self._address is not None:
+            self._admission.share.release(self._address)
+            self._address = None
         super().connection_lost(exc)
 
     def handle_error(
@@ -246,6 +258,7 @@ class ConnectionGate:
         header_budget: HeaderBudget | None = None,
         refusal_log: RefusalLog | None = None,
         waiters: HeadWaiters | None = None,
+        share: AddressShare | None = None,
     ) -> None:
         self.server = server
         self.settings = settings
@@ -259,6 +272,7 @@ class ConnectionGate:
         self.refusal_log = refusal_log or RefusalLog(f"connection cap {self.cap} reached")
         self.lingering = [0]  # refused connections not closed yet (shared with each Refusal)
         self.waiters = waiters or HeadWaiters()  # shared by the listeners sharing this cap
+        self.share = share or AddressShare(None)
         self.evicted = 0
         self.eviction_log = RefusalLog(
             f"connection cap {self.cap} reached, oldest waiting for a request head", verb="evicted"
@@ -267,18 +281,28 @@ class ConnectionGate:
     def __call__(self) -> asyncio.BaseProtocol:
         # Evicted connections count as open until their connection_lost: not evicted twice over.
         if self.open_connections() - self.waiters.evicting >= self.cap:
-            if self.settings.evict_at_cap and self.waiters.evict_oldest():
-                self.evicted += 1
-                self.eviction_log.refused()
-                return self._handler()
-            self.refused += 1
-            if self.on_refused is not None:
-                self.on_refused()
-            self.refusal_log.refused()
+            if self.settings.evict_at_cap and len(self.waiters):
+                # Room is made once the newcomer's address is known (and within its share).
+                return self._handler(Admission(self.share, self._make_room))
+            self._count_refusal()
             return Refusal(OVER_CAPACITY, self.lingering)
-        return self._handler()
+        return self._handler(Admission(self.share) if self.share.limit else None)
 
-    def _handler(self) -> GuardedHandler:
+    def _count_refusal(self) -> None:
+        self.refused += 1
+        if self.on_refused is not None:
+            self.on_refused()
+        self.refusal_log.refused()
+
+    def _make_room(self) -> bool:
+        if not self.waiters.evict_oldest():
+            self._count_refusal()
+            return False
+        self.evicted += 1
+        self.eviction_log.refused()
+        return True
+
+    def _handler(self, admission: Admission | None) -> GuardedHandler:
         return GuardedHandler(
             self.server,
             loop=asyncio.get_running_loop(),
@@ -286,6 +310,7 @@ class ConnectionGate:
             max_header_bytes=self.settings.max_header_bytes,
             header_budget=self.header_budget,
             waiters=self.waiters,
+            admission=admission,
             **self.kwargs,
         )
 
@@ -306,6 +331,7 @@ class Listeners:
         self.header_budget = HeaderBudget(settings.max_pending_header_bytes)
         self.refusal_log = RefusalLog(f"connection cap {settings.max_connections} reached")
         self.waiters = HeadWaiters()  # of the listeners under the shared cap
+        self.share = AddressShare(settings.max_connections_per_address)
         # `serve --workers N`: N processes bind the same port; the kernel spreads connections.
         self.reuse_port = False
 
@@ -334,6 +360,7 @@ class Listeners:
                 header_budget=self.header_budget,
                 refusal_log=self.refusal_log,
                 waiters=self.waiters,
+                share=self.share,
             )
         else:
             gate = ConnectionGate(
@@ -369,16 +396,3 @@ class Listeners:
 
 def _count(runners: list[web.AppRunner]) -> int:
     return sum(len(runner.server.connections) for runner in runners if runner.server)
-
-
-def raise_open_files_limit() -> tuple[int, int]:
-    """Raise this process's soft RLIMIT_NOFILE to the hard limit; returns (soft, hard) now."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != hard:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-            soft = hard
-        except (ValueError, OSError) as exc:
-            log.warning("cannot raise the open-files limit from %d to %d: %s", soft, hard, exc)
-    log.info("open files limit: %d (hard %d)", soft, hard)
-    return soft, hard

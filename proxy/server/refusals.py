@@ -190,3 +190,58 @@ class HeadWaiters:
     def lost(self) -> None:
         """An evicted connection is gone (no longer counted open)."""
         self.evicting -= 1
+
+
+ADDRESS_OVER_SHARE = canned(
+    "503 Service Unavailable",
+    "too_many_connections",
+    "This address holds its share of the proxy's open connections; retry shortly.",
+    "Retry-After: 1\r\n",
+)
+
+
+class AddressShare:
+    """Open connections per client address under one cap (``server.max_connections_per_address``;
+    None: no share). Clients behind one NAT or load balancer share an address, hence off by
+    default."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit = limit
+        self.open: dict[str, int] = {}
+        self.refused = RefusalLog(f"an address at its share of {limit} connections")
+
+    def admit(self, address: str) -> bool:
+        held = self.open.get(address, 0)
+        if self.limit is not None and held >= self.limit:
+            self.refused.refused()
+            return False
+        self.open[address] = held + 1
+        return True
+
+    def release(self, address: str) -> None:
+        held = self.open.pop(address, 0) - 1
+        if held > 0:
+            self.open[address] = held
+
+
+class Admission:
+    """What a new connection passes once its address is known: the address share, then, when it
+    came at the cap, room made by an eviction (``make_room``: False when there was none)."""
+
+    def __init__(self, share: AddressShare, make_room: Callable[[], bool] | None = None) -> None:
+        self.share = share
+        self.make_room = make_room
+
+    def admit(self, transport: asyncio.BaseTransport) -> tuple[bytes | None, str | None]:
+        """(the canned refusal or None, the address counted in the share or None)."""
+        address: str | None = None
+        if self.share.limit is not None:
+            peer = transport.get_extra_info("peername")
+            address = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+            if not self.share.admit(address):
+                return ADDRESS_OVER_SHARE, None
+        if self.make_room is not None and not self.make_room():
+            if address is not None:
+                self.share.release(address)
+            return OVER_CAPACITY, None
+        return None, address

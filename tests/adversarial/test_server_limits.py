@@ -13,7 +13,8 @@ import pytest
 from aiohttp import web
 
 from proxy.config.server import Server
-from proxy.server.listeners import Listeners, raise_open_files_limit
+from proxy.server.listeners import Listeners
+from proxy.server.open_files import raise_open_files_limit
 from proxy.server.refusals import RefusalLog
 from tests.helpers.proxyrun import until
 

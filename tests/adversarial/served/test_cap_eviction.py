@@ -10,7 +10,14 @@ import asyncio
 import contextlib
 
 from tests.adversarial.served.conftest import StartServed
-from tests.adversarial.served.kit import ClosedEarly, RawClient, crowd, exchange, json_request
+from tests.adversarial.served.kit import (
+    ClosedEarly,
+    RawClient,
+    crowd,
+    exchange,
+    json_request,
+    realistic_socket,
+)
 from tests.adversarial.served.test_cap import CAP, UPLOAD_REST, fill_the_cap
 from tests.proxyrun import KEYS
 
@@ -71,3 +78,45 @@ async def test_requests_in_progress_are_never_evicted(start_served: StartServed)
         assert [a.status for a in answers] == [200] * CAP, [a.body[:200] for a in answers]
     finally:
         held.close()
+
+
+async def connect_from(source: str, host: str, port: int) -> RawClient:
+    """A realistic client connecting from ``source`` (another loopback address)."""
+    sock = realistic_socket()
+    sock.bind((source, 0))
+    try:
+        await asyncio.wait_for(asyncio.get_running_loop().sock_connect(sock, (host, port)), 5)
+    except BaseException:
+        sock.close()
+        raise
+    return RawClient(sock)
+
+
+async def test_an_address_past_its_share_is_refused_and_others_are_served(
+    start_served: StartServed,
+) -> None:
+    """``server.max_connections_per_address`` (off by default: NAT and load balancers)."""
+    proxy = start_served(server={"max_connections": CAP, "max_connections_per_address": 5})
+    mark = proxy.mark()
+    held = await crowd(proxy.host, proxy.port, 5, payload=HALF_HEAD)  # from 127.0.0.1
+    try:
+        over = await exchange(proxy.host, proxy.port, json_request("/v1/models", {}, None))
+        assert over.status == 503 and over.error_code() == "too_many_connections"
+        assert b"This address" in over.body
+        other = await connect_from("127.0.0.2", proxy.host, proxy.port)
+        try:
+            await other.send(json_request("/v1/chat/completions", CHAT, KEYS["high"]))
+            assert (await other.read_response()).status == 200
+        finally:
+            other.close()
+    finally:
+        held.close()
+    # The share is given back as connections close.
+    deadline = asyncio.get_running_loop().time() + 5
+    while (
+        await exchange(
+            proxy.host, proxy.port, json_request("/v1/chat/completions", CHAT, KEYS["high"])
+        )
+    ).status != 200:
+        assert asyncio.get_running_loop().time() < deadline, "the share was never given back"
+    assert proxy.tracebacks(mark) == 0
