@@ -172,8 +172,9 @@ class InputLimits(Strict):
     decode_content_encodings: list[Literal["gzip", "deflate"]] = Field(
         default_factory=lambda: list[Literal["gzip", "deflate"]](["gzip", "deflate"]),
         description="Request Content-Encodings the proxy decodes itself, the decoded size"
-        " bounded by `limits.max_body_bytes` (413 past it); any other encoding gets 415. The"
-        " backend always gets the body as identity JSON, without a Content-Encoding header.",
+        " bounded by `limits.max_body_bytes` (413 past it; more than 16 gzip members: 400);"
+        " any other encoding gets 415. The backend always gets the body as identity JSON,"
+        " without a Content-Encoding header.",
     )
     forward_headers: list[str] = Field(
         default_factory=list,
