@@ -1,7 +1,7 @@
 """Issue 22's third list, against `tierproxy serve` on its default loop (uvloop, the C parser),
 with the kit's realistic clients: credentials that are not UTF-8 (#13), a gzip body of many
 members (#2), uploads that announce a length and send nothing (#3). The in-process twins:
-tests/unit/test_hash_key_bytes.py, tests/adversarial/encoding_cases.py, test_upload_budget.py."""
+tests/unit/request/test_odd_inputs.py, tests/adversarial/encoding_cases.py, test_upload_budget.py."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from proxy.relay.budget import held_estimate
 from tests.adversarial.served.conftest import StartServed
 from tests.adversarial.served.kit import RawClient, exchange, is_openai_error, request_bytes
 from tests.adversarial.served.served import ServedProxy
-from tests.proxyrun import KEYS
+from tests.helpers.proxyrun import KEYS
 
 CHAT = b'{"model": "null", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}'
 MAX_BODY = 8 * 1024 * 1024  # limits.max_body_bytes by default
