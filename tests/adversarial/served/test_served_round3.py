@@ -12,9 +12,8 @@ import time
 import pytest
 
 from proxy.relay.budget import held_estimate
-from tests.adversarial.served.conftest import StartServed
 from tests.adversarial.served.kit import RawClient, exchange, is_openai_error, request_bytes
-from tests.adversarial.served.served import ServedProxy
+from tests.adversarial.served.served import ServedProxy, StartServed
 from tests.helpers.proxyrun import KEYS
 
 CHAT = b'{"model": "null", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}'
