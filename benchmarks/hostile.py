@@ -51,7 +51,7 @@ from proxy.bench.live import (
     stream_ttft,
 )
 from proxy.bench.scrape import fetch_metrics
-from proxy.server.listeners import raise_open_files_limit
+from proxy.server.open_files import raise_open_files_limit
 from proxy.telemetry.prometheus import VLLM_RUNNING, total
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the served-process kit in tests/

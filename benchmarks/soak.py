@@ -34,7 +34,7 @@ from proxy.bench.live import (
     open_sockets,
     proxy_usage,
 )
-from proxy.server.listeners import raise_open_files_limit
+from proxy.server.open_files import raise_open_files_limit
 
 TIERS = ("high", "normal", "low")
 KINDS = ("stream", "whole", "hang up mid-stream", "hang up before the answer")

@@ -266,6 +266,14 @@ def bad_encoding(encoding: str) -> ProxyError:
     )
 
 
+def too_many_members(encoding: str, limit: int) -> ProxyError:
+    return ProxyError(
+        400,
+        f"The {encoding} body has more than {limit} members; send it as one.",
+        code="invalid_content_encoding",
+    )
+
+
 def bad_framing(message: str) -> ProxyError:
     return ProxyError(400, f"The request body could not be read: {message}", code="bad_framing")
 

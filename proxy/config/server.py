@@ -33,7 +33,25 @@ class Server(Strict):
         gt=0,
         description="Open client connections on all listeners together; beyond it a new"
         " connection gets a canned 503 JSON with Retry-After and is closed before anything"
-        " is parsed. With `serve --workers N`: the port's total, divided among the workers.",
+        " is parsed (unless `evict_at_cap` makes room for it). With `serve --workers N`: the"
+        " port's total, divided among the workers.",
+    )
+    evict_at_cap: bool = Field(
+        True,
+        description="At `max_connections`, close the oldest connection that has not yet sent"
+        " a whole request head (a canned 503 too_many_connections) to make room for the new"
+        " one, which is refused only when no such connection is left. A client holding every"
+        " slot with half-sent heads then locks nobody out; a connection whose request is in"
+        " progress (body, queue, answer) is never cut. `false`: the newcomer is refused.",
+    )
+    max_connections_per_address: int | None = Field(
+        None,
+        gt=0,
+        description="Open connections one client address may hold (IPv4/IPv6 peer address, as"
+        " the proxy sees it); past it a new one from that address gets the canned 503"
+        " too_many_connections and is closed. Unset (default): no share, because clients"
+        " behind one NAT, proxy or load balancer reach the proxy from one address: set it"
+        " only where clients connect directly, above what one real client needs.",
     )
     header_timeout_s: float = Field(
         10.0,
@@ -154,8 +172,9 @@ class InputLimits(Strict):
     decode_content_encodings: list[Literal["gzip", "deflate"]] = Field(
         default_factory=lambda: list[Literal["gzip", "deflate"]](["gzip", "deflate"]),
         description="Request Content-Encodings the proxy decodes itself, the decoded size"
-        " bounded by `limits.max_body_bytes` (413 past it); any other encoding gets 415. The"
-        " backend always gets the body as identity JSON, without a Content-Encoding header.",
+        " bounded by `limits.max_body_bytes` (413 past it; more than 16 gzip members: 400);"
+        " any other encoding gets 415. The backend always gets the body as identity JSON,"
+        " without a Content-Encoding header.",
     )
     forward_headers: list[str] = Field(
         default_factory=list,

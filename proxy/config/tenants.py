@@ -19,8 +19,14 @@ _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
 def hash_key(key: str) -> str:
-    """The stored form of an API key: lowercase hex sha256 of its UTF-8 bytes."""
-    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+    """The stored form of an API key: lowercase hex sha256 of its UTF-8 bytes. A key read from a
+    request header may hold bytes that are not UTF-8 (aiohttp keeps them as lone surrogates):
+    those hash to some digest no configured key has (401), never raise (a 500 for anyone)."""
+    try:
+        raw = key.encode("utf-8", "surrogateescape")  # the bytes the client sent
+    except UnicodeEncodeError:  # a surrogate that surrogateescape did not make
+        raw = key.encode("utf-8", "surrogatepass")
+    return hashlib.sha256(raw).hexdigest()
 
 
 class Tier(Strict):

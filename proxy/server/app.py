@@ -28,7 +28,8 @@ from proxy.scheduling.monitor import BackendMonitor
 from proxy.server.admin import AdminEndpoints
 from proxy.server.endpoints import ServiceEndpoints
 from proxy.server.json_errors import json_error_bodies, json_errors
-from proxy.server.listeners import Listeners, raise_open_files_limit
+from proxy.server.listeners import Listeners
+from proxy.server.open_files import raise_open_files_limit
 from proxy.server.state import STATE, ProxyState
 from proxy.ticket import SecretError, check_secret, secret_from_env
 

@@ -1,10 +1,12 @@
-"""Client connections: a cap on open connections, a header timeout and size, keep-alive, open
-files.
+"""Client connections: a cap on open connections, a header timeout and size, keep-alive (the
+open-files limit: ``proxy.server.open_files``).
 
 aiohttp has a keep-alive timeout (an idle connection closes) but no connection cap, no header
 timeout and no bound on a request head's total size (only per line and per field count), so
 listeners are made here with a small protocol factory around the runner's ``web.Server``: over
-the cap a connection gets a canned 503 and is closed before anything is parsed; a request whose
+the cap the oldest connection still waiting for its first request head is evicted (a canned 503)
+for the newcomer, and only when there is none the newcomer gets the 503, before anything is
+parsed (``server.evict_at_cap``); a request whose
 headers are not complete in time gets a canned 408, one whose head passes
 ``server.max_header_bytes`` a canned 431, one whose unfinished head would pass the budget of all
 unfinished heads a canned 503; each then closes (answers in ``proxy.server.refusals``).
@@ -15,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import resource
 from collections.abc import Callable
 from typing import Any
 
@@ -30,7 +31,10 @@ from proxy.server.refusals import (
     HEADER_MEMORY_FULL,
     HEADER_TIMEOUT,
     OVER_CAPACITY,
+    AddressShare,
+    Admission,
     HeaderBudget,
+    HeadWaiters,
     Refusal,
     RefusalLog,
     headers_too_large,
@@ -68,9 +72,15 @@ class GuardedHandler(RequestHandler):
         header_timeout_s: float,
         max_header_bytes: int = 32 * 1024,
         header_budget: HeaderBudget | None = None,
+        waiters: HeadWaiters | None = None,
+        admission: Admission | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(manager, **kwargs)
+        self._waiters = waiters  # this connection is in it until its first head is parsed
+        self._evicted = False
+        self._admission = admission  # the address share and, at the cap, making room
+        self._address: str | None = None  # counted in the address share
         self._header_timeout_s = header_timeout_s
         self._header_timer: asyncio.TimerHandle | None = None
         self._max_header_bytes = max_header_bytes
@@ -106,7 +116,19 @@ class GuardedHandler(RequestHandler):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
+        if self._admission is not None:
+            refusal, self._address = self._admission.admit(transport)
+            if refusal is not None:
+                self._refuse(refusal)
+                return
         self._arm()
+        if self._waiters is not None:
+            self._waiters.add(self)
+
+    def evict(self) -> None:
+        """Make room at the cap: this connection has not sent a whole request head yet."""
+        self._evicted = True
+        self._refuse(OVER_CAPACITY)
 
     def data_received(self, data: bytes) -> None:
         if data and self._awaiting_request():
@@ -120,6 +142,8 @@ class GuardedHandler(RequestHandler):
         if len(self._messages) > queued:
             self._body = self._messages[-1][1]
             self._release_head()
+            if self._waiters is not None:
+                self._waiters.discard(self)  # a request in progress is never evicted
             self._fail_body_on_framing_error()
         elif in_head and self._in_head() and not (self._force_close or self._close):
             if not self._header_budget.charge(len(data)):
@@ -176,6 +200,14 @@ class GuardedHandler(RequestHandler):
     def connection_lost(self, exc: BaseException | None) -> None:
         self._disarm()
         self._release_head()
+        if self._waiters is not None:
+            self._waiters.discard(self)
+            if self._evicted:
+                self._waiters.lost()
+            self._waiters = None
+        if self._admission is not None and self._address is not None:
+            self._admission.share.release(self._address)
+            self._address = None
         super().connection_lost(exc)
 
     def handle_error(
@@ -225,6 +257,8 @@ class ConnectionGate:
         cap: int | None = None,
         header_budget: HeaderBudget | None = None,
         refusal_log: RefusalLog | None = None,
+        waiters: HeadWaiters | None = None,
+        share: AddressShare | None = None,
     ) -> None:
         self.server = server
         self.settings = settings
@@ -237,20 +271,46 @@ class ConnectionGate:
         self.header_budget = header_budget or HeaderBudget(settings.max_pending_header_bytes)
         self.refusal_log = refusal_log or RefusalLog(f"connection cap {self.cap} reached")
         self.lingering = [0]  # refused connections not closed yet (shared with each Refusal)
+        self.waiters = waiters or HeadWaiters()  # shared by the listeners sharing this cap
+        self.share = share or AddressShare(None)
+        self.evicted = 0
+        self.eviction_log = RefusalLog(
+            f"connection cap {self.cap} reached, oldest waiting for a request head", verb="evicted"
+        )
 
     def __call__(self) -> asyncio.BaseProtocol:
-        if self.open_connections() >= self.cap:
-            self.refused += 1
-            if self.on_refused is not None:
-                self.on_refused()
-            self.refusal_log.refused()
+        # Evicted connections count as open until their connection_lost: not evicted twice over.
+        if self.open_connections() - self.waiters.evicting >= self.cap:
+            if self.settings.evict_at_cap and len(self.waiters):
+                # Room is made once the newcomer's address is known (and within its share).
+                return self._handler(Admission(self.share, self._make_room))
+            self._count_refusal()
             return Refusal(OVER_CAPACITY, self.lingering)
+        return self._handler(Admission(self.share) if self.share.limit else None)
+
+    def _count_refusal(self) -> None:
+        self.refused += 1
+        if self.on_refused is not None:
+            self.on_refused()
+        self.refusal_log.refused()
+
+    def _make_room(self) -> bool:
+        if not self.waiters.evict_oldest():
+            self._count_refusal()
+            return False
+        self.evicted += 1
+        self.eviction_log.refused()
+        return True
+
+    def _handler(self, admission: Admission | None) -> GuardedHandler:
         return GuardedHandler(
             self.server,
             loop=asyncio.get_running_loop(),
             header_timeout_s=self.settings.header_timeout_s,
             max_header_bytes=self.settings.max_header_bytes,
             header_budget=self.header_budget,
+            waiters=self.waiters,
+            admission=admission,
             **self.kwargs,
         )
 
@@ -270,6 +330,8 @@ class Listeners:
         self.gates: list[ConnectionGate] = []
         self.header_budget = HeaderBudget(settings.max_pending_header_bytes)
         self.refusal_log = RefusalLog(f"connection cap {settings.max_connections} reached")
+        self.waiters = HeadWaiters()  # of the listeners under the shared cap
+        self.share = AddressShare(settings.max_connections_per_address)
         # `serve --workers N`: N processes bind the same port; the kernel spreads connections.
         self.reuse_port = False
 
@@ -297,6 +359,8 @@ class Listeners:
                 self.on_refused,
                 header_budget=self.header_budget,
                 refusal_log=self.refusal_log,
+                waiters=self.waiters,
+                share=self.share,
             )
         else:
             gate = ConnectionGate(
@@ -332,16 +396,3 @@ class Listeners:
 
 def _count(runners: list[web.AppRunner]) -> int:
     return sum(len(runner.server.connections) for runner in runners if runner.server)
-
-
-def raise_open_files_limit() -> tuple[int, int]:
-    """Raise this process's soft RLIMIT_NOFILE to the hard limit; returns (soft, hard) now."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != hard:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-            soft = hard
-        except (ValueError, OSError) as exc:
-            log.warning("cannot raise the open-files limit from %d to %d: %s", soft, hard, exc)
-    log.info("open files limit: %d (hard %d)", soft, hard)
-    return soft, hard

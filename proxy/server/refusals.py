@@ -8,7 +8,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import cast
+from typing import Protocol, cast
 
 log = logging.getLogger("tierproxy")
 
@@ -99,9 +99,14 @@ class RefusalLog:
     with the count since the last line (a flood of refusals must not flood the log)."""
 
     def __init__(
-        self, what: str, every_s: float = 10.0, clock: Callable[[], float] = time.monotonic
+        self,
+        what: str,
+        every_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+        verb: str = "refused",
     ) -> None:
         self.what = what
+        self.verb = verb
         self.every_s = every_s
         self.clock = clock
         self.total = 0
@@ -116,9 +121,10 @@ class RefusalLog:
             return
         since = "" if self.logged_at is None else f" in the last {now - self.logged_at:.0f} s"
         log.warning(
-            "%s: %d connection(s) refused%s, %d since start",
+            "%s: %d connection(s) %s%s, %d since start",
             self.what,
             self.unlogged,
+            self.verb,
             since,
             self.total,
         )
@@ -145,3 +151,97 @@ class HeaderBudget:
 
     def release(self, n: int) -> None:
         self.held -= n
+
+
+class Evictable(Protocol):
+    def evict(self) -> None:
+        """Answer the canned 503 and close (its connection_lost calls ``HeadWaiters.lost``)."""
+
+
+class HeadWaiters:
+    """The connections under one cap still waiting for their first request head, oldest first.
+
+    At the cap the oldest of them is evicted for a newcomer, rather than the newcomer refused: a
+    client that holds every slot with half-sent heads (re-opened as the header timeout closes
+    them) then locks nobody out, while connections with a request in progress are never cut."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[Evictable, None] = {}  # insertion order: the oldest first
+        self.evicting = 0  # evicted, their connection_lost not yet called (still counted open)
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def add(self, handler: Evictable) -> None:
+        self._waiting[handler] = None
+
+    def discard(self, handler: Evictable) -> None:
+        self._waiting.pop(handler, None)
+
+    def evict_oldest(self) -> bool:
+        """Evict the oldest waiting connection; False when there is none."""
+        for handler in self._waiting:
+            del self._waiting[handler]
+            self.evicting += 1
+            handler.evict()
+            return True
+        return False
+
+    def lost(self) -> None:
+        """An evicted connection is gone (no longer counted open)."""
+        self.evicting -= 1
+
+
+ADDRESS_OVER_SHARE = canned(
+    "503 Service Unavailable",
+    "too_many_connections",
+    "This address holds its share of the proxy's open connections; retry shortly.",
+    "Retry-After: 1\r\n",
+)
+
+
+class AddressShare:
+    """Open connections per client address under one cap (``server.max_connections_per_address``;
+    None: no share). Clients behind one NAT or load balancer share an address, hence off by
+    default."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit = limit
+        self.open: dict[str, int] = {}
+        self.refused = RefusalLog(f"an address at its share of {limit} connections")
+
+    def admit(self, address: str) -> bool:
+        held = self.open.get(address, 0)
+        if self.limit is not None and held >= self.limit:
+            self.refused.refused()
+            return False
+        self.open[address] = held + 1
+        return True
+
+    def release(self, address: str) -> None:
+        held = self.open.pop(address, 0) - 1
+        if held > 0:
+            self.open[address] = held
+
+
+class Admission:
+    """What a new connection passes once its address is known: the address share, then, when it
+    came at the cap, room made by an eviction (``make_room``: False when there was none)."""
+
+    def __init__(self, share: AddressShare, make_room: Callable[[], bool] | None = None) -> None:
+        self.share = share
+        self.make_room = make_room
+
+    def admit(self, transport: asyncio.BaseTransport) -> tuple[bytes | None, str | None]:
+        """(the canned refusal or None, the address counted in the share or None)."""
+        address: str | None = None
+        if self.share.limit is not None:
+            peer = transport.get_extra_info("peername")
+            address = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+            if not self.share.admit(address):
+                return ADDRESS_OVER_SHARE, None
+        if self.make_room is not None and not self.make_room():
+            if address is not None:
+                self.share.release(address)
+            return OVER_CAPACITY, None
+        return None, address

@@ -16,10 +16,20 @@ _GZ = gzip.compress(BODY)
 _RAW_DEFLATE = zlib.compressobj(wbits=-15)
 RAW_DEFLATE = _RAW_DEFLATE.compress(BODY) + _RAW_DEFLATE.flush()
 
+
+def members(data: bytes, n: int) -> bytes:
+    """``data`` as ``n`` gzip members one after the other (the last ones may be empty)."""
+    size = -(-len(data) // n)
+    parts = [data[i * size : (i + 1) * size] for i in range(n)]
+    return b"".join(gzip.compress(part) for part in parts)
+
+
 # (name, Content-Encoding, body, status, error code or None for a 200)
 CASES: list[tuple[str, str, bytes, int, str | None]] = [
     ("gzip", "gzip", _GZ, 200, None),
     ("two gzip members", "gzip", gzip.compress(BODY[:10]) + gzip.compress(BODY[10:]), 200, None),
+    ("sixteen gzip members", "gzip", members(BODY, 16), 200, None),
+    ("seventeen gzip members", "gzip", members(BODY, 17), 400, "invalid_content_encoding"),
     ("zlib deflate", "deflate", zlib.compress(BODY), 200, None),
     ("raw deflate", "deflate", RAW_DEFLATE, 200, None),
     ("gzip twice", "gzip, gzip", gzip.compress(_GZ), 200, None),

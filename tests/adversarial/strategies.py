@@ -187,6 +187,8 @@ header_names = st.sampled_from(
         b"Connection",
         b"Content-Encoding",
         b"Host",
+        b"Authorization",
+        b"api-key",
         b"Upgrade",
         b"X-Vllm-Priority",
         b"X-Tierproxy-Ticket",
@@ -214,6 +216,12 @@ header_values = st.sampled_from(
         b"a\x01b",
         b"a\x00b",
         b"x" * 9000,
+        # Credentials that are not UTF-8 (issue 22 #13: a 500 for anyone, key or not).
+        b"Bearer \xff\xfe\xfd",
+        b"Bearer \xc3\x28",
+        b"Bearer \xed\xa0\x80",
+        b"Bearer caf\xe9",
+        b"Bearer a\x01b",
     ]
 ) | st.binary(max_size=16).map(_line_safe)
 FRAMINGS = ["length", "chunked", "bad-chunk", "bad-length", "short-length", "none"]

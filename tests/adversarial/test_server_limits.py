@@ -13,7 +13,8 @@ import pytest
 from aiohttp import web
 
 from proxy.config.server import Server
-from proxy.server.listeners import Listeners, raise_open_files_limit
+from proxy.server.listeners import Listeners
+from proxy.server.open_files import raise_open_files_limit
 from proxy.server.refusals import RefusalLog
 from tests.helpers.proxyrun import until
 
@@ -58,7 +59,9 @@ async def closed(reader: asyncio.StreamReader) -> bytes:
 
 
 async def test_over_the_cap_a_connection_gets_503_json_and_a_slot_frees_on_close() -> None:
-    settings = Server(max_connections=2, header_timeout_s=30, keepalive_timeout_s=30)
+    settings = Server(
+        max_connections=2, header_timeout_s=30, keepalive_timeout_s=30, evict_at_cap=False
+    )
     refusals: list[int] = []
     async with serving(settings, _app(), on_refused=lambda: refusals.append(1)) as (
         listeners,
@@ -158,7 +161,9 @@ def test_over_the_cap_on_uvloop_a_connection_gets_503_json() -> None:
     uvloop = pytest.importorskip("uvloop")
 
     async def main() -> bytes:
-        settings = Server(max_connections=1, header_timeout_s=30, keepalive_timeout_s=30)
+        settings = Server(
+            max_connections=1, header_timeout_s=30, keepalive_timeout_s=30, evict_at_cap=False
+        )
         async with serving(settings, _app()) as (listeners, port):
             held = await asyncio.open_connection("127.0.0.1", port)
             await until(lambda: listeners.open_connections() == 1, 5, "one open connection")
@@ -174,8 +179,44 @@ def test_over_the_cap_on_uvloop_a_connection_gets_503_json() -> None:
     assert answer.startswith(b"HTTP/1.1 503 ") and b'"code": "too_many_connections"' in answer
 
 
+async def test_at_the_cap_the_oldest_connection_waiting_for_a_head_is_evicted() -> None:
+    """(server.evict_at_cap, the default) The newcomer is served; the oldest connection without a
+    whole request head gets the 503 and is closed; one with a request in progress is never cut,
+    and with no other left the newcomer is refused."""
+    settings = Server(max_connections=3, header_timeout_s=30, keepalive_timeout_s=30)
+    async with serving(settings, _app(handler_delay_s=0.5)) as (listeners, port):
+        busy = await asyncio.open_connection("127.0.0.1", port)
+        busy[1].write(GET)  # in its handler (0.5 s): a request in progress
+        oldest = await asyncio.open_connection("127.0.0.1", port)
+        oldest[1].write(b"GET /ping HTTP/1.1\r\n")  # half a head
+        await until(lambda: listeners.open_connections() == 2, 5, "two open")
+        younger = await asyncio.open_connection("127.0.0.1", port)
+        await until(lambda: listeners.open_connections() == 3, 5, "the cap reached")
+        newcomer = await asyncio.open_connection("127.0.0.1", port)
+        evicted = await closed(oldest[0])
+        assert evicted.startswith(b"HTTP/1.1 503 ") and b"too_many_connections" in evicted
+        newcomer[1].write(GET)
+        head, _ = await response(newcomer[0])
+        assert head.startswith(b"HTTP/1.1 200 ")
+        assert listeners.gates[0].evicted == 1 and listeners.gates[0].refused == 0
+        head, _ = await response(busy[0])  # not cut
+        assert head.startswith(b"HTTP/1.1 200 ")
+        await until(lambda: listeners.open_connections() == 3, 5, "the evicted one gone")
+        # At the cap again (busy and newcomer idle after their answer, younger waiting): the
+        # one still waiting for its first head goes.
+        last = await asyncio.open_connection("127.0.0.1", port)
+        assert (await closed(younger[0])).startswith(b"HTTP/1.1 503 ")
+        last[1].write(GET)
+        head, _ = await response(last[0])
+        assert head.startswith(b"HTTP/1.1 200 ")
+        for conn in (busy, oldest, younger, newcomer, last):
+            conn[1].close()
+
+
 async def test_a_reserved_listener_answers_while_the_shared_cap_is_full() -> None:
-    settings = Server(max_connections=2, header_timeout_s=30, keepalive_timeout_s=30)
+    settings = Server(
+        max_connections=2, header_timeout_s=30, keepalive_timeout_s=30, evict_at_cap=False
+    )
     async with Listeners(settings) as listeners:
         public = await listeners.add(_app(), "127.0.0.1", 0)
         admin = await listeners.add(_app(), "127.0.0.1", 0, reserved=1)

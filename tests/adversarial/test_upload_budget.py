@@ -1,7 +1,8 @@
-"""Uploads in progress are reserved in the memory budget before they are read (issue 22):
-with their Content-Length, the whole estimate before a byte of the body; chunked, as the chunks
-arrive. Concurrent large uploads cannot pass ``limits.max_held_bytes``. In process, over the
-pipeline rig; the served twin is in tests/adversarial/served/test_served_round2.py."""
+"""Uploads in progress are reserved in the memory budget as their bytes arrive (issue 22), with a
+Content-Length or chunked alike: what a Content-Length announces costs nothing until it comes
+(idle connections announcing 8 MiB each once held the whole budget, issue 22 #3). Concurrent
+large uploads cannot pass ``limits.max_held_bytes``. In process, over the pipeline rig; the
+served twins are in tests/adversarial/served/test_served_round2.py and test_served_round3.py."""
 
 from __future__ import annotations
 
@@ -34,13 +35,20 @@ def padded_body(size: int) -> bytes:
     return orjson.dumps({**BODY, "messages": [{"role": "user", "content": content}]})
 
 
-async def test_an_upload_with_its_length_is_reserved_before_its_body(clock: FakeClock) -> None:
+async def test_an_upload_with_its_length_is_reserved_as_its_bytes_arrive(
+    clock: FakeClock,
+) -> None:
     async with rig(relay_config("http://127.0.0.1:9"), clock) as r:
         client = await RawClient.connect(str(r.client.host), r.client.port or 0)
         try:
-            await client.send(upload_head(UPLOAD) + b'{"model":')
-            await until(lambda: r.state.budget.held > 0, 3, "the upload's reservation")
-            assert r.state.budget.held == held_estimate(UPLOAD)
+            start = b'{"model":'
+            await client.send(upload_head(UPLOAD) + start)
+            await until(lambda: r.state.budget.held > 0, 3, "the upload's first bytes reserved")
+            assert r.state.budget.held == held_estimate(len(start))  # not what was announced
+            piece = b"x" * 200_000
+            await client.send(piece)
+            grown = held_estimate(len(start) + len(piece))
+            await until(lambda: r.state.budget.held == grown, 3, "the reservation grown")
         finally:
             client.close()
         await until(lambda: r.state.budget.held == 0, 3, "the reservation released")
@@ -65,14 +73,44 @@ async def test_concurrent_uploads_cannot_pass_the_budget(clock: FakeClock) -> No
         first = await RawClient.connect(str(r.client.host), r.client.port or 0)
         second = await RawClient.connect(str(r.client.host), r.client.port or 0)
         try:
-            await first.send(upload_head(UPLOAD) + b'{"model":')
-            await until(lambda: r.state.budget.held > 0, 3, "the first upload's reservation")
+            sent = UPLOAD - 1000  # all but the end: most of the budget, held while it waits
+            await first.send(upload_head(UPLOAD) + b"x" * sent)
+            await until(
+                lambda: r.state.budget.held == held_estimate(sent), 3, "the first upload's bytes"
+            )
             body = padded_body(UPLOAD)
-            await second.send(upload_head(len(body)))
+            await second.send(upload_head(len(body)) + body)
             answer = await second.read_response()
             assert answer.status == 503 and answer.error_code() == "proxy_memory_full"
-            assert r.state.budget.held == held_estimate(UPLOAD)
+            assert r.state.budget.held == held_estimate(sent)
+            assert r.state.budget.held <= config["limits"]["max_held_bytes"]
         finally:
             first.close()
             second.close()
         await asyncio.sleep(0)
+
+
+async def test_announced_uploads_hold_nothing_until_they_send(clock: FakeClock) -> None:
+    """Eight connections announce a whole budget's worth each and send one byte: a request that
+    fits is served meanwhile (it got 503 proxy_memory_full when announcements were reserved)."""
+    config = relay_config("http://127.0.0.1:9")
+    config["limits"] = {"max_held_bytes": held_estimate(UPLOAD) + 1000}
+    async with rig(config, clock) as r:
+        idle = [await RawClient.connect(str(r.client.host), r.client.port or 0) for _ in range(8)]
+        try:
+            for client in idle:
+                await client.send(upload_head(UPLOAD) + b"{")
+            await until(lambda: r.state.budget.held == 8 * held_estimate(1), 3, "one byte each")
+            # Not JSON: read whole and reserved, then refused 400 without a backend call.
+            body = b"x" * (UPLOAD // 2)
+            other = await RawClient.connect(str(r.client.host), r.client.port or 0)
+            try:
+                await other.send(upload_head(len(body)) + body)
+                answer = await other.read_response()
+            finally:
+                other.close()
+            assert answer.status == 400, answer.body[:300]
+        finally:
+            for client in idle:
+                client.close()
+        await until(lambda: r.state.budget.held == 0, 3, "the reservations released")

@@ -156,7 +156,11 @@ async def test_an_upload_in_progress_holds_its_place_in_the_memory_budget(
     body = {**CHAT, "messages": [{"role": "user", "content": "x" * 300_000}]}
     slow = await RawClient.connect(proxy.host, proxy.port)
     try:
-        await slow.send(upload_head(upload) + b'{"model": "tiny", ')  # and never the rest
+        # Most of its body, and never the rest: reserved as the bytes came (not as announced).
+        await slow.send(upload_head(upload) + b'{"model": "tiny", ' + b" " * (upload - 100_000))
+        # Read and reserved by the proxy in milliseconds; a request beside it meanwhile would
+        # make the upload's own growth the one refused (as is right, but not this test's case).
+        await asyncio.sleep(0.5)
         refused = None
         deadline = time.monotonic() + 5
         while refused is None and time.monotonic() < deadline:
