@@ -62,6 +62,7 @@ class Admitted:
     # What its stream wrote to the client, counted by the relay: kept here so that a request
     # whose handler is cancelled (the client left) is still billed for it.
     delivered: Delivered = field(default_factory=Delivered)
+    cache_salt: str = ""  # the prefix-cache salt of the tenant's scope (derive_cache_salt)
 
     def __post_init__(self) -> None:
         self.queued = QueuedRequest(
@@ -77,6 +78,7 @@ class Admitted:
                 self.parsed.body,
                 tokens=self.config.policies.prefix_tokens,
                 chars_per_token=self.config.scheduling.chars_per_token,
+                salt=self.cache_salt,
             ),
         )
 

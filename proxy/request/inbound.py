@@ -1,7 +1,8 @@
 """What comes in from a client: the API key, the JSON body, and what must not pass on.
 
-Clients can never raise their own priority: the body's ``priority`` and ``vllm_xargs`` and every
-``X-Vllm-*`` / ``X-Tierproxy-*`` header are dropped here; only the proxy's signed ticket decides.
+Clients can never raise their own priority nor pick a cache salt: the body's ``priority``,
+``vllm_xargs`` and ``cache_salt`` and every ``X-Vllm-*`` / ``X-Tierproxy-*`` header are dropped
+here; only the proxy's signed ticket decides.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ __all__ = [
 # The admin API's body wait (client bodies wait input.body_read_timeout_s).
 BODY_READ_TIMEOUT_S = 30.0
 
-STRIPPED_BODY_FIELDS = ("priority", "vllm_xargs")
+# cache_salt: the proxy sets the tenant's own (docs/isolation.md); a caller's could name another's.
+STRIPPED_BODY_FIELDS = ("priority", "vllm_xargs", "cache_salt")
 STRIPPED_HEADER_PREFIXES = ("x-vllm-", "x-tierproxy-")
 # Hop-by-hop headers (RFC 9110 §7.6.1, plus the obsolete Proxy-Connection); those the Connection
 # header names are dropped as well.

@@ -41,7 +41,7 @@ from proxy.api.reply_headers import (
 )
 from proxy.api.routes import BY_ENDPOINT, Endpoint, Route
 from proxy.config.schema import Config, LoadedConfig
-from proxy.config.tenants import Tenant
+from proxy.config.tenants import Tenant, cache_scope
 from proxy.policies.cost import weighted_tokens
 from proxy.relay.budget import MemoryBudget, Reservation
 from proxy.relay.forward import RelayResult, UpstreamUnavailable, relay
@@ -61,6 +61,7 @@ from proxy.scheduling.pool import BackendPool
 from proxy.scheduling.queue import AdmissionQueue, QueueFull, UnknownTier
 from proxy.telemetry.metrics import ProxyMetrics
 from proxy.telemetry.slo import backend_met, latency_of
+from proxy.ticket import derive_cache_salt
 
 log = logging.getLogger("tierproxy")
 
@@ -204,7 +205,16 @@ class RequestPipeline:
         # body measures where that is more: tiny containers hold up to 24x their bytes.
         if not held.grow(parsed.held_bytes - held.amount):
             raise memory_full()
-        return Admitted(config, tenant, parsed, trace.request_id, trace.arrival, held=held)
+        salt = derive_cache_salt(self.secret, cache_scope(tenant, config.tiers[tenant.tier]))
+        return Admitted(
+            config,
+            tenant,
+            parsed,
+            trace.request_id,
+            trace.arrival,
+            held=held,
+            cache_salt="" if BY_ENDPOINT[endpoint].cheap else salt,
+        )
 
     # -- tenant limits -------------------------------------------------------------------
 
@@ -346,6 +356,7 @@ class RequestPipeline:
             budget=self.budget,
             clock_correction_s=lease.backend.ticket_time_correction,
             delivered=adm.delivered,
+            cache_salt=adm.cache_salt,
         )
         # The Responses API streams events of its own kind (proxy.relay.responses).
         relay_fn = relay_responses if adm.parsed.endpoint == "responses" else self.relay
