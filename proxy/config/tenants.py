@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import re
 from typing import Literal
@@ -63,6 +64,14 @@ class Tier(Strict):
         description="Latency target (docs/slo.md): goodput metrics, and the adaptive backend"
         " room steers by it.",
         examples=[{"ttft_s": 1.0, "itl_s": 0.1, "percentile": 99}],
+    )
+    models: list[str] | None = Field(
+        None,
+        min_length=1,
+        description="Models the tier's tenants may use by default: names or globs (`llama-*`)."
+        " Any other is answered 404 `model_not_found`, as a model that does not exist, and is"
+        " missing from `/v1/models`. null: every model.",
+        examples=[["tiny", "llama-3-*"]],
     )
     cache_group: str | None = Field(
         None,
@@ -126,6 +135,14 @@ class Tenant(Strict):
     max_concurrent: int | None = Field(
         None, gt=0, description="Requests in flight at once (queued ones not counted); null: none."
     )
+    models: list[str] | None = Field(
+        None,
+        min_length=1,
+        description="Models the tenant may use: names or globs (`llama-*`), in place of its"
+        " tier's `models`. Any other is answered 404 `model_not_found`, as a model that does"
+        " not exist, and is missing from its `/v1/models`. null: the tier's list.",
+        examples=[["tiny"]],
+    )
     cache_group: str | None = Field(
         None,
         min_length=1,
@@ -146,3 +163,14 @@ def cache_scope(tenant: Tenant, tier: Tier) -> str:
     merely named like it."""
     group = tenant.cache_group or tier.cache_group
     return f"group:{group}" if group is not None else f"tenant:{tenant.name}"
+
+
+def allowed_models(tenant: Tenant, tier: Tier) -> list[str] | None:
+    """The tenant's model patterns (its own, else its tier's); None: every model."""
+    return tenant.models if tenant.models is not None else tier.models
+
+
+def model_allowed(patterns: list[str] | None, model: str) -> bool:
+    """Whether ``model`` matches one of ``patterns`` (case-sensitive globs, as model names are);
+    every model when there are none."""
+    return patterns is None or any(fnmatch.fnmatchcase(model, p) for p in patterns)

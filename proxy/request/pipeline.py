@@ -21,6 +21,7 @@ from proxy.api.errors import (
     ProxyError,
     backend_overloaded,
     backends_failed,
+    bad_request,
     cheap_busy,
     config_changed,
     memory_full,
@@ -41,7 +42,7 @@ from proxy.api.reply_headers import (
 )
 from proxy.api.routes import BY_ENDPOINT, Endpoint, Route
 from proxy.config.schema import Config, LoadedConfig
-from proxy.config.tenants import Tenant, cache_scope
+from proxy.config.tenants import Tenant, allowed_models, cache_scope, model_allowed
 from proxy.policies.cost import weighted_tokens
 from proxy.relay.budget import MemoryBudget, Reservation
 from proxy.relay.forward import RelayResult, UpstreamUnavailable, relay
@@ -199,8 +200,7 @@ class RequestPipeline:
             token_limit=tenant.tokens_per_minute,
             inputs=config.input,
         )
-        if not self.pool.model_known(parsed.model):
-            raise model_not_found(parsed.model, sorted(self.pool.known_models()))
+        self.check_model(parsed.model, allowed_models(tenant, config.tiers[tenant.tier]))
         # The estimate reserved while the body was read (6x its bytes) grows to what the parsed
         # body measures where that is more: tiny containers hold up to 24x their bytes.
         if not held.grow(parsed.held_bytes - held.amount):
@@ -215,6 +215,15 @@ class RequestPipeline:
             held=held,
             cache_salt="" if BY_ENDPOINT[endpoint].cheap else salt,
         )
+
+    def check_model(self, model: str | None, patterns: list[str] | None) -> None:
+        """404 for a model no backend serves, and the very same 404 (its list of names cut to
+        the key's) for one the key may not use: no oracle of what others can use."""
+        if patterns is not None and model is None:  # vLLM would pick its default, maybe not ours
+            raise bad_request("'model' is required with this API key", param="model")
+        if not self.pool.model_known(model) or (model and not model_allowed(patterns, model)):
+            visible = (m for m in self.pool.known_models() if model_allowed(patterns, m))
+            raise model_not_found(model, sorted(visible))
 
     # -- tenant limits -------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from proxy.api.errors import ProxyError, method_not_allowed, no_backend, unknown_url
 from proxy.api.routes import POST_PATHS
+from proxy.config.tenants import allowed_models, model_allowed
 from proxy.request.inbound import authenticate
 
 if TYPE_CHECKING:
@@ -22,13 +23,20 @@ class ServiceEndpoints:
         self.state = state
 
     async def models(self, request: web.Request) -> web.Response:
-        """The models of the available backends, for tenants only."""
+        """The models of the available backends that the tenant may use, for tenants only."""
+        loaded = self.state.loaded
         try:
-            authenticate(request.headers, self.state.loaded)
+            tenant = authenticate(request.headers, loaded)
         except ProxyError as err:
             return err.response()
         assert self.state.monitor is not None  # started with the app
-        cards = await self.state.monitor.models_payload()
+        # Only what the key may use (the tenant's `models`, else its tier's).
+        patterns = allowed_models(tenant, loaded.config.tiers[tenant.tier])
+        cards = [
+            card
+            for card in await self.state.monitor.models_payload()
+            if model_allowed(patterns, str(card.get("id", "")))
+        ]
         return web.json_response(
             {"object": "list", "data": cards}, dumps=lambda o: orjson.dumps(o).decode()
         )
