@@ -36,13 +36,19 @@ class Relay(Protocol):
 class Trace:
     """What the access log needs, whatever step the request ended in."""
 
-    request_id: str
+    request_id: str  # the proxy's own (new_request_id): the key of everything
     arrival: float
+    client_request_id: str | None = None  # the client's X-Request-Id: echoed and logged only
     tenant: Tenant | None = None  # known once authenticated
     admitted: bool = False  # parsed and its model known
     outcome: Outcome = Outcome.ERROR
     status: int = 500
     latency: Latency | None = None  # of an answer relayed (for goodput)
+
+    @property
+    def reply_id(self) -> str:
+        """The X-Request-Id of the answers: the client's own echoed, else the proxy's."""
+        return self.client_request_id or self.request_id
 
 
 @dataclass

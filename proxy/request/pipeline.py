@@ -34,11 +34,11 @@ from proxy.api.errors import (
     rate_limited,
     refused_early,
 )
-from proxy.api.hotpath import LabelCache
+from proxy.api.hotpath import LabelCache, new_request_id
 from proxy.api.outcome import Outcome
 from proxy.api.reply_headers import (
     REQUEST_ID,
-    request_id_for,
+    client_request_id,
 )
 from proxy.api.routes import BY_ENDPOINT, Endpoint, Route
 from proxy.config.schema import Config, LoadedConfig
@@ -121,8 +121,9 @@ class RequestPipeline:
         return handle_route
 
     async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
-        trace = Trace(request_id_for(request.headers), self.clock())
-        request[REQUEST_ID] = trace.request_id  # for streams too (reply_headers)
+        # The proxy's own id keys everything; the client's is only echoed and logged.
+        trace = Trace(new_request_id(), self.clock(), client_request_id(request.headers))
+        request[REQUEST_ID] = trace.reply_id  # for streams too (reply_headers)
         loaded = self.config()  # one config for the whole request, even if a reload happens
         adm: Admitted | None = None
         result: RelayResult | None = None
@@ -366,6 +367,7 @@ class RequestPipeline:
             clock_correction_s=lease.backend.ticket_time_correction,
             delivered=adm.delivered,
             cache_salt=adm.cache_salt,
+            reply_request_id=request.get(REQUEST_ID),
         )
         # The Responses API streams events of its own kind (proxy.relay.responses).
         relay_fn = relay_responses if adm.parsed.endpoint == "responses" else self.relay

@@ -42,12 +42,15 @@ def upstream_call(
     clock_correction_s: float = 0.0,
     delivered: Delivered | None = None,
     cache_salt: str = "",
+    reply_request_id: str | None = None,
 ) -> UpstreamCall:
     """One attempt's call: a fresh ticket each time (a nonce is good for one use).
     ``clock_correction_s``: the backend's clock minus ours where measured
     (``BackendState.ticket_time_correction``), so that its plugin's window check sees
     ``issued_at`` on its own clock. ``cache_salt``: the tenant's prefix-cache salt, put into the
-    body (every model route of vLLM 0.32 takes one) and bound into the ticket ("": none)."""
+    body (every model route of vLLM 0.32 takes one) and bound into the ticket ("": none).
+    ``reply_request_id``: the X-Request-Id the client's answer carries (its own echoed), where
+    it differs from ``request_id``, the proxy's, which vLLM gets."""
     tier = config.tiers[tier_name]
     body = dict(parsed.body)
     if backend.send_priority:
@@ -88,4 +91,5 @@ def upstream_call(
         bounds=config.relay,
         budget=budget,
         delivered=delivered if delivered is not None else Delivered(),
+        reply_request_id=reply_request_id,
     )
