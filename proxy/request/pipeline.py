@@ -54,6 +54,7 @@ from proxy.request.inbound import (
     parse_body,
     read_body,
 )
+from proxy.request.stored import no_stored_responses
 from proxy.request.upstream import upstream_call
 from proxy.scheduling.dispatch import CheapLease, Dispatcher, Lease, QueueTimeoutError
 from proxy.scheduling.early_refusal import EarlyRefusal
@@ -206,6 +207,8 @@ class RequestPipeline:
         # body measures where that is more: tiny containers hold up to 24x their bytes.
         if not held.grow(parsed.held_bytes - held.amount):
             raise memory_full()
+        if endpoint == "responses":
+            no_stored_responses(parsed.body)  # 400, or store: false (proxy.request.stored)
         salt = derive_cache_salt(self.secret, cache_scope(tenant, config.tiers[tenant.tier]))
         return Admitted(
             config,
