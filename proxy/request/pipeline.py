@@ -21,11 +21,9 @@ from proxy.api.errors import (
     ProxyError,
     backend_overloaded,
     backends_failed,
-    bad_request,
     cheap_busy,
     config_changed,
     memory_full,
-    model_not_found,
     no_backend,
     over_token_limit,
     poison_pill,
@@ -42,7 +40,7 @@ from proxy.api.reply_headers import (
 )
 from proxy.api.routes import BY_ENDPOINT, Endpoint, Route
 from proxy.config.schema import Config, LoadedConfig
-from proxy.config.tenants import Tenant, allowed_models, cache_scope, model_allowed
+from proxy.config.tenants import Tenant
 from proxy.policies.cost import weighted_tokens
 from proxy.relay.budget import MemoryBudget, Reservation
 from proxy.relay.forward import RelayResult, UpstreamUnavailable, relay
@@ -55,6 +53,7 @@ from proxy.request.inbound import (
     read_body,
 )
 from proxy.request.stored import no_stored_responses
+from proxy.request.tenancy import cache_salt, check_model
 from proxy.request.upstream import upstream_call
 from proxy.scheduling.dispatch import CheapLease, Dispatcher, Lease, QueueTimeoutError
 from proxy.scheduling.early_refusal import EarlyRefusal
@@ -63,7 +62,6 @@ from proxy.scheduling.pool import BackendPool
 from proxy.scheduling.queue import AdmissionQueue, QueueFull, UnknownTier
 from proxy.telemetry.metrics import ProxyMetrics
 from proxy.telemetry.slo import backend_met, latency_of
-from proxy.ticket import derive_cache_salt
 
 log = logging.getLogger("tierproxy")
 
@@ -202,14 +200,15 @@ class RequestPipeline:
             token_limit=tenant.tokens_per_minute,
             inputs=config.input,
         )
-        self.check_model(parsed.model, allowed_models(tenant, config.tiers[tenant.tier]))
+        tier = config.tiers[tenant.tier]
+        check_model(self.pool, parsed.model, tenant, tier)
         # The estimate reserved while the body was read (6x its bytes) grows to what the parsed
         # body measures where that is more: tiny containers hold up to 24x their bytes.
         if not held.grow(parsed.held_bytes - held.amount):
             raise memory_full()
         if endpoint == "responses":
             no_stored_responses(parsed.body)  # 400, or store: false (proxy.request.stored)
-        salt = derive_cache_salt(self.secret, cache_scope(tenant, config.tiers[tenant.tier]))
+        salt = cache_salt(self.secret, tenant, tier)
         return Admitted(
             config,
             tenant,
@@ -219,15 +218,6 @@ class RequestPipeline:
             held=held,
             cache_salt="" if BY_ENDPOINT[endpoint].cheap else salt,
         )
-
-    def check_model(self, model: str | None, patterns: list[str] | None) -> None:
-        """404 for a model no backend serves, and the very same 404 (its list of names cut to
-        the key's) for one the key may not use: no oracle of what others can use."""
-        if patterns is not None and model is None:  # vLLM would pick its default, maybe not ours
-            raise bad_request("'model' is required with this API key", param="model")
-        if not self.pool.model_known(model) or (model and not model_allowed(patterns, model)):
-            visible = (m for m in self.pool.known_models() if model_allowed(patterns, m))
-            raise model_not_found(model, sorted(visible))
 
     # -- tenant limits -------------------------------------------------------------------
 
