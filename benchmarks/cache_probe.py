@@ -28,7 +28,7 @@ from pathlib import Path
 import aiohttp
 
 from proxy.bench.inproc import SECRET, auth, make_config, running_proxy
-from proxy.ops.engine import EngineProcess, EngineSpec, engine_cores, ensure_model, free_port
+from proxy.ops.engine import EngineProcess, local_engine
 
 ARGS = ("--enable-prefix-caching", "--block-size", "32")
 
@@ -83,16 +83,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args()
-    model, served = ensure_model(None)
-    spec = EngineSpec(
-        port=free_port(),
-        model=model,
-        served_name=served or "tiny",
+    spec = local_engine(
         max_num_seqs=2,
         max_model_len=4096,
         extra_args=ARGS,
         env={"TIERPROXY_TICKET_SECRET": SECRET.decode()},
-        cpus=engine_cores(),
     )
     log = Path(tempfile.mkdtemp(prefix="cache-probe-")) / "vllm.log"
     engine = EngineProcess(spec, log).start()

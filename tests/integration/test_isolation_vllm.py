@@ -17,14 +17,11 @@ import pytest
 from proxy.ops.engine import EngineProcess
 from proxy.telemetry import prometheus
 from proxy.ticket import derive_cache_salt
-from tests.conftest import EngineFarm
+from tests.enginefarm import EngineFarm
+from tests.engines import PREFIX_CACHE
 from tests.proxyrun import SECRET, auth, make_config, running_proxy
 
-pytestmark = pytest.mark.integration
-
-# The CPU attention needs a block size that is a multiple of 32 (DESIGN.md, third round).
-ENGINE_ARGS = ("--enable-prefix-caching", "--block-size", "32")
-ENV = {"TIERPROXY_TICKET_SECRET": SECRET.decode()}
+pytestmark = [pytest.mark.integration, pytest.mark.engines(PREFIX_CACHE)]
 TIMEOUT = aiohttp.ClientTimeout(total=60)
 HITS = "vllm:prefix_cache_hits_total"
 QUERIES = "vllm:prefix_cache_queries_total"
@@ -32,7 +29,7 @@ QUERIES = "vllm:prefix_cache_queries_total"
 
 @pytest.fixture(scope="module")
 def engine(engines: EngineFarm) -> EngineProcess:
-    return engines.get("prefix-cache", plugin=True, extra_args=ENGINE_ARGS, env=ENV)
+    return engines.get(PREFIX_CACHE)
 
 
 def _prompt() -> str:
