@@ -52,8 +52,7 @@ from proxy.request.inbound import (
     parse_body,
     read_body,
 )
-from proxy.request.stored import no_stored_responses
-from proxy.request.tenancy import cache_salt, check_model
+from proxy.request.tenancy import tenant_gate
 from proxy.request.upstream import upstream_call
 from proxy.scheduling.dispatch import CheapLease, Dispatcher, Lease, QueueTimeoutError
 from proxy.scheduling.early_refusal import EarlyRefusal
@@ -200,23 +199,14 @@ class RequestPipeline:
             token_limit=tenant.tokens_per_minute,
             inputs=config.input,
         )
-        tier = config.tiers[tenant.tier]
-        check_model(self.pool, parsed.model, tenant, tier)
+        # What the tenant may reach: its models, no stored responses; the salt of its cache.
+        salt = tenant_gate(self.pool, self.secret, config.tiers[tenant.tier], tenant, parsed)
         # The estimate reserved while the body was read (6x its bytes) grows to what the parsed
         # body measures where that is more: tiny containers hold up to 24x their bytes.
         if not held.grow(parsed.held_bytes - held.amount):
             raise memory_full()
-        if endpoint == "responses":
-            no_stored_responses(parsed.body)  # 400, or store: false (proxy.request.stored)
-        salt = cache_salt(self.secret, tenant, tier)
         return Admitted(
-            config,
-            tenant,
-            parsed,
-            trace.request_id,
-            trace.arrival,
-            held=held,
-            cache_salt="" if BY_ENDPOINT[endpoint].cheap else salt,
+            config, tenant, parsed, trace.request_id, trace.arrival, held=held, cache_salt=salt
         )
 
     # -- tenant limits -------------------------------------------------------------------

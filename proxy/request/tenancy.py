@@ -1,9 +1,13 @@
-"""What one tenant's request may reach (docs/isolation.md): its models, its prefix-cache salt."""
+"""What one tenant's request may reach (docs/isolation.md): its models, no stored responses,
+its own prefix-cache salt."""
 
 from __future__ import annotations
 
 from proxy.api.errors import bad_request, model_not_found
+from proxy.api.routes import BY_ENDPOINT
 from proxy.config.tenants import Tenant, Tier, allowed_models, cache_scope, model_allowed
+from proxy.request.inbound import ParsedRequest
+from proxy.request.stored import no_stored_responses
 from proxy.scheduling.pool import BackendPool
 from proxy.ticket import derive_cache_salt
 
@@ -22,3 +26,15 @@ def check_model(pool: BackendPool, model: str | None, tenant: Tenant, tier: Tier
 def cache_salt(secret: bytes, tenant: Tenant, tier: Tier) -> str:
     """The prefix-cache salt of the tenant's scope (its cache_group, else itself)."""
     return derive_cache_salt(secret, cache_scope(tenant, tier))
+
+
+def tenant_gate(
+    pool: BackendPool, secret: bytes, tier: Tier, tenant: Tenant, parsed: ParsedRequest
+) -> str:
+    """The checks of a parsed request that keep tenants apart (its model; no stored responses,
+    proxy.request.stored), and the cache salt to send it with ("" on the routes that run no
+    model)."""
+    check_model(pool, parsed.model, tenant, tier)
+    if parsed.endpoint == "responses":
+        no_stored_responses(parsed.body)  # 400, or store: false
+    return "" if BY_ENDPOINT[parsed.endpoint].cheap else cache_salt(secret, tenant, tier)
