@@ -6,23 +6,16 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from proxy.bench.fake_vllm import FakeVLLM
 from proxy.config.loader import parse_config
 from proxy.config.tenants import Tenant, Tier, cache_scope, hash_key
 from proxy.policies.prefix import prefix_hash
 from proxy.ticket import TICKET_HEADER, decode_ticket, derive_cache_salt, encode_ticket
 from proxy.vllm_plugin.verify import salt_matches
-from tests.adversarial.test_plugin_middleware import (
-    App,
-    call,
-    mw_with,
-    refused,
-    signed,
-    ticket,
-)
-from tests.clock import FakeClock
-from tests.fakes import ScriptedBackend, serve_scripted
-from tests.proxyrun import SECRET, auth, make_config
-from tests.unit.test_pipeline import BODY, rig
+from tests.helpers.clock import FakeClock
+from tests.helpers.plugin_asgi import App, call, mw_with, refused, signed, ticket
+from tests.helpers.proxyrun import SECRET, auth, make_config
+from tests.helpers.rig import BODY, rig
 
 TIER = {"priority": 0, "weight": 1, "max_queue": 1, "queue_timeout_s": 1, "request_timeout_s": 1}
 
@@ -82,8 +75,8 @@ def _config(backend_url: str, groups: dict[str, str] | None = None) -> dict[str,
 
 async def _salts(clock: FakeClock, groups: dict[str, str] | None = None) -> dict[str, str]:
     """The cache_salt the backend received for each tier's tenant, each sending its own salt."""
-    backend = ScriptedBackend()
-    async with serve_scripted(backend) as url, rig(_config(url, groups), clock) as r:
+    backend = FakeVLLM()
+    async with backend.serve() as url, rig(_config(url, groups), clock) as r:
         out: dict[str, str] = {}
         for tier in ("high", "normal", "low"):
             resp = await r.client.post(
@@ -92,7 +85,7 @@ async def _salts(clock: FakeClock, groups: dict[str, str] | None = None) -> dict
                 headers=auth(tier),
             )
             assert resp.status == 200, await resp.text()
-            body, headers = backend.received[-1], backend.headers[-1]
+            body, headers = backend.received[-1].body, backend.received[-1].headers
             t = decode_ticket(headers[TICKET_HEADER], SECRET)
             assert t.cache_salt == body["cache_salt"]  # bound into the ticket
             out[t.tenant] = str(body["cache_salt"])

@@ -9,11 +9,11 @@ import re
 import orjson
 import pytest
 
+from proxy.bench.fake_vllm import FakeVLLM
 from proxy.ticket import REQUEST_ID_HEADER, TICKET_HEADER, decode_ticket
-from tests.clock import FakeClock
-from tests.fakes import ScriptedBackend, serve_scripted
-from tests.proxyrun import SECRET, auth, make_config
-from tests.unit.test_pipeline import BODY, rig
+from tests.helpers.clock import FakeClock
+from tests.helpers.proxyrun import SECRET, auth, make_config
+from tests.helpers.rig import BODY, rig
 
 OURS = re.compile(r"[0-9a-f]{32}")
 
@@ -22,9 +22,9 @@ OURS = re.compile(r"[0-9a-f]{32}")
 async def test_two_tenants_with_one_client_id_get_distinct_proxy_ids(
     clock: FakeClock, caplog: pytest.LogCaptureFixture, stream: bool
 ) -> None:
-    backend = ScriptedBackend()
+    backend = FakeVLLM()
     lines: list[bytes] = []
-    async with serve_scripted(backend) as url, rig(make_config([{"url": url}]), clock) as r:
+    async with backend.serve() as url, rig(make_config([{"url": url}]), clock) as r:
         r.state.usage.sink = lines.append  # the usage log's lines, as its writer gets them
         caplog.set_level(logging.INFO, logger="tierproxy.access")
         for tier in ("high", "normal"):
@@ -38,8 +38,9 @@ async def test_two_tenants_with_one_client_id_get_distinct_proxy_ids(
         resp = await r.client.post("/v1/chat/completions", json=BODY, headers=auth("low"))
         await resp.read()
         assert OURS.fullmatch(resp.headers["X-Request-Id"])  # none sent: the proxy's own
-    sent = [h[REQUEST_ID_HEADER] for h in backend.headers]
-    tickets = [decode_ticket(h[TICKET_HEADER], SECRET) for h in backend.headers]
+    headers = [r.headers for r in backend.received]
+    sent = [h[REQUEST_ID_HEADER] for h in headers]
+    tickets = [decode_ticket(h[TICKET_HEADER], SECRET) for h in headers]
     assert len(set(sent)) == 3 and all(OURS.fullmatch(rid) for rid in sent)
     assert [t.request_id for t in tickets] == sent  # the ticket binds the proxy's id
     records = [orjson.loads(line) for line in lines]
@@ -53,8 +54,8 @@ async def test_two_tenants_with_one_client_id_get_distinct_proxy_ids(
 async def test_a_refused_request_echoes_the_client_id_and_logs_both(
     clock: FakeClock, caplog: pytest.LogCaptureFixture
 ) -> None:
-    backend = ScriptedBackend()
-    async with serve_scripted(backend) as url, rig(make_config([{"url": url}]), clock) as r:
+    backend = FakeVLLM()
+    async with backend.serve() as url, rig(make_config([{"url": url}]), clock) as r:
         caplog.set_level(logging.INFO, logger="tierproxy.access")
         resp = await r.client.post(
             "/v1/chat/completions", json=BODY, headers={"X-Request-Id": "mine-1"}

@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from tests.clock import FakeClock
-from tests.fakes_routes import RoutesBackend
-from tests.proxyrun import auth
-from tests.unit.test_routes import BODIES, proxy
+from proxy.bench.fake_vllm import FakeVLLM
+from tests.helpers.clock import FakeClock
+from tests.helpers.proxyrun import auth
+from tests.unit.server.test_routes import BODIES, proxy
 
 BODY = BODIES["/v1/responses"]
 
@@ -28,7 +28,7 @@ BODY = BODIES["/v1/responses"]
 async def test_what_needs_a_stored_response_is_refused(
     clock: FakeClock, extra: dict[str, Any], param: str
 ) -> None:
-    backend = RoutesBackend()
+    backend = FakeVLLM()
     body = {**BODY, **extra}
     async with (
         proxy(clock, backend) as (client, _),
@@ -45,7 +45,7 @@ async def test_what_needs_a_stored_response_is_refused(
 async def test_every_other_request_is_sent_with_store_false(
     clock: FakeClock, extra: dict[str, Any]
 ) -> None:
-    backend = RoutesBackend()
+    backend = FakeVLLM()
     body = {**BODY, **extra}
     async with (
         proxy(clock, backend) as (client, _),
@@ -67,7 +67,7 @@ async def test_every_other_request_is_sent_with_store_false(
 async def test_stored_response_routes_are_not_served(
     clock: FakeClock, method: str, path: str
 ) -> None:
-    backend = RoutesBackend()
+    backend = FakeVLLM()
     async with (
         proxy(clock, backend) as (client, _),
         client.request(method, path, headers=auth("high")) as r,

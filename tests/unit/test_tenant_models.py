@@ -11,19 +11,19 @@ import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
+from proxy.bench.fake_vllm import FakeVLLM
 from proxy.config.loader import parse_config
 from proxy.config.tenants import hash_key
 from proxy.server.app import create_app
 from proxy.server.state import STATE, ProxyState
-from tests.clock import FakeClock
-from tests.fakes import ScriptedBackend, serve_scripted
-from tests.proxyrun import SECRET, auth, make_config
+from tests.helpers.clock import FakeClock
+from tests.helpers.proxyrun import SECRET, auth, make_config
 
 Client = TestClient[web.Request, web.Application]
 SERVED = ("tiny", "big-1", "big-2")
 
 
-class TwoFamilies(ScriptedBackend):
+class TwoFamilies(FakeVLLM):
     """A backend that serves ``SERVED``."""
 
     async def _models(self, request: web.Request) -> web.Response:
@@ -32,11 +32,11 @@ class TwoFamilies(ScriptedBackend):
 
 
 @contextlib.asynccontextmanager
-async def proxy(clock: FakeClock) -> AsyncIterator[tuple[Client, ProxyState, ScriptedBackend]]:
+async def proxy(clock: FakeClock) -> AsyncIterator[tuple[Client, ProxyState, FakeVLLM]]:
     """tenant-high may use tiny only (its own list), tenant-normal big-* (its tier's list),
     tenant-low everything."""
     backend = TwoFamilies()
-    async with serve_scripted(backend) as url:
+    async with backend.serve() as url:
         config = make_config(
             [{"url": url}],
             tiers={"normal": {"models": ["big-*"]}},
@@ -89,7 +89,10 @@ async def test_a_forbidden_model_is_answered_as_an_unknown_one(clock: FakeClock)
             text = str(forbidden_answer).replace(forbidden, "nope")
             assert text == str(unknown_answer)
             assert forbidden not in str(unknown_answer)
-        assert [b["model"] for b in backend.received] == ["tiny", "big-2"]  # refused ones not sent
+        assert [b.body["model"] for b in backend.received] == [
+            "tiny",
+            "big-2",
+        ]  # refused ones not sent
 
 
 async def test_models_lists_only_what_the_key_may_use(clock: FakeClock) -> None:
