@@ -5,13 +5,15 @@ the access log, the admitted request with its queue entry, and the seams the pip
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from aiohttp import web
 
+from proxy.api.hotpath import new_request_id
 from proxy.api.outcome import Outcome
+from proxy.api.reply_headers import client_request_id
 from proxy.api.usage import TokenUsage, token_usage
 from proxy.config.schema import Config
 from proxy.config.tenants import Tenant
@@ -44,6 +46,12 @@ class Trace:
     outcome: Outcome = Outcome.ERROR
     status: int = 500
     latency: Latency | None = None  # of an answer relayed (for goodput)
+
+    @classmethod
+    def begin(cls, headers: Mapping[str, str], now: float) -> Trace:
+        """A new request's trace: the proxy's own id keys everything; the client's
+        X-Request-Id is only echoed and logged."""
+        return cls(new_request_id(), now, client_request_id(headers))
 
     @property
     def reply_id(self) -> str:

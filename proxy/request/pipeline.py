@@ -32,11 +32,10 @@ from proxy.api.errors import (
     rate_limited,
     refused_early,
 )
-from proxy.api.hotpath import LabelCache, new_request_id
+from proxy.api.hotpath import LabelCache
 from proxy.api.outcome import Outcome
 from proxy.api.reply_headers import (
     REQUEST_ID,
-    client_request_id,
 )
 from proxy.api.routes import BY_ENDPOINT, Endpoint, Route
 from proxy.config.schema import Config, LoadedConfig
@@ -119,8 +118,7 @@ class RequestPipeline:
         return handle_route
 
     async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
-        # The proxy's own id keys everything; the client's is only echoed and logged.
-        trace = Trace(new_request_id(), self.clock(), client_request_id(request.headers))
+        trace = Trace.begin(request.headers, self.clock())
         request[REQUEST_ID] = trace.reply_id  # for streams too (reply_headers)
         loaded = self.config()  # one config for the whole request, even if a reload happens
         adm: Admitted | None = None
@@ -199,7 +197,6 @@ class RequestPipeline:
             token_limit=tenant.tokens_per_minute,
             inputs=config.input,
         )
-        # What the tenant may reach: its models, no stored responses; the salt of its cache.
         salt = tenant_gate(self.pool, self.secret, config.tiers[tenant.tier], tenant, parsed)
         # The estimate reserved while the body was read (6x its bytes) grows to what the parsed
         # body measures where that is more: tiny containers hold up to 24x their bytes.
