@@ -50,6 +50,7 @@ from proxy.bench.live import (
     rss_bytes,
     stream_ttft,
 )
+from proxy.bench.proxy_config import BENCH_ADMIN_KEY
 from proxy.bench.scrape import fetch_metrics
 from proxy.server.open_files import raise_open_files_limit
 from proxy.telemetry.prometheus import VLLM_RUNNING, total
@@ -292,7 +293,7 @@ async def run(args: argparse.Namespace, out_dir: Path) -> None:
                 # connections and they reconnect (server.header_timeout_s: 10 s).
                 await asyncio.sleep(args.attack_warmup_s)
                 usage = await proxy_usage(http, stack)
-                text = await fetch_metrics(http, stack.url) or ""
+                text = await fetch_metrics(http, stack.url, key=BENCH_ADMIN_KEY) or ""
                 print(
                     f"  attacker {ready}; the proxy counts"
                     f" {total(text, 'tierproxy_open_connections'):g} open,"

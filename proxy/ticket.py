@@ -16,6 +16,13 @@ body bytes sent), ``request_id`` equals the ``X-Request-Id`` header, ``issued_at
 validity window the plugin enforces, and ``nonce`` is single-use within that window. v1 tickets
 (no binding) are refused.
 
+Cache salt: ``cache_salt`` is the prefix-cache salt the proxy put into the body
+(``derive_cache_salt``: an HMAC of the ticket secret and the tenant's cache scope, so stable
+across replicas and restarts and unguessable without the secret). The plugin refuses a ticketed
+request whose body carries another salt. The field is in the payload only when set, and a
+ticket without it (an older proxy) reads as ``""``: no salt bound; an older plugin reads the
+fields it knows and ignores this one, so v2 stays v2 across a rolling upgrade.
+
 Time: the proxy and vLLM run on different hosts whose clocks disagree. The deadline travels as
 a duration: ``time_limit_s`` (= ``deadline - issued_at``, both stamped by the proxy's one clock,
 so no skew between hosts enters it), counted by the plugin from when it receives the request on
@@ -103,6 +110,9 @@ class Ticket:
     body_sha256: str  # body_digest() of the exact body bytes sent
     issued_at: float  # unix epoch seconds; the plugin accepts it for a short window
     nonce: str  # single use: the plugin remembers it for the window
+    # The body's cache_salt as the proxy set it ("": none). Last, with a default: older
+    # tickets lack it and still decode.
+    cache_salt: str = ""
 
     @property
     def time_limit_s(self) -> float:
@@ -166,6 +176,8 @@ def encode_ticket(ticket: Ticket, secret: bytes) -> str:
     if not secret:
         raise ValueError("ticket secret must not be empty")
     ordered = {name: getattr(ticket, name) for name in _SORTED_FIELDS}
+    if not ticket.cache_salt:  # none bound: the exact v2 payload of before the salt
+        del ordered["cache_salt"]
     payload = json.dumps(ordered, separators=(",", ":"))
     signed = f"{TICKET_VERSION}.{_b64(payload.encode('utf-8'))}"
     return f"{signed}.{_signature(secret, signed)}"
@@ -206,9 +218,23 @@ def decode_ticket(value: str | bytes, secret: bytes) -> Ticket:
             body_sha256=str(raw["body_sha256"]),
             issued_at=float(raw["issued_at"]),
             nonce=str(raw["nonce"]),
+            cache_salt=str(raw.get("cache_salt", "")),
         )
     except (KeyError, TypeError, ValueError, binascii.Error) as exc:
         raise TicketError(f"unreadable ticket payload: {exc}") from exc
+
+
+# Domain separation: the salt is an HMAC under the ticket secret, never equal to a signature.
+_SALT_CONTEXT = b"tierproxy cache_salt v1\x00"
+
+
+@functools.lru_cache(maxsize=4096)
+def derive_cache_salt(secret: bytes, scope: str) -> str:
+    """The prefix-cache salt of one cache scope (a tenant, or a ``cache_group``): base64url of
+    HMAC-SHA256(secret, context + scope), 43 characters (256 bits), none of the characters vLLM
+    forbids in a salt (``@ / \\ NUL``). Cached: a few scopes, looked up on every request."""
+    mac = hmac.new(secret, _SALT_CONTEXT + scope.encode("utf-8"), hashlib.sha256)
+    return _b64(mac.digest())
 
 
 def secret_from_env(env_name: str = DEFAULT_SECRET_ENV) -> bytes:

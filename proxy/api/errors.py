@@ -109,6 +109,16 @@ def admin_disabled() -> ProxyError:
     )
 
 
+def metrics_private() -> ProxyError:
+    """/metrics on the client listener with no admin key to read it with."""
+    return ProxyError(
+        404,
+        "/metrics names every tenant's usage: serve it on admin_listen, or configure admin_keys"
+        " and scrape it with one as a bearer token.",
+        code="admin_disabled",
+    )
+
+
 def unknown_backend(url: str) -> ProxyError:
     return ProxyError(404, f"No backend {url!r}", code="unknown_backend")
 

@@ -1,9 +1,11 @@
 """Headers the proxy adds to its answers: the request id, OpenAI's ``x-ratelimit-*`` and
 ``x-should-retry``.
 
-A client's own ``X-Request-Id`` is kept (and sent on to vLLM, bound into the ticket) when it is
-short and plain; anything else is replaced by the proxy's own id, so that no client can put
-control characters or megabytes into logs and headers.
+Every request gets the proxy's own id (``new_request_id``: 128 random bits): the one sent to
+vLLM, bound into the ticket, in the usage log's record and the access log. A client's own
+``X-Request-Id``, when short and plain, is echoed back to it and logged beside the proxy's id,
+never used as a key (two tenants may send the same one, or guess another's); anything else is
+ignored, so that no client can put control characters or megabytes into logs and headers.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ class BucketWindow:
     reset_s: float  # until the bucket is full again
 
 
-# The id the pipeline chose for a request (the client's or its own), for every answer to it.
+# The id every answer to a request carries: the client's X-Request-Id echoed, else the proxy's.
 REQUEST_ID = web.RequestKey("tierproxy_request_id", str)
 
 
@@ -45,12 +47,17 @@ async def add_request_id(request: web.Request, response: web.StreamResponse) -> 
         response.headers["X-Request-Id"] = chosen or request_id_for(request.headers)
 
 
-def request_id_for(headers: Mapping[str, str]) -> str:
-    """The client's X-Request-Id when well-formed, else a fresh one."""
+def client_request_id(headers: Mapping[str, str]) -> str | None:
+    """The client's X-Request-Id when well-formed (to echo and log, never a key), else None."""
     theirs = headers.get("X-Request-Id")
     if theirs and _SAFE_REQUEST_ID.fullmatch(theirs):
         return theirs
-    return new_request_id()
+    return None
+
+
+def request_id_for(headers: Mapping[str, str]) -> str:
+    """The id to answer with: the client's X-Request-Id when well-formed, else a fresh one."""
+    return client_request_id(headers) or new_request_id()
 
 
 def should_retry_header(status: int, *, execution_timeout: bool = False) -> dict[str, str]:

@@ -19,8 +19,10 @@ import aiohttp
 import yaml
 
 from proxy.bench.inproc import KEYS, auth, make_config
+from proxy.bench.proxy_config import BENCH_ADMIN_KEY
 from proxy.bench.scrape import fetch_metrics
 from proxy.bench.stack import ProxyProcess
+from proxy.config.tenants import hash_key
 from proxy.ops.engine import EngineProcess, local_engine
 from proxy.ops.process import StopOnExit, free_port
 from proxy.telemetry.prometheus import total
@@ -92,7 +94,9 @@ def _checkout_path() -> str:
 
 
 def base_config(**extra: Any) -> dict[str, Any]:
-    """``make_config`` with the three demo tenants, no backend yet (LiveStack adds it)."""
+    """``make_config`` with the three demo tenants, no backend yet (LiveStack adds it), and the
+    bench's admin key (proxy_usage reads /metrics with it)."""
+    extra.setdefault("admin_keys", [{"sha256": hash_key(BENCH_ADMIN_KEY)}])
     return make_config([], **extra)
 
 
@@ -121,7 +125,7 @@ class ProxyUsage:
 async def proxy_usage(http: aiohttp.ClientSession, stack: LiveStack) -> ProxyUsage:
     """RSS and open files from /proc; tasks and slots from the proxy's /metrics (the scrape
     itself is one of the tasks counted)."""
-    text = await fetch_metrics(http, stack.url, timeout_s=10.0)
+    text = await fetch_metrics(http, stack.url, timeout_s=10.0, key=BENCH_ADMIN_KEY)
     if text is None:
         raise RuntimeError("the proxy's /metrics did not answer")
     pid = stack.proxy_pid

@@ -51,6 +51,10 @@ _FALLBACK_TIER: dict[str, Any] = {
 }
 
 
+# Bench-only, like the scenario's tenant keys: the key the bench scrapes the proxy's /metrics with.
+BENCH_ADMIN_KEY = "bench-admin-key"
+
+
 def proxy_config(
     scenario: Scenario,
     backends: list[str],
@@ -81,6 +85,8 @@ def proxy_config(
             for t in scenario.tenants
         ],
         "backends": [{"url": url, **room} for url in backends],
+        # /metrics on the client listener needs an admin key: the bench's scrape sends this one.
+        "admin_keys": [{"sha256": hash_key(BENCH_ADMIN_KEY)}],
     }
     validate(data)
     return data
@@ -96,7 +102,7 @@ def write_proxy_config(data: dict[str, Any], path: Path, scenario: Scenario) -> 
         f"# Proxy config for the bench scenario {scenario.name!r}, written by `tierproxy bench`.\n"
         "# Tenant keys (bench-only): "
         + ", ".join(f"{t.name}={t.api_key}" for t in scenario.tenants)
-        + "\n"
+        + f"; admin (for /metrics): {BENCH_ADMIN_KEY}\n"
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(header + yaml.safe_dump(data, sort_keys=False), encoding="utf-8")

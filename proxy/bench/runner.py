@@ -20,6 +20,7 @@ import aiohttp
 
 from proxy.bench import scrape
 from proxy.bench.client import ClientSettings, send
+from proxy.bench.proxy_config import BENCH_ADMIN_KEY
 from proxy.bench.records import Outcome, PlannedRequest, RequestRecord
 from proxy.telemetry import prometheus
 
@@ -34,6 +35,7 @@ class RunSettings:
     sample_interval_s: float = 0.5
     engine_url: str | None = None  # a vLLM to scrape for running/waiting (the direct target)
     run_id: str = "bench"
+    metrics_key: str | None = BENCH_ADMIN_KEY  # for the target's /metrics (a proxy's wants one)
 
 
 @dataclass
@@ -249,7 +251,9 @@ async def _scrape(session: aiohttp.ClientSession, settings: RunSettings, latest:
     while True:
         want_engine = engine_url is not None and engine_url != settings.base_url
         target_text, engine_text = await asyncio.gather(
-            scrape.fetch_metrics(session, settings.base_url) if target_alive else _none(),
+            scrape.fetch_metrics(session, settings.base_url, key=settings.metrics_key)
+            if target_alive
+            else _none(),
             scrape.fetch_metrics(session, engine_url) if want_engine and engine_url else _none(),
         )
         if target_alive and target_text is None:

@@ -11,12 +11,14 @@ from proxy.telemetry.prometheus import vllm_busy
 
 
 async def fetch_metrics(
-    session: aiohttp.ClientSession, base_url: str, timeout_s: float = 2.0
+    session: aiohttp.ClientSession, base_url: str, timeout_s: float = 2.0, key: str | None = None
 ) -> str | None:
-    """The /metrics text, or None when it is missing or slow."""
+    """The /metrics text, or None when it is missing or slow. ``key``: the admin key a proxy
+    without ``admin_listen`` wants for its /metrics (sent as a bearer token)."""
+    headers = {"Authorization": f"Bearer {key}"} if key else None
     try:
         async with session.get(
-            f"{base_url}/metrics", timeout=aiohttp.ClientTimeout(total=timeout_s)
+            f"{base_url}/metrics", timeout=aiohttp.ClientTimeout(total=timeout_s), headers=headers
         ) as resp:
             if resp.status != 200:
                 return None

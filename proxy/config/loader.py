@@ -3,6 +3,7 @@ from the environment, tenants validated in chunks that hand the GIL back to the 
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from pathlib import Path
 from typing import Any
@@ -188,4 +189,35 @@ def summarize(loaded: LoadedConfig) -> str:
         ceiling = b.max_inflight or cfg.adaptive_room.max_room
         room = f"adaptive up to {ceiling}" if b.adaptive_room else f"fixed {b.max_inflight}"
         lines.append(f"  backend {b.label}: room {room}")
+    lines += [f"  warning: {w}" for w in metrics_warnings(loaded)]
     return "\n".join(lines)
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name: it may resolve anywhere
+        return False
+
+
+def metrics_warnings(loaded: LoadedConfig) -> list[str]:
+    """Where /metrics (every tenant's name and usage) would be readable without a key, or not
+    served at all (`tierproxy check` prints these)."""
+    cfg = loaded.config
+    admin = cfg.admin_listen
+    if admin is not None:
+        if _loopback(admin.host):
+            return []
+        return [
+            f"/metrics on admin_listen {admin.host}:{admin.port} needs no key and lists every"
+            " tenant's usage: keep that address private (firewall, internal network) or bind it"
+            " to 127.0.0.1"
+        ]
+    if not loaded.admin_key_hashes:
+        return [
+            "no admin_listen and no admin_keys: /metrics is not served (404); set admin_listen,"
+            " or admin_keys and scrape the client listener with one as a bearer token"
+        ]
+    return []

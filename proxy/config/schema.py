@@ -30,7 +30,9 @@ class Config(Strict):
     listen: Listen = Field(Listen(), description="Where clients reach the proxy.")
     admin_listen: AdminListen | None = Field(
         None,
-        description="Set: /metrics and /admin are served there only, not on `listen`.",
+        description="Set: /metrics and /admin are served there only, not on `listen`; /metrics"
+        " needs no key there (keep it private). null: both on `listen`, each only with an admin"
+        " key (/metrics lists every tenant's usage; Prometheus sends the key as a bearer token).",
         examples=[{"host": "127.0.0.1", "port": 8001}],
     )
     server: Server = Field(Server(), description="Client connections.")
@@ -58,7 +60,8 @@ class Config(Strict):
     backends: list[Backend] = Field(min_length=1, description="The vLLM servers.")
     admin_keys: list[KeySpec] = Field(
         default_factory=list,
-        description="Keys for the /admin endpoints (backend drain); none: the admin API is off.",
+        description="Keys for the /admin endpoints (backend drain) and, without `admin_listen`,"
+        " for /metrics; none: the admin API is off.",
         examples=[[{"env": "TIERPROXY_ADMIN_KEY"}]],
     )
     shared_state: SharedState | None = Field(

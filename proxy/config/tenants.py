@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import re
 from typing import Literal
@@ -70,6 +71,20 @@ class Tier(Strict):
         " room steers by it.",
         examples=[{"ttft_s": 1.0, "itl_s": 0.1, "percentile": 99}],
     )
+    models: list[str] | None = Field(
+        None,
+        min_length=1,
+        description="Models the tier's tenants may use by default: names or globs (`llama-*`)."
+        " Any other is answered 404 `model_not_found`, as a model that does not exist, and is"
+        " missing from `/v1/models`. null: every model.",
+        examples=[["tiny", "llama-3-*"]],
+    )
+    cache_group: str | None = Field(
+        None,
+        min_length=1,
+        description="Default `cache_group` of the tier's tenants (docs/isolation.md): tenants of"
+        " one group share vLLM's prefix cache. null: each tenant has a cache of its own.",
+    )
     early_refusal: bool = Field(
         False,
         description="429 at once, Retry-After the predicted wait, when a new request's predicted"
@@ -126,8 +141,42 @@ class Tenant(Strict):
     max_concurrent: int | None = Field(
         None, gt=0, description="Requests in flight at once (queued ones not counted); null: none."
     )
+    models: list[str] | None = Field(
+        None,
+        min_length=1,
+        description="Models the tenant may use: names or globs (`llama-*`), in place of its"
+        " tier's `models`. Any other is answered 404 `model_not_found`, as a model that does"
+        " not exist, and is missing from its `/v1/models`. null: the tier's list.",
+        examples=[["tiny"]],
+    )
+    cache_group: str | None = Field(
+        None,
+        min_length=1,
+        description="Tenants with the same group share vLLM's prefix cache (e.g. the apps of one"
+        " team and their long system prompt); each other tenant cannot tell, by timing, what"
+        " they sent (docs/isolation.md). null: the tier's `cache_group`, else its own cache.",
+    )
     on_limit: Literal["reject", "queue"] = Field(
         "reject",
         description="Over a limit: `reject` answers 429 with Retry-After; `queue` waits for the"
         " allowance (within the tier's queue_timeout_s).",
     )
+
+
+def cache_scope(tenant: Tenant, tier: Tier) -> str:
+    """The prefix-cache scope the tenant's salt is derived from: its group (its own, else its
+    tier's), else the tenant alone. Prefixed so that a group never shares with a tenant that is
+    merely named like it."""
+    group = tenant.cache_group or tier.cache_group
+    return f"group:{group}" if group is not None else f"tenant:{tenant.name}"
+
+
+def allowed_models(tenant: Tenant, tier: Tier) -> list[str] | None:
+    """The tenant's model patterns (its own, else its tier's); None: every model."""
+    return tenant.models if tenant.models is not None else tier.models
+
+
+def model_allowed(patterns: list[str] | None, model: str) -> bool:
+    """Whether ``model`` matches one of ``patterns`` (case-sensitive globs, as model names are);
+    every model when there are none."""
+    return patterns is None or any(fnmatch.fnmatchcase(model, p) for p in patterns)

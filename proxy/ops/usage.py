@@ -88,6 +88,7 @@ class UsageRecord:
     # The tokens are the proxy's estimate, not the backend's usage: a stream that ended
     # without it, billed what it delivered (a lower bound) and its prompt's estimate.
     usage_estimated: bool = False
+    client_request_id: str | None = None  # the client's X-Request-Id, beside the proxy's own
 
     def to_json(self) -> bytes:
         return orjson.dumps(asdict(self))
@@ -180,6 +181,7 @@ class UsageMeter:
             engine_s=max(0.0, end - queue_end),
             duration_s=max(0.0, end - trace.arrival),
             usage_estimated=estimated,
+            client_request_id=trace.client_request_id,
         )
 
     def bounded(self, record: UsageRecord) -> tuple[str, str, str, str]:

@@ -4,6 +4,10 @@ vLLM's prefix cache reuses the KV of a shared leading run of tokens, so requests
 same way run faster where the first one ran. The proxy has no tokenizer: the prefix is the first
 ``tokens`` tokens, approximated as ``tokens * chars_per_token`` characters of the prompt text
 (or the first ``tokens`` ids when the prompt is given as token ids).
+
+The hash is keyed on the request's cache salt too: vLLM never shares cached blocks between
+salts, so two tenants' equal prefixes are different prefixes to the cache, and steering them to
+one backend would only sharpen a timing probe of one by the other (docs/isolation.md).
 """
 
 from __future__ import annotations
@@ -15,9 +19,18 @@ from typing import Any
 _SEPARATOR = "\x1e"  # between chat messages, so that ["ab", "c"] and ["a", "bc"] differ
 
 
-def prefix_hash(body: Mapping[str, Any], *, tokens: int, chars_per_token: float) -> int | None:
-    """A 64-bit hash of the prompt's first ``tokens`` tokens, from a parsed chat or completion
-    body; None when it holds no prompt to hash."""
+def prefix_hash(
+    body: Mapping[str, Any], *, tokens: int, chars_per_token: float, salt: str = ""
+) -> int | None:
+    """A 64-bit hash of (``salt``, the prompt's first ``tokens`` tokens), from a parsed chat or
+    completion body; None when it holds no prompt to hash."""
+    h = _prompt_hash(body, tokens=tokens, chars_per_token=chars_per_token)
+    if h is None or not salt:
+        return h
+    return _digest(salt.encode("utf-8") + b"\x1f" + h.to_bytes(8, "big"))
+
+
+def _prompt_hash(body: Mapping[str, Any], *, tokens: int, chars_per_token: float) -> int | None:
     messages = body.get("messages")
     if isinstance(messages, list):
         text = _chat_text(messages, limit=int(tokens * chars_per_token))

@@ -99,6 +99,8 @@ class UpstreamCall:
     budget: MemoryBudget | None = None  # what a buffered answer reserves while held
     # What a stream wrote to the client (the request's, kept when the handler is cancelled).
     delivered: Delivered = field(default_factory=Delivered)
+    # The client's answer's X-Request-Id (its own echoed); None: the id sent upstream.
+    reply_request_id: str | None = None
 
 
 async def relay(
@@ -157,7 +159,11 @@ def _response_headers(call: UpstreamCall, resp: aiohttp.ClientResponse) -> dict[
     """Set before the response is prepared: the request id the pipeline gave the call (a
     streamed response's headers cannot change once sent)."""
     headers = {"Content-Type": resp.headers.get("Content-Type", "application/json")}
-    request_id = call.headers.get(REQUEST_ID_HEADER) or resp.headers.get(REQUEST_ID_HEADER)
+    request_id = (
+        call.reply_request_id
+        or call.headers.get(REQUEST_ID_HEADER)
+        or resp.headers.get(REQUEST_ID_HEADER)
+    )
     if request_id:
         headers[REQUEST_ID_HEADER] = request_id
     return headers

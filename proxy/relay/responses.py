@@ -96,7 +96,7 @@ async def _relay_events(
     out = web.StreamResponse(status=200)
     out.headers["Content-Type"] = "text/event-stream"
     out.headers["Cache-Control"] = "no-cache"
-    out.headers["X-Request-Id"] = call.headers.get(REQUEST_ID_HEADER, "")
+    out.headers["X-Request-Id"] = call.reply_request_id or call.headers.get(REQUEST_ID_HEADER, "")
     result = RelayResult(out, Outcome.OK, 200, first_token_at=now())
     last: ProxyError | None = None
     try:

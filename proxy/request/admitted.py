@@ -5,13 +5,15 @@ the access log, the admitted request with its queue entry, and the seams the pip
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from aiohttp import web
 
+from proxy.api.hotpath import new_request_id
 from proxy.api.outcome import Outcome
+from proxy.api.reply_headers import client_request_id
 from proxy.api.usage import TokenUsage, token_usage
 from proxy.config.schema import Config
 from proxy.config.tenants import Tenant
@@ -36,13 +38,25 @@ class Relay(Protocol):
 class Trace:
     """What the access log needs, whatever step the request ended in."""
 
-    request_id: str
+    request_id: str  # the proxy's own (new_request_id): the key of everything
     arrival: float
+    client_request_id: str | None = None  # the client's X-Request-Id: echoed and logged only
     tenant: Tenant | None = None  # known once authenticated
     admitted: bool = False  # parsed and its model known
     outcome: Outcome = Outcome.ERROR
     status: int = 500
     latency: Latency | None = None  # of an answer relayed (for goodput)
+
+    @classmethod
+    def begin(cls, headers: Mapping[str, str], now: float) -> Trace:
+        """A new request's trace: the proxy's own id keys everything; the client's
+        X-Request-Id is only echoed and logged."""
+        return cls(new_request_id(), now, client_request_id(headers))
+
+    @property
+    def reply_id(self) -> str:
+        """The X-Request-Id of the answers: the client's own echoed, else the proxy's."""
+        return self.client_request_id or self.request_id
 
 
 @dataclass
@@ -62,6 +76,7 @@ class Admitted:
     # What its stream wrote to the client, counted by the relay: kept here so that a request
     # whose handler is cancelled (the client left) is still billed for it.
     delivered: Delivered = field(default_factory=Delivered)
+    cache_salt: str = ""  # the prefix-cache salt of the tenant's scope (derive_cache_salt)
 
     def __post_init__(self) -> None:
         self.queued = QueuedRequest(
@@ -77,6 +92,7 @@ class Admitted:
                 self.parsed.body,
                 tokens=self.config.policies.prefix_tokens,
                 chars_per_token=self.config.scheduling.chars_per_token,
+                salt=self.cache_salt,
             ),
         )
 

@@ -43,7 +43,7 @@ class Answers:
         trace.outcome, trace.status = result.outcome, result.status
         resp = result.response
         if not resp.prepared:  # a stream's headers went out with its first event
-            resp.headers.setdefault("X-Request-Id", trace.request_id)
+            resp.headers.setdefault("X-Request-Id", trace.reply_id)
             resp.headers.update(self.limit_headers(trace))
             resp.headers.update(should_retry_header(result.status))
         return resp
@@ -68,7 +68,7 @@ class Answers:
     def refuse(self, trace: Trace, err: ProxyError) -> web.Response:
         trace.outcome, trace.status = outcome_of(err), err.status
         resp = err.response()
-        resp.headers["X-Request-Id"] = trace.request_id
+        resp.headers["X-Request-Id"] = trace.reply_id
         resp.headers.update(self.limit_headers(trace))
         return resp
 
@@ -89,8 +89,10 @@ class Answers:
             self.metrics.slo.record(self.config().config, tenant, trace.outcome, latency)
         # Never the key: only the tenant it resolved to.
         access_log.info(
-            "request_id=%s tenant=%s tier=%s status=%d outcome=%s duration_s=%.3f",
+            "request_id=%s client_request_id=%s tenant=%s tier=%s status=%d outcome=%s"
+            " duration_s=%.3f",
             trace.request_id,
+            trace.client_request_id or "-",
             tenant.name if tenant else "-",
             tier,
             trace.status,

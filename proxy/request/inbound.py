@@ -1,6 +1,6 @@
 """What comes in from a client: the API key, the JSON body, and what must not pass on.
 
-Clients can never raise their own priority: the body's ``priority`` and ``vllm_xargs`` and every
+No client sets its priority or cache salt: ``priority``, ``vllm_xargs``, ``cache_salt`` and every
 ``X-Vllm-*`` / ``X-Tierproxy-*`` header are dropped here; only the proxy's signed ticket decides.
 """
 
@@ -51,7 +51,7 @@ __all__ = [
 # The admin API's body wait (client bodies wait input.body_read_timeout_s).
 BODY_READ_TIMEOUT_S = 30.0
 
-STRIPPED_BODY_FIELDS = ("priority", "vllm_xargs")
+STRIPPED_BODY_FIELDS = ("priority", "vllm_xargs", "cache_salt")
 STRIPPED_HEADER_PREFIXES = ("x-vllm-", "x-tierproxy-")
 # Hop-by-hop headers (RFC 9110 §7.6.1, plus the obsolete Proxy-Connection); those the Connection
 # header names are dropped as well.

@@ -24,7 +24,6 @@ from proxy.api.errors import (
     cheap_busy,
     config_changed,
     memory_full,
-    model_not_found,
     no_backend,
     over_token_limit,
     poison_pill,
@@ -37,7 +36,6 @@ from proxy.api.hotpath import LabelCache
 from proxy.api.outcome import Outcome
 from proxy.api.reply_headers import (
     REQUEST_ID,
-    request_id_for,
 )
 from proxy.api.routes import BY_ENDPOINT, Endpoint, Route
 from proxy.config.schema import Config, LoadedConfig
@@ -53,6 +51,7 @@ from proxy.request.inbound import (
     parse_body,
     read_body,
 )
+from proxy.request.tenancy import tenant_gate
 from proxy.request.upstream import upstream_call
 from proxy.scheduling.dispatch import CheapLease, Dispatcher, Lease, QueueTimeoutError
 from proxy.scheduling.early_refusal import EarlyRefusal
@@ -119,8 +118,8 @@ class RequestPipeline:
         return handle_route
 
     async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
-        trace = Trace(request_id_for(request.headers), self.clock())
-        request[REQUEST_ID] = trace.request_id  # for streams too (reply_headers)
+        trace = Trace.begin(request.headers, self.clock())
+        request[REQUEST_ID] = trace.reply_id  # for streams too (reply_headers)
         loaded = self.config()  # one config for the whole request, even if a reload happens
         adm: Admitted | None = None
         result: RelayResult | None = None
@@ -198,13 +197,14 @@ class RequestPipeline:
             token_limit=tenant.tokens_per_minute,
             inputs=config.input,
         )
-        if not self.pool.model_known(parsed.model):
-            raise model_not_found(parsed.model, sorted(self.pool.known_models()))
+        salt = tenant_gate(self.pool, self.secret, config.tiers[tenant.tier], tenant, parsed)
         # The estimate reserved while the body was read (6x its bytes) grows to what the parsed
         # body measures where that is more: tiny containers hold up to 24x their bytes.
         if not held.grow(parsed.held_bytes - held.amount):
             raise memory_full()
-        return Admitted(config, tenant, parsed, trace.request_id, trace.arrival, held=held)
+        return Admitted(
+            config, tenant, parsed, trace.request_id, trace.arrival, held=held, cache_salt=salt
+        )
 
     # -- tenant limits -------------------------------------------------------------------
 
@@ -346,6 +346,8 @@ class RequestPipeline:
             budget=self.budget,
             clock_correction_s=lease.backend.ticket_time_correction,
             delivered=adm.delivered,
+            cache_salt=adm.cache_salt,
+            reply_request_id=request.get(REQUEST_ID),
         )
         # The Responses API streams events of its own kind (proxy.relay.responses).
         relay_fn = relay_responses if adm.parsed.endpoint == "responses" else self.relay

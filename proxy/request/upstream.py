@@ -41,15 +41,22 @@ def upstream_call(
     budget: MemoryBudget | None = None,
     clock_correction_s: float = 0.0,
     delivered: Delivered | None = None,
+    cache_salt: str = "",
+    reply_request_id: str | None = None,
 ) -> UpstreamCall:
     """One attempt's call: a fresh ticket each time (a nonce is good for one use).
     ``clock_correction_s``: the backend's clock minus ours where measured
     (``BackendState.ticket_time_correction``), so that its plugin's window check sees
-    ``issued_at`` on its own clock."""
+    ``issued_at`` on its own clock. ``cache_salt``: the tenant's prefix-cache salt, put into the
+    body (every model route of vLLM 0.32 takes one) and bound into the ticket ("": none).
+    ``reply_request_id``: the X-Request-Id the client's answer carries (its own echoed), where
+    it differs from ``request_id``, the proxy's, which vLLM gets."""
     tier = config.tiers[tier_name]
     body = dict(parsed.body)
     if backend.send_priority:
         body["priority"] = tier.priority
+    if cache_salt:
+        body["cache_salt"] = cache_salt
     payload = orjson.dumps(body)
     # Bound to these exact bytes, this request id and a fresh nonce: one use, for a moment.
     now = time.time() + clock_correction_s
@@ -65,6 +72,7 @@ def upstream_call(
         body_sha256=digest,
         issued_at=now,
         nonce=new_nonce(),
+        cache_salt=cache_salt,
     )
     headers = upstream_headers(client_headers, forward=config.input.forward_headers)
     headers["Content-Type"] = "application/json"
@@ -83,4 +91,5 @@ def upstream_call(
         bounds=config.relay,
         budget=budget,
         delivered=delivered if delivered is not None else Delivered(),
+        reply_request_id=reply_request_id,
     )

@@ -11,14 +11,14 @@ import asyncio
 import logging
 import signal
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
 
 from proxy.api.reply_headers import add_request_id
 from proxy.api.routes import ROUTES
-from proxy.config.loader import ConfigError, load_config
+from proxy.config.loader import ConfigError, load_config, metrics_warnings
 from proxy.config.schema import LoadedConfig
 from proxy.ops.reload import ConfigWatcher
 from proxy.ops.runtime import run, tune_gc, tune_logging
@@ -95,16 +95,20 @@ def create_app(
     app.router.add_get("/version", service.version)
     app.router.add_get("/healthz", service.healthz)
     app.router.add_get("/readyz", service.readyz)
-    if loaded.config.admin_listen is None:
-        _add_operator_routes(app, service, admin)
+    if loaded.config.admin_listen is None:  # operators' routes here: each needs an admin key
+        _add_operator_routes(app, service, admin, metrics=service.guarded_metrics)
     app.router.add_route("*", "/v1/{tail:.*}", service.unsupported)
     return app
 
 
 def _add_operator_routes(
-    app: web.Application, service: ServiceEndpoints, admin: AdminEndpoints
+    app: web.Application,
+    service: ServiceEndpoints,
+    admin: AdminEndpoints,
+    *,
+    metrics: Callable[[web.Request], Awaitable[web.StreamResponse]] | None = None,
 ) -> None:
-    app.router.add_get("/metrics", service.metrics)
+    app.router.add_get("/metrics", metrics or service.metrics)
     app.router.add_get("/admin/backends", admin.backends)
     app.router.add_get("/admin/status", admin.status)
     app.router.add_post("/admin/backends/drain", admin.drain)
@@ -195,6 +199,8 @@ def serve(
             FD_RESERVE,
             open_files,
         )
+    for warning in metrics_warnings(loaded):
+        log.warning("%s", warning)
     tune_gc()
     tune_logging()
     run(_serve(app, host, port, reuse_port))  # on uvloop where installed

@@ -9,9 +9,16 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from proxy.api.errors import ProxyError, method_not_allowed, no_backend, unknown_url
+from proxy.api.errors import (
+    ProxyError,
+    method_not_allowed,
+    metrics_private,
+    no_backend,
+    unknown_url,
+)
 from proxy.api.routes import POST_PATHS
-from proxy.request.inbound import authenticate
+from proxy.config.tenants import allowed_models, model_allowed
+from proxy.request.inbound import authenticate, authenticate_admin
 
 if TYPE_CHECKING:
     from proxy.server.state import ProxyState
@@ -22,13 +29,20 @@ class ServiceEndpoints:
         self.state = state
 
     async def models(self, request: web.Request) -> web.Response:
-        """The models of the available backends, for tenants only."""
+        """The models of the available backends that the tenant may use, for tenants only."""
+        loaded = self.state.loaded
         try:
-            authenticate(request.headers, self.state.loaded)
+            tenant = authenticate(request.headers, loaded)
         except ProxyError as err:
             return err.response()
         assert self.state.monitor is not None  # started with the app
-        cards = await self.state.monitor.models_payload()
+        # Only what the key may use (the tenant's `models`, else its tier's).
+        patterns = allowed_models(tenant, loaded.config.tiers[tenant.tier])
+        cards = [
+            card
+            for card in await self.state.monitor.models_payload()
+            if model_allowed(patterns, str(card.get("id", "")))
+        ]
         return web.json_response(
             {"object": "list", "data": cards}, dumps=lambda o: orjson.dumps(o).decode()
         )
@@ -42,7 +56,20 @@ class ServiceEndpoints:
         ready = self.state.pool.any_available(self.state.clock())
         return web.json_response({"ready": ready}, status=200 if ready else 503)
 
+    async def guarded_metrics(self, request: web.Request) -> web.Response:
+        """/metrics on the client listener (no ``admin_listen``): it names every tenant and its
+        usage, so only an admin key reads it (Prometheus sends it as a bearer token); 404 while
+        no admin key is configured, 401 without one."""
+        if not self.state.loaded.admin_key_hashes:
+            return metrics_private().response()
+        try:
+            authenticate_admin(request.headers, self.state.loaded)
+        except ProxyError as err:
+            return err.response()
+        return await self.metrics(request)
+
     async def metrics(self, request: web.Request) -> web.Response:
+        """/metrics on the ``admin_listen`` listener: open, as that listener is the operators'."""
         if self.state.monitor is not None:
             self.state.monitor.export_gauges()
         body = generate_latest(self.state.metrics.registry)

@@ -4,7 +4,8 @@ Loaded with ``--middleware proxy.vllm_plugin.middleware.TicketMiddleware``. Deny
 (``routes.rule_for``): every request but GET/HEAD/OPTIONS (and SageMaker's POST /ping) is
 ticketed, whatever its path. For those it checks, in order: one ``X-Tierproxy-Ticket`` (ASCII,
 v2, HMAC), its validity window and deadline, ``X-Request-Id`` = the ticket's request id, then
-(after reading the body) the body's SHA-256 = the ticket's, and last the nonce's first use. It
+(after reading the body) the body's SHA-256 = the ticket's, its ``cache_salt`` = the ticket's
+(when the ticket binds one), and last the nonce's first use. It
 then rewrites the JSON body:
 
 - ``priority`` comes from the ticket, or is the unticketed priority (the lowest tier);
@@ -49,6 +50,7 @@ from proxy.vllm_plugin.verify import (
     body_matches,
     check_binding,
     check_ticket,
+    salt_matches,
 )
 
 __all__ = ["GENERATION_PATHS", "TicketMiddleware", "check_ticket", "rewrite_body"]
@@ -126,6 +128,15 @@ def _clamp_budget(body: dict[str, Any], budget: int, default_field: str) -> None
         body[default_field] = budget
 
 
+def _json_object(body: bytes) -> dict[str, Any] | None:
+    """The body as a JSON object, or None (not JSON, or not an object)."""
+    try:
+        parsed = json.loads(body)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    return parsed if isinstance(parsed, dict) else None
+
+
 def _error_body(status: int, message: str) -> bytes:
     err_type = {401: "AuthenticationError", 403: "PermissionDeniedError"}.get(
         status, "ServiceUnavailableError"
@@ -195,12 +206,13 @@ class TicketMiddleware:
             body = await self._read_body(receive)
             if body is None:
                 return  # the caller left before sending its body: nothing to run
-            ticket = self._verified_body(ticket, body)
+            parsed = _json_object(body)
+            ticket = self._verified_body(ticket, body, parsed)
         except _Refused as refused:
             await self._refuse(send, refused.status, refused.message)
             return
 
-        new_body = self._rewritten(body, ticket, path)
+        new_body = self._rewritten(body, parsed, ticket, path)
         scope["headers"] = [(k, v) for k, v in headers if k.lower() != b"content-length"] + [
             (b"content-length", str(len(new_body)).encode("ascii"))
         ]
@@ -242,11 +254,16 @@ class TicketMiddleware:
             return None
         return ticket
 
-    def _verified_body(self, ticket: Ticket | None, body: bytes) -> Ticket | None:
+    def _verified_body(
+        self, ticket: Ticket | None, body: bytes, parsed: dict[str, Any] | None
+    ) -> Ticket | None:
         if ticket is None:
             return None
         if not body_matches(ticket, body):
             self._untrusted("ticket is for another body")
+            return None
+        if not salt_matches(ticket, parsed):
+            self._untrusted("ticket is for another cache salt")
             return None
         # Last, so a request that fails any other check cannot use up a genuine nonce.
         now = self.clock()
@@ -272,13 +289,11 @@ class TicketMiddleware:
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
-    def _rewritten(self, body: bytes, ticket: Ticket | None, path: str) -> bytes:
-        try:
-            parsed = json.loads(body)
-        except (ValueError, UnicodeDecodeError, RecursionError):
+    def _rewritten(
+        self, body: bytes, parsed: dict[str, Any] | None, ticket: Ticket | None, path: str
+    ) -> bytes:
+        if parsed is None:
             return body  # vLLM rejects it with its own 400; nothing in it can be trusted anyway
-        if not isinstance(parsed, dict):
-            return body
         new = rewrite_body(
             parsed, ticket, path=path, unticketed_priority=self.settings.unticketed_priority
         )

@@ -87,3 +87,12 @@ def check_binding(
 
 def body_matches(ticket: Ticket, body: bytes) -> bool:
     return hmac.compare_digest(body_digest(body), ticket.body_sha256)
+
+
+def salt_matches(ticket: Ticket, parsed: object) -> bool:
+    """Whether the body (parsed JSON, None when it is not an object) carries the cache salt the
+    ticket binds; a ticket that binds none ("") fits any body."""
+    if not ticket.cache_salt:
+        return True
+    salt = parsed.get("cache_salt") if isinstance(parsed, dict) else None
+    return isinstance(salt, str) and hmac.compare_digest(salt, ticket.cache_salt)

@@ -69,6 +69,14 @@ POOLING_TICKETED = EngineSetting(
     extra_args=POOLING_ARGS,
     env=EngineSetting.environ({DEFAULT_SECRET_ENV: SECRET.decode(), ENV_REQUIRE_TICKET: "1"}),
 )
+# Prefix caching on (the CPU attention needs a block size that is a multiple of 32), the plugin
+# with the suite's secret: the tenant isolation tests (tests/integration/test_isolation_vllm.py).
+PREFIX_CACHE = EngineSetting(
+    "prefix-cache",
+    plugin=True,
+    extra_args=("--enable-prefix-caching", "--block-size", "32"),
+    env=EngineSetting.environ({DEFAULT_SECRET_ENV: SECRET.decode()}),
+)
 # Stock vLLM and the plugin, with the same flags, for the plugin's A/B tests.
 _PLUGIN_ENV = EngineSetting.environ(
     {"TIERPROXY_TICKET_SECRET": PLUGIN_SECRET, "TIERPROXY_PLUGIN_STATS_INTERVAL_S": "1"}

@@ -140,7 +140,8 @@ async def test_top_in_a_terminal_shows_tiers_tenants_and_backends(
             assert statuses == [200, 200, 429]
             async with session.get(f"{engine.spec.url}/metrics") as resp:
                 vllm_names = exposed_names(await resp.text())
-            async with session.get(f"{base}/metrics") as resp:
+            admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+            async with session.get(f"{base}/metrics", headers=admin) as resp:
                 proxy_names = exposed_names(await resp.text())
         # The dashboard queries only names that exist: vLLM's on a real vLLM, ours on the proxy.
         assert {n for n in queried_names() if n.startswith("vllm:")} <= vllm_names

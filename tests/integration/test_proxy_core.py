@@ -199,7 +199,10 @@ async def test_queue_timeout_503_and_execution_timeout_504(engines: EngineFarm) 
 
 async def test_client_leaving_mid_stream_or_in_queue_frees_everything(engines: EngineFarm) -> None:
     engine = engines.get(LONG_CONTEXT)
-    cfg = make_config([{"url": engine.spec.url, "max_inflight": 1}])
+    cfg = make_config(
+        [{"url": engine.spec.url, "max_inflight": 1}],
+        admin_keys=[{"sha256": hash_key("admin-key")}],  # /metrics needs one
+    )
     async with running_proxy(cfg) as (base, state), aiohttp.ClientSession(timeout=TIMEOUT) as s:
         before = await _finished_when_idle(s, engine.spec.url)
         leaver = aiohttp.ClientSession(timeout=TIMEOUT)
@@ -225,7 +228,7 @@ async def test_client_leaving_mid_stream_or_in_queue_frees_everything(engines: E
             5,
             "queue and backend slots to empty",
         )
-        async with s.get(f"{base}/metrics") as m:
+        async with s.get(f"{base}/metrics", headers={"Authorization": "Bearer admin-key"}) as m:
             text = await m.text()
         assert 'tierproxy_requests_total{outcome="client_gone",tier="normal"} 2.0' in text
 

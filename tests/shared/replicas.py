@@ -21,6 +21,9 @@ from proxy.ticket import DEFAULT_SECRET_ENV
 TENANT = "acme"
 
 
+ADMIN_KEY = "replicas-admin-key"
+
+
 def replica_config(upstream: str, redis_url: str | None, **tenant_limits: Any) -> dict[str, Any]:
     """One tenant (the normal tier's demo key) with ``tenant_limits``; shared state when
     ``redis_url`` is given."""
@@ -37,6 +40,8 @@ def replica_config(upstream: str, redis_url: str | None, **tenant_limits: Any) -
             "lease_ttl_s": 1.0,
             "probe_interval_s": 0.1,
         }
+    # /metrics (metric() below) on the client listener needs an admin key.
+    extra["admin_keys"] = [{"sha256": hash_key(ADMIN_KEY)}]
     return make_config([{"url": upstream, "max_inflight": 256}], tenants=[tenant], **extra)
 
 
@@ -77,7 +82,11 @@ async def post(
 
 
 async def metric(session: aiohttp.ClientSession, base: str, name: str) -> float:
-    async with session.get(f"{base}/metrics", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+    async with session.get(
+        f"{base}/metrics",
+        timeout=aiohttp.ClientTimeout(total=5),
+        headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+    ) as resp:
         for line in (await resp.text()).splitlines():
             if line.startswith(name + " ") or line.startswith(name + "{"):
                 return float(line.rsplit(" ", 1)[1])

@@ -75,6 +75,9 @@ def test_compose_structure_matches_the_code(monkeypatch: pytest.MonkeyPatch) -> 
         assert all(p.startswith("127.0.0.1:") for p in replica["ports"])
         assert all(p.endswith(f":{admin_port}") for p in replica["ports"])
 
+    # Prometheus and Grafana hold every tenant's usage: the host's loopback only.
+    for name in ("prometheus", "grafana"):
+        assert all(p.startswith("127.0.0.1:") for p in services[name]["ports"]), name
     prom = yaml.safe_load((REPO / "configs/prometheus.yml").read_text())
     targets = {
         t for job in prom["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]

@@ -112,7 +112,8 @@ def test_the_v2_wire_format_is_unchanged_for_rolling_upgrades() -> None:
     ``deadline - issued_at``; an older proxy's ticket carries both)."""
     payload = encode_ticket(T, SECRET).split(".")[1]
     raw = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
-    assert sorted(raw) == [
+    raw_keys = sorted(raw)
+    assert raw_keys == [
         "body_sha256",
         "budget",
         "deadline",
@@ -125,6 +126,10 @@ def test_the_v2_wire_format_is_unchanged_for_rolling_upgrades() -> None:
         "tier",
     ]
     assert encode_ticket(T, SECRET).startswith("v2.")
+    # A bound cache salt adds its one key, which a plugin of before the salt ignores.
+    salted = encode_ticket(dataclasses.replace(T, cache_salt="s"), SECRET).split(".")[1]
+    raw = json.loads(base64.urlsafe_b64decode(salted + "=" * (-len(salted) % 4)))
+    assert sorted(raw) == sorted(["cache_salt", *raw_keys])
 
 
 @given(st.text(max_size=200) | st.binary(max_size=200))
@@ -180,7 +185,13 @@ def test_the_payload_is_the_sorted_json_of_the_fields() -> None:
     (encode_ticket builds it without asdict, for speed)."""
     ticket = Ticket("high", 0, "acme", 1.7e9 + 0.5, 0.25, 512, "rid", "sha", 1.7e9, "nonce")
     payload = ticket_payload(encode_ticket(ticket, b"k" * 32))
-    expected = json.dumps(dataclasses.asdict(ticket), separators=(",", ":"), sort_keys=True)
+    fields = dataclasses.asdict(ticket)
+    del fields["cache_salt"]  # written only when set: an unsalted ticket is the v2 of before
+    expected = json.dumps(fields, separators=(",", ":"), sort_keys=True)
+    assert base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)) == expected.encode()
+    salted = dataclasses.replace(ticket, cache_salt="salt")
+    payload = ticket_payload(encode_ticket(salted, b"k" * 32))
+    expected = json.dumps(dataclasses.asdict(salted), separators=(",", ":"), sort_keys=True)
     assert base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)) == expected.encode()
 
 

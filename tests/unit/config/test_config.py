@@ -1,6 +1,7 @@
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -206,3 +207,33 @@ def test_large_tenant_lists_validate_in_chunks_with_the_same_locations() -> None
     with pytest.raises(ConfigError) as exc:
         parse_config(text.replace("t1100", "t1"))
     assert "tenant name 't1' appears twice" in str(exc.value)
+
+
+def _check(path: Path) -> str:
+    out = subprocess.run(
+        [sys.executable, "-m", "proxy.cli", "check", "-c", str(path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return out.stdout
+
+
+def test_check_warns_where_metrics_would_be_readable_without_a_key(tmp_path: Path) -> None:
+    """/metrics lists every tenant's usage: `tierproxy check` says when an admin_listen off
+    loopback serves it keyless, or when it is not served at all; loopback or keys: quiet."""
+    base = yaml.safe_load(REPO.joinpath("configs/example.yaml").read_text())
+    cases: dict[str, tuple[dict[str, Any], str | None]] = {
+        "open": ({"admin_listen": {"host": "0.0.0.0", "port": 8001}}, "needs no key"),
+        "off": ({"admin_listen": None, "admin_keys": []}, "/metrics is not served"),
+        "loopback": ({"admin_listen": {"host": "127.0.0.1", "port": 8001}}, None),
+        "keyed": ({"admin_listen": None, "admin_keys": [{"sha256": hash_key("a")}]}, None),
+    }
+    for name, (over, warning) in cases.items():
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump({**base, **over}))
+        out = _check(path)
+        if warning is None:
+            assert "warning" not in out, name
+        else:
+            assert "warning" in out and warning in out, name

@@ -119,7 +119,7 @@ async def test_status_shows_queues_tenants_backends_and_the_window(
             assert "tenant-normal" not in rows  # idle tenants are left out
             assert len((await _status(client, "?tenants=1"))["tenants"]) == 1
 
-            async with client.get("/metrics") as r:
+            async with client.get("/metrics", headers=ADMIN) as r:
                 metrics = await r.text()
             assert (
                 'tierproxy_usage_tokens_total{kind="completion",model="tiny",outcome="ok",'

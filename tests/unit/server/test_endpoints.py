@@ -66,7 +66,7 @@ async def test_probes_and_unknown_urls(clock: FakeClock) -> None:
             assert resp.status == 200 and await resp.json() == {"ready": True}
         async with client.post("/v1/audio/speech", headers=auth("high")) as resp:
             assert resp.status == 404 and await error_code(resp) == "unknown_url"
-        async with client.get("/metrics") as resp:
+        async with client.get("/metrics", headers=ADMIN) as resp:
             assert "tierproxy_config_generation 1.0" in await resp.text()
 
 
@@ -136,3 +136,26 @@ async def test_admin_listen_serves_metrics_and_admin_there_only(clock: FakeClock
                     assert resp.status == 404  # tenants' routes stay on the public listener
                 async with http.get(f"http://127.0.0.1:{public}/healthz") as resp:
                     assert resp.status == 200
+
+
+async def test_metrics_on_the_client_listener_needs_an_admin_key(clock: FakeClock) -> None:
+    """It names every tenant and its usage: without a key, 401 and no tenant name; with no
+    admin key configured, not served; on admin_listen, open (test above)."""
+    async with proxy(clock) as (client, _):
+        async with client.post(
+            "/v1/chat/completions",
+            json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
+            headers=auth("high"),
+        ) as resp:
+            assert resp.status == 200
+        async with client.get("/metrics", headers=ADMIN) as resp:
+            assert resp.status == 200 and "tenant-high" in await resp.text()
+        for headers in ({}, auth("high"), {"Authorization": "Bearer wrong"}):
+            async with client.get("/metrics", headers=headers) as resp:
+                text = await resp.text()
+                assert resp.status == 401 and "tenant" not in text, headers
+    async with (
+        proxy(clock, admin=False) as (client, _),
+        client.get("/metrics", headers=auth("high")) as resp,
+    ):
+        assert resp.status == 404 and await error_code(resp) == "admin_disabled"

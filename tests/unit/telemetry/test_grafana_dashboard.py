@@ -12,6 +12,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from proxy.bench.fake_vllm import FakeVLLM
 from proxy.config.loader import parse_config
+from proxy.config.tenants import hash_key
 from proxy.server.app import create_app
 from tests.helpers.clock import FakeClock
 from tests.helpers.dashboard import exposed_names, panels, queried_names
@@ -23,9 +24,17 @@ async def test_every_proxy_metric_a_panel_queries_is_on_metrics(
     clock: FakeClock, tmp_path: Path
 ) -> None:
     async with FakeVLLM().serve() as url:
-        config = make_config([{"url": url}], usage_log={"path": str(tmp_path / "u.jsonl")})
+        config = make_config(
+            [{"url": url}],
+            usage_log={"path": str(tmp_path / "u.jsonl")},
+            admin_keys=[{"sha256": hash_key("admin")}],
+        )
         app = create_app(parse_config(yaml.safe_dump(config)), secret=SECRET, clock=clock)
-        async with TestClient(TestServer(app)) as client, client.get("/metrics") as resp:
+        admin = {"Authorization": "Bearer admin"}
+        async with (
+            TestClient(TestServer(app)) as client,
+            client.get("/metrics", headers=admin) as resp,
+        ):
             exposed = exposed_names(await resp.text())
     wanted = {n for n in queried_names() if n.startswith("tierproxy_")}
     assert len(wanted) >= 14
