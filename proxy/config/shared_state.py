@@ -30,10 +30,12 @@ class SharedState(Strict):
         " down.",
     )
     pool_wait_s: float = Field(
-        0.25,
+        1.0,
         gt=0,
         description="A call waits this long for a free connection (a burst past"
-        " max_connections), then its request is decided as on_failure says, without marking"
+        " max_connections; long enough that a burst on a loaded host is still decided by Redis,"
+        " since a decision without it lets a tenant past its global limit), then its request is"
+        " decided as on_failure says, without marking"
         " Redis down: a busy pool says this process is busy, not that Redis is. A request"
         " waits on Redis at most pool_wait_s + call_timeout_s before it is decided.",
     )

@@ -11,12 +11,14 @@ import aiohttp
 import pytest
 import yaml
 
+from proxy.config.tenants import hash_key
 from proxy.server.state import ProxyState
 from tests.helpers.enginefarm import EngineFarm
 from tests.helpers.engines import CORE
 from tests.helpers.proxyrun import KEYS, auth, make_config, running_proxy, until
 
 pytestmark = [pytest.mark.integration, pytest.mark.engines(CORE)]
+ADMIN_KEY = "admin-key-for-the-reload-test"
 TIMEOUT = aiohttp.ClientTimeout(total=180)
 BODY = {
     "model": "tiny",
@@ -40,7 +42,10 @@ async def test_edits_during_load_apply_atomically_and_broken_file_changes_nothin
 ) -> None:
     engine = engines.get(CORE)
     path = tmp_path / "tierproxy.yaml"
-    cfg = make_config([{"url": engine.spec.url, "max_inflight": 4}])
+    cfg = make_config(
+        [{"url": engine.spec.url, "max_inflight": 4}],
+        admin_keys=[{"sha256": hash_key(ADMIN_KEY)}],  # /metrics on the client listener needs one
+    )
     async with (
         running_proxy(cfg, config_path=path) as (base, state),
         aiohttp.ClientSession(timeout=TIMEOUT) as s,
@@ -96,7 +101,7 @@ async def test_edits_during_load_apply_atomically_and_broken_file_changes_nothin
         )
         assert state.metrics.config_generation._value.get() == gen
         assert state.config.tiers["high"].weight == 10
-        async with s.get(f"{base}/metrics") as r:
+        async with s.get(f"{base}/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as r:
             assert 'tierproxy_config_reloads_total{result="error"} 1.0' in await r.text()
         await answered(10)
         stop.set()
