@@ -23,6 +23,7 @@ from proxy.api.errors import (
     backends_failed,
     cheap_busy,
     config_changed,
+    engine_killed,
     memory_full,
     no_backend,
     over_token_limit,
@@ -308,6 +309,7 @@ class RequestPipeline:
         try:
             return await self.relay_once(request, adm, lease)
         except UpstreamUnavailable as exc:
+            blamed = _blamed(exc, lease)  # read before this failure is recorded
             self.pool.record_failure(lease.backend, self.clock(), definitive=exc.kind == "connect")
             self.metrics.backend_errors.labels(lease.backend.label, exc.kind).inc()
             log.warning(
@@ -317,7 +319,16 @@ class RequestPipeline:
                 exc.kind,
                 adm.attempts,
             )
-            if exc.maybe_ran:
+            if blamed == "alone":
+                log.warning(
+                    "request %s of tenant %s: backend %s's engine died running it alone;"
+                    " not retried (poison pill)",
+                    adm.request_id,
+                    adm.tenant.name,
+                    lease.backend.label,
+                )
+                raise engine_killed() from None
+            if blamed == "maybe":
                 adm.resets += 1
                 if adm.resets > adm.config.relay.max_reset_retries:
                     raise poison_pill(adm.resets) from None
@@ -390,6 +401,23 @@ class RequestPipeline:
         self.child(self.metrics.tokens, adm.tier, "completion").inc(completion)
         self.queue.correct_charge(adm.queued, weighted_tokens(prompt, completion))
         return True
+
+
+def _blamed(exc: UpstreamUnavailable, lease: Lease | CheapLease) -> str | None:
+    """How far a backend's failure may be the request's doing: "alone" (its engine died while
+    it was the only request there: the likely poison pill, never retried), "maybe" (it may
+    have run there: retried within ``relay.max_reset_retries``), None (it cannot have: retried
+    within ``backend_health.max_attempts``). An engine already failing when the request was
+    handed to it was most likely dead before it arrived: that death is not its doing."""
+    if not exc.maybe_ran:
+        return None
+    state = lease.backend
+    if exc.kind != "engine_dead":
+        return "maybe"
+    if state.failing_since is not None:
+        # Failing before it was sent: dead already. Since: others ran there when it died.
+        return None if state.failing_since < lease.granted_at else "maybe"
+    return "alone" if state.inflight + state.cheap_inflight <= 1 else "maybe"
 
 
 def _give_up(exc: UpstreamUnavailable) -> ProxyError:

@@ -21,6 +21,7 @@ class BackendState:
     healthy: bool = True  # optimistic until a probe or a request says otherwise
     ejected_until: float = 0.0
     failures: int = 0  # consecutive request failures
+    failing_since: float | None = None  # the first of them (None: the last request succeeded)
     probe_failures: int = 0  # consecutive failed /health probes
     reinstated_at: float | None = None
     draining: bool = False  # gets no new work; in-flight work finishes
