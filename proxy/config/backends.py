@@ -56,6 +56,14 @@ class BackendHealth(Strict):
     probe_timeout_s: float = Field(
         5.0, gt=0, description="Timeout of one health, metrics or models probe."
     )
+    max_metrics_bytes: int = Field(
+        4 * 1024 * 1024,
+        ge=64 * 1024,
+        description="Largest `/metrics` answer read from a backend (vLLM's is tens of KiB); a"
+        " larger one is a failed scrape (cut at the cap, counted in"
+        " `tierproxy_backend_probe_failures_total`, its load left to go stale). `/v1/models`"
+        " answers are cut at 1 MiB and `/health` ones at 64 KiB.",
+    )
     unhealthy_after: int = Field(
         3,
         ge=1,

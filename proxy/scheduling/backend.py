@@ -27,6 +27,7 @@ class BackendState:
     draining: bool = False  # gets no new work; in-flight work finishes
     removed: bool = False  # left the config: dropped once idle
     models: frozenset[str] | None = None  # None: not known yet, accept any
+    model_cards: tuple[dict[str, object], ...] = ()  # its /v1/models cards, as last probed
     load: ScrapedLoad | None = None
     dispatched_total: int = 0
     # Slots this process holds when replicas meter the backend together through Redis
