@@ -52,6 +52,7 @@ from proxy.request.inbound import (
     parse_body,
     read_body,
 )
+from proxy.request.poison import blame
 from proxy.request.tenancy import tenant_gate
 from proxy.request.upstream import upstream_call
 from proxy.scheduling.dispatch import CheapLease, Dispatcher, Lease, QueueTimeoutError
@@ -309,7 +310,7 @@ class RequestPipeline:
         try:
             return await self.relay_once(request, adm, lease)
         except UpstreamUnavailable as exc:
-            blamed = _blamed(exc, lease)  # read before this failure is recorded
+            blamed = blame(exc, lease)  # read before this failure is recorded
             self.pool.record_failure(lease.backend, self.clock(), definitive=exc.kind == "connect")
             self.metrics.backend_errors.labels(lease.backend.label, exc.kind).inc()
             log.warning(
@@ -401,23 +402,6 @@ class RequestPipeline:
         self.child(self.metrics.tokens, adm.tier, "completion").inc(completion)
         self.queue.correct_charge(adm.queued, weighted_tokens(prompt, completion))
         return True
-
-
-def _blamed(exc: UpstreamUnavailable, lease: Lease | CheapLease) -> str | None:
-    """How far a backend's failure may be the request's doing: "alone" (its engine died while
-    it was the only request there: the likely poison pill, never retried), "maybe" (it may
-    have run there: retried within ``relay.max_reset_retries``), None (it cannot have: retried
-    within ``backend_health.max_attempts``). An engine already failing when the request was
-    handed to it was most likely dead before it arrived: that death is not its doing."""
-    if not exc.maybe_ran:
-        return None
-    state = lease.backend
-    if exc.kind != "engine_dead":
-        return "maybe"
-    if state.failing_since is not None:
-        # Failing before it was sent: dead already. Since: others ran there when it died.
-        return None if state.failing_since < lease.granted_at else "maybe"
-    return "alone" if state.inflight + state.cheap_inflight <= 1 else "maybe"
 
 
 def _give_up(exc: UpstreamUnavailable) -> ProxyError:

@@ -35,6 +35,11 @@ class BackendState:
     granted: int | None = None
     room_controller: RoomController | None = None  # set by the pool; None: max_inflight fixed
     peak_inflight: int = 0  # since the room controller's last look
+    # Of ``inflight``: the best tier's requests, and how many requests it runs past its room
+    # (let in through the best-tier reserve: BackendPool.reserve_room; each request leaving
+    # brings it one nearer the room).
+    best_inflight: int = 0
+    reserve_inflight: int = 0
     # Tokenizer calls (/tokenize, /detokenize) running here: bounded apart from the generation
     # room (cfg.max_cheap_inflight), so they never take a slot a generation waits for.
     cheap_inflight: int = 0
