@@ -107,8 +107,10 @@ class Backend(Strict):
         ge=1,
         description="Tokenizer calls (/tokenize, /detokenize) in flight on this backend at"
         " most, apart from max_inflight: they never take a generation's room and never wait"
-        " in a queue; past the cap on every backend, 503 backend_busy with Retry-After. With"
-        " `serve --workers N`: the total, divided among the workers (at least 1 each).",
+        " in a queue; past the cap on every backend, 503 backend_busy with Retry-After. One"
+        " tenant holds at most half of them on a backend (rounded up), so that one tenant's"
+        " slow calls never refuse every other tenant's. With `serve --workers N`: the total,"
+        " divided among the workers (at least 1 each).",
     )
     send_priority: bool = Field(
         True,

@@ -287,10 +287,11 @@ class RequestPipeline:
     def direct_lease(self, adm: Admitted) -> CheapLease:
         """For the routes that run no model (the tokenizer's): no queue and no generation
         room (a better tier's generation never waits behind them), but a small cap of their
-        own per backend (``backends[].max_cheap_inflight``)."""
-        backend = self.pool.acquire_cheap(adm.parsed.model, self.clock())
+        own per backend (``backends[].max_cheap_inflight``), half of it at most per tenant."""
+        tenant = adm.tenant.name
+        backend = self.pool.acquire_cheap(adm.parsed.model, self.clock(), tenant)
         if backend is not None:
-            return CheapLease(backend, self.pool, granted_at=self.clock())
+            return CheapLease(backend, self.pool, granted_at=self.clock(), tenant=tenant)
         if not self.pool.any_available(self.clock()):
             raise no_backend("No backend that serves the model is available; retry later.")
         raise cheap_busy()

@@ -4,7 +4,7 @@ state and its last scraped load. The pool changes it; the policies read it throu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from proxy.config.backends import Backend
 from proxy.config.slo import AdaptiveRoom
@@ -43,8 +43,14 @@ class BackendState:
     # Tokenizer calls (/tokenize, /detokenize) running here: bounded apart from the generation
     # room (cfg.max_cheap_inflight), so they never take a slot a generation waits for.
     cheap_inflight: int = 0
+    cheap_by_tenant: dict[str, int] = field(default_factory=dict)  # of those, per tenant
     # Its clock minus ours, from its Date header (proxy.scheduling.clock_offset); None: unknown.
     clock_offset_s: float | None = None
+
+    @property
+    def cheap_tenant_share(self) -> int:
+        """Tokenizer calls one tenant may run here at once: half the cap, rounded up."""
+        return (self.cfg.max_cheap_inflight + 1) // 2
 
     @property
     def ticket_time_correction(self) -> float:

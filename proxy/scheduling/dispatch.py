@@ -57,12 +57,13 @@ class CheapLease:
     backend: BackendState
     pool: BackendPool
     granted_at: float = 0.0
+    tenant: str = ""
     released: bool = False
 
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self.pool.release_cheap(self.backend)
+            self.pool.release_cheap(self.backend, self.tenant)
 
 
 class Dispatcher:

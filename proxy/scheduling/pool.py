@@ -196,24 +196,35 @@ class BackendPool:
             return True
         return any(s.models is None or model in s.models for s in self.states.values())
 
-    def acquire_cheap(self, model: str | None, now: float) -> BackendState | None:
+    def acquire_cheap(
+        self, model: str | None, now: float, tenant: str = ""
+    ) -> BackendState | None:
         """For a tokenizer call: the available backend serving the model with the fewest such
-        calls below its own small cap; None when every one is at its cap. The generation room
-        is neither checked nor taken: vLLM tokenizes in its API server, not in the engine."""
+        calls below its own small cap and below the tenant's share of it (half: one tenant's
+        slow calls never take every slot); None when there is none. The generation room is
+        neither checked nor taken: vLLM tokenizes in its API server, not in the engine."""
         best: BackendState | None = None
         for state in self.states.values():
             if not (state.available(now) and state.serves(model)):
                 continue
             if state.cheap_inflight >= state.cfg.max_cheap_inflight:
                 continue
+            if state.cheap_by_tenant.get(tenant, 0) >= state.cheap_tenant_share:
+                continue
             if best is None or state.cheap_inflight < best.cheap_inflight:
                 best = state
         if best is not None:
             best.cheap_inflight += 1
+            best.cheap_by_tenant[tenant] = best.cheap_by_tenant.get(tenant, 0) + 1
         return best
 
-    def release_cheap(self, state: BackendState) -> None:
+    def release_cheap(self, state: BackendState, tenant: str = "") -> None:
         state.cheap_inflight = max(0, state.cheap_inflight - 1)
+        held = state.cheap_by_tenant.get(tenant, 0) - 1
+        if held > 0:
+            state.cheap_by_tenant[tenant] = held
+        else:
+            state.cheap_by_tenant.pop(tenant, None)
 
     # -- bookkeeping ---------------------------------------------------------------------
     def acquire(
