@@ -102,10 +102,8 @@ async def test_one_tenant_takes_at_most_half_the_tokenizer_slots(clock: FakeCloc
                 for tier in ("high", "normal")
             ]
             await until(lambda: backend.tokenizing == 4, 5, "the other tenants' calls")
-            assert state.pool.all()[0].cheap_by_tenant == {
-                "tenant-low": 2,
-                **{"tenant-high": 1, "tenant-normal": 1},
-            }
+            held = {"tenant-low": 2, "tenant-high": 1, "tenant-normal": 1}
+            assert state.pool.all()[0].cheap_by_tenant == held
         finally:
             assert backend.tokenize_gate is not None
             backend.tokenize_gate.set()
