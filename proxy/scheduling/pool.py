@@ -196,9 +196,7 @@ class BackendPool:
             return True
         return any(s.models is None or model in s.models for s in self.states.values())
 
-    def acquire_cheap(
-        self, model: str | None, now: float, tenant: str = ""
-    ) -> BackendState | None:
+    def acquire_cheap(self, model: str | None, now: float, tenant: str = "") -> BackendState | None:
         """For a tokenizer call: the available backend serving the model with the fewest such
         calls below its own small cap and below the tenant's share of it (half: one tenant's
         slow calls never take every slot); None when there is none. The generation room is
