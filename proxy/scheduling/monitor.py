@@ -88,10 +88,14 @@ class BackendMonitor:
             await self._probers.pop(url).stop()
 
     async def _probe_loop(self, url: str) -> None:
-        while (state := self.pool.states.get(url)) is not None:
+        # Runs until the supervisor stops it (the backend left the pool); never ends alone, so
+        # a backend removed and added back between two supervisor looks is still probed.
+        while True:
             started = self.clock()
-            await self._probe_safely(state)
-            self.on_change()  # its health or load may free room: the dispatcher looks again
+            state = self.pool.states.get(url)
+            if state is not None:
+                await self._probe_safely(state)
+                self.on_change()  # its health or load may free room: the dispatcher looks again
             interval = self.pool.health.metrics_interval_s
             await asyncio.sleep(max(_MIN_PAUSE_S, interval - (self.clock() - started)))
 
