@@ -23,11 +23,9 @@ from proxy.api.errors import (
     backends_failed,
     cheap_busy,
     config_changed,
-    engine_killed,
     memory_full,
     no_backend,
     over_token_limit,
-    poison_pill,
     queue_full,
     queue_timeout,
     rate_limited,
@@ -52,7 +50,7 @@ from proxy.request.inbound import (
     parse_body,
     read_body,
 )
-from proxy.request.poison import blame
+from proxy.request.poison import blame, refuse_poison
 from proxy.request.tenancy import tenant_gate
 from proxy.request.upstream import upstream_call
 from proxy.scheduling.dispatch import CheapLease, Dispatcher, Lease, QueueTimeoutError
@@ -321,19 +319,7 @@ class RequestPipeline:
                 exc.kind,
                 adm.attempts,
             )
-            if blamed == "alone":
-                log.warning(
-                    "request %s of tenant %s: backend %s's engine died running it alone;"
-                    " not retried (poison pill)",
-                    adm.request_id,
-                    adm.tenant.name,
-                    lease.backend.label,
-                )
-                raise engine_killed() from None
-            if blamed == "maybe":
-                adm.resets += 1
-                if adm.resets > adm.config.relay.max_reset_retries:
-                    raise poison_pill(adm.resets) from None
+            refuse_poison(blamed, adm, lease.backend.label)
             if adm.attempts >= adm.config.backend_health.max_attempts:
                 raise _give_up(exc) from None
             # Back into the queue at its old place: another backend takes it, or this one once

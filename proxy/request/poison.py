@@ -3,8 +3,14 @@ crashes vLLM's engine core) must not be retried into every engine of the fleet (
 
 from __future__ import annotations
 
+import logging
+
+from proxy.api.errors import engine_killed, poison_pill
 from proxy.relay.forward import UpstreamUnavailable
+from proxy.request.admitted import Admitted
 from proxy.scheduling.dispatch import CheapLease, Lease
+
+log = logging.getLogger("tierproxy")
 
 
 def blame(exc: UpstreamUnavailable, lease: Lease | CheapLease) -> str | None:
@@ -22,3 +28,22 @@ def blame(exc: UpstreamUnavailable, lease: Lease | CheapLease) -> str | None:
         # Failing before it was sent: dead already. Since: others ran there when it died.
         return None if state.failing_since < lease.granted_at else "maybe"
     return "alone" if state.inflight + state.cheap_inflight <= 1 else "maybe"
+
+
+def refuse_poison(blamed: str | None, adm: Admitted, backend: str) -> None:
+    """Raise the 502 of a request that must not be retried after this failure (``blame``):
+    alone on an engine that died, or past ``relay.max_reset_retries`` failures it may have
+    caused; otherwise count the failure it may have caused and return."""
+    if blamed == "alone":
+        log.warning(
+            "request %s of tenant %s: backend %s's engine died running it alone;"
+            " not retried (poison pill)",
+            adm.request_id,
+            adm.tenant.name,
+            backend,
+        )
+        raise engine_killed() from None
+    if blamed == "maybe":
+        adm.resets += 1
+        if adm.resets > adm.config.relay.max_reset_retries:
+            raise poison_pill(adm.resets) from None

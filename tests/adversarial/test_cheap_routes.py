@@ -86,7 +86,7 @@ async def test_tokenizer_calls_past_their_cap_get_503_with_retry_after(clock: Fa
 
 async def test_one_tenant_takes_at_most_half_the_tokenizer_slots(clock: FakeClock) -> None:
     # Finding #22: one tenant's four slow /tokenize calls made every other tenant's a 503.
-    backend = RoutesBackend(tokenize_gate=asyncio.Event())
+    backend = FakeVLLM(tokenize_gate=asyncio.Event())
     async with proxy(clock, backend) as (client, state):  # 4 tokenizer slots (the default)
         hogs = [
             asyncio.create_task(client.post("/tokenize", json=TOKENIZE, headers=auth("low")))

@@ -20,8 +20,8 @@ from proxy.scheduling.dispatch import Dispatcher, Lease, QueueTimeoutError
 from proxy.scheduling.pool import BackendPool
 from proxy.scheduling.queue import AdmissionQueue
 from proxy.telemetry.metrics import ProxyMetrics
-from tests.clock import FakeClock
-from tests.proxyrun import make_config
+from tests.helpers.clock import FakeClock
+from tests.helpers.proxyrun import make_config
 
 
 def dispatcher(clock: FakeClock, *, room: int = 4, reserve: int = 1) -> Dispatcher:

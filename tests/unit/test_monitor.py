@@ -17,7 +17,7 @@ from proxy.policies.backends import LeastUtilised
 from proxy.scheduling.monitor import BackendMonitor
 from proxy.scheduling.pool import BackendPool
 from proxy.telemetry.metrics import ProxyMetrics
-from tests.clock import FakeClock
+from tests.helpers.clock import FakeClock
 
 LOAD = 'vllm:num_requests_running{engine="0"} 3\nvllm:num_requests_waiting{engine="0"} 1\n'
 CARD = {"id": "tiny", "object": "model", "owned_by": "vllm"}
