@@ -328,6 +328,19 @@ def poison_pill(resets: int) -> ProxyError:
     )
 
 
+def engine_killed() -> ProxyError:
+    """A backend's engine died while this request was the only one it ran: the request is the
+    likely cause (vLLM has had inputs that crash its engine core), so it is not retried where
+    it could take down another engine."""
+    return ProxyError(
+        502,
+        "The backend's engine died while running this request alone; it is not retried, so that"
+        " it cannot take down another engine.",
+        type="server_error",
+        code="engine_dead",
+    )
+
+
 def backends_failed(kind: str) -> ProxyError:
     """Every attempt met a backend that answered and broke (reset, engine died)."""
     return ProxyError(

@@ -31,7 +31,9 @@ class Outcome(StrEnum):
 
 
 # The proxy's own 502s for backends that broke (an ``upstream_error`` of its own stays ``error``).
-BACKEND_FAULT_CODES = frozenset({"upstream_reset", "upstream_too_large", "backends_failed"})
+BACKEND_FAULT_CODES = frozenset(
+    {"upstream_reset", "upstream_too_large", "backends_failed", "engine_dead"}
+)
 
 
 def outcome_of(err: ProxyError) -> Outcome:

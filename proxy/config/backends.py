@@ -56,6 +56,14 @@ class BackendHealth(Strict):
     probe_timeout_s: float = Field(
         5.0, gt=0, description="Timeout of one health, metrics or models probe."
     )
+    max_metrics_bytes: int = Field(
+        4 * 1024 * 1024,
+        ge=64 * 1024,
+        description="Largest `/metrics` answer read from a backend (vLLM's is tens of KiB); a"
+        " larger one is a failed scrape (cut at the cap, counted in"
+        " `tierproxy_backend_probe_failures_total`, its load left to go stale). `/v1/models`"
+        " answers are cut at 1 MiB and `/health` ones at 64 KiB.",
+    )
     unhealthy_after: int = Field(
         3,
         ge=1,
@@ -99,8 +107,10 @@ class Backend(Strict):
         ge=1,
         description="Tokenizer calls (/tokenize, /detokenize) in flight on this backend at"
         " most, apart from max_inflight: they never take a generation's room and never wait"
-        " in a queue; past the cap on every backend, 503 backend_busy with Retry-After. With"
-        " `serve --workers N`: the total, divided among the workers (at least 1 each).",
+        " in a queue; past the cap on every backend, 503 backend_busy with Retry-After. One"
+        " tenant holds at most half of them on a backend (rounded up), so that one tenant's"
+        " slow calls never refuse every other tenant's. With `serve --workers N`: the total,"
+        " divided among the workers (at least 1 each).",
     )
     send_priority: bool = Field(
         True,

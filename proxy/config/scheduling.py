@@ -38,7 +38,8 @@ class Limits(Strict):
 
 
 class Scheduling(Strict):
-    """Inside a tenant, short requests go first, with aging (the `short_first` order)."""
+    """Inside a tenant, short requests go first, with aging (the `short_first` order); the
+    best tier's reserve past a backend's room."""
 
     aging_s: float = Field(
         30.0,
@@ -60,6 +61,17 @@ class Scheduling(Strict):
         gt=0,
         description="Expected output tokens when the client sets no max_tokens (the tier cap"
         " wins when lower).",
+    )
+    best_tier_reserve: int = Field(
+        1,
+        ge=0,
+        le=64,
+        description="Slots past each backend's room that only a request of the best tier (the"
+        " lowest `priority`) may take, and only while worse tiers run at least as many"
+        " requests there: a worse tier's long generations that fill the room cannot hold the"
+        " best tier in the proxy's queue. The vLLM plugin preempts a worse-tier request for"
+        " each (docs/plugin.md), so vLLM never runs more than the room; without the plugin the"
+        " request waits in vLLM's queue instead. 0: the room is a hard cap for every tier.",
     )
 
 

@@ -40,7 +40,8 @@ from proxy.relay.usagescan import UsageScan
 from proxy.ticket import REQUEST_ID_HEADER
 
 # What vLLM's EngineDeadError says (vllm/v1/engine/exceptions.py), answered as a 500 before any
-# byte when the engine core died: the request did not run to an answer anywhere; retry it.
+# byte when the engine core died. The request may be what killed it (a poison pill): retried
+# within the reset bound, never when it ran there alone (proxy.request.pipeline).
 ENGINE_DEAD = b"EngineCore encountered an issue"
 # What is read of an error answer (503 and the like).
 _TAIL_BYTES = 64 * 1024
@@ -57,7 +58,7 @@ CLIENT_LEFT = (ConnectionResetError, aiohttp.ClientConnectionResetError)
 class UpstreamUnavailable(Exception):
     """The backend failed before anything reached the client: safe to retry elsewhere, once
     only where the backend may have run the request (``maybe_ran``: a reset or an invalid
-    answer after it was sent)."""
+    answer after it was sent, or its engine died: the request may be what killed it)."""
 
     def __init__(
         self, kind: str, detail: str, status: int | None = None, body: bytes | None = None
@@ -70,7 +71,7 @@ class UpstreamUnavailable(Exception):
 
     @property
     def maybe_ran(self) -> bool:
-        return self.kind == "reset"
+        return self.kind in ("reset", "engine_dead")
 
 
 @dataclass

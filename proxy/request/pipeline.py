@@ -26,7 +26,6 @@ from proxy.api.errors import (
     memory_full,
     no_backend,
     over_token_limit,
-    poison_pill,
     queue_full,
     queue_timeout,
     rate_limited,
@@ -51,6 +50,7 @@ from proxy.request.inbound import (
     parse_body,
     read_body,
 )
+from proxy.request.poison import blame, refuse_poison
 from proxy.request.tenancy import tenant_gate
 from proxy.request.upstream import upstream_call
 from proxy.scheduling.dispatch import CheapLease, Dispatcher, Lease, QueueTimeoutError
@@ -285,10 +285,11 @@ class RequestPipeline:
     def direct_lease(self, adm: Admitted) -> CheapLease:
         """For the routes that run no model (the tokenizer's): no queue and no generation
         room (a better tier's generation never waits behind them), but a small cap of their
-        own per backend (``backends[].max_cheap_inflight``)."""
-        backend = self.pool.acquire_cheap(adm.parsed.model, self.clock())
+        own per backend (``backends[].max_cheap_inflight``), half of it at most per tenant."""
+        tenant = adm.tenant.name
+        backend = self.pool.acquire_cheap(adm.parsed.model, self.clock(), tenant)
         if backend is not None:
-            return CheapLease(backend, self.pool, granted_at=self.clock())
+            return CheapLease(backend, self.pool, granted_at=self.clock(), tenant=tenant)
         if not self.pool.any_available(self.clock()):
             raise no_backend("No backend that serves the model is available; retry later.")
         raise cheap_busy()
@@ -308,6 +309,7 @@ class RequestPipeline:
         try:
             return await self.relay_once(request, adm, lease)
         except UpstreamUnavailable as exc:
+            blamed = blame(exc, lease)  # read before this failure is recorded
             self.pool.record_failure(lease.backend, self.clock(), definitive=exc.kind == "connect")
             self.metrics.backend_errors.labels(lease.backend.label, exc.kind).inc()
             log.warning(
@@ -317,10 +319,7 @@ class RequestPipeline:
                 exc.kind,
                 adm.attempts,
             )
-            if exc.maybe_ran:
-                adm.resets += 1
-                if adm.resets > adm.config.relay.max_reset_retries:
-                    raise poison_pill(adm.resets) from None
+            refuse_poison(blamed, adm, lease.backend.label)
             if adm.attempts >= adm.config.backend_health.max_attempts:
                 raise _give_up(exc) from None
             # Back into the queue at its old place: another backend takes it, or this one once

@@ -4,7 +4,7 @@ state and its last scraped load. The pool changes it; the policies read it throu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from proxy.config.backends import Backend
 from proxy.config.slo import AdaptiveRoom
@@ -21,11 +21,13 @@ class BackendState:
     healthy: bool = True  # optimistic until a probe or a request says otherwise
     ejected_until: float = 0.0
     failures: int = 0  # consecutive request failures
+    failing_since: float | None = None  # the first of them (None: the last request succeeded)
     probe_failures: int = 0  # consecutive failed /health probes
     reinstated_at: float | None = None
     draining: bool = False  # gets no new work; in-flight work finishes
     removed: bool = False  # left the config: dropped once idle
     models: frozenset[str] | None = None  # None: not known yet, accept any
+    model_cards: tuple[dict[str, object], ...] = ()  # its /v1/models cards, as last probed
     load: ScrapedLoad | None = None
     dispatched_total: int = 0
     # Slots this process holds when replicas meter the backend together through Redis
@@ -33,11 +35,22 @@ class BackendState:
     granted: int | None = None
     room_controller: RoomController | None = None  # set by the pool; None: max_inflight fixed
     peak_inflight: int = 0  # since the room controller's last look
+    # Of ``inflight``: the best tier's requests, and how many requests it runs past its room
+    # (let in through the best-tier reserve: BackendPool.reserve_room; each request leaving
+    # brings it one nearer the room).
+    best_inflight: int = 0
+    reserve_inflight: int = 0
     # Tokenizer calls (/tokenize, /detokenize) running here: bounded apart from the generation
     # room (cfg.max_cheap_inflight), so they never take a slot a generation waits for.
     cheap_inflight: int = 0
+    cheap_by_tenant: dict[str, int] = field(default_factory=dict)  # of those, per tenant
     # Its clock minus ours, from its Date header (proxy.scheduling.clock_offset); None: unknown.
     clock_offset_s: float | None = None
+
+    @property
+    def cheap_tenant_share(self) -> int:
+        """Tokenizer calls one tenant may run here at once: half the cap, rounded up."""
+        return (self.cfg.max_cheap_inflight + 1) // 2
 
     @property
     def ticket_time_correction(self) -> float:

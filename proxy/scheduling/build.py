@@ -80,6 +80,7 @@ class Scheduling:
         if (old.backends, old.prefix_memory) != (new.backends, new.prefix_memory):
             log.warning("backend policy changed: %s -> %s", old.backends, new.backends)
             self.pool.chooser = backend_chooser(config)
+        set_best_tier_reserve(self.pool, config)
         self.pool.reconfigure(
             config.backends,
             config.backend_health,
@@ -100,7 +101,15 @@ def build_scheduling(
         config.adaptive_room,
         miss_budget=slo_miss_budget(config),
     )
+    set_best_tier_reserve(pool, config)
     return Scheduling(queue, pool, Dispatcher(queue, pool, metrics, clock), config)
+
+
+def set_best_tier_reserve(pool: BackendPool, config: Config) -> None:
+    """The tiers of the lowest ``priority`` take the reserve past a backend's room."""
+    best = min((t.priority for t in config.tiers.values()), default=0)
+    pool.best_tiers = frozenset(n for n, t in config.tiers.items() if t.priority == best)
+    pool.best_tier_reserve = config.scheduling.best_tier_reserve
 
 
 def default_queue_policies(

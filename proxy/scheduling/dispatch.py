@@ -39,11 +39,13 @@ class Lease:
     _dispatcher: Dispatcher
     released: bool = False
     granted_at: float = 0.0  # when the dispatcher handed it out (the backend's part starts)
+    best: bool = False  # of the best tier
+    reserved: bool = False  # let in past the backend's room, through the best-tier reserve
 
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self._dispatcher.pool.release(self.backend, self.tokens)
+            self._dispatcher.pool.release(self.backend, self.tokens, best=self.best)
             # Hand the slot on now, so that a burst never sees a full queue beside a free slot.
             self._dispatcher.dispatch_ready()
 
@@ -55,12 +57,13 @@ class CheapLease:
     backend: BackendState
     pool: BackendPool
     granted_at: float = 0.0
+    tenant: str = ""
     released: bool = False
 
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self.pool.release_cheap(self.backend)
+            self.pool.release_cheap(self.backend, self.tenant)
 
 
 class Dispatcher:
@@ -149,7 +152,7 @@ class Dispatcher:
         deadline = self.queue.next_deadline()
         if deadline is not None:
             timeout = max(0.0, deadline - self.clock())
-        if len(self.queue) and not self.pool.any_room(self.clock()):
+        if len(self.queue) and not self._room_for_some(self.clock()):
             timeout = _RECHECK_S if timeout is None else min(timeout, _RECHECK_S)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout):
@@ -166,7 +169,7 @@ class Dispatcher:
                 req.waiter.set_exception(QueueTimeoutError(now - req.arrival_s))
         dispatched = 0
         # No pop while no backend has a free slot: every head would be refused, one by one.
-        while len(self.queue) and self.pool.any_room(now):
+        while len(self.queue) and self._room_for_some(now):
             popped = self.queue.pop(lambda r: self._choose(r, now) is not None)
             if popped is None:
                 break
@@ -175,9 +178,11 @@ class Dispatcher:
             assert backend is not None
             touched.add(req.tier)
             tokens = float(req.prompt_tokens + req.expected_output)
-            self.pool.acquire(backend, tokens, prefix=req.prefix_hash)
+            best = req.tier in self.pool.best_tiers
+            reserved = best and self.pool.room(backend, now) < 1.0
+            self.pool.acquire(backend, tokens, prefix=req.prefix_hash, best=best, reserved=reserved)
             self.service.dispatched(req.tier, now, self.queue.depth(req.tier))
-            lease = Lease(backend, tokens, self, granted_at=now)
+            lease = Lease(backend, tokens, self, granted_at=now, best=best, reserved=reserved)
             if req.waiter is None or req.waiter.done():
                 lease.release()  # its handler is gone
                 continue
@@ -188,6 +193,14 @@ class Dispatcher:
             self.metrics.queue_depth.labels(tier).set(self.queue.depth(tier))
         return dispatched
 
+    def _room_for_some(self, now: float) -> bool:
+        """Some backend has a free slot, or a best-tier request waits and some reserve is free."""
+        if self.pool.any_room(now):
+            return True
+        best = self.pool.best_tiers
+        return any(self.queue.depth(t) for t in best) and self.pool.any_room(now, best=True)
+
     def _choose(self, req: QueuedRequest, now: float) -> BackendState | None:
         tokens = float(req.prompt_tokens + req.expected_output)
-        return self.pool.choose(req.model, tokens, now, prefix=req.prefix_hash)
+        best = req.tier in self.pool.best_tiers
+        return self.pool.choose(req.model, tokens, now, prefix=req.prefix_hash, best=best)

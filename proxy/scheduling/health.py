@@ -17,6 +17,8 @@ class OutlierDetection:
         (``definitive``), after two failures in a row otherwise (a reset or a 5xx can be one
         request's bad luck)."""
         state.failures += 1
+        if state.failing_since is None:
+            state.failing_since = now
         if not definitive and state.failures < 2:
             return
         backoff = min(self.health.eject_max_s, self.health.eject_base_s * 2 ** (state.failures - 1))
@@ -26,6 +28,7 @@ class OutlierDetection:
     def record_success(self, state: BackendState, now: float) -> None:
         if state.failures:
             state.failures = 0
+            state.failing_since = None
             state.reinstated_at = now
 
     def probe_result(self, state: BackendState, ok: bool, now: float) -> None:
@@ -34,11 +37,11 @@ class OutlierDetection:
             return
         if ok and not state.healthy:
             state.healthy = True
-            state.failures = 0
+            state.failures, state.failing_since = 0, None
             state.ejected_until = 0.0
             state.reinstated_at = now
         elif ok and state.failures and now >= state.ejected_until:
-            state.failures = 0
+            state.failures, state.failing_since = 0, None
             state.reinstated_at = now
         elif not ok:
             if state.healthy:

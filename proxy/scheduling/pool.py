@@ -40,6 +40,10 @@ class BackendPool:
         self.chooser = chooser
         self.adaptive = adaptive or AdaptiveRoom()
         self.miss_budget = miss_budget  # share of requests allowed to miss their tier's SLO
+        # Slots past a backend's room that only the best tiers take, while worse tiers hold
+        # as many of its slots (``scheduling.best_tier_reserve``; set by the builder).
+        self.best_tier_reserve = 0
+        self.best_tiers: frozenset[str] = frozenset()
         self.states: dict[str, BackendState] = {}
         # Told when a backend shared with other replicas runs out of granted room (False) or
         # frees a slot (True): proxy.shared.room asks for room or gives it back then.
@@ -121,15 +125,28 @@ class BackendPool:
         return list(self.states.values())
 
     # -- choice --------------------------------------------------------------------------
-    def room(self, state: BackendState, now: float) -> float:
-        """Free request slots on this backend now (may be fractional during a ramp)."""
+    def room(self, state: BackendState, now: float, *, best: bool = False) -> float:
+        """Free request slots on this backend now (may be fractional during a ramp); for a
+        request of the best tier (``best``), with the best-tier reserve when the room is full."""
         room = self.chooser.room(state, now, self.health)
+        if best and room < 1.0:
+            room = max(room, self.reserve_room(state, now))
         if state.granted is not None:
             granted = state.granted - state.inflight
             if granted < 1 and self.on_shared_room is not None:
                 self.on_shared_room(False)
             room = max(0.0, min(room, granted))
         return room
+
+    def reserve_room(self, state: BackendState, now: float) -> float:
+        """Slots past the full room that a best-tier request may take: at most the reserve,
+        and at most as many as worse tiers run there. Inside vLLM the plugin preempts a
+        worse-tier request for each (docs/plugin.md), so the engine never runs more than its
+        room; without the plugin, the request waits in vLLM's queue instead of the proxy's."""
+        if not state.available(now):
+            return 0.0
+        worse = state.inflight - state.best_inflight
+        return float(max(0, min(self.best_tier_reserve, worse) - state.reserve_inflight))
 
     def fits_tokens(self, state: BackendState, tokens: float) -> bool:
         budget = state.cfg.max_tokens_inflight
@@ -139,22 +156,29 @@ class BackendPool:
         )
 
     def choose(
-        self, model: str | None, tokens: float, now: float, *, prefix: int | None = None
+        self,
+        model: str | None,
+        tokens: float,
+        now: float,
+        *,
+        prefix: int | None = None,
+        best: bool = False,
     ) -> BackendState | None:
         """The chooser's pick among the backends that serve the model, fit the tokens and have
-        a free slot; None if none can take it."""
+        a free slot (``best``: a best-tier request, which may take the reserve); None if none
+        can take it."""
         candidates: list[Candidate[BackendState]] = []
         for state in self.states.values():
             if not state.serves(model) or not self.fits_tokens(state, tokens):
                 continue
-            room = self.room(state, now)
+            room = self.room(state, now, best=best)
             if room >= 1.0:
                 load = state.fresh_load(now, self.health.stale_after_s)
                 candidates.append(Candidate(state, room, load))
         return self.chooser.pick(candidates, prefix) if candidates else None
 
-    def any_room(self, now: float) -> bool:
-        return any(self.room(s, now) >= 1.0 for s in self.states.values())
+    def any_room(self, now: float, *, best: bool = False) -> bool:
+        return any(self.room(s, now, best=best) >= 1.0 for s in self.states.values())
 
     def any_available(self, now: float) -> bool:
         return any(s.available(now) for s in self.states.values())
@@ -172,34 +196,58 @@ class BackendPool:
             return True
         return any(s.models is None or model in s.models for s in self.states.values())
 
-    def acquire_cheap(self, model: str | None, now: float) -> BackendState | None:
+    def acquire_cheap(self, model: str | None, now: float, tenant: str = "") -> BackendState | None:
         """For a tokenizer call: the available backend serving the model with the fewest such
-        calls below its own small cap; None when every one is at its cap. The generation room
-        is neither checked nor taken: vLLM tokenizes in its API server, not in the engine."""
+        calls below its own small cap and below the tenant's share of it (half: one tenant's
+        slow calls never take every slot); None when there is none. The generation room is
+        neither checked nor taken: vLLM tokenizes in its API server, not in the engine."""
         best: BackendState | None = None
         for state in self.states.values():
             if not (state.available(now) and state.serves(model)):
                 continue
             if state.cheap_inflight >= state.cfg.max_cheap_inflight:
                 continue
+            if state.cheap_by_tenant.get(tenant, 0) >= state.cheap_tenant_share:
+                continue
             if best is None or state.cheap_inflight < best.cheap_inflight:
                 best = state
         if best is not None:
             best.cheap_inflight += 1
+            best.cheap_by_tenant[tenant] = best.cheap_by_tenant.get(tenant, 0) + 1
         return best
 
-    def release_cheap(self, state: BackendState) -> None:
+    def release_cheap(self, state: BackendState, tenant: str = "") -> None:
         state.cheap_inflight = max(0, state.cheap_inflight - 1)
+        held = state.cheap_by_tenant.get(tenant, 0) - 1
+        if held > 0:
+            state.cheap_by_tenant[tenant] = held
+        else:
+            state.cheap_by_tenant.pop(tenant, None)
 
     # -- bookkeeping ---------------------------------------------------------------------
-    def acquire(self, state: BackendState, tokens: float, *, prefix: int | None = None) -> None:
+    def acquire(
+        self,
+        state: BackendState,
+        tokens: float,
+        *,
+        prefix: int | None = None,
+        best: bool = False,
+        reserved: bool = False,
+    ) -> None:
+        """Count a request in on ``state``: ``best`` of the best tier, ``reserved`` let in
+        past the room through the reserve."""
+        state.best_inflight += best
+        state.reserve_inflight += reserved
         state.inflight += 1
         state.peak_inflight = max(state.peak_inflight, state.inflight)
         state.tokens_inflight += tokens
         state.dispatched_total += 1
         self.chooser.served(state, prefix)
 
-    def release(self, state: BackendState, tokens: float) -> None:
+    def release(self, state: BackendState, tokens: float, *, best: bool = False) -> None:
+        state.best_inflight -= best
+        # Any request leaving brings the backend one nearer its room: one fewer over it.
+        state.reserve_inflight = max(0, state.reserve_inflight - 1)
         state.inflight -= 1
         state.tokens_inflight = max(0.0, state.tokens_inflight - tokens)
         if state.granted is not None and self.on_shared_room is not None:

@@ -74,6 +74,13 @@ class ProxyMetrics:
             ["backend"],
             registry=r,
         )
+        self.backend_probe_failures = Counter(
+            "tierproxy_backend_probe_failures",
+            "Failed probes of a backend (health, metrics, models) by reason: error (refused,"
+            " timeout, reset), status (not 200), oversize (past its cap), invalid (unreadable)",
+            ["backend", "probe", "reason"],
+            registry=r,
+        )
         self.backend_errors = Counter(
             "tierproxy_backend_errors",
             "Upstream failures per backend and kind",

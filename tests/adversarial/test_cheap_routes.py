@@ -45,8 +45,8 @@ async def test_low_tier_tokenize_calls_never_delay_a_high_tier_chat(clock: FakeC
     backend = FakeVLLM(tokenize_gate=asyncio.Event())
     async with proxy(clock, backend) as (client, state):  # 4 slots; 4 tokenizer calls (default)
         calls = [
-            asyncio.create_task(client.post("/tokenize", json=TOKENIZE, headers=auth("low")))
-            for _ in range(4)
+            asyncio.create_task(client.post("/tokenize", json=TOKENIZE, headers=auth(tier)))
+            for tier in ("low", "low", "normal", "normal")
         ]
         try:
             await until(lambda: backend.tokenizing == 4, 5, "four tokenizer calls at the backend")
@@ -66,8 +66,8 @@ async def test_tokenizer_calls_past_their_cap_get_503_with_retry_after(clock: Fa
     backend = FakeVLLM(tokenize_gate=asyncio.Event())
     async with proxy(clock, backend, max_cheap_inflight=2) as (client, state):
         calls = [
-            asyncio.create_task(client.post("/tokenize", json=TOKENIZE, headers=auth("low")))
-            for _ in range(2)
+            asyncio.create_task(client.post("/tokenize", json=TOKENIZE, headers=auth(tier)))
+            for tier in ("low", "normal")
         ]
         try:
             await until(lambda: backend.tokenizing == 2, 5, "two tokenizer calls at the backend")
@@ -82,3 +82,32 @@ async def test_tokenizer_calls_past_their_cap_get_503_with_retry_after(clock: Fa
         assert state.pool.all()[0].cheap_inflight == 0
         async with client.post("/tokenize", json=TOKENIZE, headers=auth("low")) as resp:
             assert resp.status == 200
+
+
+async def test_one_tenant_takes_at_most_half_the_tokenizer_slots(clock: FakeClock) -> None:
+    # Finding #22: one tenant's four slow /tokenize calls made every other tenant's a 503.
+    backend = FakeVLLM(tokenize_gate=asyncio.Event())
+    async with proxy(clock, backend) as (client, state):  # 4 tokenizer slots (the default)
+        hogs = [
+            asyncio.create_task(client.post("/tokenize", json=TOKENIZE, headers=auth("low")))
+            for _ in range(2)
+        ]
+        try:
+            await until(lambda: backend.tokenizing == 2, 5, "the tenant's two calls")
+            async with client.post("/tokenize", json=TOKENIZE, headers=auth("low")) as resp:
+                assert resp.status == 503  # its share (half of 4) is taken
+                assert (await resp.json())["error"]["code"] == "backend_busy"
+            others = [
+                asyncio.create_task(client.post("/tokenize", json=TOKENIZE, headers=auth(tier)))
+                for tier in ("high", "normal")
+            ]
+            await until(lambda: backend.tokenizing == 4, 5, "the other tenants' calls")
+            held = {"tenant-low": 2, "tenant-high": 1, "tenant-normal": 1}
+            assert state.pool.all()[0].cheap_by_tenant == held
+        finally:
+            assert backend.tokenize_gate is not None
+            backend.tokenize_gate.set()
+        for resp in await asyncio.gather(*hogs, *others):
+            assert resp.status == 200
+            resp.release()
+        assert state.pool.all()[0].cheap_by_tenant == {}

@@ -126,7 +126,8 @@ async def test_a_reset_then_an_answer_is_served(clock: FakeClock) -> None:
         assert resp.status == 200 and len(backend.received) == 2
 
 
-async def test_vllm_engine_dead_500_is_retried_elsewhere(clock: FakeClock) -> None:
+async def test_a_request_alone_on_an_engine_that_dies_is_not_retried(clock: FakeClock) -> None:
+    # Finding #11: the likely poison pill; retried, it killed the next engines one by one.
     async def answer(request: web.Request, n: int) -> web.StreamResponse:
         if n == 1:
             return web.json_response(ENGINE_DEAD, status=500)
@@ -135,9 +136,32 @@ async def test_vllm_engine_dead_500_is_retried_elsewhere(clock: FakeClock) -> No
     backend = FakeVLLM(script=answer)
     async with backend.serve() as url, rig(relay_config(url), clock) as r:
         resp = await r.chat()
-        assert resp.status == 200 and len(backend.received) == 2
+        assert resp.status == 502 and (await error_of(resp))["code"] == "engine_dead"
+        assert len(backend.received) == 1 and r.metric("tierproxy_retries_total") == 0
         labels = {"backend": url, "kind": "engine_dead"}
         assert r.metric("tierproxy_backend_errors_total", labels) == 1
+        assert r.requests_total("upstream_error") == 1
+
+
+async def test_requests_beside_others_on_an_engine_that_dies_fall_under_the_reset_bound(
+    clock: FakeClock,
+) -> None:
+    # Two requests ran when the engine died: either may be the poison, so each counts as one
+    # that may have run there (relay.max_reset_retries, here 0), never up to max_attempts.
+    both_in = asyncio.Event()
+
+    async def answer(request: web.Request, n: int) -> web.StreamResponse:
+        if n == 2:
+            both_in.set()
+        await both_in.wait()
+        return web.json_response(ENGINE_DEAD, status=500)
+
+    backend = FakeVLLM(script=answer)
+    async with backend.serve() as url, rig(relay_config(url, max_reset_retries=0), clock) as r:
+        first, second = asyncio.create_task(r.chat()), asyncio.create_task(r.chat())
+        for resp in await asyncio.gather(first, second):
+            assert resp.status == 502 and (await error_of(resp))["code"] == "upstream_reset"
+        assert len(backend.received) == 2 and r.metric("tierproxy_retries_total") == 0
 
 
 async def test_engine_dead_on_every_attempt_ends_in_502(clock: FakeClock) -> None:
@@ -149,9 +173,14 @@ async def test_engine_dead_on_every_attempt_ends_in_502(clock: FakeClock) -> Non
     async with backend.serve() as url:
         config["backends"] = [{"url": url}]
         async with rig(config, clock) as r:
+            first = await r.chat()  # alone on the engine when it died: not retried
+            assert first.status == 502 and (await error_of(first))["code"] == "engine_dead"
+            clock.advance(0.1)
+            # Sent to an engine already failing: not its doing, so retried like a refusal.
             task = asyncio.create_task(r.chat())
-            # The second failure ejects the backend; the retry waits for the ejection to end.
-            await until(lambda: len(backend.received) == 2 or task.done(), 5, "the retry")
+            await until(lambda: r.backend().failures == 2, 5, "the second failure")
+            await r.advance(5.0)  # its failure ejected the backend (2 in a row): that ends
+            await until(lambda: len(backend.received) == 3 or task.done(), 5, "the retry")
             resp = await task
             assert resp.status == 502 and (await error_of(resp))["code"] == "backends_failed"
 

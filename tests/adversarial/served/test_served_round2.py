@@ -196,13 +196,15 @@ async def test_low_tier_tokenize_calls_never_delay_a_high_tier_chat(
 
 
 async def _tokenize_then_chat(proxy: ServedProxy, backend: Upstream) -> None:
-    tokenize = json_request("/tokenize", {"model": "tiny", "prompt": "hi"}, KEYS["low"])
     busy = []
     try:
-        for _ in range(4):  # the backend's four slots, were they generation's
+        # The backend's four slots, were they generation's (one tenant holds at most two).
+        for tier in ("low", "low", "normal", "normal"):
             client = await RawClient.connect(proxy.host, proxy.port)
             busy.append(client)
-            await client.send(tokenize)
+            await client.send(
+                json_request("/tokenize", {"model": "tiny", "prompt": "hi"}, KEYS[tier])
+            )
         await wait_for(lambda: backend.routes.tokenizing >= 4, 5, "four tokenizer calls")
         started = time.monotonic()
         answer = await exchange(proxy.host, proxy.port, chat("high"), timeout_s=10)
@@ -211,6 +213,33 @@ async def _tokenize_then_chat(proxy: ServedProxy, backend: Upstream) -> None:
     finally:
         for client in busy:
             client.close()
+
+
+async def test_one_tenant_takes_at_most_half_the_tokenizer_slots(
+    backend: Upstream, tmp_path: Path
+) -> None:
+    # Finding #22: one tenant's four slow /tokenize calls made every other tenant's a 503.
+    config = served_config(backend.url, admin=False)
+    config["backends"] = [{"url": backend.url, "max_inflight": 4}]  # 4 tokenizer slots
+    proxy = ServedProxy(config, tmp_path, name="tokenize-share").start()
+    busy: list[RawClient] = []
+    try:
+        before = backend.routes.tokenizing
+        low = json_request("/tokenize", {"model": "tiny", "prompt": "hi"}, KEYS["low"])
+        for _ in range(2):  # its share: half of 4
+            busy.append(client := await RawClient.connect(proxy.host, proxy.port))
+            await client.send(low)
+        await wait_for(lambda: backend.routes.tokenizing >= before + 2, 5, "its two calls")
+        refused = await exchange(proxy.host, proxy.port, low, timeout_s=10)
+        assert refused.status == 503, refused.body[:300]
+        high = json_request("/tokenize", {"model": "tiny", "prompt": "hi"}, KEYS["high"])
+        busy.append(client := await RawClient.connect(proxy.host, proxy.port))
+        await client.send(high)  # admitted: it reaches the (busy) tokenizer, no 503
+        await wait_for(lambda: backend.routes.tokenizing >= before + 3, 5, "the high call")
+    finally:
+        for client in busy:
+            client.close()
+        proxy.stop()
 
 
 # -- d. Responses usage billed ------------------------------------------------------------------

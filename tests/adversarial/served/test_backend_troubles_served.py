@@ -1,0 +1,211 @@
+"""What one backend (or one tenant's requests) can do to the others, against `tierproxy serve`
+on its default loop with realistic clients from the kit (findings #11, #12, #21 of the second
+attack report). Each backend is a fake vLLM of its own (``TroubleEngine``) on a thread of the
+test process: a chat whose content is "poison" kills its engine (vLLM's EngineDeadError, and
+/health failing after), "hold" waits at a gate the test opens, and /metrics can be made huge.
+The in-process twins: tests/adversarial/test_relay_faults.py, tests/unit/test_monitor.py and
+tests/unit/test_best_tier_reserve.py."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp import web
+
+from proxy.bench.inproc import KEYS, make_config
+from tests.adversarial.served.kit import exchange, json_request
+from tests.adversarial.served.served import (
+    ADMIN_KEY,
+    ServedProxy,
+    ThreadedUpstream,
+    admin_sections,
+)
+
+ENGINE_DEAD = {
+    "error": {
+        "message": "EngineCore encountered an issue. See stack trace (above) for the root cause.",
+        "type": "InternalServerError",
+        "param": None,
+        "code": 500,
+    }
+}
+LOAD = b'vllm:num_requests_running{engine="0"} 0\nvllm:num_requests_waiting{engine="0"} 0\n'
+USAGE = {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+
+
+class TroubleEngine(ThreadedUpstream):
+    """A fake vLLM that a request can kill, hold, or that answers /metrics hugely."""
+
+    def __init__(self) -> None:
+        self.dead = False
+        self.chats = 0
+        self.metrics_bytes = 0  # of padding before the load lines
+        self.gate = asyncio.Event()  # on this upstream's loop; opened by release()
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        super().__init__(app)
+
+    def release(self) -> None:
+        self.loop.call_soon_threadsafe(self.gate.set)
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=500 if self.dead else 200)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+
+    async def _metrics(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/plain"})
+        await resp.prepare(request)
+        line = b'vllm:histogram_bucket{engine="0",le="0.5"} 1\n' * 1400  # ~64 KiB
+        with contextlib.suppress(ConnectionResetError):
+            for _ in range(self.metrics_bytes // len(line)):
+                await resp.write(line)
+            await resp.write(LOAD)
+        return resp
+
+    async def _chat(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.chats += 1
+        content = body["messages"][0]["content"]
+        if self.dead or content == "poison":
+            self.dead = True
+            return web.json_response(ENGINE_DEAD, status=500)
+        if content == "hold":
+            await self.gate.wait()
+        message = {"role": "assistant", "content": "ok"}
+        answer = {"object": "chat.completion", "choices": [{"index": 0, "message": message}]}
+        return web.json_response({**answer, "usage": USAGE})
+
+
+@pytest.fixture
+def engines() -> Iterator[list[TroubleEngine]]:
+    started = [TroubleEngine().start() for _ in range(3)]
+    try:
+        yield started
+    finally:
+        for engine in started:
+            engine.release()
+            engine.stop()
+
+
+@pytest.fixture
+def served_over(tmp_path: Path) -> Iterator[Any]:
+    proxies: list[ServedProxy] = []
+
+    def start(backends: list[dict[str, Any]], **sections: Any) -> ServedProxy:
+        config = make_config(backends, **admin_sections(), **sections)
+        config["backend_health"] = {
+            "health_interval_s": 0.5,
+            "metrics_interval_s": 0.5,
+            **config.get("backend_health", {}),
+        }
+        proxy = ServedProxy(config, tmp_path, name=f"proxy-{len(proxies)}")
+        proxies.append(proxy)
+        proxy.start()
+        assert proxy.on_default_loop()
+        return proxy
+
+    try:
+        yield start
+    finally:
+        for proxy in proxies:
+            proxy.stop()
+
+
+def chat(tier: str, content: str) -> bytes:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 4}
+    return json_request("/v1/chat/completions", body, KEYS[tier])
+
+
+async def admin_metrics(proxy: ServedProxy) -> str:
+    headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(
+            f"{proxy.admin_url}/metrics", headers=headers, timeout=aiohttp.ClientTimeout(10)
+        ) as resp,
+    ):
+        return await resp.text()
+
+
+async def test_a_request_that_kills_an_engine_kills_only_one(
+    engines: list[TroubleEngine], served_over: Any
+) -> None:
+    proxy = served_over([{"url": e.url, "max_inflight": 4} for e in engines])
+    resp = await exchange(proxy.host, proxy.port, chat("low", "poison"), timeout_s=20)
+    assert resp.status == 502 and orjson.loads(resp.body)["error"]["code"] == "engine_dead"
+    assert sum(e.dead for e in engines) == 1 and sum(e.chats for e in engines) == 1
+    assert proxy.count(r"engine died running it alone; not retried") == 1
+    # The other engines still serve (the dead one is ejected, or its retry goes elsewhere).
+    for _ in range(4):
+        ok = await exchange(proxy.host, proxy.port, chat("high", "hi"), timeout_s=20)
+        assert ok.status == 200, ok.body
+
+
+async def test_the_best_tier_is_served_past_a_room_full_of_a_worse_tier(
+    engines: list[TroubleEngine], served_over: Any
+) -> None:
+    engine = engines[0]
+    tiers = {"high": {"queue_timeout_s": 3}}
+    proxy = served_over([{"url": engine.url, "max_inflight": 2}], tiers=tiers)
+    holds = [
+        asyncio.create_task(exchange(proxy.host, proxy.port, chat("low", "hold"), timeout_s=30))
+        for _ in range(3)
+    ]
+    deadline = time.monotonic() + 10
+    while engine.chats < 2:  # the room (2) is full of the low tier; its third call queues
+        assert time.monotonic() < deadline, "the low tier's calls never reached the engine"
+        await asyncio.sleep(0.05)
+    started = time.monotonic()
+    high = await exchange(proxy.host, proxy.port, chat("high", "hi"), timeout_s=10)
+    waited = time.monotonic() - started
+    assert high.status == 200 and waited < 2.0, (high.status, high.body, waited)
+    normal = asyncio.create_task(
+        exchange(proxy.host, proxy.port, chat("normal", "hi"), timeout_s=30)
+    )
+    await asyncio.sleep(0.5)
+    assert engine.chats == 3  # a worse tier never takes the reserve: 2 low held, 1 high
+    engine.release()
+    for task in [*holds, normal]:
+        assert (await task).status == 200
+
+
+async def test_one_backends_huge_metrics_is_cut_and_counted(
+    engines: list[TroubleEngine], served_over: Any
+) -> None:
+    broken, healthy = engines[0], engines[1]
+    broken.metrics_bytes = 48 * 1024 * 1024  # a broken exporter: 48 MB every scrape
+    backends = [{"url": broken.url, "max_inflight": 4}, {"url": healthy.url, "max_inflight": 4}]
+    proxy = served_over(backends)  # the default cap (backend_health.max_metrics_bytes, 4 MiB)
+    rss_before = proxy.rss_bytes()
+    worst = 0.0
+    for _ in range(20):  # 5 s: about ten scrapes of the broken backend
+        started = time.monotonic()
+        resp = await exchange(proxy.host, proxy.port, chat("high", "hi"), timeout_s=10)
+        worst = max(worst, time.monotonic() - started)
+        assert resp.status == 200
+        await asyncio.sleep(0.25)
+    text = await admin_metrics(proxy)
+    oversize = [
+        line
+        for line in text.splitlines()
+        if line.startswith("tierproxy_backend_probe_failures_total{")
+        and 'reason="oversize"' in line
+        and broken.url in line
+    ]
+    assert worst < 1.0, worst  # on the lockstep monitor that read it whole: seconds
+    assert oversize and float(oversize[0].rsplit(" ", 1)[1]) >= 3, oversize
+    assert proxy.rss_bytes() - rss_before < 32 * 1024 * 1024
+    assert proxy.count(r"its /metrics answer passed 4194304 bytes") == 1
