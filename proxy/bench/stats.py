@@ -63,10 +63,13 @@ def jain_index(shares: Sequence[float]) -> float:
         raise ValueError("Jain's index of no shares")
     if any(x < 0 for x in shares):
         raise ValueError("Jain's index needs non-negative shares")
-    square_sum = sum(x * x for x in shares)
-    if square_sum == 0:
+    top = max(shares)
+    if top == 0:
         return 1.0
-    return sum(shares) ** 2 / (len(shares) * square_sum)
+    # Scaled to the largest share: tiny shares would underflow when squared (index > 1).
+    scaled = [x / top for x in shares]
+    index = sum(scaled) ** 2 / (len(scaled) * sum(x * x for x in scaled))
+    return min(1.0, index)
 
 
 @dataclass(frozen=True)
