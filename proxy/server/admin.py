@@ -71,10 +71,13 @@ class AdminEndpoints:
         """With shared_state, every replica (every worker too) applies the drain."""
         if self.state.shared is None:
             return None
+        shared = self.state.shared.drain
         try:
-            await self.state.shared.drain.publish(url, drain)
+            await shared.publish(url, drain)
         except SharedStateDown:
             return False
+        # Answer once every replica has applied it: "draining" then means no new work anywhere.
+        await asyncio.sleep(shared.settle_s)
         return True
 
     def backend_view(self, backend: BackendState) -> dict[str, object]:

@@ -2,8 +2,9 @@
 takes ``POST /admin/backends/drain``, but every replica sends work to the backend.
 
 The drained backends are a Redis hash (url -> 1), written by the admin endpoint and read by
-every replica once a ``SYNC_S``: a drain reaches all replicas within about a second, and one
-that starts later (or comes back after Redis was down) finds it there. A drain this replica
+every replica once a ``SYNC_S``; the admin endpoint answers after ``settle_s`` (two sync
+periods), so that by its answer every live replica has applied the drain. A replica that starts
+later (or comes back after Redis was down) finds it there. A drain this replica
 applied alone (Redis down at the time) is left as it is: the sync undoes only what it did.
 """
 
@@ -16,9 +17,9 @@ from proxy.scheduling.pool import BackendPool
 from proxy.shared.client import SharedStateDown, SharedStore
 from proxy.tasks import OwnedTask
 
-# Drains are rare operator actions: a poll a second is cheaper than a subscriber connection
-# and converges after a missed message or a restart by itself.
-SYNC_S = 1.0
+# Drains are rare operator actions: a poll (4 cheap HKEYS a second per replica) needs no
+# subscriber connection and converges after a missed message or a restart by itself.
+SYNC_S = 0.25
 
 
 class SharedDrain:
@@ -35,6 +36,11 @@ class SharedDrain:
 
     async def stop(self) -> None:
         await self._task.stop()
+
+    @property
+    def settle_s(self) -> float:
+        """How long after ``publish`` every live replica has synced at least once."""
+        return 2 * self.sync_s
 
     async def publish(self, url: str, draining: bool) -> None:
         """Record an admin drain (or its end) for every replica; ``SharedStateDown`` when
