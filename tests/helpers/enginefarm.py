@@ -170,11 +170,25 @@ class EngineFarm:
         self.pending[setting] = record
         return engine
 
-    def _wait_ready(self, setting: EngineSetting) -> None:
+    def _wait_ready(self, setting: EngineSetting, *, port_retries: int = 2) -> None:
         record = self.pending.pop(setting, None)
         if record is not None:
             t0 = time.monotonic()
-            self.live[setting].wait_ready()
+            try:
+                self.live[setting].wait_ready()
+            except RuntimeError:
+                # free_port() picks a port that is free now; a test beside the start (a served
+                # proxy, a fake backend) can bind it first. Another port, not a failed suite.
+                log = self.live[setting].log_path
+                lost_port = log is not None and "Address already in use" in log.read_text(
+                    errors="replace"
+                )
+                if not (lost_port and port_retries):
+                    raise
+                self._stop(setting)
+                self._start(setting, ahead=False)
+                self._wait_ready(setting, port_retries=port_retries - 1)
+                return
             now = time.monotonic()
             record.waited_s += now - t0
             record.ready_s = now - record.started_at
