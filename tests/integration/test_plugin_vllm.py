@@ -73,11 +73,17 @@ async def test_high_tier_preempts_long_low_tier_generations(
 ) -> None:
     with_stock = await sc.preempt_scenario(stock.spec.url, KEY)
     with_plugin = await sc.preempt_scenario(plugin.spec.url, KEY)
+    # Client-side times only for display, and only where text arrived: the tiny random model's
+    # tokens can decode to empty text (a held-back partial character), which the engine's
+    # clock still counts. The assertions below use the engine's figures.
+    client = " / ".join(
+        f"{r.high.ttft * 1000:.0f}" if r.high.token_times else "-"
+        for r in (with_stock, with_plugin)
+    )
     print(
         f"\nhigh-tier TTFT behind 4 long low-tier generations (engine clock): "
         f"stock {with_stock.high.server_ttft * 1000:.1f} ms, "
-        f"plugin {with_plugin.high.server_ttft * 1000:.1f} ms "
-        f"(client-side {with_stock.high.ttft * 1000:.0f} / {with_plugin.high.ttft * 1000:.0f} ms)"
+        f"plugin {with_plugin.high.server_ttft * 1000:.1f} ms (client-side {client} ms)"
     )
     assert with_stock.preemptions == 0  # stock vLLM never preempts for priority alone
     assert with_plugin.preemptions >= 1
