@@ -302,7 +302,9 @@ async def test_responses_sync_and_stream_same_answer(both: Sides) -> None:
             model=MODEL, input="Say something.", max_output_tokens=12, temperature=0, stream=True
         )
         seen = [event async for event in stream]
-        events[side] = [event.type for event in seen]
+        # The kinds of event in order, a run of deltas as one: how many tokens vLLM puts in one
+        # delta depends on its timing (it merges them under load), not on the route taken.
+        events[side] = [e.type for i, e in enumerate(seen) if i == 0 or e.type != seen[i - 1].type]
         texts[side] = "".join(getattr(e, "delta", "") for e in seen if e.type.endswith(".delta"))
     assert events["proxy"] == events["direct"] and texts["proxy"] == texts["direct"]
     assert events["proxy"][-1] in ("response.completed", "response.incomplete")
