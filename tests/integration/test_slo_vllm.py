@@ -31,11 +31,14 @@ async def test_room_learns_the_engine_batch_without_max_inflight(engines: Engine
         # The room controller alone: the best tier's reserve would add a request past the room
         # whenever the normal tier fills it, and vLLM's queue by as much.
         scheduling={"best_tier_reserve": 0},
+        # Starting well above the batch: a room that did not learn would leave about 12
+        # requests waiting in vLLM's queue, one that learns about the allowance (2).
+        adaptive_room={"initial_room": 16},
     )
     statuses: list[int] = []
     async with running_proxy(cfg) as (base, state), aiohttp.ClientSession(timeout=TIMEOUT) as s:
         (backend,) = state.pool.all()
-        assert backend.max_room == 8  # adaptive_room.initial_room
+        assert backend.max_room == 16  # adaptive_room.initial_room
         stop_at = time.monotonic() + 8.0
 
         async def client(tier: str) -> None:
@@ -56,7 +59,7 @@ async def test_room_learns_the_engine_batch_without_max_inflight(engines: Engine
                     waiting.append(backend.load.waiting)
                 await asyncio.sleep(0.25)
 
-        await asyncio.gather(watch(), *(client("high" if i < 4 else "normal") for i in range(16)))
+        await asyncio.gather(watch(), *(client("high" if i < 4 else "normal") for i in range(24)))
 
         def sample(name: str, labels: dict[str, str]) -> float:
             return state.metrics.registry.get_sample_value(name, labels) or 0.0
@@ -64,13 +67,16 @@ async def test_room_learns_the_engine_batch_without_max_inflight(engines: Engine
         high = {"tier": "high", "tenant": "tenant-high"}
         counted = sample("tierproxy_slo_requests_total", high)
         met = sample("tierproxy_slo_met_total", high)
+    print(f"rooms {rooms}\nvLLM waiting {waiting}")
     assert statuses and set(statuses) == {200}
-    # 16 clients keep a backlog at the proxy; the room settles at what vLLM runs (4) plus the
-    # allowance (backend_health.max_backend_waiting, 2) plus the requests in transit through
-    # vLLM's API server (a few here), so that vLLM's own queue stays at about the allowance
-    # instead of taking the 16 clients' ordering away from the tiers.
+    # 24 clients keep a backlog at the proxy; the room comes down from 16 to what vLLM runs (4)
+    # plus the allowance (backend_health.max_backend_waiting, 2) plus the requests in transit
+    # through vLLM's API server (a few here), so that vLLM's own queue stays at about the
+    # allowance instead of taking the clients' ordering away from the tiers. The bounds leave
+    # a request of noise each way for a loaded machine (scrapes are snapshots; the transit
+    # is an estimate); a room that did not learn misses them by 8.
     later = len(rooms) // 2
     assert 4 <= rooms[-1] <= 10, rooms
     assert max(rooms[later:]) - min(rooms[later:]) <= 2, rooms
-    assert sum(waiting[later:]) / len(waiting[later:]) <= 3.0, (waiting, rooms)
+    assert sum(waiting[later:]) / len(waiting[later:]) <= 4.0, (waiting, rooms)
     assert counted > 0 and met == counted
