@@ -2,6 +2,9 @@
 
 No client sets its priority or cache salt: ``priority``, ``vllm_xargs``, ``cache_salt`` and every
 ``X-Vllm-*`` / ``X-Tierproxy-*`` header are dropped here; only the proxy's signed ticket decides.
+Nor does it steer vLLM's KV or encoder-cache connectors: ``kv_transfer_params`` and
+``ec_transfer_params`` name remote engines and block ids (disaggregated prefill), which would let
+a client pull another tenant's cached blocks or point an engine at a host of its choosing.
 """
 
 from __future__ import annotations
@@ -51,7 +54,13 @@ __all__ = [
 # The admin API's body wait (client bodies wait input.body_read_timeout_s).
 BODY_READ_TIMEOUT_S = 30.0
 
-STRIPPED_BODY_FIELDS = ("priority", "vllm_xargs", "cache_salt")
+STRIPPED_BODY_FIELDS = (
+    "priority",
+    "vllm_xargs",
+    "cache_salt",
+    "kv_transfer_params",
+    "ec_transfer_params",
+)
 STRIPPED_HEADER_PREFIXES = ("x-vllm-", "x-tierproxy-")
 # Hop-by-hop headers (RFC 9110 §7.6.1, plus the obsolete Proxy-Connection); those the Connection
 # header names are dropped as well.

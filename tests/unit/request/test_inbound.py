@@ -35,11 +35,17 @@ def _error(raw: bytes, endpoint: str = "chat", tier: Tier = HIGH) -> ProxyError:
     return exc.value
 
 
-def test_client_cannot_raise_its_priority() -> None:
-    parsed = parse_body(
-        _chat(priority=-1000, vllm_xargs={"tierproxy_priority": -5}), "chat", HIGH, LIMITS, SCHED
+def test_client_cannot_raise_its_priority_or_steer_the_engines_caches() -> None:
+    remote = {"remote_host": "10.0.0.9", "remote_block_ids": [1, 2], "do_remote_prefill": True}
+    raw = _chat(
+        priority=-1000,
+        vllm_xargs={"tierproxy_priority": -5},
+        kv_transfer_params=remote,
+        ec_transfer_params=remote,
     )
-    assert "priority" not in parsed.body and "vllm_xargs" not in parsed.body
+    parsed = parse_body(raw, "chat", HIGH, LIMITS, SCHED)
+    for field in ("priority", "vllm_xargs", "kv_transfer_params", "ec_transfer_params"):
+        assert field not in parsed.body
     headers = CIMultiDictProxy(
         CIMultiDict(
             {
