@@ -6,34 +6,49 @@ was asked to upload what would be refused)."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 from aiohttp.http import HttpVersion11
 
 from proxy.api.errors import ProxyError, too_large
-from proxy.config.schema import LoadedConfig
+from proxy.config.tenants import Tenant
+from proxy.request.admitted import Trace
 from proxy.request.inbound import authenticate
+
+if TYPE_CHECKING:
+    from proxy.request.pipeline import RequestPipeline
 
 ExpectHandler = Callable[[web.Request], Awaitable[web.StreamResponse | None]]
 
 
-def expect_checker(config: Callable[[], LoadedConfig]) -> ExpectHandler:
+def expect_checker(pipeline: RequestPipeline) -> ExpectHandler:
     """An aiohttp ``expect_handler``: 401 / 413 (OpenAI JSON, connection closed: the body was
-    never sent) instead of ``100 Continue``; 417 for an expectation other than 100-continue."""
+    never sent) instead of ``100 Continue``; 417 for an expectation other than 100-continue.
+    The refusals have their own id, access-log line and metrics, like the handler's."""
+
+    def refuse(request: web.Request, err: ProxyError, tenant: Tenant | None) -> web.Response:
+        trace = Trace.begin(request.headers, pipeline.clock())
+        trace.tenant = tenant
+        refused = pipeline.answers.refuse(trace, err)
+        pipeline.on_finish(trace, None, None)
+        pipeline.answers.log(trace)
+        return refused
 
     async def expect(request: web.Request) -> web.StreamResponse | None:
         if request.headers.get("Expect", "").lower() != "100-continue":
             raise web.HTTPExpectationFailed(text=f"Unknown Expect: {request.headers['Expect']}")
         if request.version != HttpVersion11:
             return None  # HTTP/1.0 knows no 100 Continue: the body comes anyway
-        loaded = config()
+        loaded = pipeline.config()
         limit = loaded.config.limits.max_body_bytes
+        tenant: Tenant | None = None
         try:
-            authenticate(request.headers, loaded)
+            tenant = authenticate(request.headers, loaded)
             if request.content_length is not None and request.content_length > limit:
                 raise too_large(limit)
         except ProxyError as err:
-            refused = err.response()
+            refused = refuse(request, err, tenant)
             refused.force_close()  # the announced body never comes: nothing to read past
             return refused
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")

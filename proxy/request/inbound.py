@@ -1,21 +1,18 @@
 """What comes in from a client: the API key, the JSON body, and what must not pass on.
 
-No client sets its priority or cache salt: ``priority``, ``vllm_xargs``, ``cache_salt`` and every
-``X-Vllm-*`` / ``X-Tierproxy-*`` header are dropped here; only the proxy's signed ticket decides.
-Nor does it steer vLLM's KV or encoder-cache connectors: ``kv_transfer_params`` and
-``ec_transfer_params`` name remote engines and block ids (disaggregated prefill), which would let
-a client pull another tenant's cached blocks or point an engine at a host of its choosing.
+No client sets its priority, cache salt or vLLM's KV/encoder connectors (remote engines, block
+ids): ``priority``, ``vllm_xargs``, ``cache_salt`` and ``*_transfer_params`` are dropped here,
+the headers that steer vLLM in ``proxy.request.headers``; only the proxy's signed ticket decides.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.api.errors import (
     admin_disabled,
@@ -48,52 +45,13 @@ __all__ = [
     "nesting_exceeds",
     "parse_body",
     "read_body",
-    "upstream_headers",
 ]
 
 # The admin API's body wait (client bodies wait input.body_read_timeout_s).
 BODY_READ_TIMEOUT_S = 30.0
 
-STRIPPED_BODY_FIELDS = (
-    "priority",
-    "vllm_xargs",
-    "cache_salt",
-    "kv_transfer_params",
-    "ec_transfer_params",
-)
-STRIPPED_HEADER_PREFIXES = ("x-vllm-", "x-tierproxy-")
-# Hop-by-hop headers (RFC 9110 §7.6.1, plus the obsolete Proxy-Connection); those the Connection
-# header names are dropped as well.
-HOP_BY_HOP_HEADERS = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-    }
-)
-# Never forwarded, whatever the config says: credentials, what the proxy sets or rewrites itself
-# (the body goes on as identity JSON of its own length), and Expect (the proxy has the whole body;
-# a 100-continue towards the backend would only stall).
-NEVER_FORWARDED = HOP_BY_HOP_HEADERS | {
-    "authorization",
-    "api-key",
-    "proxy-authorization",
-    "host",
-    "content-length",
-    "content-type",
-    "content-encoding",
-    "accept-encoding",
-    "x-request-id",
-    "expect",
-}
-# Dropped unless input.forward_headers names them: the client's cookies, and headers that steer
-# vLLM's engine (its data-parallel rank, its session routing).
-DROPPED_BY_DEFAULT = frozenset({"cookie", "x-data-parallel-rank", "x-session-id"})
-DROPPED_HEADERS = NEVER_FORWARDED | DROPPED_BY_DEFAULT
+_CONNECTOR_FIELDS = ("kv_transfer_params", "ec_transfer_params")
+STRIPPED_BODY_FIELDS = ("priority", "vllm_xargs", "cache_salt", *_CONNECTOR_FIELDS)
 
 
 def api_key_from(headers: Mapping[str, str]) -> str | None:
@@ -121,28 +79,6 @@ def authenticate_admin(headers: Mapping[str, str], loaded: LoadedConfig) -> None
     key = api_key_from(headers)
     if key is None or not loaded.is_admin_key(key):
         raise unauthorized()
-
-
-def upstream_headers(
-    client_headers: CIMultiDictProxy[str], forward: Collection[str] = ()
-) -> CIMultiDict[str]:
-    """The client's headers that go on to the backend; ``forward`` (input.forward_headers)
-    lets through those dropped by default, never the hop-by-hop or proxy-owned ones."""
-    allowed = {name.lower() for name in forward} - NEVER_FORWARDED
-    named_by_connection = {
-        token.strip().lower()
-        for value in client_headers.getall("Connection", [])
-        for token in value.split(",")
-    }
-    out: CIMultiDict[str] = CIMultiDict()
-    for name, value in client_headers.items():
-        lower = name.lower()
-        if lower.startswith(STRIPPED_HEADER_PREFIXES) or lower in named_by_connection:
-            continue
-        if lower in NEVER_FORWARDED or (lower in DROPPED_BY_DEFAULT and lower not in allowed):
-            continue
-        out.add(name, value)
-    return out
 
 
 @dataclass

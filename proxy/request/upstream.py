@@ -15,7 +15,8 @@ from proxy.config.schema import Config
 from proxy.relay.budget import MemoryBudget
 from proxy.relay.delivered import Delivered
 from proxy.relay.forward import UpstreamCall
-from proxy.request.inbound import ParsedRequest, upstream_headers
+from proxy.request.headers import upstream_headers
+from proxy.request.inbound import ParsedRequest
 from proxy.ticket import (
     CONTENT_DIGEST_HEADER,
     REQUEST_ID_HEADER,

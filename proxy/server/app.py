@@ -85,7 +85,7 @@ def create_app(
         )
     app.cleanup_ctx.append(_lifecycle)
     pipeline, service, admin = state.pipeline, ServiceEndpoints(state), AdminEndpoints(state)
-    expect = expect_checker(pipeline.config)  # key and size checked before 100 Continue
+    expect = expect_checker(pipeline)  # key and size checked before 100 Continue
     for route in ROUTES:  # every vLLM route that runs the model, through the tiers
         for path in route.paths:
             app.router.add_post(path, pipeline.handler(route), expect_handler=expect)

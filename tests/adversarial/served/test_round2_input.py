@@ -75,6 +75,7 @@ async def expect_reply(served: ServedProxy, key: str, length: int) -> str:
 
 async def test_expect_continue_only_after_the_key_and_the_size(served: ServedProxy) -> None:
     good = auth_header("high").removeprefix("Bearer ")
+    mark = served.mark()
     replies = list(
         await asyncio.gather(
             expect_reply(served, "not-a-key", 1000),
@@ -83,3 +84,7 @@ async def test_expect_continue_only_after_the_key_and_the_size(served: ServedPro
         )
     )
     assert replies == ["401 invalid_api_key", "413 request_too_large", "100"]
+    # Refused from the head alone, and still in the access log like any refusal (round 3).
+    refused = [line for line in served.lines_since(mark) if "request_id=" in line]
+    assert any("status=401" in line and "tenant=-" in line for line in refused), refused
+    assert any("status=413" in line and "tenant=tenant-high" in line for line in refused), refused

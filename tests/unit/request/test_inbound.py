@@ -7,13 +7,13 @@ from proxy.config.loader import parse_config
 from proxy.config.scheduling import Limits, Scheduling
 from proxy.config.schema import LoadedConfig
 from proxy.config.tenants import Tier, hash_key
+from proxy.request.headers import upstream_headers
 from proxy.request.inbound import (
     api_key_from,
     authenticate,
     authenticate_admin,
     nesting_exceeds,
     parse_body,
-    upstream_headers,
 )
 
 HIGH = Tier(priority=0, weight=10, max_queue=10, queue_timeout_s=10, request_timeout_s=60)
