@@ -216,6 +216,9 @@ async def _serve(
     async with Listeners(cfg.server, on_refused=state.metrics.connections_refused.inc) as listeners:
         listeners.reuse_port = reuse_port
         state.metrics.open_connections.set_function(listeners.open_connections)
+        state.metrics.connections_evicted.read = lambda: float(
+            sum(gate.evicted for gate in listeners.gates)
+        )
         await listeners.add(app, host or listen.host, port if port is not None else listen.port)
         if cfg.admin_listen is not None:
             admin = cfg.admin_listen

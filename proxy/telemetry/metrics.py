@@ -4,12 +4,30 @@ several apps in one process)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from proxy.telemetry.slo import SloMetrics
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class CountedElsewhere(Collector):
+    """A counter kept by another object (read at each scrape): the listeners count their own
+    evictions, and the server wires ``read`` once they exist."""
+
+    def __init__(self, name: str, documentation: str, registry: CollectorRegistry) -> None:
+        self.name, self.documentation = name, documentation
+        self.read: Callable[[], float] = lambda: 0.0
+        registry.register(self)
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(self.name, self.documentation)
+        family.add_metric([], self.read())
+        yield family
 
 
 class ProxyMetrics:
@@ -111,6 +129,12 @@ class ProxyMetrics:
             "tierproxy_connections_refused",
             "Client connections refused at the server.max_connections cap (503 then closed)",
             registry=r,
+        )
+        self.connections_evicted = CountedElsewhere(
+            "tierproxy_connections_evicted",
+            "Connections still waiting for a request head closed at the server.max_connections"
+            " cap to let a newcomer in (server.evict_at_cap)",
+            r,
         )
         # Goodput, early refusals and backend room (proxy/telemetry/slo.py, docs/slo.md).
         self.slo = SloMetrics(r)

@@ -33,15 +33,19 @@ CAP = 20
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
-async def open_connections(proxy: ServedProxy) -> float:
-    """``tierproxy_open_connections`` from the admin listener (its own connection included)."""
+async def metric(proxy: ServedProxy, name: str = "tierproxy_open_connections") -> float:
+    """A sample of /metrics from the admin listener (open connections: its own included)."""
     req = request_bytes("GET", "/metrics", ADMIN)
     resp = await exchange(proxy.host, proxy.admin_port or proxy.port, req)
     assert resp.status == 200, resp.body[:300]
     for line in resp.body.decode().splitlines():
-        if line.startswith("tierproxy_open_connections"):
+        if line.startswith(f"{name} "):
             return float(line.rsplit(" ", 1)[1])
-    raise AssertionError("tierproxy_open_connections not in /metrics")
+    raise AssertionError(f"{name} not in /metrics")
+
+
+async def open_connections(proxy: ServedProxy) -> float:
+    return await metric(proxy)
 
 
 # A request whose head is in and whose body is still coming (for input.body_read_timeout_s, 30 s):
@@ -174,6 +178,7 @@ async def test_one_client_holding_every_slot_with_half_heads_locks_nobody_out(
         assert statuses == [200] * 20, statuses
         evicted = await held.answers(timeout_s=5)  # the oldest were told why, in JSON
         codes = {a.error_code() for a in evicted if a is not None}
+        told = sum(1 for a in evicted if a is not None and a.error_code() == "too_many_connections")
         # (one left unevicted meanwhile meets its header timeout)
         assert "too_many_connections" in codes, codes
         assert codes <= {"too_many_connections", "header_timeout"}, codes
@@ -185,6 +190,8 @@ async def test_one_client_holding_every_slot_with_half_heads_locks_nobody_out(
         await asyncio.gather(*attackers, return_exceptions=True)
     assert proxy.tracebacks(mark) == 0
     assert proxy.count(r"connection\(s\) evicted", mark) >= 1
+    # Counted too (round 3): every eviction the held clients were told of, and the attackers'.
+    assert await metric(proxy, "tierproxy_connections_evicted_total") >= told >= 1
 
 
 async def test_requests_in_progress_are_never_evicted(start_served: StartServed) -> None:
