@@ -28,11 +28,8 @@ USED = 450  # total_tokens the backend reports for every answer
 def backend() -> Iterator[NullBackend]:
     """Each answer takes 0.6 s (so requests overlap) and reports ``USED`` tokens."""
     fake = FakeVLLM(model="null", delay_s=0.6, usage=(50, USED - 50))
-    upstream = NullBackend(fake).start()
-    try:
+    with NullBackend(fake) as upstream:
         yield upstream
-    finally:
-        upstream.stop()
 
 
 async def chat(proxy: ServedProxy, request_id: str | None, max_tokens: int = 1) -> Response:

@@ -19,11 +19,8 @@ HUGE = 200_000  # total_tokens the backend reports for the answer
 
 @pytest.fixture
 def backend() -> Iterator[NullBackend]:
-    upstream = NullBackend(FakeVLLM(model="null", usage=(10, HUGE - 10))).start()
-    try:
+    with NullBackend(FakeVLLM(model="null", usage=(10, HUGE - 10))) as upstream:
         yield upstream
-    finally:
-        upstream.stop()
 
 
 @pytest.mark.parametrize("shared", [True, False], ids=["shared", "local"])

@@ -15,11 +15,8 @@ from tests.adversarial.served.served import NullBackend, ServedProxy, StartServe
 @pytest.fixture(scope="module")
 def backend() -> Iterator[NullBackend]:
     """The fake backend every served proxy of a module forwards to."""
-    upstream = NullBackend().start()
-    try:
+    with NullBackend() as upstream:
         yield upstream
-    finally:
-        upstream.stop()
 
 
 def _starter(backend: NullBackend, workdir: Path) -> tuple[StartServed, list[ServedProxy]]:

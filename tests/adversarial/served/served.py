@@ -68,7 +68,8 @@ class ThreadedUpstream:
         return self
 
     def __enter__(self) -> Self:
-        return self
+        """Started if it was not yet (``with NullBackend() as upstream``)."""
+        return self if self.thread.is_alive() else self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

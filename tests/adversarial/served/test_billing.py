@@ -17,9 +17,10 @@ import orjson
 import pytest
 from aiohttp import web
 
+from proxy.bench.fake_vllm import FakeVLLM
 from proxy.config.tenants import hash_key
 from tests.adversarial.served.kit import RawClient, exchange, json_request
-from tests.adversarial.served.served import StartServed, ThreadedUpstream
+from tests.adversarial.served.served import NullBackend, StartServed
 from tests.helpers.proxyrun import KEYS
 
 TOKEN = b'"content":"tok "'
@@ -33,57 +34,34 @@ def _chunk(delta: bytes) -> bytes:
     )
 
 
-class BillingBackend:
+async def billing_answers(request: web.Request, n: int) -> web.StreamResponse:
     """vLLM-shaped answers chosen by the body's ``user``: "hang" streams ``max_tokens`` tokens
     then waits (the engine goes on until its caller leaves), "slow" streams a token every
-    10 ms for ever, "bigtail" answers with usage before a 1.7 MB ``prompt_logprobs``. It
-    counts the generations it received."""
+    10 ms for ever, "bigtail" answers with usage before a 1.7 MB ``prompt_logprobs``; a
+    completions call runs to its ``max_tokens`` (none: the context's end)."""
+    body = await request.json()
+    if request.path == "/v1/completions":
+        return _completion(body)
+    if body.get("user") == "bigtail":
+        return web.Response(body=_bigtail(), content_type="application/json")
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    await resp.write(_chunk(b'{"role":"assistant","content":""}'))
+    if body.get("user") == "slow":
+        while True:  # until the proxy's deadline closes the connection
+            await resp.write(_chunk(b'{"content":"tok "}'))
+            await asyncio.sleep(0.01)
+    await resp.write(_chunk(b'{"content":"tok "}') * int(body["max_tokens"]))
+    await asyncio.Event().wait()  # generating on, until the proxy hangs up
+    return resp
 
-    def __init__(self) -> None:
-        self.received = 0
-        self.max_tokens: list[object] = []  # what each completions call asked for
 
-    def app(self) -> web.Application:
-        app = web.Application()
-        app.router.add_get("/health", self._empty)
-        app.router.add_get("/metrics", self._empty)
-        app.router.add_get("/v1/models", self._models)
-        app.router.add_post("/v1/chat/completions", self._chat)
-        app.router.add_post("/v1/completions", self._completions)
-        return app
-
-    async def _empty(self, request: web.Request) -> web.Response:
-        return web.Response(text="")
-
-    async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
-
-    async def _chat(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        self.received += 1
-        if body.get("user") == "bigtail":
-            return web.Response(body=_bigtail(), content_type="application/json")
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        await resp.write(_chunk(b'{"role":"assistant","content":""}'))
-        if body.get("user") == "slow":
-            while True:  # until the proxy's deadline closes the connection
-                await resp.write(_chunk(b'{"content":"tok "}'))
-                await asyncio.sleep(0.01)
-        await resp.write(_chunk(b'{"content":"tok "}') * int(body["max_tokens"]))
-        await asyncio.Event().wait()  # generating on, until the proxy hangs up
-        return resp
-
-    async def _completions(self, request: web.Request) -> web.Response:
-        body = await request.json()
-        self.received += 1
-        prompts = len(body["prompt"]) if isinstance(body["prompt"], list) else 1
-        self.max_tokens.append(body.get("max_tokens"))
-        completion = int(body.get("max_tokens") or 30_000) * prompts  # none: the context's end
-        usage = {"prompt_tokens": prompts, "completion_tokens": completion}
-        choices = [{"index": i, "text": "x", "finish_reason": "length"} for i in range(prompts)]
-        answer = {"object": "text_completion", "choices": choices, "usage": usage}
-        return web.json_response(answer)
+def _completion(body: dict[str, Any]) -> web.Response:
+    prompts = len(body["prompt"]) if isinstance(body["prompt"], list) else 1
+    completion = int(body.get("max_tokens") or 30_000) * prompts  # none: the context's end
+    usage = {"prompt_tokens": prompts, "completion_tokens": completion}
+    choices = [{"index": i, "text": "x", "finish_reason": "length"} for i in range(prompts)]
+    return web.json_response({"object": "text_completion", "choices": choices, "usage": usage})
 
 
 def _bigtail() -> bytes:
@@ -104,20 +82,19 @@ def _bigtail() -> bytes:
     return orjson.dumps(answer)
 
 
-class Upstream(ThreadedUpstream):
+class Upstream(NullBackend):
     def __init__(self) -> None:
-        self.fake = BillingBackend()
-        super().__init__(self.fake.app())
+        super().__init__(FakeVLLM(script=billing_answers))
+
+    def generations(self) -> int:
+        return len(self.null.received)
 
 
 @pytest.fixture(scope="module")
 def backend() -> Iterator[Upstream]:
     """This module's fake backend (the served fixtures forward to it)."""
-    upstream = Upstream().start()
-    try:
+    with Upstream() as upstream:
         yield upstream
-    finally:
-        upstream.stop()
 
 
 def usage_records(log: Path) -> list[dict[str, Any]]:
@@ -196,21 +173,21 @@ async def test_a_prompt_list_over_the_whole_tpm_bucket_is_refused_for_good(
     tenant = {"name": "tenant-normal", "tier": "normal", "tokens_per_minute": 6000}
     tenants = [{**tenant, "keys": [{"sha256": hash_key(KEYS["normal"])}]}]
     proxy = start_served(tenants=tenants)
-    before = backend.fake.received
+    before = backend.generations()
     body = {"model": "tiny", "prompt": ["p"] * 200, "max_tokens": 2048}
     request = json_request("/v1/completions", body, KEYS["normal"])
     answer = await exchange(proxy.host, proxy.port, request)
     assert answer.status == 429 and answer.error_code() == "request_over_token_limit"
     assert answer.headers["x-should-retry"] == "false" and "retry-after" not in answer.headers
-    assert backend.fake.received == before
+    assert backend.generations() == before
     fits = {"model": "tiny", "prompt": ["p"] * 2, "max_tokens": 500}
     ok = await exchange(
         proxy.host, proxy.port, json_request("/v1/completions", fits, KEYS["normal"])
     )
-    assert ok.status == 200 and backend.fake.received == before + 1
+    assert ok.status == 200 and backend.generations() == before + 1
     # No max_tokens: vLLM would run each of 10 prompts to the context's end (300,000 tokens
     # here); each gets its share of the minute's limit instead.
     unset = {"model": "tiny", "prompt": ["p"] * 10}
     request = json_request("/v1/completions", unset, KEYS["normal"])
     answer = await exchange(proxy.host, proxy.port, request)
-    assert answer.status == 200 and backend.fake.max_tokens[-1] == 6000 // 10
+    assert answer.status == 200 and backend.null.received[-1].body["max_tokens"] == 6000 // 10

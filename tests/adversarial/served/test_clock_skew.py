@@ -83,11 +83,8 @@ def skewed_engine() -> web.Application:
 
 @pytest.fixture(scope="module")
 def backend() -> Iterator[ThreadedUpstream]:
-    upstream = ThreadedUpstream(skewed_engine()).start()
-    try:
+    with ThreadedUpstream(skewed_engine()) as upstream:
         yield upstream
-    finally:
-        upstream.stop()
 
 
 async def clock_offset(proxy: ServedProxy) -> float | None:

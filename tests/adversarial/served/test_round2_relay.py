@@ -18,9 +18,9 @@ from proxy.bench.fake_vllm import FakeVLLM
 from tests.adversarial.served.kit import exchange, json_request
 from tests.adversarial.served.served import (
     ADMIN_KEY,
+    NullBackend,
     ServedProxy,
     StartServed,
-    ThreadedUpstream,
     auth_header,
 )
 
@@ -49,15 +49,13 @@ class VllmLike:
     def __init__(self) -> None:
         self.accept_encodings: list[str | None] = []
 
-    def app(self) -> web.Application:
-        null = FakeVLLM(model="null")
-        app = web.Application()
-        app.router.add_get("/health", null._empty)
-        app.router.add_get("/metrics", null._metrics)
-        app.router.add_get("/v1/models", null._models)
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/chat/completions", self.chat)
-        return app
+    async def answer(self, request: web.Request, n: int) -> web.StreamResponse | None:
+        """FakeVLLM's script: these two routes are this module's; the rest the fake's own."""
+        if request.path == "/v1/completions":
+            return await self.completions(request)
+        if request.path == "/v1/chat/completions":
+            return await self.chat(request)
+        return None
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         await request.read()
@@ -109,12 +107,9 @@ def vllm_like() -> VllmLike:
 
 
 @pytest.fixture(scope="module")
-def backend(vllm_like: VllmLike) -> Iterator[ThreadedUpstream]:
-    upstream = ThreadedUpstream(vllm_like.app()).start()
-    try:
+def backend(vllm_like: VllmLike) -> Iterator[NullBackend]:
+    with NullBackend(FakeVLLM(model="null", script=vllm_like.answer)) as upstream:
         yield upstream
-    finally:
-        upstream.stop()
 
 
 async def backend_states(proxy: ServedProxy) -> list[str]:

@@ -71,11 +71,8 @@ class Upstream(ThreadedUpstream):
 @pytest.fixture(scope="module")
 def backend() -> Iterator[Upstream]:
     """This module's fake backend (the served fixtures forward to it)."""
-    upstream = Upstream().start()
-    try:
+    with Upstream() as upstream:
         yield upstream
-    finally:
-        upstream.stop()
 
 
 def chat(tier: str, body: dict[str, object] | None = None) -> bytes:
