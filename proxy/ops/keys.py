@@ -52,6 +52,10 @@ def parse_expiry(text: str, now: datetime) -> datetime:
     return value
 
 
+def _whole_second_up(at: datetime) -> datetime:
+    return at.replace(microsecond=0) + timedelta(seconds=1 if at.microsecond else 0)
+
+
 def stamp(at: datetime) -> str:
     """The YAML text of a time: ISO 8601, UTC, whole seconds."""
     return at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -175,7 +179,7 @@ def rotate_key(
     def change(edit: ConfigEdit, keys_list: KeysList, config: Config) -> str:
         t_index, keys = _tenant_keys(config, tenant)
         at = now()
-        ends = (at + span).replace(microsecond=0)
+        ends = _whole_second_up(at + span)  # the old key works at least the overlap
         index = _to_retire(keys, tenant, old_id, ends)
         key, spec, fields = _make_key(config, expires, at)
         text = keys_list.append(fields)
