@@ -56,6 +56,14 @@ def _whole_second_up(at: datetime) -> datetime:
     return at.replace(microsecond=0) + timedelta(seconds=1 if at.microsecond else 0)
 
 
+def _whole_seconds(spec: KeySpec) -> dict[str, datetime | None]:
+    """The times as written (``stamp``): whole seconds."""
+    return {
+        "created_at": spec.created_at.replace(microsecond=0) if spec.created_at else None,
+        "expires_at": spec.expires_at.replace(microsecond=0) if spec.expires_at else None,
+    }
+
+
 def stamp(at: datetime) -> str:
     """The YAML text of a time: ISO 8601, UTC, whole seconds."""
     return at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -124,10 +132,12 @@ def _make_key(
     if expires_at is not None and expires_at <= at:
         raise KeysError(f"--expires {expires}: that time has passed")
     key, digest = _new_key(config)
-    fields = [("sha256", digest), ("id", digest[:KEY_ID_DIGITS]), ("created_at", stamp(at))]
+    spec = KeySpec(sha256=digest, id=digest[:KEY_ID_DIGITS], created_at=at, expires_at=expires_at)
+    # Quoted: hex digits that happen to be all decimal would read as a YAML number.
+    fields = [("sha256", f'"{digest}"'), ("id", f'"{spec.id}"'), ("created_at", stamp(at))]
     if expires_at is not None:
         fields.append(("expires_at", stamp(expires_at)))
-    return key, KeySpec.model_validate(dict(fields)), fields
+    return key, spec.model_copy(update=_whole_seconds(spec)), fields
 
 
 def add_key(

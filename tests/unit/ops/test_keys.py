@@ -81,8 +81,8 @@ def test_add_writes_only_the_new_entry_and_shows_the_key_once(config: Path) -> N
     digest = hash_key(new.key)
     assert new.key.startswith("tp-") and len(new.key) > 40 and new.key not in after
     assert _diff(BLOCK, after) == [
-        f"+      - sha256: {digest}",
-        f"+        id: {digest[:12]}",
+        f'+      - sha256: "{digest}"',
+        f'+        id: "{digest[:12]}"',
         "+        created_at: 2026-03-01T09:30:15Z",
         "+        expires_at: 2026-05-30T09:30:15Z",
     ]
@@ -103,7 +103,7 @@ def test_add_to_flow_layouts_keeps_them(config: Path) -> None:
     changed = _diff(BLOCK, config.read_text())
     digest = hash_key(new.key)
     assert changed == [
-        f"+    - {{sha256: {digest}, id: {digest[:12]}, created_at: 2026-03-01T09:30:15Z}}"
+        f'+    - {{sha256: "{digest}", id: "{digest[:12]}", created_at: 2026-03-01T09:30:15Z}}'
     ]
     example = (REPO / "configs/example.yaml").read_text()
     shipped = config.parent / "example.yaml"
@@ -240,3 +240,15 @@ def test_the_cli_prints_the_key_alone_on_stdout(
     assert main(["keys", "add", "chat", "-c", str(config), "--expires", "2020-01-01"]) == 1
     assert "that time has passed" in capsys.readouterr().err
     assert main(["keys", "add", "chat", "-c", str(config), "--expires", "soon"]) == 1
+
+
+def test_a_hash_of_decimal_digits_only_stays_a_string(
+    config: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One id in ~290 is 12 decimal digits (and unquoted, YAML would read a number).
+    digits = ("1234567890" * 7)[:64]
+    monkeypatch.setattr("proxy.ops.keys.hash_key", lambda key: digits)
+    new, _ = add_key(config, "chat", None, _now)
+    assert new.key_id == digits[:12]
+    keys = load_config(config).config.tenants[0].keys
+    assert keys[-1].sha256 == digits and keys[-1].id == digits[:12]
