@@ -1,8 +1,8 @@
 """Edits to a tenant's `keys:` list made on the YAML text itself, so that every comment, blank
 line, quote and indentation outside the edited lines stays byte for byte.
 
-The edit points come from the YAML parser's marks (the pure-Python parser: its marks count
-characters). Only the layouts a person writes for a list of small mappings are edited (block
+The edit points come from the YAML parser's marks (character offsets, with libyaml as with the
+pure-Python parser). Only the layouts a person writes for a list of small mappings are edited (block
 or flow, items as block or flow mappings of scalars); anything else is refused as `KeyEditError`
 rather than guessed at. The caller (proxy.ops.keyfile) parses the result with the real loader and
 checks it means exactly the intended change, so a wrong edit can never be written.
@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import yaml
+
+from proxy.config.yaml_load import LOADER
 
 
 class KeyEditError(Exception):
@@ -50,7 +52,7 @@ class KeysList:
 
     def __init__(self, text: str, tenant: str) -> None:
         self.text = text
-        root = yaml.compose(text, Loader=yaml.SafeLoader)  # marks in characters
+        root = yaml.compose(text, Loader=LOADER)  # libyaml's marks count characters too
         tenants = _child(root, "tenants")
         if not isinstance(tenants, yaml.SequenceNode):
             raise KeyEditError("the config has no tenants list")
