@@ -35,6 +35,21 @@ def _env_names(data: Any) -> set[str]:
     return {s["env"] for s in specs if isinstance(s, dict) and isinstance(s.get("env"), str)}
 
 
+def stand_in_environ(text: str) -> tuple[dict[str, str], list[str]]:
+    """The environment to load ``text`` with, and the env keys it names that are unset here.
+    Env keys live in the proxy's environment, not necessarily in this shell's: a random
+    stand-in for each unset one lets the rest of the file be validated."""
+    try:
+        names = _env_names(safe_load(text))
+    except Exception:  # the loader reports the YAML error, with its line
+        names = set()
+    unset = sorted(n for n in names if not os.environ.get(n))
+    environ = dict(os.environ)
+    for name in unset:
+        environ[name] = "tp-stand-in-" + secrets.token_urlsafe(24)
+    return environ, unset
+
+
 class ConfigEdit:
     """``with ConfigEdit(path) as edit:`` holds the lock and the file's current text and
     config; ``edit.commit(text, expected)`` writes ``text`` if it loads as ``expected``."""
@@ -88,16 +103,7 @@ class ConfigEdit:
             self.text = self.raw.decode("utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise KeyFileError(f"cannot read {self.path}: {exc}") from exc
-        # Env keys live in the proxy's environment, not necessarily in this shell's: where one
-        # is unset here, a random stand-in lets the rest of the file be validated.
-        try:
-            names = _env_names(safe_load(self.text))
-        except Exception:  # the loader below reports the YAML error with its line
-            names = set()
-        self.unset_env = sorted(n for n in names if not os.environ.get(n))
-        self._environ = dict(os.environ)
-        for name in self.unset_env:
-            self._environ[name] = "tp-stand-in-" + secrets.token_urlsafe(24)
+        self._environ, self.unset_env = stand_in_environ(self.text)
         self.loaded = self._load(self.text, "the config as it is")
 
     def _load(self, text: str, what: str) -> LoadedConfig:

@@ -68,10 +68,17 @@ def _when(at: datetime | None) -> str:
 
 
 def _list(args: argparse.Namespace) -> int:
-    from proxy.config.loader import ConfigError, load_config
+    from pathlib import Path
 
+    from proxy.config.loader import ConfigError, parse_config
+    from proxy.ops.keyfile import stand_in_environ
+
+    path = _config(args)
     try:
-        config = load_config(_config(args)).config
+        text = Path(path).read_text(encoding="utf-8")
+        config = parse_config(text, path, stand_in_environ(text)[0]).config
+    except OSError as exc:
+        raise KeysError(f"cannot read {path}: {exc.strerror}") from exc
     except ConfigError as exc:
         raise KeysError("the config does not load:\n  " + "\n  ".join(exc.problems)) from exc
     rows: list[tuple[str, ...]] = [("TENANT", "ID", "CREATED", "EXPIRES", "STATE")]

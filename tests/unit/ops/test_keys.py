@@ -187,7 +187,9 @@ def test_a_config_that_does_not_load_is_not_edited(config: Path) -> None:
         add_key(config, "chat", None, _now)
 
 
-def test_env_keys_unset_here_do_not_block_an_edit(config: Path) -> None:
+def test_env_keys_unset_here_do_not_block_an_edit(
+    config: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     text = BLOCK.replace(f"      - sha256: {B}\n", "      - env: TIERPROXY_TEST_UNSET_KEY\n")
     assert "TIERPROXY_TEST_UNSET_KEY" not in os.environ
     config.write_text(text)
@@ -196,6 +198,8 @@ def test_env_keys_unset_here_do_not_block_an_edit(config: Path) -> None:
         "note: TIERPROXY_TEST_UNSET_KEY is not set here; the key it holds was not checked"
     ]
     assert hash_key(new.key) in config.read_text()
+    assert main(["keys", "list", "chat", "-c", str(config)]) == 0
+    assert "env:TIERPROXY_TEST_UNSET_KEY" in capsys.readouterr().out
 
 
 def test_list_and_check_show_ids_and_expiry_never_the_hash(
