@@ -53,8 +53,6 @@ _CONNECTOR_FIELDS = ("kv_transfer_params", "ec_transfer_params")
 STRIPPED_BODY_FIELDS = ("priority", "vllm_xargs", "cache_salt", *_CONNECTOR_FIELDS)
 
 
-
-
 @dataclass
 class ParsedRequest:
     body: dict[str, Any]
