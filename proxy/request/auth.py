@@ -37,7 +37,9 @@ def authenticate(
     tenant = loaded.tenant_by_key_hash.get(digest) if key else None
     if tenant is None:
         raise unauthorized()
-    _check_expiry(loaded, digest, wall)
+    expires_at = loaded.key_expires_at.get(digest)  # inline: this runs for every request
+    if expires_at is not None and wall() >= expires_at:
+        raise key_expired(expires_at)
     return tenant
 
 
