@@ -53,7 +53,11 @@ def _cmd_check(args: argparse.Namespace) -> int:
             print(f"  {problem}", file=sys.stderr)
         print(REFERENCE_POINTER, file=sys.stderr)
         return 1
+    from proxy.ops.keys import expiry_warnings, utc_now
+
     print(summarize(loaded))
+    for warning in expiry_warnings(loaded.config, utc_now(), args.expiring_days):
+        print(f"  warning: {warning}")
     print(REFERENCE_POINTER)
     return 0
 
@@ -269,7 +273,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("check", help="validate a config; print a summary or every error")
     p.add_argument("-c", "--config", required=True)
+    p.add_argument(
+        "--expiring-days", type=float, default=14.0, help="warn about keys expiring this soon"
+    )
     p.set_defaults(func=_cmd_check)
+
+    from proxy.ops.keys_cli import add_parser as add_keys_parser
+
+    add_keys_parser(sub)
 
     # Listed for --help; `main` hands the rest to proxy.config.reference's own parser.
     sub.add_parser(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from datetime import UTC, datetime
 
 import orjson
 from aiohttp import web
@@ -129,6 +130,17 @@ def unauthorized() -> ProxyError:
         "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.",
         type="authentication_error",
         code="invalid_api_key",
+    )
+
+
+def key_expired(expired_at: float) -> ProxyError:
+    """A configured key past its ``expires_at``: says when, and nothing about other keys."""
+    when = datetime.fromtimestamp(expired_at, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return ProxyError(
+        401,
+        f"API key expired at {when}. Ask your administrator for a new key.",
+        type="authentication_error",
+        code="expired_api_key",
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +40,14 @@ class ConfigError(Exception):
         super().__init__(f"{source}: " + "; ".join(problems))
 
 
-def _digest_of(spec: KeySpec) -> tuple[str | None, str | None]:
+Environ = Mapping[str, str]
+
+
+def _digest_of(spec: KeySpec, environ: Environ) -> tuple[str | None, str | None]:
     """(sha256 of the key, None) or (None, the problem); a placeholder key is a problem, as the
     placeholder ticket secret is (``proxy.ticket.check_secret``)."""
     if spec.env is not None:
-        raw = os.environ.get(spec.env)
+        raw = environ.get(spec.env)
         if not raw:
             return None, f"environment variable {spec.env} is not set"
         if raw.strip().lower().startswith(PLACEHOLDER_KEY_PREFIX):
@@ -57,7 +61,7 @@ def _digest_of(spec: KeySpec) -> tuple[str | None, str | None]:
 
 
 def _resolve_keys(
-    config: Config, lines: Lines
+    config: Config, lines: Lines, environ: Environ, expires: dict[str, float]
 ) -> tuple[dict[str, Tenant], frozenset[str], list[str]]:
     by_hash: dict[str, Tenant] = {}
     problems: list[str] = []
@@ -68,7 +72,7 @@ def _resolve_keys(
     for t_index, tenant in enumerate(config.tenants):
         for k_index, spec in enumerate(tenant.keys):
             loc = ("tenants", t_index, "keys", k_index)
-            digest, problem = _digest_of(spec)
+            digest, problem = _digest_of(spec, environ)
             if digest is None:
                 problems.append(f"{where(loc)}: {problem}")
                 continue
@@ -77,9 +81,10 @@ def _resolve_keys(
                 problems.append(f"{where(loc)}: key already belongs to tenant {owner.name!r}")
                 continue
             by_hash[digest] = tenant
+            _note_expiry(expires, digest, spec)
     admin: set[str] = set()
     for index, spec in enumerate(config.admin_keys):
-        digest, problem = _digest_of(spec)
+        digest, problem = _digest_of(spec, environ)
         if digest is None:
             problems.append(f"{where(('admin_keys', index))}: {problem}")
         elif digest in by_hash:
@@ -88,17 +93,27 @@ def _resolve_keys(
             )
         else:
             admin.add(digest)
+            _note_expiry(expires, digest, spec)
     return by_hash, frozenset(admin), problems
 
 
-def _missing_env_keys(data: dict[str, Any], lines: Lines) -> list[str]:
+def _note_expiry(expires: dict[str, float], digest: str, spec: KeySpec) -> None:
+    """One key listed twice (for one tenant) expires at the earlier of its times, if both
+    have one; a listing without a time keeps it valid."""
+    if spec.expires_at is None:
+        expires[digest] = float("inf")
+    else:
+        expires[digest] = min(expires.get(digest, float("inf")), spec.expires_at.timestamp())
+
+
+def _missing_env_keys(data: dict[str, Any], lines: Lines, environ: Environ) -> list[str]:
     problems = []
     tenants = data.get("tenants")
     for t_index, tenant in enumerate(tenants if isinstance(tenants, list) else []):
         keys = tenant.get("keys") if isinstance(tenant, dict) else None
         for k_index, spec in enumerate(keys if isinstance(keys, list) else []):
             env = spec.get("env") if isinstance(spec, dict) else None
-            if isinstance(env, str) and not os.environ.get(env):
+            if isinstance(env, str) and not environ.get(env):
                 line = lines.of(("tenants", t_index, "keys", k_index))
                 problems.append(
                     f"tenants.{t_index}.keys.{k_index} (line {line}):"
@@ -137,8 +152,12 @@ def _validate(data: dict[str, Any]) -> tuple[Config | None, _Errors]:
     return (None, errors) if errors else (config, errors)
 
 
-def parse_config(text: str, source: str = "<config>") -> LoadedConfig:
-    """Validate YAML text; raises ConfigError listing every problem with its line."""
+def parse_config(
+    text: str, source: str = "<config>", environ: Environ | None = None
+) -> LoadedConfig:
+    """Validate YAML text; raises ConfigError listing every problem with its line. ``environ``:
+    where env keys are read (the process's environment by default)."""
+    env = os.environ if environ is None else environ
     try:
         data: Any = safe_load(text)
     except yaml.YAMLError as exc:
@@ -153,13 +172,18 @@ def parse_config(text: str, source: str = "<config>") -> LoadedConfig:
             path = ".".join(str(p) for p in loc) or "(top level)"
             problems.append(f"{path} (line {lines.of(loc)}): {msg}")
         # Report missing key variables too, so one `tierproxy check` shows everything.
-        problems += _missing_env_keys(data, lines)
+        problems += _missing_env_keys(data, lines, env)
         raise ConfigError(source, problems)
-    by_hash, admin, problems = _resolve_keys(config, lines)
+    expires: dict[str, float] = {}
+    by_hash, admin, problems = _resolve_keys(config, lines, env, expires)
     if problems:
         raise ConfigError(source, problems)
     return LoadedConfig(
-        config=config, tenant_by_key_hash=by_hash, admin_key_hashes=admin, source=source
+        config=config,
+        tenant_by_key_hash=by_hash,
+        admin_key_hashes=admin,
+        source=source,
+        key_expires_at={digest: at for digest, at in expires.items() if at != float("inf")},
     )
 
 

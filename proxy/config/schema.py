@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pydantic import (
     Field,
@@ -118,6 +118,8 @@ class LoadedConfig:
     tenant_by_key_hash: Mapping[str, Tenant]
     admin_key_hashes: frozenset[str]
     source: str
+    # sha256 -> the POSIX time it expires at, for the keys (tenants' and admin) with expires_at.
+    key_expires_at: Mapping[str, float] = field(default_factory=dict)
 
     def tenant_for_key(self, key: str) -> Tenant | None:
         return self.tenant_by_key_hash.get(hash_key(key))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import re
+from datetime import UTC, date, datetime
 from typing import Literal
 
 from pydantic import (
@@ -17,6 +18,7 @@ from proxy.config.base import Strict
 from proxy.config.slo import TierSlo
 
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+KEY_ID_DIGITS = 12  # of the sha256: a key's id (48 bits: no clash among one config's keys)
 
 
 def hash_key(key: str) -> str:
@@ -92,8 +94,24 @@ class Tier(Strict):
     )
 
 
+def utc_time(value: object) -> object:
+    """A YAML date or time as an aware UTC datetime: a date is its midnight, a time without a
+    zone is UTC (what `tierproxy keys` writes carries its zone)."""
+    if isinstance(value, date) and not isinstance(value, datetime):
+        return datetime(value.year, value.month, value.day, tzinfo=UTC)
+    if isinstance(value, str):
+        try:
+            value = datetime.fromisoformat(value)
+        except ValueError:
+            return value  # pydantic names the problem
+    if isinstance(value, datetime):
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+    return value
+
+
 class KeySpec(Strict):
-    """One API key: its sha256 (`tierproxy hash-key`) or the variable that holds it."""
+    """One API key: its sha256 (`tierproxy hash-key`) or the variable that holds it; `tierproxy
+    keys` adds, rotates and revokes them (docs/keys.md)."""
 
     sha256: str | None = Field(
         None, description="Lowercase hex sha256 of the key (`echo -n KEY | tierproxy hash-key`)."
@@ -101,6 +119,26 @@ class KeySpec(Strict):
     env: str | None = Field(
         None, description="Environment variable that holds the key itself (read at load)."
     )
+    id: str | None = Field(
+        None,
+        pattern=r"^[0-9a-f]{8,64}$",
+        description="Short name of the key in `tierproxy keys` and logs: the first hex digits"
+        " of its sha256 (`tierproxy keys` writes 12). null: the first 12 of the sha256.",
+    )
+    created_at: datetime | None = Field(
+        None, description="When the key was made (ISO 8601; without a zone: UTC). Informative."
+    )
+    expires_at: datetime | None = Field(
+        None,
+        description="From this time on the key is refused (401 `expired_api_key`, 'API key"
+        " expired at ...'); ISO 8601, without a zone: UTC. null: never.",
+        examples=["2026-06-30T00:00:00Z"],
+    )
+
+    @field_validator("created_at", "expires_at", mode="before")
+    @classmethod
+    def _utc(cls, value: object) -> object:
+        return utc_time(value)
 
     @field_validator("sha256")
     @classmethod
@@ -113,7 +151,17 @@ class KeySpec(Strict):
     def _exactly_one(self) -> KeySpec:
         if (self.sha256 is None) == (self.env is None):
             raise ValueError("give exactly one of sha256 or env")
+        if self.id is not None and self.sha256 is not None and not self.sha256.startswith(self.id):
+            raise ValueError(f"id {self.id!r} is not the start of the key's sha256")
         return self
+
+    @property
+    def key_id(self) -> str:
+        """The id `tierproxy keys` shows: ``id``, else the sha256's first 12 digits, else
+        ``env:NAME`` (the key itself is known only where the variable is set)."""
+        if self.id is not None:
+            return self.id
+        return self.sha256[:KEY_ID_DIGITS] if self.sha256 is not None else f"env:{self.env}"
 
 
 class Tenant(Strict):

@@ -8,24 +8,22 @@ the headers that steer vLLM in ``proxy.request.headers``; only the proxy's signe
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from proxy.api.errors import (
-    admin_disabled,
     bad_request,
     too_deep,
     too_many_elements,
-    unauthorized,
 )
 from proxy.api.routes import BY_ENDPOINT, Endpoint
 from proxy.config.scheduling import Limits, Scheduling
-from proxy.config.schema import LoadedConfig
 from proxy.config.server import InputLimits
-from proxy.config.tenants import Tenant, Tier
+from proxy.config.tenants import Tier
+from proxy.request.auth import api_key_from, authenticate, authenticate_admin
 from proxy.request.body import read_body
 from proxy.request.costs import INPUT_CHARS, lax_bool, lax_int, text_chars
 from proxy.request.jsonshape import (
@@ -40,6 +38,7 @@ __all__ = [
     "BODY_READ_TIMEOUT_S",
     "Endpoint",
     "ParsedRequest",
+    "api_key_from",
     "authenticate",
     "authenticate_admin",
     "nesting_exceeds",
@@ -52,33 +51,6 @@ BODY_READ_TIMEOUT_S = 30.0
 
 _CONNECTOR_FIELDS = ("kv_transfer_params", "ec_transfer_params")
 STRIPPED_BODY_FIELDS = ("priority", "vllm_xargs", "cache_salt", *_CONNECTOR_FIELDS)
-
-
-def api_key_from(headers: Mapping[str, str]) -> str | None:
-    auth = headers.get("Authorization", "")
-    scheme, _, token = auth.partition(" ")
-    if scheme.lower() == "bearer" and token.strip():
-        return token.strip()
-    key = headers.get("api-key", "").strip()
-    return key or None
-
-
-def authenticate(headers: Mapping[str, str], loaded: LoadedConfig) -> Tenant:
-    """The tenant whose key the request carries, or 401."""
-    key = api_key_from(headers)
-    tenant = loaded.tenant_for_key(key) if key else None
-    if tenant is None:
-        raise unauthorized()
-    return tenant
-
-
-def authenticate_admin(headers: Mapping[str, str], loaded: LoadedConfig) -> None:
-    """Pass an admin key, or 404 when the admin API is off, or 401."""
-    if not loaded.admin_key_hashes:
-        raise admin_disabled()
-    key = api_key_from(headers)
-    if key is None or not loaded.is_admin_key(key):
-        raise unauthorized()
 
 
 @dataclass

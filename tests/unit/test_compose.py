@@ -17,6 +17,17 @@ from proxy.ticket import PLUGIN_FLAGS
 from tests.helpers.paths import REPO
 
 
+def _proxy_config(proxy: dict[str, Any]) -> str:
+    """The host path of the config the proxy service serves: its folder mount plus the file
+    its command names. A folder, not a single-file mount: a file renamed over on the host (a
+    safe edit, `tierproxy keys`) never reaches a single-file mount, so no reload would see it."""
+    host, container = proxy["volumes"][0].split(":")[:2]
+    config = proxy["command"][proxy["command"].index("-c") + 1]
+    assert (REPO / host).is_dir(), "mount the config's folder, not the file"
+    assert config.startswith(container.rstrip("/") + "/")
+    return str(Path(host) / config[len(container.rstrip("/")) + 1 :])
+
+
 def _compose() -> dict[str, Any]:
     data = yaml.safe_load((REPO / "docker-compose.yml").read_text())
     assert isinstance(data, dict)
@@ -54,7 +65,7 @@ def test_compose_structure_matches_the_code(monkeypatch: pytest.MonkeyPatch) -> 
     proxy = services["proxy"]
     assert (REPO / proxy["build"]["dockerfile"]).exists()
     assert proxy["depends_on"]["vllm-0"]["condition"] == "service_healthy"
-    host_config = proxy["volumes"][0].split(":")[0]
+    host_config = _proxy_config(proxy)
     # The mounted config is valid and points at the compose services.
     env = (REPO / "configs/tierproxy.env.example").read_text().splitlines()
     for line in env:
@@ -111,7 +122,7 @@ def test_compose_replicas_share_state_behind_haproxy(monkeypatch: pytest.MonkeyP
         if "=" in line and not line.startswith("#"):
             key, value = line.split("=", 1)
             monkeypatch.setenv(key, _as_a_user_sets_it(key, value))
-    loaded = load_config(REPO / proxy["volumes"][0].split(":")[0])
+    loaded = load_config(REPO / _proxy_config(proxy))
     port = loaded.config.listen.port
     assert servers == {f"proxy:{port}", f"proxy-2:{port}"}
     assert "option httpchk GET /readyz" in haproxy
