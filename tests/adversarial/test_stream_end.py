@@ -67,10 +67,13 @@ async def test_a_stream_read_to_its_last_event_is_ok_when_the_backend_ends_late(
         async with running_proxy(config) as (url, state), aiohttp.ClientSession() as session:
             for _ in range(STREAMS):
                 await read_to_last_event_and_close(session, url, path, body, last)
-            finished = lambda: sum(  # noqa: E731
-                sample(state, "tierproxy_requests_total", tier="normal", outcome=o)
-                for o in ("ok", "client_gone")
-            )
+
+            def finished() -> float:
+                return sum(
+                    sample(state, "tierproxy_requests_total", tier="normal", outcome=o)
+                    for o in ("ok", "client_gone")
+                )
+
             await until(lambda: finished() >= STREAMS, 10, "the streams to be logged")
             await asyncio.sleep(LATE_S * 2)  # nothing is re-counted once the backend ends
             outcomes = {
