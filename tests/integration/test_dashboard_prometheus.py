@@ -1,6 +1,6 @@
 """The Grafana dashboard on a real Prometheus (Debian's 2.42): it scrapes two proxy replicas
 sharing one Redis (as the compose file runs them) and a real vLLM, a little mixed load runs
-(three tiers, a stream, a tenant refused at its limit, a backend that answers 503 and is ejected),
+(three tiers, streams, one its client leaves, a tenant refused at its limit, a backend that answers 503 and is ejected),
 then every PromQL expression of configs/grafana/dashboards/tierproxy.json is evaluated as
 Grafana evaluates it (a range query, ``$__rate_interval`` as Grafana sizes it): each parses,
 returns data, and draws one series per legend (two replicas must not draw a backend twice).
@@ -96,6 +96,21 @@ async def call(
         return r.status
 
 
+async def leave_early(s: aiohttp.ClientSession, base: str) -> None:
+    """A stream its client leaves after the first event: ``client_gone``, never a refusal."""
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "a long one"}],
+        "max_tokens": 256,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    async with s.post(f"{base}/v1/chat/completions", json=body, headers=auth("normal")) as r:
+        assert r.status == 200
+        await r.content.readline()
+        r.close()
+
+
 def errors_counted(states: list[ProxyState]) -> bool:
     registry = [s.metrics.registry for s in states]
     return any(
@@ -116,6 +131,7 @@ async def mixed_load(bases: list[str], states: list[ProxyState]) -> None:
                 call(s, bases[wave], "low"),
             )
             assert set(statuses) == {200}, statuses
+        await leave_early(s, bases[0])
         # tenant-low's requests_per_minute (2, shared through Redis) is spent: refused.
         assert await call(s, bases[1], "low") == 429
         # Until the overloaded backend drew one (the chooser may prefer vLLM at first).

@@ -13,8 +13,12 @@ from typing import Any
 import pytest
 import yaml
 
+from proxy.config.loader import parse_config
+from proxy.server.state import ProxyState
 from tests.helpers import promserver
+from tests.helpers.clock import FakeClock
 from tests.helpers.paths import REPO
+from tests.helpers.proxyrun import SECRET, make_config
 
 RULES_DIR = REPO / "configs" / "prometheus"
 RULE_FILES = sorted(RULES_DIR.glob("*.yml"))
@@ -114,3 +118,29 @@ def test_compose_loads_the_rules() -> None:
         assert hosts, f"{pattern}: no volume mounts {folder}"
         matched |= set((REPO / hosts[0]).glob(glob))
     assert matched == set(RULE_FILES)
+
+
+async def test_what_the_alerts_measure_against_is_on_metrics_and_follows_reloads(
+    clock: FakeClock,
+) -> None:
+    """``tierproxy_queue_max`` (TierproxyQueueNearCap) and ``tierproxy_slo_objective`` (the SLO
+    burn alerts' budget) come from the live config: a reload changes them."""
+    config = make_config(
+        [{"url": "http://127.0.0.1:9"}],
+        tiers={"normal": {"max_queue": 40, "slo": {"ttft_s": 1.0, "percentile": 99.5}}},
+    )
+    rig_state = ProxyState(parse_config(yaml.safe_dump(config), "test"), SECRET, clock)
+    registry = rig_state.metrics.registry
+
+    def value(name: str, tier: str) -> float | None:
+        return registry.get_sample_value(name, {"tier": tier})
+
+    assert value("tierproxy_queue_max", "normal") == 40
+    assert value("tierproxy_queue_max", "low") == 500
+    assert value("tierproxy_slo_objective", "normal") == pytest.approx(0.995)
+    assert value("tierproxy_slo_objective", "high") is None  # no slo: no budget to burn
+    config["tiers"]["high"]["slo"] = {"ttft_s": 0.5, "percentile": 90}
+    config["tiers"]["normal"]["max_queue"] = 10
+    rig_state.apply(parse_config(yaml.safe_dump(config), "reloaded"))
+    assert value("tierproxy_queue_max", "normal") == 10
+    assert value("tierproxy_slo_objective", "high") == pytest.approx(0.9)
