@@ -11,7 +11,7 @@ SOURCES := proxy tests benchmarks
 # make test fails below this line coverage of proxy/ (the figure measured when it was set).
 COVERAGE_FLOOR := 87
 
-.PHONY: run test lint format unit adversarial integration bench clean model install install-light redis-server tmux haproxy compat-tools
+.PHONY: run test lint format unit adversarial integration bench clean model install install-light redis-server tmux haproxy prometheus compat-tools
 
 $(LIGHT): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -83,7 +83,17 @@ haproxy:
 	@command -v haproxy >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq \
 		&& apt-get install -y -qq haproxy; } || echo "no haproxy (not root): its config check skips"
 
-test: model lint redis-server tmux haproxy compat-tools
+# Debian's Prometheus (2.42, with promtool) runs the dashboard's expressions and the alert rules'
+# unit tests (tests/integration/test_dashboard_prometheus.py, tests/unit/telemetry/
+# test_prometheus_rules.py); root installs it. The package starts a system service where systemd
+# runs: stopped and disabled here, the tests start their own.
+prometheus:
+	@command -v promtool >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq \
+		&& apt-get install -y -qq --no-install-recommends prometheus \
+		&& { systemctl disable --now prometheus >/dev/null 2>&1 || true; }; } \
+		|| echo "no prometheus (not root): the dashboard and alert-rule tests skip"
+
+test: model lint redis-server tmux haproxy prometheus compat-tools
 	$(BIN)/pytest --cov=proxy --cov-report=term:skip-covered --cov-fail-under=$(COVERAGE_FLOOR)
 
 bench: model

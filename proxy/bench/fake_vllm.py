@@ -134,7 +134,9 @@ class FakeVLLM:
     wait at the backend before any byte of the answer. ``hang``: every route (probes too)
     accepts and never answers. ``die_after_events``: a generation streams that many events, then
     the connection drops without ``[DONE]``. ``cut_responses_stream``: a Responses stream ends
-    before ``response.completed``. ``tokenize_status``: else ``/tokenize`` answers this status.
+    before ``response.completed``. ``end_delay_s``: between a stream's last event and the end of
+    its body (vLLM's end of body comes apart from ``[DONE]``). ``tokenize_status``: else
+    ``/tokenize`` answers this status.
     ``tokenize_gate``: set, ``/tokenize`` and ``/detokenize`` wait for it (a busy tokenizer;
     ``tokenizing`` counts the waiting). ``script``: the test's own answer to every POST (None
     from it: the configured answer). ``version_calls`` counts ``GET /version``.
@@ -152,6 +154,7 @@ class FakeVLLM:
         hang: bool = False,
         die_after_events: int | None = None,
         cut_responses_stream: bool = False,
+        end_delay_s: float = 0.0,
         tokenize_status: int = 200,
         tokenize_gate: asyncio.Event | None = None,
         script: Script | None = None,
@@ -165,6 +168,7 @@ class FakeVLLM:
         self.hang = hang
         self.die_after_events = die_after_events
         self.cut_responses_stream = cut_responses_stream
+        self.end_delay_s = end_delay_s
         self.tokenize_status = tokenize_status
         self.tokenize_gate = tokenize_gate
         self.script = script
@@ -303,8 +307,13 @@ class FakeVLLM:
         if (body.get("stream_options") or {}).get("include_usage"):  # as vLLM: only if asked
             await resp.write(chat_chunk(self.model, [], usage=self.usage_body()))
         await resp.write(DONE)
-        await resp.write_eof()
+        await self._end(resp)
         return resp
+
+    async def _end(self, resp: web.StreamResponse) -> None:
+        if self.end_delay_s:
+            await asyncio.sleep(self.end_delay_s)
+        await resp.write_eof()
 
     async def _die_mid_stream(self, request: web.Request) -> web.StreamResponse:
         resp = await _sse(request)
@@ -340,7 +349,7 @@ class FakeVLLM:
             }
             done = {"type": "response.completed", "response": {"usage": usage}}
             await resp.write(_event("response.completed", done))
-        await resp.write_eof()
+        await self._end(resp)
         return resp
 
 

@@ -338,7 +338,10 @@ async def _relay_stream(
         if first:
             await send.write(out, first)
             delivered.chunks(first)
-        while chunk := await content.readany():
+        # Not past [DONE]: the answer is whole, the client's response ends now, not with the
+        # backend's end of body that comes apart (a client that reads [DONE] and closes was
+        # cut waiting for it). The backend's connection is pooled only if its end came too.
+        while not scan.saw_done and (chunk := await content.readany()):
             if block := scan.feed(chunk):
                 await send.write(out, block)
                 delivered.chunks(block)
@@ -367,7 +370,7 @@ async def _relay_stream(
     if scan.error_event and result.outcome == Outcome.OK:
         result.outcome = Outcome.BACKEND_ERROR  # vLLM's error event, then [DONE]
     if result.outcome not in (Outcome.CLIENT_GONE, Outcome.CLIENT_STALLED):
-        await _finish(send, out, last, result)
+        await finish_stream(send, out, last, result, whole=scan.saw_done)
     return result
 
 
@@ -375,15 +378,19 @@ def _expire(content: aiohttp.StreamReader) -> None:
     content.set_exception(TimeoutError())
 
 
-async def _finish(
-    send: ClientSender, out: web.StreamResponse, last: bytes, result: RelayResult
+async def finish_stream(
+    send: ClientSender, out: web.StreamResponse, last: bytes, result: RelayResult, *, whole: bool
 ) -> None:
+    """The end of the client's response. ``whole``: the stream's last event (``[DONE]``,
+    Responses' final event) was written: a client that closes now closes after reading it, and
+    its request stays ``ok``."""
     try:
         await send.finish(out, last)
     except ClientStalled:
         result.outcome, result.status = Outcome.CLIENT_STALLED, 499
     except CLIENT_LEFT:
-        result.outcome = Outcome.CLIENT_GONE
+        if not whole:
+            result.outcome = Outcome.CLIENT_GONE
 
 
 __all__ = ["ClientStalled", "RelayResult", "UpstreamCall", "UpstreamUnavailable", "relay"]

@@ -28,6 +28,7 @@ from proxy.relay.forward import (
     RelayResult,
     UpstreamCall,
     UpstreamUnavailable,
+    finish_stream,
     open_relay,
     relay,
     settled,
@@ -99,10 +100,10 @@ async def _relay_events(
     out.headers["X-Request-Id"] = call.reply_request_id or call.headers.get(REQUEST_ID_HEADER, "")
     result = RelayResult(out, Outcome.OK, 200, first_token_at=now())
     last: ProxyError | None = None
+    ended = False  # the final event was written
     try:
         await send.prepare(out)
         event: bytes | None = first
-        ended = False
         while event is not None:
             kind, data = _kind_and_data(event)
             if kind in FINAL_EVENTS:
@@ -110,6 +111,8 @@ async def _relay_events(
                 result.usage = _usage_of(data)
             await send.write(out, event)
             call.delivered.responses_event(event)
+            if ended:  # nothing follows the final event: end without the backend's close
+                break
             async with asyncio.timeout_at(call.deadline):
                 event = await anext(events, None)
         if not ended:
@@ -127,12 +130,8 @@ async def _relay_events(
         result.outcome, result.backend_failed = Outcome.UPSTREAM_ERROR, True
         last = upstream_failed(f"The backend failed mid-stream: {exc}")
     if result.outcome not in (Outcome.CLIENT_GONE, Outcome.CLIENT_STALLED):
-        try:
-            await send.finish(out, error_event(last) if last is not None else b"")
-        except ClientStalled:
-            result.outcome, result.status = Outcome.CLIENT_STALLED, 499
-        except CLIENT_LEFT:
-            result.outcome = Outcome.CLIENT_GONE
+        tail = error_event(last) if last is not None else b""
+        await finish_stream(send, out, tail, result, whole=ended)
     return result
 
 

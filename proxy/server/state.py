@@ -14,7 +14,7 @@ import aiohttp
 from aiohttp import web
 
 from proxy.config.schema import Config, LoadedConfig
-from proxy.ops.live.collector import BackendRoomCollector
+from proxy.ops.live.collector import BackendRoomCollector, TierCollector
 from proxy.ops.live.status import LiveStatus
 from proxy.ops.reload import ConfigWatcher
 from proxy.ops.usage import TimedRelay, UsageMeter
@@ -94,6 +94,7 @@ class ProxyState:
             clock,
         )
         self.metrics.registry.register(BackendRoomCollector(self.pool, clock))
+        self.metrics.registry.register(TierCollector(self.queue, lambda: self.config))
         if self.usage_log is not None:
             self.usage_log.on_drop = self.usage.counters.log_dropped.inc
 

@@ -10,6 +10,10 @@ from typing import Any
 from tests.helpers.paths import REPO
 
 DASHBOARD = REPO / "configs" / "grafana" / "dashboards" / "tierproxy.json"
+# What the proxy refused (429 and its own 503s): the outcomes the "Refusals" panel plots.
+REFUSAL_OUTCOMES = frozenset(
+    {"queue_full", "refused_early", "rate_limited", "queue_timeout", "unavailable"}
+)
 _NAME = re.compile(r"\b(tierproxy_[a-zA-Z0-9_]+|vllm:[a-zA-Z0-9_:]+)")
 _SUFFIXES = {
     "counter": ("_total", "_created"),

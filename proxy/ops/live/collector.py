@@ -8,8 +8,10 @@ from collections.abc import Callable, Iterator
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from proxy.config.schema import Config
 from proxy.ops.live.status import backend_state
 from proxy.scheduling.pool import BackendPool
+from proxy.scheduling.queue import AdmissionQueue
 
 STATES = ("healthy", "ramping", "ejected", "down", "draining")
 
@@ -38,3 +40,33 @@ class BackendRoomCollector(Collector):
                 state.add_metric([b.label, name], 1.0 if name == current else 0.0)
         yield room
         yield state
+
+
+class TierCollector(Collector):
+    """What the alerts (configs/prometheus/) measure a tier against, from the live config
+    (a reload changes it): its queue cap beside ``tierproxy_queue_depth``, and the share of
+    its requests its SLO wants met (``slo.percentile``) beside ``tierproxy_slo_met_total``."""
+
+    def __init__(self, queue: AdmissionQueue, config: Callable[[], Config]) -> None:
+        self.queue = queue
+        self.config = config
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        cap = GaugeMetricFamily(
+            "tierproxy_queue_max",
+            "Each tier's queue cap (tiers.<tier>.max_queue, per replica): queue_full at it",
+            labels=["tier"],
+        )
+        for tier in self.queue.tiers():
+            cap.add_metric([tier], self.queue.limits(tier).max_queue)
+        objective = GaugeMetricFamily(
+            "tierproxy_slo_objective",
+            "Share of a tier's requests that must meet its SLO (slo.percentile / 100); tiers"
+            " with an slo only",
+            labels=["tier"],
+        )
+        for name, limits in self.config().tiers.items():
+            if limits.slo is not None:
+                objective.add_metric([name], limits.slo.percentile / 100.0)
+        yield cap
+        yield objective

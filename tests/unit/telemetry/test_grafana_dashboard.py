@@ -4,18 +4,20 @@ against a real vLLM in tests/integration/test_live_view.py)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 import yaml
 from aiohttp.test_utils import TestClient, TestServer
 
+from proxy.api.outcome import Outcome
 from proxy.bench.fake_vllm import FakeVLLM
 from proxy.config.loader import parse_config
 from proxy.config.tenants import hash_key
 from proxy.server.app import create_app
 from tests.helpers.clock import FakeClock
-from tests.helpers.dashboard import exposed_names, panels, queried_names
+from tests.helpers.dashboard import REFUSAL_OUTCOMES, exposed_names, panels, queried_names
 from tests.helpers.paths import REPO
 from tests.helpers.proxyrun import SECRET, make_config
 
@@ -48,7 +50,7 @@ def test_panels_cover_tiers_tenants_backends_and_vllm() -> None:
         "tierproxy_time_to_first_token_seconds_bucket",
         "tierproxy_queue_wait_seconds_bucket",
         "tierproxy_queue_depth",
-        'tierproxy_requests_total{outcome!="ok"}',
+        "tierproxy_requests_total{outcome=~",
         "tierproxy_usage_tokens_total",
         "tierproxy_rate_limited_total",
         "tierproxy_backend_free_slots",
@@ -59,6 +61,27 @@ def test_panels_cover_tiers_tenants_backends_and_vllm() -> None:
         assert needed in exprs
     ids = [p["id"] for p in panels()]
     assert len(ids) == len(set(ids))
+
+
+def test_refusals_are_refusal_outcomes_only() -> None:
+    """Panel 5 plots what the proxy refused, never a client that left nor a request served."""
+    (refusals,) = [p for p in panels() if p["title"].startswith("Refusals")]
+    (target,) = refusals["targets"]
+    matched = re.search(r'outcome=~"([^"]+)"', target["expr"])
+    assert matched is not None, target["expr"]
+    plotted = {o for o in Outcome if re.fullmatch(matched.group(1), o.value)}
+    refused = {o for o in Outcome if o.value in REFUSAL_OUTCOMES}
+    assert plotted == refused
+    assert Outcome.CLIENT_GONE not in plotted and Outcome.OK not in plotted
+
+
+def test_rates_of_seconds_are_not_drawn_as_seconds() -> None:
+    """A rate of seconds per second is a mean number in progress, not a duration."""
+    for panel in panels():
+        for target in panel["targets"]:
+            if re.search(r"rate\(\w+_seconds_total", target["expr"]):
+                assert panel["fieldConfig"]["defaults"]["unit"] in ("short", "none"), panel["title"]
+                assert "mean" in panel["title"], panel["title"]
 
 
 def test_compose_provisions_grafana_with_the_dashboard() -> None:
