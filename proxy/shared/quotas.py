@@ -106,6 +106,8 @@ class SharedQuotaBook:
             except SharedStateDown:
                 pass  # decided below, without Redis
             else:
+                if self._pending:  # charged locally while Redis was away or busy
+                    self._push_pending()
                 values = [float(_text(v)) for v in answer[1:]]
                 for (counter, name), value in zip(periods, values, strict=True):
                     self.local.put(ask.tenant, counter, name, value)

@@ -16,7 +16,7 @@ from proxy.api.errors import ProxyError
 from proxy.bench.inproc import until
 from proxy.config.shared_state import SharedState
 from proxy.scheduling.quotas import QuotaAsk
-from proxy.shared.client import SharedStore
+from proxy.shared.client import SharedStateBusy, SharedStore
 from proxy.shared.quotas import SharedQuotaBook
 from tests.helpers.clock import FakeClock
 from tests.helpers.redis_server import RedisServer
@@ -159,3 +159,24 @@ async def test_refuse_answers_503_while_redis_is_down(
     with pytest.raises(ProxyError) as refused:
         await a.reserve(ask(1), FakeClock(at("2026-12-01T12:00:00"))())
     assert refused.value.status == 503 and refused.value.code == "shared_state_unavailable"
+
+
+async def test_a_busy_pool_decides_locally_and_redis_learns_it_later(
+    books: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (a,) = await books(1)
+    wall = FakeClock(at("2026-12-01T12:00:00"))
+
+    async def busy(*_: Any) -> Any:
+        raise SharedStateBusy("no connection free")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(a.store, "run", busy)
+        local = await a.reserve(ask(300), wall())
+    assert local.hold is not None and not local.hold.shared and a.store.up  # Redis not down
+    a.settle(local.hold, 100.0, None)
+    # Redis never went down, so nothing calls on_up: the next call that reaches it catches up.
+    assert (await a.reserve(ask(50), wall())).allowed
+    await settled(a)
+    key = "tierproxy:quota:{acme}:tokens_per_day:2026-12-01"
+    assert float(await a.store.redis.get(key)) == 150
