@@ -119,7 +119,9 @@ class SharedQuotaBook:
                     return verdict
                 # Redis refused what its figures, read back, would allow (a float's last bit):
                 # Redis decides.
-                return QuotaVerdict(False, None, counters[0], ask.limits[counters[0]], values[0])
+                first, resets_at = counters[0], period(COUNTERS[counters[0]][1], wall)[1]
+                limit, asked = ask.limits[first], ask.amount(first)
+                return QuotaVerdict(False, None, first, limit, values[0], asked, resets_at - wall)
         if self.store.cfg.on_failure == "refuse":
             raise shared_state_unavailable(self.store.cfg.probe_interval_s)
         verdict = self.local.try_reserve(ask, wall)
@@ -143,8 +145,8 @@ class SharedQuotaBook:
         self._spawn(self._add(items))
 
     def usage(self, tenant: str, limits: Mapping[str, float], wall: float) -> dict[str, Any]:
-        """As this replica last saw the counters (each reservation and correction it makes
-        reads them back from Redis)."""
+        """As this replica last saw the counters: each reservation reads them back from Redis,
+        and this replica's own corrections are added as it makes them."""
         return self.local.usage(tenant, limits, wall)
 
     # -- Redis writes ------------------------------------------------------------------------
