@@ -22,11 +22,8 @@ QUOTA = {"tokens_per_day": 30}  # the backend reports 4 + 4 tokens an answer
 
 @pytest.fixture
 def backend() -> Iterator[NullBackend]:
-    upstream = NullBackend(FakeVLLM(model="null", usage=(4, 4))).start()
-    try:
+    with NullBackend(FakeVLLM(model="null", usage=(4, 4))) as upstream:
         yield upstream
-    finally:
-        upstream.stop()
 
 
 async def chat(proxy: Any) -> Response:

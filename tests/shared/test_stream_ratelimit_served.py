@@ -27,11 +27,8 @@ RPM, TPM = 60, 100_000
 
 @pytest.fixture
 def backend() -> Iterator[NullBackend]:
-    upstream = NullBackend(FakeVLLM(model="null", usage=(4, 4))).start()
-    try:
+    with NullBackend(FakeVLLM(model="null", usage=(4, 4))) as upstream:
         yield upstream
-    finally:
-        upstream.stop()
 
 
 async def stream(proxy: Any, body: dict[str, Any] = BODY) -> Response:
