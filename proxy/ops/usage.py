@@ -90,7 +90,9 @@ class UsageRecord:
     # without it, billed what it delivered (a lower bound) and its prompt's estimate.
     usage_estimated: bool = False
     client_request_id: str | None = None  # the client's X-Request-Id, beside the proxy's own
-    cached_tokens: int = 0  # of prompt_tokens, served from vLLM's prefix cache (when reported)
+    # Of prompt_tokens, those vLLM found in its prefix cache (vLLM's
+    # --enable-prompt-tokens-details; 0 without it).
+    cached_prompt_tokens: int = 0
     cost: float | None = None  # by `pricing:` (the config it was admitted under); None: no price
 
     def to_json(self) -> bytes:
@@ -190,7 +192,7 @@ class UsageMeter:
             duration_s=max(0.0, end - trace.arrival),
             usage_estimated=estimated,
             client_request_id=trace.client_request_id,
-            cached_tokens=min(cached, prompt),
+            cached_prompt_tokens=min(cached, prompt),
             cost=round(price.cost(prompt, cached, completion), 9) if price is not None else None,
         )
 

@@ -39,7 +39,7 @@ class Totals:
     completion_tokens: int = 0
     queue_s: float = 0.0
     engine_s: float = 0.0
-    cached_tokens: int = 0
+    cached_prompt_tokens: int = 0
     cost: float = 0.0
     unpriced: int = 0  # records that used tokens but carry no cost (a model without a price)
 
@@ -50,7 +50,7 @@ class Totals:
         self.completion_tokens += int(rec.get("completion_tokens") or 0)
         self.queue_s += float(rec.get("queue_s") or 0.0)
         self.engine_s += float(rec.get("engine_s") or 0.0)
-        self.cached_tokens += int(rec.get("cached_tokens") or 0)
+        self.cached_prompt_tokens += int(rec.get("cached_prompt_tokens") or 0)
         cost = rec.get("cost")
         if isinstance(cost, int | float) and not isinstance(cost, bool):
             self.cost += float(cost)
@@ -130,7 +130,7 @@ def render(report: Report, by: str, cost: bool = False) -> str:
 
 
 def _row(key: str, t: Totals, cost: bool = False) -> tuple[str, ...]:
-    extra = (str(t.cached_tokens), f"{t.cost:.4f}") if cost else ()
+    extra = (str(t.cached_prompt_tokens), f"{t.cost:.4f}") if cost else ()
     return (
         key,
         str(t.requests),

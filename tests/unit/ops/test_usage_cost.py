@@ -26,7 +26,7 @@ def _rec(tenant: str, cost: float | None, prompt: int = 100, cached: int = 0) ->
             "completion_tokens": 50,
             "queue_s": 0.1,
             "engine_s": 0.5,
-            "cached_tokens": cached,
+            "cached_prompt_tokens": cached,
             "cost": cost,
         }
     )

@@ -101,7 +101,9 @@ async def test_budget_charges_cached_tokens_at_their_price(clock: FakeClock) -> 
         assert resp.headers["Retry-After"] == str(4 * 3600)  # to 2027-01-01 00:00 UTC
         ok = [rec for rec in records if rec["outcome"] == "ok"]
         assert len(ok) == answered
-        assert all(rec["cost"] == pytest.approx(38) and rec["cached_tokens"] == 4 for rec in ok)
+        assert all(
+            rec["cost"] == pytest.approx(38) and rec["cached_prompt_tokens"] == 4 for rec in ok
+        )
         assert records[-1]["outcome"] == "rate_limited" and records[-1]["cost"] == 0
 
 
