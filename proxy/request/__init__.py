@@ -2,7 +2,7 @@
 request goes through (``pipeline``: admit, limit, queue, dispatch, forward, settle), what it
 carries (``admitted``), who sent it (``auth``: the key, its tenant, its expiry), reading and
 validating its body (``body``, ``inbound``), cost
-estimates (``costs``), the upstream call (``upstream``) and its answer and log line
+estimates (``costs``), quotas and budgets (``quota_gate``), the upstream call (``upstream``) and its answer and log line
 (``answers``).
 
 May import ``scheduling`` and every floor below; never ``shared`` (the Redis adapters plug
