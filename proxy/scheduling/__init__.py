@@ -2,8 +2,8 @@
 (``queue``), the dispatcher that hands out backend slots (``dispatch``), the backends and
 their room (``pool``, ``backend``), outlier detection (``health``), the metrics monitor
 (``monitor``, with each backend's clock offset: ``clock_offset``), tenant rate limits
-(``limits``), tenant quotas per day and month (``quotas``), early refusal, and ``build``, the composition that turns the config's policy
-names into objects.
+(``limits``), early refusal, and ``build``, the composition that turns the config's policy
+names into objects; tenant quotas per UTC day and month (``quotas``).
 
 May import ``telemetry``, ``policies``, ``relay``, ``config`` and the ground floor.
 """
