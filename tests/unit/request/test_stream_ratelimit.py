@@ -27,7 +27,7 @@ async def test_streams_carry_the_windows_of_their_admission(
 ) -> None:
     backend = FakeVLLM()
     async with backend.serve() as url:
-        people = tenants(requests_per_minute=30, tokens_per_minute=50_000)
+        people = tenants(requests_per_minute=6, tokens_per_minute=50_000)  # 10 s a request
         config = make_config([{"url": url}], tenants=people)
         async with running_proxy(config) as (base, _), aiohttp.ClientSession() as session:
             for n in (1, 2):
@@ -37,8 +37,8 @@ async def test_streams_carry_the_windows_of_their_admission(
                     assert resp.status == 200
                     assert resp.headers["Content-Type"].startswith("text/event-stream")
                     h = resp.headers
-                    assert h["x-ratelimit-limit-requests"] == "30"
-                    assert h["x-ratelimit-remaining-requests"] == str(30 - n)
+                    assert h["x-ratelimit-limit-requests"] == "6"
+                    assert h["x-ratelimit-remaining-requests"] == str(6 - n)
                     assert h["x-ratelimit-reset-requests"].endswith("s")
                     assert h["x-ratelimit-limit-tokens"] == "50000"
                     assert 50_000 - 100 * n < int(h["x-ratelimit-remaining-tokens"]) < 50_000
