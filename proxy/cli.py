@@ -247,7 +247,7 @@ def _cmd_usage(args: argparse.Namespace) -> int:
     if not report.files:
         print(f"tierproxy usage: no log at {args.log}", file=sys.stderr)
         return 1
-    print(render(report, args.by))
+    print(render(report, args.by, cost=args.cost))
     return 0
 
 
@@ -348,6 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("log", help="the usage_log.path of the config")
     p.add_argument("--by", choices=GROUPS, default="tenant")
     p.add_argument("--since", help="30m, 2h, 7d or an ISO time (default: everything)")
+    p.add_argument("--cost", action="store_true", help="add cached tokens and cost (pricing:)")
     p.set_defaults(func=_cmd_usage)
 
     # Listed for --help; `main` hands every argument after "bench" to the bench's parser.

@@ -38,6 +38,9 @@ class BucketWindow:
 
 # The id every answer to a request carries: the client's X-Request-Id echoed, else the proxy's.
 REQUEST_ID = web.RequestKey("tierproxy_request_id", str)
+# The x-ratelimit-* headers as they stood when the request was admitted: a stream's headers
+# leave with its first event, before the request ends (``add_admitted_limits``).
+ADMITTED_LIMITS = web.RequestKey("tierproxy_admitted_limits", dict[str, str])
 
 
 async def add_request_id(request: web.Request, response: web.StreamResponse) -> None:
@@ -45,6 +48,14 @@ async def add_request_id(request: web.Request, response: web.StreamResponse) -> 
     if "X-Request-Id" not in response.headers:
         chosen = request.get(REQUEST_ID)
         response.headers["X-Request-Id"] = chosen or request_id_for(request.headers)
+
+
+async def add_admitted_limits(request: web.Request, response: web.StreamResponse) -> None:
+    """``on_response_prepare``: the x-ratelimit-* headers known at admission on every answer to
+    an admitted request that has none of its own (a stream; a buffered answer while Redis
+    decides the limits), streams of every route included."""
+    for name, value in request.get(ADMITTED_LIMITS, {}).items():
+        response.headers.setdefault(name, value)
 
 
 def client_request_id(headers: Mapping[str, str]) -> str | None:

@@ -36,3 +36,16 @@ def token_usage(usage: Mapping[str, Any] | None) -> TokenUsage | None:
 
 def is_count(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def cached_tokens(usage: Mapping[str, Any] | None) -> int:
+    """Prompt tokens served from vLLM's prefix cache: ``prompt_tokens_details.cached_tokens``
+    (``input_tokens_details`` on the Responses API); 0 when not reported (vLLM reports it only
+    with ``--enable-prompt-tokens-details``)."""
+    if not usage:
+        return 0
+    for key in ("prompt_tokens_details", "input_tokens_details"):
+        details = usage.get(key)
+        if isinstance(details, Mapping) and is_count(cached := details.get("cached_tokens")):
+            return cached
+    return 0

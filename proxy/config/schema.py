@@ -12,6 +12,7 @@ from pydantic import (
 
 from proxy.config.backends import Backend, BackendHealth
 from proxy.config.base import Strict
+from proxy.config.quotas import Price
 from proxy.config.scheduling import Limits, Policies, Scheduling
 from proxy.config.server import AdminListen, InputLimits, Listen, Relay, Server
 from proxy.config.shared_state import SharedState
@@ -69,6 +70,14 @@ class Config(Strict):
         description="Set: tenant limits, fairness and backend room are global across the"
         " replicas sharing this Redis (docs/scale-out.md). Read at start.",
         examples=[{"url": "redis://127.0.0.1:6379/0"}],
+    )
+    pricing: dict[str, Price] = Field(
+        default_factory=dict,
+        description="Price per million tokens of each model (its name, or a glob: `llama-*`, `*`;"
+        " an exact name first, then the globs in order): each usage-log record gets its cost,"
+        " and `quota.budget_*` is charged by it (docs/quotas.md). A model without a price"
+        " costs nothing.",
+        examples=[{"tiny": {"input": 0.15, "cached_input": 0.075, "output": 0.6}}],
     )
     usage_log: UsageLogSettings | None = Field(
         None,

@@ -15,6 +15,7 @@ from pydantic import (
 )
 
 from proxy.config.base import Strict
+from proxy.config.quotas import Quota
 from proxy.config.slo import TierSlo
 
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -91,6 +92,12 @@ class Tier(Strict):
         False,
         description="429 at once, Retry-After the predicted wait, when a new request's predicted"
         " queue wait exceeds queue_timeout_s (false: it waits and gets 503 at the timeout).",
+    )
+    quota: Quota | None = Field(
+        None,
+        description="Default quota of each of the tier's tenants (each tenant has its own, of"
+        " this size; docs/quotas.md). null: none.",
+        examples=[{"tokens_per_day": 1000000, "budget_per_month": 200.0}],
     )
 
 
@@ -209,6 +216,13 @@ class Tenant(Strict):
         description="Over a limit: `reject` answers 429 with Retry-After; `queue` waits for the"
         " allowance (within the tier's queue_timeout_s).",
     )
+    quota: Quota | None = Field(
+        None,
+        description="Tokens and money per UTC day and month (docs/quotas.md), in place of its"
+        " tier's `quota` (`{}`: none at all). Never waited for, whatever `on_limit` says."
+        " null: the tier's.",
+        examples=[{"tokens_per_month": 50000000, "budget_per_day": 20.0}],
+    )
 
 
 def cache_scope(tenant: Tenant, tier: Tier) -> str:
@@ -228,3 +242,8 @@ def model_allowed(patterns: list[str] | None, model: str) -> bool:
     """Whether ``model`` matches one of ``patterns`` (case-sensitive globs, as model names are);
     every model when there are none."""
     return patterns is None or any(fnmatch.fnmatchcase(model, p) for p in patterns)
+
+
+def quota_of(tenant: Tenant, tier: Tier) -> Quota | None:
+    """The tenant's quota (its own, else its tier's); None: none."""
+    return tenant.quota if tenant.quota is not None else tier.quota

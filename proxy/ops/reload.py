@@ -55,6 +55,7 @@ LIVE_SECTIONS = (
     "tenants",
     "backends",
     "admin_keys",
+    "pricing",
 )
 
 

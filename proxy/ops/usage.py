@@ -22,7 +22,8 @@ import orjson
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 
-from proxy.api.usage import token_usage
+from proxy.api.usage import cached_tokens, token_usage
+from proxy.config.quotas import price_of
 from proxy.config.schema import Config
 from proxy.relay.forward import RelayResult, UpstreamCall
 
@@ -89,6 +90,10 @@ class UsageRecord:
     # without it, billed what it delivered (a lower bound) and its prompt's estimate.
     usage_estimated: bool = False
     client_request_id: str | None = None  # the client's X-Request-Id, beside the proxy's own
+    # Of prompt_tokens, those vLLM found in its prefix cache (vLLM's
+    # --enable-prompt-tokens-details; 0 without it).
+    cached_prompt_tokens: int = 0
+    cost: float | None = None  # by `pricing:` (the config it was admitted under); None: no price
 
     def to_json(self) -> bytes:
         return orjson.dumps(asdict(self))
@@ -166,22 +171,29 @@ class UsageMeter:
             counts, estimated = token_usage(result.usage if result is not None else None), False
         started = result.extra.get(_STARTED) if result is not None else None
         queue_end = started if isinstance(started, float) else end
+        model = adm.parsed.model if adm is not None else None
+        price = price_of((adm.config if adm is not None else self.config()).pricing, model)
+        cached = cached_tokens(result.usage if result is not None else None)
+        prompt = counts.prompt if counts is not None else 0
+        completion = counts.completion if counts is not None else 0
         return UsageRecord(
             ts=self.wall(),
             request_id=trace.request_id,
             tenant=trace.tenant.name,
             tier=trace.tenant.tier,
-            model=adm.parsed.model if adm is not None else None,
+            model=model,
             backend=_backend_of(adm) if result is not None or estimated else None,
             status=trace.status,
             outcome=str(trace.outcome),
-            prompt_tokens=counts.prompt if counts is not None else 0,
-            completion_tokens=counts.completion if counts is not None else 0,
+            prompt_tokens=prompt,
+            completion_tokens=completion,
             queue_s=max(0.0, queue_end - trace.arrival),
             engine_s=max(0.0, end - queue_end),
             duration_s=max(0.0, end - trace.arrival),
             usage_estimated=estimated,
             client_request_id=trace.client_request_id,
+            cached_prompt_tokens=min(cached, prompt),
+            cost=round(price.cost(prompt, cached, completion), 9) if price is not None else None,
         )
 
     def bounded(self, record: UsageRecord) -> tuple[str, str, str, str]:

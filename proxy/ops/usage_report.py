@@ -39,6 +39,9 @@ class Totals:
     completion_tokens: int = 0
     queue_s: float = 0.0
     engine_s: float = 0.0
+    cached_prompt_tokens: int = 0
+    cost: float = 0.0
+    unpriced: int = 0  # records that used tokens but carry no cost (a model without a price)
 
     def add(self, rec: dict[str, Any]) -> None:
         self.requests += 1
@@ -47,6 +50,16 @@ class Totals:
         self.completion_tokens += int(rec.get("completion_tokens") or 0)
         self.queue_s += float(rec.get("queue_s") or 0.0)
         self.engine_s += float(rec.get("engine_s") or 0.0)
+        self.cached_prompt_tokens += int(rec.get("cached_prompt_tokens") or 0)
+        cost = rec.get("cost")
+        if isinstance(cost, int | float) and not isinstance(cost, bool):
+            self.cost += float(cost)
+        elif rec.get("prompt_tokens") or rec.get("completion_tokens"):
+            self.unpriced += 1
+
+    def merge(self, other: Totals) -> None:
+        for name, value in vars(other).items():
+            setattr(self, name, getattr(self, name) + value)
 
 
 @dataclass
@@ -84,19 +97,23 @@ def summarize(log: Path, by: str, since: float | None = None) -> Report:
     return Report(totals, unreadable, files)
 
 
-def render(report: Report, by: str) -> str:
+def render(report: Report, by: str, cost: bool = False) -> str:
+    """The table; with ``cost``: the cached prompt tokens and the cost of each row (by the
+    `pricing:` in force when each request ran), busiest by cost first."""
     head: tuple[str, ...] = (by, "requests", "ok", "prompt_tok", "completion_tok")
     head += ("queue_s", "engine_s")
+    if cost:
+        head += ("cached_tok", "cost")
     rows = [head]
-    ordered = sorted(report.totals.items(), key=lambda kv: (-kv[1].completion_tokens, kv[0]))
+    if cost:
+        ordered = sorted(report.totals.items(), key=lambda kv: (-kv[1].cost, kv[0]))
+    else:
+        ordered = sorted(report.totals.items(), key=lambda kv: (-kv[1].completion_tokens, kv[0]))
     grand = Totals()
     for key, t in ordered:
-        rows.append(_row(key, t))
-        for name in ("requests", "ok", "prompt_tokens", "completion_tokens"):
-            setattr(grand, name, getattr(grand, name) + getattr(t, name))
-        grand.queue_s += t.queue_s
-        grand.engine_s += t.engine_s
-    rows.append(_row("total", grand))
+        rows.append(_row(key, t, cost))
+        grand.merge(t)
+    rows.append(_row("total", grand, cost))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = [
         "  ".join(
@@ -107,10 +124,13 @@ def render(report: Report, by: str) -> str:
     ]
     if report.unreadable:
         lines.append(f"({report.unreadable} unreadable line(s) skipped)")
+    if cost and grand.unpriced:
+        lines.append(f"({grand.unpriced} request(s) with tokens but no price: not in the cost)")
     return "\n".join(lines)
 
 
-def _row(key: str, t: Totals) -> tuple[str, ...]:
+def _row(key: str, t: Totals, cost: bool = False) -> tuple[str, ...]:
+    extra = (str(t.cached_prompt_tokens), f"{t.cost:.4f}") if cost else ()
     return (
         key,
         str(t.requests),
@@ -119,4 +139,5 @@ def _row(key: str, t: Totals) -> tuple[str, ...]:
         str(t.completion_tokens),
         f"{t.queue_s:.1f}",
         f"{t.engine_s:.1f}",
+        *extra,
     )

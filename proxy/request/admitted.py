@@ -13,7 +13,7 @@ from aiohttp import web
 
 from proxy.api.hotpath import new_request_id
 from proxy.api.outcome import Outcome
-from proxy.api.reply_headers import client_request_id
+from proxy.api.reply_headers import BucketWindow, client_request_id
 from proxy.api.usage import TokenUsage, token_usage
 from proxy.config.schema import Config
 from proxy.config.tenants import Tenant
@@ -23,6 +23,7 @@ from proxy.relay.budget import Reservation
 from proxy.relay.delivered import Delivered
 from proxy.relay.forward import RelayResult, UpstreamCall
 from proxy.request.inbound import ParsedRequest
+from proxy.scheduling.quotas import QuotaHold
 from proxy.telemetry.slo import Latency
 
 
@@ -73,6 +74,9 @@ class Admitted:
     attempts: int = 0  # backends tried so far
     resets: int = 0  # backends that broke while they may have been running it
     limit_hold: str = ""  # the tenant limits' key for this admission (LimitVerdict.hold)
+    # Its tenant's rate-limit windows once admitted: the x-ratelimit-* headers of its stream.
+    limit_windows: Mapping[str, BucketWindow] = field(default_factory=dict)
+    quota_hold: QuotaHold | None = None  # what its quotas reserved (proxy.request.quota_gate)
     # What its stream wrote to the client, counted by the relay: kept here so that a request
     # whose handler is cancelled (the client left) is still billed for it.
     delivered: Delivered = field(default_factory=Delivered)

@@ -1,6 +1,6 @@
 """The path of a generation request, one named step per method, in request order:
 
-authenticate → parse → tenant limits → queue → dispatch → forward → account → log
+authenticate → parse → quotas → tenant limits → queue → dispatch → forward → account → log
 
 ``RequestPipeline.handle`` reads top to bottom as that list (the flat ``HandleRequest`` of the
 Gateway API Inference Extension). Every collaborator is injected — the clock, the sleep of the
@@ -19,8 +19,6 @@ from aiohttp import web
 
 from proxy.api.errors import (
     ProxyError,
-    backend_overloaded,
-    backends_failed,
     cheap_busy,
     config_changed,
     memory_full,
@@ -33,9 +31,7 @@ from proxy.api.errors import (
 )
 from proxy.api.hotpath import LabelCache
 from proxy.api.outcome import Outcome
-from proxy.api.reply_headers import (
-    REQUEST_ID,
-)
+from proxy.api.reply_headers import ADMITTED_LIMITS, REQUEST_ID, ratelimit_headers
 from proxy.api.routes import BY_ENDPOINT, Endpoint, Route
 from proxy.config.schema import Config, LoadedConfig
 from proxy.config.tenants import Tenant
@@ -50,7 +46,8 @@ from proxy.request.inbound import (
     parse_body,
     read_body,
 )
-from proxy.request.poison import blame, refuse_poison
+from proxy.request.poison import blame, give_up, refuse_poison
+from proxy.request.quota_gate import QuotaGate
 from proxy.request.tenancy import tenant_gate
 from proxy.request.upstream import upstream_call
 from proxy.scheduling.dispatch import CheapLease, Dispatcher, Lease, QueueTimeoutError
@@ -84,6 +81,7 @@ class RequestPipeline:
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         budget: MemoryBudget | None = None,
         on_finish: FinishHook | None = None,
+        quotas: QuotaGate | None = None,
     ) -> None:
         self.config = config  # the current config; read once per request
         self.secret = secret
@@ -99,6 +97,7 @@ class RequestPipeline:
         self.budget = budget if budget is not None else MemoryBudget(None)
         self.child = LabelCache()  # metric children of each request, looked up once
         self.on_finish = on_finish or no_finish_hook  # per-tenant usage (proxy.ops.usage)
+        self.quotas = quotas or QuotaGate(metrics=metrics)  # day/month tokens and money
         self.answers = Answers(
             config=config, clock=clock, limits=limits, metrics=metrics, child=self.child
         )
@@ -127,7 +126,9 @@ class RequestPipeline:
             trace.tenant = authenticate(request.headers, loaded)
             adm = await self.parse(request, endpoint, loaded.config, trace.tenant, trace)
             trace.admitted = True
+            await self.quotas.reserve(adm)  # refused, never waited for: settled below
             await self.pass_tenant_limits(adm)
+            request[ADMITTED_LIMITS] = ratelimit_headers(adm.limit_windows)  # streams' too
             try:
                 while result is None:  # None: a backend failed before its first byte, again
                     lease: Lease | CheapLease
@@ -150,8 +151,10 @@ class RequestPipeline:
                 self.charge_usage(adm, None)
             raise
         finally:
-            if adm is not None and adm.held is not None:
-                adm.held.release()
+            if adm is not None:
+                self.quotas.settle(adm, result)
+                if adm.held is not None:
+                    adm.held.release()
             self.on_finish(trace, adm, result)
             self.answers.log(trace)
 
@@ -222,7 +225,7 @@ class RequestPipeline:
         while True:
             verdict = await self.limits.admit(tenant.name, adm.reserved_tokens, self.clock())
             if verdict.allowed:
-                adm.limit_hold = verdict.hold
+                adm.limit_hold, adm.limit_windows = verdict.hold, verdict.windows
                 return
             self.metrics.rate_limited.labels(tenant.name, verdict.limit).inc()
             wait = verdict.retry_after_s
@@ -321,7 +324,7 @@ class RequestPipeline:
             )
             refuse_poison(blamed, adm, lease.backend.label)
             if adm.attempts >= adm.config.backend_health.max_attempts:
-                raise _give_up(exc) from None
+                raise give_up(exc) from None
             # Back into the queue at its old place: another backend takes it, or this one once
             # its short ejection ends (a single backend's hiccup is no reason to fail).
             self.metrics.retries.inc()
@@ -389,11 +392,3 @@ class RequestPipeline:
         self.child(self.metrics.tokens, adm.tier, "completion").inc(completion)
         self.queue.correct_charge(adm.queued, weighted_tokens(prompt, completion))
         return True
-
-
-def _give_up(exc: UpstreamUnavailable) -> ProxyError:
-    if exc.status == 503:
-        return backend_overloaded()
-    if exc.kind != "connect":  # the backends answered, and broke
-        return backends_failed(exc.kind)
-    return no_backend(f"No backend could take the request ({exc.kind}); retry later.")

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import logging
 
-from proxy.api.errors import engine_killed, poison_pill
+from proxy.api.errors import (
+    ProxyError,
+    backend_overloaded,
+    backends_failed,
+    engine_killed,
+    no_backend,
+    poison_pill,
+)
 from proxy.relay.forward import UpstreamUnavailable
 from proxy.request.admitted import Admitted
 from proxy.scheduling.dispatch import CheapLease, Lease
@@ -47,3 +54,12 @@ def refuse_poison(blamed: str | None, adm: Admitted, backend: str) -> None:
         adm.resets += 1
         if adm.resets > adm.config.relay.max_reset_retries:
             raise poison_pill(adm.resets) from None
+
+
+def give_up(exc: UpstreamUnavailable) -> ProxyError:
+    """The answer once a request's attempts ran out on backends that failed."""
+    if exc.status == 503:
+        return backend_overloaded()
+    if exc.kind != "connect":  # the backends answered, and broke
+        return backends_failed(exc.kind)
+    return no_backend(f"No backend could take the request ({exc.kind}); retry later.")

@@ -8,8 +8,8 @@ exposes none of these (its level is private and it reads the event loop's clock)
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from proxy.api.reply_headers import BucketWindow
@@ -64,6 +64,8 @@ class LimitVerdict:
     # The registry's own key for this admission, handed back to ``settle``: minted by the
     # registry, never a client's header (a reused X-Request-Id must not merge two admissions).
     hold: str = ""
+    # Admitted: the tenant's windows just after it took its share (its stream's x-ratelimit-*).
+    windows: Mapping[str, BucketWindow] = field(default_factory=dict)
 
 
 class TenantLimiter:
@@ -226,6 +228,7 @@ class LimitRegistry:
         verdict = limiter.check(tokens, now)
         if verdict.allowed:
             limiter.admit(tokens, now)
+            return LimitVerdict(True, windows=self.windows(tenant, now))
         return verdict
 
     async def admit(self, tenant: str, tokens: float, now: float) -> LimitVerdict:

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
-from proxy.api.reply_headers import add_request_id
+from proxy.api.reply_headers import add_admitted_limits, add_request_id
 from proxy.api.routes import ROUTES
 from proxy.config.loader import ConfigError, load_config, metrics_warnings
 from proxy.config.schema import LoadedConfig
@@ -72,6 +72,7 @@ def create_app(
     )
     app.on_response_prepare.append(json_error_bodies)
     app.on_response_prepare.append(add_request_id)
+    app.on_response_prepare.append(add_admitted_limits)
     state = ProxyState(loaded, secret, clock)
     app[STATE] = state
     if watch_config:

@@ -22,9 +22,11 @@ from proxy.ops.usage_log import UsageLogWriter
 from proxy.relay.budget import MemoryBudget
 from proxy.relay.forward import relay
 from proxy.request.pipeline import RequestPipeline
+from proxy.request.quota_gate import QuotaGate
 from proxy.scheduling.build import build_scheduling
 from proxy.scheduling.limits import LimitRegistry, TenantLimits, plan_changes
 from proxy.scheduling.monitor import BackendMonitor
+from proxy.scheduling.quotas import QuotaBook, QuotaLedger
 from proxy.server.version import VersionCache, fetch_version
 from proxy.shared.runtime import SharedRuntime
 from proxy.telemetry.metrics import ProxyMetrics
@@ -51,6 +53,7 @@ class ProxyState:
         )
         self.limits: TenantLimits = self.shared.limits if self.shared else LimitRegistry()
         self.limits.configure(cfg.tenants, clock())
+        self.quota_book: QuotaBook = self.shared.quotas if self.shared else QuotaLedger()
         self.session: aiohttp.ClientSession | None = None
         self.monitor: BackendMonitor | None = None
         self.watcher: ConfigWatcher | None = None
@@ -77,6 +80,7 @@ class ProxyState:
             budget=self.budget,
             relay=TimedRelay(relay),
             on_finish=self.usage.finished,
+            quotas=QuotaGate(self.quota_book, metrics=self.metrics),
         )
         self.live = LiveStatus(
             config=lambda: self.loaded.config,
@@ -86,6 +90,7 @@ class ProxyState:
             metrics=self.metrics,
             usage=self.usage,
             clock=clock,
+            quotas=self.quota_book,
         )
         self.version = VersionCache(
             lambda: fetch_version(

@@ -87,7 +87,7 @@ class SharedLimitRegistry:
         if self.store.up:
             member = f"{self.replica}:{hold}"
             try:
-                allowed, wait, which = await self.store.run(
+                allowed, wait, which, *levels = await self.store.run(
                     ADMIT,
                     self._keys(tenant),
                     [
@@ -106,14 +106,14 @@ class SharedLimitRegistry:
                     return LimitVerdict(False, float(wait), _text(which))
                 capped = cfg.max_concurrent is not None
                 self._held[hold] = _SharedHold(tenant, member if capped else "")
-                return LimitVerdict(True, hold=hold)
+                return LimitVerdict(True, hold=hold, windows=_windows(cfg, levels))
         if self.store.cfg.on_failure == "refuse":
             raise shared_state_unavailable(self.store.cfg.probe_interval_s)
         verdict = self.local.try_admit(tenant, tokens, now)
         if not verdict.allowed:
             return verdict
         self._held[hold] = _LOCAL
-        return LimitVerdict(True, hold=hold)
+        return LimitVerdict(True, hold=hold, windows=verdict.windows)
 
     def settle(
         self, tenant: str, reserved: float, used: float | None, now: float, hold: str = ""
@@ -176,6 +176,17 @@ def _limited(tenant: Tenant) -> bool:
         or tenant.tokens_per_minute is not None
         or tenant.max_concurrent is not None
     )
+
+
+def _windows(cfg: Tenant, levels: list[object]) -> dict[str, BucketWindow]:
+    """The global buckets as the admitting script left them (its stream's x-ratelimit-*)."""
+    out: dict[str, BucketWindow] = {}
+    limits = (("requests", cfg.requests_per_minute), ("tokens", cfg.tokens_per_minute))
+    for (name, per_min), level in zip(limits, levels, strict=False):
+        if per_min is not None and (text := _text(level)):
+            left = float(text)
+            out[name] = BucketWindow(per_min, left, (per_min - left) / (per_min / 60.0))
+    return out
 
 
 def _text(value: object) -> str:

@@ -13,6 +13,7 @@ from proxy.shared.client import SharedStore
 from proxy.shared.drain import SharedDrain
 from proxy.shared.fairness import FairnessSync
 from proxy.shared.limits import SharedLimitRegistry
+from proxy.shared.quotas import SharedQuotaBook
 from proxy.shared.room import SharedBackendRoom
 from proxy.telemetry.metrics import ProxyMetrics
 
@@ -29,6 +30,7 @@ class SharedRuntime:
         self.queue = queue
         self.store = SharedStore(cfg, metrics.registry)
         self.limits = SharedLimitRegistry(self.store)
+        self.quotas = SharedQuotaBook(self.store)
         self.fairness = FairnessSync(self.store, lambda: queue.fairness)
         self.room = SharedBackendRoom(
             self.store,
@@ -63,4 +65,5 @@ class SharedRuntime:
         await self.room.stop()
         await self.fairness.stop()
         await self.limits.stop()
+        await self.quotas.stop()
         await self.store.close()

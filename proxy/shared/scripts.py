@@ -35,7 +35,8 @@ end
 # KEYS: rpm bucket, tpm bucket, concurrency set (member -> lease expiry)
 # ARGV: rpm per minute (0: none), tpm per minute (0: none), tokens, max concurrent (0: none),
 #       member, lease ttl (s)
-# Returns {1, "0", ""} or {0, retry after seconds, the limit that said no}. All or nothing.
+# Returns {1, "0", "", rpm level, tpm level} (levels after the take; "" where no such limit)
+# or {0, retry after seconds, the limit that said no}. All or nothing.
 ADMIT = Script(
     _BUCKET
     + """
@@ -62,13 +63,20 @@ if tpm > 0 then
   if w > 0 and w >= wait then wait, which = w, 'tokens_per_minute' end
 end
 if wait > 0 then return {0, tostring(wait), which} end
-if rpm > 0 then store(KEYS[1], rpm, rl - 1) end
-if tpm > 0 then store(KEYS[2], tpm, tl - tokens) end
+local out = {1, '0', '', '', ''}
+if rpm > 0 then
+  store(KEYS[1], rpm, rl - 1)
+  out[4] = tostring(math.max(-rpm, rl - 1))
+end
+if tpm > 0 then
+  store(KEYS[2], tpm, tl - tokens)
+  out[5] = tostring(math.max(-tpm, tl - tokens))
+end
 if max_conc > 0 then
   redis.call('ZADD', KEYS[3], now + ttl, ARGV[5])
   redis.call('PEXPIRE', KEYS[3], math.ceil(ttl * 1000) + 1000)
 end
-return {1, '0', ''}
+return out
 """
 )
 

@@ -77,6 +77,17 @@ PREFIX_CACHE = EngineSetting(
     extra_args=("--enable-prefix-caching", "--block-size", "32"),
     env=EngineSetting.environ({DEFAULT_SECRET_ENV: SECRET.decode()}),
 )
+# Stock vLLM with prefix caching that reports each answer's cached prompt tokens
+# (usage.prompt_tokens_details): fairness by the work caused (test_work_fairness_vllm.py).
+PROMPT_DETAILS = EngineSetting(
+    "prompt-details",
+    extra_args=(
+        "--enable-prefix-caching",
+        "--block-size",
+        "32",
+        "--enable-prompt-tokens-details",
+    ),
+)
 # Stock vLLM and the plugin, with the same flags, for the plugin's A/B tests.
 _PLUGIN_ENV = EngineSetting.environ(
     {"TIERPROXY_TICKET_SECRET": PLUGIN_SECRET, "TIERPROXY_PLUGIN_STATS_INTERVAL_S": "1"}

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client.metrics import MetricWrapperBase
 
 from proxy.api.outcome import Outcome
+from proxy.config.tenants import Tenant, Tier, quota_of
 from proxy.ops.live.window import CounterWindow, Key, WindowView, histogram_quantile
 from proxy.scheduling.backend import BackendState
 
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from proxy.scheduling.limits import TenantLimits
     from proxy.scheduling.pool import BackendPool
     from proxy.scheduling.queue import AdmissionQueue
+    from proxy.scheduling.quotas import QuotaBook
     from proxy.telemetry.metrics import ProxyMetrics
 
 WINDOW_S = 60.0
@@ -74,11 +76,13 @@ class LiveStatus:
         usage: UsageMeter,
         clock: Callable[[], float],
         window_s: float = WINDOW_S,
+        quotas: QuotaBook | None = None,
     ):
         self.config, self.queue, self.limits, self.pool = config, queue, limits, pool
         self.metrics, self.usage, self.clock = metrics, usage, clock
         self.window = CounterWindow(window_s, clock)
         self.wall: Callable[[], float] = time.time
+        self.quotas = quotas
 
     def totals(self) -> dict[Key, float]:
         """The counters the window follows, flattened to one key each."""
@@ -144,7 +148,8 @@ class LiveStatus:
         tokens = {k[1:]: v for k, v in view.deltas.items() if k[0] == "tokens" and v}
         concurrent = self.limits.concurrent
         rows: list[dict[str, Any]] = []
-        for tenant in self.config().tenants:  # 10,000 tenants: a few ms, so little per tenant
+        cfg, wall = self.config(), self.wall()
+        for tenant in cfg.tenants:  # 10,000 tenants: a few ms, so little per tenant
             name = tenant.name
             active = concurrent(name)  # admitted, not yet finished (queued too)
             used = tokens.get((name, tenant.tier), 0.0)
@@ -164,12 +169,21 @@ class LiveStatus:
                         "max_concurrent": tenant.max_concurrent,
                     },
                     "limits_hit": limits_hit.get(name, {}),
+                    "quota": self.quota_of(tenant, cfg.tiers[tenant.tier], wall),
                     "_tokens": used,
                 }
             )
         _shares(rows)
         rows.sort(key=lambda r: (-r["tokens_per_s"], -(r["running"] + r["queued"]), r["name"]))
         return rows
+
+    def quota_of(self, tenant: Tenant, tier: Tier, wall: float) -> dict[str, Any]:
+        """Each quota and budget of the tenant: used in the current UTC period, its limit and
+        its reset ({} when it has none)."""
+        quota = quota_of(tenant, tier)
+        if self.quotas is None or quota is None:
+            return {}
+        return self.quotas.usage(tenant.name, quota.limits(), wall)
 
     def backends(self) -> list[dict[str, Any]]:
         pool, now = self.pool, self.clock()

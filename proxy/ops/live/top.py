@@ -99,6 +99,7 @@ def _tenants(status: dict[str, Any]) -> Table:
     for col in ("tenant", "tier", "queued", "running", "tok/s", "share", "fair share"):
         t.add_column(col, justify="left" if col in ("tenant", "tier") else "right")
     t.add_column("limits hit (last window)")
+    t.add_column("quota used")
     for row in rows:
         hit = " ".join(f"{k}={v}" for k, v in row["limits_hit"].items()) or "-"
         t.add_row(
@@ -110,8 +111,32 @@ def _tenants(status: dict[str, Any]) -> Table:
             _num(row["share"], "{:.0%}"),
             _num(row["fair_share"], "{:.0%}"),
             hit,
+            quota_text(row.get("quota") or {}),
         )
     return t
+
+
+_QUOTA_LABEL = {
+    "tokens_per_day": "tok/d",
+    "tokens_per_month": "tok/mo",
+    "budget_per_day": "$/d",
+    "budget_per_month": "$/mo",
+}
+
+
+def quota_text(quota: dict[str, Any]) -> Text:
+    """``tok/d 12% $/mo 97%``: each quota's share used this period, red from 90 %."""
+    if not quota:
+        return Text("-")
+    out = Text()
+    for counter, q in quota.items():
+        share = q["used"] / q["limit"] if q["limit"] else 0.0
+        style = "bold red" if share >= 0.9 else ("yellow" if share >= 0.75 else "")
+        out.append(f"{_QUOTA_LABEL.get(counter, counter)} ")
+        out.append(f"{share:.0%}", style=style)
+        out.append(" ")
+    out.rstrip()
+    return out
 
 
 def _backends(backends: list[dict[str, Any]]) -> Table:

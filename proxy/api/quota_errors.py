@@ -1,0 +1,33 @@
+"""The refusals of a tenant's quota and budget (``quota:``): 429, OpenAI's
+``insufficient_quota`` type, code ``quota_exceeded`` or ``budget_exceeded``, a ``Retry-After``
+to the period's reset and ``x-should-retry: false`` (the SDKs would otherwise retry at once,
+twice, for nothing: nothing frees before the reset)."""
+
+from __future__ import annotations
+
+from proxy.api.errors import ProxyError
+
+
+def quota_refused(
+    counter: str, limit: float, used: float, asked: float, reset_s: float
+) -> ProxyError:
+    """``counter``: tokens_per_day | tokens_per_month | budget_per_day | budget_per_month."""
+    money = counter.startswith("budget")
+    span = "day (UTC)" if counter.endswith("day") else "month (UTC)"
+    fmt = "{:.4f}" if money else "{:.0f}"
+    what = "budget" if money else "token quota"
+    message = (
+        f"Your key's {what} for this {span} is used up ({counter}: limit {fmt.format(limit)},"
+        f" used {fmt.format(used)}, this request needs up to {fmt.format(asked)}); it resets in"
+        f" {reset_s:.0f}s."
+    )
+    if asked > limit:
+        message += " This request needs more than the whole quota: lower max_tokens or n."
+    return ProxyError(
+        429,
+        message,
+        type="insufficient_quota",
+        code="budget_exceeded" if money else "quota_exceeded",
+        retry_after_s=reset_s,
+        retryable=False,
+    )

@@ -1,0 +1,64 @@
+"""Quotas through `tierproxy serve` (uvloop, the C parser), with and without shared state in a
+real redis-server: the refusal's shape and Retry-After to the next UTC midnight on the real
+wall clock; with Redis, a second replica refuses what the first used."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.inproc import KEYS
+from proxy.scheduling.quotas import period
+from tests.adversarial.served.kit import Response, exchange, is_openai_error, json_request
+from tests.adversarial.served.served import NullBackend
+
+BODY = {"model": "null", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+QUOTA = {"tokens_per_day": 30}  # the backend reports 4 + 4 tokens an answer
+
+
+@pytest.fixture
+def backend() -> Iterator[NullBackend]:
+    with NullBackend(FakeVLLM(model="null", usage=(4, 4))) as upstream:
+        yield upstream
+
+
+async def chat(proxy: Any) -> Response:
+    request = json_request("/v1/chat/completions", BODY, KEYS["normal"])
+    return await exchange(proxy.host, proxy.port, request)
+
+
+def assert_quota_refusal(answer: Response) -> None:
+    assert answer.status == 429 and is_openai_error(answer), answer.body
+    assert answer.error_code() == "quota_exceeded"
+    assert answer.headers["x-should-retry"] == "false"
+    to_midnight = period("day", time.time())[1] - time.time()
+    assert abs(int(answer.headers["retry-after"]) - to_midnight) <= 2, answer.headers
+
+
+async def first_refusal(proxy: Any) -> tuple[int, Response]:
+    for answered in range(10):
+        answer = await chat(proxy)
+        if answer.status != 200:
+            return answered, answer
+    raise AssertionError("never refused")
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "local"])
+async def test_a_used_up_daily_quota_is_429_until_midnight(start: Any, shared: bool) -> None:
+    proxy = start(shared=shared, quota=QUOTA)
+    answered, refused = await first_refusal(proxy)
+    # 8 tokens an answer settled, each reserving its worst case (over 8): 2 or 3 fit in 30.
+    assert answered in (2, 3)
+    assert_quota_refusal(refused)
+
+
+async def test_a_second_replica_refuses_what_the_first_used(start: Any) -> None:
+    a = start(quota=QUOTA)
+    b = start(quota=QUOTA)
+    answered, _ = await first_refusal(a)
+    assert answered in (2, 3)
+    assert_quota_refusal(await chat(b))
