@@ -97,12 +97,15 @@ class SharedStore:
         self._warned_at = -WARN_EVERY_S
         self._timeouts = 0  # consecutive calls that timed out
         self.on_up: list[Callable[[], None]] = []  # called when Redis answers again
+        self._orphans: set[asyncio.Future[Any]] = set()  # run_or_undo's, their caller gone
 
     def key(self, *parts: str) -> str:
         return ":".join((self.cfg.key_prefix, *parts))
 
     async def close(self) -> None:
         await self._probe.stop()
+        if self._orphans:  # each bounded by the call timeout; their undo runs as they end
+            await asyncio.gather(*self._orphans, return_exceptions=True)
         await self.redis.aclose()
 
     async def call(self, op: Callable[[Redis], Awaitable[T]]) -> T:
@@ -148,6 +151,28 @@ class SharedStore:
                 return await redis.evalsha(script.sha, len(keys), *keys, *args)
 
         return await self.call(evalsha)
+
+    async def run_or_undo(
+        self, script: Script, keys: Sequence[str], args: Sequence[Any], undo: Callable[[Any], None]
+    ) -> Any:
+        """``run`` for a script that takes something (a reservation, a slot). A caller cancelled
+        while it runs (the client left mid-admission) does not leave it taken: the call goes on
+        (within its timeout) and ``undo`` gets its answer, to give back what it took."""
+        call = asyncio.ensure_future(self.run(script, keys, args))
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            self._orphans.add(call)
+            call.add_done_callback(lambda done: self._undo(done, undo))
+            raise
+
+    def _undo(self, call: asyncio.Future[Any], undo: Callable[[Any], None]) -> None:
+        self._orphans.discard(call)
+        if not call.cancelled() and call.exception() is None:
+            try:
+                undo(call.result())
+            except Exception:  # a callback: nothing above it would log the failure
+                log.exception("giving back an orphaned shared-state reservation failed")
 
     def mark_down(self, exc: BaseException) -> None:
         if not self.up:

@@ -11,6 +11,7 @@ import itertools
 import logging
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from proxy.api.errors import shared_state_unavailable
 from proxy.api.reply_headers import BucketWindow
@@ -86,18 +87,21 @@ class SharedLimitRegistry:
         hold = self._mint()
         if self.store.up:
             member = f"{self.replica}:{hold}"
+            tpm = cfg.tokens_per_minute or 0
             try:
-                allowed, wait, which, *levels = await self.store.run(
+                allowed, wait, which, *levels = await self.store.run_or_undo(
                     ADMIT,
                     self._keys(tenant),
                     [
                         cfg.requests_per_minute or 0,
-                        cfg.tokens_per_minute or 0,
+                        tpm,
                         tokens,
                         cfg.max_concurrent or 0,
                         member,
                         self.store.cfg.lease_ttl_s,
                     ],
+                    # Admitted, but its caller left meanwhile: the slot and tokens go back.
+                    lambda answer: self._give_back(tenant, tpm, tokens, member, answer),
                 )
             except SharedStateDown:
                 pass  # decided below, without Redis
@@ -128,10 +132,18 @@ class SharedLimitRegistry:
         tpm = (cfg.tokens_per_minute or 0) if cfg is not None else 0
         if not held.member and (not tpm or used is None or used == reserved):
             return  # nothing to give back or take
-        keys = self._keys(tenant)
-        task = asyncio.create_task(
-            self._settle(keys, [tpm, reserved, -1 if used is None else used, held.member])
+        self._settle_later(
+            self._keys(tenant), [tpm, reserved, -1 if used is None else used, held.member]
         )
+
+    def _give_back(
+        self, tenant: str, tpm: float, tokens: float, member: str, answer: list[Any]
+    ) -> None:
+        if int(answer[0]) == 1:
+            self._settle_later(self._keys(tenant), [tpm, tokens, 0, member])
+
+    def _settle_later(self, keys: list[str], args: list[object]) -> None:
+        task = asyncio.create_task(self._settle(keys, args))
         self._settling.add(task)
         task.add_done_callback(self._settling.discard)
 

@@ -102,7 +102,9 @@ class SharedQuotaBook:
                 args += [ask.limits[counter], ask.amount(counter)]
                 args.append(_expiry_ms(_period_end(counter, name)))
             try:
-                answer = await self.store.run(RESERVE, keys, args)
+                answer = await self.store.run_or_undo(
+                    RESERVE, keys, args, lambda answer: self._give_back(ask, periods, answer)
+                )
             except SharedStateDown:
                 pass  # decided below, without Redis
             else:
@@ -143,6 +145,13 @@ class SharedQuotaBook:
             return
         items = [(hold.tenant, c, n, d) for c, n, d in deltas]
         self._spawn(self._add(items))
+
+    def _give_back(
+        self, ask: QuotaAsk, periods: tuple[tuple[str, str], ...], answer: list[Any]
+    ) -> None:
+        """Reserved, but its caller left meanwhile (the client went): the worst case goes back."""
+        if int(answer[0]) == 1:
+            self.settle(QuotaHold(ask.tenant, periods, ask.tokens, ask.cost, shared=True), 0, 0)
 
     def usage(self, tenant: str, limits: Mapping[str, float], wall: float) -> dict[str, Any]:
         """As this replica last saw the counters: each reservation reads them back from Redis,
