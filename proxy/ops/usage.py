@@ -94,6 +94,7 @@ class UsageRecord:
     # --enable-prompt-tokens-details; 0 without it).
     cached_prompt_tokens: int = 0
     cost: float | None = None  # by `pricing:` (the config it was admitted under); None: no price
+    key_id: str = "-"  # which of the tenant's keys (the start of its sha256, as `keys list`)
 
     def to_json(self) -> bytes:
         return orjson.dumps(asdict(self))
@@ -179,6 +180,7 @@ class UsageMeter:
         return UsageRecord(
             ts=self.wall(),
             request_id=trace.request_id,
+            key_id=trace.key_id,
             tenant=trace.tenant.name,
             tier=trace.tenant.tier,
             model=model,

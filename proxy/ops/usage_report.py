@@ -14,7 +14,7 @@ import orjson
 
 from proxy.ops.usage_log import rotated_paths
 
-GROUPS = ("tenant", "tier", "model", "backend", "outcome")
+GROUPS = ("tenant", "tier", "model", "backend", "outcome", "key_id")
 _RELATIVE = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 

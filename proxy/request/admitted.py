@@ -43,6 +43,7 @@ class Trace:
     arrival: float
     client_request_id: str | None = None  # the client's X-Request-Id: echoed and logged only
     tenant: Tenant | None = None  # known once authenticated
+    key_id: str = "-"  # the start of its key's sha256 (proxy.request.auth.KEY_ID_CHARS)
     admitted: bool = False  # parsed and its model known
     outcome: Outcome = Outcome.ERROR
     status: int = 500

@@ -89,11 +89,12 @@ class Answers:
             self.metrics.slo.record(self.config().config, tenant, trace.outcome, latency)
         # Never the key: only the tenant it resolved to.
         access_log.info(
-            "request_id=%s client_request_id=%s tenant=%s tier=%s status=%d outcome=%s"
-            " duration_s=%.3f",
+            "request_id=%s client_request_id=%s tenant=%s key_id=%s tier=%s status=%d"
+            " outcome=%s duration_s=%.3f",
             trace.request_id,
             trace.client_request_id or "-",
             tenant.name if tenant else "-",
+            trace.key_id,
             tier,
             trace.status,
             trace.outcome,

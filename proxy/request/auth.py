@@ -27,11 +27,16 @@ def _check_expiry(loaded: LoadedConfig, digest: str, wall: Callable[[], float]) 
         raise key_expired(expires_at)
 
 
-def authenticate(
+# The id logged for a key: the start of its sha256, as `tierproxy keys list` shows it (which
+# key of a tenant's served, during a rotation's overlap); never the key, never the whole hash.
+KEY_ID_CHARS = 12
+
+
+def identify(
     headers: Mapping[str, str], loaded: LoadedConfig, wall: Callable[[], float] = time.time
-) -> Tenant:
-    """The tenant whose key the request carries, or 401 (a wrong key, or one past its
-    ``expires_at`` by ``wall``, the POSIX clock)."""
+) -> tuple[Tenant, str]:
+    """The tenant whose key the request carries and the key's id, or 401 (a wrong key, or
+    one past its ``expires_at`` by ``wall``, the POSIX clock)."""
     key = api_key_from(headers)
     digest = hash_key(key) if key else ""
     tenant = loaded.tenant_by_key_hash.get(digest) if key else None
@@ -40,7 +45,14 @@ def authenticate(
     expires_at = loaded.key_expires_at.get(digest)  # inline: this runs for every request
     if expires_at is not None and wall() >= expires_at:
         raise key_expired(expires_at)
-    return tenant
+    return tenant, digest[:KEY_ID_CHARS]
+
+
+def authenticate(
+    headers: Mapping[str, str], loaded: LoadedConfig, wall: Callable[[], float] = time.time
+) -> Tenant:
+    """The tenant whose key the request carries, or 401 (see ``identify``)."""
+    return identify(headers, loaded, wall)[0]
 
 
 def authenticate_admin(

@@ -14,7 +14,7 @@ from aiohttp.http import HttpVersion11
 from proxy.api.errors import ProxyError, too_large
 from proxy.config.tenants import Tenant
 from proxy.request.admitted import Trace
-from proxy.request.inbound import authenticate
+from proxy.request.auth import identify
 
 if TYPE_CHECKING:
     from proxy.request.pipeline import RequestPipeline
@@ -27,9 +27,11 @@ def expect_checker(pipeline: RequestPipeline) -> ExpectHandler:
     never sent) instead of ``100 Continue``; 417 for an expectation other than 100-continue.
     The refusals have their own id, access-log line and metrics, like the handler's."""
 
-    def refuse(request: web.Request, err: ProxyError, tenant: Tenant | None) -> web.Response:
+    def refuse(
+        request: web.Request, err: ProxyError, tenant: Tenant | None, key_id: str
+    ) -> web.Response:
         trace = Trace.begin(request.headers, pipeline.clock())
-        trace.tenant = tenant
+        trace.tenant, trace.key_id = tenant, key_id
         refused = pipeline.answers.refuse(trace, err)
         pipeline.on_finish(trace, None, None)
         pipeline.answers.log(trace)
@@ -43,12 +45,13 @@ def expect_checker(pipeline: RequestPipeline) -> ExpectHandler:
         loaded = pipeline.config()
         limit = loaded.config.limits.max_body_bytes
         tenant: Tenant | None = None
+        key_id = "-"
         try:
-            tenant = authenticate(request.headers, loaded)
+            tenant, key_id = identify(request.headers, loaded)
             if request.content_length is not None and request.content_length > limit:
                 raise too_large(limit)
         except ProxyError as err:
-            refused = refuse(request, err, tenant)
+            refused = refuse(request, err, tenant, key_id)
             refused.force_close()  # the announced body never comes: nothing to read past
             return refused
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")

@@ -23,7 +23,6 @@ from proxy.api.routes import BY_ENDPOINT, Endpoint
 from proxy.config.scheduling import Limits, Scheduling
 from proxy.config.server import InputLimits
 from proxy.config.tenants import Tier
-from proxy.request.auth import api_key_from, authenticate, authenticate_admin
 from proxy.request.body import read_body
 from proxy.request.costs import INPUT_CHARS, lax_bool, lax_int, text_chars
 from proxy.request.jsonshape import (
@@ -38,9 +37,6 @@ __all__ = [
     "BODY_READ_TIMEOUT_S",
     "Endpoint",
     "ParsedRequest",
-    "api_key_from",
-    "authenticate",
-    "authenticate_admin",
     "nesting_exceeds",
     "parse_body",
     "read_body",

@@ -41,11 +41,8 @@ from proxy.relay.forward import RelayResult, UpstreamUnavailable, relay
 from proxy.relay.responses import relay_responses
 from proxy.request.admitted import Admitted, FinishHook, Relay, Trace, no_finish_hook
 from proxy.request.answers import Answers
-from proxy.request.inbound import (
-    authenticate,
-    parse_body,
-    read_body,
-)
+from proxy.request.auth import identify
+from proxy.request.inbound import parse_body, read_body
 from proxy.request.poison import blame, give_up, refuse_poison
 from proxy.request.quota_gate import QuotaGate
 from proxy.request.tenancy import tenant_gate
@@ -123,7 +120,7 @@ class RequestPipeline:
         adm: Admitted | None = None
         result: RelayResult | None = None
         try:
-            trace.tenant = authenticate(request.headers, loaded)
+            trace.tenant, trace.key_id = identify(request.headers, loaded)
             adm = await self.parse(request, endpoint, loaded.config, trace.tenant, trace)
             trace.admitted = True
             await self.quotas.reserve(adm)  # refused, never waited for: settled below

@@ -11,7 +11,8 @@ import orjson
 from aiohttp import web
 
 from proxy.api.errors import ProxyError, bad_request, unknown_backend
-from proxy.request.inbound import BODY_READ_TIMEOUT_S, authenticate_admin
+from proxy.request.auth import authenticate_admin
+from proxy.request.inbound import BODY_READ_TIMEOUT_S
 from proxy.scheduling.backend import BackendState
 from proxy.shared.client import SharedStateDown
 

@@ -18,7 +18,7 @@ from proxy.api.errors import (
 )
 from proxy.api.routes import POST_PATHS
 from proxy.config.tenants import allowed_models, model_allowed
-from proxy.request.inbound import authenticate, authenticate_admin
+from proxy.request.auth import authenticate, authenticate_admin
 
 if TYPE_CHECKING:
     from proxy.server.state import ProxyState

@@ -14,11 +14,14 @@ from proxy.cli import main
 from proxy.config.quotas import Price, price_of
 
 
-def _rec(tenant: str, cost: float | None, prompt: int = 100, cached: int = 0) -> bytes:
+def _rec(
+    tenant: str, cost: float | None, prompt: int = 100, cached: int = 0, key_id: str = "k1"
+) -> bytes:
     return orjson.dumps(
         {
             "ts": 1000.0,
             "tenant": tenant,
+            "key_id": key_id,
             "tier": "normal",
             "model": "tiny",
             "outcome": "ok",
@@ -74,3 +77,21 @@ def test_usage_cost_totals_by_tenant(tmp_path: Path, capsys: pytest.CaptureFixtu
     # Without --cost, the table is as before.
     assert main(["usage", str(log), "--by", "tenant"]) == 0
     assert "cost" not in capsys.readouterr().out
+
+
+def test_usage_by_key_shows_whether_a_rotated_out_key_is_still_used(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = tmp_path / "usage.jsonl"
+    lines = [_rec("acme", 0.5, key_id="old"), _rec("acme", 0.5, key_id="new")]
+    log.write_bytes(b"\n".join([*lines, _rec("acme", 0.5, key_id="new")]) + b"\n")
+    assert main(["usage", str(log), "--by", "key_id"]) == 0
+    rows = {line.split()[0]: line.split()[1] for line in capsys.readouterr().out.splitlines()}
+    assert rows["old"] == "1" and rows["new"] == "2"
+
+
+def test_the_cli_offers_every_grouping_the_report_knows() -> None:
+    from proxy import cli
+    from proxy.ops import usage_report
+
+    assert cli.GROUPS == usage_report.GROUPS

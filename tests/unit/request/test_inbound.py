@@ -7,11 +7,9 @@ from proxy.config.loader import parse_config
 from proxy.config.scheduling import Limits, Scheduling
 from proxy.config.schema import LoadedConfig
 from proxy.config.tenants import Tier, hash_key
+from proxy.request.auth import api_key_from, authenticate, authenticate_admin
 from proxy.request.headers import upstream_headers
 from proxy.request.inbound import (
-    api_key_from,
-    authenticate,
-    authenticate_admin,
     nesting_exceeds,
     parse_body,
 )

@@ -10,9 +10,10 @@ import orjson
 import pytest
 
 from proxy.bench.fake_vllm import FakeVLLM
+from proxy.config.tenants import hash_key
 from proxy.ticket import REQUEST_ID_HEADER, TICKET_HEADER, decode_ticket
 from tests.helpers.clock import FakeClock
-from tests.helpers.proxyrun import SECRET, auth, make_config
+from tests.helpers.proxyrun import KEYS, SECRET, auth, make_config
 from tests.helpers.rig import BODY, rig
 
 OURS = re.compile(r"[0-9a-f]{32}")
@@ -49,6 +50,12 @@ async def test_two_tenants_with_one_client_id_get_distinct_proxy_ids(
     access = [m for m in caplog.messages if m.startswith("request_id=")]
     for rid, client in zip(sent, ("same-id", "same-id", "-"), strict=True):
         assert any(f"request_id={rid} client_request_id={client} " in m for m in access)
+    # Which key served (a rotation's overlap): the start of its sha256, never the key.
+    key_ids = [hash_key(KEYS[tier])[:12] for tier in ("high", "normal", "low")]
+    assert [rec["key_id"] for rec in records] == key_ids
+    for key_id in key_ids:
+        assert sum(f" key_id={key_id} " in m for m in access) == 1
+    assert not any(key in m for m in access for key in KEYS.values())
 
 
 async def test_a_refused_request_echoes_the_client_id_and_logs_both(
