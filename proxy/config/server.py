@@ -169,6 +169,15 @@ class InputLimits(Strict):
         description="A body not received in full within this many seconds gets 408"
         " (slow-body clients).",
     )
+    max_uploads_per_tenant: int | None = Field(
+        None,
+        ge=1,
+        description="Request bodies one tenant may have coming in at once (counted once its"
+        " key is checked, before its rate limits, which need the body); past it 429"
+        " `too_many_uploads` and the connection closes unread. Unset: a quarter of"
+        " `server.max_connections`, so that one tenant's slow uploads (a request in progress"
+        " is never evicted) cannot hold every connection.",
+    )
     decode_content_encodings: list[Literal["gzip", "deflate"]] = Field(
         default_factory=lambda: list[Literal["gzip", "deflate"]](["gzip", "deflate"]),
         description="Request Content-Encodings the proxy decodes itself, the decoded size"

@@ -46,6 +46,7 @@ from proxy.request.inbound import parse_body, read_body
 from proxy.request.poison import blame, give_up, refuse_poison
 from proxy.request.quota_gate import QuotaGate
 from proxy.request.tenancy import tenant_gate
+from proxy.request.uploads import TenantUploads, UploadRefused, closing
 from proxy.request.upstream import upstream_call
 from proxy.scheduling.dispatch import CheapLease, Dispatcher, Lease, QueueTimeoutError
 from proxy.scheduling.early_refusal import EarlyRefusal
@@ -95,6 +96,7 @@ class RequestPipeline:
         self.child = LabelCache()  # metric children of each request, looked up once
         self.on_finish = on_finish or no_finish_hook  # per-tenant usage (proxy.ops.usage)
         self.quotas = quotas or QuotaGate(metrics=metrics)  # day/month tokens and money
+        self.uploads = TenantUploads()  # bodies coming in, per tenant
         self.answers = Answers(
             config=config, clock=clock, limits=limits, metrics=metrics, child=self.child
         )
@@ -140,7 +142,8 @@ class RequestPipeline:
                 self.settle_tenant_limits(adm, result)
             return await self.answers.deliver(request, trace, result, adm.config.relay)
         except ProxyError as err:
-            return self.answers.refuse(trace, err)
+            refused = self.answers.refuse(trace, err)
+            return await closing(request, refused) if isinstance(err, UploadRefused) else refused
         except asyncio.CancelledError:
             trace.outcome, trace.status = Outcome.CLIENT_GONE, 499
             if adm is not None and result is None:
@@ -186,7 +189,8 @@ class RequestPipeline:
         held: Reservation,
     ) -> Admitted:
         # Everything a client can get wrong is refused here, before any queue or backend lease.
-        raw = await read_body(request, config.limits.max_body_bytes, config.input, held)
+        with self.uploads.body_of(tenant.name, config):
+            raw = await read_body(request, config.limits.max_body_bytes, config.input, held)
         parsed = parse_body(
             raw,
             endpoint,
