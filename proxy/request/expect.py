@@ -39,7 +39,9 @@ def expect_checker(pipeline: RequestPipeline) -> ExpectHandler:
 
     async def expect(request: web.Request) -> web.StreamResponse | None:
         if request.headers.get("Expect", "").lower() != "100-continue":
-            raise web.HTTPExpectationFailed(text=f"Unknown Expect: {request.headers['Expect']}")
+            refused = refuse(request, expectation_failed(request.headers["Expect"]), None, "-")
+            refused.force_close()
+            return refused
         if request.version != HttpVersion11:
             return None  # HTTP/1.0 knows no 100 Continue: the body comes anyway
         loaded = pipeline.config()
@@ -57,5 +59,25 @@ def expect_checker(pipeline: RequestPipeline) -> ExpectHandler:
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         request.writer.output_size = 0  # the 100 is not part of the response's size
         return None
+
+    return expect
+
+
+def expectation_failed(expect: str) -> ProxyError:
+    return ProxyError(
+        417, f"Unknown Expect: {expect[:64]!r} (only 100-continue).", code="expectation_failed"
+    )
+
+
+def no_continue(
+    answer: Callable[[web.Request], Awaitable[web.Response]],
+) -> ExpectHandler:
+    """The ``expect_handler`` of a route that never reads a body (405, an unknown /v1 path):
+    its answer at once, never ``100 Continue`` (aiohttp's default invites anyone to upload)."""
+
+    async def expect(request: web.Request) -> web.StreamResponse | None:
+        refused = await answer(request)
+        refused.force_close()
+        return refused
 
     return expect

@@ -23,7 +23,7 @@ from proxy.config.schema import LoadedConfig
 from proxy.ops.reload import ConfigWatcher
 from proxy.ops.runtime import run, tune_gc, tune_logging
 from proxy.ops.worker_share import WorkerShare
-from proxy.request.expect import expect_checker
+from proxy.request.expect import expect_checker, no_continue
 from proxy.scheduling.monitor import BackendMonitor
 from proxy.server.admin import AdminEndpoints
 from proxy.server.endpoints import ServiceEndpoints
@@ -90,7 +90,9 @@ def create_app(
     for route in ROUTES:  # every vLLM route that runs the model, through the tiers
         for path in route.paths:
             app.router.add_post(path, pipeline.handler(route), expect_handler=expect)
-            app.router.add_route("*", path, service.unsupported)  # 405 with Allow
+            app.router.add_route(  # 405 with Allow
+                "*", path, service.unsupported, expect_handler=no_continue(service.unsupported)
+            )
     app.router.add_get("/v1/models", service.models)
     app.router.add_get("/health", service.health)
     app.router.add_get("/version", service.version)
@@ -98,7 +100,9 @@ def create_app(
     app.router.add_get("/readyz", service.readyz)
     if loaded.config.admin_listen is None:  # operators' routes here: each needs an admin key
         _add_operator_routes(app, service, admin, metrics=service.guarded_metrics)
-    app.router.add_route("*", "/v1/{tail:.*}", service.unsupported)
+    app.router.add_route(
+        "*", "/v1/{tail:.*}", service.unsupported, expect_handler=no_continue(service.unsupported)
+    )
     return app
 
 

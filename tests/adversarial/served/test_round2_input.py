@@ -51,16 +51,22 @@ async def test_many_tiny_containers_are_refused_without_freezing_the_loop(
     assert answer.error_code() == "json_too_many_elements"
 
 
-async def expect_reply(served: ServedProxy, key: str, length: int) -> str:
+async def expect_reply(
+    served: ServedProxy,
+    key: str,
+    length: int,
+    path: str = "/v1/chat/completions",
+    expect: str = "100-continue",
+) -> str:
     client = await RawClient.connect(served.host, served.port)
     try:
         head = request_bytes(
             "POST",
-            "/v1/chat/completions",
+            path,
             {
                 "Authorization": f"Bearer {key}",
                 "Content-Type": "application/json",
-                "Expect": "100-continue",
+                "Expect": expect,
                 "Content-Length": str(length),
             },
         )
@@ -81,10 +87,20 @@ async def test_expect_continue_only_after_the_key_and_the_size(served: ServedPro
             expect_reply(served, "not-a-key", 1000),
             expect_reply(served, good, 100_000_000),  # past max_body_bytes (8 MiB)
             expect_reply(served, good, 1000),
+            expect_reply(served, good, 1000, expect="x-fancy"),
+            # Routes that never read a body answer at once: no upload invited (round 3).
+            expect_reply(served, "not-a-key", 10**9, path="/v1/nothing/here"),
         )
     )
-    assert replies == ["401 invalid_api_key", "413 request_too_large", "100"]
+    assert replies == [
+        "401 invalid_api_key",
+        "413 request_too_large",
+        "100",
+        "417 expectation_failed",
+        "404 unknown_url",
+    ]
     # Refused from the head alone, and still in the access log like any refusal (round 3).
     refused = [line for line in served.lines_since(mark) if "request_id=" in line]
     assert any("status=401" in line and "tenant=-" in line for line in refused), refused
     assert any("status=413" in line and "tenant=tenant-high" in line for line in refused), refused
+    assert any("status=417" in line for line in refused), refused
