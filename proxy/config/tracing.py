@@ -27,7 +27,7 @@ def _importable(module: str) -> bool:
 
 class TracingSettings(Strict):
     """``tracing:`` — OpenTelemetry spans of each request, exported over OTLP; none: off
-    (no span is made and OpenTelemetry is never imported). Read at start."""
+    (no span is made and the tracer is never loaded). Read at start."""
 
     endpoint: str = Field(
         min_length=1,

@@ -36,6 +36,7 @@ class RequestSpans:
     __slots__ = (
         "_limit_waits",
         "_offset_ns",
+        "_parent",
         "_propagator",
         "_step",
         "_tracer",
@@ -50,6 +51,8 @@ class RequestSpans:
         self._propagator = propagator
         self.server = server
         self.recording = server.is_recording()
+        # The parent of every step span (none where it was not sampled: no step span is made).
+        self._parent = set_span_in_context(server) if self.recording else None
         self._offset_ns = offset_ns  # epoch ns minus the pipeline clock's ns
         self._step: Span | None = None  # the step span open now
         self._limit_waits = 0
@@ -67,7 +70,7 @@ class RequestSpans:
     ) -> Span:
         return self._tracer.start_span(
             name,
-            context=set_span_in_context(self.server),
+            context=self._parent,
             kind=kind,
             attributes=attributes,
             start_time=self.ns(start),
@@ -176,12 +179,15 @@ class RequestSpans:
         if self.recording:
             self._end_step(now, None if outcome == "ok" else outcome)
             server = self.server
+            labels: dict[str, Any] = {
+                "tierproxy.outcome": outcome,
+                "http.response.status_code": status,
+            }
             if tenant is not None:
-                server.set_attribute("tierproxy.tenant", tenant)
+                labels["tierproxy.tenant"] = tenant
             if tier is not None:
-                server.set_attribute("tierproxy.tier", tier)
-            server.set_attribute("tierproxy.outcome", outcome)
-            server.set_attribute("http.response.status_code", status)
+                labels["tierproxy.tier"] = tier
+            server.set_attributes(labels)
             if status >= 500:
                 server.set_status(Status(StatusCode.ERROR, outcome))
         self.server.end(self.ns(now))
