@@ -101,5 +101,7 @@ async def test_one_request_is_one_trace_across_the_proxy_and_vllm(
     request = one(vllm, "llm_request")
     assert request.parent_span_id == upstream.span_id
     assert request.attributes["gen_ai.usage.completion_tokens"] == 8
+    # vLLM's request id is made from the X-Request-Id the proxy sent: the two sides join on it.
+    assert server.attributes["tierproxy.request_id"] in request.attributes["gen_ai.request.id"]
     # (two processes, one clock: a few ms of slack for the mapping of the proxy's loop time)
     assert upstream.start_ns - 5e6 <= request.start_ns <= request.end_ns <= upstream.end_ns + 5e6
