@@ -102,7 +102,7 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
 
     # -- OTLP/HTTP ---------------------------------------------------------------------------
 
-    async def _http_export(self, request: web.Request) -> web.Response:
+    async def http_export(self, request: web.Request) -> web.Response:
         if request.content_type != "application/x-protobuf":
             return web.Response(status=415)
         message = ExportRequest()
@@ -116,6 +116,6 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
     async def http_server(self) -> AsyncIterator[str]:
         """Serve OTLP/HTTP on a free loopback port; yields the traces URL."""
         app = web.Application()
-        app.router.add_post("/v1/traces", self._http_export)
+        app.router.add_post("/v1/traces", self.http_export)
         async with serve_app(app) as url:
             yield url + "/v1/traces"
