@@ -16,12 +16,15 @@ import argparse
 import time
 from collections.abc import Sequence
 
+from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
 
+from proxy.api.outcome import Outcome
 from proxy.config.tracing import TracingSettings
+from proxy.relay.forward import RelayResult
 from proxy.telemetry.tracing import Tracing
 
 
@@ -35,6 +38,16 @@ class NullExporter(SpanExporter):
             encode_spans(spans).SerializeToString()
         self.spans += len(spans)
         return SpanExportResult.SUCCESS
+
+
+# What the relay returns for a stream (its first token at the call's time).
+RESULT = RelayResult(
+    web.StreamResponse(),
+    Outcome.OK,
+    200,
+    usage={"prompt_tokens": 7, "completion_tokens": 3},
+    first_token_at=time.monotonic(),
+)
 
 
 class FakeRequest:
@@ -56,7 +69,7 @@ def one_request(tracing: Tracing) -> None:
         path="/v1/chat/completions",
         now=now,
     )
-    spans.upstream_done(200, now, {"prompt_tokens": 7, "completion_tokens": 3}, now)
+    spans.upstream_done(RESULT, now)
     spans.end("tenant", "normal", "ok", 200, now)
 
 
