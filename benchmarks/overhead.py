@@ -237,8 +237,13 @@ def nginx_upstream_block(port: int) -> str:
     return f"upstream null_{port} {{ server 127.0.0.1:{port}; keepalive 64; }}"
 
 
-def tierproxy_config(tmp: Path, backend_port: int) -> Path:
-    cfg = {
+def tierproxy_config(
+    tmp: Path, backend_port: int, *, name: str = "tierproxy", sample_ratio: float | None = None
+) -> Path:
+    """``sample_ratio``: tracing on at that ratio, its spans exported over OTLP/HTTP to the
+    null backend (nginx answers any POST with an empty 200: a sink that costs the proxy
+    nothing beyond its own encoding and sending)."""
+    cfg: dict[str, object] = {
         "listen": {"host": "127.0.0.1", "port": PORTS["tierproxy"]},
         "tiers": {
             "bench": {
@@ -258,7 +263,13 @@ def tierproxy_config(tmp: Path, backend_port: int) -> Path:
             }
         ],
     }
-    path = tmp / f"tierproxy-{backend_port}.yaml"
+    if sample_ratio is not None:
+        cfg["tracing"] = {
+            "endpoint": f"http://127.0.0.1:{PORTS['null']}/v1/traces",
+            "protocol": "http/protobuf",
+            "sample_ratio": sample_ratio,
+        }
+    path = tmp / f"{name}-{backend_port}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
 
@@ -431,15 +442,19 @@ def run(args: argparse.Namespace) -> None:
                 with process([nginx, "-c", str(conf)], args.proxy_cpu, tmp / "nginx.log") as p:
                     wait_http(f"http://127.0.0.1:{PORTS['nginx']}/v1/models")
                     bench.measure("nginx", f"http://127.0.0.1:{PORTS['nginx']}", p.pid, rows)
-        proxies = [("tierproxy", ROOT)] if "tierproxy" in args.targets else []
+        proxies: list[tuple[str, Path, float | None]] = (
+            [("tierproxy", ROOT, None)] if "tierproxy" in args.targets else []
+        )
         if args.before:  # another checkout of tierproxy, measured in the same run
-            proxies.insert(0, ("tierproxy-before", Path(args.before).resolve()))
-        for (name, root), (rows, port) in itertools.product(
+            proxies.insert(0, ("tierproxy-before", Path(args.before).resolve(), None))
+        for share in (float(r) for r in args.tracing.split(",")) if args.tracing else ():
+            proxies.append((f"tierproxy-trace-{share:.0%}", ROOT, share))
+        for (name, root, ratio), (rows, port) in itertools.product(
             proxies, ((burst_rows, PORTS["null"]), (paced_rows, PORTS["paced"]))
         ):
             if not rows:
                 continue
-            cfg = tierproxy_config(tmp, port)
+            cfg = tierproxy_config(tmp, port, name=name, sample_ratio=ratio)
             cmd = [py, "-m", "proxy.cli", "serve", "-c", str(cfg)]
             log = tmp / f"{name}-{port}.log"
             run_env = {**env, "PYTHONPATH": str(root)}
@@ -531,7 +546,21 @@ def main() -> None:
     parser.add_argument("--litellm", metavar="VENV", help="a venv with litellm[proxy] installed")
     parser.add_argument("--profile", action="store_true", help="py-spy the tierproxy process")
     parser.add_argument("--profile-top", type=int, default=25)
+    parser.add_argument(
+        "--tracing",
+        metavar="RATIOS",
+        help='also tierproxy with tracing on at these sample ratios, e.g. "0.01,1" (needs nginx:'
+        " the spans go to it over OTLP/HTTP)",
+    )
+    parser.add_argument(
+        "--port-offset",
+        type=int,
+        default=0,
+        help="added to every port the run listens on (two runs on one machine at once)",
+    )
     args = parser.parse_args()
+    for name in PORTS:
+        PORTS[name] += args.port_offset
     if not shutil.which("wrk"):
         sys.exit("needs wrk: apt-get install -y wrk (and nginx-light for the nginx rows)")
     run(args)

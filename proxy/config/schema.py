@@ -18,13 +18,14 @@ from proxy.config.server import AdminListen, InputLimits, Listen, Relay, Server
 from proxy.config.shared_state import SharedState
 from proxy.config.slo import AdaptiveRoom
 from proxy.config.tenants import KeySpec, Tenant, Tier, hash_key
+from proxy.config.tracing import TracingSettings
 from proxy.config.usage_log import UsageLogSettings
 from proxy.ticket import DEFAULT_PREFILL_SHARE, DEFAULT_SECRET_ENV
 
 
 class Config(Strict):
     """The whole file. Most sections apply on a live reload; `listen`, `admin_listen`,
-    `server`, `ticket_secret_env`, `shared_state`, `usage_log` and
+    `server`, `ticket_secret_env`, `shared_state`, `usage_log`, `tracing` and
     `backend_health.connect_timeout_s` are read at start (a reload that changes one names it
     in a warning: a restart applies it)."""
 
@@ -84,6 +85,12 @@ class Config(Strict):
         description="One JSON line per finished request (proxy/ops/usage_log.py); none: off."
         " Read at start.",
         examples=[{"path": "/var/log/tierproxy/usage.jsonl"}],
+    )
+    tracing: TracingSettings | None = Field(
+        None,
+        description="OpenTelemetry spans of each request, continued into vLLM (docs/tracing.md);"
+        " none: off. Read at start.",
+        examples=[{"endpoint": "http://127.0.0.1:4317", "sample_ratio": 0.01}],
     )
 
     @model_validator(mode="after")

@@ -39,6 +39,7 @@ RESTART_FIELDS = (
     "ticket_secret_env",
     "shared_state",
     "usage_log",
+    "tracing",
     "backend_health.connect_timeout_s",
 )
 # Applied by a reload (ProxyState.prepare): every other top-level section. A new section must be

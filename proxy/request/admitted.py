@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from aiohttp import web
 
@@ -25,6 +25,9 @@ from proxy.relay.forward import RelayResult, UpstreamCall
 from proxy.request.inbound import ParsedRequest
 from proxy.scheduling.quotas import QuotaHold
 from proxy.telemetry.slo import Latency
+
+if TYPE_CHECKING:  # OpenTelemetry is loaded only where tracing is on (proxy.telemetry.tracing)
+    from proxy.telemetry.spans import RequestSpans
 
 
 class Relay(Protocol):
@@ -48,6 +51,7 @@ class Trace:
     outcome: Outcome = Outcome.ERROR
     status: int = 500
     latency: Latency | None = None  # of an answer relayed (for goodput)
+    spans: RequestSpans | None = None  # its OpenTelemetry spans; None: tracing is off
 
     @classmethod
     def begin(cls, headers: Mapping[str, str], now: float) -> Trace:
@@ -82,6 +86,7 @@ class Admitted:
     # whose handler is cancelled (the client left) is still billed for it.
     delivered: Delivered = field(default_factory=Delivered)
     cache_salt: str = ""  # the prefix-cache salt of the tenant's scope (derive_cache_salt)
+    spans: RequestSpans | None = None  # the trace's (Trace.spans)
 
     def __post_init__(self) -> None:
         self.queued = QueuedRequest(

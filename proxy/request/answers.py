@@ -84,6 +84,14 @@ class Answers:
             self.child(self.metrics.requests, tier, trace.outcome).inc()
         if trace.admitted:
             self.child(self.metrics.e2e, tier).observe(elapsed)
+        if trace.spans is not None:
+            trace.spans.end(
+                tenant.name if tenant else None,
+                tenant.tier if tenant else None,
+                trace.outcome,
+                trace.status,
+                self.clock(),
+            )
         if trace.admitted and tenant is not None:  # goodput (proxy/telemetry/slo.py)
             latency = trace.latency or Latency(trace.arrival, None, self.clock(), None)
             self.metrics.slo.record(self.config().config, tenant, trace.outcome, latency)

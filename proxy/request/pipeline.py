@@ -13,16 +13,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
 
 from proxy.api.errors import (
     ProxyError,
-    cheap_busy,
     config_changed,
     memory_full,
-    no_backend,
     over_token_limit,
     queue_full,
     queue_timeout,
@@ -43,9 +42,11 @@ from proxy.request.admitted import Admitted, FinishHook, Relay, Trace, no_finish
 from proxy.request.answers import Answers
 from proxy.request.auth import identify
 from proxy.request.inbound import parse_body, read_body
+from proxy.request.leases import direct_lease
 from proxy.request.poison import blame, give_up, refuse_poison
 from proxy.request.quota_gate import QuotaGate
 from proxy.request.tenancy import tenant_gate
+from proxy.request.traced import upstream_spans
 from proxy.request.uploads import TenantUploads, UploadRefused, closing
 from proxy.request.upstream import upstream_call
 from proxy.scheduling.dispatch import CheapLease, Dispatcher, Lease, QueueTimeoutError
@@ -55,6 +56,9 @@ from proxy.scheduling.pool import BackendPool
 from proxy.scheduling.queue import AdmissionQueue, QueueFull, UnknownTier
 from proxy.telemetry.metrics import ProxyMetrics
 from proxy.telemetry.slo import backend_met, latency_of
+
+if TYPE_CHECKING:  # loaded only where tracing is on (proxy.server.state)
+    from proxy.telemetry.tracing import Tracing
 
 log = logging.getLogger("tierproxy")
 
@@ -80,6 +84,7 @@ class RequestPipeline:
         budget: MemoryBudget | None = None,
         on_finish: FinishHook | None = None,
         quotas: QuotaGate | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.config = config  # the current config; read once per request
         self.secret = secret
@@ -97,6 +102,7 @@ class RequestPipeline:
         self.on_finish = on_finish or no_finish_hook  # per-tenant usage (proxy.ops.usage)
         self.quotas = quotas or QuotaGate(metrics=metrics)  # day/month tokens and money
         self.uploads = TenantUploads()  # bodies coming in, per tenant
+        self.tracing = tracing  # None: off, and no span object is made (docs/tracing.md)
         self.answers = Answers(
             config=config, clock=clock, limits=limits, metrics=metrics, child=self.child
         )
@@ -117,6 +123,8 @@ class RequestPipeline:
 
     async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         trace = Trace.begin(request.headers, self.clock())
+        if self.tracing is not None:
+            trace.spans = self.tracing.begin(request, trace.request_id, trace.arrival, self.clock())
         request[REQUEST_ID] = trace.reply_id  # for streams too (reply_headers)
         loaded = self.config()  # one config for the whole request, even if a reload happens
         adm: Admitted | None = None
@@ -124,7 +132,7 @@ class RequestPipeline:
         try:
             trace.tenant, trace.key_id = identify(request.headers, loaded)
             adm = await self.parse(request, endpoint, loaded.config, trace.tenant, trace)
-            trace.admitted = True
+            trace.admitted, adm.spans = True, trace.spans
             await self.quotas.reserve(adm)  # refused, never waited for: settled below
             await self.pass_tenant_limits(adm)
             request[ADMITTED_LIMITS] = ratelimit_headers(adm.limit_windows)  # streams' too
@@ -132,7 +140,7 @@ class RequestPipeline:
                 while result is None:  # None: a backend failed before its first byte, again
                     lease: Lease | CheapLease
                     if BY_ENDPOINT[endpoint].cheap:
-                        lease = self.direct_lease(adm)
+                        lease = direct_lease(self.pool, adm, self.clock)
                     else:
                         lease = await self.dispatch(adm, self.enqueue(adm))
                     result = await self.forward(request, adm, lease)
@@ -232,6 +240,8 @@ class RequestPipeline:
             wait = verdict.retry_after_s
             if tenant.on_limit != "queue" or self.clock() + wait > give_up_at:
                 raise rate_limited(verdict.limit, wait)
+            if adm.spans is not None:
+                adm.spans.limit_wait(verdict.limit, self.clock())
             # A request waiting for its tenant's limit holds its body like a queued one: it
             # counts against the tier's queue cap.
             try:
@@ -257,6 +267,9 @@ class RequestPipeline:
     def enqueue(self, adm: Admitted) -> asyncio.Future[Lease]:
         """Into the tier's queue; a retry goes back at its old place, past the cap."""
         try:
+            if adm.spans is not None:  # the tier's depth before it: its place at entry
+                depth = self.queue.depth(adm.tier)
+                adm.spans.queue_wait(adm.tier, depth, adm.attempts, self.clock())
             return self.dispatcher.enqueue(adm.queued, force=adm.attempts > 0)
         except QueueFull:
             raise queue_full(adm.tier, self.retry_after(adm.tier)) from None
@@ -285,18 +298,6 @@ class RequestPipeline:
         except asyncio.CancelledError:
             self.dispatcher.withdraw(queued)
             raise
-
-    def direct_lease(self, adm: Admitted) -> CheapLease:
-        """For the routes that run no model (the tokenizer's): no queue and no generation
-        room (a better tier's generation never waits behind them), but a small cap of their
-        own per backend (``backends[].max_cheap_inflight``), half of it at most per tenant."""
-        tenant = adm.tenant.name
-        backend = self.pool.acquire_cheap(adm.parsed.model, self.clock(), tenant)
-        if backend is not None:
-            return CheapLease(backend, self.pool, granted_at=self.clock(), tenant=tenant)
-        if not self.pool.any_available(self.clock()):
-            raise no_backend("No backend that serves the model is available; retry later.")
-        raise cheap_busy()
 
     def retry_after(self, tier: str) -> float:
         return self.queue.retry_after(tier, self.pool.slots())
@@ -336,6 +337,7 @@ class RequestPipeline:
     async def relay_once(
         self, request: web.Request, adm: Admitted, lease: Lease | CheapLease
     ) -> RelayResult:
+        traced = None if adm.spans is None else upstream_spans(adm, lease, self.clock())
         call = upstream_call(
             adm.config,
             adm.parsed,
@@ -351,10 +353,13 @@ class RequestPipeline:
             delivered=adm.delivered,
             cache_salt=adm.cache_salt,
             reply_request_id=request.get(REQUEST_ID),
+            trace_headers=traced,
         )
         # The Responses API streams events of its own kind (proxy.relay.responses).
         relay_fn = relay_responses if adm.parsed.endpoint == "responses" else self.relay
         result = await relay_fn(call, request, stream=adm.parsed.stream, now=self.clock)
+        if adm.spans is not None:
+            adm.spans.upstream_done(result, self.clock())
         if result.backend_failed:
             self.pool.record_failure(lease.backend, self.clock())
             self.metrics.backend_errors.labels(lease.backend.label, result.outcome).inc()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 
 import aiohttp
 import orjson
@@ -27,6 +28,9 @@ from proxy.ticket import (
     new_nonce,
 )
 
+# W3C trace context: with tracing on, the proxy's own span is vLLM's parent.
+TRACE_CONTEXT_HEADERS = ("traceparent", "tracestate")
+
 
 def upstream_call(
     config: Config,
@@ -44,6 +48,7 @@ def upstream_call(
     delivered: Delivered | None = None,
     cache_salt: str = "",
     reply_request_id: str | None = None,
+    trace_headers: Mapping[str, str] | None = None,
 ) -> UpstreamCall:
     """One attempt's call: a fresh ticket each time (a nonce is good for one use).
     ``clock_correction_s``: the backend's clock minus ours where measured
@@ -51,7 +56,9 @@ def upstream_call(
     ``issued_at`` on its own clock. ``cache_salt``: the tenant's prefix-cache salt, put into the
     body (every model route of vLLM 0.32 takes one) and bound into the ticket ("": none).
     ``reply_request_id``: the X-Request-Id the client's answer carries (its own echoed), where
-    it differs from ``request_id``, the proxy's, which vLLM gets."""
+    it differs from ``request_id``, the proxy's, which vLLM gets. ``trace_headers``: the
+    upstream span's ``traceparent``/``tracestate`` where tracing is on, in place of the
+    client's (None: the client's pass on as they came)."""
     tier = config.tiers[tier_name]
     body = dict(parsed.body)
     if backend.send_priority:
@@ -76,6 +83,10 @@ def upstream_call(
         cache_salt=cache_salt,
     )
     headers = upstream_headers(client_headers, forward=config.input.forward_headers)
+    if trace_headers is not None:
+        for name in TRACE_CONTEXT_HEADERS:
+            headers.popall(name, None)
+        headers.update(trace_headers)
     headers["Content-Type"] = "application/json"
     headers["Accept-Encoding"] = "identity"  # relayed undecoded: never ask for gzip
     headers[REQUEST_ID_HEADER] = request_id

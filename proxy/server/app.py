@@ -167,6 +167,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         await state.session.close()
         if state.usage_log is not None:  # after the requests: their lines are all queued
             await asyncio.to_thread(state.usage_log.stop)
+        if state.tracing is not None:  # after the requests: their spans are all ended
+            await asyncio.to_thread(state.tracing.shutdown)
 
 
 def serve(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
@@ -30,6 +31,9 @@ from proxy.scheduling.quotas import QuotaBook, QuotaLedger
 from proxy.server.version import VersionCache, fetch_version
 from proxy.shared.runtime import SharedRuntime
 from proxy.telemetry.metrics import ProxyMetrics
+
+if TYPE_CHECKING:  # loaded only where tracing is on
+    from proxy.telemetry.tracing import Tracing
 
 
 class ProxyState:
@@ -60,6 +64,7 @@ class ProxyState:
         self.metrics.config_generation.set(1)
         self.budget = MemoryBudget(cfg.limits.max_held_bytes)
         self.usage_log = UsageLogWriter(cfg.usage_log) if cfg.usage_log else None  # at start only
+        self.tracing = build_tracing(cfg) if cfg.tracing else None  # at start only
         self.usage = UsageMeter(
             self.metrics.registry,
             config=lambda: self.loaded.config,
@@ -81,6 +86,7 @@ class ProxyState:
             relay=TimedRelay(relay),
             on_finish=self.usage.finished,
             quotas=QuotaGate(self.quota_book, metrics=self.metrics),
+            tracing=self.tracing,
         )
         self.live = LiveStatus(
             config=lambda: self.loaded.config,
@@ -143,3 +149,11 @@ class ProxyState:
 
 
 STATE = web.AppKey("tierproxy_state", ProxyState)
+
+
+def build_tracing(cfg: Config) -> Tracing:
+    """The proxy's tracer (``tracing:`` set): OpenTelemetry is imported here, and only here."""
+    from proxy.telemetry.tracing import Tracing
+
+    assert cfg.tracing is not None
+    return Tracing(cfg.tracing)

@@ -8,6 +8,8 @@ tests that need none run.
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,3 +96,15 @@ _PLUGIN_ENV = EngineSetting.environ(
 )
 PLUGIN_STOCK = EngineSetting("plugin-stock", extra_args=PLUGIN_BENCH_ARGS, env=_PLUGIN_ENV)
 PLUGIN_ON = EngineSetting("plugin-on", plugin=True, extra_args=PLUGIN_BENCH_ARGS, env=_PLUGIN_ENV)
+# vLLM exporting its request spans (`--otlp-traces-endpoint`) over OTLP/gRPC to the tests'
+# receiver (tests/helpers/otlp.py) on a unix socket of this run: a path known before the engine
+# starts, unlike a free port. vLLM exports only the spans of requests that carry a sampled
+# traceparent; its batch processor sends every 100 ms rather than every 5 s.
+OTLP_SOCKET = Path(tempfile.gettempdir()) / f"tierproxy-otlp-{os.getpid()}.sock"
+TRACED = EngineSetting(
+    "traced",
+    extra_args=("--otlp-traces-endpoint", f"unix://{OTLP_SOCKET}"),
+    env=EngineSetting.environ(
+        {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc", "OTEL_BSP_SCHEDULE_DELAY": "100"}
+    ),
+)
