@@ -193,6 +193,8 @@ def load_config(path: str | Path) -> LoadedConfig:
         text = p.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(str(p), [f"cannot read: {exc.strerror}"]) from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(str(p), [f"not UTF-8: {exc}"]) from exc
     return parse_config(text, source=str(p))
 
 
