@@ -62,9 +62,11 @@ def _digest_of(spec: KeySpec, environ: Environ) -> tuple[str | None, str | None]
 
 def _resolve_keys(
     config: Config, lines: Lines, environ: Environ, expires: dict[str, float]
-) -> tuple[dict[str, Tenant], frozenset[str], list[str]]:
+) -> tuple[dict[str, Tenant], frozenset[str], list[str], list[str]]:
+    """(tenant by key hash, admin key hashes, problems, warnings)."""
     by_hash: dict[str, Tenant] = {}
     problems: list[str] = []
+    warnings: list[str] = []
 
     def where(loc: tuple[int | str, ...]) -> str:
         return f"{'.'.join(str(p) for p in loc)} (line {lines.of(loc)})"
@@ -80,6 +82,12 @@ def _resolve_keys(
             if owner is not None and owner.name != tenant.name:
                 problems.append(f"{where(loc)}: key already belongs to tenant {owner.name!r}")
                 continue
+            if owner is not None:
+                warnings.append(
+                    f"{where(loc)}: tenant {tenant.name!r} lists this key twice: it expires at"
+                    " the earliest expires_at of its listings, and `tierproxy keys revoke` of"
+                    " one listing leaves the other working"
+                )
             by_hash[digest] = tenant
             _note_expiry(expires, digest, spec)
     admin: set[str] = set()
@@ -94,16 +102,15 @@ def _resolve_keys(
         else:
             admin.add(digest)
             _note_expiry(expires, digest, spec)
-    return by_hash, frozenset(admin), problems
+    return by_hash, frozenset(admin), problems, warnings
 
 
 def _note_expiry(expires: dict[str, float], digest: str, spec: KeySpec) -> None:
-    """One key listed twice (for one tenant) expires at the earlier of its times, if both
-    have one; a listing without a time keeps it valid."""
-    if spec.expires_at is None:
-        expires[digest] = float("inf")
-    else:
-        expires[digest] = min(expires.get(digest, float("inf")), spec.expires_at.timestamp())
+    """One key listed twice (for one tenant) expires at the earliest time any listing gives it,
+    whatever their order: an expiry someone wrote (a rotation's) is never undone by another
+    listing without one (``inf``: never)."""
+    at = float("inf") if spec.expires_at is None else spec.expires_at.timestamp()
+    expires[digest] = min(expires.get(digest, float("inf")), at)
 
 
 def _missing_env_keys(data: dict[str, Any], lines: Lines, environ: Environ) -> list[str]:
@@ -175,7 +182,7 @@ def parse_config(
         problems += _missing_env_keys(data, lines, env)
         raise ConfigError(source, problems)
     expires: dict[str, float] = {}
-    by_hash, admin, problems = _resolve_keys(config, lines, env, expires)
+    by_hash, admin, problems, warnings = _resolve_keys(config, lines, env, expires)
     if problems:
         raise ConfigError(source, problems)
     return LoadedConfig(
@@ -184,6 +191,7 @@ def parse_config(
         admin_key_hashes=admin,
         source=source,
         key_expires_at={digest: at for digest, at in expires.items() if at != float("inf")},
+        warnings=tuple(warnings),
     )
 
 
@@ -193,6 +201,8 @@ def load_config(path: str | Path) -> LoadedConfig:
         text = p.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(str(p), [f"cannot read: {exc.strerror}"]) from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(str(p), [f"not UTF-8: {exc}"]) from exc
     return parse_config(text, source=str(p))
 
 
@@ -213,7 +223,7 @@ def summarize(loaded: LoadedConfig) -> str:
         ceiling = b.max_inflight or cfg.adaptive_room.max_room
         room = f"adaptive up to {ceiling}" if b.adaptive_room else f"fixed {b.max_inflight}"
         lines.append(f"  backend {b.label}: room {room}")
-    lines += [f"  warning: {w}" for w in metrics_warnings(loaded)]
+    lines += [f"  warning: {w}" for w in [*loaded.warnings, *metrics_warnings(loaded)]]
     return "\n".join(lines)
 
 

@@ -136,6 +136,8 @@ class LoadedConfig:
     source: str
     # sha256 -> the POSIX time it expires at, for the keys (tenants' and admin) with expires_at.
     key_expires_at: Mapping[str, float] = field(default_factory=dict)
+    # What loads but is likely a mistake (a key listed twice): `tierproxy check` prints them.
+    warnings: tuple[str, ...] = ()
 
     def tenant_for_key(self, key: str) -> Tenant | None:
         return self.tenant_by_key_hash.get(hash_key(key))

@@ -103,7 +103,8 @@ class Tier(Strict):
 
 def utc_time(value: object) -> object:
     """A YAML date or time as an aware UTC datetime: a date is its midnight, a time without a
-    zone is UTC (what `tierproxy keys` writes carries its zone)."""
+    zone is UTC (what `tierproxy keys` writes carries its zone). ValueError where the time
+    falls outside datetime's range once in UTC."""
     if isinstance(value, date) and not isinstance(value, datetime):
         return datetime(value.year, value.month, value.day, tzinfo=UTC)
     if isinstance(value, str):
@@ -112,7 +113,15 @@ def utc_time(value: object) -> object:
         except ValueError:
             return value  # pydantic names the problem
     if isinstance(value, datetime):
-        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+        if value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        try:
+            return value.astimezone(UTC)
+        except OverflowError:  # 9999-12-31T23:59:59-12:00: past datetime's range in UTC
+            # A ValueError, so pydantic names the field (an OverflowError escapes validation).
+            raise ValueError(
+                f"{value.isoformat()} is out of range once converted to UTC (years 1 to 9999)"
+            ) from None
     return value
 
 

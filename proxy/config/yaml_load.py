@@ -24,6 +24,17 @@ class _Unusual(Exception):
     """A construct the fast builder leaves to the full loader."""
 
 
+# Deeper than any config (tenants[].keys[].field is 4): the builder recurses in Python, so a
+# hostile or broken file nested ~500 deep would raise RecursionError instead of a YAML error.
+MAX_DEPTH = 64
+
+
+def _mark(event: yaml.Event) -> yaml.Mark | None:
+    """The event's place as the error's mark (libyaml's own Mark type is another class)."""
+    at = event.start_mark
+    return None if at is None else yaml.Mark(at.name, at.index, at.line, at.column, None, 0)
+
+
 class _Builder:
     def __init__(self, text: str) -> None:
         self.loader: Any = LOADER(text)  # PyYAML's parser methods carry no types
@@ -35,13 +46,13 @@ class _Builder:
         if loader.check_event(yaml.StreamEndEvent):
             return None
         loader.get_event()  # DocumentStart
-        value = self.node(loader.get_event())
+        value = self.node(loader.get_event(), 1)
         loader.get_event()  # DocumentEnd
         if not loader.check_event(yaml.StreamEndEvent):
             raise _Unusual("several documents")
         return value
 
-    def node(self, event: yaml.Event) -> Any:
+    def node(self, event: yaml.Event, depth: int) -> Any:
         if getattr(event, "anchor", None) is not None or isinstance(event, yaml.AliasEvent):
             raise _Unusual("anchor or alias")
         if isinstance(event, yaml.ScalarEvent):
@@ -49,7 +60,13 @@ class _Builder:
         if isinstance(event, yaml.MappingStartEvent | yaml.SequenceStartEvent):
             if not event.implicit:
                 raise _Unusual("explicit tag")
-            return self.mapping() if isinstance(event, yaml.MappingStartEvent) else self.seq()
+            if depth > MAX_DEPTH:
+                raise yaml.composer.ComposerError(
+                    None, None, f"nested more than {MAX_DEPTH} levels deep", _mark(event)
+                )
+            if isinstance(event, yaml.MappingStartEvent):
+                return self.mapping(depth)
+            return self.seq(depth)
         raise _Unusual(type(event).__name__)
 
     def scalar(self, event: yaml.ScalarEvent) -> Any:
@@ -66,28 +83,33 @@ class _Builder:
         if tag == _STR:
             value: Any = text
         elif tag in self.loader.yaml_constructors and tag.rsplit(":", 1)[1] in _SIMPLE:
-            value = self.loader.yaml_constructors[tag](self.loader, yaml.ScalarNode(tag, text))
+            try:
+                value = self.loader.yaml_constructors[tag](self.loader, yaml.ScalarNode(tag, text))
+            except (ValueError, OverflowError) as exc:  # a date like 2026-02-30 or 0000-01-01
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"{text!r}: {exc}", _mark(event)
+                ) from exc
         else:
             raise _Unusual(f"scalar tag {tag}")  # merge keys, '=' values
         self.plain[text] = value
         return value
 
-    def mapping(self) -> dict[Any, Any]:
+    def mapping(self, depth: int) -> dict[Any, Any]:
         loader = self.loader
         out: dict[Any, Any] = {}
         while not loader.check_event(yaml.MappingEndEvent):
-            key = self.node(loader.get_event())
+            key = self.node(loader.get_event(), depth + 1)
             if isinstance(key, list | dict):
                 raise _Unusual("complex key")
-            out[key] = self.node(loader.get_event())
+            out[key] = self.node(loader.get_event(), depth + 1)
         loader.get_event()
         return out
 
-    def seq(self) -> list[Any]:
+    def seq(self, depth: int) -> list[Any]:
         loader = self.loader
         out: list[Any] = []
         while not loader.check_event(yaml.SequenceEndEvent):
-            out.append(self.node(loader.get_event()))
+            out.append(self.node(loader.get_event(), depth + 1))
             if len(out) % YIELD_EVERY == 0:
                 yield_gil()
         loader.get_event()
@@ -109,14 +131,20 @@ _SIMPLE = frozenset({"null", "bool", "int", "float", "timestamp"})
 
 
 def safe_load(text: str) -> Any:
-    """What ``yaml.safe_load(text)`` returns (or raises), several times faster."""
+    """What ``yaml.safe_load(text)`` returns, several times faster; every failure is a
+    ``yaml.YAMLError`` (with its line where the parser gives one): a scalar the constructor
+    refuses (``2026-02-30``), or nesting deeper than ``MAX_DEPTH``."""
     builder = _Builder(text)
     try:
         return builder.document()
     except _Unusual:
-        return yaml.load(text, Loader=LOADER)  # LOADER is a safe loader
+        pass
     finally:
         builder.loader.dispose()
+    try:
+        return yaml.load(text, Loader=LOADER)  # LOADER is a safe loader
+    except (ValueError, OverflowError) as exc:  # a scalar's constructor (dates): no mark here
+        raise yaml.constructor.ConstructorError(None, None, str(exc)) from exc
 
 
 class Lines:

@@ -39,14 +39,28 @@ def parse_span(text: str) -> timedelta:
     match = _SPAN.match(text)
     if match is None:
         raise KeysError(f"{text!r}: give a span like 90d, 24h, 30m or 2w")
-    return timedelta(seconds=float(match[1]) * _UNIT_S[match[2]])
+    try:
+        return timedelta(seconds=float(match[1]) * _UNIT_S[match[2]])
+    except OverflowError:
+        raise KeysError(f"{text!r}: too long a span") from None
+
+
+def later(at: datetime, span: timedelta, text: str) -> datetime:
+    """``at`` + ``span`` (written ``text``), or KeysError past the year 9999."""
+    try:
+        return at + span
+    except OverflowError:
+        raise KeysError(f"{text!r}: that ends after the year 9999") from None
 
 
 def parse_expiry(text: str, now: datetime) -> datetime:
     """A span from now (``90d``) or a time (``2026-06-30``, ``2026-06-30T12:00:00Z``)."""
     if _SPAN.match(text):
-        return now + parse_span(text)
-    value = utc_time(text.strip())
+        return later(now, parse_span(text), text)
+    try:
+        value = utc_time(text.strip())
+    except ValueError as exc:  # out of range once in UTC
+        raise KeysError(str(exc)) from None
     if not isinstance(value, datetime):
         raise KeysError(f"{text!r}: give a span like 90d or an ISO 8601 date or time")
     return value
@@ -189,7 +203,7 @@ def rotate_key(
     def change(edit: ConfigEdit, keys_list: KeysList, config: Config) -> str:
         t_index, keys = _tenant_keys(config, tenant)
         at = now()
-        ends = _whole_second_up(at + span)  # the old key works at least the overlap
+        ends = _whole_second_up(later(at, span, overlap))  # the old key works the overlap
         index = _to_retire(keys, tenant, old_id, ends)
         key, spec, fields = _make_key(config, expires, at)
         text = keys_list.append(fields)
@@ -246,7 +260,10 @@ def _left(spec: KeySpec, now: datetime) -> str:
 
 def expiry_warnings(config: Config, now: datetime, within_days: float) -> list[str]:
     """`tierproxy check`: keys that expired, or expire within ``within_days``."""
-    soon = now + timedelta(days=within_days)
+    try:
+        soon = now + timedelta(days=within_days)
+    except OverflowError:  # --expiring-days 1e9: every key with a time
+        soon = datetime.max.replace(tzinfo=UTC)
     out = []
     for t in config.tenants:
         for spec in t.keys:

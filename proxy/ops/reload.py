@@ -2,7 +2,9 @@
 moment), validate off the event loop and swap atomically.
 
 A broken file changes nothing: the old config stays, the errors are logged with their lines
-and counted in /metrics (``tierproxy_config_reloads_total{result="error"}``).
+and counted in /metrics (``tierproxy_config_reloads_total{result="error"}``). So is a file that
+cannot be read (gone, unreadable after an ownership change), and any other failure to load it:
+the watcher outlives every file, or a later edit (a key revocation) would never apply.
 """
 
 from __future__ import annotations
@@ -101,17 +103,18 @@ class ConfigWatcher:
         self.sleep = sleep
         self.transform = transform  # a worker's share of the bounds (proxy.ops.worker_share)
         self._digest = self._read()[1]
+        self._read_error: str | None = None  # the unreadable file's error, reported once
         self._task = OwnedTask("tierproxy-config-watcher")
         self._lock = asyncio.Lock()
         self._sighup_installed = False
 
-    def _read(self) -> tuple[bytes | None, bytes | None]:
-        """(the file's bytes, their sha256), or (None, None) where it cannot be read."""
+    def _read(self) -> tuple[bytes | None, bytes | None, str | None]:
+        """(the file's bytes, their sha256, None), or (None, None, why) where it cannot be read."""
         try:
             data = self.path.read_bytes()
-        except OSError:
-            return None, None
-        return data, hashlib.sha256(data).digest()
+        except OSError as exc:
+            return None, None, f"cannot read {self.path}: {exc.strerror or exc}"
+        return data, hashlib.sha256(data).digest(), None
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -130,25 +133,50 @@ class ConfigWatcher:
         log.info("SIGHUP: reloading %s", self.path)
         # Runs inside the polling task's next turn so that reloads never overlap.
         self._digest = None
+        self._read_error = None  # an unreadable file is reported again
 
     async def _poll(self) -> None:
         while True:
             await self.sleep(self.interval_s)
-            await self.check()
+            try:
+                await self.check()
+            except Exception:  # a bug, not the file: say so, and keep watching
+                self._failed()
+                log.exception("config watcher: reloading %s failed; still watching", self.path)
+
+    def _failed(self) -> None:
+        self.metrics.config_reloads.labels("error").inc()
 
     async def check(self) -> bool:
         """One poll: when the file changed and then stayed the same for ``debounce_s``, reload
-        it; True when a new config came into force."""
-        _, digest = await asyncio.to_thread(self._read)
-        if digest is None or digest == self._digest:
+        it; True when a new config came into force. A file that cannot be read for as long is
+        a failed reload (logged and counted once, until it changes or SIGHUP)."""
+        _, digest, error = await asyncio.to_thread(self._read)
+        if error is not None:
+            return await self._unreadable(error)
+        if self._read_error is not None:
+            log.info("config %s can be read again", self.path)
+            self._read_error = None
+        if digest == self._digest:
             return False
         await self.sleep(self.debounce_s)
-        data, again = await asyncio.to_thread(self._read)
+        data, again, _ = await asyncio.to_thread(self._read)
         if data is None or again != digest:
             log.info("config %s is still changing; waiting for it to settle", self.path)
             return False
         self._digest = digest
         return await self.reload(data)
+
+    async def _unreadable(self, error: str) -> bool:
+        if error == self._read_error:
+            return False
+        await self.sleep(self.debounce_s)  # an editor's delete-and-write is not a failure
+        if (await asyncio.to_thread(self._read))[2] != error:
+            return False
+        self._read_error = error
+        self._failed()
+        log.error("config reload failed, keeping the old config: %s", error)
+        return False
 
     async def reload(self, data: bytes | None = None) -> bool:
         """Load, validate and apply the file (or ``data``, the bytes read from it) now, parsing
@@ -157,12 +185,21 @@ class ConfigWatcher:
             try:
                 loaded, commit = await asyncio.to_thread(self._load_and_prepare, data)
             except ConfigError as exc:
-                self.metrics.config_reloads.labels("error").inc()
+                self._failed()
                 log.error(
                     "config reload failed, keeping the old config: %d problem(s)", len(exc.problems)
                 )
                 for problem in exc.problems:
                     log.error("  %s: %s", exc.source, problem)
+                return False
+            except Exception as exc:  # the loader's or prepare's bug: still a failed reload
+                self._failed()
+                log.error(
+                    "config reload failed, keeping the old config: %s: %s",
+                    type(exc).__name__,
+                    exc,
+                    exc_info=exc,
+                )
                 return False
             for name in restart_needed(self.current(), loaded.config):
                 log.warning("config reload: %s changed; it takes effect only after a restart", name)

@@ -169,3 +169,120 @@ def test_every_section_is_either_live_or_read_at_start() -> None:
     at_start = {name.split(".")[0] for name in RESTART_FIELDS if "." not in name}
     assert at_start.isdisjoint(LIVE_SECTIONS)
     assert set(Config.model_fields) == at_start | set(LIVE_SECTIONS)
+
+
+def _errors(watch: ConfigWatcher) -> float | None:
+    return watch.metrics.registry.get_sample_value(
+        "tierproxy_config_reloads_total", {"result": "error"}
+    )
+
+
+async def test_any_failure_to_load_is_a_failed_reload_and_the_next_edit_applies(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Not only ConfigError (attack round 2, k01): a loader or prepare that raises anything
+    else is logged and counted, the old config stays, and the watcher goes on."""
+    path = tmp_path / "config.yaml"
+    path.write_text(config_text(2))
+    watch, applied = watcher(path)
+    failures = [RecursionError("maximum recursion depth exceeded")]
+    prepare = watch.prepare
+
+    def failing_once(loaded: LoadedConfig) -> Callable[[], object]:
+        if failures:
+            raise failures.pop()
+        return prepare(loaded)
+
+    watch.prepare = failing_once
+    path.write_text(config_text(3))
+    with caplog.at_level(logging.ERROR, logger="tierproxy.reload"):
+        assert not await watch.check()
+    assert applied.calls == [] and _errors(watch) == 1
+    assert "config reload failed, keeping the old config: RecursionError" in caplog.text
+    path.write_text(config_text(4))
+    assert await watch.check()
+    assert [len(c.config.tenants) for c in applied.calls] == [4]
+
+
+class Gate:
+    """The watcher's injected sleep, held until the test lets each one return: the poll loop
+    moves one step at a time, and a sleep that never comes means the loop is dead."""
+
+    def __init__(self) -> None:
+        self.waiting: asyncio.Queue[tuple[float, asyncio.Future[None]]] = asyncio.Queue()
+
+    async def __call__(self, seconds: float) -> None:
+        done = asyncio.get_running_loop().create_future()
+        await self.waiting.put((seconds, done))
+        await done
+
+    async def arrive(self, seconds: float) -> asyncio.Future[None]:
+        """The next sleep (of ``seconds``), still held: set its result to let it return."""
+        asked, done = await asyncio.wait_for(self.waiting.get(), 10)
+        assert asked == seconds
+        return done
+
+    async def let_through(self, seconds: float) -> None:
+        (await self.arrive(seconds)).set_result(None)
+
+
+async def test_the_poll_outlives_a_failure_outside_loading(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text(config_text(2))
+    applied = Applied(load_config(path))
+    broken = [True]
+
+    def prepare(loaded: LoadedConfig) -> Callable[[], object]:
+        commit = applied(loaded)
+
+        def maybe_broken() -> object:
+            if broken:
+                broken.clear()
+                raise RuntimeError("a bug in applying the config")
+            return commit()
+
+        return maybe_broken
+
+    gate = Gate()
+    metrics = ProxyMetrics()
+    watch = ConfigWatcher(path, prepare, metrics, applied.config, debounce_s=0.2, sleep=gate)
+    watch.start()
+    try:
+        for tenants in (3, 4):
+            interval = await gate.arrive(1.0)  # the loop waits between two polls
+            path.write_text(config_text(tenants))
+            interval.set_result(None)
+            await gate.let_through(0.2)  # the debounce, then the reload
+        await gate.arrive(1.0)  # the loop came round again: it is still running
+        assert _errors(watch) == 1
+        assert [len(c.config.tenants) for c in applied.calls] == [4]
+    finally:
+        await watch.stop()
+
+
+async def test_an_unreadable_file_is_a_failed_reload_reported_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text(config_text(2))
+    sleeps = Sleeps()
+    watch, applied = watcher(path, sleeps)
+    path.unlink()
+    path.mkdir()  # a read fails (as for a file the proxy's user may no longer read)
+    with caplog.at_level(logging.ERROR, logger="tierproxy.reload"):
+        assert not await watch.check()
+        assert not await watch.check()  # the same failure: not again
+    assert _errors(watch) == 1 and applied.calls == []
+    assert (
+        caplog.text.count(f"config reload failed, keeping the old config: cannot read {path}") == 1
+    )
+    watch._on_sighup()  # asked again: said again
+    assert not await watch.check()
+    assert _errors(watch) == 2
+    # Deleted and written again within the debounce (an editor's save): not a failure.
+    path.rmdir()
+    sleeps.during_debounce = lambda: path.write_text(config_text(3))
+    assert not await watch.check()
+    assert _errors(watch) == 2
+    assert await watch.check()  # readable, changed: applied
+    assert [len(c.config.tenants) for c in applied.calls] == [3]

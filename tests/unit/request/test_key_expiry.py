@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from proxy.api.errors import ProxyError
-from proxy.config.loader import parse_config
+from proxy.config.loader import parse_config, summarize
 from proxy.config.schema import LoadedConfig
 from proxy.config.tenants import KeySpec, hash_key
 from proxy.request.auth import authenticate, authenticate_admin
@@ -90,15 +90,25 @@ def test_an_env_key_can_expire(monkeypatch: pytest.MonkeyPatch) -> None:
     assert error["code"] == "expired_api_key"
 
 
-def test_a_key_listed_twice_expires_at_its_earlier_time_if_every_listing_has_one() -> None:
+def test_a_key_listed_twice_expires_at_its_earliest_time_whatever_the_order() -> None:
+    """One rule in every order (attack round 2, k02: untimed then expired was 401, expired then
+    untimed 200): the earliest expires_at of any listing; a listing without one does not undo
+    it (a rotation's expiry on one listing would otherwise never take effect)."""
     digest = hash_key("k")
-    both = _loaded(
-        {"sha256": digest, "expires_at": "2026-06-30T12:00:00Z"},
-        {"sha256": digest, "expires_at": "2027-01-01T00:00:00Z"},
-    )
-    assert both.key_expires_at == {digest: AT}
-    one_open = _loaded({"sha256": digest, "expires_at": "2026-06-30T12:00:00Z"}, {"sha256": digest})
-    assert one_open.key_expires_at == {}
+    timed = {"sha256": digest, "expires_at": "2026-06-30T12:00:00Z"}
+    later = {"sha256": digest, "expires_at": "2027-01-01T00:00:00Z"}
+    untimed = {"sha256": digest}
+    for listings in ([timed, later], [later, timed], [timed, untimed], [untimed, timed]):
+        loaded = _loaded(*listings)
+        assert loaded.key_expires_at == {digest: AT}, listings
+        error = _refusal(lambda: authenticate(_bearer("k"), loaded, FakeClock(AT)))  # noqa: B023
+        assert error["code"] == "expired_api_key"
+        # `tierproxy check` says so: revoking one listing would leave the other.
+        assert len(loaded.warnings) == 1 and "lists this key twice" in loaded.warnings[0]
+        assert "tenants.0.keys.1 (line" in loaded.warnings[0]
+        assert "warning: tenants.0.keys.1" in summarize(loaded)
+    assert _loaded(untimed, untimed).key_expires_at == {}
+    assert _loaded(timed).warnings == ()
 
 
 @pytest.mark.parametrize(
