@@ -340,7 +340,8 @@ async def _relay_stream(
             delivered.chunks(first)
         # Not past [DONE]: the answer is whole, the client's response ends now, not with the
         # backend's end of body that comes apart (a client that reads [DONE] and closes was
-        # cut waiting for it). The backend's connection is pooled only if its end came too.
+        # cut waiting for it); nothing after [DONE] is forwarded or billed. The backend's
+        # connection is pooled only if its end came too (docs/performance.md: why no wait).
         while not scan.saw_done and (chunk := await content.readany()):
             if block := scan.feed(chunk):
                 await send.write(out, block)
@@ -370,6 +371,9 @@ async def _relay_stream(
     if scan.error_event and result.outcome == Outcome.OK:
         result.outcome = Outcome.BACKEND_ERROR  # vLLM's error event, then [DONE]
     if result.outcome not in (Outcome.CLIENT_GONE, Outcome.CLIENT_STALLED):
+        if held := scan.take_held():  # cut short: its held terminal chunks before the end
+            delivered.chunks(held)
+            last = held + last
         await finish_stream(send, out, last, result, whole=scan.saw_done)
     return result
 

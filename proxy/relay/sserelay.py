@@ -13,7 +13,14 @@ the client's stream is what vLLM sends without ``include_usage``, the terminal c
 the usage chunk and get its fingerprint. Only they wait: with ``n`` > 1 the other choices'
 tokens pass as they come (each choice's own events stay in order: nothing of a choice follows
 its terminal chunk), and what waits is bounded (``MAX_HELD_BYTES``: past it the terminal chunks
-go on without the fingerprint). The stream's end releases them in any case.
+go on without the fingerprint). They go out before ``[DONE]`` in any case (a client stops
+reading there), or at the stream's end when none came (``finish``, ``take_held``).
+
+The stream ends at its ``[DONE]`` event: an event whose data (its ``data:`` lines joined by
+``\\n``, as the SSE spec reads them) is exactly ``[DONE]``. What follows it, in the same read
+or later ones, is neither forwarded nor looked at (a usage chunk there is not billed). A block
+without the bytes ``[DONE]`` (one search, in C) needs no more; one with them is cut at the
+event that holds them, and that event's data compared.
 
 Events end at a blank line; lines end at ``\\n`` (as aiohttp's readline and ``proxy.relay.sse`` cut
 them). An event longer than ``max_event_bytes`` raises ``EventTooLarge``.
@@ -25,10 +32,8 @@ from typing import Any
 
 import orjson
 
-from proxy.relay.sse import EventTooLarge
+from proxy.relay.sse import DONE, EventTooLarge, event_data
 
-DONE_DATA = b"data: [DONE]"
-_DONE_INSIDE = b"\n" + DONE_DATA  # an event that starts past a block's start
 _USAGE_MARK = b'"choices":[]'
 _ERROR_MARK = b'"error"'
 _FINISH_MARK = b'"finish_reason":"'  # a terminal chunk: finish_reason is not null
@@ -58,6 +63,31 @@ def _last_event_end(data: bytes) -> int:
     lf = data.rfind(b"\n\n")
     crlf = data.rfind(b"\n\r\n")
     return max(lf + 2 if lf >= 0 else 0, crlf + 3 if crlf >= 0 else 0)
+
+
+def _event_end(block: bytes, start: int) -> int:
+    """Where the event starting at ``start`` ends (after its blank line; the block's end when
+    it has none)."""
+    line_start = start
+    while (nl := block.find(b"\n", line_start)) >= 0:
+        size = nl + 1 - line_start
+        line_start = nl + 1
+        if size == 1 or (size == 2 and block[nl - 1] == 0x0D):
+            return line_start
+    return len(block)
+
+
+def done_event(block: bytes) -> tuple[int, int] | None:
+    """Where the first ``[DONE]`` event of a block of whole events starts and ends; None when
+    it has none (``[DONE]`` inside a token's text or as one data line of several is not one)."""
+    at = block.find(DONE)
+    while at >= 0:
+        start = _last_event_end(block[:at])
+        end = _event_end(block, start)
+        if event_data(block[start:end]) == DONE:
+            return start, end
+        at = block.find(DONE, end)
+    return None
 
 
 def _json_of(event: bytes) -> Any:
@@ -109,6 +139,8 @@ class SseRelay:
         self._too_large = False  # an event past the bound: raised once the rest is forwarded
 
     def feed(self, chunk: bytes) -> bytes:
+        if self.saw_done:  # the stream is over: nothing after [DONE] counts
+            return b""
         if self._too_large:  # the events before it were forwarded first
             raise EventTooLarge(self.max_event_bytes)
         data = self._pending + chunk if self._pending else chunk
@@ -120,26 +152,43 @@ class SseRelay:
             return b""
         block = data[:end] if end < len(data) else data
         self._pending = data[end:] if end < len(data) else b""
-        self._too_large = len(self._pending) > self.max_event_bytes
         out = self._inspect(block)
+        if self.saw_done:
+            self._pending = b""
+        elif len(self._pending) > self.max_event_bytes:
+            self._too_large = True
         if self._too_large and not out:
             raise EventTooLarge(self.max_event_bytes)
         self.started = True
         return out
 
     def finish(self) -> bytes:
-        """What is left at the stream's end: an event cut short (with its end added, as
-        ``proxy.relay.sse`` gives it) and any terminal chunk still held."""
+        """What is left at the stream's end: any terminal chunk still held, then an event cut
+        short (with its end added, as ``proxy.relay.sse`` gives it)."""
         if self._too_large:
             raise EventTooLarge(self.max_event_bytes)
         rest, self._pending = self._pending, b""
         out = self._inspect(rest + b"\n") if rest.strip() else b""
+        return self.take_held() + out  # what was held came first
+
+    def take_held(self) -> bytes:
+        """The terminal chunks still held (without the fingerprint), to go out now: before the
+        error event and ``[DONE]`` that end a stream cut short."""
         held, self._held, self._held_bytes = b"".join(self._held), [], 0
-        return held + out  # what was held came first
+        return held
 
     def _inspect(self, block: bytes) -> bytes:
-        if not self.saw_done and (block.startswith(DONE_DATA) or _DONE_INSIDE in block):
+        if DONE in block and (done := done_event(block)) is not None:
+            start, end = done
+            out = self._inspect_events(block[:start]) if start else b""
+            if self._too_large:  # an event before [DONE] passed the bound: raised next
+                return out
             self.saw_done = True
+            # Whatever is still held goes before [DONE]: a client stops reading there.
+            return out + self.take_held() + block[start:end]
+        return self._inspect_events(block)
+
+    def _inspect_events(self, block: bytes) -> bytes:
         slow = (
             _USAGE_MARK in block
             or _ERROR_MARK in block

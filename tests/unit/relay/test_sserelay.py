@@ -103,3 +103,55 @@ def test_what_waits_for_the_usage_chunk_is_bounded() -> None:
         held_out += relay.feed(fat)
     assert held_out  # past the bound the terminal chunks went on without the fingerprint
     assert relay._held_bytes <= MAX_HELD_BYTES
+
+
+def _usage(completion: int) -> bytes:
+    usage = {"completion_tokens": completion, "total_tokens": completion}
+    return b"data: " + orjson.dumps({"choices": [], "usage": usage}) + b"\n\n"
+
+
+AFTER_DONE = TOKENS[0] + _usage(100_000) + DONE
+
+
+@pytest.mark.parametrize("strip", [False, True])
+def test_nothing_after_done_is_forwarded_or_billed_whatever_the_cuts(strip: bool) -> None:
+    """A backend that writes more after [DONE] (in the same read or later): the client's stream
+    ends at [DONE] and the usage chunk after it is not the one billed."""
+    expected, _ = relay_in_cuts(STREAM, len(STREAM), strip=strip)
+    data = STREAM + AFTER_DONE
+    for size in range(1, len(data) + 1):
+        out, relay = relay_in_cuts(data, size, strip=strip)
+        assert out == expected, size
+        assert relay.usage == {"total_tokens": 4} and relay.saw_done, size
+
+
+def test_done_is_an_event_whose_whole_data_is_done() -> None:
+    # Two data lines make one event whose data is '{...}\n[DONE]': not the end.
+    two_lines = TOKENS[0].rstrip(b"\n") + b"\ndata: [DONE]\n\n"
+    in_text = TOKENS[0].replace(b'"a"', b'"[DONE]"')  # a token whose text is [DONE]
+    for event in (two_lines, in_text, b"data: [DONE] x\n\n"):
+        relay = SseRelay(4096, strip_usage=False)
+        assert relay.feed(event + TOKENS[1]) == event + TOKENS[1] and not relay.saw_done
+        assert relay.feed(DONE) == DONE and relay.saw_done
+    # The field's one optional space, a comment line, CRLF: still the [DONE] event.
+    for done in (b"data:[DONE]\n\n", b": ping\ndata: [DONE]\n\n", b"data: [DONE]\r\n\r\n"):
+        relay = SseRelay(4096, strip_usage=False)
+        assert relay.feed(TOKENS[0] + done + TOKENS[1]) == TOKENS[0] + done and relay.saw_done
+
+
+def test_held_terminal_chunks_go_out_before_done_without_a_usage_chunk() -> None:
+    """vLLM's n=2 stream whose choice 1 fails after choice 0 finished: an error event, then
+    [DONE], no usage chunk. The held terminal chunk came after [DONE], where SDKs stop."""
+    error = b"data: " + orjson.dumps({"error": {"message": "boom", "code": 500}}) + b"\n\n"
+    for cut in (1, 7, 1000):
+        data = _choice(0) + _choice(1) + _choice(0, "stop") + _choice(1) + error + DONE
+        out, relay = relay_in_cuts(data, cut, strip=True)
+        assert out == _choice(0) + _choice(1) + _choice(1) + error + _choice(0, "stop") + DONE
+        assert relay.error_event and relay.saw_done and relay.usage is None
+
+
+def test_a_stream_cut_short_gives_its_held_chunks_back_first() -> None:
+    relay = SseRelay(4096, strip_usage=True)
+    assert relay.feed(_choice(0, "stop") + _choice(1)) == _choice(1)
+    assert relay.take_held() == _choice(0, "stop") and relay.take_held() == b""
+    assert relay.finish() == b""
