@@ -20,8 +20,8 @@ class KvCache(Strict):
         description="Subscribe to each backend's KV events and compute each prompt's blocks."
         " null: exactly when `policies.backends` is `kv_aware`; true: also without it (to"
         " watch the indexes' metrics). The backends must run with `--enable-prefix-caching"
-        " --kv-events-config '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\","
-        " \"endpoint\": \"tcp://*:PORT\"}'` (`tierproxy engine` and `tierproxy up` add them).",
+        ' --kv-events-config \'{"enable_kv_cache_events": true, "publisher": "zmq",'
+        ' "endpoint": "tcp://*:PORT"}\'` (`tierproxy engine` and `tierproxy up` add them).',
     )
     block_size: int = Field(
         32,

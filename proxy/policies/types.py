@@ -5,9 +5,9 @@ objects and change them; the policies only read them. Ground floor of ``proxy.po
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from proxy.policies.cost import weighted_tokens

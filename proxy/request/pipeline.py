@@ -44,6 +44,7 @@ from proxy.request.auth import identify
 from proxy.request.inbound import parse_body, read_body
 from proxy.request.leases import direct_lease
 from proxy.request.poison import blame, give_up, refuse_poison
+from proxy.request.prompt_blocks import PROMPT_BLOCKS
 from proxy.request.quota_gate import QuotaGate
 from proxy.request.tenancy import tenant_gate
 from proxy.request.traced import upstream_spans
@@ -214,9 +215,11 @@ class RequestPipeline:
         # body measures where that is more: tiny containers hold up to 24x their bytes.
         if not held.grow(parsed.held_bytes - held.amount):
             raise memory_full()
-        return Admitted(
+        adm = Admitted(
             config, tenant, parsed, trace.request_id, trace.arrival, held=held, cache_salt=salt
         )
+        adm.queued.prompt_blocks = await PROMPT_BLOCKS.compute(config, parsed, salt)  # kv_aware
+        return adm
 
     # -- tenant limits -------------------------------------------------------------------
 

@@ -259,9 +259,7 @@ class KvEventWatcher:
     def _start(self, url: str, settings: KvCache) -> tuple[KvSubscriber, OwnedTask]:
         index = KvIndex(settings.block_size, settings.max_blocks, self.clock, settings.resync_s)
         current = functools.partial(self._current, settings)
-        sub = KvSubscriber(
-            url, index, current, self.pool, self.session, self.metrics, self.ctx
-        )
+        sub = KvSubscriber(url, index, current, self.pool, self.session, self.metrics, self.ctx)
         task = OwnedTask(f"tierproxy-kv-events {url}")
         task.start(sub.run)
         return sub, task

@@ -26,8 +26,8 @@ from proxy.relay.forward import relay
 from proxy.request.pipeline import RequestPipeline
 from proxy.request.quota_gate import QuotaGate
 from proxy.scheduling.build import build_scheduling
-from proxy.scheduling.limits import LimitRegistry, TenantLimits, plan_changes
 from proxy.scheduling.kvsubscriber import KvEventWatcher
+from proxy.scheduling.limits import LimitRegistry, TenantLimits, plan_changes
 from proxy.scheduling.monitor import BackendMonitor
 from proxy.scheduling.quotas import QuotaBook, QuotaLedger
 from proxy.server.version import VersionCache, fetch_version
