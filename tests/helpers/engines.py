@@ -19,6 +19,7 @@ from proxy.ops.engine import (
     POOLING_ARGS,
     TINY_SERVED_NAME,
     EngineSpec,
+    free_port,
     local_engine,
 )
 from proxy.ticket import DEFAULT_SECRET_ENV
@@ -37,6 +38,7 @@ class EngineSetting:
     plugin: bool = False
     extra_args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
+    kv_events: bool = False  # KV events on a free ZMQ port, prefix caching, blocks of 32
 
     @staticmethod
     def environ(values: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
@@ -53,6 +55,7 @@ class EngineSetting:
             plugin=self.plugin,
             extra_args=self.extra_args,
             env=dict(self.env),
+            kv_events_port=free_port() if self.kv_events else None,
         )
 
 
@@ -108,3 +111,6 @@ TRACED = EngineSetting(
         {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc", "OTEL_BSP_SCHEDULE_DELAY": "100"}
     ),
 )
+# The flags `tierproxy up` passes for kv_cache (proxy.ops.engine.kv_event_args): prefix caching
+# in blocks of 32, cached tokens in usage, KV events over ZMQ (tests/integration/test_kvindex_vllm.py).
+KV_EVENTS = EngineSetting("kv-events", kv_events=True)
