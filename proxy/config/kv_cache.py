@@ -58,7 +58,7 @@ class KvCache(Strict):
         " `GET /kv_event_sources` again (the endpoint may have moved).",
     )
     inline_tokens: int = Field(
-        2048,
+        256,
         ge=0,
         description="Prompts estimated at up to this many tokens are tokenized on the event"
         " loop; longer ones in a worker thread (docs/performance.md has the cost).",

@@ -45,8 +45,10 @@ class QueuedRequest:
     # Hash of the prompt's first tokens (``proxy.policies.prefix``), for backend affinity.
     prefix_hash: int | None = None
     # The proxy's chained hashes of the prompt's full blocks (``proxy.policies.blockhash``),
-    # tokens as vLLM sees them with the cache salt folded into the first; None: not computed
-    # (no backend chooser asks for them, or no tokenizer). For ``BackendView.cached_blocks``.
+    # tokens as vLLM sees them with the cache salt folded into the first; the last token is
+    # left out (vLLM always computes it), so n blocks cached save n * block_size tokens exactly.
+    # None: not computed (kv_cache off, no tokenizer, a prompt not surely rendered as vLLM
+    # does). For ``BackendView.cached_blocks``.
     prompt_blocks: tuple[int, ...] | None = None
     # Set by the queue.
     deadline_s: float = 0.0

@@ -175,8 +175,11 @@ def prompt_tokens(model: ModelTokenizer, parsed: ParsedRequest) -> list[int] | N
 def prompt_block_hashes(
     model: ModelTokenizer, parsed: ParsedRequest, block_size: int, salt: str
 ) -> tuple[int, ...] | None:
+    """The blocks vLLM can serve from its cache: the full blocks of all but the last token
+    (it computes at least one token of every prompt), so that a backend holding ``n`` of them
+    saves exactly ``n * block_size`` tokens of prefill."""
     tokens = prompt_tokens(model, parsed)
-    return chain_hashes(tokens, block_size, salt) if tokens is not None else None
+    return chain_hashes(tokens[:-1], block_size, salt) if tokens else None
 
 
 class PromptBlocks:

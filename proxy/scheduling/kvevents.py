@@ -99,7 +99,8 @@ class EventFeed:
             if seq == 0:
                 self.index.synced_from_start()
                 return Sync.FIRST
-            self.index.lost_sync()
+            # Batches before this one were missed, but the index was dropped when the
+            # connection began (``reconnected``): it only lacks blocks; its resync runs on.
             return Sync.GAP
         if seq == last + 1:
             return Sync.IN_ORDER

@@ -1,0 +1,107 @@
+"""Per-request cost of a prompt's KV-cache blocks on the proxy's side (kv_cache on): the chat
+template rendered, the prompt tokenized, its blocks hashed (proxy.request.prompt_blocks), in µs,
+p50 / p99, by prompt size; and the cost for a config with kv_cache off (the call returns at once).
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/prompt_blocks_cost.py [--model DIR] [--n 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import secrets
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from proxy.config.loader import load_config
+from proxy.policies.blockhash import chain_hashes
+from proxy.request.inbound import ParsedRequest
+from proxy.request.prompt_blocks import (
+    ModelTokenizer,
+    PromptBlocks,
+    prompt_block_hashes,
+    prompt_tokens,
+)
+
+SALT = "x" * 43  # the proxy's salts are 43 characters (base64 of an HMAC)
+
+
+def chat(system_words: int, turns: int) -> dict[str, Any]:
+    words = " ".join(f"word{i % 113}" for i in range(system_words))
+    messages = [{"role": "system", "content": f"{secrets.token_hex(4)} {words}"}]
+    for turn in range(turns):
+        messages.append({"role": "user", "content": f"question {turn} " + "why not " * 20})
+        messages.append({"role": "assistant", "content": f"answer {turn} " + "because " * 40})
+    messages.append({"role": "user", "content": "and now?"})
+    return {"model": "tiny", "messages": messages}
+
+
+def parsed(body: dict[str, Any], endpoint: str = "chat") -> ParsedRequest:
+    return ParsedRequest(body, endpoint, False, "tiny", 0, 16, 16, False)  # type: ignore[arg-type]
+
+
+def percentiles(samples: list[float]) -> tuple[float, float]:
+    samples.sort()
+    return statistics.median(samples), samples[min(len(samples) - 1, int(len(samples) * 0.99))]
+
+
+def measure(model: ModelTokenizer, request: ParsedRequest, n: int) -> dict[str, float]:
+    total: list[float] = []
+    hashing: list[float] = []
+    tokens = prompt_tokens(model, request) or []
+    for _ in range(n):
+        t0 = time.perf_counter_ns()
+        prompt_block_hashes(model, request, 32, SALT)
+        t1 = time.perf_counter_ns()
+        chain_hashes(tokens[:-1], 32, SALT)
+        t2 = time.perf_counter_ns()
+        total.append((t1 - t0) / 1000)
+        hashing.append((t2 - t1) / 1000)
+    p50, p99 = percentiles(total)
+    h50, h99 = percentiles(hashing)
+    return {"tokens": len(tokens), "p50": p50, "p99": p99, "hash_p50": h50, "hash_p99": h99}
+
+
+async def off_cost(n: int) -> tuple[float, float]:
+    config = load_config("configs/example.yaml").config  # kv_cache off: the default
+    blocks = PromptBlocks()
+    request = parsed(chat(200, 2))
+    samples: list[float] = []
+    for _ in range(n):
+        t0 = time.perf_counter_ns()
+        await blocks.compute(config, request, SALT)
+        samples.append((time.perf_counter_ns() - t0) / 1000)
+    return percentiles(samples)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=".tierproxy/tiny-model")
+    ap.add_argument("--n", type=int, default=2000)
+    args = ap.parse_args()
+    model = ModelTokenizer(Path(args.model))
+    cases = {
+        "chat, 100-word system, 1 turn": parsed(chat(100, 1)),
+        "chat, 400-word system, 4 turns": parsed(chat(400, 4)),
+        "chat, 1500-word system, 10 turns": parsed(chat(1500, 10)),
+        "completion, 4,000 words": parsed(
+            {"model": "tiny", "prompt": " ".join(f"w{i % 97}" for i in range(4000))}, "completions"
+        ),
+    }
+    print(
+        f"{'prompt':36} {'tokens':>7} {'p50 µs':>8} {'p99 µs':>8} {'hash p50':>9} {'hash p99':>9}"
+    )
+    for name, request in cases.items():
+        r = measure(model, request, args.n)
+        print(
+            f"{name:36} {r['tokens']:7.0f} {r['p50']:8.0f} {r['p99']:8.0f}"
+            f" {r['hash_p50']:9.0f} {r['hash_p99']:9.0f}"
+        )
+    p50, p99 = asyncio.run(off_cost(args.n))
+    print(f"kv_cache off (default config): p50 {p50:.2f} µs, p99 {p99:.2f} µs")
+
+
+if __name__ == "__main__":
+    main()
