@@ -172,8 +172,13 @@ class KvSubscriber:
             if monitor in ready:
                 event = parse_monitor_message(await monitor.recv_multipart())
                 if event["event"] == zmq.EVENT_DISCONNECTED:
+                    # What the old connection delivered first, then the drop: never a stale
+                    # batch of a stopped engine into the index after it was cleared.
+                    while await sub.poll(0):
+                        self.on_message(await sub.recv_multipart())
                     log.info("backend %s: KV-event connection dropped", self.label)
                     self.feed.reconnected()
+                    continue
             if sub in ready:
                 self.on_message(await sub.recv_multipart())
 
