@@ -24,22 +24,26 @@ from proxy.request.prompt_blocks import (
     prompt_block_hashes,
     prompt_tokens,
 )
+from proxy.request.tokencache import VERIFY
 
 SALT = "x" * 43  # the proxy's salts are 43 characters (base64 of an HMAC)
 
 
-def chat(system_words: int, turns: int) -> dict[str, Any]:
+def chat(system_words: int, turns: int, seed: str) -> list[dict[str, str]]:
     words = " ".join(f"word{i % 113}" for i in range(system_words))
-    messages = [{"role": "system", "content": f"{secrets.token_hex(4)} {words}"}]
+    messages = [{"role": "system", "content": f"{seed} {words}"}]
     for turn in range(turns):
         messages.append({"role": "user", "content": f"question {turn} " + "why not " * 20})
         messages.append({"role": "assistant", "content": f"answer {turn} " + "because " * 40})
-    messages.append({"role": "user", "content": "and now?"})
-    return {"model": "tiny", "messages": messages}
+    return [*messages, {"role": "user", "content": f"and now, {seed}?"}]
 
 
 def parsed(body: dict[str, Any], endpoint: str = "chat") -> ParsedRequest:
     return ParsedRequest(body, endpoint, False, "tiny", 0, 16, 16, False)  # type: ignore[arg-type]
+
+
+def as_chat(messages: list[dict[str, str]]) -> ParsedRequest:
+    return parsed({"model": "tiny", "messages": messages})
 
 
 def percentiles(samples: list[float]) -> tuple[float, float]:
@@ -47,27 +51,39 @@ def percentiles(samples: list[float]) -> tuple[float, float]:
     return statistics.median(samples), samples[min(len(samples) - 1, int(len(samples) * 0.99))]
 
 
-def measure(model: ModelTokenizer, request: ParsedRequest, n: int) -> dict[str, float]:
+def timed(model: ModelTokenizer, request: ParsedRequest) -> tuple[float, float, int]:
+    """(µs for the blocks, µs of that for hashing alone, tokens)."""
+    t0 = time.perf_counter_ns()
+    prompt_block_hashes(model, request, 32, SALT)
+    t1 = time.perf_counter_ns()
+    tokens = prompt_tokens(model, request) or []
+    t2 = time.perf_counter_ns()
+    chain_hashes(tokens[:-1], 32, SALT)
+    t3 = time.perf_counter_ns()
+    return (t1 - t0) / 1000, (t3 - t2) / 1000, len(tokens)
+
+
+def case(model: ModelTokenizer, n: int, make: Any, before: Any = None) -> dict[str, float]:
+    """``make(i)``: the i-th request, timed; ``before(i)``: one sent first, untimed (the same
+    conversation's previous turn)."""
     total: list[float] = []
     hashing: list[float] = []
-    tokens = prompt_tokens(model, request) or []
-    for _ in range(n):
-        t0 = time.perf_counter_ns()
-        prompt_block_hashes(model, request, 32, SALT)
-        t1 = time.perf_counter_ns()
-        chain_hashes(tokens[:-1], 32, SALT)
-        t2 = time.perf_counter_ns()
-        total.append((t1 - t0) / 1000)
-        hashing.append((t2 - t1) / 1000)
+    count = 0
+    for i in range(n):
+        if before is not None:
+            prompt_block_hashes(model, before(i), 32, SALT)
+        us, hash_us, count = timed(model, make(i))
+        total.append(us)
+        hashing.append(hash_us)
     p50, p99 = percentiles(total)
     h50, h99 = percentiles(hashing)
-    return {"tokens": len(tokens), "p50": p50, "p99": p99, "hash_p50": h50, "hash_p99": h99}
+    return {"tokens": count, "p50": p50, "p99": p99, "hash_p50": h50, "hash_p99": h99}
 
 
 async def off_cost(n: int) -> tuple[float, float]:
     config = load_config("configs/example.yaml").config  # kv_cache off: the default
     blocks = PromptBlocks()
-    request = parsed(chat(200, 2))
+    request = as_chat(chat(200, 2, "x"))
     samples: list[float] = []
     for _ in range(n):
         t0 = time.perf_counter_ns()
@@ -82,21 +98,36 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=2000)
     args = ap.parse_args()
     model = ModelTokenizer(Path(args.model))
+    n = args.n
+    for i in range(VERIFY):  # its first cuts are verified by a second, whole encode
+        prompt_block_hashes(model, as_chat(chat(50, 1, f"warm{i}")), 32, SALT)
+    text = " ".join(f"w{i % 97}" for i in range(4000))
     cases = {
-        "chat, 100-word system, 1 turn": parsed(chat(100, 1)),
-        "chat, 400-word system, 4 turns": parsed(chat(400, 4)),
-        "chat, 1500-word system, 10 turns": parsed(chat(1500, 10)),
-        "completion, 4,000 words": parsed(
-            {"model": "tiny", "prompt": " ".join(f"w{i % 97}" for i in range(4000))}, "completions"
+        "chat, 100-word system, first turn": case(
+            model, n, lambda i: as_chat(chat(100, 0, secrets.token_hex(4)))
+        ),
+        "chat, 1500-word system, first turn": case(
+            model, n, lambda i: as_chat(chat(1500, 0, secrets.token_hex(4)))
+        ),
+        "chat, 1500-word system, turn 10 (9 seen)": case(
+            model,
+            n,
+            lambda i: as_chat(chat(1500, 9, f"s{i}")),
+            # Its previous turn: the same conversation without the last answer and question.
+            before=lambda i: as_chat(chat(1500, 9, f"s{i}")[:-2]),
+        ),
+        "completion, 4,000 words": case(
+            model,
+            n,
+            lambda i: parsed({"prompt": f"{secrets.token_hex(4)} {text}"}, "completions"),
         ),
     }
     print(
-        f"{'prompt':36} {'tokens':>7} {'p50 µs':>8} {'p99 µs':>8} {'hash p50':>9} {'hash p99':>9}"
+        f"{'prompt':42} {'tokens':>7} {'p50 µs':>8} {'p99 µs':>8} {'hash p50':>9} {'hash p99':>9}"
     )
-    for name, request in cases.items():
-        r = measure(model, request, args.n)
+    for name, r in cases.items():
         print(
-            f"{name:36} {r['tokens']:7.0f} {r['p50']:8.0f} {r['p99']:8.0f}"
+            f"{name:42} {r['tokens']:7.0f} {r['p50']:8.0f} {r['p99']:8.0f}"
             f" {r['hash_p50']:9.0f} {r['hash_p99']:9.0f}"
         )
     p50, p99 = asyncio.run(off_cost(args.n))

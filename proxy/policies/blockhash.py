@@ -18,33 +18,44 @@ from hashlib import blake2b
 import msgspec
 
 _KEY = os.urandom(16)
+_KEYED = blake2b(digest_size=8, key=_KEY)  # copied per block: cheaper than keying each anew
 _ENCODE = msgspec.msgpack.Encoder()
+_NO_EXTRA = b"\xc0"  # msgpack nil
 NO_PARENT = 0  # the parent hash of a prompt's first block
 
 ExtraKeys = Sequence[object] | None
 
 
-def block_hash(parent: int, tokens: Sequence[int], extra: ExtraKeys = None) -> int:
-    """The hash of one full block: ``tokens`` after the block whose hash is ``parent``.
-    ``extra``: the block's extra keys as vLLM publishes them (None or empty: none)."""
-    h = blake2b(parent.to_bytes(8, "little"), digest_size=8, key=_KEY)
-    # msgpack of a tuple and of a list are the same bytes: the salt the proxy folds in as a
-    # tuple matches the list a decoded event carries.
-    h.update(_ENCODE.encode(list(extra)) if extra else b"\xc0")
-    h.update(array("q", tokens).tobytes())
-    return int.from_bytes(h.digest(), "little")
-
-
-def chain_hashes(
-    tokens: Sequence[int], block_size: int, salt: str = "", parent: int = NO_PARENT
-) -> tuple[int, ...]:
-    """The chained hashes of ``tokens``' full blocks (a last partial block is never cached),
-    the cache salt folded into the first block as vLLM does (``extra_keys`` ``(salt,)``)."""
+def chain(
+    parent: int,
+    tokens: Sequence[int],
+    block_size: int,
+    extra_keys: Sequence[ExtraKeys] | None = None,
+) -> list[int]:
+    """The chained hashes of ``tokens``' full blocks after the block whose hash is ``parent``
+    (a last partial block is never cached). ``extra_keys``: each block's extra keys as vLLM
+    publishes them (None, or an entry None or empty: none). The tokens are packed once."""
+    packed = memoryview(array("q", tokens))
     hashes: list[int] = []
-    first_extra: tuple[str, ...] | None = (salt,) if salt else None
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = block_hash(
-            parent, tokens[start : start + block_size], first_extra if start == 0 else None
-        )
+    for i in range(len(tokens) // block_size):
+        extra = extra_keys[i] if extra_keys is not None and i < len(extra_keys) else None
+        h = _KEYED.copy()
+        h.update(parent.to_bytes(8, "little"))
+        # msgpack of a tuple and of a list are the same bytes: the salt the proxy folds in as a
+        # tuple matches the list a decoded event carries.
+        h.update(_ENCODE.encode(list(extra)) if extra else _NO_EXTRA)
+        h.update(packed[i * block_size : (i + 1) * block_size])
+        parent = int.from_bytes(h.digest(), "little")
         hashes.append(parent)
-    return tuple(hashes)
+    return hashes
+
+
+def block_hash(parent: int, tokens: Sequence[int], extra: ExtraKeys = None) -> int:
+    """The hash of one full block: ``tokens`` after the block whose hash is ``parent``."""
+    return chain(parent, tokens, len(tokens), [extra])[0]
+
+
+def chain_hashes(tokens: Sequence[int], block_size: int, salt: str = "") -> tuple[int, ...]:
+    """A prompt's chained block hashes, the cache salt folded into the first block as vLLM does
+    (its ``extra_keys`` ``(salt,)``)."""
+    return tuple(chain(NO_PARENT, tokens, block_size, [(salt,)] if salt else None))

@@ -30,6 +30,7 @@ from proxy.config.kv_cache import KvCache, kv_cache_on
 from proxy.config.schema import Config
 from proxy.policies.blockhash import chain_hashes
 from proxy.request.inbound import ParsedRequest
+from proxy.request.tokencache import PrefixTokenCache
 
 log = logging.getLogger("tierproxy.prompt_blocks")
 
@@ -100,6 +101,7 @@ class ModelTokenizer:
         if template_file.exists():
             source = template_file.read_text()
         self.template = _template_env().from_string(source) if isinstance(source, str) else None
+        self.prefixes = PrefixTokenCache(self.tokenizer)  # a conversation's earlier turns
 
     def chat_tokens(self, messages: Sequence[dict[str, str]]) -> list[int]:
         assert self.template is not None
@@ -110,7 +112,7 @@ class ModelTokenizer:
             add_generation_prompt=True,
             **self.special,
         )
-        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        return self.prefixes.encode(text)
 
     def text_tokens(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=True).ids)

@@ -16,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
-from proxy.policies.blockhash import NO_PARENT, ExtraKeys, block_hash
+from proxy.policies.blockhash import NO_PARENT, ExtraKeys, chain
 
 VllmHash = Hashable  # vLLM's ExternalBlockHash: an int, or bytes
 
@@ -92,13 +92,10 @@ class KvIndex:
                 self.stats.orphans += len(vllm_hashes)
                 return
             chained = known
-        for i, vllm_hash in enumerate(vllm_hashes):
-            tokens = token_ids[i * size : (i + 1) * size]
-            if len(tokens) < size:
-                break
-            extra = extra_keys[i] if extra_keys is not None and i < len(extra_keys) else None
-            chained = block_hash(chained, tokens, extra)
-            self._put(chained, vllm_hash)
+        hashes = chain(chained, token_ids[: len(vllm_hashes) * size], size, extra_keys)
+        # A short token list (never from vLLM) indexes the blocks it covers only.
+        for proxy_hash, vllm_hash in zip(hashes, vllm_hashes, strict=False):
+            self._put(proxy_hash, vllm_hash)
         self.stats.stored += len(vllm_hashes)
         self._bound()
 
