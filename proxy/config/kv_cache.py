@@ -34,8 +34,20 @@ class KvCache(Strict):
         None,
         description="Directory of the served model's tokenizer (`tokenizer.json`, and its chat"
         " template in `chat_template.jinja` or `tokenizer_config.json`): prompts are tokenized"
-        " here as vLLM will see them. null: no prompt blocks are computed (the chooser then"
-        " falls back to load alone).",
+        " here as vLLM will see them. null: by a backend's `POST /tokenize` (a round trip"
+        " before queueing; vLLM's own rendering), within the two bounds below.",
+    )
+    tokenize_timeout_s: float = Field(
+        0.5,
+        gt=0,
+        description="Without `tokenizer`: a backend's /tokenize that has not answered by then"
+        " gives no blocks (the chooser falls back to load).",
+    )
+    max_remote_tokenize: int = Field(
+        16,
+        ge=0,
+        description="Without `tokenizer`: /tokenize calls in flight at most (per process); a"
+        " request past it gets no blocks rather than wait. 0: never.",
     )
     max_blocks: int = Field(
         200_000,

@@ -218,7 +218,7 @@ class RequestPipeline:
         adm = Admitted(
             config, tenant, parsed, trace.request_id, trace.arrival, held=held, cache_salt=salt
         )
-        adm.queued.prompt_blocks = await PROMPT_BLOCKS.compute(config, parsed, salt)  # kv_aware
+        adm.queued.prompt_blocks = await PROMPT_BLOCKS.compute(config, parsed, salt, self)
         return adm
 
     # -- tenant limits -------------------------------------------------------------------

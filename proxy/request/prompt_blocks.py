@@ -16,11 +16,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+import aiohttp
 import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -30,7 +31,9 @@ from proxy.config.kv_cache import KvCache, kv_cache_on
 from proxy.config.schema import Config
 from proxy.policies.blockhash import chain_hashes
 from proxy.request.inbound import ParsedRequest
+from proxy.request.remote_tokens import RemoteTokenizer
 from proxy.request.tokencache import PrefixTokenCache
+from proxy.scheduling.pool import BackendPool
 
 log = logging.getLogger("tierproxy.prompt_blocks")
 
@@ -169,6 +172,14 @@ def prompt_tokens(model: ModelTokenizer, parsed: ParsedRequest) -> list[int] | N
         prompt = prompt[0]
     if isinstance(prompt, str):
         return model.text_tokens(prompt)
+    return given_tokens(parsed)
+
+
+def given_tokens(parsed: ParsedRequest) -> list[int] | None:
+    """A completion's prompt given as token ids: used as they are, no tokenizer needed."""
+    prompt = parsed.body.get("prompt")
+    if parsed.endpoint != "completions" or _COMPLETION_FIELDS & parsed.body.keys():
+        return None
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         return prompt if all(0 <= t < 2**63 for t in prompt) else None
     return None
@@ -184,11 +195,26 @@ def prompt_block_hashes(
     return chain_hashes(tokens[:-1], block_size, salt) if tokens else None
 
 
+class Upstreams(Protocol):
+    """Where a backend's /tokenize is reached (the request pipeline)."""
+
+    pool: BackendPool
+    clock: Callable[[], float]
+    session: Callable[[], aiohttp.ClientSession]
+
+
+def _blocks(tokens: list[int] | None, block_size: int, salt: str) -> tuple[int, ...] | None:
+    """``prompt_block_hashes`` of tokens already known."""
+    return chain_hashes(tokens[:-1], block_size, salt) if tokens else None
+
+
 class PromptBlocks:
-    """Computes a request's ``QueuedRequest.prompt_blocks`` when the config asks for them."""
+    """Computes a request's ``QueuedRequest.prompt_blocks`` when the config asks for them: with
+    the local tokenizer where one is configured, else with a backend's /tokenize."""
 
     def __init__(self) -> None:
         self._models: dict[str, ModelTokenizer | None] = {}  # by directory; None: unusable
+        self.remote = RemoteTokenizer()
 
     async def _model(self, directory: str) -> ModelTokenizer | None:
         if directory in self._models:
@@ -203,16 +229,24 @@ class PromptBlocks:
         return self._models.setdefault(directory, model)
 
     async def compute(
-        self, config: Config, parsed: ParsedRequest, salt: str
+        self, config: Config, parsed: ParsedRequest, salt: str, via: Upstreams | None = None
     ) -> tuple[int, ...] | None:
         kv: KvCache = config.kv_cache
-        if not kv_cache_on(kv, config.policies.backends) or kv.tokenizer is None:
+        if not kv_cache_on(kv, config.policies.backends):
             return None
+        inline = parsed.prompt_tokens <= kv.inline_tokens
+        tokens = given_tokens(parsed)
+        if kv.tokenizer is None or tokens is not None:
+            if tokens is None and via is not None:
+                tokens = await self.remote.tokens(parsed, kv, via.pool, via.session(), via.clock())
+            if inline:
+                return _blocks(tokens, kv.block_size, salt)
+            return await asyncio.to_thread(_blocks, tokens, kv.block_size, salt)
         model = await self._model(kv.tokenizer)
         if model is None:
             return None
         try:
-            if parsed.prompt_tokens <= kv.inline_tokens:
+            if inline:
                 return prompt_block_hashes(model, parsed, kv.block_size, salt)
             return await asyncio.to_thread(prompt_block_hashes, model, parsed, kv.block_size, salt)
         except jinja2.exceptions.TemplateError:

@@ -57,8 +57,12 @@ class Predictions:
 
 
 @asynccontextmanager
-async def proxy(engine: EngineProcess, resync_s: float) -> AsyncIterator[tuple[str, Any]]:
-    kv = {"enabled": True, "tokenizer": engine.spec.model, "block_size": BLOCK}
+async def proxy(
+    engine: EngineProcess, resync_s: float, *, local: bool = True
+) -> AsyncIterator[tuple[str, Any]]:
+    """``local``: tokenized with the model's directory; else through vLLM's /tokenize."""
+    tokenizer = engine.spec.model if local else None
+    kv = {"enabled": True, "tokenizer": tokenizer, "block_size": BLOCK}
     config = make_config(
         [{"url": engine.spec.url, "max_inflight": 2}], kv_cache={**kv, "resync_s": resync_s}
     )
@@ -112,9 +116,10 @@ async def _warm(client: Client) -> None:
     await until(index.warm, 10, "a warm index")
 
 
-async def test_predicted_cached_tokens_equal_vllms(engine: EngineProcess) -> None:
+@pytest.mark.parametrize("local", [True, False], ids=["local-tokenizer", "vllm-tokenize"])
+async def test_predicted_cached_tokens_equal_vllms(engine: EngineProcess, local: bool) -> None:
     async with (
-        proxy(engine, resync_s=0) as (base, state),
+        proxy(engine, resync_s=0, local=local) as (base, state),
         aiohttp.ClientSession(timeout=TIMEOUT) as session,
     ):
         client = Client(session, base, state)
