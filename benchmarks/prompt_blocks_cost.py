@@ -3,6 +3,7 @@ template rendered, the prompt tokenized, its blocks hashed (proxy.request.prompt
 p50 / p99, by prompt size; and the cost for a config with kv_cache off (the call returns at once).
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/prompt_blocks_cost.py [--model DIR] [--n 2000]
+    ... --remote http://127.0.0.1:8100   # also through that vLLM's POST /tokenize (no tokenizer)
 """
 
 from __future__ import annotations
@@ -80,6 +81,34 @@ def case(model: ModelTokenizer, n: int, make: Any, before: Any = None) -> dict[s
     return {"tokens": count, "p50": p50, "p99": p99, "hash_p50": h50, "hash_p99": h99}
 
 
+async def remote_cost(url: str, n: int, system_words: int) -> tuple[float, float, int]:
+    """µs p50 / p99 of the blocks through a backend's /tokenize, one call at a time."""
+    import aiohttp
+
+    from proxy.config.backends import Backend, BackendHealth
+    from proxy.config.kv_cache import KvCache
+    from proxy.policies.backends import LeastUtilised
+    from proxy.request.remote_tokens import RemoteTokenizer
+    from proxy.scheduling.pool import BackendPool
+
+    pool = BackendPool([Backend(url=url)], BackendHealth(), LeastUtilised())
+    remote, kv = RemoteTokenizer(), KvCache(tokenize_timeout_s=5.0)
+    samples: list[float] = []
+    count = 0
+    async with aiohttp.ClientSession() as session:
+        for _ in range(n):
+            request = as_chat(chat(system_words, 0, secrets.token_hex(4)))
+            t0 = time.perf_counter_ns()
+            tokens = await remote.tokens(request, kv, pool, session, 0.0)
+            blocks = chain_hashes((tokens or [])[:-1], 32, SALT)
+            samples.append((time.perf_counter_ns() - t0) / 1000)
+            assert tokens, "no tokens from /tokenize"
+            count = len(tokens)
+            del blocks
+    p50, p99 = percentiles(samples)
+    return p50, p99, count
+
+
 async def off_cost(n: int) -> tuple[float, float]:
     config = load_config("configs/example.yaml").config  # kv_cache off: the default
     blocks = PromptBlocks()
@@ -96,6 +125,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=".tierproxy/tiny-model")
     ap.add_argument("--n", type=int, default=2000)
+    ap.add_argument("--remote", help="a vLLM base URL: also time its /tokenize")
     args = ap.parse_args()
     model = ModelTokenizer(Path(args.model))
     n = args.n
@@ -130,6 +160,11 @@ def main() -> None:
             f"{name:42} {r['tokens']:7.0f} {r['p50']:8.0f} {r['p99']:8.0f}"
             f" {r['hash_p50']:9.0f} {r['hash_p99']:9.0f}"
         )
+    if args.remote:
+        for words in (100, 1500):
+            p50, p99, count = asyncio.run(remote_cost(args.remote, n, words))
+            name = f"via /tokenize, {words}-word system"
+            print(f"{name:42} {count:7d} {p50:8.0f} {p99:8.0f}")
     p50, p99 = asyncio.run(off_cost(args.n))
     print(f"kv_cache off (default config): p50 {p50:.2f} µs, p99 {p99:.2f} µs")
 
