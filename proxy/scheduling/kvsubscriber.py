@@ -230,7 +230,7 @@ class KvEventWatcher:
         self.session = session
         self.metrics = metrics
         self.clock = clock
-        self.ctx = zmq.asyncio.Context()
+        self._ctx: zmq.asyncio.Context | None = None  # made with the first subscriber
         self._task = OwnedTask("tierproxy-kv-events")
         self._subs: dict[str, tuple[KvSubscriber, OwnedTask]] = {}
         self._block_size: int | None = None
@@ -241,7 +241,9 @@ class KvEventWatcher:
     async def stop(self) -> None:
         await self._task.stop()
         await self._stop(set(self._subs))
-        self.ctx.destroy(linger=0)
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
+            self._ctx = None
 
     async def _run(self) -> None:
         while True:
@@ -264,7 +266,9 @@ class KvEventWatcher:
     def _start(self, url: str, settings: KvCache) -> tuple[KvSubscriber, OwnedTask]:
         index = KvIndex(settings.block_size, settings.max_blocks, self.clock, settings.resync_s)
         current = functools.partial(self._current, settings)
-        sub = KvSubscriber(url, index, current, self.pool, self.session, self.metrics, self.ctx)
+        if self._ctx is None:
+            self._ctx = zmq.asyncio.Context()
+        sub = KvSubscriber(url, index, current, self.pool, self.session, self.metrics, self._ctx)
         task = OwnedTask(f"tierproxy-kv-events {url}")
         task.start(sub.run)
         return sub, task
