@@ -152,8 +152,8 @@ class KvSubscriber:
         if endpoint is None and not self._logged_missing:
             self._logged_missing = True
             log.warning(
-                "backend %s publishes no KV events over ZMQ (one data-parallel rank): its prefix"
-                " cache is not indexed (docs/policies.md, kv_aware)",
+                "backend %s: no ZMQ KV-event publisher of a single data-parallel rank in its"
+                " /kv_event_sources: its prefix cache is not indexed (docs/kv-cache.md)",
                 self.label,
             )
         return endpoint if endpoint is not None else self.endpoint

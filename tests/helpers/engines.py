@@ -74,14 +74,18 @@ POOLING_TICKETED = EngineSetting(
     extra_args=POOLING_ARGS,
     env=EngineSetting.environ({DEFAULT_SECRET_ENV: SECRET.decode(), ENV_REQUIRE_TICKET: "1"}),
 )
-# Prefix caching on (the CPU attention needs a block size that is a multiple of 32), the plugin
-# with the suite's secret: the tenant isolation tests (tests/integration/test_isolation_vllm.py).
+# Prefix caching on in blocks of 32 (the CPU attention needs a multiple of 32) with the flags
+# `tierproxy up` passes for kv_cache (proxy.ops.engine.kv_event_args: cached tokens in usage, KV
+# events over ZMQ on a free port), the plugin with the suite's secret: the tenant isolation
+# tests (tests/integration/test_isolation_vllm.py) and the KV-cache index's
+# (tests/integration/test_kvindex_vllm.py) share it.
 PREFIX_CACHE = EngineSetting(
     "prefix-cache",
     plugin=True,
-    extra_args=("--enable-prefix-caching", "--block-size", "32"),
+    kv_events=True,
     env=EngineSetting.environ({DEFAULT_SECRET_ENV: SECRET.decode()}),
 )
+KV_EVENTS = PREFIX_CACHE
 # Stock vLLM with prefix caching that reports each answer's cached prompt tokens
 # (usage.prompt_tokens_details): fairness by the work caused (test_work_fairness_vllm.py).
 PROMPT_DETAILS = EngineSetting(
@@ -111,6 +115,3 @@ TRACED = EngineSetting(
         {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc", "OTEL_BSP_SCHEDULE_DELAY": "100"}
     ),
 )
-# The flags `tierproxy up` passes for kv_cache (proxy.ops.engine.kv_event_args): prefix caching
-# in blocks of 32, cached tokens in usage, KV events over ZMQ (tests/integration/test_kvindex_vllm.py).
-KV_EVENTS = EngineSetting("kv-events", kv_events=True)
