@@ -137,6 +137,9 @@ class RequestPipeline:
             await self.quotas.reserve(adm)  # refused, never waited for: settled below
             await self.pass_tenant_limits(adm)
             request[ADMITTED_LIMITS] = ratelimit_headers(adm.limit_windows)  # streams' too
+            # For the kv_aware chooser, once the request may run (None while kv_cache is off).
+            blocks = await PROMPT_BLOCKS.compute(adm.config, adm.parsed, adm.cache_salt, self)
+            adm.queued.prompt_blocks = blocks
             try:
                 while result is None:  # None: a backend failed before its first byte, again
                     lease: Lease | CheapLease
@@ -215,11 +218,9 @@ class RequestPipeline:
         # body measures where that is more: tiny containers hold up to 24x their bytes.
         if not held.grow(parsed.held_bytes - held.amount):
             raise memory_full()
-        adm = Admitted(
+        return Admitted(
             config, tenant, parsed, trace.request_id, trace.arrival, held=held, cache_salt=salt
         )
-        adm.queued.prompt_blocks = await PROMPT_BLOCKS.compute(config, parsed, salt, self)
-        return adm
 
     # -- tenant limits -------------------------------------------------------------------
 

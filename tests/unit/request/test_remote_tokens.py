@@ -10,6 +10,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from proxy.bench.fake_vllm import FakeVLLM
 from proxy.bench.inproc import serve_app
 from proxy.config.backends import Backend, BackendHealth
 from proxy.config.kv_cache import KvCache
@@ -17,6 +18,8 @@ from proxy.policies.backends import LeastUtilised
 from proxy.request.inbound import ParsedRequest
 from proxy.request.remote_tokens import RemoteTokenizer, tokenize_body
 from proxy.scheduling.pool import BackendPool
+from tests.helpers.clock import FakeClock
+from tests.helpers.rig import served_rig, tenants
 
 
 def parsed(body: dict[str, Any], endpoint: str = "chat") -> ParsedRequest:
@@ -95,3 +98,24 @@ async def test_tokens_from_the_backend_within_bounds() -> None:
         calls = len(fake.bodies)
         assert await remote.tokens(request, kv, pool, session, 0.0) is None
         assert len(fake.bodies) == calls
+
+
+async def test_the_pipeline_tokenizes_only_requests_that_may_run(clock: FakeClock) -> None:
+    """Through a backend's /tokenize (no local tokenizer): a request the tenant's limits refuse
+    costs the backends no /tokenize call; one that runs asks it once, before being queued."""
+    backend = FakeVLLM()
+    async with served_rig(
+        clock,
+        backend,
+        tenants=tenants(requests_per_minute=1),
+        kv_cache={"enabled": True, "block_size": 1},
+    ) as r:
+        assert (await r.chat()).status == 200
+        assert [x.path for x in backend.received] == ["/tokenize", "/v1/chat/completions"]
+        assert (await r.chat()).status == 429
+        assert len(backend.received) == 2
+    # kv_cache off (the default): never asked.
+    backend = FakeVLLM()
+    async with served_rig(clock, backend) as r:
+        assert (await r.chat()).status == 200
+        assert [x.path for x in backend.received] == ["/v1/chat/completions"]
