@@ -106,6 +106,7 @@ def engine_spec(args: argparse.Namespace) -> EngineSpec:
         wanted = kv_events_wanted(load_config(args.config).config)
         if wanted is not None:
             block_size, kv_port = wanted, kv_port if kv_port is not None else free_port()
+    replay_port = free_port() if kv_port is not None else None
     return local_engine(
         model=args.model,
         port=args.port,
@@ -115,6 +116,7 @@ def engine_spec(args: argparse.Namespace) -> EngineSpec:
         extra_args=[*POOLING_ARGS, *extra] if args.pooling else extra,
         cpus=cpu_confinement(),
         kv_events_port=kv_port,
+        kv_replay_port=replay_port,
         block_size=block_size,
     )
 
@@ -169,6 +171,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
             # Requests that reach vLLM without the proxy's ticket run as the lowest tier.
             env={"TIERPROXY_UNTICKETED_PRIORITY": str(loaded.config.lowest_priority)},
             kv_events_port=free_port() if block_size is not None else None,
+            kv_replay_port=free_port() if block_size is not None else None,
             block_size=block_size or 32,
         )
         engines.append(EngineProcess(spec, log_dir / f"vllm-{port}.log"))

@@ -75,6 +75,7 @@ class EngineSpec:
     # ZMQ port of its KV-event publisher, for the proxy's prefix-cache index (kv_cache); None:
     # no KV events. ``block_size`` goes with it (the proxy hashes blocks of that size).
     kv_events_port: int | None = None
+    kv_replay_port: int | None = None
     block_size: int = 32
 
     @property
@@ -107,7 +108,7 @@ class EngineSpec:
         if self.plugin and plugin_available():
             cmd += PLUGIN_CLASS_FLAGS
         if self.kv_events_port is not None:
-            cmd += kv_event_args(self.kv_events_port, self.block_size)
+            cmd += kv_event_args(self.kv_events_port, self.block_size, self.kv_replay_port)
         cmd += list(self.extra_args)
         return cmd
 
@@ -126,12 +127,19 @@ class EngineSpec:
         return env
 
 
-def kv_event_args(port: int, block_size: int) -> tuple[str, ...]:
+def kv_event_args(port: int, block_size: int, replay_port: int | None = None) -> tuple[str, ...]:
     """vLLM's flags for the proxy's prefix-cache index (``kv_cache``): prefix caching with the
     block size the proxy hashes, each answer's cached prompt tokens in its usage, and its KV
     events on a ZMQ publisher at ``port`` (a wildcard host: vLLM binds only such endpoints; the
-    proxy finds it through ``GET /kv_event_sources``)."""
-    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"}
+    proxy finds it through ``GET /kv_event_sources``), with its replay socket at
+    ``replay_port`` (batches a gap lost are asked again there)."""
+    events: dict[str, object] = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{port}",
+    }
+    if replay_port is not None:
+        events["replay_endpoint"] = f"tcp://*:{replay_port}"
     return (
         "--enable-prefix-caching",
         "--block-size",

@@ -93,6 +93,13 @@ class EventFeed:
         self.last_seq = None
         self.index.lost_sync()
 
+    def missing_from(self, seq: int) -> int | None:
+        """The first batch missed before ``seq`` (which a replay could bring); None: none."""
+        last = self.last_seq
+        if last is None:
+            return 0 if seq > 0 else None
+        return last + 1 if seq > last + 1 else None
+
     def check(self, seq: int) -> str:
         last, self.last_seq = self.last_seq, seq
         if last is None:

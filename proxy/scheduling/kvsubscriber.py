@@ -29,8 +29,9 @@ from zmq.utils.monitor import parse_monitor_message
 
 from proxy.config.kv_cache import KvCache
 from proxy.scheduling.backend import BackendState
-from proxy.scheduling.kvevents import EventFeed, Sync, decode_batch, sequence_number
+from proxy.scheduling.kvevents import Applied, EventFeed, Sync, decode_batch, sequence_number
 from proxy.scheduling.kvindex import KvIndex
+from proxy.scheduling.kvreplay import replay
 from proxy.scheduling.pool import BackendPool
 from proxy.scheduling.probes import ProbeFailed, probe_get
 from proxy.tasks import OwnedTask
@@ -43,17 +44,9 @@ _SYNC_PAUSE_S = 1.0  # between two looks of the supervisor at the pool
 _WILDCARD_HOSTS = ("*", "0.0.0.0", "[::]", "::")
 
 
-def event_endpoint(sources: object, backend_url: str) -> str | None:
-    """The ZMQ endpoint to subscribe to from vLLM's ``/kv_event_sources`` answer (``{rank:
-    publisher config}``), its wildcard host replaced by the backend's; None: no ZMQ publisher,
-    or more than one data-parallel rank (each its own cache: not indexed)."""
-    if not isinstance(sources, dict) or len(sources) != 1:
-        return None
-    (config,) = sources.values()
-    if not isinstance(config, dict) or not config.get("enable_kv_cache_events"):
-        return None
-    endpoint = config.get("endpoint")
-    if config.get("publisher") != "zmq" or not isinstance(endpoint, str):
+def _with_host(endpoint: object, backend_url: str) -> str | None:
+    """A ZMQ endpoint with its wildcard host replaced by the backend's."""
+    if not isinstance(endpoint, str) or not endpoint:
         return None
     if not endpoint.startswith("tcp://"):
         return endpoint  # ipc:// or inproc://: only on the same host, as given
@@ -64,6 +57,29 @@ def event_endpoint(sources: object, backend_url: str) -> str | None:
         backend_host = urlsplit(backend_url).hostname or "127.0.0.1"
         host = f"[{backend_host}]" if ":" in backend_host else backend_host
     return f"tcp://{host}:{port}"
+
+
+def event_endpoints(sources: object, backend_url: str) -> tuple[str, str | None] | None:
+    """(the publisher's endpoint, its replay endpoint or None) from vLLM's
+    ``/kv_event_sources`` answer (``{rank: publisher config}``), wildcard hosts replaced by the
+    backend's; None: no ZMQ publisher, or more than one data-parallel rank (each its own cache:
+    not indexed)."""
+    if not isinstance(sources, dict) or len(sources) != 1:
+        return None
+    (config,) = sources.values()
+    if not isinstance(config, dict) or not config.get("enable_kv_cache_events"):
+        return None
+    if config.get("publisher") != "zmq":
+        return None
+    endpoint = _with_host(config.get("endpoint"), backend_url)
+    if endpoint is None:
+        return None
+    return endpoint, _with_host(config.get("replay_endpoint"), backend_url)
+
+
+def event_endpoint(sources: object, backend_url: str) -> str | None:
+    found = event_endpoints(sources, backend_url)
+    return found[0] if found is not None else None
 
 
 class KvSubscriber:
@@ -89,6 +105,7 @@ class KvSubscriber:
         self.metrics = metrics
         self.ctx = ctx
         self.endpoint: str | None = None
+        self.replay_endpoint: str | None = None  # vLLM's replay socket, where it has one
         self._logged_missing = False
         self.reported_evicted = 0  # of index.stats.evicted, already in the metric
 
@@ -131,12 +148,13 @@ class KvSubscriber:
         return sub, monitor
 
     async def find_endpoint(self) -> str | None:
-        """The configured endpoint, else the backend's answer; the current one when the backend
-        does not answer (ZMQ keeps reconnecting to it meanwhile)."""
+        """The configured endpoint, else the backend's answer (with its replay endpoint); the
+        current one when the backend does not answer (ZMQ keeps reconnecting to it)."""
         state = self.pool.states.get(self.url)
         if state is None:
             return self.endpoint
         if state.cfg.kv_events:
+            self.replay_endpoint = state.cfg.kv_events_replay
             return state.cfg.kv_events
         try:
             answer = await probe_get(
@@ -148,15 +166,18 @@ class KvSubscriber:
             sources = orjson.loads(answer.body) if answer.status == 200 else None
         except (ProbeFailed, orjson.JSONDecodeError):
             return self.endpoint
-        endpoint = event_endpoint(sources, self.url)
-        if endpoint is None and not self._logged_missing:
-            self._logged_missing = True
-            log.warning(
-                "backend %s: no ZMQ KV-event publisher of a single data-parallel rank in its"
-                " /kv_event_sources: its prefix cache is not indexed (docs/kv-cache.md)",
-                self.label,
-            )
-        return endpoint if endpoint is not None else self.endpoint
+        found = event_endpoints(sources, self.url)
+        if found is None:
+            if not self._logged_missing:
+                self._logged_missing = True
+                log.warning(
+                    "backend %s: no ZMQ KV-event publisher of a single data-parallel rank in its"
+                    " /kv_event_sources: its prefix cache is not indexed (docs/kv-cache.md)",
+                    self.label,
+                )
+            return self.endpoint
+        endpoint, self.replay_endpoint = found
+        return endpoint
 
     async def _receive(
         self, sub: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket, timeout_s: float
@@ -175,14 +196,14 @@ class KvSubscriber:
                     # What the old connection delivered first, then the drop: never a stale
                     # batch of a stopped engine into the index after it was cleared.
                     while await sub.poll(0):
-                        self.on_message(await sub.recv_multipart())
+                        await self.on_message(await sub.recv_multipart())
                     log.info("backend %s: KV-event connection dropped", self.label)
                     self.feed.reconnected()
                     continue
             if sub in ready:
-                self.on_message(await sub.recv_multipart())
+                await self.on_message(await sub.recv_multipart())
 
-    def on_message(self, frames: list[bytes]) -> None:
+    async def on_message(self, frames: list[bytes]) -> None:
         label = self.label
         if len(frames) < 3:
             return
@@ -195,11 +216,31 @@ class KvSubscriber:
             self.index.lost_sync()
             self.metrics.gaps.labels(label).inc()
             return
+        start = self.feed.missing_from(seq)
+        if start is not None and self.replay_endpoint is not None:
+            await self._replay(start, seq)
         applied = self.feed.apply(seq, batch)
+        self._count(applied)
+
+    async def _replay(self, start: int, until: int) -> None:
+        """Batches ``start`` .. ``until - 1`` from vLLM's replay socket, applied in order when
+        it still holds them all (else the gap drops the index, as without one)."""
+        assert self.replay_endpoint is not None
+        timeout = self.pool.health.probe_timeout_s
+        missed = await replay(self.ctx, self.replay_endpoint, start, until, timeout)
+        if missed is None:
+            log.info("backend %s: KV events %d-%d not replayed", self.label, start, until - 1)
+            return
+        for seq, batch in missed:
+            self._count(self.feed.apply(seq, batch))
+        self.metrics.replayed.labels(self.label).inc(len(missed))
+
+    def _count(self, applied: Applied) -> None:
+        label = self.label
         if applied.sync == Sync.GAP:
             self.metrics.gaps.labels(label).inc()
         elif applied.sync == Sync.RESTART:
-            log.info("backend %s: engine restarted (KV events from %d again)", label, seq)
+            log.info("backend %s: engine restarted (its KV events numbered again)", label)
             self.metrics.restarts.labels(label).inc()
         for kind, n in applied.counts.items():
             self.metrics.events.labels(label, kind).inc(n)

@@ -34,6 +34,13 @@ class KvIndexMetrics:
             ["backend"],
             registry=r,
         )
+        self.replayed = Counter(
+            "tierproxy_kv_events_replayed_batches",
+            "KV-event batches missed and brought back from the engine's replay socket (the"
+            " index stayed in sync)",
+            ["backend"],
+            registry=r,
+        )
         self.restarts = Counter(
             "tierproxy_kv_event_restarts",
             "Engine restarts seen in a backend's KV events (its sequence numbers began again):"

@@ -56,6 +56,7 @@ class EngineSetting:
             extra_args=self.extra_args,
             env=dict(self.env),
             kv_events_port=free_port() if self.kv_events else None,
+            kv_replay_port=free_port() if self.kv_events else None,
         )
 
 

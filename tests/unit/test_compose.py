@@ -51,7 +51,7 @@ def test_compose_structure_matches_the_code(monkeypatch: pytest.MonkeyPatch) -> 
         svc = services[name]
         args = dict((*a.removeprefix("--").split("=", 1), "")[:2] for a in svc["command"])
         # The KV-event flags are the ones `tierproxy up` passes (port 5557 of each container).
-        kv = kv_event_args(5557, int(args["block-size"]))
+        kv = kv_event_args(5557, int(args["block-size"]), 5558)
         assert [a for a in svc["command"] if a.split("=", 1)[0] in kv] == [
             f"{a}={kv[i + 1]}" if i + 1 < len(kv) and not kv[i + 1].startswith("--") else a
             for i, a in enumerate(kv)

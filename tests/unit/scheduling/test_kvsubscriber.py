@@ -41,15 +41,35 @@ class Publisher:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(f"tcp://127.0.0.1:{port}")
         self.seq = 0
+        self.buffer = []
 
     async def subscribed(self) -> None:
         async with asyncio.timeout(10):
             assert (await self.sock.recv())[:1] == b"\x01"
 
-    async def send(self, *events: dict[str, Any]) -> None:
+    async def send(self, *events: dict[str, Any], lost: bool = False) -> None:
+        """One batch; ``lost``: buffered for replay but never delivered live (dropped at the
+        high-water mark, or sent while the subscriber was away)."""
         payload = msgspec.msgpack.encode([1.0, list(events), 0])
-        await self.sock.send_multipart([b"", self.seq.to_bytes(8, "big"), payload])
+        self.buffer.append((self.seq, payload))
+        if not lost:
+            await self.sock.send_multipart([b"", self.seq.to_bytes(8, "big"), payload])
         self.seq += 1
+
+    buffer: list[tuple[int, bytes]]
+
+    async def serve_replay(self, router: zmq.asyncio.Socket) -> None:
+        """vLLM's ZmqEventPublisher._service_replay: every buffered batch from the asked start
+        on, then the end marker."""
+        while True:
+            client, _, start = await router.recv_multipart()
+            first = int.from_bytes(start, "big")
+            for seq, payload in self.buffer:
+                if seq >= first:
+                    await router.send_multipart([client, b"", b"", seq.to_bytes(8, "big"), payload])
+            await router.send_multipart(
+                [client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""]
+            )
 
     def close(self) -> None:
         self.sock.close(linger=0)
@@ -141,3 +161,55 @@ async def test_the_endpoint_comes_from_kv_event_sources(ctx: zmq.asyncio.Context
         finally:
             await watcher.stop()
             publisher.close()
+
+
+async def test_a_gap_is_filled_from_the_replay_socket(ctx: zmq.asyncio.Context) -> None:
+    port, replay_port = free_port(), free_port()
+    backend = Backend(
+        url="http://127.0.0.1:9",
+        kv_events=f"tcp://127.0.0.1:{port}",
+        kv_events_replay=f"tcp://127.0.0.1:{replay_port}",
+    )
+    pool = BackendPool([backend], BackendHealth(), LeastUtilised())
+    state = pool.all()[0]
+    publisher = Publisher(ctx, port)
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(f"tcp://127.0.0.1:{replay_port}")
+    serving = asyncio.create_task(publisher.serve_replay(router))
+    metrics = ProxyMetrics()
+    async with aiohttp.ClientSession() as session:
+        watcher = KvEventWatcher(
+            pool, lambda: KvCache(block_size=B, resync_s=3600), session, metrics.kv
+        )
+        await watcher.sync()
+        try:
+            await publisher.subscribed()
+            # Batches 0 and 1 never reach the subscriber; 2 does: 0 and 1 come from the replay
+            # socket, and the index is complete, warm at once, without a cold window.
+            await publisher.send(stored([1], list(range(4))), lost=True)
+            await publisher.send(stored([2], list(range(10, 14))), lost=True)
+            await publisher.send(stored([3], list(range(20, 24))))
+            prompts = [chain_hashes(list(range(first, first + 5)), B) for first in (0, 10, 20)]
+            await until(lambda: all(state.cached_blocks(p) == 1 for p in prompts), 10, "0 to 2")
+            # A gap the replay buffer no longer covers (its batch 4 is gone): dropped, cold.
+            await publisher.send(stored([4], list(range(30, 34))), lost=True)
+            publisher.buffer.pop()
+            await publisher.send(stored([5], list(range(40, 44))))
+            index = state.kv_index
+            assert index is not None
+            await until(lambda: not index.warm(), 10, "cold after an unreplayable gap")
+            assert len(index) == 1  # the batch after the gap only
+            labels = {"backend": backend.label}
+            assert (
+                metrics.registry.get_sample_value(
+                    "tierproxy_kv_events_replayed_batches_total", labels
+                )
+                == 2
+            )
+            assert metrics.registry.get_sample_value("tierproxy_kv_event_gaps_total", labels) == 1
+        finally:
+            await watcher.stop()
+            serving.cancel()
+            publisher.close()
+            router.close(linger=0)
