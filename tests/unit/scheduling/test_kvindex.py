@@ -14,7 +14,7 @@ from proxy.policies.blockhash import chain_hashes
 from proxy.scheduling.backend import BackendState
 from proxy.scheduling.kvevents import EventFeed, Sync, decode_batch
 from proxy.scheduling.kvindex import KvIndex
-from proxy.scheduling.kvsubscriber import event_endpoint
+from proxy.scheduling.kvsubscriber import event_endpoint, event_endpoints
 from tests.helpers.clock import FakeClock
 
 B = 4  # block size of these tests
@@ -234,3 +234,26 @@ def test_the_first_batch_after_a_reconnect_does_not_restart_the_resync() -> None
     # A gap later on drops it again.
     feed.apply(42, decode_batch(batch()))
     assert not idx.warm() and len(idx) == 0
+
+
+def test_the_replay_endpoint_comes_with_the_publishers() -> None:
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": "tcp://*:5557",
+        "replay_endpoint": "tcp://*:5558",
+    }
+    found = event_endpoints({"0": config}, "http://[::1]:8000")
+    assert found == ("tcp://[::1]:5557", "tcp://[::1]:5558")
+    assert event_endpoints({"0": {**config, "replay_endpoint": None}}, "http://h:1") == (
+        "tcp://h:5557",
+        None,
+    )
+
+
+def test_what_a_replay_must_bring() -> None:
+    clock = FakeClock()
+    feed = EventFeed(index(clock), clock)
+    assert feed.missing_from(0) is None and feed.missing_from(5) == 0  # nothing heard yet
+    feed.apply(0, decode_batch(batch()))
+    assert feed.missing_from(1) is None and feed.missing_from(4) == 1
