@@ -44,7 +44,6 @@ from proxy.request.auth import identify
 from proxy.request.inbound import parse_body, read_body
 from proxy.request.leases import direct_lease
 from proxy.request.poison import blame, give_up, refuse_poison
-from proxy.request.prompt_blocks import PROMPT_BLOCKS
 from proxy.request.quota_gate import QuotaGate
 from proxy.request.tenancy import tenant_gate
 from proxy.request.traced import upstream_spans
@@ -137,16 +136,13 @@ class RequestPipeline:
             await self.quotas.reserve(adm)  # refused, never waited for: settled below
             await self.pass_tenant_limits(adm)
             request[ADMITTED_LIMITS] = ratelimit_headers(adm.limit_windows)  # streams' too
-            # For the kv_aware chooser, once the request may run (None while kv_cache is off).
-            blocks = await PROMPT_BLOCKS.compute(adm.config, adm.parsed, adm.cache_salt, self)
-            adm.queued.prompt_blocks = blocks
             try:
                 while result is None:  # None: a backend failed before its first byte, again
                     lease: Lease | CheapLease
                     if BY_ENDPOINT[endpoint].cheap:
                         lease = direct_lease(self.pool, adm, self.clock)
-                    else:
-                        lease = await self.dispatch(adm, self.enqueue(adm))
+                    else:  # queued with its prompt's blocks (for kv_aware; None: off)
+                        lease = await self.dispatch(adm, self.enqueue(await adm.with_blocks(self)))
                     result = await self.forward(request, adm, lease)
                 self.account(adm, result)
                 trace.latency = latency_of(adm.arrival, result, self.clock())
