@@ -95,9 +95,18 @@ def _install_stop_handlers() -> None:
 
 def engine_spec(args: argparse.Namespace) -> EngineSpec:
     """`tierproxy engine`'s vLLM: a CPU build confined to its own cores like `up`'s."""
-    from proxy.ops.engine import POOLING_ARGS, cpu_confinement, local_engine
+    from proxy.ops.engine import POOLING_ARGS, cpu_confinement, free_port, local_engine
 
     extra = [a for a in args.vllm_args if a != "--"]
+    block_size, kv_port = args.block_size, args.kv_events_port
+    if args.config is not None:  # the config's kv_cache decides, unless the port is given
+        from proxy.config.loader import load_config
+        from proxy.ops.engine import kv_events_wanted
+
+        wanted = kv_events_wanted(load_config(args.config).config)
+        if wanted is not None:
+            block_size, kv_port = wanted, kv_port if kv_port is not None else free_port()
+    replay_port = free_port() if kv_port is not None else None
     return local_engine(
         model=args.model,
         port=args.port,
@@ -106,6 +115,9 @@ def engine_spec(args: argparse.Namespace) -> EngineSpec:
         plugin=not args.no_plugin,
         extra_args=[*POOLING_ARGS, *extra] if args.pooling else extra,
         cpus=cpu_confinement(),
+        kv_events_port=kv_port,
+        kv_replay_port=replay_port,
+        block_size=block_size,
     )
 
 
@@ -136,6 +148,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
     from proxy.ops.engine import (
         EngineProcess,
         ensure_model,
+        free_port,
+        kv_events_wanted,
         local_engine,
     )
     from proxy.server.app import serve
@@ -145,6 +159,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     model, served = ensure_model(args.model)
     log_dir = Path(".tierproxy/logs")
     engines = []
+    block_size = kv_events_wanted(loaded.config)  # one KV-event port per engine when wanted
     for index, backend in enumerate(loaded.config.backends[: args.engines]):
         port = int(backend.url.rsplit(":", 1)[1])
         spec = local_engine(
@@ -155,6 +170,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
             index=index if args.engines > 1 else None,  # the last core stays for the proxy
             # Requests that reach vLLM without the proxy's ticket run as the lowest tier.
             env={"TIERPROXY_UNTICKETED_PRIORITY": str(loaded.config.lowest_priority)},
+            kv_events_port=free_port() if block_size is not None else None,
+            kv_replay_port=free_port() if block_size is not None else None,
+            block_size=block_size or 32,
         )
         engines.append(EngineProcess(spec, log_dir / f"vllm-{port}.log"))
     _install_stop_handlers()
@@ -309,6 +327,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve the model for embeddings, pooling, score and rerank (vLLM --runner pooling)",
     )
     p.add_argument("--ready-timeout", type=float, default=300.0)
+    p.add_argument(
+        "-c", "--config", help="a proxy config: KV events on when its kv_cache is (kv_aware)"
+    )
+    p.add_argument("--kv-events-port", type=int, help="publish KV events on this ZMQ port")
+    p.add_argument("--block-size", type=int, default=32, help="with KV events: vLLM's block size")
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- then extra vLLM arguments")
     p.set_defaults(func=_cmd_engine)
 

@@ -112,6 +112,18 @@ class Backend(Strict):
         " slow calls never refuse every other tenant's. With `serve --workers N`: the total,"
         " divided among the workers (at least 1 each).",
     )
+    kv_events: str | None = Field(
+        None,
+        description="ZMQ endpoint of its KV-event publisher, e.g. tcp://10.0.0.5:5557 (with"
+        " `kv_cache` on). null: asked from the backend's `GET /kv_event_sources` (a `*` host"
+        " there means the backend URL's host).",
+    )
+    kv_events_replay: str | None = Field(
+        None,
+        description="With `kv_events`: the ZMQ endpoint of that publisher's replay socket (vLLM's"
+        " `replay_endpoint`), which batches missed in a gap are asked from. null: none (from"
+        " `/kv_event_sources` otherwise).",
+    )
     send_priority: bool = Field(
         True,
         description="Also pass the tier's priority as vLLM's own `priority` (needs"

@@ -12,6 +12,7 @@ from pydantic import (
 
 from proxy.config.backends import Backend, BackendHealth
 from proxy.config.base import Strict
+from proxy.config.kv_cache import KvCache
 from proxy.config.quotas import Price
 from proxy.config.scheduling import Limits, Policies, Scheduling
 from proxy.config.server import AdminListen, InputLimits, Listen, Relay, Server
@@ -49,6 +50,7 @@ class Config(Strict):
         BackendHealth(), description="Health checks, scraping, ejection, retries."
     )
     policies: Policies = Field(Policies(), description="Scheduling policy of each seam.")
+    kv_cache: KvCache = Field(KvCache(), description="Prefix-cache index from vLLM's KV events.")
     adaptive_room: AdaptiveRoom = Field(
         AdaptiveRoom(),
         description="The controller that learns each adaptive backend's room (docs/slo.md).",

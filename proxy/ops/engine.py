@@ -6,6 +6,7 @@ the same way: same flags, same readiness check, same teardown of the whole proce
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -13,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from proxy.config.kv_cache import kv_cache_on
+from proxy.config.schema import Config
 from proxy.ops.process import ManagedProcess, free_port, http_ok, tail
 from proxy.ticket import PLUGIN_CLASS_FLAGS, PRIORITY_FLAGS
 
@@ -29,6 +32,8 @@ __all__ = [
     "ensure_model",
     "free_port",
     "http_ok",
+    "kv_event_args",
+    "kv_events_wanted",
     "plugin_available",
     "spread_cores",
     "tail",
@@ -67,6 +72,11 @@ class EngineSpec:
     cpu_bind: str | None = None
     # Cores the engine's whole process tree may run on (None: any); see engine_cores().
     cpus: frozenset[int] | None = None
+    # ZMQ port of its KV-event publisher, for the proxy's prefix-cache index (kv_cache); None:
+    # no KV events. ``block_size`` goes with it (the proxy hashes blocks of that size).
+    kv_events_port: int | None = None
+    kv_replay_port: int | None = None
+    block_size: int = 32
 
     @property
     def url(self) -> str:
@@ -97,6 +107,8 @@ class EngineSpec:
         cmd += PRIORITY_FLAGS
         if self.plugin and plugin_available():
             cmd += PLUGIN_CLASS_FLAGS
+        if self.kv_events_port is not None:
+            cmd += kv_event_args(self.kv_events_port, self.block_size, self.kv_replay_port)
         cmd += list(self.extra_args)
         return cmd
 
@@ -113,6 +125,36 @@ class EngineSpec:
             env["VLLM_CPU_OMP_THREADS_BIND"] = bind
         env.update(self.env)
         return env
+
+
+def kv_event_args(port: int, block_size: int, replay_port: int | None = None) -> tuple[str, ...]:
+    """vLLM's flags for the proxy's prefix-cache index (``kv_cache``): prefix caching with the
+    block size the proxy hashes, each answer's cached prompt tokens in its usage, and its KV
+    events on a ZMQ publisher at ``port`` (a wildcard host: vLLM binds only such endpoints; the
+    proxy finds it through ``GET /kv_event_sources``), with its replay socket at
+    ``replay_port`` (batches a gap lost are asked again there)."""
+    events: dict[str, object] = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{port}",
+    }
+    if replay_port is not None:
+        events["replay_endpoint"] = f"tcp://*:{replay_port}"
+    return (
+        "--enable-prefix-caching",
+        "--block-size",
+        str(block_size),
+        "--enable-prompt-tokens-details",
+        "--kv-events-config",
+        json.dumps(events, separators=(",", ":")),
+    )
+
+
+def kv_events_wanted(config: Config) -> int | None:
+    """The block size the config's prefix-cache index hashes with, when it runs (the engines
+    must then publish KV events); None: it does not."""
+    kv = config.kv_cache
+    return kv.block_size if kv_cache_on(kv, config.policies.backends) else None
 
 
 def _on_cpu() -> bool:

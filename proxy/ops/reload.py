@@ -59,6 +59,7 @@ LIVE_SECTIONS = (
     "backends",
     "admin_keys",
     "pricing",
+    "kv_cache",  # the KV-event watcher and the prompt blocks read it as they go
 )
 
 

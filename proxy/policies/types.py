@@ -5,6 +5,7 @@ objects and change them; the policies only read them. Ground floor of ``proxy.po
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Protocol
@@ -43,6 +44,12 @@ class QueuedRequest:
     tenant_weight: float = 1.0
     # Hash of the prompt's first tokens (``proxy.policies.prefix``), for backend affinity.
     prefix_hash: int | None = None
+    # The proxy's chained hashes of the prompt's full blocks (``proxy.policies.blockhash``),
+    # tokens as vLLM sees them with the cache salt folded into the first; the last token is
+    # left out (vLLM always computes it), so n blocks cached save n * block_size tokens exactly.
+    # None: not computed (kv_cache off, no tokenizer, a prompt not surely rendered as vLLM
+    # does). For ``BackendView.cached_blocks``.
+    prompt_blocks: tuple[int, ...] | None = None
     # Set by the queue.
     deadline_s: float = 0.0
     state: State = State.QUEUED
@@ -87,3 +94,8 @@ class BackendView(Protocol):
 
     def fresh_load(self, now: float, stale_after_s: float) -> ScrapedLoad | None:
         """The scraped load unless older than ``stale_after_s``."""
+
+    def cached_blocks(self, blocks: Sequence[int]) -> int | None:
+        """How many leading blocks of ``blocks`` the backend's KV-cache index holds; None when
+        it has no index or its index is cold (not synced yet: after a gap, a reconnect or a
+        restart of the engine)."""

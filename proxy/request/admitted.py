@@ -23,6 +23,7 @@ from proxy.relay.budget import Reservation
 from proxy.relay.delivered import Delivered
 from proxy.relay.forward import RelayResult, UpstreamCall
 from proxy.request.inbound import ParsedRequest
+from proxy.request.prompt_blocks import PROMPT_BLOCKS, Upstreams
 from proxy.scheduling.quotas import QuotaHold
 from proxy.telemetry.slo import Latency
 
@@ -114,6 +115,16 @@ class Admitted:
     def reserved_tokens(self) -> float:
         """What the tenant's token limit is charged up front (given back once usage is known)."""
         return float(self.parsed.prompt_tokens + self.parsed.expected_output)
+
+    async def with_blocks(self, via: Upstreams) -> Admitted:
+        """Itself, its queue entry given its prompt's KV-cache blocks (for the kv_aware chooser;
+        None while kv_cache is off) on its first attempt: computed once it may run, before it is
+        queued (proxy.request.prompt_blocks)."""
+        if self.attempts == 0:
+            self.queued.prompt_blocks = await PROMPT_BLOCKS.compute(
+                self.config, self.parsed, self.cache_salt, via
+            )
+        return self
 
     def billed_usage(self, result: RelayResult | None) -> tuple[TokenUsage | None, bool]:
         """(the usage to bill, whether it is an estimate): the backend's, else, for a stream

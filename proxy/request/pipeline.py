@@ -141,8 +141,8 @@ class RequestPipeline:
                     lease: Lease | CheapLease
                     if BY_ENDPOINT[endpoint].cheap:
                         lease = direct_lease(self.pool, adm, self.clock)
-                    else:
-                        lease = await self.dispatch(adm, self.enqueue(adm))
+                    else:  # queued with its prompt's blocks (for kv_aware; None: off)
+                        lease = await self.dispatch(adm, self.enqueue(await adm.with_blocks(self)))
                     result = await self.forward(request, adm, lease)
                 self.account(adm, result)
                 trace.latency = latency_of(adm.arrival, result, self.clock())

@@ -4,6 +4,7 @@ state and its last scraped load. The pool changes it; the policies read it throu
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from proxy.config.backends import Backend
@@ -11,6 +12,7 @@ from proxy.config.slo import AdaptiveRoom
 from proxy.policies.room import RoomController
 from proxy.policies.types import ScrapedLoad
 from proxy.scheduling.clock_offset import correction
+from proxy.scheduling.kvindex import KvIndex
 
 
 @dataclass(eq=False)
@@ -46,6 +48,9 @@ class BackendState:
     cheap_by_tenant: dict[str, int] = field(default_factory=dict)  # of those, per tenant
     # Its clock minus ours, from its Date header (proxy.scheduling.clock_offset); None: unknown.
     clock_offset_s: float | None = None
+    # What its prefix cache holds, from its KV events (proxy.scheduling.kvevents); None: not
+    # watched (no KV events configured, or its subscriber has not started).
+    kv_index: KvIndex | None = None
 
     @property
     def cheap_tenant_share(self) -> int:
@@ -85,3 +90,10 @@ class BackendState:
         if self.load is None or now - self.load.at > stale_after_s:
             return None
         return self.load
+
+    def cached_blocks(self, blocks: Sequence[int]) -> int | None:
+        """Leading blocks of ``blocks`` its prefix cache holds; None: no index, or a cold one."""
+        index = self.kv_index
+        if index is None or not index.warm():
+            return None
+        return index.leading(blocks)

@@ -24,6 +24,7 @@ from proxy.ops.reload import ConfigWatcher
 from proxy.ops.runtime import run, tune_gc, tune_logging
 from proxy.ops.worker_share import WorkerShare
 from proxy.request.expect import expect_checker, no_continue
+from proxy.scheduling.kvsubscriber import KvEventWatcher
 from proxy.scheduling.monitor import BackendMonitor
 from proxy.server.admin import AdminEndpoints
 from proxy.server.endpoints import ServiceEndpoints
@@ -150,6 +151,10 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         state.usage_log.start()
     state.dispatcher.start()
     state.monitor.start()
+    state.kv_watcher = KvEventWatcher(
+        state.pool, state.kv_settings, state.session, state.metrics.kv, state.clock
+    )
+    state.kv_watcher.start()
     if state.shared is not None:
         await state.shared.start()
     if state.watcher is not None:
@@ -160,6 +165,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         if state.watcher is not None:
             await state.watcher.stop()
         await state.monitor.stop()
+        await state.kv_watcher.stop()
         await state.version.stop()
         await state.dispatcher.stop()
         if state.shared is not None:

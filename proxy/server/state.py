@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 from aiohttp import web
 
+from proxy.config.kv_cache import KvCache, kv_cache_on
 from proxy.config.schema import Config, LoadedConfig
 from proxy.ops.live.collector import BackendRoomCollector, TierCollector
 from proxy.ops.live.status import LiveStatus
@@ -25,6 +26,7 @@ from proxy.relay.forward import relay
 from proxy.request.pipeline import RequestPipeline
 from proxy.request.quota_gate import QuotaGate
 from proxy.scheduling.build import build_scheduling
+from proxy.scheduling.kvsubscriber import KvEventWatcher
 from proxy.scheduling.limits import LimitRegistry, TenantLimits, plan_changes
 from proxy.scheduling.monitor import BackendMonitor
 from proxy.scheduling.quotas import QuotaBook, QuotaLedger
@@ -60,6 +62,7 @@ class ProxyState:
         self.quota_book: QuotaBook = self.shared.quotas if self.shared else QuotaLedger()
         self.session: aiohttp.ClientSession | None = None
         self.monitor: BackendMonitor | None = None
+        self.kv_watcher: KvEventWatcher | None = None  # started by the app (proxy.server.app)
         self.watcher: ConfigWatcher | None = None
         self.metrics.config_generation.set(1)
         self.budget = MemoryBudget(cfg.limits.max_held_bytes)
@@ -112,6 +115,11 @@ class ProxyState:
     @property
     def config(self) -> Config:
         return self.loaded.config
+
+    def kv_settings(self) -> KvCache | None:
+        """The ``kv_cache`` section while the prefix-cache indexes run; None: off."""
+        cfg = self.config
+        return cfg.kv_cache if kv_cache_on(cfg.kv_cache, cfg.policies.backends) else None
 
     def upstream_session(self) -> aiohttp.ClientSession:
         assert self.session is not None, "the app has not started"

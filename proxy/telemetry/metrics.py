@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
+from proxy.telemetry.kvmetrics import KvIndexMetrics
 from proxy.telemetry.slo import SloMetrics
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -138,6 +139,7 @@ class ProxyMetrics:
         )
         # Goodput, early refusals and backend room (proxy/telemetry/slo.py, docs/slo.md).
         self.slo = SloMetrics(r)
+        self.kv = KvIndexMetrics(r)  # the prefix-cache indexes (proxy.scheduling.kvevents)
         # What a soak watches for leaks: process_resident_memory_bytes, process_open_fds, ...
         ProcessCollector(registry=r)
         self.event_loop_tasks = Gauge(

@@ -19,6 +19,7 @@ from proxy.ops.engine import (
     POOLING_ARGS,
     TINY_SERVED_NAME,
     EngineSpec,
+    free_port,
     local_engine,
 )
 from proxy.ticket import DEFAULT_SECRET_ENV
@@ -37,6 +38,7 @@ class EngineSetting:
     plugin: bool = False
     extra_args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
+    kv_events: bool = False  # KV events on a free ZMQ port, prefix caching, blocks of 32
 
     @staticmethod
     def environ(values: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
@@ -53,6 +55,8 @@ class EngineSetting:
             plugin=self.plugin,
             extra_args=self.extra_args,
             env=dict(self.env),
+            kv_events_port=free_port() if self.kv_events else None,
+            kv_replay_port=free_port() if self.kv_events else None,
         )
 
 
@@ -71,14 +75,18 @@ POOLING_TICKETED = EngineSetting(
     extra_args=POOLING_ARGS,
     env=EngineSetting.environ({DEFAULT_SECRET_ENV: SECRET.decode(), ENV_REQUIRE_TICKET: "1"}),
 )
-# Prefix caching on (the CPU attention needs a block size that is a multiple of 32), the plugin
-# with the suite's secret: the tenant isolation tests (tests/integration/test_isolation_vllm.py).
+# Prefix caching on in blocks of 32 (the CPU attention needs a multiple of 32) with the flags
+# `tierproxy up` passes for kv_cache (proxy.ops.engine.kv_event_args: cached tokens in usage, KV
+# events over ZMQ on a free port), the plugin with the suite's secret: the tenant isolation
+# tests (tests/integration/test_isolation_vllm.py) and the KV-cache index's
+# (tests/integration/test_kvindex_vllm.py) share it.
 PREFIX_CACHE = EngineSetting(
     "prefix-cache",
     plugin=True,
-    extra_args=("--enable-prefix-caching", "--block-size", "32"),
+    kv_events=True,
     env=EngineSetting.environ({DEFAULT_SECRET_ENV: SECRET.decode()}),
 )
+KV_EVENTS = PREFIX_CACHE
 # Stock vLLM with prefix caching that reports each answer's cached prompt tokens
 # (usage.prompt_tokens_details): fairness by the work caused (test_work_fairness_vllm.py).
 PROMPT_DETAILS = EngineSetting(

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from proxy.config.loader import load_config
+from proxy.ops.engine import kv_event_args
 from proxy.ticket import PLUGIN_FLAGS
 from tests.helpers.paths import REPO
 
@@ -48,7 +49,14 @@ def test_compose_structure_matches_the_code(monkeypatch: pytest.MonkeyPatch) -> 
     )
     for name in ("vllm-0", "vllm-1"):
         svc = services[name]
-        args = dict(a.removeprefix("--").split("=", 1) for a in svc["command"])
+        args = dict((*a.removeprefix("--").split("=", 1), "")[:2] for a in svc["command"])
+        # The KV-event flags are the ones `tierproxy up` passes (port 5557 of each container).
+        kv = kv_event_args(5557, int(args["block-size"]), 5558)
+        assert [a for a in svc["command"] if a.split("=", 1)[0] in kv] == [
+            f"{a}={kv[i + 1]}" if i + 1 < len(kv) and not kv[i + 1].startswith("--") else a
+            for i, a in enumerate(kv)
+            if a.startswith("--")
+        ]
         # YAML cannot import Python: the flags that load the plugin are ticket.PLUGIN_FLAGS.
         wanted = dict(zip(PLUGIN_FLAGS[::2], PLUGIN_FLAGS[1::2], strict=True))
         assert {f"--{k}": v for k, v in args.items() if f"--{k}" in wanted} == wanted

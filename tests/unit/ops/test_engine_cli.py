@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
+import yaml
 
 from proxy.cli import build_parser, engine_spec
 from proxy.ops import engine
+from tests.helpers.paths import REPO
 
 
 def _spec(*argv: str) -> engine.EngineSpec:
@@ -38,3 +41,28 @@ def test_pooling_flag_serves_the_pooling_routes(monkeypatch: pytest.MonkeyPatch)
     command = _spec("--pooling").command()
     runner = command.index("--runner")
     assert command[runner : runner + 4] == list(engine.POOLING_ARGS)
+
+
+def test_kv_events_follow_the_configs_kv_cache(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """With -c, the engine publishes KV events (and a replay socket) exactly when the config's
+    kv_cache is on, in the config's block size; --kv-events-port turns them on by hand."""
+    import json
+
+    monkeypatch.setattr(engine, "_on_cpu", lambda: False)
+    base = yaml.safe_load((REPO / "configs/example.yaml").read_text())
+    off, on = tmp_path / "off.yaml", tmp_path / "on.yaml"
+    off.write_text(yaml.safe_dump(base))
+    on.write_text(yaml.safe_dump({**base, "kv_cache": {"enabled": True, "block_size": 64}}))
+    assert "--kv-events-config" not in _spec("-c", str(off)).command()
+    command = _spec("-c", str(on)).command()
+    assert command[command.index("--block-size") + 1] == "64"
+    events = json.loads(command[command.index("--kv-events-config") + 1])
+    assert (
+        events["endpoint"].startswith("tcp://*:")
+        and events["replay_endpoint"] != events["endpoint"]
+    )
+    assert {"--enable-prefix-caching", "--enable-prompt-tokens-details"} <= set(command)
+    by_hand = _spec("--kv-events-port", "5557").command()
+    assert '"endpoint":"tcp://*:5557"' in by_hand[by_hand.index("--kv-events-config") + 1]

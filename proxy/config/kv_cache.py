@@ -1,0 +1,84 @@
+"""The `kv_cache:` section: the proxy's index of what each backend holds in its prefix cache,
+fed by vLLM's KV events, and the prompt's blocks computed on the proxy's side
+(docs/policies.md)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from proxy.config.base import Strict
+
+# Backend choosers that read the index and the prompts' blocks (``policies.backends``).
+KV_AWARE_POLICIES: frozenset[str] = frozenset({"kv_aware"})
+
+
+class KvCache(Strict):
+    """Prefix-cache index per backend from vLLM's KV events (ZMQ), and the prompt's blocks."""
+
+    enabled: bool | None = Field(
+        None,
+        description="Subscribe to each backend's KV events and compute each prompt's blocks."
+        " null: exactly when `policies.backends` is `kv_aware`; true: also without it (to"
+        " watch the indexes' metrics). The backends must run with `--enable-prefix-caching"
+        ' --kv-events-config \'{"enable_kv_cache_events": true, "publisher": "zmq",'
+        ' "endpoint": "tcp://*:PORT"}\'` (`tierproxy engine` and `tierproxy up` add them).',
+    )
+    block_size: int = Field(
+        32,
+        gt=0,
+        le=4096,
+        description="vLLM's `--block-size`, the same on every backend (the CPU attention needs"
+        " a multiple of 32). A KV event of another block size is not indexed.",
+    )
+    tokenizer: str | None = Field(
+        None,
+        description="Directory of the served model's tokenizer (`tokenizer.json`, and its chat"
+        " template in `chat_template.jinja` or `tokenizer_config.json`): prompts are tokenized"
+        " here as vLLM will see them. null: by a backend's `POST /tokenize` (a round trip"
+        " before queueing; vLLM's own rendering), within the two bounds below.",
+    )
+    tokenize_timeout_s: float = Field(
+        0.5,
+        gt=0,
+        description="Without `tokenizer`: a backend's /tokenize that has not answered by then"
+        " gives no blocks (the chooser falls back to load).",
+    )
+    max_remote_tokenize: int = Field(
+        16,
+        ge=0,
+        description="Without `tokenizer`: /tokenize calls in flight at most (per process); a"
+        " request past it gets no blocks rather than wait. 0: never.",
+    )
+    max_blocks: int = Field(
+        200_000,
+        gt=0,
+        description="Blocks one backend's index holds at most (about 150 bytes each); past it"
+        " the oldest stored are dropped first.",
+    )
+    resync_s: float = Field(
+        30.0,
+        ge=0,
+        description="After a gap in a backend's KV events (a reconnect, a lost batch) its index"
+        " is dropped and counts as cold for this long: the chooser ignores it meanwhile (it"
+        " misses the blocks stored before the gap). An engine seen from its first event, or"
+        " restarted, is warm at once.",
+    )
+    idle_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="A subscriber that receives nothing for this long checks the backend's"
+        " `GET /kv_event_sources` again (the endpoint may have moved).",
+    )
+    inline_tokens: int = Field(
+        256,
+        ge=0,
+        description="Prompts estimated at up to this many tokens are tokenized on the event"
+        " loop; longer ones in a worker thread (docs/performance.md has the cost).",
+    )
+
+
+def kv_cache_on(kv_cache: KvCache, backend_policy: str) -> bool:
+    """Whether the indexes run and prompt blocks are computed under this config."""
+    if kv_cache.enabled is not None:
+        return kv_cache.enabled
+    return backend_policy in KV_AWARE_POLICIES

@@ -1,0 +1,61 @@
+"""The proxy's own hash of a KV-cache block: its token ids chained from its parent block's hash,
+with the block's extra keys (vLLM's: the request's cache salt on the first block). vLLM's own
+block hashes are not stable across its processes, so both sides of the prefix-cache index use
+this one: the KV-event subscriber (``proxy.scheduling.kvindex``) for the blocks an engine
+stored, the request layer (``proxy.request.prompt_blocks``) for a prompt's blocks.
+
+Keyed BLAKE2b, 8 bytes: a key drawn per process (the hashes never leave it), so that no client
+can aim a collision at another tenant's prefix; ~1 µs a block of 32 tokens.
+"""
+
+from __future__ import annotations
+
+import os
+from array import array
+from collections.abc import Sequence
+from hashlib import blake2b
+
+import msgspec
+
+_KEY = os.urandom(16)
+_KEYED = blake2b(digest_size=8, key=_KEY)  # copied per block: cheaper than keying each anew
+_ENCODE = msgspec.msgpack.Encoder()
+_NO_EXTRA = b"\xc0"  # msgpack nil
+NO_PARENT = 0  # the parent hash of a prompt's first block
+
+ExtraKeys = Sequence[object] | None
+
+
+def chain(
+    parent: int,
+    tokens: Sequence[int],
+    block_size: int,
+    extra_keys: Sequence[ExtraKeys] | None = None,
+) -> list[int]:
+    """The chained hashes of ``tokens``' full blocks after the block whose hash is ``parent``
+    (a last partial block is never cached). ``extra_keys``: each block's extra keys as vLLM
+    publishes them (None, or an entry None or empty: none). The tokens are packed once."""
+    packed = memoryview(array("q", tokens))
+    hashes: list[int] = []
+    for i in range(len(tokens) // block_size):
+        extra = extra_keys[i] if extra_keys is not None and i < len(extra_keys) else None
+        h = _KEYED.copy()
+        h.update(parent.to_bytes(8, "little"))
+        # msgpack of a tuple and of a list are the same bytes: the salt the proxy folds in as a
+        # tuple matches the list a decoded event carries.
+        h.update(_ENCODE.encode(list(extra)) if extra else _NO_EXTRA)
+        h.update(packed[i * block_size : (i + 1) * block_size])
+        parent = int.from_bytes(h.digest(), "little")
+        hashes.append(parent)
+    return hashes
+
+
+def block_hash(parent: int, tokens: Sequence[int], extra: ExtraKeys = None) -> int:
+    """The hash of one full block: ``tokens`` after the block whose hash is ``parent``."""
+    return chain(parent, tokens, len(tokens), [extra])[0]
+
+
+def chain_hashes(tokens: Sequence[int], block_size: int, salt: str = "") -> tuple[int, ...]:
+    """A prompt's chained block hashes, the cache salt folded into the first block as vLLM does
+    (its ``extra_keys`` ``(salt,)``)."""
+    return tuple(chain(NO_PARENT, tokens, block_size, [(salt,)] if salt else None))

@@ -1,0 +1,256 @@
+"""A prompt's KV-cache blocks on the proxy's side: its tokens exactly as vLLM will see them (the
+chat template rendered as transformers renders it for vLLM, then tokenized without special
+tokens; a completion's prompt tokenized with them), cut into ``kv_cache.block_size`` blocks and
+hashed as the KV-event index hashes what an engine stored (``proxy.policies.blockhash``), the
+request's cache salt in the first block.
+
+Only what vLLM renders the same way for sure is computed: chat messages of a role and text
+content, a completion's one prompt (text or token ids), and no field that changes the rendering
+(tools, documents, template kwargs, ...). Anything else gets None (the chooser falls back to
+load), never a guess. Computed only when ``kv_cache`` is on and a tokenizer is configured;
+prompts past ``kv_cache.inline_tokens`` are tokenized in a worker thread (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Protocol
+
+import aiohttp
+import jinja2
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from proxy.config.kv_cache import KvCache, kv_cache_on
+from proxy.config.schema import Config
+from proxy.policies.blockhash import chain_hashes
+from proxy.request.inbound import ParsedRequest
+from proxy.request.remote_tokens import RemoteTokenizer
+from proxy.request.tokencache import PrefixTokenCache
+from proxy.scheduling.pool import BackendPool
+
+log = logging.getLogger("tierproxy.prompt_blocks")
+
+# Body fields that change the prompt's tokens when present: such requests get no blocks.
+_CHAT_FIELDS = frozenset(
+    {
+        "tools",
+        "documents",
+        "chat_template",
+        "chat_template_kwargs",
+        "add_generation_prompt",
+        "continue_final_message",
+        "add_special_tokens",
+        "truncate_prompt_tokens",
+        "mm_processor_kwargs",
+    }
+)
+_COMPLETION_FIELDS = frozenset({"add_special_tokens", "truncate_prompt_tokens", "prompt_embeds"})
+_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token")
+
+
+def _raise(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    x: object,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _template_env() -> ImmutableSandboxedEnvironment:
+    """transformers' chat-template environment (``_compile_jinja_template``)."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+def _token_text(value: object) -> str | None:
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class ModelTokenizer:
+    """The served model's tokenizer and chat template, loaded from its directory."""
+
+    def __init__(self, directory: Path) -> None:
+        self.tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+        config_path = directory / "tokenizer_config.json"
+        config: dict[str, Any] = json.loads(config_path.read_text()) if config_path.exists() else {}
+        self.special = {k: t for k in _SPECIAL_TOKENS if (t := _token_text(config.get(k)))}
+        source = config.get("chat_template")
+        if isinstance(source, list):  # named templates: vLLM uses "default"
+            named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+            source = named.get("default")
+        template_file = directory / "chat_template.jinja"
+        if template_file.exists():
+            source = template_file.read_text()
+        self.template = _template_env().from_string(source) if isinstance(source, str) else None
+        self.prefixes = PrefixTokenCache(self.tokenizer)  # a conversation's earlier turns
+
+    def chat_tokens(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        assert self.template is not None
+        text = self.template.render(
+            messages=messages,
+            tools=None,
+            documents=None,
+            add_generation_prompt=True,
+            **self.special,
+        )
+        return self.prefixes.encode(text)
+
+    def text_tokens(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=True).ids)
+
+
+def _text_content(content: object) -> str | None:
+    """A message's content as vLLM gives it to a string-content template: the text, or the
+    text parts joined by newlines; None for any other part (images, audio, ...)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        return None
+    texts: list[str] = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text":
+            return None
+        text = part.get("text")
+        if not isinstance(text, str):
+            return None
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def _chat_messages(body: dict[str, Any]) -> list[dict[str, str]] | None:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return None
+    out: list[dict[str, str]] = []
+    for message in messages:
+        if not isinstance(message, dict) or not set(message) <= {"role", "content", "name"}:
+            return None
+        role, content = message.get("role"), _text_content(message.get("content"))
+        if not isinstance(role, str) or content is None:
+            return None
+        rendered = {"role": role, "content": content}
+        if isinstance(message.get("name"), str):
+            rendered["name"] = message["name"]
+        out.append(rendered)
+    return out
+
+
+def prompt_tokens(model: ModelTokenizer, parsed: ParsedRequest) -> list[int] | None:
+    """The prompt's token ids as vLLM will see them; None when not surely the same."""
+    body = parsed.body
+    if parsed.endpoint == "chat":
+        if model.template is None or _CHAT_FIELDS & body.keys():
+            return None
+        messages = _chat_messages(body)
+        return model.chat_tokens(messages) if messages is not None else None
+    if parsed.endpoint != "completions" or _COMPLETION_FIELDS & body.keys():
+        return None
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return model.text_tokens(prompt)
+    return given_tokens(parsed)
+
+
+def given_tokens(parsed: ParsedRequest) -> list[int] | None:
+    """A completion's prompt given as token ids: used as they are, no tokenizer needed."""
+    prompt = parsed.body.get("prompt")
+    if parsed.endpoint != "completions" or _COMPLETION_FIELDS & parsed.body.keys():
+        return None
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        return prompt if all(0 <= t < 2**63 for t in prompt) else None
+    return None
+
+
+def prompt_block_hashes(
+    model: ModelTokenizer, parsed: ParsedRequest, block_size: int, salt: str
+) -> tuple[int, ...] | None:
+    """The blocks vLLM can serve from its cache: the full blocks of all but the last token
+    (it computes at least one token of every prompt), so that a backend holding ``n`` of them
+    saves exactly ``n * block_size`` tokens of prefill."""
+    tokens = prompt_tokens(model, parsed)
+    return chain_hashes(tokens[:-1], block_size, salt) if tokens else None
+
+
+class Upstreams(Protocol):
+    """Where a backend's /tokenize is reached (the request pipeline)."""
+
+    pool: BackendPool
+    clock: Callable[[], float]
+    session: Callable[[], aiohttp.ClientSession]
+
+
+def _blocks(tokens: list[int] | None, block_size: int, salt: str) -> tuple[int, ...] | None:
+    """``prompt_block_hashes`` of tokens already known."""
+    return chain_hashes(tokens[:-1], block_size, salt) if tokens else None
+
+
+class PromptBlocks:
+    """Computes a request's ``QueuedRequest.prompt_blocks`` when the config asks for them: with
+    the local tokenizer where one is configured, else with a backend's /tokenize."""
+
+    def __init__(self) -> None:
+        self._models: dict[str, ModelTokenizer | None] = {}  # by directory; None: unusable
+        self.remote = RemoteTokenizer()
+
+    async def _model(self, directory: str) -> ModelTokenizer | None:
+        if directory in self._models:
+            return self._models[directory]
+        # Off the loop (a large vocabulary takes ~100 ms); requests arriving meanwhile may load
+        # it too, once each at most: the first load to finish is kept.
+        try:
+            model: ModelTokenizer | None = await asyncio.to_thread(ModelTokenizer, Path(directory))
+        except Exception as exc:  # a missing file, bad JSON, a template that does not compile
+            log.warning("kv_cache.tokenizer %s unusable: %s", directory, exc)
+            model = None
+        return self._models.setdefault(directory, model)
+
+    async def compute(
+        self, config: Config, parsed: ParsedRequest, salt: str, via: Upstreams | None = None
+    ) -> tuple[int, ...] | None:
+        kv: KvCache = config.kv_cache
+        if not kv_cache_on(kv, config.policies.backends):
+            return None
+        inline = parsed.prompt_tokens <= kv.inline_tokens
+        tokens = given_tokens(parsed)
+        if kv.tokenizer is None or tokens is not None:
+            if tokens is None and via is not None:
+                tokens = await self.remote.tokens(parsed, kv, via.pool, via.session(), via.clock())
+            if inline:
+                return _blocks(tokens, kv.block_size, salt)
+            return await asyncio.to_thread(_blocks, tokens, kv.block_size, salt)
+        model = await self._model(kv.tokenizer)
+        if model is None:
+            return None
+        try:
+            if inline:
+                return prompt_block_hashes(model, parsed, kv.block_size, salt)
+            return await asyncio.to_thread(prompt_block_hashes, model, parsed, kv.block_size, salt)
+        except jinja2.exceptions.TemplateError:
+            return None  # vLLM would refuse it too (its template raised)
+
+
+PROMPT_BLOCKS = PromptBlocks()  # one per process: a tokenizer loaded once serves every request

@@ -1,0 +1,120 @@
+"""The prompt's tokens from a backend's own ``POST /tokenize``, where no local tokenizer is
+configured (``kv_cache.tokenizer`` null): vLLM renders the chat template and tokenizes exactly
+as it will for the request. Costs a round trip before the request is queued, so it is bounded:
+at most ``kv_cache.max_remote_tokenize`` calls in flight per process (past it, no blocks: the
+chooser falls back to load, nobody waits), each within ``kv_cache.tokenize_timeout_s``, its
+answer read up to a cap. A backend that requires the plugin's ticket on every route refuses
+these calls (403): no blocks either.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import orjson
+
+from proxy.config.kv_cache import KvCache
+from proxy.request.inbound import ParsedRequest
+from proxy.scheduling.pool import BackendPool
+from proxy.scheduling.probes import ProbeFailed, read_capped
+
+# What /tokenize takes of a chat request that changes its tokens; anything else that does
+# (documents, media) is not sent this way.
+_CHAT_FIELDS = (
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "chat_template",
+    "chat_template_kwargs",
+    "tools",
+)
+_NOT_RENDERED_ALIKE = frozenset({"documents", "mm_processor_kwargs", "media_io_kwargs"})
+_CAP_BYTES = 16 * 1024 * 1024  # ~1.5 million token ids
+
+
+def _text_only(messages: list[Any]) -> bool:
+    """No part other than text (images and audio hash their own extra keys)."""
+    for message in messages:
+        if not isinstance(message, dict):
+            return False
+        content = message.get("content")
+        if isinstance(content, list) and any(
+            not isinstance(p, dict) or p.get("type") != "text" for p in content
+        ):
+            return False
+    return True
+
+
+def tokenize_body(parsed: ParsedRequest) -> dict[str, Any] | None:
+    """The /tokenize request that gives ``parsed``'s prompt tokens; None when there is none."""
+    body = parsed.body
+    if parsed.endpoint == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or _NOT_RENDERED_ALIKE & body.keys():
+            return None
+        if not _text_only(messages):
+            return None
+        out = {"messages": messages, **{k: body[k] for k in _CHAT_FIELDS if k in body}}
+    elif parsed.endpoint == "completions":
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if not isinstance(prompt, str) or {"truncate_prompt_tokens", "prompt_embeds"} & body.keys():
+            return None
+        out = {
+            "prompt": prompt,
+            **(
+                {"add_special_tokens": body["add_special_tokens"]}
+                if "add_special_tokens" in body
+                else {}
+            ),
+        }
+    else:
+        return None
+    if parsed.model is not None:
+        out["model"] = parsed.model
+    return out
+
+
+class RemoteTokenizer:
+    """Round-robin over the available backends that serve the model."""
+
+    def __init__(self) -> None:
+        self.inflight = 0  # a count, not a semaphore: never waited on
+        self._turn = 0
+
+    async def tokens(
+        self,
+        parsed: ParsedRequest,
+        kv: KvCache,
+        pool: BackendPool,
+        session: aiohttp.ClientSession,
+        now: float,
+    ) -> list[int] | None:
+        body = tokenize_body(parsed)
+        if body is None or self.inflight >= kv.max_remote_tokenize:
+            return None
+        backends = [s for s in pool.all() if s.available(now) and s.serves(parsed.model)]
+        if not backends:
+            return None
+        self._turn += 1
+        url = backends[self._turn % len(backends)].cfg.url + "/tokenize"
+        self.inflight += 1
+        try:
+            async with asyncio.timeout(kv.tokenize_timeout_s):
+                async with session.post(url, json=body) as resp:
+                    if resp.status != 200:
+                        return None
+                    raw = await read_capped(resp, _CAP_BYTES)
+            tokens = orjson.loads(raw).get("tokens")
+        except (TimeoutError, aiohttp.ClientError, OSError, ProbeFailed, orjson.JSONDecodeError):
+            return None
+        except AttributeError:  # not an object
+            return None
+        finally:
+            self.inflight -= 1
+        if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+            return None
+        return tokens

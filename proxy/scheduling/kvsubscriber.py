@@ -1,0 +1,341 @@
+"""One ZMQ subscriber per backend to its vLLM's KV events, feeding that backend's prefix-cache
+index (``proxy.scheduling.kvindex``), and the supervisor that starts and stops them as backends
+and the config come and go. The supervisor is owned by the app (``proxy.server.app``); each
+subscriber by the supervisor.
+
+The endpoint comes from the backend's config (``kv_events``) or from its
+``GET /kv_event_sources`` (vLLM's publisher config; a wildcard host is the backend URL's host),
+asked again whenever the subscriber has heard nothing for ``kv_cache.idle_timeout_s``. ZMQ
+reconnects by itself; the socket's monitor tells when the connection drops, and the index is then
+dropped and cold (a restarting engine's cache starts empty; a dropped connection may have lost
+batches) until the next batch says where the stream stands (``proxy.scheduling.kvevents``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Callable
+from urllib.parse import urlsplit
+
+import aiohttp
+import msgspec
+import orjson
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from proxy.config.kv_cache import KvCache
+from proxy.scheduling.backend import BackendState
+from proxy.scheduling.kvevents import Applied, EventFeed, Sync, decode_batch, sequence_number
+from proxy.scheduling.kvindex import KvIndex
+from proxy.scheduling.kvreplay import replay
+from proxy.scheduling.pool import BackendPool
+from proxy.scheduling.probes import ProbeFailed, probe_get
+from proxy.tasks import OwnedTask
+from proxy.telemetry.kvmetrics import KvIndexMetrics
+
+log = logging.getLogger("tierproxy.kvevents")
+
+_SOURCES_CAP_BYTES = 64 * 1024
+_SYNC_PAUSE_S = 1.0  # between two looks of the supervisor at the pool
+_WILDCARD_HOSTS = ("*", "0.0.0.0", "[::]", "::")
+
+
+def _with_host(endpoint: object, backend_url: str) -> str | None:
+    """A ZMQ endpoint with its wildcard host replaced by the backend's."""
+    if not isinstance(endpoint, str) or not endpoint:
+        return None
+    if not endpoint.startswith("tcp://"):
+        return endpoint  # ipc:// or inproc://: only on the same host, as given
+    host, sep, port = endpoint[len("tcp://") :].rpartition(":")
+    if not sep:
+        return None
+    if host in _WILDCARD_HOSTS:
+        backend_host = urlsplit(backend_url).hostname or "127.0.0.1"
+        host = f"[{backend_host}]" if ":" in backend_host else backend_host
+    return f"tcp://{host}:{port}"
+
+
+def event_endpoints(sources: object, backend_url: str) -> tuple[str, str | None] | None:
+    """(the publisher's endpoint, its replay endpoint or None) from vLLM's
+    ``/kv_event_sources`` answer (``{rank: publisher config}``), wildcard hosts replaced by the
+    backend's; None: no ZMQ publisher, or more than one data-parallel rank (each its own cache:
+    not indexed)."""
+    if not isinstance(sources, dict) or len(sources) != 1:
+        return None
+    (config,) = sources.values()
+    if not isinstance(config, dict) or not config.get("enable_kv_cache_events"):
+        return None
+    if config.get("publisher") != "zmq":
+        return None
+    endpoint = _with_host(config.get("endpoint"), backend_url)
+    if endpoint is None:
+        return None
+    return endpoint, _with_host(config.get("replay_endpoint"), backend_url)
+
+
+def event_endpoint(sources: object, backend_url: str) -> str | None:
+    found = event_endpoints(sources, backend_url)
+    return found[0] if found is not None else None
+
+
+class KvSubscriber:
+    """One backend's subscriber: runs until the supervisor stops it."""
+
+    def __init__(
+        self,
+        url: str,
+        index: KvIndex,
+        settings: Callable[[], KvCache],
+        pool: BackendPool,
+        session: aiohttp.ClientSession,
+        metrics: KvIndexMetrics,
+        ctx: zmq.asyncio.Context,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.url = url
+        self.index = index
+        self.feed = EventFeed(index, wall)
+        self.settings = settings
+        self.pool = pool
+        self.session = session
+        self.metrics = metrics
+        self.ctx = ctx
+        self.endpoint: str | None = None
+        self.replay_endpoint: str | None = None  # vLLM's replay socket, where it has one
+        self._logged_missing = False
+        self.reported_evicted = 0  # of index.stats.evicted, already in the metric
+
+    @property
+    def label(self) -> str:
+        state = self.pool.states.get(self.url)
+        return state.label if state is not None else self.url
+
+    async def run(self) -> None:
+        sub: zmq.asyncio.Socket | None = None
+        monitor: zmq.asyncio.Socket | None = None
+        try:
+            while True:
+                endpoint = await self.find_endpoint()
+                if endpoint is not None and endpoint != self.endpoint:
+                    if sub is not None:
+                        sub.disable_monitor()
+                        _close(sub, monitor)
+                    sub, monitor = self._open(endpoint)
+                    log.info("backend %s: KV events from %s", self.label, endpoint)
+                self.metrics.connected.labels(self.label).set(1 if sub is not None else 0)
+                timeout = self.settings().idle_timeout_s
+                if sub is None or monitor is None:
+                    await asyncio.sleep(timeout)
+                else:
+                    await self._receive(sub, monitor, timeout)
+        finally:
+            if sub is not None:
+                _close(sub, monitor)
+
+    def _open(self, endpoint: str) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]:
+        sub = self.ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, 100_000)  # vLLM's own default on its side
+        sub.setsockopt(zmq.SUBSCRIBE, b"")  # every topic: the endpoint is this backend's alone
+        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sub.connect(endpoint)
+        self.endpoint = endpoint
+        self.feed.reconnected()
+        return sub, monitor
+
+    async def find_endpoint(self) -> str | None:
+        """The configured endpoint, else the backend's answer (with its replay endpoint); the
+        current one when the backend does not answer (ZMQ keeps reconnecting to it)."""
+        state = self.pool.states.get(self.url)
+        if state is None:
+            return self.endpoint
+        if state.cfg.kv_events:
+            self.replay_endpoint = state.cfg.kv_events_replay
+            return state.cfg.kv_events
+        try:
+            answer = await probe_get(
+                self.session,
+                self.url + "/kv_event_sources",
+                timeout_s=self.pool.health.probe_timeout_s,
+                cap=_SOURCES_CAP_BYTES,
+            )
+            sources = orjson.loads(answer.body) if answer.status == 200 else None
+        except (ProbeFailed, orjson.JSONDecodeError):
+            return self.endpoint
+        found = event_endpoints(sources, self.url)
+        if found is None:
+            if not self._logged_missing:
+                self._logged_missing = True
+                log.warning(
+                    "backend %s: no ZMQ KV-event publisher of a single data-parallel rank in its"
+                    " /kv_event_sources: its prefix cache is not indexed (docs/kv-cache.md)",
+                    self.label,
+                )
+            return self.endpoint
+        endpoint, self.replay_endpoint = found
+        return endpoint
+
+    async def _receive(
+        self, sub: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket, timeout_s: float
+    ) -> None:
+        """Apply batches until nothing came for ``timeout_s``."""
+        poller = zmq.asyncio.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        while True:
+            ready = dict(await poller.poll(timeout_s * 1000))
+            if not ready:
+                return
+            if monitor in ready:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    # What the old connection delivered first, then the drop: never a stale
+                    # batch of a stopped engine into the index after it was cleared.
+                    while await sub.poll(0):
+                        await self.on_message(await sub.recv_multipart())
+                    log.info("backend %s: KV-event connection dropped", self.label)
+                    self.feed.reconnected()
+                    continue
+            if sub in ready:
+                await self.on_message(await sub.recv_multipart())
+
+    async def on_message(self, frames: list[bytes]) -> None:
+        label = self.label
+        if len(frames) < 3:
+            return
+        seq = sequence_number(frames[-2])
+        try:
+            batch = decode_batch(frames[-1])
+        except msgspec.DecodeError:
+            log.warning("backend %s: undecodable KV-event batch %d: index dropped", label, seq)
+            self.feed.last_seq = seq
+            self.index.lost_sync()
+            self.metrics.gaps.labels(label).inc()
+            return
+        start = self.feed.missing_from(seq)
+        if start is not None and self.replay_endpoint is not None:
+            await self._replay(start, seq)
+        applied = self.feed.apply(seq, batch)
+        self._count(applied)
+
+    async def _replay(self, start: int, until: int) -> None:
+        """Batches ``start`` .. ``until - 1`` from vLLM's replay socket, applied in order when
+        it still holds them all (else the gap drops the index, as without one)."""
+        assert self.replay_endpoint is not None
+        timeout = self.pool.health.probe_timeout_s
+        missed = await replay(self.ctx, self.replay_endpoint, start, until, timeout)
+        if missed is None:
+            log.info("backend %s: KV events %d-%d not replayed", self.label, start, until - 1)
+            return
+        for seq, batch in missed:
+            self._count(self.feed.apply(seq, batch))
+        self.metrics.replayed.labels(self.label).inc(len(missed))
+
+    def _count(self, applied: Applied) -> None:
+        label = self.label
+        if applied.sync == Sync.GAP:
+            self.metrics.gaps.labels(label).inc()
+        elif applied.sync == Sync.RESTART:
+            log.info("backend %s: engine restarted (its KV events numbered again)", label)
+            self.metrics.restarts.labels(label).inc()
+        for kind, n in applied.counts.items():
+            self.metrics.events.labels(label, kind).inc(n)
+        if self.feed.lag_s is not None:
+            self.metrics.lag.labels(label).set(self.feed.lag_s)
+
+
+def _close(sub: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket | None) -> None:
+    if monitor is not None:
+        monitor.close(linger=0)
+    sub.close(linger=0)
+
+
+class KvEventWatcher:
+    """Starts a subscriber for each backend of the pool while ``kv_cache`` is on, stops the
+    ones of backends that left, and hangs each backend's index on its state."""
+
+    def __init__(
+        self,
+        pool: BackendPool,
+        settings: Callable[[], KvCache | None],
+        session: aiohttp.ClientSession,
+        metrics: KvIndexMetrics,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.pool = pool
+        self.settings = settings  # None: off under the current config
+        self.session = session
+        self.metrics = metrics
+        self.clock = clock
+        self._ctx: zmq.asyncio.Context | None = None  # made with the first subscriber
+        self._task = OwnedTask("tierproxy-kv-events")
+        self._subs: dict[str, tuple[KvSubscriber, OwnedTask]] = {}
+        self._block_size: int | None = None
+
+    def start(self) -> None:
+        self._task.start(self._run)
+
+    async def stop(self) -> None:
+        await self._task.stop()
+        await self._stop(set(self._subs))
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
+            self._ctx = None
+
+    async def _run(self) -> None:
+        while True:
+            await self.sync()
+            await asyncio.sleep(_SYNC_PAUSE_S)
+
+    async def sync(self) -> None:
+        settings = self.settings()
+        if settings is None or settings.block_size != self._block_size:
+            await self._stop(set(self._subs))  # off, or every index is of another block size
+            self._block_size = settings.block_size if settings is not None else None
+        urls = {s.cfg.url for s in self.pool.all()} if settings is not None else set()
+        await self._stop(set(self._subs) - urls)
+        for url in urls - set(self._subs):
+            assert settings is not None
+            self._subs[url] = self._start(url, settings)
+        for state in self.pool.all():
+            self._attach(state, settings)
+
+    def _start(self, url: str, settings: KvCache) -> tuple[KvSubscriber, OwnedTask]:
+        index = KvIndex(settings.block_size, settings.max_blocks, self.clock, settings.resync_s)
+        current = functools.partial(self._current, settings)
+        if self._ctx is None:
+            self._ctx = zmq.asyncio.Context()
+        sub = KvSubscriber(url, index, current, self.pool, self.session, self.metrics, self._ctx)
+        task = OwnedTask(f"tierproxy-kv-events {url}")
+        task.start(sub.run)
+        return sub, task
+
+    def _current(self, fallback: KvCache) -> KvCache:
+        return self.settings() or fallback
+
+    def _attach(self, state: BackendState, settings: KvCache | None) -> None:
+        entry = self._subs.get(state.cfg.url)
+        if entry is None:
+            state.kv_index = None
+            return
+        sub = entry[0]
+        index = state.kv_index = sub.index
+        if settings is not None:  # a reload may change these in place
+            index.max_blocks, index.resync_s = settings.max_blocks, settings.resync_s
+        label = state.label
+        self.metrics.blocks.labels(label).set(len(index))
+        self.metrics.warm.labels(label).set(1 if index.warm() else 0)
+        self.metrics.evicted.labels(label).inc(index.stats.evicted - sub.reported_evicted)
+        sub.reported_evicted = index.stats.evicted
+
+    async def _stop(self, urls: set[str]) -> None:
+        for url in urls:
+            sub, task = self._subs.pop(url)
+            await task.stop()
+            state = self.pool.states.get(url)
+            if state is not None and state.kv_index is sub.index:
+                state.kv_index = None

@@ -1,0 +1,121 @@
+"""The prompt's tokens from a backend's /tokenize (proxy.request.remote_tokens), against an
+in-process backend: what is asked, the answer used, and the bounds (calls in flight, timeout,
+a refused or odd answer) that give no tokens rather than a wait or a guess."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.inproc import serve_app
+from proxy.config.backends import Backend, BackendHealth
+from proxy.config.kv_cache import KvCache
+from proxy.policies.backends import LeastUtilised
+from proxy.request.inbound import ParsedRequest
+from proxy.request.remote_tokens import RemoteTokenizer, tokenize_body
+from proxy.scheduling.pool import BackendPool
+from tests.helpers.clock import FakeClock
+from tests.helpers.rig import served_rig, tenants
+
+
+def parsed(body: dict[str, Any], endpoint: str = "chat") -> ParsedRequest:
+    return ParsedRequest(body, endpoint, False, "tiny", 10, 16, 16, False)  # type: ignore[arg-type]
+
+
+def test_the_tokenize_request_carries_what_changes_the_tokens() -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    body = {"messages": messages, "tools": [{"type": "function"}], "temperature": 0.5}
+    assert tokenize_body(parsed(body)) == {
+        "messages": messages,
+        "tools": [{"type": "function"}],
+        "model": "tiny",
+    }
+    assert tokenize_body(parsed({"prompt": ["abc"]}, "completions")) == {
+        "prompt": "abc",
+        "model": "tiny",
+    }
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]
+    for refused in (
+        parsed({"messages": image}),
+        parsed({"messages": messages, "documents": []}),
+        parsed({"prompt": ["a", "b"]}, "completions"),
+        parsed({"prompt": [1, 2]}, "completions"),  # token ids need no tokenizer at all
+        parsed({"input": "x"}, "responses"),
+    ):
+        assert tokenize_body(refused) is None
+
+
+class Backend1:
+    def __init__(self) -> None:
+        self.bodies: list[dict[str, Any]] = []
+        self.answer: Any = {"count": 3, "tokens": [5, 6, 7], "max_model_len": 2048}
+        self.status = 200
+        self.gate = asyncio.Event()
+        self.gate.set()
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        self.bodies.append(await request.json())
+        await self.gate.wait()
+        return web.json_response(self.answer, status=self.status)
+
+
+async def test_tokens_from_the_backend_within_bounds() -> None:
+    fake = Backend1()
+    app = web.Application()
+    app.router.add_post("/tokenize", fake.tokenize)
+    remote = RemoteTokenizer()
+    request = parsed({"messages": [{"role": "user", "content": "hi"}]})
+    async with serve_app(app) as url, aiohttp.ClientSession() as session:
+        pool = BackendPool([Backend(url=url)], BackendHealth(), LeastUtilised())
+        kv = KvCache(tokenize_timeout_s=5.0, max_remote_tokenize=1)
+        assert await remote.tokens(request, kv, pool, session, 0.0) == [5, 6, 7]
+        assert fake.bodies[-1]["messages"] == [{"role": "user", "content": "hi"}]
+        # One call in flight at most: the next gets nothing at once.
+        fake.gate.clear()
+        held = asyncio.create_task(remote.tokens(request, kv, pool, session, 0.0))
+        while remote.inflight == 0:
+            await asyncio.sleep(0)
+        assert await remote.tokens(request, kv, pool, session, 0.0) is None
+        fake.gate.set()
+        assert await held == [5, 6, 7] and remote.inflight == 0
+        # Refused (a ticket required, say), odd answers, a backend too slow: nothing.
+        fake.status = 403
+        assert await remote.tokens(request, kv, pool, session, 0.0) is None
+        fake.status = 200
+        for odd in ({"tokens": ["a"]}, [1, 2], {"count": 1}):
+            fake.answer = odd
+            assert await remote.tokens(request, kv, pool, session, 0.0) is None
+        fake.answer, fake.gate = {"tokens": [1]}, asyncio.Event()
+        quick = KvCache(tokenize_timeout_s=0.05)
+        assert await remote.tokens(request, quick, pool, session, 0.0) is None
+        fake.gate.set()
+        # No backend available (ejected): nothing asked.
+        pool.all()[0].healthy = False
+        calls = len(fake.bodies)
+        assert await remote.tokens(request, kv, pool, session, 0.0) is None
+        assert len(fake.bodies) == calls
+
+
+async def test_the_pipeline_tokenizes_only_requests_that_may_run(clock: FakeClock) -> None:
+    """Through a backend's /tokenize (no local tokenizer): a request the tenant's limits refuse
+    costs the backends no /tokenize call; one that runs asks it once, before being queued."""
+    backend = FakeVLLM()
+    async with served_rig(
+        clock,
+        backend,
+        tenants=tenants(requests_per_minute=1),
+        kv_cache={"enabled": True, "block_size": 1},
+    ) as r:
+        assert (await r.chat()).status == 200
+        assert [x.path for x in backend.received] == ["/tokenize", "/v1/chat/completions"]
+        assert (await r.chat()).status == 429
+        assert len(backend.received) == 2
+    # kv_cache off (the default): never asked.
+    backend = FakeVLLM()
+    async with served_rig(clock, backend) as r:
+        assert (await r.chat()).status == 200
+        assert [x.path for x in backend.received] == ["/v1/chat/completions"]

@@ -1,0 +1,75 @@
+"""The per-prefix token cache of rendered chat prompts (proxy.request.tokencache): a cut after
+a special token gives exactly one whole encode's tokens, a conversation's next turn reuses its
+earlier turns' tokens, a tokenizer where a cut would change tokens is never cut (by its
+configuration, or by the verification of its first cuts), and memory stays bounded."""
+
+from __future__ import annotations
+
+import random
+
+from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+from proxy.request.prompt_blocks import ModelTokenizer
+from proxy.request.tokencache import VERIFY, PrefixTokenCache
+from tests.helpers.paths import TINY_MODEL_DIR
+
+
+def _tiny() -> Tokenizer:
+    return ModelTokenizer(TINY_MODEL_DIR).tokenizer
+
+
+def _conversation(turns: int, rng: random.Random) -> list[dict[str, str]]:
+    words = ["alpha", "beta", " gamma", "δέλτα", "\n", "  ", "</", "s>", "x" * 7, "42"]
+    messages = [{"role": "system", "content": "".join(rng.choices(words, k=200))}]
+    for _ in range(turns):
+        messages.append({"role": "user", "content": "".join(rng.choices(words, k=30))})
+        messages.append({"role": "assistant", "content": "".join(rng.choices(words, k=30))})
+    return messages
+
+
+def test_cut_tokens_equal_a_whole_encode_and_the_next_turn_hits() -> None:
+    model = ModelTokenizer(TINY_MODEL_DIR)
+    assert model.template is not None and model.prefixes.enabled
+    rng = random.Random(7)
+    for conversation in range(4):
+        history = _conversation(6, rng)
+        for turn in range(1, 7):
+            messages = history[: 2 * turn]  # the system prompt, then up to turn's question
+            text = model.template.render(messages=messages, add_generation_prompt=True)
+            whole = model.tokenizer.encode(text, add_special_tokens=False).ids
+            hits = model.prefixes.hits
+            assert model.prefixes.encode(text) == whole, (conversation, turn)
+            if turn > 1:  # the previous turn's text up to its question is a prefix
+                assert model.prefixes.hits == hits + 1
+    assert model.prefixes.verify_left == 0 and model.prefixes.enabled
+
+
+def test_specials_that_absorb_whitespace_are_no_cut_points() -> None:
+    tok = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken("<e>", rstrip=True, special=True)])
+    assert not PrefixTokenCache(tok).enabled
+    meta = Tokenizer(models.WordLevel({"▁a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    meta.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    meta.add_special_tokens([AddedToken("<e>", special=True)])
+    assert not PrefixTokenCache(meta).enabled
+
+
+def test_a_cut_that_changes_tokens_turns_the_cache_off() -> None:
+    meta = Tokenizer(models.WordLevel({"▁a": 0, "a": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    meta.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    meta.add_special_tokens([AddedToken("<e>", special=True)])
+    cache = PrefixTokenCache(meta)
+    cache.specials = ["<e>"]  # as if the configuration check had let it through
+    whole = meta.encode("a<e>a", add_special_tokens=False).ids
+    assert cache.encode("a<e>a") == whole
+    assert not cache.enabled and cache.verify_left == VERIFY - 1
+
+
+def test_memory_is_bounded_in_tokens() -> None:
+    cache = PrefixTokenCache(_tiny(), max_tokens=500)
+    rng = random.Random(3)
+    for _ in range(50):
+        text = "".join(rng.choices(["ab", "cd ", "ef"], k=100)) + "</s>tail"
+        cache.encode(text)
+        assert cache._held <= 500
