@@ -107,12 +107,6 @@ class RequestPipeline:
             config=config, clock=clock, limits=limits, metrics=metrics, child=self.child
         )
 
-    async def chat(self, request: web.Request) -> web.StreamResponse:
-        return await self.handle(request, "chat")
-
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self.handle(request, "completions")
-
     def handler(self, route: Route) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
         """The aiohttp handler of one of ``proxy.api.routes.ROUTES``."""
 
@@ -123,14 +117,16 @@ class RequestPipeline:
 
     async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         trace = Trace.begin(request.headers, self.clock())
-        if self.tracing is not None:
-            trace.spans = self.tracing.begin(request, trace.request_id, trace.arrival, self.clock())
         request[REQUEST_ID] = trace.reply_id  # for streams too (reply_headers)
         loaded = self.config()  # one config for the whole request, even if a reload happens
         adm: Admitted | None = None
         result: RelayResult | None = None
         try:
             trace.tenant, trace.key_id = identify(request.headers, loaded)
+            if self.tracing is not None:  # after the key: no keyless client's trace recorded
+                trace.spans = self.tracing.begin(
+                    request, trace.request_id, trace.arrival, self.clock()
+                )
             adm = await self.parse(request, endpoint, loaded.config, trace.tenant, trace)
             trace.admitted, adm.spans = True, trace.spans
             await self.quotas.reserve(adm)  # refused, never waited for: settled below

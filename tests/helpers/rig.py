@@ -15,6 +15,7 @@ import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
+from proxy.api.routes import BY_ENDPOINT
 from proxy.bench.fake_vllm import FakeVLLM
 from proxy.config.loader import parse_config
 from proxy.config.tenants import hash_key
@@ -99,7 +100,7 @@ async def rig(config: dict[str, Any], clock: FakeClock) -> AsyncIterator[Rig]:
         pipeline = state.pipeline
         pipeline.sleep = sleep
         app = web.Application()
-        app.router.add_post("/v1/chat/completions", pipeline.chat)
+        app.router.add_post("/v1/chat/completions", pipeline.handler(BY_ENDPOINT["chat"]))
         state.dispatcher.start()
         try:
             async with TestClient(TestServer(app)) as client:

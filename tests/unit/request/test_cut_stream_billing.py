@@ -17,6 +17,7 @@ import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
+from proxy.api.routes import BY_ENDPOINT
 from proxy.bench.inproc import serve_app
 from proxy.config.loader import parse_config
 from proxy.policies.cost import weighted_tokens
@@ -104,7 +105,7 @@ async def rig(url: str, clock: FakeClock) -> AsyncIterator[Rig]:
     async with aiohttp.ClientSession() as session:
         state.session = session
         app = web.Application()
-        app.router.add_post("/v1/chat/completions", state.pipeline.chat)
+        app.router.add_post("/v1/chat/completions", state.pipeline.handler(BY_ENDPOINT["chat"]))
         state.dispatcher.start()
         try:
             server = TestServer(app, handler_cancellation=True)

@@ -197,14 +197,31 @@ async def test_a_retry_ends_the_failed_upstream_span_as_an_error(clock: FakeCloc
 async def test_a_refused_request_ends_its_server_span_with_the_refusal(clock: FakeClock) -> None:
     async with traced(clock, FakeVLLM()) as (r, caught):
         resp = await r.client.post(
-            "/v1/chat/completions", json={"model": "tiny"}, headers={"Authorization": "Bearer no"}
+            "/v1/chat/completions", json={"model": "tiny"}, headers=auth("normal")
         )
-        assert resp.status == 401
+        assert resp.status == 400
         (server,) = caught.all()
         attrs = dict(server.attributes or {})
-        assert attrs["tierproxy.outcome"] == "unauthorized"
-        assert attrs["http.response.status_code"] == 401
-        assert "tierproxy.tenant" not in attrs
+        assert attrs["tierproxy.outcome"] == "rejected"
+        assert attrs["http.response.status_code"] == 400
+        assert attrs["tierproxy.tenant"] == "tenant-normal"
+
+
+async def test_a_keyless_request_records_no_span_whatever_its_traceparent(
+    clock: FakeClock,
+) -> None:
+    """Fresh eyes (round 3, tr01): keyless requests with a sampled traceparent were recorded
+    under the client's trace id, 50 of 50 at sample_ratio 0: anonymous traffic could fill the
+    export queue and push out the tenants' spans."""
+    async with traced(clock, FakeVLLM()) as (r, caught):
+        headers = {
+            "Authorization": "Bearer no",
+            "traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01",
+        }
+        for _ in range(3):
+            resp = await r.client.post("/v1/chat/completions", json=body(), headers=headers)
+            assert resp.status == 401
+        assert caught.all() == []
 
 
 # -- the client's trace context ---------------------------------------------------------------
