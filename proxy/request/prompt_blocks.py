@@ -17,7 +17,9 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -36,6 +38,13 @@ from proxy.request.tokencache import PrefixTokenCache
 from proxy.scheduling.pool import BackendPool
 
 log = logging.getLogger("tierproxy.prompt_blocks")
+
+# Long prompts are tokenized on threads of their own (not asyncio's default pool, which config
+# reloads use too), at most this many of one tenant at once: past it a tenant's request goes
+# without blocks (placed by load) rather than queue for a thread. Eight 1 MB prompts of one
+# tenant pushed the others' latency from 3 ms to 365 ms on the shared pool (fresh eyes t02).
+TOKENIZER_THREADS = 2
+PER_TENANT_OFF_LOOP = 1
 
 # Body fields that change the prompt's tokens when present: such requests get no blocks.
 _CHAT_FIELDS = frozenset(
@@ -215,6 +224,24 @@ class PromptBlocks:
     def __init__(self) -> None:
         self._models: dict[str, ModelTokenizer | None] = {}  # by directory; None: unusable
         self.remote = RemoteTokenizer()
+        self._threads = ThreadPoolExecutor(TOKENIZER_THREADS, "tierproxy-tokenize")
+        self.off_loop: dict[str, int] = {}  # tenant -> its prompts on those threads now
+
+    async def _on_thread(
+        self, tenant: str, work: Callable[[], tuple[int, ...] | None]
+    ) -> tuple[int, ...] | None:
+        busy = self.off_loop.get(tenant, 0)
+        if busy >= PER_TENANT_OFF_LOOP:
+            return None  # the tenant's earlier long prompts come first; this one by load
+        self.off_loop[tenant] = busy + 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._threads, work)
+        finally:
+            left = self.off_loop[tenant] - 1
+            if left:
+                self.off_loop[tenant] = left
+            else:
+                del self.off_loop[tenant]
 
     async def _model(self, directory: str) -> ModelTokenizer | None:
         if directory in self._models:
@@ -229,7 +256,12 @@ class PromptBlocks:
         return self._models.setdefault(directory, model)
 
     async def compute(
-        self, config: Config, parsed: ParsedRequest, salt: str, via: Upstreams | None = None
+        self,
+        config: Config,
+        parsed: ParsedRequest,
+        salt: str,
+        via: Upstreams | None = None,
+        tenant: str = "",
     ) -> tuple[int, ...] | None:
         kv: KvCache = config.kv_cache
         if not kv_cache_on(kv, config.policies.backends):
@@ -241,14 +273,15 @@ class PromptBlocks:
                 tokens = await self.remote.tokens(parsed, kv, via.pool, via.session(), via.clock())
             if inline:
                 return _blocks(tokens, kv.block_size, salt)
-            return await asyncio.to_thread(_blocks, tokens, kv.block_size, salt)
+            return await self._on_thread(tenant, partial(_blocks, tokens, kv.block_size, salt))
         model = await self._model(kv.tokenizer)
         if model is None:
             return None
         try:
             if inline:
                 return prompt_block_hashes(model, parsed, kv.block_size, salt)
-            return await asyncio.to_thread(prompt_block_hashes, model, parsed, kv.block_size, salt)
+            hashes = partial(prompt_block_hashes, model, parsed, kv.block_size, salt)
+            return await self._on_thread(tenant, hashes)
         except jinja2.exceptions.TemplateError:
             return None  # vLLM would refuse it too (its template raised)
 

@@ -5,6 +5,8 @@ tests/integration/test_kvindex_vllm.py."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -114,3 +116,22 @@ async def test_computed_when_on_inline_or_in_a_thread(
     assert await blocks.compute(threaded, request, "salt") == want
     missing = _config(enabled=True, tokenizer=str(tmp_path))
     assert await blocks.compute(missing, request, "salt") is None
+
+
+async def test_one_tenant_has_one_long_prompt_on_the_threads_at_a_time(
+    model: ModelTokenizer,
+) -> None:
+    """Fresh eyes (round 3, t02): one tenant's eight 1 MB prompts took the shared threads and
+    slowed every other tenant; past its share a request goes without blocks (placed by load)."""
+    request = chat({"role": "user", "content": "hello " * 50}, estimate=100)
+    want = prompt_block_hashes(model, request, 32, "salt")
+    threaded = _config(enabled=True, tokenizer=str(MODEL), inline_tokens=0)
+    blocks, gate = PromptBlocks(), threading.Event()
+    held = asyncio.create_task(blocks._on_thread("a", lambda: (1,) if gate.wait(10) else None))
+    await asyncio.sleep(0)  # its thread holds tenant a's share
+    assert blocks.off_loop == {"a": 1}
+    assert await blocks.compute(threaded, request, "salt", tenant="a") is None
+    assert await blocks.compute(threaded, request, "salt", tenant="b") == want
+    gate.set()
+    assert await held == (1,) and blocks.off_loop == {}
+    assert await blocks.compute(threaded, request, "salt", tenant="a") == want
