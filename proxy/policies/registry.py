@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from proxy.policies.backends import BackendChooser, LeastUtilised, PrefixAffinity
 from proxy.policies.displacement import Displacement, LargestShare, NoDisplacement
+from proxy.policies.kvaware import KvAware, latency_weights
 from proxy.policies.order import Fcfs, RequestOrder, ShortFirst
 from proxy.policies.tenants import EarliestDeadlineFirst, TenantFairness, VirtualTokenCounter
 from proxy.policies.tiers import StrictPriorityTierSelector, StrideTierSelector, TierSelector
@@ -41,7 +42,22 @@ DISPLACEMENTS: Registry[Displacement] = {
 BACKENDS: Registry[BackendChooser] = {
     "least_utilised": lambda cfg: LeastUtilised(),
     "prefix_affinity": lambda cfg: PrefixAffinity(cfg.policies.prefix_memory),
+    "kv_aware": lambda cfg: KvAware(
+        block_size=_block_size(cfg),
+        latency_weights=latency_weights(
+            {name: t.priority for name, t in cfg.tiers.items()},
+            cfg.policies.kv_room_weight_best,
+            cfg.policies.kv_room_weight_worst,
+        ),
+    ),
 }
+
+
+def _block_size(cfg: Config) -> int:
+    # vLLM's KV block size, one for all backends: the KV index's config (#24 item 1) sets it;
+    # until it lands no request carries prompt blocks and the size is never used.
+    return 32
+
 
 # The config field of each seam -> its valid names.
 CHOICES: Mapping[str, Mapping[str, object]] = {
