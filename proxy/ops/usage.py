@@ -46,7 +46,8 @@ class UsageCounters:
         )
         self.tokens = Counter(
             "tierproxy_usage_tokens",
-            "Tokens per tenant by kind (prompt | completion), from the backends' usage",
+            "Tokens per tenant by kind (prompt | completion | cached_prompt: of the prompt,"
+            " what hit the backend's prefix cache), from the backends' usage",
             [*_LABELS, "kind"],
             registry=r,
         )
@@ -154,6 +155,8 @@ class UsageMeter:
             c.tokens.labels(*labels, "prompt").inc(record.prompt_tokens)
         if record.completion_tokens:
             c.tokens.labels(*labels, "completion").inc(record.completion_tokens)
+        if record.cached_prompt_tokens:
+            c.tokens.labels(*labels, "cached_prompt").inc(record.cached_prompt_tokens)
         used = record.prompt_tokens + record.completion_tokens
         if used:
             key = labels[:2]
