@@ -5,6 +5,7 @@ tokens, the one whose prompts hit the cache gets more requests served, by that f
 from __future__ import annotations
 
 import heapq
+from typing import Any
 
 import pytest
 
@@ -91,13 +92,18 @@ def test_the_tenant_whose_prompts_hit_the_cache_gets_more_served_by_the_fraction
         assert served["reuse"] > served["fresh"]
 
 
+class CachedFake(FakeVLLM):
+    """Says 64 of its prompt tokens were cached, as vLLM with --enable-prompt-tokens-details."""
+
+    def usage_body(self) -> dict[str, Any]:
+        return {**usage_of(*self.usage), "prompt_tokens_details": {"cached_tokens": 64}}
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 async def test_an_answers_cached_tokens_reach_the_charge_the_counters_and_the_metrics(
     clock: FakeClock, stream: bool
 ) -> None:
-    fake = FakeVLLM(usage=(100, 3))
-    usage = {**usage_of(100, 3), "prompt_tokens_details": {"cached_tokens": 64}}
-    fake.usage_body = lambda: usage  # type: ignore[method-assign]
+    fake = CachedFake(usage=(100, 3))
     policies = {"cached_prompt_charge": 0.25}
     async with served_rig(clock, fake, policies=policies) as r:
         extra = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
