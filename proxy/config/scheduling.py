@@ -123,14 +123,14 @@ class Policies(Strict):
         10_000, gt=0, description="`prefix_affinity`: how many prefixes are remembered (LRU)."
     )
     kv_room_weight_best: float = Field(
-        4.0,
+        1.0,
         gt=0,
         description="`kv_aware`: how much the best tier weighs a backend's free room against"
         " the share of its prompt cached there (1.0: a fully cached prompt is worth a whole"
         " idle backend); higher sends it to idle backends sooner.",
     )
     kv_room_weight_worst: float = Field(
-        0.25,
+        0.1,
         gt=0,
         description="`kv_aware`: the same weight for the worst tier (tiers between: geometric"
         " steps by priority); lower lets it follow its cache onto busier backends.",

@@ -48,6 +48,8 @@ class KvAware:
         self._rotation = Rotation()
         # (backend url, chained block hash) -> when it was sent there; oldest first.
         self._pending: OrderedDict[tuple[str, int], float] = OrderedDict()
+        # Chained block hash -> the backend it was last sent to (least recently sent first).
+        self._owner: OrderedDict[int, str] = OrderedDict()
 
     def room(self, state: BackendView, now: float, health: BackendHealth) -> float:
         return slot_room(state, now, health)
@@ -64,14 +66,21 @@ class KvAware:
         blocks = request.prompt_blocks if request is not None else None
         weight = self.latency_weights.get(request.tier, 1.0) if request is not None else 1.0
         prompt = max(1, request.prompt_tokens) if request is not None else 1
+        if blocks:  # the prompt's real length: its full blocks and a partial one
+            prompt = (len(blocks) + 1) * self.block_size
         self._expire()
         best: B | None = None
-        best_key = (0, 0, 0, 0)
+        best_key = (0, 0, 0, 0, 0)
         for c in candidates:
             saved = self.cached_tokens(c.state, blocks) if blocks else 0
             room = free_share(c)
             score = min(1.0, saved / prompt) + weight * room
-            key = (round(score / TIE), round(room / TIE), saved, self._rotation.age(c.state))
+            # Last among ties: where the prompt's prefix was last sent, so that a tenant's new
+            # conversations gather where its system prompt is (each backend holding every
+            # tenant's would halve what both caches hold); then the least recently chosen.
+            owned = self._owned_run(c.state.cfg.url, blocks) if blocks else 0
+            age = self._rotation.age(c.state)
+            key = (round(score / TIE), round(room / TIE), saved, owned, age)
             if best is None or key > best_key:
                 best, best_key = c.state, key
         return best
@@ -86,14 +95,26 @@ class KvAware:
             key = (url, block)
             self._pending[key] = now
             self._pending.move_to_end(key)
+            self._owner[block] = url
+            self._owner.move_to_end(block)
         while len(self._pending) > self.pending_blocks:
             self._pending.popitem(last=False)
+        while len(self._owner) > self.pending_blocks:
+            self._owner.popitem(last=False)
 
     def _pending_run(self, url: str, blocks: Sequence[int]) -> int:
         # Block hashes are chained: a block sent means every block before it was sent too.
         for i in range(len(blocks) - 1, -1, -1):
             if (url, blocks[i]) in self._pending:
                 return i + 1
+        return 0
+
+    def _owned_run(self, url: str, blocks: Sequence[int]) -> int:
+        """Leading blocks of ``blocks`` whose deepest was last sent to ``url``."""
+        for i in range(len(blocks) - 1, -1, -1):
+            owner = self._owner.get(blocks[i])
+            if owner is not None:
+                return i + 1 if owner == url else 0
         return 0
 
     def _expire(self) -> None:

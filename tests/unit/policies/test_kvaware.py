@@ -129,6 +129,7 @@ def test_a_prompt_just_sent_counts_as_cached_there_until_its_events_could_have_a
     chooser = KvAware(block_size=BLOCK, latency_weights=WEIGHTS, pending_s=5.0, clock=clock)
     system = [11, 12, 13, 14]
     first = _place(chooser, backends, _req("normal", system))
+    first.inflight += 1  # the pool counts it in
     other = backends[1 - backends.index(first)]
     # Busier now, and its index does not show the prompt yet: it still follows the prompt.
     assert chooser.pick(_candidates(backends), _req("normal", [*system, 15])) is first
@@ -158,3 +159,17 @@ def test_prefix_affinity_spreads_new_prefixes_that_arrive_while_every_backend_is
     for prefix, where in enumerate(picks):
         req = QueuedRequest("normal", "t", 10, 10, 0.0, prefix_hash=prefix)
         assert chooser.pick(_candidates(backends), req) is backends[where]
+
+
+def test_a_tenants_new_conversations_gather_where_its_system_prompt_was_last_sent() -> None:
+    a, b = backends = _backends()
+    system = [21, 22, 23]
+    a.cached = b.cached = set(system)  # both hold it: the index alone cannot choose
+    chooser = _chooser()
+    first = _place(chooser, backends, _req("normal", [*system, 30]))
+    # Equal load, equal cached prefix: not the round-robin's turn, the system prompt's place.
+    for tail in (31, 32, 33):
+        assert _place(chooser, backends, _req("normal", [*system, tail])) is first
+    # Load still comes first: a busier owner loses the tie.
+    first.inflight = 1
+    assert chooser.pick(_candidates(backends), _req("normal", [*system, 34])) is not first
