@@ -224,20 +224,27 @@ def run_policy(
 
 
 def render(runs: list[RunFigures], baseline: str = "least_utilised") -> str:
-    """A markdown table, prefill computed also as a multiple of the baseline's (same round)."""
-    base = {r.round: r.prefill_computed for r in runs if r.policy == baseline}
+    """A markdown table. Prefill computed is also given as a share of the prompt tokens, and
+    that share against the baseline's in the same round: the load is closed-loop, so a
+    faster policy sends more requests (more prompt tokens) in the same time."""
+    base = {
+        r.round: r.prefill_computed / r.prompt_tokens
+        for r in runs
+        if r.policy == baseline and r.prompt_tokens
+    }
     tiers = list(dict.fromkeys(t for r in runs for t in r.ttft_ms))
-    head = ["policy", "round", "requests (failed)", "prefill computed", f"x {baseline}", "hit rate"]
-    head += [f"TTFT {t} p50/p99 ms" for t in tiers]
+    head = ["policy", "round", "requests (failed)", "prefill computed", f"share x {baseline}"]
+    head += ["hit rate"] + [f"TTFT {t} p50/p99 ms" for t in tiers]
     head += ["output tok/s", "engine share", "index exact"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in runs:
-        ratio = r.prefill_computed / base[r.round] if base.get(r.round) else float("nan")
+        share = r.prefill_computed / r.prompt_tokens if r.prompt_tokens else float("nan")
+        ratio = share / base[r.round] if base.get(r.round) else float("nan")
         cells = [
             f"`{r.policy}`",
             str(r.round),
             f"{r.requests} ({r.failed})",
-            f"{r.prefill_computed:,.0f} of {r.prompt_tokens:,.0f}",
+            f"{r.prefill_computed:,.0f} of {r.prompt_tokens:,.0f} ({share:.0%})",
             f"{ratio:.2f}",
             f"{r.hit_rate:.0%}",
         ]

@@ -85,5 +85,5 @@ def test_figures_count_what_vllm_computed_and_the_index_accuracy() -> None:
     assert f.ttft_ms["low"] == (200, 200)
     base = figures("least_utilised", 1, records, before, [after[0], after[0]], [], 10)
     table = render([base, f])
-    assert "| `kv_aware` | 1 | 4 (1) | 1,200 of 2,000 | 1.50 | 40% |" in table
+    assert "| `kv_aware` | 1 | 4 (1) | 1,200 of 2,000 (60%) | 1.50 | 40% |" in table
     assert "50.0% of 2" in table and "| n/a |" in table
