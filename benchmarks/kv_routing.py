@@ -24,7 +24,12 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("--scenario", default="prefix-cache")
-    parser.add_argument("--policies", default="least_utilised,prefix_affinity,kv_aware")
+    parser.add_argument(
+        "--policies",
+        default="least_utilised,prefix_affinity,kv_aware",
+        help="comma-separated; kv_aware@BEST/WORST sets its room weights; NAME+kv runs the"
+        " KV index and the prompts' blocks under another policy (their cost alone)",
+    )
     parser.add_argument("--rounds", type=int, default=1, help="every policy once per round")
     parser.add_argument("--duration", type=float, help="seconds per run (default: scenario's)")
     parser.add_argument("--out", type=Path, default=Path(".tierproxy/kv-routing"))
@@ -40,7 +45,10 @@ def main() -> int:
         urls = [e.spec.url for e in engines]
         for round_ in range(1, args.rounds + 1):
             for policy in policies:
-                runs.append(run_policy(scenario, urls, policy, round_, out, duration))
+                # The index and the prompts' blocks run for kv_aware only (as a user would).
+                wants_kv = policy.startswith("kv_aware") or policy.endswith("+kv")
+                tokenizer = engines[0].spec.model if wants_kv else None
+                runs.append(run_policy(scenario, urls, policy, round_, out, duration, tokenizer))
                 print(render(runs[-1:]), file=sys.stderr)
     finally:
         for e in engines:

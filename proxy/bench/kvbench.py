@@ -41,49 +41,46 @@ COUNTERS = {
 HTTP = aiohttp.ClientTimeout(total=30)
 
 
-def engine_args(scenario: ConversationScenario, events_port: int) -> list[str]:
-    shape = scenario.engine
-    events = {
-        "enable_kv_cache_events": True,
-        "publisher": "zmq",
-        "endpoint": f"tcp://*:{events_port}",
-        "topic": "kv",
-    }
-    return [
-        "--enable-prefix-caching",
-        "--block-size",
-        str(shape.block_size),
-        "--num-gpu-blocks-override",
-        str(shape.kv_blocks),
-        "--enable-prompt-tokens-details",
-        "--kv-events-config",
-        json.dumps(events),
-    ]
+def engine_args(scenario: ConversationScenario) -> list[str]:
+    """Past the KV-event flags (``kv_event_args``): a prefix cache of the scenario's size."""
+    return ["--num-gpu-blocks-override", str(scenario.engine.kv_blocks)]
 
 
 def start_engines(scenario: ConversationScenario, logs: Path, n: int = 2) -> list[EngineProcess]:
-    """``n`` stock engines (no plugin), confined to the engine cores, one OMP core each."""
-    engines = []
-    for i in range(n):
-        spec = local_engine(
-            index=i,
-            max_num_seqs=scenario.engine.max_num_seqs,
-            max_model_len=scenario.engine.max_model_len,
-            plugin=False,
-            extra_args=engine_args(scenario, free_port()),
-            env={"VLLM_SERVER_DEV_MODE": "1"},
-        )
-        engines.append(EngineProcess(spec, logs / f"kv-engine-{i}.log"))
-    try:
-        for e in engines:
-            e.start()
-        for e in engines:
-            e.wait_ready()
-    except BaseException:
-        for e in engines:
-            e.stop()
-        raise
-    return engines
+    """``n`` stock engines (no plugin), confined to the engine cores, one OMP core each. A port
+    taken by another process between its choice and the bind (the engine dies at start) is
+    chosen again, twice at most."""
+    for attempt in range(3):
+        engines = []
+        for i in range(n):
+            spec = local_engine(
+                index=i,
+                max_num_seqs=scenario.engine.max_num_seqs,
+                max_model_len=scenario.engine.max_model_len,
+                plugin=False,
+                kv_events_port=free_port(),
+                block_size=scenario.engine.block_size,
+                extra_args=engine_args(scenario),
+                env={"VLLM_SERVER_DEV_MODE": "1"},
+            )
+            engines.append(EngineProcess(spec, logs / f"kv-engine-{i}.log"))
+        try:
+            for e in engines:
+                e.start()
+            for e in engines:
+                e.wait_ready()
+            return engines
+        except RuntimeError as exc:
+            for e in engines:
+                e.stop()
+            if attempt == 2:
+                raise
+            print(f"engines failed to start ({exc}); again", file=sys.stderr)
+        except BaseException:
+            for e in engines:
+                e.stop()
+            raise
+    raise AssertionError("unreachable")
 
 
 def proxy_config(
@@ -91,8 +88,23 @@ def proxy_config(
     urls: list[str],
     policy: str,
     usage_log: Path,
-    extra: dict[str, Any] | None = None,
+    tokenizer: str | None = None,
 ) -> dict[str, Any]:
+    """The run's proxy config; ``tokenizer`` (the served model's directory): the KV index and
+    the prompts' blocks on, for ``kv_aware``."""
+    # resync_s 0: each run starts from caches just emptied, so a subscriber joining the
+    # engines' event streams midway starts exact (in production it waits out resync_s).
+    kv_cache = {
+        "enabled": True,
+        "block_size": scenario.engine.block_size,
+        "tokenizer": tokenizer,
+        "resync_s": 0,
+    }
+    name, _, weights = policy.removesuffix("+kv").partition("@")  # kv_aware@BEST/WORST
+    policies: dict[str, Any] = {"backends": name}
+    if weights:
+        best, worst = (float(w) for w in weights.split("/"))
+        policies |= {"kv_room_weight_best": best, "kv_room_weight_worst": worst}
     return {
         "listen": {"host": "127.0.0.1", "port": 0},
         "tiers": {t: DEFAULT_TIERS[t] for t in scenario.tiers},
@@ -101,9 +113,9 @@ def proxy_config(
             for t in scenario.tenants
         ],
         "backends": [{"url": u, "max_inflight": scenario.max_inflight} for u in urls],
-        "policies": {"backends": policy},
+        "policies": policies,
         "usage_log": {"path": str(usage_log)},
-        **(extra or {}),
+        **({"kv_cache": kv_cache} if tokenizer is not None else {}),
     }
 
 
@@ -198,17 +210,17 @@ def run_policy(
     round_: int,
     out_dir: Path,
     duration_s: float,
-    proxy_extra: dict[str, Any] | None = None,
+    tokenizer: str | None = None,
 ) -> RunFigures:
     """One policy through a fresh proxy, from emptied caches."""
     asyncio.run(reset_caches(urls))
     before = asyncio.run(_counters(urls))
-    run_dir = out_dir / f"{policy}-{round_}"
+    run_dir = out_dir / f"{policy.replace('/', '-')}-{round_}"
     run_dir.mkdir(parents=True, exist_ok=True)
     usage_log = run_dir / "usage.jsonl"
     usage_log.unlink(missing_ok=True)
     config_path = run_dir / "proxy.yaml"
-    data = proxy_config(scenario, urls, policy, usage_log, proxy_extra)
+    data = proxy_config(scenario, urls, policy, usage_log, tokenizer)
     config_path.write_text(yaml.safe_dump(data, sort_keys=False))
     port = free_port()
     proxy = ProxyProcess(config_path, port, run_dir / "proxy.log")

@@ -96,6 +96,9 @@ class UsageRecord:
     cached_prompt_tokens: int = 0
     cost: float | None = None  # by `pricing:` (the config it was admitted under); None: no price
     key_id: str = "-"  # which of the tenant's keys (the start of its sha256, as `keys list`)
+    # What the proxy's prefix-cache index predicted of cached_prompt_tokens when it dispatched
+    # the request (kv_cache on; null: no prediction): equal to it when the index is exact.
+    predicted_cached_tokens: int | None = None
 
     def to_json(self) -> bytes:
         return orjson.dumps(asdict(self))
@@ -198,6 +201,7 @@ class UsageMeter:
             usage_estimated=estimated,
             client_request_id=trace.client_request_id,
             cached_prompt_tokens=min(cached, prompt),
+            predicted_cached_tokens=_predicted(adm),
             cost=round(price.cost(prompt, cached, completion), 9) if price is not None else None,
         )
 
@@ -214,6 +218,13 @@ class UsageMeter:
         elif model not in self.models():
             model = OTHER
         return tenant, tier, model, record.outcome
+
+
+def _predicted(adm: Admitted | None) -> int | None:
+    blocks = adm.queued.predicted_blocks if adm is not None else None
+    if adm is None or blocks is None:
+        return None
+    return blocks * adm.config.kv_cache.block_size
 
 
 def _backend_of(adm: Admitted | None) -> str | None:

@@ -43,7 +43,7 @@ BACKENDS: Registry[BackendChooser] = {
     "least_utilised": lambda cfg: LeastUtilised(),
     "prefix_affinity": lambda cfg: PrefixAffinity(cfg.policies.prefix_memory),
     "kv_aware": lambda cfg: KvAware(
-        block_size=_block_size(cfg),
+        block_size=cfg.kv_cache.block_size,
         latency_weights=latency_weights(
             {name: t.priority for name, t in cfg.tiers.items()},
             cfg.policies.kv_room_weight_best,
@@ -51,12 +51,6 @@ BACKENDS: Registry[BackendChooser] = {
         ),
     ),
 }
-
-
-def _block_size(cfg: Config) -> int:
-    # vLLM's KV block size, one for all backends: the KV index's config (#24 item 1) sets it;
-    # until it lands no request carries prompt blocks and the size is never used.
-    return 32
 
 
 # The config field of each seam -> its valid names.

@@ -244,6 +244,8 @@ class BackendPool:
         state.tokens_inflight += tokens
         state.dispatched_total += 1
         self.chooser.served(state, request)
+        if request is not None and request.prompt_blocks is not None:
+            request.predicted_blocks = state.cached_blocks(request.prompt_blocks)
 
     def release(self, state: BackendState, tokens: float, *, best: bool = False) -> None:
         state.best_inflight -= best

@@ -10,6 +10,7 @@ from proxy.config.backends import Backend, BackendHealth
 from proxy.policies.backends import Candidate, PrefixAffinity
 from proxy.policies.kvaware import KvAware, latency_weights
 from proxy.policies.types import QueuedRequest, ScrapedLoad
+from proxy.scheduling.pool import BackendPool
 from tests.helpers.clock import FakeClock
 
 HEALTH = BackendHealth()
@@ -173,3 +174,17 @@ def test_a_tenants_new_conversations_gather_where_its_system_prompt_was_last_sen
     # Load still comes first: a busier owner loses the tie.
     first.inflight = 1
     assert chooser.pick(_candidates(backends), _req("normal", [*system, 34])) is not first
+
+
+def test_the_pool_notes_what_the_index_predicted_where_it_dispatched() -> None:
+    pool = BackendPool([Backend(url="http://a:1", max_inflight=4)], HEALTH, _chooser())
+    (state,) = pool.all()
+    req = _req("normal", [1, 2, 3])
+    pool.acquire(state, 10, request=req)
+    assert req.predicted_blocks is None  # no index: no prediction
+    state.cached_blocks = lambda blocks: 2  # type: ignore[method-assign]
+    pool.acquire(state, 10, request=req)
+    assert req.predicted_blocks == 2
+    without = _req("normal", None)
+    pool.acquire(state, 10, request=without)
+    assert without.predicted_blocks is None
