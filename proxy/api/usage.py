@@ -18,6 +18,9 @@ class TokenUsage:
     prompt: int  # input tokens
     completion: int  # output tokens
     total: int  # what the backend says it used: its total_tokens, else the sum
+    # Of ``prompt``, the tokens vLLM found in its prefix cache (0 unless it runs with
+    # --enable-prompt-tokens-details and says so).
+    cached: int = 0
 
 
 def token_usage(usage: Mapping[str, Any] | None) -> TokenUsage | None:
@@ -30,7 +33,8 @@ def token_usage(usage: Mapping[str, Any] | None) -> TokenUsage | None:
         if is_count(prompt):
             output = usage.get(output_key)
             completion = output if is_count(output) else 0
-            return TokenUsage(prompt, completion, total if is_count(total) else prompt + completion)
+            used = total if is_count(total) else prompt + completion
+            return TokenUsage(prompt, completion, used, min(cached_tokens(usage), prompt))
     return TokenUsage(total, 0, total) if is_count(total) else None
 
 

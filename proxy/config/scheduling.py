@@ -81,7 +81,7 @@ TierPolicy = Literal["stride", "strict_priority"]
 TenantPolicy = Literal["vtc", "edf"]
 OrderPolicy = Literal["short_first", "fcfs"]
 DisplacementPolicy = Literal["largest_share", "none"]
-BackendPolicy = Literal["least_utilised", "prefix_affinity"]
+BackendPolicy = Literal["least_utilised", "prefix_affinity", "kv_aware"]
 
 
 class Policies(Strict):
@@ -109,8 +109,9 @@ class Policies(Strict):
     )
     backends: BackendPolicy = Field(
         "least_utilised",
-        description="Which backend gets a request: `least_utilised` (most room) or"
-        " `prefix_affinity` (the one that served the same prompt prefix, when it has room).",
+        description="Which backend gets a request: `least_utilised` (most room),"
+        " `prefix_affinity` (the one that served the same prompt prefix, when it has room) or"
+        " `kv_aware` (prefill saved by what each backend's KV cache holds, against its load).",
     )
     prefix_tokens: int = Field(
         256,
@@ -120,4 +121,25 @@ class Policies(Strict):
     )
     prefix_memory: int = Field(
         10_000, gt=0, description="`prefix_affinity`: how many prefixes are remembered (LRU)."
+    )
+    kv_room_weight_best: float = Field(
+        1.0,
+        gt=0,
+        description="`kv_aware`: how much the best tier weighs a backend's free room against"
+        " the share of its prompt cached there (1.0: a fully cached prompt is worth a whole"
+        " idle backend); higher sends it to idle backends sooner.",
+    )
+    kv_room_weight_worst: float = Field(
+        0.1,
+        gt=0,
+        description="`kv_aware`: the same weight for the worst tier (tiers between: geometric"
+        " steps by priority); lower lets it follow its cache onto busier backends.",
+    )
+    cached_prompt_charge: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="`tenants: vtc`: what one prompt token that hit the backend's prefix cache"
+        " costs in the fairness counters, against 1.0 for one it computed (needs vLLM's"
+        " `--enable-prompt-tokens-details`; without it every prompt token counts 1.0).",
     )

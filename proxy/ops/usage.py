@@ -46,7 +46,8 @@ class UsageCounters:
         )
         self.tokens = Counter(
             "tierproxy_usage_tokens",
-            "Tokens per tenant by kind (prompt | completion), from the backends' usage",
+            "Tokens per tenant by kind (prompt | completion | cached_prompt: of the prompt,"
+            " what hit the backend's prefix cache), from the backends' usage",
             [*_LABELS, "kind"],
             registry=r,
         )
@@ -95,6 +96,9 @@ class UsageRecord:
     cached_prompt_tokens: int = 0
     cost: float | None = None  # by `pricing:` (the config it was admitted under); None: no price
     key_id: str = "-"  # which of the tenant's keys (the start of its sha256, as `keys list`)
+    # What the proxy's prefix-cache index predicted of cached_prompt_tokens when it dispatched
+    # the request (kv_cache on; null: no prediction): equal to it when the index is exact.
+    predicted_cached_tokens: int | None = None
 
     def to_json(self) -> bytes:
         return orjson.dumps(asdict(self))
@@ -154,6 +158,8 @@ class UsageMeter:
             c.tokens.labels(*labels, "prompt").inc(record.prompt_tokens)
         if record.completion_tokens:
             c.tokens.labels(*labels, "completion").inc(record.completion_tokens)
+        if record.cached_prompt_tokens:
+            c.tokens.labels(*labels, "cached_prompt").inc(record.cached_prompt_tokens)
         used = record.prompt_tokens + record.completion_tokens
         if used:
             key = labels[:2]
@@ -195,6 +201,7 @@ class UsageMeter:
             usage_estimated=estimated,
             client_request_id=trace.client_request_id,
             cached_prompt_tokens=min(cached, prompt),
+            predicted_cached_tokens=_predicted(adm),
             cost=round(price.cost(prompt, cached, completion), 9) if price is not None else None,
         )
 
@@ -211,6 +218,13 @@ class UsageMeter:
         elif model not in self.models():
             model = OTHER
         return tenant, tier, model, record.outcome
+
+
+def _predicted(adm: Admitted | None) -> int | None:
+    blocks = adm.queued.predicted_blocks if adm is not None else None
+    if adm is None or blocks is None:
+        return None
+    return blocks * adm.config.kv_cache.block_size
 
 
 def _backend_of(adm: Admitted | None) -> str | None:

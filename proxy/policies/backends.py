@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
-from proxy.policies.types import BackendView, ScrapedLoad
+from proxy.policies.types import BackendView, QueuedRequest, ScrapedLoad
 
 if TYPE_CHECKING:
     from proxy.config.backends import BackendHealth
@@ -31,11 +31,12 @@ class BackendChooser(Protocol):
     def room(self, state: BackendView, now: float, health: BackendHealth) -> float:
         """Free request slots on this backend now (may be fractional during a ramp)."""
 
-    def pick(self, candidates: Sequence[Candidate[B]], prefix: int | None) -> B | None:
-        """The backend for a request among those that can take it (None when empty)."""
+    def pick(self, candidates: Sequence[Candidate[B]], request: QueuedRequest | None) -> B | None:
+        """The backend for ``request`` (None: nothing known of it) among those that can take
+        it (None when empty)."""
 
-    def served(self, state: BackendView, prefix: int | None) -> None:
-        """A request with this prompt prefix hash (None: unknown) was sent to ``state``."""
+    def served(self, state: BackendView, request: QueuedRequest | None) -> None:
+        """``request`` (None: nothing known of it) was sent to ``state``."""
 
 
 def slot_room(state: BackendView, now: float, health: BackendHealth) -> float:
@@ -72,41 +73,94 @@ def least_utilised(candidates: Sequence[Candidate[B]]) -> B | None:
     return best
 
 
+def free_share(c: Candidate[B]) -> float:
+    """The share of the backend's room left after it takes one more request, a little less
+    the fuller its KV cache (``least_utilised``'s score)."""
+    score = (c.room - 1.0) / c.state.max_room
+    return score - 0.01 * c.load.kv_usage if c.load is not None else score
+
+
+# Scores closer than this are a tie (float noise of equal loads must not decide).
+TIE = 1e-9
+
+
+class Rotation:
+    """The last tie-break of a balanced choice: the backend chosen longest ago (never config
+    order, which piles every tie onto the first backend)."""
+
+    def __init__(self) -> None:
+        self._seq = 0
+        self._last: dict[str, int] = {}  # backend url -> sequence number of its last pick
+
+    def age(self, state: BackendView) -> int:
+        """Higher for a backend chosen longer ago (never chosen: highest)."""
+        return -self._last.get(state.cfg.url, -1)
+
+    def chose(self, state: BackendView) -> None:
+        self._seq += 1
+        self._last[state.cfg.url] = self._seq
+
+
 class LeastUtilised:
     def room(self, state: BackendView, now: float, health: BackendHealth) -> float:
         return slot_room(state, now, health)
 
-    def pick(self, candidates: Sequence[Candidate[B]], prefix: int | None) -> B | None:
+    def pick(self, candidates: Sequence[Candidate[B]], request: QueuedRequest | None) -> B | None:
         return least_utilised(candidates)
 
-    def served(self, state: BackendView, prefix: int | None) -> None:
+    def served(self, state: BackendView, request: QueuedRequest | None) -> None:
         pass
 
 
 class PrefixAffinity:
     """The backend that last served the same prompt prefix, if it can take the request (its
-    prefix cache probably still holds it), else the least utilised. Remembers the last
-    ``capacity`` prefixes (least recently used dropped first)."""
+    prefix cache probably still holds it). A new prefix goes to the least utilised backend;
+    ties go to the backend that holds fewer remembered prefixes, then to the one chosen
+    longest ago (config order would pile every new prefix onto the first backend while both
+    are idle, and affinity then keeps them there: identical runs split 198/72). Remembers the
+    last ``capacity`` prefixes (least recently used dropped first)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._last: OrderedDict[int, str] = OrderedDict()  # prefix hash -> backend url
+        self._owned: dict[str, int] = {}  # backend url -> prefixes of ``_last`` it holds
+        self._rotation = Rotation()
 
     def room(self, state: BackendView, now: float, health: BackendHealth) -> float:
         return slot_room(state, now, health)
 
-    def pick(self, candidates: Sequence[Candidate[B]], prefix: int | None) -> B | None:
+    def pick(self, candidates: Sequence[Candidate[B]], request: QueuedRequest | None) -> B | None:
+        prefix = request.prefix_hash if request is not None else None
         url = self._last.get(prefix) if prefix is not None else None
         if url is not None:
             for c in candidates:
                 if c.state.cfg.url == url:
                     return c.state
-        return least_utilised(candidates)
+        best: Candidate[B] | None = None
+        best_key = (0, 0, 0)
+        for c in candidates:
+            key = (
+                round(free_share(c) / TIE),
+                -self._owned.get(c.state.cfg.url, 0),
+                self._rotation.age(c.state),
+            )
+            if best is None or key > best_key:
+                best, best_key = c, key
+        return best.state if best is not None else None
 
-    def served(self, state: BackendView, prefix: int | None) -> None:
+    def served(self, state: BackendView, request: QueuedRequest | None) -> None:
+        self._rotation.chose(state)
+        prefix = request.prefix_hash if request is not None else None
         if prefix is None:
             return
-        self._last[prefix] = state.cfg.url
+        url = state.cfg.url
+        old = self._last.get(prefix)
+        if old != url:
+            if old is not None:
+                self._owned[old] -= 1
+            self._owned[url] = self._owned.get(url, 0) + 1
+        self._last[prefix] = url
         self._last.move_to_end(prefix)
         if len(self._last) > self.capacity:
-            self._last.popitem(last=False)
+            _, dropped = self._last.popitem(last=False)
+            self._owned[dropped] -= 1

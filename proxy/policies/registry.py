@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from proxy.policies.backends import BackendChooser, LeastUtilised, PrefixAffinity
 from proxy.policies.displacement import Displacement, LargestShare, NoDisplacement
+from proxy.policies.kvaware import KvAware, latency_weights
 from proxy.policies.order import Fcfs, RequestOrder, ShortFirst
 from proxy.policies.tenants import EarliestDeadlineFirst, TenantFairness, VirtualTokenCounter
 from proxy.policies.tiers import StrictPriorityTierSelector, StrideTierSelector, TierSelector
@@ -41,7 +42,16 @@ DISPLACEMENTS: Registry[Displacement] = {
 BACKENDS: Registry[BackendChooser] = {
     "least_utilised": lambda cfg: LeastUtilised(),
     "prefix_affinity": lambda cfg: PrefixAffinity(cfg.policies.prefix_memory),
+    "kv_aware": lambda cfg: KvAware(
+        block_size=cfg.kv_cache.block_size,
+        latency_weights=latency_weights(
+            {name: t.priority for name, t in cfg.tiers.items()},
+            cfg.policies.kv_room_weight_best,
+            cfg.policies.kv_room_weight_worst,
+        ),
+    ),
 }
+
 
 # The config field of each seam -> its valid names.
 CHOICES: Mapping[str, Mapping[str, object]] = {

@@ -17,6 +17,7 @@ from proxy.api.reply_headers import BucketWindow, client_request_id
 from proxy.api.usage import TokenUsage, token_usage
 from proxy.config.schema import Config
 from proxy.config.tenants import Tenant
+from proxy.policies.cost import work_tokens
 from proxy.policies.prefix import prefix_hash
 from proxy.policies.types import QueuedRequest
 from proxy.relay.budget import Reservation
@@ -125,6 +126,13 @@ class Admitted:
                 self.config, self.parsed, self.cache_salt, via, self.tenant.name
             )
         return self
+
+    def work(self, counts: TokenUsage) -> float:
+        """The fairness charge of ``counts``: weighted tokens, with the prompt tokens vLLM
+        found in its prefix cache at ``policies.cached_prompt_charge`` each (they skipped
+        the prefill: a tenant that reuses its prefixes costs the engine less)."""
+        charge = self.config.policies.cached_prompt_charge
+        return work_tokens(counts.prompt, counts.cached, counts.completion, charge)
 
     def billed_usage(self, result: RelayResult | None) -> tuple[TokenUsage | None, bool]:
         """(the usage to bill, whether it is an estimate): the backend's, else, for a stream

@@ -34,7 +34,6 @@ from proxy.api.reply_headers import ADMITTED_LIMITS, REQUEST_ID, ratelimit_heade
 from proxy.api.routes import BY_ENDPOINT, Endpoint, Route
 from proxy.config.schema import Config, LoadedConfig
 from proxy.config.tenants import Tenant
-from proxy.policies.cost import weighted_tokens
 from proxy.relay.budget import MemoryBudget, Reservation
 from proxy.relay.forward import RelayResult, UpstreamUnavailable, relay
 from proxy.relay.responses import relay_responses
@@ -389,8 +388,8 @@ class RequestPipeline:
         counts, _ = adm.billed_usage(result)
         if counts is None:
             return False
-        prompt, completion = counts.prompt, counts.completion
-        self.child(self.metrics.tokens, adm.tier, "prompt").inc(prompt)
-        self.child(self.metrics.tokens, adm.tier, "completion").inc(completion)
-        self.queue.correct_charge(adm.queued, weighted_tokens(prompt, completion))
+        self.child(self.metrics.tokens, adm.tier, "prompt").inc(counts.prompt)
+        self.child(self.metrics.tokens, adm.tier, "completion").inc(counts.completion)
+        self.child(self.metrics.tokens, adm.tier, "cached_prompt").inc(counts.cached)
+        self.queue.correct_charge(adm.queued, adm.work(counts))
         return True

@@ -180,7 +180,7 @@ class Dispatcher:
             tokens = float(req.prompt_tokens + req.expected_output)
             best = req.tier in self.pool.best_tiers
             reserved = best and self.pool.room(backend, now) < 1.0
-            self.pool.acquire(backend, tokens, prefix=req.prefix_hash, best=best, reserved=reserved)
+            self.pool.acquire(backend, tokens, request=req, best=best, reserved=reserved)
             self.service.dispatched(req.tier, now, self.queue.depth(req.tier))
             lease = Lease(backend, tokens, self, granted_at=now, best=best, reserved=reserved)
             if req.waiter is None or req.waiter.done():
@@ -203,4 +203,4 @@ class Dispatcher:
     def _choose(self, req: QueuedRequest, now: float) -> BackendState | None:
         tokens = float(req.prompt_tokens + req.expected_output)
         best = req.tier in self.pool.best_tiers
-        return self.pool.choose(req.model, tokens, now, prefix=req.prefix_hash, best=best)
+        return self.pool.choose(req.model, tokens, now, request=req, best=best)

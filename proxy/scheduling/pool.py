@@ -18,6 +18,7 @@ from proxy.config.backends import Backend, BackendHealth
 from proxy.config.slo import AdaptiveRoom
 from proxy.policies.backends import BackendChooser, Candidate
 from proxy.policies.room import FixedRoom, GradientRoom, RoomChange, RoomController, RoomSignals
+from proxy.policies.types import QueuedRequest
 from proxy.scheduling.backend import BackendState
 from proxy.scheduling.health import OutlierDetection
 
@@ -161,7 +162,7 @@ class BackendPool:
         tokens: float,
         now: float,
         *,
-        prefix: int | None = None,
+        request: QueuedRequest | None = None,
         best: bool = False,
     ) -> BackendState | None:
         """The chooser's pick among the backends that serve the model, fit the tokens and have
@@ -175,7 +176,7 @@ class BackendPool:
             if room >= 1.0:
                 load = state.fresh_load(now, self.health.stale_after_s)
                 candidates.append(Candidate(state, room, load))
-        return self.chooser.pick(candidates, prefix) if candidates else None
+        return self.chooser.pick(candidates, request) if candidates else None
 
     def any_room(self, now: float, *, best: bool = False) -> bool:
         return any(self.room(s, now, best=best) >= 1.0 for s in self.states.values())
@@ -230,7 +231,7 @@ class BackendPool:
         state: BackendState,
         tokens: float,
         *,
-        prefix: int | None = None,
+        request: QueuedRequest | None = None,
         best: bool = False,
         reserved: bool = False,
     ) -> None:
@@ -242,7 +243,9 @@ class BackendPool:
         state.peak_inflight = max(state.peak_inflight, state.inflight)
         state.tokens_inflight += tokens
         state.dispatched_total += 1
-        self.chooser.served(state, prefix)
+        self.chooser.served(state, request)
+        if request is not None and request.prompt_blocks is not None:
+            request.predicted_blocks = state.cached_blocks(request.prompt_blocks)
 
     def release(self, state: BackendState, tokens: float, *, best: bool = False) -> None:
         state.best_inflight -= best

@@ -23,6 +23,11 @@ def _req(tier: str, tenant: str, arrival: float, prompt: int = 10) -> QueuedRequ
     return QueuedRequest(tier, tenant, prompt_tokens=prompt, expected_output=10, arrival_s=arrival)
 
 
+def _p(prefix: int) -> QueuedRequest:
+    """A request whose prompt begins with the prefix hashed ``prefix``."""
+    return replace(_req("n", "t", 0.0), prefix_hash=prefix)
+
+
 def _drain(q: AdmissionQueue) -> list[QueuedRequest]:
     out = []
     while (r := q.pop()) is not None:
@@ -104,40 +109,40 @@ def _pool(chooser: PrefixAffinity | LeastUtilised) -> BackendPool:
 
 def test_prefix_affinity_follows_the_prefix_while_its_backend_has_room() -> None:
     pool = _pool(PrefixAffinity(capacity=100))
-    first = pool.choose(None, 10, 0.0, prefix=42)
+    first = pool.choose(None, 10, 0.0, request=_p(42))
     assert first is not None
-    pool.acquire(first, 10, prefix=42)
+    pool.acquire(first, 10, request=_p(42))
     # Least utilised would now pick the other one; the prefix keeps it where its cache is.
     assert pool.choose(None, 10, 0.0) is not first
     for _ in range(3):
-        again = pool.choose(None, 10, 0.0, prefix=42)
+        again = pool.choose(None, 10, 0.0, request=_p(42))
         assert again is first
-        pool.acquire(again, 10, prefix=42)
+        pool.acquire(again, 10, request=_p(42))
     # Full: the request goes to the least utilised backend, which now holds the prefix.
-    other = pool.choose(None, 10, 0.0, prefix=42)
+    other = pool.choose(None, 10, 0.0, request=_p(42))
     assert other is not None and other is not first
-    pool.acquire(other, 10, prefix=42)
+    pool.acquire(other, 10, request=_p(42))
     pool.release(first, 10)
-    assert pool.choose(None, 10, 0.0, prefix=42) is other
+    assert pool.choose(None, 10, 0.0, request=_p(42)) is other
 
 
 def test_prefix_affinity_forgets_the_least_recently_used_prefix() -> None:
     chooser = PrefixAffinity(capacity=2)
     pool = _pool(chooser)
     a, b = pool.all()
-    pool.acquire(b, 1, prefix=1)
-    pool.acquire(b, 1, prefix=2)
-    pool.acquire(b, 1, prefix=1)  # 1 is now the most recently used
-    pool.acquire(a, 1, prefix=3)  # evicts 2
+    pool.acquire(b, 1, request=_p(1))
+    pool.acquire(b, 1, request=_p(2))
+    pool.acquire(b, 1, request=_p(1))  # 1 is now the most recently used
+    pool.acquire(a, 1, request=_p(3))  # evicts 2
     pool.release(b, 1)
     pool.release(b, 1)
     pool.release(b, 1)
     pool.acquire(a, 1)
     pool.acquire(a, 1)  # a busier than b: least utilised says b
-    assert pool.choose(None, 1, 0.0, prefix=3) is a
-    assert pool.choose(None, 1, 0.0, prefix=1) is b
+    assert pool.choose(None, 1, 0.0, request=_p(3)) is a
+    assert pool.choose(None, 1, 0.0, request=_p(1)) is b
     pool.acquire(b, 1)
     pool.acquire(b, 1)
     pool.acquire(b, 1)  # now b is the busier one
-    assert pool.choose(None, 1, 0.0, prefix=2) is a  # forgotten: least utilised
-    assert pool.choose(None, 1, 0.0, prefix=1) is b
+    assert pool.choose(None, 1, 0.0, request=_p(2)) is a  # forgotten: least utilised
+    assert pool.choose(None, 1, 0.0, request=_p(1)) is b

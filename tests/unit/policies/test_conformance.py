@@ -270,10 +270,13 @@ def test_a_backend_chooser_gives_room_only_where_there_is_some_and_picks_a_candi
                 assert room == 0.0
             if room >= 1.0:  # the pool's filter
                 candidates.append(Candidate(state, room, state.fresh_load(now, 2.0)))
-        picked = chooser.pick(candidates, prefix)
+        request = QueuedRequest("n", "t", 10, 10, now, prefix_hash=prefix)
+        if prefix is not None:
+            request.prompt_blocks = tuple(range(prefix))
+        picked = chooser.pick(candidates, request)
         if not candidates:
             assert picked is None
             continue
         assert any(picked is c.state for c in candidates), (picked, candidates)
         assert picked is not None
-        chooser.served(picked, prefix)
+        chooser.served(picked, request)

@@ -1,0 +1,63 @@
+"""Backend choosers on a conversation scenario (docs/benchmarks.md, "Cache-aware routing"):
+two stock vLLM CPU engines with small prefix caches, KV events and
+--enable-prompt-tokens-details, each policy in turn through a fresh proxy, caches emptied
+between runs. Prints a markdown table and writes every run's figures and records under --out.
+
+    python benchmarks/kv_routing.py --policies least_utilised,prefix_affinity,kv_aware
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from proxy.bench.conversations import load_conversation_scenario
+from proxy.bench.kvbench import RunFigures, render, run_policy, start_engines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--scenario", default="prefix-cache")
+    parser.add_argument(
+        "--policies",
+        default="least_utilised,prefix_affinity,kv_aware",
+        help="comma-separated; kv_aware@BEST/WORST sets its room weights; NAME+kv runs the"
+        " KV index and the prompts' blocks under another policy (their cost alone)",
+    )
+    parser.add_argument("--rounds", type=int, default=1, help="every policy once per round")
+    parser.add_argument("--duration", type=float, help="seconds per run (default: scenario's)")
+    parser.add_argument("--out", type=Path, default=Path(".tierproxy/kv-routing"))
+    args = parser.parse_args()
+    scenario = load_conversation_scenario(args.scenario)
+    duration = args.duration or scenario.duration_s
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    out = args.out / time.strftime("%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    engines = start_engines(scenario, out)
+    runs: list[RunFigures] = []
+    try:
+        urls = [e.spec.url for e in engines]
+        for round_ in range(1, args.rounds + 1):
+            for policy in policies:
+                # The index and the prompts' blocks run for kv_aware only (as a user would).
+                wants_kv = policy.startswith("kv_aware") or policy.endswith("+kv")
+                tokenizer = engines[0].spec.model if wants_kv else None
+                runs.append(run_policy(scenario, urls, policy, round_, out, duration, tokenizer))
+                print(render(runs[-1:]), file=sys.stderr)
+    finally:
+        for e in engines:
+            e.stop()
+    (out / "figures.json").write_text(json.dumps([asdict(r) for r in runs], indent=1))
+    print(f"scenario {scenario.name}, {duration:.0f} s per run; {out}")
+    print(render(runs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

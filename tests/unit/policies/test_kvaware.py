@@ -1,0 +1,190 @@
+"""``backends: kv_aware`` alone, over fake backends whose cache index the test sets, and the
+balanced first placement of ``prefix_affinity``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from proxy.config.backends import Backend, BackendHealth
+from proxy.policies.backends import Candidate, PrefixAffinity
+from proxy.policies.kvaware import KvAware, latency_weights
+from proxy.policies.types import QueuedRequest, ScrapedLoad
+from proxy.scheduling.pool import BackendPool
+from tests.helpers.clock import FakeClock
+
+HEALTH = BackendHealth()
+BLOCK = 32
+WEIGHTS = latency_weights({"high": 0, "normal": 1, "low": 2}, best=4.0, worst=0.25)
+
+
+@dataclass(eq=False)
+class FakeBackend:
+    """A BackendView whose index holds ``cached`` (chained block hashes); None: cold."""
+
+    cfg: Backend
+    inflight: int = 0
+    room_cap: float = 8.0
+    cached: set[int] | None = field(default_factory=set)
+    reinstated_at: float | None = None
+
+    @property
+    def max_room(self) -> float:
+        return self.room_cap
+
+    def available(self, now: float) -> bool:
+        return True
+
+    def fresh_load(self, now: float, stale_after_s: float) -> ScrapedLoad | None:
+        return None
+
+    def cached_blocks(self, blocks: Sequence[int]) -> int | None:
+        if self.cached is None:
+            return None
+        run = 0
+        for b in blocks:
+            if b not in self.cached:
+                break
+            run += 1
+        return run
+
+
+def _backends(n: int = 2) -> list[FakeBackend]:
+    return [FakeBackend(Backend(url=f"http://b{i}:80")) for i in range(n)]
+
+
+def _candidates(backends: list[FakeBackend]) -> list[Candidate[FakeBackend]]:
+    out = []
+    for b in backends:
+        room = b.max_room - b.inflight
+        if room >= 1:
+            out.append(Candidate(b, room, None))
+    return out
+
+
+def _req(tier: str, blocks: Sequence[int] | None, prompt: int | None = None) -> QueuedRequest:
+    size = prompt if prompt is not None else BLOCK * len(blocks or ()) + 10
+    req = QueuedRequest(tier, "t", prompt_tokens=size, expected_output=16, arrival_s=0.0)
+    req.prompt_blocks = tuple(blocks) if blocks is not None else None
+    return req
+
+
+def _chooser(clock: FakeClock | None = None) -> KvAware:
+    return KvAware(block_size=BLOCK, latency_weights=WEIGHTS, clock=clock or FakeClock())
+
+
+def _place(chooser: KvAware, backends: list[FakeBackend], req: QueuedRequest) -> FakeBackend:
+    picked = chooser.pick(_candidates(backends), req)
+    assert picked is not None
+    chooser.served(picked, req)
+    return picked
+
+
+def test_the_backend_that_holds_the_longest_prefix_wins_at_equal_load() -> None:
+    a, b = backends = _backends()
+    a.cached = {1, 2}
+    b.cached = {1, 2, 3, 4, 5}
+    assert _chooser().pick(_candidates(backends), _req("normal", [1, 2, 3, 4, 5, 6])) is b
+    # The index counts leading blocks only: b's run stops at block 1 for this prompt.
+    assert _chooser().pick(_candidates(backends), _req("normal", [1, 2, 9, 4, 5])) is a
+
+
+def test_a_high_tier_request_takes_an_idle_backend_over_a_busy_hot_cache_a_low_tier_one_waits() -> (
+    None
+):
+    hot, idle = backends = _backends()
+    hot.cached = set(range(20))
+    hot.inflight = 6  # of 8
+    blocks = list(range(20))
+    assert _chooser().pick(_candidates(backends), _req("high", blocks)) is idle
+    assert _chooser().pick(_candidates(backends), _req("low", blocks)) is hot
+    # At equal load every tier follows its cache.
+    idle.inflight = 6
+    assert _chooser().pick(_candidates(backends), _req("high", blocks)) is hot
+
+
+def test_cold_indexes_and_ties_spread_the_work_never_by_config_order() -> None:
+    backends = _backends(3)
+    for b in backends:
+        b.cached = None  # no index yet
+    chooser = _chooser()
+    picks = []
+    for i in range(6):
+        picked = _place(chooser, backends, _req("normal", [100 + i]))
+        picks.append(picked)
+        # Each finishes before the next arrives: every backend idle at each pick.
+    assert [backends.index(p) for p in picks] == [0, 1, 2, 0, 1, 2]
+    # Load breaks a tie first, then what is cached.
+    backends[0].inflight = 1
+    assert chooser.pick(_candidates(backends), _req("normal", None)) is not backends[0]
+    backends[0].inflight = 0
+    backends[2].cached = {7}
+    backends[1].cached = set()
+    req = _req("normal", [7], prompt=10**9)  # at equal load, what is cached decides, however little
+    assert chooser.pick(_candidates(backends), req) is backends[2]
+
+
+def test_a_prompt_just_sent_counts_as_cached_there_until_its_events_could_have_arrived() -> None:
+    clock = FakeClock()
+    backends = _backends()
+    chooser = KvAware(block_size=BLOCK, latency_weights=WEIGHTS, pending_s=5.0, clock=clock)
+    system = [11, 12, 13, 14]
+    first = _place(chooser, backends, _req("normal", system))
+    first.inflight += 1  # the pool counts it in
+    other = backends[1 - backends.index(first)]
+    # Busier now, and its index does not show the prompt yet: it still follows the prompt.
+    assert chooser.pick(_candidates(backends), _req("normal", [*system, 15])) is first
+    assert chooser.cached_tokens(first, [*system, 15]) == 4 * BLOCK
+    assert chooser.cached_tokens(other, system) == 0
+    clock.advance(5.1)  # the index is the truth again: still empty, so the least busy wins
+    assert chooser.pick(_candidates(backends), _req("normal", [*system, 15])) is other
+
+
+def test_latency_weights_step_geometrically_from_the_best_tier_to_the_worst() -> None:
+    assert WEIGHTS == {"high": 4.0, "normal": 1.0, "low": 0.25}
+    assert latency_weights({"only": 3}, best=4.0, worst=0.25) == {"only": 4.0}
+
+
+def test_prefix_affinity_spreads_new_prefixes_that_arrive_while_every_backend_is_idle() -> None:
+    backends = _backends()
+    chooser = PrefixAffinity(capacity=100)
+    picks = []
+    for prefix in range(6):
+        req = QueuedRequest("normal", "t", 10, 10, 0.0, prefix_hash=prefix)
+        picked = chooser.pick(_candidates(backends), req)
+        assert picked is not None
+        chooser.served(picked, req)
+        picks.append(backends.index(picked))
+    assert sorted(picks) == [0, 0, 0, 1, 1, 1]
+    # Each prefix still follows its backend.
+    for prefix, where in enumerate(picks):
+        req = QueuedRequest("normal", "t", 10, 10, 0.0, prefix_hash=prefix)
+        assert chooser.pick(_candidates(backends), req) is backends[where]
+
+
+def test_a_tenants_new_conversations_gather_where_its_system_prompt_was_last_sent() -> None:
+    a, b = backends = _backends()
+    system = [21, 22, 23]
+    a.cached = b.cached = set(system)  # both hold it: the index alone cannot choose
+    chooser = _chooser()
+    first = _place(chooser, backends, _req("normal", [*system, 30]))
+    # Equal load, equal cached prefix: not the round-robin's turn, the system prompt's place.
+    for tail in (31, 32, 33):
+        assert _place(chooser, backends, _req("normal", [*system, tail])) is first
+    # Load still comes first: a busier owner loses the tie.
+    first.inflight = 1
+    assert chooser.pick(_candidates(backends), _req("normal", [*system, 34])) is not first
+
+
+def test_the_pool_notes_what_the_index_predicted_where_it_dispatched() -> None:
+    pool = BackendPool([Backend(url="http://a:1", max_inflight=4)], HEALTH, _chooser())
+    (state,) = pool.all()
+    req = _req("normal", [1, 2, 3])
+    pool.acquire(state, 10, request=req)
+    assert req.predicted_blocks is None  # no index: no prediction
+    state.cached_blocks = lambda blocks: 2  # type: ignore[method-assign]
+    pool.acquire(state, 10, request=req)
+    assert req.predicted_blocks == 2
+    without = _req("normal", None)
+    pool.acquire(state, 10, request=without)
+    assert without.predicted_blocks is None
