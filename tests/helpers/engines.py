@@ -87,17 +87,10 @@ PREFIX_CACHE = EngineSetting(
     env=EngineSetting.environ({DEFAULT_SECRET_ENV: SECRET.decode()}),
 )
 KV_EVENTS = PREFIX_CACHE
-# Stock vLLM with prefix caching that reports each answer's cached prompt tokens
-# (usage.prompt_tokens_details): fairness by the work caused (test_work_fairness_vllm.py).
-PROMPT_DETAILS = EngineSetting(
-    "prompt-details",
-    extra_args=(
-        "--enable-prefix-caching",
-        "--block-size",
-        "32",
-        "--enable-prompt-tokens-details",
-    ),
-)
+# Fairness by the work caused (test_work_fairness_vllm.py) and the cost of cached prompt tokens
+# (test_cost_vllm.py) need each answer's cached prompt tokens: PREFIX_CACHE reports them
+# (--enable-prompt-tokens-details), one engine start fewer.
+PROMPT_DETAILS = PREFIX_CACHE
 # Stock vLLM and the plugin, with the same flags, for the plugin's A/B tests.
 _PLUGIN_ENV = EngineSetting.environ(
     {"TIERPROXY_TICKET_SECRET": PLUGIN_SECRET, "TIERPROXY_PLUGIN_STATS_INTERVAL_S": "1"}
