@@ -117,6 +117,12 @@ class Admitted:
         """What the tenant's token limit is charged up front (given back once usage is known)."""
         return float(self.parsed.prompt_tokens + self.parsed.expected_output)
 
+    @property
+    def quota_tokens(self) -> float:
+        """What quotas reserve up front: the prompt's upper bound (not its estimate: a quota
+        is a hard cap, and CJK text makes ~3 tokens a character, not 1/4) and its output."""
+        return float(self.parsed.prompt_upper_bound + self.parsed.expected_output)
+
     async def with_blocks(self, via: Upstreams) -> Admitted:
         """Itself, its queue entry given its prompt's KV-cache blocks (for the kv_aware chooser;
         None while kv_cache is off) on its first attempt: computed once it may run, before it is
