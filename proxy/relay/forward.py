@@ -121,14 +121,21 @@ async def open_relay(
     call: UpstreamCall, request: web.Request
 ) -> AsyncIterator[tuple[aiohttp.ClientResponse, ClientSender]]:
     """The upstream's answer, opened within the call's deadline, and the sender to the client
-    (under the same deadline and the relay's send-idle bound); both relays start here."""
+    (under the same deadline and the relay's send-idle bound); both relays start here. While
+    it is open the call's ``delivered.sent`` is set: only a cancellation (the client left)
+    leaves it set."""
+    call.delivered.sent = True
     try:
-        async with asyncio.timeout_at(call.deadline):
-            resp = await open_upstream(call)
-    except TimeoutError:
-        raise execution_timeout(call.timeout_s) from None
-    async with resp:
-        yield resp, ClientSender(request, call.deadline, call.bounds.send_idle_timeout_s)
+        try:
+            async with asyncio.timeout_at(call.deadline):
+                resp = await open_upstream(call)
+        except TimeoutError:
+            raise execution_timeout(call.timeout_s) from None
+        async with resp:
+            yield resp, ClientSender(request, call.deadline, call.bounds.send_idle_timeout_s)
+    except Exception:
+        call.delivered.sent = False  # failed (retried, or answered with an error): no bill
+        raise
 
 
 def settled(resp: aiohttp.ClientResponse, result: RelayResult) -> RelayResult:
