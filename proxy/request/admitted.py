@@ -13,8 +13,8 @@ from aiohttp import web
 
 from proxy.api.hotpath import new_request_id
 from proxy.api.outcome import Outcome
-from proxy.api.routes import BY_ENDPOINT
 from proxy.api.reply_headers import BucketWindow, client_request_id
+from proxy.api.routes import BY_ENDPOINT
 from proxy.api.usage import TokenUsage, token_usage
 from proxy.config.schema import Config
 from proxy.config.tenants import Tenant
