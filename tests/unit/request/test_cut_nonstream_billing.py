@@ -19,6 +19,7 @@ import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
+from proxy.api.routes import BY_ENDPOINT
 from proxy.bench.fake_vllm import FakeVLLM
 from proxy.config.loader import parse_config
 from proxy.policies.cost import weighted_tokens
@@ -45,7 +46,7 @@ async def rig(url: str, clock: FakeClock, records: list[dict[str, Any]]) -> Asyn
     async with aiohttp.ClientSession() as session:
         state.session = session
         app = web.Application()
-        app.router.add_post("/v1/chat/completions", state.pipeline.chat)
+        app.router.add_post("/v1/chat/completions", state.pipeline.handler(BY_ENDPOINT["chat"]))
         state.dispatcher.start()
         try:
             server = TestServer(app, handler_cancellation=True)
