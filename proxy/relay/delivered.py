@@ -35,6 +35,9 @@ class Delivered:
     happens only before the first byte, so at most one attempt counts any)."""
 
     events: int = 0
+    # The request went to a backend and that attempt neither answered nor failed yet: a client
+    # that leaves now leaves work done (vLLM prefilled, maybe decoded); cleared on a failure.
+    sent: bool = False
     _past_roles: bool = False  # a token chunk was seen: no opening chunk comes after it
 
     def chunks(self, block: bytes) -> None:

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-import orjson
 from aiohttp import web
 
 from proxy.api.errors import ProxyError, execution_timeout, upstream_failed, upstream_too_large
@@ -36,7 +35,7 @@ from proxy.relay.delivered import Delivered
 from proxy.relay.held import held_response
 from proxy.relay.sse import EventTooLarge
 from proxy.relay.sserelay import SseRelay
-from proxy.relay.usagescan import UsageScan
+from proxy.relay.usagescan import UsageScan, is_error_body, usage_of_body
 from proxy.ticket import REQUEST_ID_HEADER
 
 # What vLLM's EngineDeadError says (vllm/v1/engine/exceptions.py), answered as a 500 before any
@@ -121,14 +120,21 @@ async def open_relay(
     call: UpstreamCall, request: web.Request
 ) -> AsyncIterator[tuple[aiohttp.ClientResponse, ClientSender]]:
     """The upstream's answer, opened within the call's deadline, and the sender to the client
-    (under the same deadline and the relay's send-idle bound); both relays start here."""
+    (under the same deadline and the relay's send-idle bound); both relays start here. While
+    it is open the call's ``delivered.sent`` is set: only a cancellation (the client left)
+    leaves it set."""
+    call.delivered.sent = True
     try:
-        async with asyncio.timeout_at(call.deadline):
-            resp = await open_upstream(call)
-    except TimeoutError:
-        raise execution_timeout(call.timeout_s) from None
-    async with resp:
-        yield resp, ClientSender(request, call.deadline, call.bounds.send_idle_timeout_s)
+        try:
+            async with asyncio.timeout_at(call.deadline):
+                resp = await open_upstream(call)
+        except TimeoutError:
+            raise execution_timeout(call.timeout_s) from None
+        async with resp:
+            yield resp, ClientSender(request, call.deadline, call.bounds.send_idle_timeout_s)
+    except Exception:
+        call.delivered.sent = False  # failed (retried, or answered with an error): no bill
+        raise
 
 
 def settled(resp: aiohttp.ClientResponse, result: RelayResult) -> RelayResult:
@@ -217,7 +223,7 @@ async def _relay_whole(
         raise UpstreamUnavailable("reset", str(exc)) from exc  # nothing reached the client yet
     if resp.status == 500 and ENGINE_DEAD in body:
         raise UpstreamUnavailable("engine_dead", "the backend's engine died", status=500)
-    if resp.status >= 500 and not _is_error_body(body):
+    if resp.status >= 500 and not is_error_body(body):
         return _fault(upstream_failed(f"The backend answered {resp.status} without a JSON error."))
     # Held until aiohttp has sent it: its bytes count against the memory budget meanwhile;
     # over the budget it is streamed through instead (only a chunk at a time is held).
@@ -225,7 +231,7 @@ async def _relay_whole(
     if not whole or (call.budget is not None and held is None):
         return await _stream_through(call, resp, send, body)
     out = held_response(resp.status, body, _response_headers(call, resp), held)
-    usage = _usage_of(body) if resp.status == 200 else None
+    usage = usage_of_body(body) if resp.status == 200 else None
     return RelayResult(
         out,
         _outcome_of_status(resp.status),
@@ -278,24 +284,6 @@ async def _stream_through(
 async def _read_chunk(resp: aiohttp.ClientResponse, deadline: float) -> bytes:
     async with asyncio.timeout_at(deadline):
         return await resp.content.readany()
-
-
-def _is_error_body(body: bytes) -> bool:
-    """OpenAI's error shape, or vLLM's older flat one."""
-    try:
-        parsed = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return False
-    return isinstance(parsed, dict) and ("error" in parsed or "message" in parsed)
-
-
-def _usage_of(body: bytes) -> dict[str, Any] | None:
-    try:
-        parsed = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return None
-    usage = parsed.get("usage") if isinstance(parsed, dict) else None
-    return usage if isinstance(usage, dict) else None
 
 
 async def _relay_stream(

@@ -56,3 +56,22 @@ class UsageScan:
                 return
             start = at + 1
         self._carry = text[-MAX_USAGE_BYTES:]
+
+
+def is_error_body(body: bytes) -> bool:
+    """OpenAI's error shape, or vLLM's older flat one."""
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(parsed, dict) and ("error" in parsed or "message" in parsed)
+
+
+def usage_of_body(body: bytes) -> dict[str, Any] | None:
+    """The ``usage`` of a whole (non-stream) answer's JSON; None without one."""
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    usage = parsed.get("usage") if isinstance(parsed, dict) else None
+    return usage if isinstance(usage, dict) else None

@@ -14,6 +14,7 @@ from aiohttp import web
 from proxy.api.hotpath import new_request_id
 from proxy.api.outcome import Outcome
 from proxy.api.reply_headers import BucketWindow, client_request_id
+from proxy.api.routes import BY_ENDPOINT
 from proxy.api.usage import TokenUsage, token_usage
 from proxy.config.schema import Config
 from proxy.config.tenants import Tenant
@@ -117,6 +118,12 @@ class Admitted:
         """What the tenant's token limit is charged up front (given back once usage is known)."""
         return float(self.parsed.prompt_tokens + self.parsed.expected_output)
 
+    @property
+    def quota_tokens(self) -> float:
+        """What quotas reserve up front: the prompt's upper bound (not its estimate: a quota
+        is a hard cap, and CJK text makes ~3 tokens a character, not 1/4) and its output."""
+        return float(self.parsed.prompt_upper_bound + self.parsed.expected_output)
+
     async def with_blocks(self, via: Upstreams) -> Admitted:
         """Itself, its queue entry given its prompt's KV-cache blocks (for the kv_aware chooser;
         None while kv_cache is off) on its first attempt: computed once it may run, before it is
@@ -137,13 +144,20 @@ class Admitted:
     def billed_usage(self, result: RelayResult | None) -> tuple[TokenUsage | None, bool]:
         """(the usage to bill, whether it is an estimate): the backend's, else, for a stream
         that ended without it (client gone, timeout, backend broke), the events it delivered
-        (a lower bound of its output tokens) and the prompt's estimate; None when nothing
-        was delivered either."""
+        (a lower bound of its output tokens) and the prompt's estimate; for a request whose
+        client left while a backend ran it, at least the prompt's estimate (prefill was done),
+        and for a non-stream one its expected output too (it delivers nothing until its end:
+        what vLLM decoded before the abort is unknown; docs/quotas.md); None when nothing was
+        delivered either."""
         counts = token_usage(result.usage) if result is not None else None
         if counts is not None:
             return counts, False
         output = self.delivered.events
-        if output <= 0:
+        # Cut by its client (the handler cancelled) while a backend ran it.
+        cut = result is None and self.delivered.sent and not BY_ENDPOINT[self.parsed.endpoint].cheap
+        if cut and not self.parsed.stream:
+            output = self.parsed.expected_output
+        if output <= 0 and not cut:
             return None, False
         prompt = self.parsed.prompt_tokens
         return TokenUsage(prompt, output, prompt + output), True

@@ -61,6 +61,13 @@ class ParsedRequest:
     client_wants_usage: bool  # the client asked for the final usage chunk itself
     path: str = ""  # the route's path the client called (sent on unchanged); "" its first one
     held_bytes: int = 0  # what the parsed body holds in memory (an upper bound)
+    # An upper bound of its prompt's tokens (prompt_bound): what quotas and budgets reserve.
+    # 0: not measured (then the estimate).
+    prompt_bound_tokens: int = 0
+
+    @property
+    def prompt_upper_bound(self) -> int:
+        return max(self.prompt_bound_tokens, self.prompt_tokens)
 
     @property
     def upstream_path(self) -> str:
@@ -163,7 +170,27 @@ def parse_body(
         client_wants_usage=_ask_for_usage(body, endpoint, stream),
         path=path,
         held_bytes=shape.held_bytes(raw),
+        prompt_bound_tokens=prompt_bound(len(raw), chars, endpoint),
     )
+
+
+# What a chat template adds besides the messages' own text (BOS, a default system prompt, the
+# generation prompt): per message it is covered by the message's JSON syntax ({"role": ...}).
+TEMPLATE_TOKENS = 32
+# Routes that run the model on every pair of their inputs: their text is counted as many times
+# as it is run (proxy.request.costs._pairs_chars), which the body's size does not bound.
+_PAIRWISE = frozenset({"score", "rerank"})
+
+
+def prompt_bound(body_bytes: int, chars: int, endpoint: Endpoint) -> int:
+    """An upper bound of the prompt's tokens, for quotas and budgets (docs/quotas.md): a
+    byte-level BPE or byte-fallback tokenizer makes at most one token per UTF-8 byte of text,
+    and a code point is at most 4 bytes (``chars`` counts media parts not at all, a scalar as
+    4); the body's own size is a tighter bound where it holds no media, and it is already
+    known: its text's UTF-8 bytes, escaped or not, are inside it. No second walk of the body."""
+    by_chars = 4 * chars
+    bound = by_chars if endpoint in _PAIRWISE else min(body_bytes, by_chars)
+    return bound + TEMPLATE_TOKENS
 
 
 def _decode_object(raw: bytes, inputs: InputLimits) -> tuple[dict[str, Any], JsonShape]:

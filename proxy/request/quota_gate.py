@@ -39,8 +39,10 @@ class QuotaGate:
             return
         price = price_of(adm.config.pricing, adm.parsed.model)
         parsed = adm.parsed
-        cost = price.worst_case(parsed.prompt_tokens, parsed.expected_output) if price else 0.0
-        ask = QuotaAsk(adm.tenant.name, limits, adm.reserved_tokens, cost)
+        # The prompt's upper bound, not its estimate: settled to the real usage at the end.
+        prompt = parsed.prompt_upper_bound
+        cost = price.worst_case(prompt, parsed.expected_output) if price else 0.0
+        ask = QuotaAsk(adm.tenant.name, limits, adm.quota_tokens, cost)
         verdict = await self.book.reserve(ask, self.wall())
         if verdict.hold is None:
             if self.metrics is not None:

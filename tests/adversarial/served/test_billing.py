@@ -37,13 +37,15 @@ def _chunk(delta: bytes) -> bytes:
 async def billing_answers(request: web.Request, n: int) -> web.StreamResponse:
     """vLLM-shaped answers chosen by the body's ``user``: "hang" streams ``max_tokens`` tokens
     then waits (the engine goes on until its caller leaves), "slow" streams a token every
-    10 ms for ever, "bigtail" answers with usage before a 1.7 MB ``prompt_logprobs``; a
+    10 ms for ever, "hold" never answers (a non-stream request still decoding), "bigtail" answers with usage before a 1.7 MB ``prompt_logprobs``; a
     completions call runs to its ``max_tokens`` (none: the context's end)."""
     body = await request.json()
     if request.path == "/v1/completions":
         return _completion(body)
     if body.get("user") == "bigtail":
         return web.Response(body=_bigtail(), content_type="application/json")
+    if body.get("user") == "hold":  # a non-stream answer: nothing until the engine is done
+        await asyncio.Event().wait()
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
     await resp.write(_chunk(b'{"role":"assistant","content":""}'))
@@ -133,6 +135,27 @@ async def test_a_client_that_leaves_just_before_the_usage_is_billed_what_it_read
     assert (record["status"], record["outcome"]) == (499, "client_gone")
     assert read <= record["completion_tokens"] <= 3000
     assert record["usage_estimated"] is True and record["prompt_tokens"] > 0
+
+
+async def test_a_non_stream_request_cut_while_the_engine_runs_it_is_billed(
+    start_served: StartServed, backend: Upstream, tmp_path: Path
+) -> None:
+    # Before: 499 billed prompt 0, completion 0 (fresh eyes q03): closing just before the
+    # answer got the engine's work for nothing, past the tenant's quota.
+    log = tmp_path / "usage.jsonl"
+    proxy = start_served(usage_log={"path": str(log)})
+    before = backend.generations()
+    client = await RawClient.connect(proxy.host, proxy.port)
+    try:
+        await client.send(chat("hold", max_tokens=700))
+        await wait_for(lambda: backend.generations() == before + 1, 10, "the backend's call")
+    finally:
+        client.abort()
+    await wait_for(lambda: len(usage_records(log)) == 1, 10, "the usage-log line")
+    (record,) = usage_records(log)
+    assert (record["status"], record["outcome"]) == (499, "client_gone")
+    assert record["prompt_tokens"] > 0 and record["completion_tokens"] == 700
+    assert record["usage_estimated"] is True
 
 
 async def test_a_stream_cut_by_the_request_timeout_is_billed_what_it_delivered(

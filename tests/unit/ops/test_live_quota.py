@@ -21,7 +21,7 @@ from tests.helpers.proxyrun import SECRET, auth, make_config, until
 
 ADMIN = {"Authorization": "Bearer admin-secret"}
 PRICING = {"tiny": {"input": 1_000_000, "output": 2_000_000}}  # 1 and 2 per token
-QUOTA = {"tokens_per_day": 1000, "budget_per_month": 100}
+QUOTA = {"tokens_per_day": 1000, "budget_per_month": 200}
 
 
 async def test_status_shows_each_tenants_quota_used(clock: FakeClock) -> None:
@@ -58,7 +58,7 @@ async def test_status_shows_each_tenants_quota_used(clock: FakeClock) -> None:
     assert rows["free"]["quota"] == {}
     screen = _text(render(status, "http://proxy"))
     line = next(x for x in screen.splitlines() if "│ acme" in x)
-    assert "tok/d 2%" in line and "$/mo 26%" in line
+    assert "tok/d 2%" in line and "$/mo 13%" in line
 
 
 def _text(renderable: Any) -> str:

@@ -4,6 +4,7 @@ backend reported (cached prompt tokens at their own price), the tier's quota as 
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime
 from typing import Any
 
@@ -13,7 +14,7 @@ import pytest
 from proxy.bench.fake_vllm import FakeVLLM
 from proxy.config.scheduling import Limits, Scheduling
 from proxy.config.tenants import Tier
-from proxy.request.inbound import parse_body
+from proxy.request.inbound import ParsedRequest, parse_body
 from tests.helpers.clock import FakeClock
 from tests.helpers.rig import BODY, Rig, error_of, served_rig, tenant, tenants
 
@@ -38,9 +39,20 @@ class CachingVLLM(FakeVLLM):
         return {**super().usage_body(), "prompt_tokens_details": {"cached_tokens": 4}}
 
 
+def parsed_body() -> ParsedRequest:
+    """BODY as the test client sends it (json.dumps: its spaces count in the prompt's bound)."""
+    return parse_body(json.dumps(BODY).encode(), "chat", TIER, Limits(), Scheduling())
+
+
+def worst_case_tokens() -> int:
+    """What a quota reserves for BODY: its prompt's upper bound (not its estimate), max_tokens."""
+    parsed = parsed_body()
+    return parsed.prompt_upper_bound + parsed.expected_output
+
+
 def worst_case_cost() -> float:
-    parsed = parse_body(orjson.dumps(BODY), "chat", TIER, Limits(), Scheduling())
-    return parsed.prompt_tokens * 2 + parsed.expected_output * 10
+    parsed = parsed_body()
+    return parsed.prompt_upper_bound * 2 + parsed.expected_output * 10
 
 
 def with_wall(r: Rig, start: str) -> FakeClock:
@@ -56,13 +68,14 @@ def used(r: Rig, counter: str, limit: float, wall: FakeClock) -> float:
 
 async def test_over_the_daily_quota_429_until_midnight(clock: FakeClock) -> None:
     backend = FakeVLLM()  # reports 7 + 3 tokens per answer
-    quota = {"tokens_per_day": 25}
+    limit = worst_case_tokens() + 19
+    quota = {"tokens_per_day": limit}
     async with served_rig(clock, backend, tenants=tenants(quota=quota)) as r:
         wall = with_wall(r, "2026-12-01T23:00:00")
         assert (await r.chat()).status == 200
-        assert used(r, "tokens_per_day", 25, wall) == 10  # the reservation settled to usage
+        assert used(r, "tokens_per_day", limit, wall) == 10  # the reservation settled to usage
         assert (await r.chat()).status == 200
-        # 20 used; this one's worst case (its prompt and max_tokens 8) does not fit in 5.
+        # 20 used; this one's worst case (its prompt's bound and max_tokens 8) does not fit.
         resp = await r.chat()
         assert resp.status == 429
         error = await error_of(resp)
@@ -74,7 +87,7 @@ async def test_over_the_daily_quota_429_until_midnight(clock: FakeClock) -> None
         assert r.requests_total("rate_limited") == 1
         labels = {"tenant": TENANT, "limit": "tokens_per_day"}
         assert r.metric("tierproxy_rate_limited_total", labels) == 1
-        assert used(r, "tokens_per_day", 25, wall) == 20  # a refusal takes nothing
+        assert used(r, "tokens_per_day", limit, wall) == 20  # a refusal takes nothing
         wall.advance(3600)
         assert (await r.chat()).status == 200
 
@@ -82,7 +95,8 @@ async def test_over_the_daily_quota_429_until_midnight(clock: FakeClock) -> None
 async def test_budget_charges_cached_tokens_at_their_price(clock: FakeClock) -> None:
     backend = CachingVLLM()
     records: list[dict[str, Any]] = []
-    quota = {"budget_per_month": 200}
+    budget = 1000
+    quota = {"budget_per_month": budget}
     config: dict[str, Any] = {"tenants": tenants(quota=quota), "pricing": PRICING}
     async with served_rig(clock, backend, **config) as r:
         r.state.usage.sink = lambda line: records.append(orjson.loads(line))
@@ -91,11 +105,11 @@ async def test_budget_charges_cached_tokens_at_their_price(clock: FakeClock) -> 
         while (resp := await r.chat()).status == 200:
             answered += 1
             # 3 fresh prompt tokens x 2 + 4 cached x 0.5 + 3 output x 10 = 38.
-            assert used(r, "budget_per_month", 200, wall) == pytest.approx(38 * answered)
-        # Its worst case: the prompt's estimate uncached at 2, max_tokens 8 at 10.
+            assert used(r, "budget_per_month", budget, wall) == pytest.approx(38 * answered)
+        # Its worst case: the prompt's upper bound uncached at 2, max_tokens 8 at 10.
         worst = worst_case_cost()
-        assert 38 * (answered - 1) + worst <= 200 < 38 * answered + worst
-        assert answered > 200 // worst  # more than its worst cases alone would let through
+        assert 38 * (answered - 1) + worst <= budget < 38 * answered + worst
+        assert answered > budget // worst  # more than its worst cases alone would let through
         error = await error_of(resp)
         assert error["code"] == "budget_exceeded" and error["type"] == "insufficient_quota"
         assert resp.headers["Retry-After"] == str(4 * 3600)  # to 2027-01-01 00:00 UTC
@@ -109,7 +123,7 @@ async def test_budget_charges_cached_tokens_at_their_price(clock: FakeClock) -> 
 
 async def test_the_tiers_quota_is_each_tenants_default(clock: FakeClock) -> None:
     backend = FakeVLLM()
-    tiers = {"normal": {"quota": {"tokens_per_day": 15}}}
+    tiers = {"normal": {"quota": {"tokens_per_day": worst_case_tokens() + 5}}}
     people = [
         *tenants(),
         tenant("twin", "normal", "key-twin"),
@@ -118,7 +132,7 @@ async def test_the_tiers_quota_is_each_tenants_default(clock: FakeClock) -> None
     async with served_rig(clock, backend, tiers=tiers, tenants=people) as r:
         with_wall(r, "2026-12-01T12:00:00")
         assert (await r.chat()).status == 200
-        assert (await r.chat()).status == 429  # tenant-normal: the tier's 15 a day
+        assert (await r.chat()).status == 429  # tenant-normal: the tier's quota a day
         # Each tenant of the tier has a quota of its own, of the tier's size.
         twin = {"Authorization": "Bearer key-twin"}
         assert (await r.client.post("/v1/chat/completions", json=BODY, headers=twin)).status == 200
