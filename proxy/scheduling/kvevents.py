@@ -83,22 +83,17 @@ def _vllm_hash(h: object) -> bool:
     return type(h) is bytes and len(h) <= _HASH_BYTES
 
 
-def valid_event(event: BlockStored | BlockRemoved | AllBlocksCleared, block_size: int) -> bool:
-    """Of vLLM's shapes: its block hashes, at most ``block_size`` token ids (within range) a
-    block. Refused events are skipped: a store skipped only under-predicts, and a removal of a
-    hash the index could not hold removes nothing."""
-    if isinstance(event, AllBlocksCleared):
-        return True
-    if not all(_vllm_hash(h) for h in event.block_hashes):
-        return False
-    if isinstance(event, BlockRemoved):
-        return True
+def _valid_hashes(hashes: list[Any]) -> bool:
+    return all(_vllm_hash(h) for h in hashes)
+
+
+def _valid_store(event: BlockStored, block_size: int) -> bool:
+    """What is cheap to check of a ``BlockStored`` as a whole: its parent's hash, at most
+    ``block_size`` token ids a block (the hashes and the ids are checked a slice at a time)."""
     parent = event.parent_block_hash
-    return (
-        (parent is None or _vllm_hash(parent))
-        and len(event.token_ids) <= len(event.block_hashes) * block_size
-        and token_ids_ok(event.token_ids)
-    )
+    return (parent is None or _vllm_hash(parent)) and len(event.token_ids) <= len(
+        event.block_hashes
+    ) * block_size
 
 
 class Sync:
@@ -174,49 +169,69 @@ class EventFeed:
 
     def steps(self, applied: Applied, batch: EventBatch) -> Iterator[None]:
         """Applies ``batch`` (its sequence number already ``check``-ed into ``applied``),
-        pausing (a ``yield``) after each ``SLICE_BLOCKS`` blocks, so that the subscriber lets
-        the event loop run between slices."""
+        pausing (a ``yield``) after about ``SLICE_BLOCKS`` blocks or events, so that the
+        subscriber lets the event loop run between slices. Events not of vLLM's shapes (block
+        hashes, token ids, checked a slice at a time) are refused from where they fail: a
+        store cut short only under-predicts, a removal of a hash the index cannot hold removes
+        nothing."""
         counts = applied.counts
         index = self.index
         done = 0
         for event in batch.events:
-            kind = type(event).__name__
-            if not valid_event(event, index.block_size):
-                applied.refused += 1
-                continue
+            done += 1
+            ok = True
             if isinstance(event, BlockStored):
-                if not self._indexed(event):
-                    continue
-                for n in self._store(event):
-                    done += n
-                    if done >= SLICE_BLOCKS:
-                        done = 0
-                        yield
+                if not _valid_store(event, index.block_size):
+                    ok = False
+                elif self._indexed(event):
+                    for n in self._store(event):
+                        if n == 0:
+                            ok = False
+                            break
+                        done += n
+                        if done >= SLICE_BLOCKS:
+                            done = 0
+                            yield
             elif isinstance(event, BlockRemoved):
-                if event.medium not in _DEVICE_MEDIA or event.group_idx not in (None, 0):
-                    continue
-                hashes = event.block_hashes
-                for i in range(0, len(hashes), SLICE_BLOCKS):
-                    index.remove(hashes[i : i + SLICE_BLOCKS])
-                    done += min(SLICE_BLOCKS, len(hashes) - i)
-                    if done >= SLICE_BLOCKS:
-                        done = 0
-                        yield
+                if event.medium in _DEVICE_MEDIA and event.group_idx in (None, 0):
+                    hashes = event.block_hashes
+                    for i in range(0, len(hashes), SLICE_BLOCKS):
+                        part = hashes[i : i + SLICE_BLOCKS]
+                        if not _valid_hashes(part):
+                            ok = False
+                            break
+                        index.remove(part)
+                        done += len(part)
+                        if done >= SLICE_BLOCKS:
+                            done = 0
+                            yield
             else:
                 index.clear()
-            counts[kind] = counts.get(kind, 0) + 1
+            if ok:
+                kind = type(event).__name__
+                counts[kind] = counts.get(kind, 0) + 1
+            else:
+                applied.refused += 1
+            if done >= SLICE_BLOCKS:
+                done = 0
+                yield
         self.lag_s = max(0.0, self.wall() - batch.ts)
 
     def _store(self, event: BlockStored) -> Iterator[int]:
         """Stores the event's blocks a slice at a time (each slice chained from the last block
-        of the one before, as vLLM's own parent); yields the blocks of each slice."""
+        of the one before, as vLLM's own parent); yields the blocks of each slice, 0 for one
+        not of vLLM's shapes (nothing of it stored)."""
         hashes, tokens, size = event.block_hashes, event.token_ids, self.index.block_size
         extra = event.extra_keys
         parent = event.parent_block_hash
         for i in range(0, len(hashes), SLICE_BLOCKS):
             part = hashes[i : i + SLICE_BLOCKS]
+            ids = tokens[i * size : (i + len(part)) * size]
+            if not (_valid_hashes(part) and token_ids_ok(ids)):
+                yield 0
+                return
             keys = extra[i : i + SLICE_BLOCKS] if extra is not None else None
-            self.index.store(part, parent, tokens[i * size : (i + len(part)) * size], keys)
+            self.index.store(part, parent, ids, keys)
             parent = part[-1]
             yield len(part)
 

@@ -307,5 +307,5 @@ def test_a_big_batch_is_applied_in_slices() -> None:
         long, *(stored([10**6 + i], None, tokens(B, 10**6 + B * i)) for i in range(SLICE_BLOCKS))
     )
     pauses = sum(1 for _ in feed.steps(applied, decode_batch(many)))
-    assert pauses == 3
+    assert 3 <= pauses <= 5  # about one a SLICE_BLOCKS blocks or events
     assert idx.leading(chain_hashes(tokens(n * B), B)) == n and len(idx) == n + SLICE_BLOCKS
