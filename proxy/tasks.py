@@ -18,6 +18,11 @@ class OwnedTask:
             raise RuntimeError(f"{self.name} is already running")
         self._task = asyncio.create_task(run(), name=self.name)
 
+    @property
+    def done(self) -> bool:
+        """Started, and ended by itself (not stopped): its owner may start it again."""
+        return self._task is not None and self._task.done()
+
     async def stop(self) -> None:
         """Cancel and wait for the task; idempotent."""
         task, self._task = self._task, None

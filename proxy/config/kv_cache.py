@@ -52,8 +52,18 @@ class KvCache(Strict):
     max_blocks: int = Field(
         200_000,
         gt=0,
-        description="Blocks one backend's index holds at most (about 150 bytes each); past it"
+        description="Blocks one backend's index holds at most (about 300 bytes each: vLLM's"
+        " block hashes are ints or 32 bytes, longer ones are refused); past it"
         " the oldest stored are dropped first.",
+    )
+    max_batch_bytes: int = Field(
+        4 * 1024 * 1024,
+        ge=64 * 1024,
+        le=1024 * 1024 * 1024,
+        description="Largest KV-event message taken from a backend (ZMQ's MAXMSGSIZE): a"
+        " larger one drops the connection (the index goes cold). vLLM publishes one batch per"
+        " engine step: KBs (about 5 bytes a token it stores: 4 MiB is some 800,000 tokens in one"
+        " step); decoding one takes the event loop ~20 ms a MiB.",
     )
     resync_s: float = Field(
         30.0,

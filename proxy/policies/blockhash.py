@@ -22,8 +22,19 @@ _KEYED = blake2b(digest_size=8, key=_KEY)  # copied per block: cheaper than keyi
 _ENCODE = msgspec.msgpack.Encoder()
 _NO_EXTRA = b"\xc0"  # msgpack nil
 NO_PARENT = 0  # the parent hash of a prompt's first block
+# Token ids a block may hold: vLLM's are int32 (its input_ids); anything past 2**63 does not
+# even pack (OverflowError in ``chain``). Ids from outside (a client, a backend's /tokenize
+# answer, a KV event) are checked against this before they are hashed.
+TOKEN_ID_LIMIT = 2**32
 
 ExtraKeys = Sequence[object] | None
+
+
+def token_ids_ok(tokens: object) -> bool:
+    """A list of plain ints in ``0 .. TOKEN_ID_LIMIT - 1``."""
+    return isinstance(tokens, list) and all(
+        type(t) is int and 0 <= t < TOKEN_ID_LIMIT for t in tokens
+    )
 
 
 def chain(

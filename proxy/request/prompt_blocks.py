@@ -31,7 +31,7 @@ from tokenizers import Tokenizer
 
 from proxy.config.kv_cache import KvCache, kv_cache_on
 from proxy.config.schema import Config
-from proxy.policies.blockhash import chain_hashes
+from proxy.policies.blockhash import chain_hashes, token_ids_ok
 from proxy.request.inbound import ParsedRequest
 from proxy.request.remote_tokens import RemoteTokenizer
 from proxy.request.tokencache import PrefixTokenCache
@@ -189,9 +189,7 @@ def given_tokens(parsed: ParsedRequest) -> list[int] | None:
     prompt = parsed.body.get("prompt")
     if parsed.endpoint != "completions" or _COMPLETION_FIELDS & parsed.body.keys():
         return None
-    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-        return prompt if all(0 <= t < 2**63 for t in prompt) else None
-    return None
+    return prompt if prompt and token_ids_ok(prompt) else None
 
 
 def prompt_block_hashes(

@@ -16,6 +16,7 @@ import aiohttp
 import orjson
 
 from proxy.config.kv_cache import KvCache
+from proxy.policies.blockhash import token_ids_ok
 from proxy.request.inbound import ParsedRequest
 from proxy.scheduling.pool import BackendPool
 from proxy.scheduling.probes import ProbeFailed, read_capped
@@ -115,6 +116,5 @@ class RemoteTokenizer:
             return None
         finally:
             self.inflight -= 1
-        if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
-            return None
-        return tokens
+        # Out-of-range ids (a bad backend's) would fail the hashing: no blocks, like a client's.
+        return tokens if token_ids_ok(tokens) else None

@@ -11,12 +11,13 @@ extra fields decode too (msgspec ignores unknown fields).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
+from proxy.policies.blockhash import token_ids_ok
 from proxy.scheduling.kvindex import KvIndex
 
 
@@ -54,13 +55,45 @@ _DECODER = msgspec.msgpack.Decoder(EventBatch)
 _DEVICE_MEDIA = (None, "GPU")
 
 
+# vLLM's replay buffer holds 10,000 batches (``buffer_steps``): a gap longer than that cannot be
+# replayed, and is never asked for (the index goes cold at once).
+MAX_REPLAY_GAP = 10_000
+# Blocks applied between two looks at the event loop: a big batch never stalls it (~1 ms each).
+SLICE_BLOCKS = 1_000
+_HASH_BYTES = 64  # vLLM's bytes hashes are 32 (sha256); ints are 64-bit
+
+
 def decode_batch(payload: bytes) -> EventBatch:
     """Raises ``msgspec.DecodeError`` (a ``ValueError``) on anything else."""
     return _DECODER.decode(payload)
 
 
-def sequence_number(frame: bytes) -> int:
+def sequence_number(frame: bytes) -> int | None:
+    """vLLM's 8-byte big-endian sequence number; None: not one."""
+    if len(frame) != 8:
+        return None
     return int.from_bytes(frame, "big", signed=True)
+
+
+def _vllm_hash(h: object) -> bool:
+    """vLLM's ``ExternalBlockHash``: an int within 64 bits, or a short bytes string. Anything
+    else (a list, a 100 KB string) is refused: unhashable, or heavy to keep in the index."""
+    if type(h) is int:
+        return -(2**63) <= h < 2**64
+    return type(h) is bytes and len(h) <= _HASH_BYTES
+
+
+def _valid_hashes(hashes: list[Any]) -> bool:
+    return all(_vllm_hash(h) for h in hashes)
+
+
+def _valid_store(event: BlockStored, block_size: int) -> bool:
+    """What is cheap to check of a ``BlockStored`` as a whole: its parent's hash, at most
+    ``block_size`` token ids a block (the hashes and the ids are checked a slice at a time)."""
+    parent = event.parent_block_hash
+    return (parent is None or _vllm_hash(parent)) and len(event.token_ids) <= len(
+        event.block_hashes
+    ) * block_size
 
 
 class Sync:
@@ -75,7 +108,8 @@ class Sync:
 @dataclass
 class Applied:
     sync: str
-    counts: dict[str, int]  # events applied by kind
+    counts: dict[str, int] = field(default_factory=dict)  # events applied by kind
+    refused: int = 0  # events not of vLLM's shapes, skipped
 
 
 class EventFeed:
@@ -94,11 +128,17 @@ class EventFeed:
         self.index.lost_sync()
 
     def missing_from(self, seq: int) -> int | None:
-        """The first batch missed before ``seq`` (which a replay could bring); None: none."""
+        """The first batch missed before ``seq`` that a replay could bring; None: none, or
+        more than the engine's replay buffer holds (never asked: the index goes cold). On a
+        new connection only a replay from the engine's first batch makes the index complete
+        (what came before any later start is unknown anyway), so one is asked only of an
+        engine young enough that its buffer may still hold all it published; a long-running
+        engine's index is cold for ``resync_s`` instead."""
         last = self.last_seq
-        if last is None:
-            return 0 if seq > 0 else None
-        return last + 1 if seq > last + 1 else None
+        start = 0 if last is None else last + 1
+        if seq <= start or seq - start > MAX_REPLAY_GAP:
+            return None
+        return start
 
     def check(self, seq: int) -> str:
         last, self.last_seq = self.last_seq, seq
@@ -121,26 +161,79 @@ class EventFeed:
         return Sync.GAP
 
     def apply(self, seq: int, batch: EventBatch) -> Applied:
-        sync = self.check(seq)
-        counts: dict[str, int] = {}
+        """The whole batch at once (tests, small batches)."""
+        applied = Applied(self.check(seq))
+        for _ in self.steps(applied, batch):
+            pass
+        return applied
+
+    def steps(self, applied: Applied, batch: EventBatch) -> Iterator[None]:
+        """Applies ``batch`` (its sequence number already ``check``-ed into ``applied``),
+        pausing (a ``yield``) after about ``SLICE_BLOCKS`` blocks or events, so that the
+        subscriber lets the event loop run between slices. Events not of vLLM's shapes (block
+        hashes, token ids, checked a slice at a time) are refused from where they fail: a
+        store cut short only under-predicts, a removal of a hash the index cannot hold removes
+        nothing."""
+        counts = applied.counts
         index = self.index
+        done = 0
         for event in batch.events:
-            kind = type(event).__name__
+            done += 1
+            ok = True
             if isinstance(event, BlockStored):
-                if not self._indexed(event):
-                    continue
-                index.store(
-                    event.block_hashes, event.parent_block_hash, event.token_ids, event.extra_keys
-                )
+                if not _valid_store(event, index.block_size):
+                    ok = False
+                elif self._indexed(event):
+                    for n in self._store(event):
+                        if n == 0:
+                            ok = False
+                            break
+                        done += n
+                        if done >= SLICE_BLOCKS:
+                            done = 0
+                            yield
             elif isinstance(event, BlockRemoved):
-                if event.medium not in _DEVICE_MEDIA or event.group_idx not in (None, 0):
-                    continue
-                index.remove(event.block_hashes)
+                if event.medium in _DEVICE_MEDIA and event.group_idx in (None, 0):
+                    hashes = event.block_hashes
+                    for i in range(0, len(hashes), SLICE_BLOCKS):
+                        part = hashes[i : i + SLICE_BLOCKS]
+                        if not _valid_hashes(part):
+                            ok = False
+                            break
+                        index.remove(part)
+                        done += len(part)
+                        if done >= SLICE_BLOCKS:
+                            done = 0
+                            yield
             else:
                 index.clear()
-            counts[kind] = counts.get(kind, 0) + 1
+            if ok:
+                kind = type(event).__name__
+                counts[kind] = counts.get(kind, 0) + 1
+            else:
+                applied.refused += 1
+            if done >= SLICE_BLOCKS:
+                done = 0
+                yield
         self.lag_s = max(0.0, self.wall() - batch.ts)
-        return Applied(sync, counts)
+
+    def _store(self, event: BlockStored) -> Iterator[int]:
+        """Stores the event's blocks a slice at a time (each slice chained from the last block
+        of the one before, as vLLM's own parent); yields the blocks of each slice, 0 for one
+        not of vLLM's shapes (nothing of it stored)."""
+        hashes, tokens, size = event.block_hashes, event.token_ids, self.index.block_size
+        extra = event.extra_keys
+        parent = event.parent_block_hash
+        for i in range(0, len(hashes), SLICE_BLOCKS):
+            part = hashes[i : i + SLICE_BLOCKS]
+            ids = tokens[i * size : (i + len(part)) * size]
+            if not (_valid_hashes(part) and token_ids_ok(ids)):
+                yield 0
+                return
+            keys = extra[i : i + SLICE_BLOCKS] if extra is not None else None
+            self.index.store(part, parent, ids, keys)
+            parent = part[-1]
+            yield len(part)
 
     def _indexed(self, event: BlockStored) -> bool:
         """Blocks a plain prompt of the base model can hit on the device."""

@@ -18,10 +18,8 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from urllib.parse import urlsplit
 
 import aiohttp
-import msgspec
 import orjson
 import zmq
 import zmq.asyncio
@@ -29,9 +27,17 @@ from zmq.utils.monitor import parse_monitor_message
 
 from proxy.config.kv_cache import KvCache
 from proxy.scheduling.backend import BackendState
-from proxy.scheduling.kvevents import Applied, EventFeed, Sync, decode_batch, sequence_number
+from proxy.scheduling.kvevents import (
+    Applied,
+    EventBatch,
+    EventFeed,
+    Sync,
+    decode_batch,
+    sequence_number,
+)
 from proxy.scheduling.kvindex import KvIndex
 from proxy.scheduling.kvreplay import replay
+from proxy.scheduling.kvsources import event_endpoints
 from proxy.scheduling.pool import BackendPool
 from proxy.scheduling.probes import ProbeFailed, probe_get
 from proxy.tasks import OwnedTask
@@ -41,45 +47,27 @@ log = logging.getLogger("tierproxy.kvevents")
 
 _SOURCES_CAP_BYTES = 64 * 1024
 _SYNC_PAUSE_S = 1.0  # between two looks of the supervisor at the pool
-_WILDCARD_HOSTS = ("*", "0.0.0.0", "[::]", "::")
+_ERROR_PAUSE_S = 1.0  # before a subscriber that failed opens its connection again
+_LOG_EVERY_S = 60.0  # one error line per backend and kind at most, with a count of the rest
 
 
-def _with_host(endpoint: object, backend_url: str) -> str | None:
-    """A ZMQ endpoint with its wildcard host replaced by the backend's."""
-    if not isinstance(endpoint, str) or not endpoint:
-        return None
-    if not endpoint.startswith("tcp://"):
-        return endpoint  # ipc:// or inproc://: only on the same host, as given
-    host, sep, port = endpoint[len("tcp://") :].rpartition(":")
-    if not sep:
-        return None
-    if host in _WILDCARD_HOSTS:
-        backend_host = urlsplit(backend_url).hostname or "127.0.0.1"
-        host = f"[{backend_host}]" if ":" in backend_host else backend_host
-    return f"tcp://{host}:{port}"
+class _Throttled:
+    """A log line at most every ``_LOG_EVERY_S`` (a hostile backend cannot flood the log)."""
 
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._next = 0.0
+        self._quiet = 0
 
-def event_endpoints(sources: object, backend_url: str) -> tuple[str, str | None] | None:
-    """(the publisher's endpoint, its replay endpoint or None) from vLLM's
-    ``/kv_event_sources`` answer (``{rank: publisher config}``), wildcard hosts replaced by the
-    backend's; None: no ZMQ publisher, or more than one data-parallel rank (each its own cache:
-    not indexed)."""
-    if not isinstance(sources, dict) or len(sources) != 1:
-        return None
-    (config,) = sources.values()
-    if not isinstance(config, dict) or not config.get("enable_kv_cache_events"):
-        return None
-    if config.get("publisher") != "zmq":
-        return None
-    endpoint = _with_host(config.get("endpoint"), backend_url)
-    if endpoint is None:
-        return None
-    return endpoint, _with_host(config.get("replay_endpoint"), backend_url)
-
-
-def event_endpoint(sources: object, backend_url: str) -> str | None:
-    found = event_endpoints(sources, backend_url)
-    return found[0] if found is not None else None
+    def __call__(self, level: int, msg: str, *args: object, exc: bool = False) -> None:
+        now = self.clock()
+        if now < self._next:
+            self._quiet += 1
+            return
+        self._next = now + _LOG_EVERY_S
+        quiet, self._quiet = self._quiet, 0
+        suffix = f" ({quiet} more since the last line)" if quiet else ""
+        log.log(level, msg + suffix, *args, exc_info=exc)
 
 
 class KvSubscriber:
@@ -107,6 +95,8 @@ class KvSubscriber:
         self.endpoint: str | None = None
         self.replay_endpoint: str | None = None  # vLLM's replay socket, where it has one
         self._logged_missing = False
+        self._refused_logged: set[str] = set()
+        self._log_error = _Throttled()
         self.reported_evicted = 0  # of index.stats.evicted, already in the metric
 
     @property
@@ -115,6 +105,22 @@ class KvSubscriber:
         return state.label if state is not None else self.url
 
     async def run(self) -> None:
+        """Until cancelled: an error here (a bug, a ZMQ failure) is logged and counted, the
+        index dropped, and the connection opened again after a pause; never a silent end."""
+        while True:
+            try:
+                await self._run()
+            except Exception:
+                self._log_error(
+                    logging.ERROR, "backend %s: KV-event subscriber failed", self.label, exc=True
+                )
+                self.metrics.errors.labels(self.label).inc()
+                self.metrics.connected.labels(self.label).set(0)
+                self.endpoint = None
+                self.feed.reconnected()  # cold until a batch says where the stream stands
+                await asyncio.sleep(_ERROR_PAUSE_S)
+
+    async def _run(self) -> None:
         sub: zmq.asyncio.Socket | None = None
         monitor: zmq.asyncio.Socket | None = None
         try:
@@ -124,6 +130,7 @@ class KvSubscriber:
                     if sub is not None:
                         sub.disable_monitor()
                         _close(sub, monitor)
+                        sub = monitor = None
                     sub, monitor = self._open(endpoint)
                     log.info("backend %s: KV events from %s", self.label, endpoint)
                 self.metrics.connected.labels(self.label).set(1 if sub is not None else 0)
@@ -140,6 +147,8 @@ class KvSubscriber:
         sub = self.ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 100_000)  # vLLM's own default on its side
+        # A larger message drops the connection (cold index) rather than the proxy's memory.
+        sub.setsockopt(zmq.MAXMSGSIZE, self.settings().max_batch_bytes)
         sub.setsockopt(zmq.SUBSCRIBE, b"")  # every topic: the endpoint is this backend's alone
         monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sub.connect(endpoint)
@@ -166,7 +175,17 @@ class KvSubscriber:
             sources = orjson.loads(answer.body) if answer.status == 200 else None
         except (ProbeFailed, orjson.JSONDecodeError):
             return self.endpoint
-        found = event_endpoints(sources, self.url)
+        refused: list[str] = []
+        found = event_endpoints(sources, self.url, refused)
+        for endpoint in refused:
+            if endpoint not in self._refused_logged and len(self._refused_logged) < 16:
+                self._refused_logged.add(endpoint)
+                log.warning(
+                    "backend %s: its /kv_event_sources names %r, not a tcp:// endpoint on its"
+                    " own host: refused (name it in the backend's config, kv_events, to use it)",
+                    self.label,
+                    endpoint,
+                )
         if found is None:
             if not self._logged_missing:
                 self._logged_missing = True
@@ -182,13 +201,17 @@ class KvSubscriber:
     async def _receive(
         self, sub: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket, timeout_s: float
     ) -> None:
-        """Apply batches until nothing came for ``timeout_s``."""
+        """Apply batches until nothing came for ``timeout_s`` (after a drop with nothing
+        since: the socket is to be opened again)."""
         poller = zmq.asyncio.Poller()
         poller.register(sub, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
+        dropped = False
         while True:
             ready = dict(await poller.poll(timeout_s * 1000))
             if not ready:
+                if dropped:  # ZMQ does not reconnect after a message past MAXMSGSIZE
+                    self.endpoint = None  # the socket is opened afresh
                 return
             if monitor in ready:
                 event = parse_monitor_message(await monitor.recv_multipart())
@@ -199,27 +222,45 @@ class KvSubscriber:
                         await self.on_message(await sub.recv_multipart())
                     log.info("backend %s: KV-event connection dropped", self.label)
                     self.feed.reconnected()
+                    dropped = True
                     continue
             if sub in ready:
+                dropped = False
                 await self.on_message(await sub.recv_multipart())
 
     async def on_message(self, frames: list[bytes]) -> None:
-        label = self.label
+        """One message: a batch applied (after a replay of what it says was missed), or, when
+        anything about it fails, the index dropped (cold, resyncs) and the stream goes on."""
         if len(frames) < 3:
             return
         seq = sequence_number(frames[-2])
         try:
+            if seq is None:
+                raise ValueError(f"a sequence-number frame of {len(frames[-2])} bytes")
             batch = decode_batch(frames[-1])
-        except msgspec.DecodeError:
-            log.warning("backend %s: undecodable KV-event batch %d: index dropped", label, seq)
-            self.feed.last_seq = seq
+            start = self.feed.missing_from(seq)
+            if start is not None and self.replay_endpoint is not None:
+                await self._replay(start, seq)
+            await self._apply(seq, batch)
+        except Exception as exc:
+            self._log_error(
+                logging.WARNING,
+                "backend %s: KV-event batch %s not applied (%s: %s): index dropped",
+                self.label,
+                seq,
+                type(exc).__name__,
+                str(exc)[:200],
+            )
+            if seq is not None:
+                self.feed.last_seq = seq
             self.index.lost_sync()
-            self.metrics.gaps.labels(label).inc()
-            return
-        start = self.feed.missing_from(seq)
-        if start is not None and self.replay_endpoint is not None:
-            await self._replay(start, seq)
-        applied = self.feed.apply(seq, batch)
+            self.metrics.errors.labels(self.label).inc()
+            self.metrics.gaps.labels(self.label).inc()
+
+    async def _apply(self, seq: int, batch: EventBatch) -> None:
+        applied = Applied(self.feed.check(seq))
+        for _ in self.feed.steps(applied, batch):
+            await asyncio.sleep(0)  # a big batch lets the event loop run between slices
         self._count(applied)
 
     async def _replay(self, start: int, until: int) -> None:
@@ -227,12 +268,13 @@ class KvSubscriber:
         it still holds them all (else the gap drops the index, as without one)."""
         assert self.replay_endpoint is not None
         timeout = self.pool.health.probe_timeout_s
-        missed = await replay(self.ctx, self.replay_endpoint, start, until, timeout)
+        max_bytes = self.settings().max_batch_bytes
+        missed = await replay(self.ctx, self.replay_endpoint, start, until, timeout, max_bytes)
         if missed is None:
             log.info("backend %s: KV events %d-%d not replayed", self.label, start, until - 1)
             return
         for seq, batch in missed:
-            self._count(self.feed.apply(seq, batch))
+            await self._apply(seq, batch)
         self.metrics.replayed.labels(self.label).inc(len(missed))
 
     def _count(self, applied: Applied) -> None:
@@ -242,6 +284,14 @@ class KvSubscriber:
         elif applied.sync == Sync.RESTART:
             log.info("backend %s: engine restarted (its KV events numbered again)", label)
             self.metrics.restarts.labels(label).inc()
+        if applied.refused:
+            self.metrics.refused.labels(label).inc(applied.refused)
+            self._log_error(
+                logging.WARNING,
+                "backend %s: %d KV events not of vLLM's shapes skipped",
+                label,
+                applied.refused,
+            )
         for kind, n in applied.counts.items():
             self.metrics.events.labels(label, kind).inc(n)
         if self.feed.lag_s is not None:
@@ -301,6 +351,11 @@ class KvEventWatcher:
         for url in urls - set(self._subs):
             assert settings is not None
             self._subs[url] = self._start(url, settings)
+        for sub, task in self._subs.values():
+            if task.done:  # never meant to end (its errors are caught): start it again
+                log.error("backend %s: KV-event subscriber ended; started again", sub.label)
+                sub.metrics.errors.labels(sub.label).inc()
+                task.start(sub.run)
         for state in self.pool.all():
             self._attach(state, settings)
 

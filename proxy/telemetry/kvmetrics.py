@@ -34,6 +34,19 @@ class KvIndexMetrics:
             ["backend"],
             registry=r,
         )
+        self.errors = Counter(
+            "tierproxy_kv_event_errors",
+            "KV-event batches (or subscribers) that failed: the backend's index was dropped and"
+            " resyncs (the log says why)",
+            ["backend"],
+            registry=r,
+        )
+        self.refused = Counter(
+            "tierproxy_kv_events_refused",
+            "KV events not of vLLM's shapes (block hashes, token ids), skipped",
+            ["backend"],
+            registry=r,
+        )
         self.replayed = Counter(
             "tierproxy_kv_events_replayed_batches",
             "KV-event batches missed and brought back from the engine's replay socket (the"

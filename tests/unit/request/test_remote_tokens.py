@@ -86,7 +86,8 @@ async def test_tokens_from_the_backend_within_bounds() -> None:
         fake.status = 403
         assert await remote.tokens(request, kv, pool, session, 0.0) is None
         fake.status = 200
-        for odd in ({"tokens": ["a"]}, [1, 2], {"count": 1}):
+        # Ids no tokenizer gives (past 64 bits they failed the hashing: a 500 to the client).
+        for odd in ({"tokens": ["a"]}, [1, 2], {"count": 1}, {"tokens": [2**63]}, {"tokens": [-1]}):
             fake.answer = odd
             assert await remote.tokens(request, kv, pool, session, 0.0) is None
         fake.answer, fake.gate = {"tokens": [1]}, asyncio.Event()

@@ -12,9 +12,9 @@ import pytest
 from proxy.config.backends import Backend
 from proxy.policies.blockhash import chain_hashes
 from proxy.scheduling.backend import BackendState
-from proxy.scheduling.kvevents import EventFeed, Sync, decode_batch
+from proxy.scheduling.kvevents import MAX_REPLAY_GAP, SLICE_BLOCKS, EventFeed, Sync, decode_batch
 from proxy.scheduling.kvindex import KvIndex
-from proxy.scheduling.kvsubscriber import event_endpoint, event_endpoints
+from proxy.scheduling.kvsources import event_endpoint, event_endpoints
 from tests.helpers.clock import FakeClock
 
 B = 4  # block size of these tests
@@ -29,7 +29,7 @@ def index(clock: FakeClock, max_blocks: int = 1000, resync_s: float = 30.0) -> K
 
 
 def stored(
-    hashes: list[int], parent: int | None, ids: list[int], extra: list[Any] | None = None, **kw: Any
+    hashes: list[Any], parent: Any, ids: list[int], extra: list[Any] | None = None, **kw: Any
 ) -> dict[str, Any]:
     event = {
         "type": "BlockStored",
@@ -201,10 +201,15 @@ def test_undecodable_payloads_raise_value_errors() -> None:
                 "0": {
                     "enable_kv_cache_events": True,
                     "publisher": "zmq",
-                    "endpoint": "tcp://10.9.9.9:6000",
+                    "endpoint": "tcp://10.1.2.3:6000",
                 }
             },
-            "tcp://10.9.9.9:6000",
+            "tcp://10.1.2.3:6000",
+        ),
+        # Only the backend's own host: never another one, nor a socket on the proxy's host.
+        *(
+            ({"0": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": e}}, None)
+            for e in ("tcp://10.9.9.9:6000", "ipc:///tmp/x.sock", "inproc://x", "tcp://h:1:x")
         ),
         ({"0": {"enable_kv_cache_events": False, "publisher": "null"}}, None),
         ({}, None),
@@ -249,6 +254,11 @@ def test_the_replay_endpoint_comes_with_the_publishers() -> None:
         "tcp://h:5557",
         None,
     )
+    # A replay endpoint off the backend's host is refused (and said so); the publisher stays.
+    refused: list[str] = []
+    odd = {**config, "replay_endpoint": "ipc:///run/other.sock"}
+    assert event_endpoints({"0": odd}, "http://h:1", refused) == ("tcp://h:5557", None)
+    assert refused == ["ipc:///run/other.sock"]
 
 
 def test_what_a_replay_must_bring() -> None:
@@ -257,3 +267,45 @@ def test_what_a_replay_must_bring() -> None:
     assert feed.missing_from(0) is None and feed.missing_from(5) == 0  # nothing heard yet
     feed.apply(0, decode_batch(batch()))
     assert feed.missing_from(1) is None and feed.missing_from(4) == 1
+    # Never more than a replay buffer holds (10,000 batches): a longer gap goes cold at once,
+    # and a long-running engine heard on a new connection is not asked from 0.
+    assert feed.missing_from(2 + MAX_REPLAY_GAP) is None and feed.missing_from(2**62) is None
+    feed.reconnected()
+    assert feed.missing_from(MAX_REPLAY_GAP) == 0 and feed.missing_from(MAX_REPLAY_GAP + 1) is None
+
+
+def test_events_not_of_vllms_shapes_are_skipped() -> None:
+    """A fat or unhashable block hash, a token id past 64 bits, more tokens than the blocks
+    hold: refused, counted, never stored (nor raised: they once killed the subscriber)."""
+    clock = FakeClock()
+    idx = index(clock)
+    feed = EventFeed(idx, clock)
+    odd = [
+        stored([b"x" * 100_000], None, tokens(4)),
+        stored([[1, 2]], None, tokens(4)),
+        stored(["a str"], None, tokens(4)),
+        stored([3], None, [2**63, 1, 2, 3]),
+        stored([4], None, tokens(8)),
+        stored([5], [6, 7], tokens(4)),
+        {"type": "BlockRemoved", "block_hashes": [[1]], "medium": "GPU"},
+    ]
+    applied = feed.apply(0, decode_batch(batch(*odd, stored([b"h" * 32], None, tokens(4)))))
+    assert applied.refused == len(odd) and len(idx) == 1
+    assert idx.leading(chain_hashes(tokens(5), B)) == 1
+
+
+def test_a_big_batch_is_applied_in_slices() -> None:
+    """The subscriber lets the event loop run between slices; the blocks of one long event,
+    stored a slice at a time, still chain as one."""
+    clock = FakeClock()
+    idx = index(clock, max_blocks=10 * SLICE_BLOCKS)
+    feed = EventFeed(idx, clock)
+    n = 2 * SLICE_BLOCKS + 5
+    long = stored(list(range(1, n + 1)), None, tokens(n * B))
+    applied = feed.apply(0, decode_batch(batch()))
+    many = batch(
+        long, *(stored([10**6 + i], None, tokens(B, 10**6 + B * i)) for i in range(SLICE_BLOCKS))
+    )
+    pauses = sum(1 for _ in feed.steps(applied, decode_batch(many)))
+    assert 3 <= pauses <= 5  # about one a SLICE_BLOCKS blocks or events
+    assert idx.leading(chain_hashes(tokens(n * B), B)) == n and len(idx) == n + SLICE_BLOCKS

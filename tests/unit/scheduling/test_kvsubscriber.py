@@ -24,7 +24,7 @@ from proxy.config.kv_cache import KvCache
 from proxy.ops.process import free_port
 from proxy.policies.backends import LeastUtilised
 from proxy.policies.blockhash import chain_hashes
-from proxy.scheduling.kvsubscriber import KvEventWatcher
+from proxy.scheduling.kvsubscriber import KvEventWatcher, KvSubscriber
 from proxy.scheduling.pool import BackendPool
 from proxy.telemetry.metrics import ProxyMetrics
 
@@ -213,3 +213,132 @@ async def test_a_gap_is_filled_from_the_replay_socket(ctx: zmq.asyncio.Context) 
             serving.cancel()
             publisher.close()
             router.close(linger=0)
+
+
+def _one_backend(port: int, **kw: Any) -> BackendPool:
+    backend = Backend(url="http://127.0.0.1:9", kv_events=f"tcp://127.0.0.1:{port}", **kw)
+    return BackendPool([backend], BackendHealth(), LeastUtilised())
+
+
+async def test_a_batch_that_fails_drops_the_index_and_the_subscriber_goes_on(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """An event of no shape vLLM sends (an unhashable hash) once killed the subscriber
+    silently, its index frozen warm; an unexpected error applying a batch drops the index
+    (counted) and the next batches are applied."""
+    port = free_port()
+    pool = _one_backend(port)
+    state = pool.all()[0]
+    metrics = ProxyMetrics()
+    publisher = Publisher(ctx, port)
+    async with aiohttp.ClientSession() as session:
+        watcher = KvEventWatcher(pool, lambda: KvCache(block_size=B), session, metrics.kv)
+        await watcher.sync()
+        labels = {"backend": state.label}
+
+        def sample(name: str) -> float | None:
+            return metrics.registry.get_sample_value(name, labels)
+
+        try:
+            await publisher.subscribed()
+            await publisher.send({"type": "BlockRemoved", "block_hashes": [[1]], "medium": "GPU"})
+            await publisher.send(stored([1], list(range(4))))
+            prompt = chain_hashes(list(range(5)), B)
+            await until(lambda: state.cached_blocks(prompt) == 1, 10, "the batch after")
+            assert sample("tierproxy_kv_events_refused_total") == 1
+            index = state.kv_index
+            assert index is not None and index.warm()
+
+            def broken(*args: object) -> None:
+                raise RuntimeError("a bug")
+
+            index.store = broken  # type: ignore[method-assign,assignment]
+            await publisher.send(stored([2], list(range(10, 14))))
+            await until(lambda: sample("tierproxy_kv_event_errors_total") == 1, 10, "counted")
+            assert not index.warm() and len(index) == 0
+            del index.store
+            await publisher.send(stored([3], list(range(20, 24))))
+            later = chain_hashes(list(range(20, 25)), B)
+            await until(lambda: len(index) == 1, 10, "the batch after the error")
+            assert index.leading(later) == 1
+        finally:
+            await watcher.stop()
+            publisher.close()
+
+
+async def test_a_subscriber_that_ended_is_started_again(
+    ctx: zmq.asyncio.Context, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runs: list[int] = []
+
+    async def ends(self: KvSubscriber) -> None:
+        runs.append(1)
+
+    monkeypatch.setattr(KvSubscriber, "run", ends)
+    pool = _one_backend(free_port())
+    async with aiohttp.ClientSession() as session:
+        watcher = await _watch(pool, [KvCache(block_size=B)], session)
+        try:
+            await until(lambda: len(runs) == 1, 10, "the first run")
+            await asyncio.sleep(0)  # the task done
+            await watcher.sync()
+            await until(lambda: len(runs) == 2, 10, "started again")
+        finally:
+            await watcher.stop()
+
+
+async def test_a_jump_in_sequence_numbers_asks_no_replay(ctx: zmq.asyncio.Context) -> None:
+    """A backend's sequence numbers jumping by 2**62 once made the proxy build the whole range
+    (MemoryError: subscriber dead); an engine up for long, heard first on a new connection, was
+    asked for everything from 0. Neither asks a replay now: cold, then in order again."""
+    port, replay_port = free_port(), free_port()
+    pool = _one_backend(port, kv_events_replay=f"tcp://127.0.0.1:{replay_port}")
+    state = pool.all()[0]
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(f"tcp://127.0.0.1:{replay_port}")
+    publisher = Publisher(ctx, port)
+    publisher.seq = 50_000  # a long-running engine
+    async with aiohttp.ClientSession() as session:
+        watcher = await _watch(pool, [KvCache(block_size=B, resync_s=3600)], session)
+        try:
+            await publisher.subscribed()
+            await publisher.send(stored([1], list(range(4))))
+            index = state.kv_index
+            assert index is not None
+            await until(lambda: len(index) == 1, 10, "the first batch heard")
+            publisher.seq = 2**62
+            await publisher.send(stored([2], list(range(10, 14))))
+            await publisher.send(stored([3], list(range(20, 24))))
+            await until(lambda: len(index) == 2, 10, "the batches after the jump")
+            assert not index.warm()
+            assert not await router.poll(200)  # never asked
+        finally:
+            await watcher.stop()
+            publisher.close()
+            router.close(linger=0)
+
+
+async def test_a_message_past_max_batch_bytes_is_never_taken(ctx: zmq.asyncio.Context) -> None:
+    port = free_port()
+    pool = _one_backend(port)
+    state = pool.all()[0]
+    publisher = Publisher(ctx, port)
+    settings = KvCache(block_size=B, max_batch_bytes=64 * 1024, idle_timeout_s=0.2)
+    async with aiohttp.ClientSession() as session:
+        watcher = await _watch(pool, [settings], session)
+        try:
+            await publisher.subscribed()
+            big = [stored([i], list(range(4 * i, 4 * i + 4))) for i in range(1, 2000)]
+            await publisher.send(*big)  # ~150 KiB: the connection is dropped instead
+            index = state.kv_index
+            assert index is not None
+            async with asyncio.timeout(10):  # until the subscriber is back (ZMQ reconnects)
+                while len(index) == 0:
+                    await publisher.send(stored([7], list(range(100, 104))))
+                    await asyncio.sleep(0.05)
+            assert index.leading(chain_hashes(list(range(100, 105)), B)) == 1
+            assert index.stats.stored < len(big)  # none of the big batch's blocks
+        finally:
+            await watcher.stop()
+            publisher.close()
