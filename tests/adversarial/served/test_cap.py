@@ -61,6 +61,11 @@ UPLOADING = request_bytes(
 )[: -len(UPLOAD_REST)]
 
 
+# The uploads that fill the cap are one tenant's: its bound on bodies coming in (a quarter of the
+# cap by default, tests/adversarial/served/test_uploads_served.py) raised so that they can.
+ONE_TENANT_FILLS = {"max_uploads_per_tenant": CAP}
+
+
 async def fill_the_cap(proxy: ServedProxy) -> Crowd:
     """``CAP`` connections with an upload in progress each, counted by the proxy: /metrics says
     so (the admin's own connection included). A proxy whose admin listener shares the cap
@@ -78,7 +83,7 @@ async def fill_the_cap(proxy: ServedProxy) -> Crowd:
 async def test_every_connection_over_the_cap_gets_503_json_and_the_log_stays_short(
     start_served: StartServed,
 ) -> None:
-    proxy = start_served(server={"max_connections": CAP})
+    proxy = start_served(server={"max_connections": CAP}, input=ONE_TENANT_FILLS)
     held = await fill_the_cap(proxy)
     mark = proxy.mark()
     flood = await crowd(proxy.host, proxy.port, 100, payload=request_bytes("GET", "/v1/models"))
@@ -103,7 +108,7 @@ async def test_every_connection_over_the_cap_gets_503_json_and_the_log_stays_sho
 async def test_the_admin_listener_answers_metrics_and_drain_through_a_flood(
     start_served: StartServed, backend: NullBackend
 ) -> None:
-    proxy = start_served(server={"max_connections": CAP})
+    proxy = start_served(server={"max_connections": CAP}, input=ONE_TENANT_FILLS)
     held = await fill_the_cap(proxy)
     try:
         over = await exchange(proxy.host, proxy.port, request_bytes("GET", "/v1/models"))
@@ -124,7 +129,7 @@ async def test_a_refused_client_that_already_sent_its_request_still_reads_the_50
 ) -> None:
     """A request sent in the same instant as the connect: the proxy drops it unread and must
     not answer the close with a RST that destroys the 503 before the client reads it."""
-    proxy = start_served(server={"max_connections": CAP})
+    proxy = start_served(server={"max_connections": CAP}, input=ONE_TENANT_FILLS)
     held = await fill_the_cap(proxy)
     try:
         for _ in range(20):
@@ -195,7 +200,7 @@ async def test_one_client_holding_every_slot_with_half_heads_locks_nobody_out(
 
 
 async def test_requests_in_progress_are_never_evicted(start_served: StartServed) -> None:
-    proxy = start_served(server={"max_connections": CAP})
+    proxy = start_served(server={"max_connections": CAP}, input=ONE_TENANT_FILLS)
     held = await fill_the_cap(proxy)  # CAP uploads, each halfway through its body
     try:
         for _ in range(5):
