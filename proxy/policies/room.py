@@ -11,6 +11,10 @@ change it waits for a scrape taken after that change. The rule:
   if that is less (vLLM's ``running`` is its real batch
   limit, whatever limits it; the most it ran over the last ``_PEAK_WINDOW_S``, since one scrape
   may fall between a request's end and the next one's start);
+- vLLM ran its whole batch in each of at least four scrapes since the last change and held
+  more than the allowance (plus the slack) waiting on average, its queue swinging between
+  full and nearly empty in step with the scrapes (requests of one length end together): the
+  room shrinks by half that average excess, never under the batch plus the allowance;
 - vLLM preempts with its KV cache nearly full (KV pressure; the plugin's preemptions for a
   better tier come with KV to spare and do not count) or the tiers' targets slip: the room
   shrinks by ``decrease_ratio``;
@@ -48,6 +52,8 @@ if TYPE_CHECKING:
 
 # vLLM's batch limit is the most it ran over this long (scrapes are snapshots).
 _PEAK_WINDOW_S = 5.0
+# Scrapes a swinging queue needs before its average shrinks the room (2 s at 0.5 s a scrape).
+_SWING_SCRAPES = 4
 # Hysteresis of the queued rule, as a share of vLLM's batch (at least 1 request).
 _SLACK_SHARE = 0.1
 # Weight of each new scrape in the smoothed transit (about the last 10 scrapes, 5 s).
@@ -204,6 +210,12 @@ class GradientRoom:
             batch = math.ceil(peak_running + signals.allowance + transit)
             if batch < self.room:
                 return self._set(now, batch, "queued")
+        if load is not None and self._swinging_over(mean_waiting, peak_running, signals, slack):
+            # Half the average excess at a time, never under the batch plus the allowance.
+            floor = math.ceil(peak_running + signals.allowance)
+            step = self.room - (mean_waiting - signals.allowance) / 2
+            if max(floor, step) < self.room:
+                return self._set(now, max(floor, step), "queued")
         if self._preempted:
             return self._set(now, self.room * p.decrease_ratio, "preempted")
         if slipping:
@@ -231,6 +243,20 @@ class GradientRoom:
             grown = self.room * 2 if self.slow_start else self.room * (1 + p.increase_ratio)
             return self._set(now, max(grown, self.room + 1), "grow")
         return None
+
+    def _swinging_over(
+        self, mean_waiting: float, peak_running: float, signals: RoomSignals, slack: float
+    ) -> bool:
+        """vLLM's queue swings in step with the scrapes (requests of one length end together:
+        full in one scrape, its successors still in vLLM's API server in the next), so "queued
+        in every scrape" never holds; yet vLLM ran its whole batch in every scrape and held more
+        than the allowance on average, over at least _SWING_SCRAPES scrapes: the room is too
+        big by about the average excess (taken by halves: one scrape short of the batch, as on
+        a busy API server's noisy transit, stops it)."""
+        seen = self._scrapes
+        if len(seen) < _SWING_SCRAPES or mean_waiting <= signals.allowance + slack:
+            return False
+        return all(s.running >= peak_running for s in seen)
 
     def _record(self, load: ScrapedLoad | None, transit: float) -> None:
         """Take in a new scrape once: into the smoothed transit always, into the window only

@@ -151,6 +151,31 @@ def test_a_noisy_transit_moves_the_room_rarely_and_little(clock: FakeClock, seed
     assert all(80 <= room <= 100 for room in engine.history[-240:])
 
 
+@dataclass
+class SwingingEngine(SimEngine):
+    """Requests of one length end together: every other scrape finds vLLM's batch and about
+    two waiting, the others still in its API server; the others find them all in its queue
+    (as real vLLM on the quiet CI machine: waiting 12, 1, 12, 2, ... at a room of 16)."""
+
+    def scrape(self, inflight: int, now: float) -> ScrapedLoad:
+        trough = self.scrapes % 2 == 0  # the parent counts this scrape first
+        self.in_transit = max(0, inflight - (self.max_num_seqs + 2)) if trough else 0
+        return super().scrape(inflight, now)
+
+
+def test_a_queue_swinging_with_the_scrapes_still_shrinks_the_room(clock: FakeClock) -> None:
+    """Never "queued in every scrape", yet the batch ran full in each and the queue held far
+    more than the allowance on average: the room comes down from 16, by half the excess at a
+    time, and then holds still."""
+    pool = _pool(Backend(url="http://e:1"), AdaptiveRoom(initial_room=16))
+    engine = SwingingEngine(4)
+    changes = _run(pool, engine, clock, 30.0, demand=500)
+    room = pool.all()[0].max_room
+    assert changes and all(c.reason == "queued" for c in changes), changes
+    assert 6 <= room <= 12, engine.history
+    assert _run(pool, engine, clock, 120.0, demand=500) == []
+
+
 def test_room_does_not_grow_past_unused_room_or_the_ceiling(clock: FakeClock) -> None:
     pool = _pool(Backend(url="http://e:1"))
     changes = _run(pool, SimEngine(64), clock, 30.0, demand=5)
