@@ -35,6 +35,7 @@ from proxy.policies.blockhash import chain_hashes, token_ids_ok
 from proxy.request.inbound import ParsedRequest
 from proxy.request.remote_tokens import RemoteTokenizer
 from proxy.request.tokencache import PrefixTokenCache
+from proxy.scheduling.counts import TenantCounts
 from proxy.scheduling.pool import BackendPool
 
 log = logging.getLogger("tierproxy.prompt_blocks")
@@ -223,23 +224,17 @@ class PromptBlocks:
         self._models: dict[str, ModelTokenizer | None] = {}  # by directory; None: unusable
         self.remote = RemoteTokenizer()
         self._threads = ThreadPoolExecutor(TOKENIZER_THREADS, "tierproxy-tokenize")
-        self.off_loop: dict[str, int] = {}  # tenant -> its prompts on those threads now
+        self.off_loop = TenantCounts()  # each tenant's prompts on those threads now
 
     async def _on_thread(
         self, tenant: str, work: Callable[[], tuple[int, ...] | None]
     ) -> tuple[int, ...] | None:
-        busy = self.off_loop.get(tenant, 0)
-        if busy >= PER_TENANT_OFF_LOOP:
+        if not self.off_loop.take(tenant, PER_TENANT_OFF_LOOP):
             return None  # the tenant's earlier long prompts come first; this one by load
-        self.off_loop[tenant] = busy + 1
         try:
             return await asyncio.get_running_loop().run_in_executor(self._threads, work)
         finally:
-            left = self.off_loop[tenant] - 1
-            if left:
-                self.off_loop[tenant] = left
-            else:
-                del self.off_loop[tenant]
+            self.off_loop.give_back(tenant)
 
     async def _model(self, directory: str) -> ModelTokenizer | None:
         if directory in self._models:

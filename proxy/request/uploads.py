@@ -15,6 +15,7 @@ from aiohttp import web
 
 from proxy.api.errors import ProxyError
 from proxy.config.schema import Config
+from proxy.scheduling.counts import TenantCounts
 
 
 class UploadRefused(ProxyError):
@@ -39,24 +40,18 @@ def upload_bound(config: Config) -> int:
 
 class TenantUploads:
     def __init__(self) -> None:
-        self.reading: dict[str, int] = {}
+        self.reading = TenantCounts()
 
     @contextmanager
     def body_of(self, tenant: str, config: Config) -> Iterator[None]:
         """While a body of ``tenant`` is read; past its bound, ``UploadRefused``."""
-        now = self.reading.get(tenant, 0)
         bound = upload_bound(config)
-        if now >= bound:
+        if not self.reading.take(tenant, bound):
             raise too_many_uploads(bound)
-        self.reading[tenant] = now + 1
         try:
             yield
         finally:
-            left = self.reading[tenant] - 1
-            if left:
-                self.reading[tenant] = left
-            else:
-                del self.reading[tenant]
+            self.reading.give_back(tenant)
 
 
 async def closing(request: web.Request, refused: web.Response) -> web.Response:

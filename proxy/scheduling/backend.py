@@ -12,6 +12,7 @@ from proxy.config.slo import AdaptiveRoom
 from proxy.policies.room import RoomController
 from proxy.policies.types import ScrapedLoad
 from proxy.scheduling.clock_offset import correction
+from proxy.scheduling.counts import TenantCounts
 from proxy.scheduling.kvindex import KvIndex
 
 
@@ -45,7 +46,7 @@ class BackendState:
     # Tokenizer calls (/tokenize, /detokenize) running here: bounded apart from the generation
     # room (cfg.max_cheap_inflight), so they never take a slot a generation waits for.
     cheap_inflight: int = 0
-    cheap_by_tenant: dict[str, int] = field(default_factory=dict)  # of those, per tenant
+    cheap_by_tenant: TenantCounts = field(default_factory=TenantCounts)  # of those, per tenant
     # Its clock minus ours, from its Date header (proxy.scheduling.clock_offset); None: unknown.
     clock_offset_s: float | None = None
     # What its prefix cache holds, from its KV events (proxy.scheduling.kvevents); None: not

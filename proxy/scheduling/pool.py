@@ -208,22 +208,18 @@ class BackendPool:
                 continue
             if state.cheap_inflight >= state.cfg.max_cheap_inflight:
                 continue
-            if state.cheap_by_tenant.get(tenant, 0) >= state.cheap_tenant_share:
+            if state.cheap_by_tenant.of(tenant) >= state.cheap_tenant_share:
                 continue
             if best is None or state.cheap_inflight < best.cheap_inflight:
                 best = state
         if best is not None:
             best.cheap_inflight += 1
-            best.cheap_by_tenant[tenant] = best.cheap_by_tenant.get(tenant, 0) + 1
+            best.cheap_by_tenant.take(tenant)
         return best
 
     def release_cheap(self, state: BackendState, tenant: str = "") -> None:
         state.cheap_inflight = max(0, state.cheap_inflight - 1)
-        held = state.cheap_by_tenant.get(tenant, 0) - 1
-        if held > 0:
-            state.cheap_by_tenant[tenant] = held
-        else:
-            state.cheap_by_tenant.pop(tenant, None)
+        state.cheap_by_tenant.give_back(tenant)
 
     # -- bookkeeping ---------------------------------------------------------------------
     def acquire(

@@ -103,11 +103,11 @@ async def test_one_tenant_takes_at_most_half_the_tokenizer_slots(clock: FakeCloc
             ]
             await until(lambda: backend.tokenizing == 4, 5, "the other tenants' calls")
             held = {"tenant-low": 2, "tenant-high": 1, "tenant-normal": 1}
-            assert state.pool.all()[0].cheap_by_tenant == held
+            assert state.pool.all()[0].cheap_by_tenant.held == held
         finally:
             assert backend.tokenize_gate is not None
             backend.tokenize_gate.set()
         for resp in await asyncio.gather(*hogs, *others):
             assert resp.status == 200
             resp.release()
-        assert state.pool.all()[0].cheap_by_tenant == {}
+        assert state.pool.all()[0].cheap_by_tenant.held == {}

@@ -129,9 +129,9 @@ async def test_one_tenant_has_one_long_prompt_on_the_threads_at_a_time(
     blocks, gate = PromptBlocks(), threading.Event()
     held = asyncio.create_task(blocks._on_thread("a", lambda: (1,) if gate.wait(10) else None))
     await asyncio.sleep(0)  # its thread holds tenant a's share
-    assert blocks.off_loop == {"a": 1}
+    assert blocks.off_loop.held == {"a": 1}
     assert await blocks.compute(threaded, request, "salt", tenant="a") is None
     assert await blocks.compute(threaded, request, "salt", tenant="b") == want
     gate.set()
-    assert await held == (1,) and blocks.off_loop == {}
+    assert await held == (1,) and blocks.off_loop.held == {}
     assert await blocks.compute(threaded, request, "salt", tenant="a") == want

@@ -29,7 +29,7 @@ def test_each_tenant_has_its_own_count_and_every_end_gives_its_place_back() -> N
             pass
         assert refused.value.status == 429 and refused.value.code == "too_many_uploads"
         with uploads.body_of("b", cfg):
-            assert uploads.reading == {"a": 2, "b": 1}
+            assert uploads.reading.held == {"a": 2, "b": 1}
     with pytest.raises(TimeoutError), uploads.body_of("a", cfg):
         raise TimeoutError  # a body that timed out (or a client that left) ends its count too
-    assert uploads.reading == {}
+    assert uploads.reading.held == {}
