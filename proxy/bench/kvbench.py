@@ -100,11 +100,14 @@ def proxy_config(
         "tokenizer": tokenizer,
         "resync_s": 0,
     }
-    name, _, weights = policy.removesuffix("+kv").partition("@")  # kv_aware@BEST/WORST
+    # kv_aware@BEST/WORST[/HOLD_S]
+    name, _, weights = policy.removesuffix("+kv").partition("@")
     policies: dict[str, Any] = {"backends": name}
     if weights:
-        best, worst = (float(w) for w in weights.split("/"))
+        best, worst, *hold = (float(w) for w in weights.split("/"))
         policies |= {"kv_room_weight_best": best, "kv_room_weight_worst": worst}
+        if hold:
+            policies["kv_hold_s"] = hold[0]
     return {
         "listen": {"host": "127.0.0.1", "port": 0},
         "tiers": {t: DEFAULT_TIERS[t] for t in scenario.tiers},
@@ -233,6 +236,32 @@ def run_policy(
     after = asyncio.run(_counters(urls))
     (run_dir / "records.json").write_text(json.dumps([asdict(r) for r in records]))
     return figures(policy, round_, records, before, after, _usage_lines(usage_log), duration_s)
+
+
+def pinned_urls(scenario: ConversationScenario, urls: list[str]) -> dict[str, str]:
+    """Each tenant to one fixed engine, in turn by the scenario's order (the reference a
+    cache-aware chooser has to beat: no spill, no tenant's prompts on two engines)."""
+    return {t.name: urls[i % len(urls)] for i, t in enumerate(scenario.tenants)}
+
+
+def run_pinned(
+    scenario: ConversationScenario,
+    urls: list[str],
+    round_: int,
+    out_dir: Path,
+    duration_s: float,
+) -> RunFigures:
+    """The load sent straight to the engines, each tenant to its own (``pinned_urls``): its
+    prefill figures compare; its TTFT has no proxy and no queueing in it, so it does not."""
+    asyncio.run(reset_caches(urls))
+    before = asyncio.run(_counters(urls))
+    run_dir = out_dir / f"pinned-{round_}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    print(f"[pinned #{round_}] straight to the engines, {duration_s:.0f} s", file=sys.stderr)
+    records = asyncio.run(run_load(pinned_urls(scenario, urls), scenario, duration_s))
+    after = asyncio.run(_counters(urls))
+    (run_dir / "records.json").write_text(json.dumps([asdict(r) for r in records]))
+    return figures("pinned", round_, records, before, after, [], duration_s)
 
 
 def render(runs: list[RunFigures], baseline: str = "least_utilised") -> str:

@@ -38,6 +38,10 @@ class BackendChooser(Protocol):
     def served(self, state: BackendView, request: QueuedRequest | None) -> None:
         """``request`` (None: nothing known of it) was sent to ``state``."""
 
+    def holding(self) -> bool:
+        """Whether ``pick`` holds some request back for a busy backend now, a hold that ends
+        with time (the dispatcher then looks again soon, not only when a slot frees)."""
+
 
 def slot_room(state: BackendView, now: float, health: BackendHealth) -> float:
     """The room controller's slots (``max_inflight``, or learned), ramped after a
@@ -111,6 +115,9 @@ class LeastUtilised:
     def served(self, state: BackendView, request: QueuedRequest | None) -> None:
         pass
 
+    def holding(self) -> bool:
+        return False
+
 
 class PrefixAffinity:
     """The backend that last served the same prompt prefix, if it can take the request (its
@@ -147,6 +154,9 @@ class PrefixAffinity:
             if best is None or key > best_key:
                 best, best_key = c, key
         return best.state if best is not None else None
+
+    def holding(self) -> bool:
+        return False
 
     def served(self, state: BackendView, request: QueuedRequest | None) -> None:
         self._rotation.chose(state)

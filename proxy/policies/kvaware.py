@@ -14,10 +14,23 @@ Between a dispatch and the KV events of its prefill, the index does not yet show
 burst of one conversation's turns, or of one tenant's system prompt, would scatter. So the
 chooser remembers for ``pending_s`` where it sent each prompt's blocks and counts them as
 cached there meanwhile.
+
+Three rules keep each prefix in one place (each backend holding a copy would halve what both
+caches hold) and the load even. Home: the backend a prompt's deepest known block was last sent
+to scores as if it had ``home_slots`` more free slots, so a tenant's new conversations, whose
+system prompt both backends may hold, gather on one. Hold: a request whose home is full waits
+for it, up to its tier's hold (``hold_s`` for the worst tier, less for better ones in proportion
+to their room weights), when home would save at least ``hold_share`` of its prompt more than
+any backend with room; the dispatcher passes it over meanwhile and gives the free slot to the
+next request. Balance: a backend that took more than its share of the requests lately
+(``balance_margin`` over ``1/n``, counts fading over ``balance_s``) and is busier now loses its
+pull on new branches of shared prefixes (a tenant's new conversation), which then start where
+there is room; conversations under way stay with their history.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -36,12 +49,26 @@ class KvAware:
         *,
         block_size: int,
         latency_weights: Mapping[str, float],
+        hold_s: float = 0.0,
+        hold_share: float = 0.25,
+        home_slots: float = 1.5,
+        balance_margin: float = 0.05,
+        balance_s: float = 30.0,
+        balance_min: float = 16.0,
         pending_s: float = 10.0,
         pending_blocks: int = 65_536,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.block_size = block_size
         self.latency_weights = dict(latency_weights)  # tier -> weight of room against cache
+        worst = min(self.latency_weights.values(), default=1.0)
+        # tier -> the longest it waits for its prefix's home: hold_s for the worst tier.
+        self.holds = {t: hold_s * worst / w for t, w in self.latency_weights.items()}
+        self.hold_share = hold_share
+        self.home_slots = home_slots
+        self.balance_margin = balance_margin
+        self.balance_s = balance_s
+        self.balance_min = balance_min  # requests sent lately before shares are judged
         self.pending_s = pending_s
         self.pending_blocks = pending_blocks
         self.clock = clock
@@ -50,6 +77,12 @@ class KvAware:
         self._pending: OrderedDict[tuple[str, int], float] = OrderedDict()
         # Chained block hash -> the backend it was last sent to (least recently sent first).
         self._owner: OrderedDict[int, str] = OrderedDict()
+        # id(request) -> when the chooser first held it back for its home (served or expired).
+        self._held: dict[int, float] = {}
+        # Blocks some request's prompt went on past: a prefix that branches (a system prompt
+        # under several conversations), as against the end of one conversation so far.
+        self._branched: OrderedDict[int, None] = OrderedDict()
+        self._sent = DecayingCounts(balance_s, clock)  # backend url -> requests sent lately
 
     def room(self, state: BackendView, now: float, health: BackendHealth) -> float:
         return slot_room(state, now, health)
@@ -69,28 +102,70 @@ class KvAware:
         if blocks:  # the prompt's real length: its full blocks and a partial one
             prompt = (len(blocks) + 1) * self.block_size
         self._expire()
+        home, home_run = self._home(blocks) if blocks else (None, 0)
+        # A new branch of a shared prefix (a tenant's new conversation) loses only that prefix
+        # when it starts elsewhere: off a backend taking more than its share, it may.
+        branch = home_run > 0 and blocks is not None and blocks[home_run - 1] in self._branched
+        shares = self._sent.shares(at_least=self.balance_min)
+        fair = 1.0 / max(1, len(shares), len(candidates))
+        roomiest = max((free_share(c) for c in candidates), default=0.0)
         best: B | None = None
         best_key = (0, 0, 0, 0, 0)
+        best_saved = 0
         for c in candidates:
+            url = c.state.cfg.url
+            share = shares.get(url, 0.0)
             saved = self.cached_tokens(c.state, blocks) if blocks else 0
+            best_saved = max(best_saved, saved)
             room = free_share(c)
+            # Taking more than its share lately, and busier than another now.
+            overloaded = share > fair + self.balance_margin and room < roomiest - TIE
+            if branch and overloaded:
+                saved = 0
+            elif home is not None and url == home:
+                room += self.home_slots / max(1.0, c.state.max_room)
             score = min(1.0, saved / prompt) + weight * room
-            # Last among ties: where the prompt's prefix was last sent, so that a tenant's new
-            # conversations gather where its system prompt is (each backend holding every
-            # tenant's would halve what both caches hold); then the least recently chosen.
-            owned = self._owned_run(c.state.cfg.url, blocks) if blocks else 0
             age = self._rotation.age(c.state)
-            key = (round(score / TIE), round(room / TIE), saved, owned, age)
+            key = (round(score / TIE), round(room / TIE), saved, round(-share / TIE), age)
             if best is None or key > best_key:
                 best, best_key = c.state, key
+        away = home is not None and all(c.state.cfg.url != home for c in candidates)
+        gain = (home_run * self.block_size - best_saved) / prompt
+        home_over = home is not None and shares.get(home, 0.0) > fair + self.balance_margin
+        holds = away and not (branch and home_over) and request is not None
+        if holds and request is not None and self._holds(request, gain):
+            return None  # its home is full: wait for it there (the dispatcher looks again)
         return best
+
+    def holding(self) -> bool:
+        now, longest = self.clock(), max(self.holds.values(), default=0.0)
+        return any(now - since < longest for since in self._held.values())
+
+    def _holds(self, request: QueuedRequest, gain: float) -> bool:
+        """Whether ``request`` waits on for its full home, which would save ``gain`` of its
+        prompt more than the best backend with room."""
+        hold = self.holds.get(request.tier, 0.0)
+        if hold <= 0 or gain < self.hold_share:
+            return False
+        now = self.clock()
+        since = self._held.setdefault(id(request), now)
+        return now - since < hold
 
     def served(self, state: BackendView, request: QueuedRequest | None) -> None:
         self._rotation.chose(state)
+        if request is not None:
+            self._held.pop(id(request), None)
         blocks = request.prompt_blocks if request is not None else None
         if not blocks:
             return
         now, url = self.clock(), state.cfg.url
+        self._sent.add(url)
+        _, known = self._home(blocks)
+        if 0 < known < len(blocks):  # it goes on past what was sent before: a branch point
+            self._branched[blocks[known - 1]] = None
+            self._branched.move_to_end(blocks[known - 1])
+            while len(self._branched) > self.pending_blocks:
+                self._branched.popitem(last=False)
         for block in blocks:
             key = (url, block)
             self._pending[key] = now
@@ -109,21 +184,58 @@ class KvAware:
                 return i + 1
         return 0
 
-    def _owned_run(self, url: str, blocks: Sequence[int]) -> int:
-        """Leading blocks of ``blocks`` whose deepest was last sent to ``url``."""
+    def _home(self, blocks: Sequence[int]) -> tuple[str | None, int]:
+        """The backend the deepest of ``blocks`` ever sent was last sent to, and how many
+        leading blocks that is (None, 0: none was sent)."""
         for i in range(len(blocks) - 1, -1, -1):
             owner = self._owner.get(blocks[i])
             if owner is not None:
-                return i + 1 if owner == url else 0
-        return 0
+                return owner, i + 1
+        return None, 0
 
     def _expire(self) -> None:
-        horizon = self.clock() - self.pending_s
+        now = self.clock()
+        horizon = now - self.pending_s
+        if self._held:  # requests that left the queue without being served (timed out, gone)
+            held_horizon = now - max(self.pending_s, 2 * max(self.holds.values(), default=0.0))
+            for gone in [k for k, at in self._held.items() if at < held_horizon]:
+                del self._held[gone]
         while self._pending:
             key, at = next(iter(self._pending.items()))
             if at >= horizon:
                 break
             del self._pending[key]
+
+
+class DecayingCounts:
+    """Counts per key that decay exponentially (time constant ``tau_s``): what each backend
+    was sent lately, as shares of the whole."""
+
+    def __init__(self, tau_s: float, clock: Callable[[], float]) -> None:
+        self.tau_s = tau_s
+        self.clock = clock
+        self._counts: dict[str, float] = {}
+        self._at = clock()
+
+    def add(self, key: str) -> None:
+        self._decay()
+        self._counts[key] = self._counts.get(key, 0.0) + 1.0
+
+    def shares(self, at_least: float = 0.0) -> dict[str, float]:
+        """Each key's share of the (decayed) total; none while the total is under
+        ``at_least``."""
+        self._decay()
+        total = sum(self._counts.values())
+        if total <= 0 or total < at_least:
+            return {}
+        return {k: v / total for k, v in self._counts.items()}
+
+    def _decay(self) -> None:
+        now = self.clock()
+        if now > self._at:
+            factor = math.exp(-(now - self._at) / self.tau_s)
+            self._counts = {k: v * factor for k, v in self._counts.items() if v * factor > 1e-3}
+            self._at = now
 
 
 def latency_weights(priorities: Mapping[str, int], best: float, worst: float) -> dict[str, float]:

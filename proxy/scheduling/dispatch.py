@@ -22,6 +22,9 @@ from proxy.telemetry.metrics import ProxyMetrics
 
 # While something waits and room depends on time (ejection backoff, ramp), look again this often.
 _RECHECK_S = 0.1
+# While the chooser holds requests back for a busy backend (kv_aware's hold) and another has
+# room, look again this often: the hold ends with a slot freed there (a wake) or with time.
+_HELD_RECHECK_S = 0.02
 
 
 class QueueTimeoutError(Exception):
@@ -79,6 +82,7 @@ class Dispatcher:
         self.metrics = metrics
         self.clock = clock
         self._wake = asyncio.Event()
+        self._held_back = False  # the last pass left requests while some backend had room
         self._task = OwnedTask("tierproxy-dispatcher")
         self.service = ServiceRates()  # per tier, for early refusal
 
@@ -154,6 +158,8 @@ class Dispatcher:
             timeout = max(0.0, deadline - self.clock())
         if len(self.queue) and not self._room_for_some(self.clock()):
             timeout = _RECHECK_S if timeout is None else min(timeout, _RECHECK_S)
+        elif self._held_back and self.pool.chooser.holding():
+            timeout = _HELD_RECHECK_S if timeout is None else min(timeout, _HELD_RECHECK_S)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout):
                 await self._wake.wait()
@@ -168,10 +174,12 @@ class Dispatcher:
             if req.waiter is not None and not req.waiter.done():
                 req.waiter.set_exception(QueueTimeoutError(now - req.arrival_s))
         dispatched = 0
+        self._held_back = False
         # No pop while no backend has a free slot: every head would be refused, one by one.
         while len(self.queue) and self._room_for_some(now):
             popped = self.queue.pop(lambda r: self._choose(r, now) is not None)
             if popped is None:
+                self._held_back = True  # room, but every request waits for another backend
                 break
             req = popped
             backend = self._choose(req, now)

@@ -136,7 +136,10 @@ def test_a_prompt_just_sent_counts_as_cached_there_until_its_events_could_have_a
     assert chooser.pick(_candidates(backends), _req("normal", [*system, 15])) is first
     assert chooser.cached_tokens(first, [*system, 15]) == 4 * BLOCK
     assert chooser.cached_tokens(other, system) == 0
-    clock.advance(5.1)  # the index is the truth again: still empty, so the least busy wins
+    clock.advance(5.1)  # the index is the truth again: still empty. Its home's bonus (1.5
+    # slots) keeps it there at one more in flight; at three more the least busy wins.
+    assert chooser.pick(_candidates(backends), _req("normal", [*system, 15])) is first
+    first.inflight += 2
     assert chooser.pick(_candidates(backends), _req("normal", [*system, 15])) is other
 
 
@@ -171,9 +174,63 @@ def test_a_tenants_new_conversations_gather_where_its_system_prompt_was_last_sen
     # Equal load, equal cached prefix: not the round-robin's turn, the system prompt's place.
     for tail in (31, 32, 33):
         assert _place(chooser, backends, _req("normal", [*system, tail])) is first
-    # Load still comes first: a busier owner loses the tie.
+    # One request more in flight there does not scatter them (the home counts 1.5 slots
+    # more); two more do: load still breaks the tie past that.
     first.inflight = 1
+    assert chooser.pick(_candidates(backends), _req("normal", [*system, 34])) is first
+    first.inflight = 2
     assert chooser.pick(_candidates(backends), _req("normal", [*system, 34])) is not first
+
+
+def _full(backend: FakeBackend) -> None:
+    backend.inflight = int(backend.max_room)  # no slot: not a candidate
+
+
+def test_a_request_whose_home_is_full_waits_for_it_up_to_its_tiers_hold() -> None:
+    clock = FakeClock()
+    home, spare = backends = _backends()
+    chooser = KvAware(block_size=BLOCK, latency_weights=WEIGHTS, hold_s=1.0, clock=clock)
+    # low is the worst tier: the whole hold; high (16x the room weight) 1/16 of it.
+    assert chooser.holds == {"high": 1.0 / 16, "normal": 0.25, "low": 1.0}
+    turn = list(range(40))
+    assert _place(chooser, backends, _req("low", turn[:30])) is home
+    _full(home)
+    later = _req("low", turn)
+    assert chooser.pick(_candidates(backends), later) is None  # held: 30 of 41 blocks there
+    assert chooser.holding()
+    clock.advance(0.9)
+    assert chooser.pick(_candidates(backends), later) is None
+    clock.advance(0.2)  # its hold is over: the backend with room takes it
+    assert chooser.pick(_candidates(backends), later) is spare
+    chooser.served(spare, later)
+    assert not chooser.holding()
+    # A better tier holds for less.
+    other = list(range(100, 140))
+    chooser.served(home, _req("high", other[:30]))
+    high = _req("high", other)
+    assert chooser.pick(_candidates(backends), high) is None
+    clock.advance(1.0 / 16 + 0.01)
+    assert chooser.pick(_candidates(backends), high) is spare
+
+
+def test_no_hold_when_the_home_would_save_little_or_the_hold_is_off() -> None:
+    clock = FakeClock()
+    home, spare = backends = _backends()
+    chooser = KvAware(block_size=BLOCK, latency_weights=WEIGHTS, hold_s=1.0, clock=clock)
+    _place(chooser, backends, _req("low", [1, 2]))
+    _full(home)
+    # 2 of 41 blocks at home: under hold_share (a quarter of the prompt); it moves at once.
+    assert chooser.pick(_candidates(backends), _req("low", [1, 2, *range(10, 49)])) is spare
+    # Its prefix cached on the spare backend too: nothing to gain by waiting.
+    spare.cached = set(range(30))
+    assert chooser.pick(_candidates(backends), _req("low", list(range(40)))) is spare
+    off = KvAware(block_size=BLOCK, latency_weights=WEIGHTS, hold_s=0.0, clock=clock)
+    home.inflight = 0
+    spare.cached = set()
+    _place(off, backends, _req("low", list(range(30))))
+    _full(home)
+    assert off.pick(_candidates(backends), _req("low", list(range(40)))) is spare
+    assert not off.holding()
 
 
 def test_the_pool_notes_what_the_index_predicted_where_it_dispatched() -> None:
@@ -188,3 +245,29 @@ def test_the_pool_notes_what_the_index_predicted_where_it_dispatched() -> None:
     without = _req("normal", None)
     pool.acquire(state, 10, request=without)
     assert without.predicted_blocks is None
+
+
+def test_new_conversations_leave_a_backend_that_took_more_than_its_share_continuing_ones_stay() -> (
+    None
+):
+    clock = FakeClock()
+    hot, cool = backends = _backends()
+    chooser = KvAware(block_size=BLOCK, latency_weights=WEIGHTS, hold_s=1.0, clock=clock)
+    system = [1, 2, 3, 4, 5, 6]
+    # The tenant's first conversations all went to ``hot``: the system prompt branches there.
+    for conv in range(20):
+        assert _place(chooser, [hot], _req("normal", [*system, 100 + conv])) is hot
+    hot.cached = set(system)
+    hot.inflight = 3  # busier now than cool, and it took 100 % of the last 20 requests
+    new = _req("normal", [*system, 200])
+    assert chooser.pick(_candidates(backends), new) is cool
+    # A conversation that goes on (its own turn is the deepest sent: no branch) stays home.
+    hot.cached |= {100}
+    assert chooser.pick(_candidates(backends), _req("normal", [*system, 100, 101])) is hot
+    # At equal load the home keeps its new conversations: the share alone moves nothing.
+    hot.inflight = 0
+    assert chooser.pick(_candidates(backends), new) is hot
+    # Shares fade (30 s): after a quiet minute the busier home keeps them again.
+    hot.inflight = 3
+    clock.advance(120)
+    assert chooser.pick(_candidates(backends), new) is hot
