@@ -153,13 +153,13 @@ class KvAware:
 
     def served(self, state: BackendView, request: QueuedRequest | None) -> None:
         self._rotation.chose(state)
+        self._sent.add(state.cfg.url)
         if request is not None:
             self._held.pop(id(request), None)
         blocks = request.prompt_blocks if request is not None else None
         if not blocks:
             return
         now, url = self.clock(), state.cfg.url
-        self._sent.add(url)
         _, known = self._home(blocks)
         if 0 < known < len(blocks):  # it goes on past what was sent before: a branch point
             self._branched[blocks[known - 1]] = None
