@@ -16,7 +16,14 @@ from dataclasses import asdict
 from pathlib import Path
 
 from proxy.bench.conversations import load_conversation_scenario
-from proxy.bench.kvbench import RunFigures, render, run_pinned, run_policy, start_engines
+from proxy.bench.kvbench import (
+    RunFigures,
+    render,
+    render_lost,
+    run_pinned,
+    run_policy,
+    start_engines,
+)
 from proxy.bench.kvplots import prefill_bars, ttft_cdfs
 
 
@@ -72,6 +79,8 @@ def main() -> int:
     ttft_cdfs(dirs, tiers, plots / "kv-routing-ttft.png")
     print(f"scenario {scenario.name}, {duration:.0f} s per run; {out}")
     print(render(runs))
+    print()
+    print(render_lost(runs))
     return 0
 
 
