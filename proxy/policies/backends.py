@@ -38,9 +38,10 @@ class BackendChooser(Protocol):
     def served(self, state: BackendView, request: QueuedRequest | None) -> None:
         """``request`` (None: nothing known of it) was sent to ``state``."""
 
-    def holding(self) -> bool:
-        """Whether ``pick`` holds some request back for a busy backend now, a hold that ends
-        with time (the dispatcher then looks again soon, not only when a slot frees)."""
+    def next_hold_end(self) -> float | None:
+        """Seconds until the first request ``pick`` holds back for a busy backend may go
+        elsewhere (the dispatcher looks again then, not only when a slot frees); None: none
+        is held."""
 
 
 def slot_room(state: BackendView, now: float, health: BackendHealth) -> float:
@@ -115,8 +116,8 @@ class LeastUtilised:
     def served(self, state: BackendView, request: QueuedRequest | None) -> None:
         pass
 
-    def holding(self) -> bool:
-        return False
+    def next_hold_end(self) -> float | None:
+        return None
 
 
 class PrefixAffinity:
@@ -155,8 +156,8 @@ class PrefixAffinity:
                 best, best_key = c, key
         return best.state if best is not None else None
 
-    def holding(self) -> bool:
-        return False
+    def next_hold_end(self) -> float | None:
+        return None
 
     def served(self, state: BackendView, request: QueuedRequest | None) -> None:
         self._rotation.chose(state)

@@ -77,8 +77,10 @@ class KvAware:
         self._pending: OrderedDict[tuple[str, int], float] = OrderedDict()
         # Chained block hash -> the backend it was last sent to (least recently sent first).
         self._owner: OrderedDict[int, str] = OrderedDict()
-        # id(request) -> when the chooser first held it back for its home (served or expired).
-        self._held: dict[int, float] = {}
+        # id(request) -> (when the chooser first held it back, for which home, how long at
+        # most); until served or expired.
+        self._held: dict[int, tuple[float, str, float]] = {}
+        self._rooms: dict[str, float] = {}  # backend url -> its room, when last a candidate
         # Blocks some request's prompt went on past: a prefix that branches (a system prompt
         # under several conversations), as against the end of one conversation so far.
         self._branched: OrderedDict[int, None] = OrderedDict()
@@ -114,6 +116,7 @@ class KvAware:
         best_saved = 0
         for c in candidates:
             url = c.state.cfg.url
+            self._rooms[url] = c.state.max_room
             share = shares.get(url, 0.0)
             saved = self.cached_tokens(c.state, blocks) if blocks else 0
             best_saved = max(best_saved, saved)
@@ -133,23 +136,32 @@ class KvAware:
         gain = (home_run * self.block_size - best_saved) / prompt
         home_over = home is not None and shares.get(home, 0.0) > fair + self.balance_margin
         holds = away and not (branch and home_over) and request is not None
-        if holds and request is not None and self._holds(request, gain):
+        if holds and request is not None and home is not None and self._holds(request, home, gain):
             return None  # its home is full: wait for it there (the dispatcher looks again)
         return best
 
-    def holding(self) -> bool:
-        now, longest = self.clock(), max(self.holds.values(), default=0.0)
-        return any(now - since < longest for since in self._held.values())
+    def next_hold_end(self) -> float | None:
+        """Seconds until the first hold still running ends; None: none is."""
+        now = self.clock()
+        ends = [at + hold - now for at, _, hold in self._held.values() if at + hold > now]
+        return min(ends, default=None)
 
-    def _holds(self, request: QueuedRequest, gain: float) -> bool:
-        """Whether ``request`` waits on for its full home, which would save ``gain`` of its
-        prompt more than the best backend with room."""
+    def _holds(self, request: QueuedRequest, home: str, gain: float) -> bool:
+        """Whether ``request`` waits on for its full ``home``, which would save ``gain`` of
+        its prompt more than the best backend with room. No more wait for one home than it has
+        slots (each finishing request frees one): the rest of a burst goes where there is room
+        now, and the passes over held requests stay short."""
         hold = self.holds.get(request.tier, 0.0)
         if hold <= 0 or gain < self.hold_share:
             return False
         now = self.clock()
-        since = self._held.setdefault(id(request), now)
-        return now - since < hold
+        mine = self._held.get(id(request))
+        if mine is None:
+            waiting = sum(1 for at, h, most in self._held.values() if h == home and now < at + most)
+            if waiting >= self._rooms.get(home, 1.0):
+                return False
+            mine = self._held[id(request)] = (now, home, hold)
+        return now - mine[0] < hold
 
     def served(self, state: BackendView, request: QueuedRequest | None) -> None:
         self._rotation.chose(state)
@@ -198,7 +210,7 @@ class KvAware:
         horizon = now - self.pending_s
         if self._held:  # requests that left the queue without being served (timed out, gone)
             held_horizon = now - max(self.pending_s, 2 * max(self.holds.values(), default=0.0))
-            for gone in [k for k, at in self._held.items() if at < held_horizon]:
+            for gone in [k for k, (at, _, _) in self._held.items() if at < held_horizon]:
                 del self._held[gone]
         while self._pending:
             key, at = next(iter(self._pending.items()))

@@ -22,9 +22,8 @@ from proxy.telemetry.metrics import ProxyMetrics
 
 # While something waits and room depends on time (ejection backoff, ramp), look again this often.
 _RECHECK_S = 0.1
-# While the chooser holds requests back for a busy backend (kv_aware's hold) and another has
-# room, look again this often: the hold ends with a slot freed there (a wake) or with time.
-_HELD_RECHECK_S = 0.02
+# Past the end of a hold (kv_aware's) before looking again: the hold is over by then.
+_HOLD_SLACK_S = 0.001
 
 
 class QueueTimeoutError(Exception):
@@ -158,8 +157,11 @@ class Dispatcher:
             timeout = max(0.0, deadline - self.clock())
         if len(self.queue) and not self._room_for_some(self.clock()):
             timeout = _RECHECK_S if timeout is None else min(timeout, _RECHECK_S)
-        elif self._held_back and self.pool.chooser.holding():
-            timeout = _HELD_RECHECK_S if timeout is None else min(timeout, _HELD_RECHECK_S)
+        elif self._held_back and (ends := self.pool.chooser.next_hold_end()) is not None:
+            # Held for a full backend while another has room: a slot freed there wakes this
+            # loop; else the hold's end does.
+            ends += _HOLD_SLACK_S
+            timeout = ends if timeout is None else min(timeout, ends)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout):
                 await self._wake.wait()

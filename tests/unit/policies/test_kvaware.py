@@ -197,13 +197,13 @@ def test_a_request_whose_home_is_full_waits_for_it_up_to_its_tiers_hold() -> Non
     _full(home)
     later = _req("low", turn)
     assert chooser.pick(_candidates(backends), later) is None  # held: 30 of 41 blocks there
-    assert chooser.holding()
+    assert chooser.next_hold_end() == 1.0
     clock.advance(0.9)
     assert chooser.pick(_candidates(backends), later) is None
     clock.advance(0.2)  # its hold is over: the backend with room takes it
     assert chooser.pick(_candidates(backends), later) is spare
     chooser.served(spare, later)
-    assert not chooser.holding()
+    assert chooser.next_hold_end() is None
     # A better tier holds for less.
     other = list(range(100, 140))
     chooser.served(home, _req("high", other[:30]))
@@ -230,7 +230,7 @@ def test_no_hold_when_the_home_would_save_little_or_the_hold_is_off() -> None:
     _place(off, backends, _req("low", list(range(30))))
     _full(home)
     assert off.pick(_candidates(backends), _req("low", list(range(40)))) is spare
-    assert not off.holding()
+    assert off.next_hold_end() is None
 
 
 def test_the_pool_notes_what_the_index_predicted_where_it_dispatched() -> None:
@@ -271,3 +271,19 @@ def test_new_conversations_leave_a_backend_that_took_more_than_its_share_continu
     hot.inflight = 3
     clock.advance(120)
     assert chooser.pick(_candidates(backends), new) is hot
+
+
+def test_no_more_requests_wait_for_a_home_than_it_has_slots() -> None:
+    clock = FakeClock()
+    home, spare = backends = _backends()
+    chooser = KvAware(block_size=BLOCK, latency_weights=WEIGHTS, hold_s=1.0, clock=clock)
+    system = list(range(30))
+    _place(chooser, backends, _req("low", system))
+    home.room_cap = 2.0
+    chooser.pick(_candidates(backends), _req("low", system))  # notes home's room: 2 slots
+    _full(home)
+    burst = [_req("low", [*system, 100 + i]) for i in range(5)]
+    picks = [chooser.pick(_candidates(backends), r) for r in burst]
+    # Two wait for the two slots that will free at home; the rest start where there is room.
+    assert picks == [None, None, spare, spare, spare]
+    assert chooser.pick(_candidates(backends), burst[0]) is None  # a held one stays held

@@ -105,14 +105,15 @@ async def test_a_displaced_waiter_gets_queue_full_and_its_slot_goes_to_the_newco
     assert flood[0].done() and mine.done() and len(d.queue) == 0
 
 
-def _kv_dispatcher(clock: FakeClock) -> Dispatcher:
-    """Two backends of one slot each, ``kv_aware`` with a hold of 1 s for the worst tier."""
+def _kv_dispatcher(clock: FakeClock, hold_s: float = 1.0) -> Dispatcher:
+    """Two backends of one slot each, ``kv_aware`` with a hold of ``hold_s`` for the worst
+    tier."""
     queue = AdmissionQueue(
         {"low": TierLimits(1, 10, 30.0), "high": TierLimits(10, 10, 30.0)},
         default_queue_policies(aging_s=30, reference_tokens=8192),
     )
     chooser = KvAware(
-        block_size=32, latency_weights={"high": 1.0, "low": 0.1}, hold_s=1.0, clock=clock
+        block_size=32, latency_weights={"high": 1.0, "low": 0.1}, hold_s=hold_s, clock=clock
     )
     backends = [Backend(url=f"http://b{i}:1", max_inflight=1) for i in range(2)]
     return Dispatcher(queue, BackendPool(backends, BackendHealth(), chooser), ProxyMetrics(), clock)
@@ -146,14 +147,16 @@ async def test_a_request_held_for_its_busy_home_lets_the_next_one_take_the_free_
 
 async def test_a_hold_ends_with_time_even_if_its_home_never_frees() -> None:
     clock = FakeClock()
-    d = _kv_dispatcher(clock)
+    # The task sleeps until the hold's end by the injected clock (50 ms, which it also waits in
+    # real time); nothing frees a slot or kicks it meanwhile.
+    d = _kv_dispatcher(clock, hold_s=0.05)
     _, spare = d.pool.all()
     d.enqueue(_turn("x", range(30), clock))  # holds home's slot all along
     d.start()
     held = d.enqueue(_turn("x", range(40), clock))
-    await asyncio.sleep(0.05)  # the task looks again on its own while it holds
+    await asyncio.sleep(0.01)
     assert not held.done()
-    clock.now += 1.1
-    lease = await asyncio.wait_for(held, 1.0)  # no kick: the task's own recheck
+    clock.now += 0.06
+    lease = await asyncio.wait_for(held, 1.0)  # no kick: the task's own wake-up
     assert lease.backend is spare
     await d.stop()
