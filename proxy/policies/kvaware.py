@@ -16,16 +16,18 @@ chooser remembers for ``pending_s`` where it sent each prompt's blocks and count
 cached there meanwhile.
 
 Three rules keep each prefix in one place (each backend holding a copy would halve what both
-caches hold) and the load even. Home: the backend a prompt's deepest known block was last sent
-to scores as if it had ``home_slots`` more free slots, so a tenant's new conversations, whose
-system prompt both backends may hold, gather on one. Hold: a request whose home is full waits
-for it, up to its tier's hold (``hold_s`` for the worst tier, less for better ones in proportion
-to their room weights), when home would save at least ``hold_share`` of its prompt more than
-any backend with room; the dispatcher passes it over meanwhile and gives the free slot to the
-next request. Balance: a backend that took more than its share of the requests lately
-(``balance_margin`` over ``1/n``, counts fading over ``balance_s``) and is busier now loses its
-pull on new branches of shared prefixes (a tenant's new conversation), which then start where
-there is room; conversations under way stay with their history.
+caches hold) and the load even. Home: a prompt's home is the backend its deepest known block
+was last sent to, or, for a new branch of a shared prefix (a tenant's new conversation under
+its system prompt), that prefix's home (``kvgroups``); it scores as if it had ``home_slots``
+more free slots. Hold: a request whose home is full waits for it, up to its tier's hold
+(``hold_s`` for the worst tier, less for better ones in proportion to their room weights), when
+home would save at least ``hold_share`` of its prompt more than any backend with room, and
+fewer wait for that home than it has slots; the dispatcher passes it over meanwhile and gives
+the free slot to the next request. Balance: when a prefix's home took more than its share of
+the requests lately (``balance_margin`` over ``1/n``, counts fading over ``balance_s``) and is
+busier now, a new branch of it may start where there is room, and the prefix's home moves
+there: one prefix per ``balance_s``, since the shares lag the move. Conversations under way
+stay with their history.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from proxy.policies.backends import TIE, B, Candidate, Rotation, free_share, slot_room
+from proxy.policies.kvgroups import PrefixGroups
 from proxy.policies.types import BackendView, QueuedRequest
 
 if TYPE_CHECKING:
@@ -81,10 +84,9 @@ class KvAware:
         # most); until served or expired.
         self._held: dict[int, tuple[float, str, float]] = {}
         self._rooms: dict[str, float] = {}  # backend url -> its room, when last a candidate
-        # Blocks some request's prompt went on past: a prefix that branches (a system prompt
-        # under several conversations), as against the end of one conversation so far.
-        self._branched: OrderedDict[int, None] = OrderedDict()
+        self._groups = PrefixGroups(pending_blocks)  # shared prefixes, their new branches' home
         self._sent = DecayingCounts(balance_s, clock)  # backend url -> requests sent lately
+        self._rehomed_at = -math.inf  # when the balance rule last moved a prefix's home
 
     def room(self, state: BackendView, now: float, health: BackendHealth) -> float:
         return slot_room(state, now, health)
@@ -105,12 +107,16 @@ class KvAware:
             prompt = (len(blocks) + 1) * self.block_size
         self._expire()
         home, home_run = self._home(blocks) if blocks else (None, 0)
-        # A new branch of a shared prefix (a tenant's new conversation) loses only that prefix
-        # when it starts elsewhere: off a backend taking more than its share, it may.
-        branch = home_run > 0 and blocks is not None and blocks[home_run - 1] in self._branched
+        # A new branch of a shared prefix (a tenant's new conversation) goes to the prefix's
+        # home. It loses only that prefix if it starts elsewhere: off a home that took more
+        # than its share, it may (one prefix moved per balance_s: the shares lag the move).
+        group = self._groups.home(blocks[home_run - 1]) if blocks and home_run else None
+        branch = group is not None
+        home = group or home
         shares = self._sent.shares(at_least=self.balance_min)
         fair = 1.0 / max(1, len(shares), len(candidates))
         roomiest = max((free_share(c) for c in candidates), default=0.0)
+        may_move = branch and self.clock() - self._rehomed_at >= self.balance_s
         best: B | None = None
         best_key = (0, 0, 0, 0, 0)
         best_saved = 0
@@ -123,7 +129,7 @@ class KvAware:
             room = free_share(c)
             # Taking more than its share lately, and busier than another now.
             overloaded = share > fair + self.balance_margin and room < roomiest - TIE
-            if branch and overloaded:
+            if may_move and overloaded:
                 saved = 0
             elif home is not None and url == home:
                 room += self.home_slots / max(1.0, c.state.max_room)
@@ -135,7 +141,7 @@ class KvAware:
         away = home is not None and all(c.state.cfg.url != home for c in candidates)
         gain = (home_run * self.block_size - best_saved) / prompt
         home_over = home is not None and shares.get(home, 0.0) > fair + self.balance_margin
-        holds = away and not (branch and home_over) and request is not None
+        holds = away and not (may_move and home_over) and request is not None
         if holds and request is not None and home is not None and self._holds(request, home, gain):
             return None  # its home is full: wait for it there (the dispatcher looks again)
         return best
@@ -172,12 +178,12 @@ class KvAware:
         if not blocks:
             return
         now, url = self.clock(), state.cfg.url
-        _, known = self._home(blocks)
-        if 0 < known < len(blocks):  # it goes on past what was sent before: a branch point
-            self._branched[blocks[known - 1]] = None
-            self._branched.move_to_end(blocks[known - 1])
-            while len(self._branched) > self.pending_blocks:
-                self._branched.popitem(last=False)
+        holder, known = self._home(blocks)
+        group = self._groups.home(blocks[known - 1]) if known else None
+        if group is not None and group != url and self._over_share(group):
+            self._groups.rehome(blocks[known - 1], url)  # the balance rule moved it
+            self._rehomed_at = now
+        self._groups.note(blocks, known, holder)
         for block in blocks:
             key = (url, block)
             self._pending[key] = now
@@ -188,6 +194,11 @@ class KvAware:
             self._pending.popitem(last=False)
         while len(self._owner) > self.pending_blocks:
             self._owner.popitem(last=False)
+
+    def _over_share(self, url: str) -> bool:
+        shares = self._sent.shares(at_least=self.balance_min)
+        fair = 1.0 / max(1, len(shares), len(self._rooms))
+        return shares.get(url, 0.0) > fair + self.balance_margin
 
     def _pending_run(self, url: str, blocks: Sequence[int]) -> int:
         # Block hashes are chained: a block sent means every block before it was sent too.

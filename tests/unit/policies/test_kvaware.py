@@ -287,3 +287,41 @@ def test_no_more_requests_wait_for_a_home_than_it_has_slots() -> None:
     # Two wait for the two slots that will free at home; the rest start where there is room.
     assert picks == [None, None, spare, spare, spare]
     assert chooser.pick(_candidates(backends), burst[0]) is None  # a held one stays held
+
+
+def test_a_tenants_new_conversations_go_to_its_prefixs_home_not_where_a_turn_ran_last() -> None:
+    a, b = backends = _backends()
+    chooser = _chooser()
+    system = [1, 2, 3]
+    assert _place(chooser, [a], _req("normal", [*system, 10])) is a
+    assert _place(chooser, [a], _req("normal", [*system, 20])) is a  # a branch point, home a
+    assert _place(chooser, [b], _req("normal", [*system, 30])) is b  # a full: one went to b
+    _place(chooser, [b], _req("normal", [*system, 30, 31]))  # its next turn ran last, on b
+    a.cached = b.cached = set(system)
+    # Equal load: the new conversation goes home, not where the tenant's last turn ran.
+    assert chooser.pick(_candidates(backends), _req("normal", [*system, 40])) is a
+    # A turn that goes on stays with its own history.
+    assert chooser.pick(_candidates(backends), _req("normal", [*system, 30, 31, 32])) is b
+
+
+def test_the_balance_rule_moves_one_prefixs_home_at_a_time() -> None:
+    clock = FakeClock()
+    hot, cool = backends = _backends()
+    chooser = KvAware(block_size=BLOCK, latency_weights=WEIGHTS, clock=clock)
+    tenants = [[100 * t + 1, 100 * t + 2] for t in range(2)]
+    for conv in range(10):  # both tenants' conversations all went to hot
+        for system in tenants:
+            _place(chooser, [hot], _req("normal", [*system, 1000 + conv]))
+    hot.cached = {b for s in tenants for b in s}
+    hot.inflight = 3
+    first = _place(chooser, backends, _req("normal", [*tenants[0], 2000]))
+    assert first is cool  # hot took 100 % lately and is busier: the new branch moves...
+    # ... and the first tenant's home with it; the second tenant's home stays for now.
+    assert chooser.pick(_candidates(backends), _req("normal", [*tenants[1], 2001])) is hot
+    cool.inflight = 3  # equally busy: the moved home keeps its new branches
+    assert chooser.pick(_candidates(backends), _req("normal", [*tenants[0], 2002])) is cool
+    cool.inflight = 0
+    clock.advance(31)  # one balance_s later another may move (hot's share still high)
+    for conv in range(20):
+        _place(chooser, [hot], _req("normal", [*tenants[1], 3000 + conv]))
+    assert chooser.pick(_candidates(backends), _req("normal", [*tenants[1], 2003])) is cool
