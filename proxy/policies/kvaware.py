@@ -80,9 +80,9 @@ class KvAware:
         self._pending: OrderedDict[tuple[str, int], float] = OrderedDict()
         # Chained block hash -> the backend it was last sent to (least recently sent first).
         self._owner: OrderedDict[int, str] = OrderedDict()
-        # id(request) -> (when the chooser first held it back, for which home, how long at
-        # most); until served or expired.
-        self._held: dict[int, tuple[float, str, float]] = {}
+        # id(request) -> (the home it waits for, when its hold ends): who waits where, for the
+        # per-home cap and the dispatcher's wake-up; dropped when served or its hold is over.
+        self._held: dict[int, tuple[str, float]] = {}
         self._rooms: dict[str, float] = {}  # backend url -> its room, when last a candidate
         self._groups = PrefixGroups(pending_blocks)  # shared prefixes, their new branches' home
         self._sent = DecayingCounts(balance_s, clock)  # backend url -> requests sent lately
@@ -99,13 +99,21 @@ class KvAware:
         indexed = state.cached_blocks(blocks) or 0
         return max(indexed, self._pending_run(state.cfg.url, blocks)) * self.block_size
 
-    def pick(self, candidates: Sequence[Candidate[B]], request: QueuedRequest | None) -> B | None:
+    def pick(
+        self,
+        candidates: Sequence[Candidate[B]],
+        request: QueuedRequest | None,
+        *,
+        now: float | None = None,
+        full: Sequence[B] = (),
+    ) -> B | None:
+        now = self.clock() if now is None else now
         blocks = request.prompt_blocks if request is not None else None
         weight = self.latency_weights.get(request.tier, 1.0) if request is not None else 1.0
         prompt = max(1, request.prompt_tokens) if request is not None else 1
         if blocks:  # the prompt's real length: its full blocks and a partial one
             prompt = (len(blocks) + 1) * self.block_size
-        self._expire()
+        self._expire(now)
         home, home_run = self._home(blocks) if blocks else (None, 0)
         # A new branch of a shared prefix (a tenant's new conversation) goes to the prefix's
         # home. It loses only that prefix if it starts elsewhere: off a home that took more
@@ -138,36 +146,47 @@ class KvAware:
             key = (round(score / TIE), round(room / TIE), saved, round(-share / TIE), age)
             if best is None or key > best_key:
                 best, best_key = c.state, key
-        away = home is not None and all(c.state.cfg.url != home for c in candidates)
+        # Wait only for a home that serves the request and is up (not ejected, not draining):
+        # one of ``full``; a home that is neither is no home to wait for.
+        waitable = home is not None and any(b.cfg.url == home for b in full)
         gain = (home_run * self.block_size - best_saved) / prompt
         home_over = home is not None and shares.get(home, 0.0) > fair + self.balance_margin
-        holds = away and not (may_move and home_over) and request is not None
-        if holds and request is not None and home is not None and self._holds(request, home, gain):
+        stays = not (may_move and home_over)  # else the balance rule lets it start elsewhere
+        held = waitable and stays and home is not None and request is not None
+        if (
+            held
+            and home is not None
+            and request is not None
+            and self._holds(request, home, gain, now)
+        ):
             return None  # its home is full: wait for it there (the dispatcher looks again)
         return best
 
-    def next_hold_end(self) -> float | None:
+    def next_hold_end(self, now: float) -> float | None:
         """Seconds until the first hold still running ends; None: none is."""
-        now = self.clock()
-        ends = [at + hold - now for at, _, hold in self._held.values() if at + hold > now]
-        return min(ends, default=None)
+        return min((end - now for _, end in self._held.values() if end > now), default=None)
 
-    def _holds(self, request: QueuedRequest, home: str, gain: float) -> bool:
+    def _holds(self, request: QueuedRequest, home: str, gain: float, now: float) -> bool:
         """Whether ``request`` waits on for its full ``home``, which would save ``gain`` of
-        its prompt more than the best backend with room. No more wait for one home than it has
-        slots (each finishing request frees one): the rest of a burst goes where there is room
-        now, and the passes over held requests stay short."""
+        its prompt more than the best backend with room. A hold runs from the request's arrival
+        (a tenant's requests behind it wait out their holds at the same time, not one after
+        another) and never past half of its queue timeout. No more wait for one home than it
+        has slots (each finishing request frees one): the rest of a burst goes where there is
+        room now."""
         hold = self.holds.get(request.tier, 0.0)
         if hold <= 0 or gain < self.hold_share:
             return False
-        now = self.clock()
-        mine = self._held.get(id(request))
-        if mine is None:
-            waiting = sum(1 for at, h, most in self._held.values() if h == home and now < at + most)
+        end = request.arrival_s + hold
+        if request.deadline_s > request.arrival_s:
+            end = min(end, request.arrival_s + (request.deadline_s - request.arrival_s) / 2)
+        if now >= end:
+            return False
+        if id(request) not in self._held:
+            waiting = sum(1 for h, e in self._held.values() if h == home and e > now)
             if waiting >= self._rooms.get(home, 1.0):
                 return False
-            mine = self._held[id(request)] = (now, home, hold)
-        return now - mine[0] < hold
+            self._held[id(request)] = (home, end)
+        return True
 
     def served(self, state: BackendView, request: QueuedRequest | None) -> None:
         self._rotation.chose(state)
@@ -216,12 +235,12 @@ class KvAware:
                 return owner, i + 1
         return None, 0
 
-    def _expire(self) -> None:
-        now = self.clock()
-        horizon = now - self.pending_s
-        if self._held:  # requests that left the queue without being served (timed out, gone)
-            held_horizon = now - max(self.pending_s, 2 * max(self.holds.values(), default=0.0))
-            for gone in [k for k, (at, _, _) in self._held.items() if at < held_horizon]:
+    def _expire(self, now: float) -> None:
+        """``now``: the pool's clock, that of the requests' arrivals and holds; what was sent
+        is timed by the chooser's own."""
+        horizon = self.clock() - self.pending_s
+        if self._held:  # holds over (the request went elsewhere, timed out, or left)
+            for gone in [k for k, (_, end) in self._held.items() if end <= now]:
                 del self._held[gone]
         while self._pending:
             key, at = next(iter(self._pending.items()))

@@ -157,7 +157,9 @@ class Dispatcher:
             timeout = max(0.0, deadline - self.clock())
         if len(self.queue) and not self._room_for_some(self.clock()):
             timeout = _RECHECK_S if timeout is None else min(timeout, _RECHECK_S)
-        elif self._held_back and (ends := self.pool.chooser.next_hold_end()) is not None:
+        elif (
+            self._held_back and (ends := self.pool.chooser.next_hold_end(self.clock())) is not None
+        ):
             # Held for a full backend while another has room: a slot freed there wakes this
             # loop; else the hold's end does.
             ends += _HOLD_SLACK_S

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from proxy.config.backends import Backend, BackendHealth
-from proxy.policies.backends import Candidate, PrefixAffinity
+from proxy.policies.backends import Candidate, LeastUtilised, PrefixAffinity
 from proxy.policies.kvaware import KvAware, latency_weights
 from proxy.policies.types import QueuedRequest, ScrapedLoad
 from proxy.scheduling.pool import BackendPool
@@ -186,6 +186,22 @@ def _full(backend: FakeBackend) -> None:
     backend.inflight = int(backend.max_room)  # no slot: not a candidate
 
 
+def _pick(
+    chooser: KvAware, backends: list[FakeBackend], req: QueuedRequest, clock: FakeClock
+) -> FakeBackend | None:
+    """As the pool asks: candidates, and the backends that are up but full."""
+    full = [b for b in backends if b.max_room - b.inflight < 1]
+    return chooser.pick(_candidates(backends), req, now=clock(), full=full)
+
+
+def _arriving(
+    tier: str, blocks: Sequence[int], clock: FakeClock, timeout: float = 30.0
+) -> QueuedRequest:
+    req = _req(tier, blocks)
+    req.arrival_s, req.deadline_s = clock(), clock() + timeout
+    return req
+
+
 def test_a_request_whose_home_is_full_waits_for_it_up_to_its_tiers_hold() -> None:
     clock = FakeClock()
     home, spare = backends = _backends()
@@ -195,22 +211,52 @@ def test_a_request_whose_home_is_full_waits_for_it_up_to_its_tiers_hold() -> Non
     turn = list(range(40))
     assert _place(chooser, backends, _req("low", turn[:30])) is home
     _full(home)
-    later = _req("low", turn)
-    assert chooser.pick(_candidates(backends), later) is None  # held: 30 of 41 blocks there
-    assert chooser.next_hold_end() == 1.0
+    later = _arriving("low", turn, clock)
+    assert _pick(chooser, backends, later, clock) is None  # held: 30 of 41 blocks there
+    assert chooser.next_hold_end(clock()) == 1.0
     clock.advance(0.9)
-    assert chooser.pick(_candidates(backends), later) is None
+    assert _pick(chooser, backends, later, clock) is None
     clock.advance(0.2)  # its hold is over: the backend with room takes it
-    assert chooser.pick(_candidates(backends), later) is spare
+    assert _pick(chooser, backends, later, clock) is spare
     chooser.served(spare, later)
-    assert chooser.next_hold_end() is None
+    assert chooser.next_hold_end(clock()) is None
     # A better tier holds for less.
     other = list(range(100, 140))
     chooser.served(home, _req("high", other[:30]))
-    high = _req("high", other)
-    assert chooser.pick(_candidates(backends), high) is None
+    high = _arriving("high", other, clock)
+    assert _pick(chooser, backends, high, clock) is None
     clock.advance(1.0 / 16 + 0.01)
-    assert chooser.pick(_candidates(backends), high) is spare
+    assert _pick(chooser, backends, high, clock) is spare
+
+
+def test_a_hold_runs_from_arrival_so_a_tenants_queue_waits_once_not_once_per_request() -> None:
+    clock = FakeClock()
+    home, spare = backends = _backends()
+    chooser = KvAware(block_size=BLOCK, latency_weights=WEIGHTS, hold_s=1.0, clock=clock)
+    system = list(range(30))
+    _place(chooser, backends, _req("low", system))
+    _full(home)
+    first, second = (_arriving("low", [*system, 100 + i], clock) for i in range(2))
+    assert _pick(chooser, backends, first, clock) is None
+    clock.advance(1.01)  # the first's hold is over; the second, queued behind it, waited too
+    assert _pick(chooser, backends, first, clock) is spare
+    assert _pick(chooser, backends, second, clock) is spare
+
+
+def test_a_hold_never_runs_past_half_the_queue_timeout_nor_for_a_home_that_is_down() -> None:
+    clock = FakeClock()
+    home, spare = backends = _backends()
+    chooser = KvAware(block_size=BLOCK, latency_weights=WEIGHTS, hold_s=10.0, clock=clock)
+    system = list(range(30))
+    _place(chooser, backends, _req("low", system))
+    _full(home)
+    req = _arriving("low", [*system, 100], clock, timeout=1.0)
+    assert _pick(chooser, backends, req, clock) is None
+    clock.advance(0.51)  # half of its 1 s queue timeout: it goes, long before a 503
+    assert _pick(chooser, backends, req, clock) is spare
+    # Home drained or ejected: not among the full backends that are up, so nothing waits.
+    drained = _arriving("low", [*system, 101], clock)
+    assert chooser.pick(_candidates(backends), drained, now=clock(), full=[]) is spare
 
 
 def test_no_hold_when_the_home_would_save_little_or_the_hold_is_off() -> None:
@@ -220,17 +266,18 @@ def test_no_hold_when_the_home_would_save_little_or_the_hold_is_off() -> None:
     _place(chooser, backends, _req("low", [1, 2]))
     _full(home)
     # 2 of 41 blocks at home: under hold_share (a quarter of the prompt); it moves at once.
-    assert chooser.pick(_candidates(backends), _req("low", [1, 2, *range(10, 49)])) is spare
+    req = _arriving("low", [1, 2, *range(10, 49)], clock)
+    assert _pick(chooser, backends, req, clock) is spare
     # Its prefix cached on the spare backend too: nothing to gain by waiting.
     spare.cached = set(range(30))
-    assert chooser.pick(_candidates(backends), _req("low", list(range(40)))) is spare
+    assert _pick(chooser, backends, _arriving("low", list(range(40)), clock), clock) is spare
     off = KvAware(block_size=BLOCK, latency_weights=WEIGHTS, hold_s=0.0, clock=clock)
     home.inflight = 0
     spare.cached = set()
     _place(off, backends, _req("low", list(range(30))))
     _full(home)
-    assert off.pick(_candidates(backends), _req("low", list(range(40)))) is spare
-    assert off.next_hold_end() is None
+    assert _pick(off, backends, _arriving("low", list(range(40)), clock), clock) is spare
+    assert off.next_hold_end(clock()) is None
 
 
 def test_the_pool_notes_what_the_index_predicted_where_it_dispatched() -> None:
@@ -280,13 +327,13 @@ def test_no_more_requests_wait_for_a_home_than_it_has_slots() -> None:
     system = list(range(30))
     _place(chooser, backends, _req("low", system))
     home.room_cap = 2.0
-    chooser.pick(_candidates(backends), _req("low", system))  # notes home's room: 2 slots
+    _pick(chooser, backends, _req("low", system), clock)  # notes home's room: 2 slots
     _full(home)
-    burst = [_req("low", [*system, 100 + i]) for i in range(5)]
-    picks = [chooser.pick(_candidates(backends), r) for r in burst]
+    burst = [_arriving("low", [*system, 100 + i], clock) for i in range(5)]
+    picks = [_pick(chooser, backends, r, clock) for r in burst]
     # Two wait for the two slots that will free at home; the rest start where there is room.
     assert picks == [None, None, spare, spare, spare]
-    assert chooser.pick(_candidates(backends), burst[0]) is None  # a held one stays held
+    assert _pick(chooser, backends, burst[0], clock) is None  # a held one stays held
 
 
 def test_a_tenants_new_conversations_go_to_its_prefixs_home_not_where_a_turn_ran_last() -> None:
@@ -325,3 +372,18 @@ def test_the_balance_rule_moves_one_prefixs_home_at_a_time() -> None:
     for conv in range(20):
         _place(chooser, [hot], _req("normal", [*tenants[1], 3000 + conv]))
     assert chooser.pick(_candidates(backends), _req("normal", [*tenants[1], 2003])) is cool
+
+
+def test_a_best_tier_reserve_slot_comes_after_every_backend_with_room_of_its_own() -> None:
+    # One-slot backends: a free slot and a reserve slot both leave 0 of the room after the
+    # request; the reserve (past a full room, on a backend that may be stuck) must lose.
+    hung, idle = _backends()
+    hung.room_cap = idle.room_cap = 1.0
+    hung.inflight = 1
+    candidates = [Candidate(hung, 1.0, None), Candidate(idle, 1.0, None)]
+    for chooser in (LeastUtilised(), PrefixAffinity(capacity=10), _chooser()):
+        for _ in range(3):  # never by rotation
+            req = _req("high", [1, 2])
+            picked = chooser.pick(candidates, req)
+            assert picked is idle, type(chooser).__name__
+            chooser.served(idle, req)
