@@ -89,7 +89,9 @@ def free_share(c: Candidate[B]) -> float:
     the fuller its KV cache (``least_utilised``'s score)."""
     score = (c.room - 1.0) / c.state.max_room
     if c.state.inflight >= c.state.max_room:
-        score -= 1.0  # a best-tier reserve slot: after every backend with room of its own
+        # A best-tier reserve slot: after a backend with room of its own at equal load (the
+        # full one may be stuck), by half a slot, so a prefix cached there still counts.
+        score -= 0.5 / c.state.max_room
     return score - 0.01 * c.load.kv_usage if c.load is not None else score
 
 

@@ -190,10 +190,12 @@ class KvAware:
 
     def served(self, state: BackendView, request: QueuedRequest | None) -> None:
         self._rotation.chose(state)
-        self._sent.add(state.cfg.url)
+        # Weighed by the prompt's blocks: four tenants' long conversations fill a cache that a
+        # flood of short prompts, however many, does not.
+        blocks = request.prompt_blocks if request is not None else None
+        self._sent.add(state.cfg.url, float(max(1, len(blocks or ()))))
         if request is not None:
             self._held.pop(id(request), None)
-        blocks = request.prompt_blocks if request is not None else None
         if not blocks:
             return
         now, url = self.clock(), state.cfg.url
@@ -250,33 +252,37 @@ class KvAware:
 
 
 class DecayingCounts:
-    """Counts per key that decay exponentially (time constant ``tau_s``): what each backend
-    was sent lately, as shares of the whole."""
+    """Weights per key that decay exponentially (time constant ``tau_s``), and how many adds
+    made them: what each backend was sent lately (in prompt blocks: the cache it fills), as
+    shares of the whole."""
 
     def __init__(self, tau_s: float, clock: Callable[[], float]) -> None:
         self.tau_s = tau_s
         self.clock = clock
-        self._counts: dict[str, float] = {}
+        self._weights: dict[str, float] = {}
+        self._adds = 0.0
         self._at = clock()
 
-    def add(self, key: str) -> None:
+    def add(self, key: str, weight: float = 1.0) -> None:
         self._decay()
-        self._counts[key] = self._counts.get(key, 0.0) + 1.0
+        self._weights[key] = self._weights.get(key, 0.0) + weight
+        self._adds += 1.0
 
     def shares(self, at_least: float = 0.0) -> dict[str, float]:
-        """Each key's share of the (decayed) total; none while the total is under
-        ``at_least``."""
+        """Each key's share of the (decayed) total weight; none while fewer than ``at_least``
+        adds (decayed alike) made it."""
         self._decay()
-        total = sum(self._counts.values())
-        if total <= 0 or total < at_least:
+        total = sum(self._weights.values())
+        if total <= 0 or self._adds < at_least:
             return {}
-        return {k: v / total for k, v in self._counts.items()}
+        return {k: v / total for k, v in self._weights.items()}
 
     def _decay(self) -> None:
         now = self.clock()
         if now > self._at:
             factor = math.exp(-(now - self._at) / self.tau_s)
-            self._counts = {k: v * factor for k, v in self._counts.items() if v * factor > 1e-3}
+            self._weights = {k: v * factor for k, v in self._weights.items() if v * factor > 1e-3}
+            self._adds *= factor
             self._at = now
 
 

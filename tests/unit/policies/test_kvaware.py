@@ -6,9 +6,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import pytest
+
 from proxy.config.backends import Backend, BackendHealth
 from proxy.policies.backends import Candidate, LeastUtilised, PrefixAffinity
-from proxy.policies.kvaware import KvAware, latency_weights
+from proxy.policies.kvaware import DecayingCounts, KvAware, latency_weights
 from proxy.policies.types import QueuedRequest, ScrapedLoad
 from proxy.scheduling.pool import BackendPool
 from tests.helpers.clock import FakeClock
@@ -387,3 +389,20 @@ def test_a_best_tier_reserve_slot_comes_after_every_backend_with_room_of_its_own
             picked = chooser.pick(candidates, req)
             assert picked is idle, type(chooser).__name__
             chooser.served(idle, req)
+
+
+def test_recent_shares_weigh_each_request_by_its_prompt_blocks_and_fade() -> None:
+    clock = FakeClock()
+    counts = DecayingCounts(30.0, clock)
+    for _ in range(4):
+        counts.add("long", 40.0)  # four turns of long conversations...
+    for _ in range(10):
+        counts.add("short", 8.0)  # ... fill more cache than ten short prompts
+    assert counts.shares(at_least=16) == {}  # 14 requests: too few to judge
+    counts.add("short", 8.0)
+    counts.add("short", 8.0)
+    shares = counts.shares(at_least=16)
+    assert shares["long"] == 160 / 256 and shares["short"] == 96 / 256
+    clock.advance(30.0)  # one time constant: the same shares, from e^-1 of the requests
+    assert counts.shares(at_least=16) == {}
+    assert counts.shares()["long"] == pytest.approx(160 / 256)
