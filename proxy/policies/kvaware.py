@@ -24,8 +24,8 @@ more free slots. Hold: a request whose home is full waits for it, up to its tier
 home would save at least ``hold_share`` of its prompt more than any backend with room, and
 fewer wait for that home than it has slots; the dispatcher passes it over meanwhile and gives
 the free slot to the next request. Balance: when a prefix's home took more than its share of
-the prompt blocks sent lately (``balance_margin`` over ``1/n``, counts fading over ``balance_s``) and is
-busier now, a new branch of it may start where there is room, and the prefix's home moves
+the prompt blocks sent lately (``balance_margin`` over ``1/n``, fading over ``balance_s``)
+and is busier now, a new branch of it may start where there is room, and the prefix's home moves
 there: one prefix per ``balance_s``, since the shares lag the move. Conversations under way
 stay with their history.
 """
