@@ -16,7 +16,15 @@ from dataclasses import asdict
 from pathlib import Path
 
 from proxy.bench.conversations import load_conversation_scenario
-from proxy.bench.kvbench import RunFigures, render, run_policy, start_engines
+from proxy.bench.kvbench import (
+    RunFigures,
+    render,
+    render_lost,
+    run_pinned,
+    run_policy,
+    start_engines,
+)
+from proxy.bench.kvplots import prefill_bars, ttft_cdfs
 
 
 def main() -> int:
@@ -28,11 +36,15 @@ def main() -> int:
         "--policies",
         default="least_utilised,prefix_affinity,kv_aware",
         help="comma-separated; kv_aware@BEST/WORST sets its room weights; NAME+kv runs the"
-        " KV index and the prompts' blocks under another policy (their cost alone)",
+        " KV index and the prompts' blocks under another policy (their cost alone); pinned"
+        " sends each tenant straight to one fixed engine (no proxy: the reference to beat)",
     )
     parser.add_argument("--rounds", type=int, default=1, help="every policy once per round")
     parser.add_argument("--duration", type=float, help="seconds per run (default: scenario's)")
     parser.add_argument("--out", type=Path, default=Path(".tierproxy/kv-routing"))
+    parser.add_argument(
+        "--plots", type=Path, help="where the PNGs go (default: the run's folder; docs/img)"
+    )
     args = parser.parse_args()
     scenario = load_conversation_scenario(args.scenario)
     duration = args.duration or scenario.duration_s
@@ -45,6 +57,10 @@ def main() -> int:
         urls = [e.spec.url for e in engines]
         for round_ in range(1, args.rounds + 1):
             for policy in policies:
+                if policy == "pinned":
+                    runs.append(run_pinned(scenario, urls, round_, out, duration))
+                    print(render(runs[-1:]), file=sys.stderr)
+                    continue
                 # The index and the prompts' blocks run for kv_aware only (as a user would).
                 wants_kv = policy.startswith("kv_aware") or policy.endswith("+kv")
                 tokenizer = engines[0].spec.model if wants_kv else None
@@ -54,8 +70,17 @@ def main() -> int:
         for e in engines:
             e.stop()
     (out / "figures.json").write_text(json.dumps([asdict(r) for r in runs], indent=1))
+    plots = args.plots or out
+    plots.mkdir(parents=True, exist_ok=True)
+    prefill_bars(runs, plots / "kv-routing-prefill.png")
+    last = max(r.round for r in runs)
+    dirs = {r.policy: out / f"{r.policy.replace('/', '-')}-{last}" for r in runs if r.round == last}
+    tiers = list(dict.fromkeys(t.tier for t in scenario.tenants))
+    ttft_cdfs(dirs, tiers, plots / "kv-routing-ttft.png")
     print(f"scenario {scenario.name}, {duration:.0f} s per run; {out}")
     print(render(runs))
+    print()
+    print(render_lost(runs))
     return 0
 
 

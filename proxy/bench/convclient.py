@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import random
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +37,8 @@ class ChatRecord:
     completion_tokens: int = 0
     cached_tokens: int | None = None  # None: vLLM said nothing (flag off)
     request_id: str = ""  # the proxy's X-Request-Id
+    conversation: str = ""  # "tenant/slot/n": the n-th conversation of the tenant's slot
+    url: str = ""  # where it was sent (the proxy, or an engine when pinned)
 
 
 async def chat(
@@ -46,6 +50,7 @@ async def chat(
     *,
     kind: str,
     turn: int,
+    conversation: str = "",
 ) -> ChatRecord:
     body = {
         "model": MODEL,
@@ -58,6 +63,7 @@ async def chat(
     headers = {"Authorization": f"Bearer {tenant.api_key}"}
     sent = time.monotonic()
     rec = ChatRecord(tenant.name, tenant.tier, kind, turn, sent, None, sent, 0)
+    rec.conversation, rec.url = conversation, url
     try:
         async with session.post(
             f"{url}/v1/chat/completions", json=body, headers=headers, timeout=REQUEST_TIMEOUT
@@ -99,7 +105,10 @@ async def _conversations(
     each over the tenant's system prompt, growing turn by turn."""
     rng = random.Random(f"{tenant.name}/{index}")
     system = tenant.system_prompt()
-    while time.monotonic() < stop_at:
+    for n in itertools.count():
+        if time.monotonic() >= stop_at:
+            return
+        conversation = f"{tenant.name}/{index}/{n}"
         history = [{"role": "system", "content": system}]
         for turn in range(1, tenant.turns + 1):
             if time.monotonic() >= stop_at:
@@ -109,7 +118,16 @@ async def _conversations(
             )
             max_tokens = int(draw(rng, tenant.max_tokens))
             out.append(
-                await chat(session, url, tenant, history, max_tokens, kind="turn", turn=turn)
+                await chat(
+                    session,
+                    url,
+                    tenant,
+                    history,
+                    max_tokens,
+                    kind="turn",
+                    turn=turn,
+                    conversation=conversation,
+                )
             )
             reply = words(rng, int(draw(rng, tenant.reply_words)))
             history.append({"role": "assistant", "content": reply})
@@ -148,17 +166,21 @@ async def _flood(
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def run_load(url: str, scenario: ConversationScenario, duration_s: float) -> list[ChatRecord]:
-    """Every tenant's load for ``duration_s`` (requests in flight then are awaited)."""
+async def run_load(
+    url: str | Mapping[str, str], scenario: ConversationScenario, duration_s: float
+) -> list[ChatRecord]:
+    """Every tenant's load for ``duration_s`` (requests in flight then are awaited). ``url``:
+    the proxy, or each tenant's own engine by name (pinned, the proxy bypassed)."""
     out: list[ChatRecord] = []
     stop_at = time.monotonic() + duration_s
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
         jobs = []
         for tenant in scenario.tenants:
+            target = url if isinstance(url, str) else url[tenant.name]
             if tenant.rate_rps > 0:
-                jobs.append(_flood(session, url, tenant, stop_at, out))
+                jobs.append(_flood(session, target, tenant, stop_at, out))
             for i in range(tenant.conversations):
-                jobs.append(_conversations(session, url, tenant, i, stop_at, out))
+                jobs.append(_conversations(session, target, tenant, i, stop_at, out))
         await asyncio.gather(*jobs)
     return out

@@ -22,6 +22,7 @@ import yaml
 
 from proxy.bench.convclient import ChatRecord, run_load
 from proxy.bench.conversations import ConversationScenario
+from proxy.bench.kvbreakdown import breakdown
 from proxy.bench.proxy_config import DEFAULT_TIERS
 from proxy.bench.scrape import fetch_metrics, wait_idle
 from proxy.bench.stack import ProxyProcess
@@ -100,11 +101,14 @@ def proxy_config(
         "tokenizer": tokenizer,
         "resync_s": 0,
     }
-    name, _, weights = policy.removesuffix("+kv").partition("@")  # kv_aware@BEST/WORST
+    # kv_aware@BEST/WORST[/HOLD_S]
+    name, _, weights = policy.removesuffix("+kv").partition("@")
     policies: dict[str, Any] = {"backends": name}
     if weights:
-        best, worst = (float(w) for w in weights.split("/"))
+        best, worst, *hold = (float(w) for w in weights.split("/"))
         policies |= {"kv_room_weight_best": best, "kv_room_weight_worst": worst}
+        if hold:
+            policies["kv_hold_s"] = hold[0]
     return {
         "listen": {"host": "127.0.0.1", "port": 0},
         "tiers": {t: DEFAULT_TIERS[t] for t in scenario.tiers},
@@ -135,6 +139,7 @@ class RunFigures:
     index_exact: float | None  # share of requests whose predicted cached tokens were exact
     index_compared: int = 0
     notes: list[str] = field(default_factory=list)
+    lost: dict[str, float] = field(default_factory=dict)  # kvbreakdown.Breakdown.shares()
 
 
 async def _counters(urls: list[str]) -> list[dict[str, float]]:
@@ -172,7 +177,9 @@ def figures(
     after: list[dict[str, float]],
     usage: list[dict[str, Any]],
     duration_s: float,
+    block_size: int,
 ) -> RunFigures:
+    backends = {u["request_id"]: u["backend"] for u in usage if u.get("backend")}
     delta = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before, strict=True)]
     prompt = sum(d["prompt"] for d in delta)
     hits = sum(d["hits"] for d in delta)
@@ -200,6 +207,7 @@ def figures(
         preemptions=sum(d["preemptions"] for d in delta),
         index_exact=len(exact) / len(predicted) if predicted else None,
         index_compared=len(predicted),
+        lost=breakdown(records, backends, block_size).shares(),
     )
 
 
@@ -232,7 +240,36 @@ def run_policy(
         proxy.stop()  # the usage log is flushed on a clean stop
     after = asyncio.run(_counters(urls))
     (run_dir / "records.json").write_text(json.dumps([asdict(r) for r in records]))
-    return figures(policy, round_, records, before, after, _usage_lines(usage_log), duration_s)
+    usage = _usage_lines(usage_log)
+    block = scenario.engine.block_size
+    return figures(policy, round_, records, before, after, usage, duration_s, block)
+
+
+def pinned_urls(scenario: ConversationScenario, urls: list[str]) -> dict[str, str]:
+    """Each tenant to one fixed engine, in turn by the scenario's order (the reference a
+    cache-aware chooser has to beat: no spill, no tenant's prompts on two engines)."""
+    return {t.name: urls[i % len(urls)] for i, t in enumerate(scenario.tenants)}
+
+
+def run_pinned(
+    scenario: ConversationScenario,
+    urls: list[str],
+    round_: int,
+    out_dir: Path,
+    duration_s: float,
+) -> RunFigures:
+    """The load sent straight to the engines, each tenant to its own (``pinned_urls``): its
+    prefill figures compare; its TTFT has no proxy and no queueing in it, so it does not."""
+    asyncio.run(reset_caches(urls))
+    before = asyncio.run(_counters(urls))
+    run_dir = out_dir / f"pinned-{round_}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    print(f"[pinned #{round_}] straight to the engines, {duration_s:.0f} s", file=sys.stderr)
+    records = asyncio.run(run_load(pinned_urls(scenario, urls), scenario, duration_s))
+    after = asyncio.run(_counters(urls))
+    (run_dir / "records.json").write_text(json.dumps([asdict(r) for r in records]))
+    block = scenario.engine.block_size
+    return figures("pinned", round_, records, before, after, [], duration_s, block)
 
 
 def render(runs: list[RunFigures], baseline: str = "least_utilised") -> str:
@@ -268,4 +305,15 @@ def render(runs: list[RunFigures], baseline: str = "least_utilised") -> str:
         exact = "n/a" if r.index_exact is None else f"{r.index_exact:.1%} of {r.index_compared}"
         cells.append(exact)
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def render_lost(runs: list[RunFigures]) -> str:
+    """Where each run's prefill went, as shares of all its prompt tokens (kvbreakdown)."""
+    head = "| policy | round | floor (new text, flood) | moved | evicted | new conversations |"
+    lines = [head, "|---|---|---|---|---|---|"]
+    for r in runs:
+        cells = [f"{100 * r.lost.get(k, 0.0):.1f} %" for k in ("floor", "moved", "evicted")]
+        cells.append(f"{100 * r.lost.get('new_conversation', 0.0):.1f} %")
+        lines.append(f"| `{r.policy}` | {r.round} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

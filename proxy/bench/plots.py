@@ -10,10 +10,10 @@ from proxy.bench.records import Outcome, RequestRecord
 from proxy.bench.runner import Sample
 
 _STYLES = {"proxy": "-", "direct": "--"}
-_COLORS = ["tab:red", "tab:blue", "tab:green", "tab:purple", "tab:orange", "tab:brown"]
+COLORS = ["tab:red", "tab:blue", "tab:green", "tab:purple", "tab:orange", "tab:brown"]
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -26,7 +26,7 @@ def ttft_cdf(
     records: Mapping[str, Sequence[RequestRecord]], tiers: Sequence[str], path: Path
 ) -> Path:
     """One panel per tier; one line per run (proxy solid, direct dashed); log time axis."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(tiers), figsize=(3.6 * len(tiers), 3.0), squeeze=False)
     for ax, tier in zip(axes[0], tiers, strict=True):
         for i, (label, recs) in enumerate(records.items()):
@@ -43,7 +43,7 @@ def ttft_cdf(
                 ys,
                 where="post",
                 linestyle=_STYLES.get(label, ":"),
-                color=_COLORS[i % len(_COLORS)],
+                color=COLORS[i % len(COLORS)],
                 label=f"{label} (n={len(ttfts)})",
             )
         ax.set_xscale("log")
@@ -60,20 +60,20 @@ def ttft_cdf(
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
-    return _shrink(path)
+    return shrink(path)
 
 
 def queue_depth(samples: Mapping[str, Sequence[Sample]], tiers: Sequence[str], path: Path) -> Path:
     """One panel per run: the proxy's queue depth per tier when it exports it (solid), the
     client's in-flight count per tier (thin dashed), vLLM's own waiting queue (black dotted)."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(
         len(samples), 1, figsize=(7.5, 2.4 * len(samples)), squeeze=False, sharex=True
     )
     for ax, (label, ss) in zip(axes[:, 0], samples.items(), strict=True):
         ts = [s.t for s in ss]
         for i, tier in enumerate(tiers):
-            color = _COLORS[i % len(_COLORS)]
+            color = COLORS[i % len(COLORS)]
             if any(s.queue_depth for s in ss):
                 ax.plot(
                     ts,
@@ -103,10 +103,10 @@ def queue_depth(samples: Mapping[str, Sequence[Sample]], tiers: Sequence[str], p
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
-    return _shrink(path)
+    return shrink(path)
 
 
-def _shrink(path: Path) -> Path:
+def shrink(path: Path) -> Path:
     """A 64-colour palette: line plots look the same at a third of the bytes."""
     from PIL import Image
 

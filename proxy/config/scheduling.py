@@ -135,6 +135,14 @@ class Policies(Strict):
         description="`kv_aware`: the same weight for the worst tier (tiers between: geometric"
         " steps by priority); lower lets it follow its cache onto busier backends.",
     )
+    kv_hold_s: float = Field(
+        1.0,
+        ge=0,
+        le=30,
+        description="`kv_aware`: the longest a worst-tier request waits for the busy backend"
+        " that holds its prompt's prefix while another has room (better tiers wait less, in"
+        " proportion to their room weights; 0: never waits, moves at once).",
+    )
     cached_prompt_charge: float = Field(
         0.1,
         ge=0,

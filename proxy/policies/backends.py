@@ -31,12 +31,25 @@ class BackendChooser(Protocol):
     def room(self, state: BackendView, now: float, health: BackendHealth) -> float:
         """Free request slots on this backend now (may be fractional during a ramp)."""
 
-    def pick(self, candidates: Sequence[Candidate[B]], request: QueuedRequest | None) -> B | None:
+    def pick(
+        self,
+        candidates: Sequence[Candidate[B]],
+        request: QueuedRequest | None,
+        *,
+        now: float | None = None,
+        full: Sequence[B] = (),
+    ) -> B | None:
         """The backend for ``request`` (None: nothing known of it) among those that can take
-        it (None when empty)."""
+        it; None: none, or the request waits for one of ``full`` (the backends that serve it,
+        available but without a free slot now). ``now``: the pool's clock."""
 
     def served(self, state: BackendView, request: QueuedRequest | None) -> None:
         """``request`` (None: nothing known of it) was sent to ``state``."""
+
+    def next_hold_end(self, now: float) -> float | None:
+        """Seconds until the first request ``pick`` holds back for a full backend may go
+        elsewhere (the dispatcher looks again then, not only when a slot frees); None: none
+        is held."""
 
 
 def slot_room(state: BackendView, now: float, health: BackendHealth) -> float:
@@ -65,9 +78,7 @@ def least_utilised(candidates: Sequence[Candidate[B]]) -> B | None:
     best: B | None = None
     best_score = 0.0
     for c in candidates:
-        score = (c.room - 1.0) / c.state.max_room  # free share left after this one
-        if c.load is not None:
-            score -= 0.01 * c.load.kv_usage
+        score = free_share(c)
         if best is None or score > best_score:
             best, best_score = c.state, score
     return best
@@ -77,6 +88,10 @@ def free_share(c: Candidate[B]) -> float:
     """The share of the backend's room left after it takes one more request, a little less
     the fuller its KV cache (``least_utilised``'s score)."""
     score = (c.room - 1.0) / c.state.max_room
+    if c.state.inflight >= c.state.max_room:
+        # A best-tier reserve slot: after a backend with room of its own at equal load (the
+        # full one may be stuck), by half a slot, so a prefix cached there still counts.
+        score -= 0.5 / c.state.max_room
     return score - 0.01 * c.load.kv_usage if c.load is not None else score
 
 
@@ -105,11 +120,21 @@ class LeastUtilised:
     def room(self, state: BackendView, now: float, health: BackendHealth) -> float:
         return slot_room(state, now, health)
 
-    def pick(self, candidates: Sequence[Candidate[B]], request: QueuedRequest | None) -> B | None:
+    def pick(
+        self,
+        candidates: Sequence[Candidate[B]],
+        request: QueuedRequest | None,
+        *,
+        now: float | None = None,
+        full: Sequence[B] = (),
+    ) -> B | None:
         return least_utilised(candidates)
 
     def served(self, state: BackendView, request: QueuedRequest | None) -> None:
         pass
+
+    def next_hold_end(self, now: float) -> float | None:
+        return None
 
 
 class PrefixAffinity:
@@ -129,7 +154,14 @@ class PrefixAffinity:
     def room(self, state: BackendView, now: float, health: BackendHealth) -> float:
         return slot_room(state, now, health)
 
-    def pick(self, candidates: Sequence[Candidate[B]], request: QueuedRequest | None) -> B | None:
+    def pick(
+        self,
+        candidates: Sequence[Candidate[B]],
+        request: QueuedRequest | None,
+        *,
+        now: float | None = None,
+        full: Sequence[B] = (),
+    ) -> B | None:
         prefix = request.prefix_hash if request is not None else None
         url = self._last.get(prefix) if prefix is not None else None
         if url is not None:
@@ -147,6 +179,9 @@ class PrefixAffinity:
             if best is None or key > best_key:
                 best, best_key = c, key
         return best.state if best is not None else None
+
+    def next_hold_end(self, now: float) -> float | None:
+        return None
 
     def served(self, state: BackendView, request: QueuedRequest | None) -> None:
         self._rotation.chose(state)

@@ -14,16 +14,32 @@ Between a dispatch and the KV events of its prefill, the index does not yet show
 burst of one conversation's turns, or of one tenant's system prompt, would scatter. So the
 chooser remembers for ``pending_s`` where it sent each prompt's blocks and counts them as
 cached there meanwhile.
+
+Three rules keep each prefix in one place (each backend holding a copy would halve what both
+caches hold) and the load even. Home: a prompt's home is the backend its deepest known block
+was last sent to, or, for a new branch of a shared prefix (a tenant's new conversation under
+its system prompt), that prefix's home (``kvgroups``); it scores as if it had ``home_slots``
+more free slots. Hold: a request whose home is full waits for it, up to its tier's hold
+(``hold_s`` for the worst tier, less for better ones in proportion to their room weights), when
+home would save at least ``hold_share`` of its prompt more than any backend with room, and
+fewer wait for that home than it has slots; the dispatcher passes it over meanwhile and gives
+the free slot to the next request. Balance: when a prefix's home took more than its share of
+the prompt blocks sent lately (``balance_margin`` over ``1/n``, fading over ``balance_s``)
+and is busier now, a new branch of it may start where there is room, and the prefix's home moves
+there: one prefix per ``balance_s``, since the shares lag the move. Conversations under way
+stay with their history.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from proxy.policies.backends import TIE, B, Candidate, Rotation, free_share, slot_room
+from proxy.policies.kvgroups import PrefixGroups
 from proxy.policies.types import BackendView, QueuedRequest
 
 if TYPE_CHECKING:
@@ -36,12 +52,26 @@ class KvAware:
         *,
         block_size: int,
         latency_weights: Mapping[str, float],
+        hold_s: float = 0.0,
+        hold_share: float = 0.25,
+        home_slots: float = 1.5,
+        balance_margin: float = 0.05,
+        balance_s: float = 30.0,
+        balance_min: float = 16.0,
         pending_s: float = 10.0,
         pending_blocks: int = 65_536,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.block_size = block_size
         self.latency_weights = dict(latency_weights)  # tier -> weight of room against cache
+        worst = min(self.latency_weights.values(), default=1.0)
+        # tier -> the longest it waits for its prefix's home: hold_s for the worst tier.
+        self.holds = {t: hold_s * worst / w for t, w in self.latency_weights.items()}
+        self.hold_share = hold_share
+        self.home_slots = home_slots
+        self.balance_margin = balance_margin
+        self.balance_s = balance_s
+        self.balance_min = balance_min  # requests sent lately before shares are judged
         self.pending_s = pending_s
         self.pending_blocks = pending_blocks
         self.clock = clock
@@ -50,6 +80,13 @@ class KvAware:
         self._pending: OrderedDict[tuple[str, int], float] = OrderedDict()
         # Chained block hash -> the backend it was last sent to (least recently sent first).
         self._owner: OrderedDict[int, str] = OrderedDict()
+        # id(request) -> (the home it waits for, when its hold ends): who waits where, for the
+        # per-home cap and the dispatcher's wake-up; dropped when served or its hold is over.
+        self._held: dict[int, tuple[str, float]] = {}
+        self._rooms: dict[str, float] = {}  # backend url -> its room, when last a candidate
+        self._groups = PrefixGroups(pending_blocks)  # shared prefixes, their new branches' home
+        self._sent = DecayingCounts(balance_s, clock)  # backend url -> requests sent lately
+        self._rehomed_at = -math.inf  # when the balance rule last moved a prefix's home
 
     def room(self, state: BackendView, now: float, health: BackendHealth) -> float:
         return slot_room(state, now, health)
@@ -62,35 +99,112 @@ class KvAware:
         indexed = state.cached_blocks(blocks) or 0
         return max(indexed, self._pending_run(state.cfg.url, blocks)) * self.block_size
 
-    def pick(self, candidates: Sequence[Candidate[B]], request: QueuedRequest | None) -> B | None:
+    def pick(
+        self,
+        candidates: Sequence[Candidate[B]],
+        request: QueuedRequest | None,
+        *,
+        now: float | None = None,
+        full: Sequence[B] = (),
+    ) -> B | None:
+        now = self.clock() if now is None else now
         blocks = request.prompt_blocks if request is not None else None
         weight = self.latency_weights.get(request.tier, 1.0) if request is not None else 1.0
         prompt = max(1, request.prompt_tokens) if request is not None else 1
         if blocks:  # the prompt's real length: its full blocks and a partial one
             prompt = (len(blocks) + 1) * self.block_size
-        self._expire()
+        self._expire(now)
+        home, home_run = self._home(blocks) if blocks else (None, 0)
+        # A new branch of a shared prefix (a tenant's new conversation) goes to the prefix's
+        # home. It loses only that prefix if it starts elsewhere: off a home that took more
+        # than its share, it may (one prefix moved per balance_s: the shares lag the move).
+        group = self._groups.home(blocks[home_run - 1]) if blocks and home_run else None
+        branch = group is not None
+        home = group or home
+        shares = self._sent.shares(at_least=self.balance_min)
+        fair = 1.0 / max(1, len(shares), len(candidates))
+        roomiest = max((free_share(c) for c in candidates), default=0.0)
+        may_move = branch and self.clock() - self._rehomed_at >= self.balance_s
         best: B | None = None
         best_key = (0, 0, 0, 0, 0)
+        best_saved = 0
         for c in candidates:
+            url = c.state.cfg.url
+            self._rooms[url] = c.state.max_room
+            share = shares.get(url, 0.0)
             saved = self.cached_tokens(c.state, blocks) if blocks else 0
+            best_saved = max(best_saved, saved)
             room = free_share(c)
+            # Taking more than its share lately, and busier than another now.
+            overloaded = share > fair + self.balance_margin and room < roomiest - TIE
+            if may_move and overloaded:
+                saved = 0
+            elif home is not None and url == home:
+                room += self.home_slots / max(1.0, c.state.max_room)
             score = min(1.0, saved / prompt) + weight * room
-            # Last among ties: where the prompt's prefix was last sent, so that a tenant's new
-            # conversations gather where its system prompt is (each backend holding every
-            # tenant's would halve what both caches hold); then the least recently chosen.
-            owned = self._owned_run(c.state.cfg.url, blocks) if blocks else 0
             age = self._rotation.age(c.state)
-            key = (round(score / TIE), round(room / TIE), saved, owned, age)
+            key = (round(score / TIE), round(room / TIE), saved, round(-share / TIE), age)
             if best is None or key > best_key:
                 best, best_key = c.state, key
+        # Wait only for a home that serves the request and is up (not ejected, not draining):
+        # one of ``full``; a home that is neither is no home to wait for.
+        waitable = home is not None and any(b.cfg.url == home for b in full)
+        gain = (home_run * self.block_size - best_saved) / prompt
+        home_over = home is not None and shares.get(home, 0.0) > fair + self.balance_margin
+        stays = not (may_move and home_over)  # else the balance rule lets it start elsewhere
+        held = waitable and stays and home is not None and request is not None
+        if (
+            held
+            and home is not None
+            and request is not None
+            and self._holds(request, home, gain, now)
+        ):
+            return None  # its home is full: wait for it there (the dispatcher looks again)
         return best
+
+    def next_hold_end(self, now: float) -> float | None:
+        """Seconds until the first hold still running ends; None: none is."""
+        return min((end - now for _, end in self._held.values() if end > now), default=None)
+
+    def _holds(self, request: QueuedRequest, home: str, gain: float, now: float) -> bool:
+        """Whether ``request`` waits on for its full ``home``, which would save ``gain`` of
+        its prompt more than the best backend with room. A hold runs from the request's arrival
+        (a tenant's requests behind it wait out their holds at the same time, not one after
+        another) and never past half of its queue timeout. No more wait for one home than it
+        has slots (each finishing request frees one): the rest of a burst goes where there is
+        room now."""
+        hold = self.holds.get(request.tier, 0.0)
+        if hold <= 0 or gain < self.hold_share:
+            return False
+        end = request.arrival_s + hold
+        if request.deadline_s > request.arrival_s:
+            end = min(end, request.arrival_s + (request.deadline_s - request.arrival_s) / 2)
+        if now >= end:
+            return False
+        if id(request) not in self._held:
+            waiting = sum(1 for h, e in self._held.values() if h == home and e > now)
+            if waiting >= self._rooms.get(home, 1.0):
+                return False
+            self._held[id(request)] = (home, end)
+        return True
 
     def served(self, state: BackendView, request: QueuedRequest | None) -> None:
         self._rotation.chose(state)
+        # Weighed by the prompt's blocks: four tenants' long conversations fill a cache that a
+        # flood of short prompts, however many, does not.
         blocks = request.prompt_blocks if request is not None else None
+        self._sent.add(state.cfg.url, float(max(1, len(blocks or ()))))
+        if request is not None:
+            self._held.pop(id(request), None)
         if not blocks:
             return
         now, url = self.clock(), state.cfg.url
+        holder, known = self._home(blocks)
+        group = self._groups.home(blocks[known - 1]) if known else None
+        if group is not None and group != url and self._over_share(group):
+            self._groups.rehome(blocks[known - 1], url)  # the balance rule moved it
+            self._rehomed_at = now
+        self._groups.note(blocks, known, holder)
         for block in blocks:
             key = (url, block)
             self._pending[key] = now
@@ -102,6 +216,11 @@ class KvAware:
         while len(self._owner) > self.pending_blocks:
             self._owner.popitem(last=False)
 
+    def _over_share(self, url: str) -> bool:
+        shares = self._sent.shares(at_least=self.balance_min)
+        fair = 1.0 / max(1, len(shares), len(self._rooms))
+        return shares.get(url, 0.0) > fair + self.balance_margin
+
     def _pending_run(self, url: str, blocks: Sequence[int]) -> int:
         # Block hashes are chained: a block sent means every block before it was sent too.
         for i in range(len(blocks) - 1, -1, -1):
@@ -109,21 +228,62 @@ class KvAware:
                 return i + 1
         return 0
 
-    def _owned_run(self, url: str, blocks: Sequence[int]) -> int:
-        """Leading blocks of ``blocks`` whose deepest was last sent to ``url``."""
+    def _home(self, blocks: Sequence[int]) -> tuple[str | None, int]:
+        """The backend the deepest of ``blocks`` ever sent was last sent to, and how many
+        leading blocks that is (None, 0: none was sent)."""
         for i in range(len(blocks) - 1, -1, -1):
             owner = self._owner.get(blocks[i])
             if owner is not None:
-                return i + 1 if owner == url else 0
-        return 0
+                return owner, i + 1
+        return None, 0
 
-    def _expire(self) -> None:
+    def _expire(self, now: float) -> None:
+        """``now``: the pool's clock, that of the requests' arrivals and holds; what was sent
+        is timed by the chooser's own."""
         horizon = self.clock() - self.pending_s
+        if self._held:  # holds over (the request went elsewhere, timed out, or left)
+            for gone in [k for k, (_, end) in self._held.items() if end <= now]:
+                del self._held[gone]
         while self._pending:
             key, at = next(iter(self._pending.items()))
             if at >= horizon:
                 break
             del self._pending[key]
+
+
+class DecayingCounts:
+    """Weights per key that decay exponentially (time constant ``tau_s``), and how many adds
+    made them: what each backend was sent lately (in prompt blocks: the cache it fills), as
+    shares of the whole."""
+
+    def __init__(self, tau_s: float, clock: Callable[[], float]) -> None:
+        self.tau_s = tau_s
+        self.clock = clock
+        self._weights: dict[str, float] = {}
+        self._adds = 0.0
+        self._at = clock()
+
+    def add(self, key: str, weight: float = 1.0) -> None:
+        self._decay()
+        self._weights[key] = self._weights.get(key, 0.0) + weight
+        self._adds += 1.0
+
+    def shares(self, at_least: float = 0.0) -> dict[str, float]:
+        """Each key's share of the (decayed) total weight; none while fewer than ``at_least``
+        adds (decayed alike) made it."""
+        self._decay()
+        total = sum(self._weights.values())
+        if total <= 0 or self._adds < at_least:
+            return {}
+        return {k: v / total for k, v in self._weights.items()}
+
+    def _decay(self) -> None:
+        now = self.clock()
+        if now > self._at:
+            factor = math.exp(-(now - self._at) / self.tau_s)
+            self._weights = {k: v * factor for k, v in self._weights.items() if v * factor > 1e-3}
+            self._adds *= factor
+            self._at = now
 
 
 def latency_weights(priorities: Mapping[str, int], best: float, worst: float) -> dict[str, float]:

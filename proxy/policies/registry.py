@@ -49,6 +49,7 @@ BACKENDS: Registry[BackendChooser] = {
             cfg.policies.kv_room_weight_best,
             cfg.policies.kv_room_weight_worst,
         ),
+        hold_s=cfg.policies.kv_hold_s,
     ),
 }
 

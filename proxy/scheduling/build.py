@@ -77,8 +77,12 @@ class Scheduling:
         self.queue.reconfigure(tier_limits(config), order=order)
         names = tenant_names if tenant_names is not None else {t.name for t in config.tenants}
         self.queue.fairness.forget(names)
-        if (old.backends, old.prefix_memory) != (new.backends, new.prefix_memory):
-            log.warning("backend policy changed: %s -> %s", old.backends, new.backends)
+        if chooser_inputs(self.config) != chooser_inputs(config):
+            log.warning(
+                "backend policy or its parameters changed (%s -> %s): the chooser starts over",
+                old.backends,
+                new.backends,
+            )
             self.pool.chooser = backend_chooser(config)
         set_best_tier_reserve(self.pool, config)
         self.pool.reconfigure(
@@ -88,6 +92,21 @@ class Scheduling:
             miss_budget=slo_miss_budget(config),
         )
         self.config = config
+
+
+def chooser_inputs(config: Config) -> tuple[object, ...]:
+    """What the backend chooser is built from (``registry.BACKENDS``): a reload that changes
+    any of it builds a new one."""
+    p = config.policies
+    return (
+        p.backends,
+        p.prefix_memory,
+        p.kv_room_weight_best,
+        p.kv_room_weight_worst,
+        p.kv_hold_s,
+        config.kv_cache.block_size,
+        tuple(sorted((name, t.priority) for name, t in config.tiers.items())),
+    )
 
 
 def build_scheduling(

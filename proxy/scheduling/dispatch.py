@@ -22,6 +22,8 @@ from proxy.telemetry.metrics import ProxyMetrics
 
 # While something waits and room depends on time (ejection backoff, ramp), look again this often.
 _RECHECK_S = 0.1
+# Past the end of a hold (kv_aware's) before looking again: the hold is over by then.
+_HOLD_SLACK_S = 0.001
 
 
 class QueueTimeoutError(Exception):
@@ -79,6 +81,7 @@ class Dispatcher:
         self.metrics = metrics
         self.clock = clock
         self._wake = asyncio.Event()
+        self._held_back = False  # the last pass left requests while some backend had room
         self._task = OwnedTask("tierproxy-dispatcher")
         self.service = ServiceRates()  # per tier, for early refusal
 
@@ -154,6 +157,13 @@ class Dispatcher:
             timeout = max(0.0, deadline - self.clock())
         if len(self.queue) and not self._room_for_some(self.clock()):
             timeout = _RECHECK_S if timeout is None else min(timeout, _RECHECK_S)
+        elif (
+            self._held_back and (ends := self.pool.chooser.next_hold_end(self.clock())) is not None
+        ):
+            # Held for a full backend while another has room: a slot freed there wakes this
+            # loop; else the hold's end does.
+            ends += _HOLD_SLACK_S
+            timeout = ends if timeout is None else min(timeout, ends)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout):
                 await self._wake.wait()
@@ -168,10 +178,12 @@ class Dispatcher:
             if req.waiter is not None and not req.waiter.done():
                 req.waiter.set_exception(QueueTimeoutError(now - req.arrival_s))
         dispatched = 0
+        self._held_back = False
         # No pop while no backend has a free slot: every head would be refused, one by one.
         while len(self.queue) and self._room_for_some(now):
             popped = self.queue.pop(lambda r: self._choose(r, now) is not None)
             if popped is None:
+                self._held_back = True  # room, but every request waits for another backend
                 break
             req = popped
             backend = self._choose(req, now)

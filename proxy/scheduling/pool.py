@@ -169,6 +169,7 @@ class BackendPool:
         a free slot (``best``: a best-tier request, which may take the reserve); None if none
         can take it."""
         candidates: list[Candidate[BackendState]] = []
+        full: list[BackendState] = []
         for state in self.states.values():
             if not state.serves(model) or not self.fits_tokens(state, tokens):
                 continue
@@ -176,7 +177,11 @@ class BackendPool:
             if room >= 1.0:
                 load = state.fresh_load(now, self.health.stale_after_s)
                 candidates.append(Candidate(state, room, load))
-        return self.chooser.pick(candidates, request) if candidates else None
+            elif state.available(now):
+                full.append(state)
+        if not candidates:
+            return None
+        return self.chooser.pick(candidates, request, now=now, full=full)
 
     def any_room(self, now: float, *, best: bool = False) -> bool:
         return any(self.room(s, now, best=best) >= 1.0 for s in self.states.values())

@@ -78,12 +78,12 @@ def test_figures_count_what_vllm_computed_and_the_index_accuracy() -> None:
         {"predicted_cached_tokens": None, "cached_prompt_tokens": 0},
     ]
     records = [_rec("high", 0.1), _rec("high", 0.3), _rec("low", 0.2), _rec("low", 0, 503)]
-    f = figures("kv_aware", 1, records, before, after, usage, duration_s=10)
+    f = figures("kv_aware", 1, records, before, after, usage, duration_s=10, block_size=32)
     assert (f.prompt_tokens, f.prefill_computed, f.hit_rate) == (2000, 1200, 0.4)
     assert f.engine_share == [0.75, 0.25] and f.failed == 1 and f.output_tok_s == 3.0
     assert f.index_exact == 0.5 and f.index_compared == 2
     assert f.ttft_ms["low"] == (200, 200)
-    base = figures("least_utilised", 1, records, before, [after[0], after[0]], [], 10)
+    base = figures("least_utilised", 1, records, before, [after[0], after[0]], [], 10, 32)
     table = render([base, f])
     assert "| `kv_aware` | 1 | 4 (1) | 1,200 of 2,000 (60%) | 1.50 | 40% |" in table
     assert "50.0% of 2" in table and "| n/a |" in table

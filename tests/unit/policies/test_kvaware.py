@@ -6,9 +6,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import pytest
+
 from proxy.config.backends import Backend, BackendHealth
-from proxy.policies.backends import Candidate, PrefixAffinity
-from proxy.policies.kvaware import KvAware, latency_weights
+from proxy.policies.backends import Candidate, LeastUtilised, PrefixAffinity
+from proxy.policies.kvaware import DecayingCounts, KvAware, latency_weights
 from proxy.policies.types import QueuedRequest, ScrapedLoad
 from proxy.scheduling.pool import BackendPool
 from tests.helpers.clock import FakeClock
@@ -136,7 +138,10 @@ def test_a_prompt_just_sent_counts_as_cached_there_until_its_events_could_have_a
     assert chooser.pick(_candidates(backends), _req("normal", [*system, 15])) is first
     assert chooser.cached_tokens(first, [*system, 15]) == 4 * BLOCK
     assert chooser.cached_tokens(other, system) == 0
-    clock.advance(5.1)  # the index is the truth again: still empty, so the least busy wins
+    clock.advance(5.1)  # the index is the truth again: still empty. Its home's bonus (1.5
+    # slots) keeps it there at one more in flight; at three more the least busy wins.
+    assert chooser.pick(_candidates(backends), _req("normal", [*system, 15])) is first
+    first.inflight += 2
     assert chooser.pick(_candidates(backends), _req("normal", [*system, 15])) is other
 
 
@@ -171,9 +176,110 @@ def test_a_tenants_new_conversations_gather_where_its_system_prompt_was_last_sen
     # Equal load, equal cached prefix: not the round-robin's turn, the system prompt's place.
     for tail in (31, 32, 33):
         assert _place(chooser, backends, _req("normal", [*system, tail])) is first
-    # Load still comes first: a busier owner loses the tie.
+    # One request more in flight there does not scatter them (the home counts 1.5 slots
+    # more); two more do: load still breaks the tie past that.
     first.inflight = 1
+    assert chooser.pick(_candidates(backends), _req("normal", [*system, 34])) is first
+    first.inflight = 2
     assert chooser.pick(_candidates(backends), _req("normal", [*system, 34])) is not first
+
+
+def _full(backend: FakeBackend) -> None:
+    backend.inflight = int(backend.max_room)  # no slot: not a candidate
+
+
+def _pick(
+    chooser: KvAware, backends: list[FakeBackend], req: QueuedRequest, clock: FakeClock
+) -> FakeBackend | None:
+    """As the pool asks: candidates, and the backends that are up but full."""
+    full = [b for b in backends if b.max_room - b.inflight < 1]
+    return chooser.pick(_candidates(backends), req, now=clock(), full=full)
+
+
+def _arriving(
+    tier: str, blocks: Sequence[int], clock: FakeClock, timeout: float = 30.0
+) -> QueuedRequest:
+    req = _req(tier, blocks)
+    req.arrival_s, req.deadline_s = clock(), clock() + timeout
+    return req
+
+
+def test_a_request_whose_home_is_full_waits_for_it_up_to_its_tiers_hold() -> None:
+    clock = FakeClock()
+    home, spare = backends = _backends()
+    chooser = KvAware(block_size=BLOCK, latency_weights=WEIGHTS, hold_s=1.0, clock=clock)
+    # low is the worst tier: the whole hold; high (16x the room weight) 1/16 of it.
+    assert chooser.holds == {"high": 1.0 / 16, "normal": 0.25, "low": 1.0}
+    turn = list(range(40))
+    assert _place(chooser, backends, _req("low", turn[:30])) is home
+    _full(home)
+    later = _arriving("low", turn, clock)
+    assert _pick(chooser, backends, later, clock) is None  # held: 30 of 41 blocks there
+    assert chooser.next_hold_end(clock()) == 1.0
+    clock.advance(0.9)
+    assert _pick(chooser, backends, later, clock) is None
+    clock.advance(0.2)  # its hold is over: the backend with room takes it
+    assert _pick(chooser, backends, later, clock) is spare
+    chooser.served(spare, later)
+    assert chooser.next_hold_end(clock()) is None
+    # A better tier holds for less.
+    other = list(range(100, 140))
+    chooser.served(home, _req("high", other[:30]))
+    high = _arriving("high", other, clock)
+    assert _pick(chooser, backends, high, clock) is None
+    clock.advance(1.0 / 16 + 0.01)
+    assert _pick(chooser, backends, high, clock) is spare
+
+
+def test_a_hold_runs_from_arrival_so_a_tenants_queue_waits_once_not_once_per_request() -> None:
+    clock = FakeClock()
+    home, spare = backends = _backends()
+    chooser = KvAware(block_size=BLOCK, latency_weights=WEIGHTS, hold_s=1.0, clock=clock)
+    system = list(range(30))
+    _place(chooser, backends, _req("low", system))
+    _full(home)
+    first, second = (_arriving("low", [*system, 100 + i], clock) for i in range(2))
+    assert _pick(chooser, backends, first, clock) is None
+    clock.advance(1.01)  # the first's hold is over; the second, queued behind it, waited too
+    assert _pick(chooser, backends, first, clock) is spare
+    assert _pick(chooser, backends, second, clock) is spare
+
+
+def test_a_hold_never_runs_past_half_the_queue_timeout_nor_for_a_home_that_is_down() -> None:
+    clock = FakeClock()
+    home, spare = backends = _backends()
+    chooser = KvAware(block_size=BLOCK, latency_weights=WEIGHTS, hold_s=10.0, clock=clock)
+    system = list(range(30))
+    _place(chooser, backends, _req("low", system))
+    _full(home)
+    req = _arriving("low", [*system, 100], clock, timeout=1.0)
+    assert _pick(chooser, backends, req, clock) is None
+    clock.advance(0.51)  # half of its 1 s queue timeout: it goes, long before a 503
+    assert _pick(chooser, backends, req, clock) is spare
+    # Home drained or ejected: not among the full backends that are up, so nothing waits.
+    drained = _arriving("low", [*system, 101], clock)
+    assert chooser.pick(_candidates(backends), drained, now=clock(), full=[]) is spare
+
+
+def test_no_hold_when_the_home_would_save_little_or_the_hold_is_off() -> None:
+    clock = FakeClock()
+    home, spare = backends = _backends()
+    chooser = KvAware(block_size=BLOCK, latency_weights=WEIGHTS, hold_s=1.0, clock=clock)
+    _place(chooser, backends, _req("low", [1, 2]))
+    _full(home)
+    # 2 of 41 blocks at home: under hold_share (a quarter of the prompt); it moves at once.
+    req = _arriving("low", [1, 2, *range(10, 49)], clock)
+    assert _pick(chooser, backends, req, clock) is spare
+    # Its prefix cached on the spare backend too: nothing to gain by waiting.
+    spare.cached = set(range(30))
+    assert _pick(chooser, backends, _arriving("low", list(range(40)), clock), clock) is spare
+    off = KvAware(block_size=BLOCK, latency_weights=WEIGHTS, hold_s=0.0, clock=clock)
+    home.inflight = 0
+    spare.cached = set()
+    _place(off, backends, _req("low", list(range(30))))
+    _full(home)
+    assert _pick(off, backends, _arriving("low", list(range(40)), clock), clock) is spare
+    assert off.next_hold_end(clock()) is None
 
 
 def test_the_pool_notes_what_the_index_predicted_where_it_dispatched() -> None:
@@ -188,3 +294,115 @@ def test_the_pool_notes_what_the_index_predicted_where_it_dispatched() -> None:
     without = _req("normal", None)
     pool.acquire(state, 10, request=without)
     assert without.predicted_blocks is None
+
+
+def test_new_conversations_leave_a_backend_that_took_more_than_its_share_continuing_ones_stay() -> (
+    None
+):
+    clock = FakeClock()
+    hot, cool = backends = _backends()
+    chooser = KvAware(block_size=BLOCK, latency_weights=WEIGHTS, hold_s=1.0, clock=clock)
+    system = [1, 2, 3, 4, 5, 6]
+    # The tenant's first conversations all went to ``hot``: the system prompt branches there.
+    for conv in range(20):
+        assert _place(chooser, [hot], _req("normal", [*system, 100 + conv])) is hot
+    hot.cached = set(system)
+    hot.inflight = 3  # busier now than cool, and it took 100 % of the last 20 requests
+    new = _req("normal", [*system, 200])
+    assert chooser.pick(_candidates(backends), new) is cool
+    # A conversation that goes on (its own turn is the deepest sent: no branch) stays home.
+    hot.cached |= {100}
+    assert chooser.pick(_candidates(backends), _req("normal", [*system, 100, 101])) is hot
+    # At equal load the home keeps its new conversations: the share alone moves nothing.
+    hot.inflight = 0
+    assert chooser.pick(_candidates(backends), new) is hot
+    # Shares fade (30 s): after a quiet minute the busier home keeps them again.
+    hot.inflight = 3
+    clock.advance(120)
+    assert chooser.pick(_candidates(backends), new) is hot
+
+
+def test_no_more_requests_wait_for_a_home_than_it_has_slots() -> None:
+    clock = FakeClock()
+    home, spare = backends = _backends()
+    chooser = KvAware(block_size=BLOCK, latency_weights=WEIGHTS, hold_s=1.0, clock=clock)
+    system = list(range(30))
+    _place(chooser, backends, _req("low", system))
+    home.room_cap = 2.0
+    _pick(chooser, backends, _req("low", system), clock)  # notes home's room: 2 slots
+    _full(home)
+    burst = [_arriving("low", [*system, 100 + i], clock) for i in range(5)]
+    picks = [_pick(chooser, backends, r, clock) for r in burst]
+    # Two wait for the two slots that will free at home; the rest start where there is room.
+    assert picks == [None, None, spare, spare, spare]
+    assert _pick(chooser, backends, burst[0], clock) is None  # a held one stays held
+
+
+def test_a_tenants_new_conversations_go_to_its_prefixs_home_not_where_a_turn_ran_last() -> None:
+    a, b = backends = _backends()
+    chooser = _chooser()
+    system = [1, 2, 3]
+    assert _place(chooser, [a], _req("normal", [*system, 10])) is a
+    assert _place(chooser, [a], _req("normal", [*system, 20])) is a  # a branch point, home a
+    assert _place(chooser, [b], _req("normal", [*system, 30])) is b  # a full: one went to b
+    _place(chooser, [b], _req("normal", [*system, 30, 31]))  # its next turn ran last, on b
+    a.cached = b.cached = set(system)
+    # Equal load: the new conversation goes home, not where the tenant's last turn ran.
+    assert chooser.pick(_candidates(backends), _req("normal", [*system, 40])) is a
+    # A turn that goes on stays with its own history.
+    assert chooser.pick(_candidates(backends), _req("normal", [*system, 30, 31, 32])) is b
+
+
+def test_the_balance_rule_moves_one_prefixs_home_at_a_time() -> None:
+    clock = FakeClock()
+    hot, cool = backends = _backends()
+    chooser = KvAware(block_size=BLOCK, latency_weights=WEIGHTS, clock=clock)
+    tenants = [[100 * t + 1, 100 * t + 2] for t in range(2)]
+    for conv in range(10):  # both tenants' conversations all went to hot
+        for system in tenants:
+            _place(chooser, [hot], _req("normal", [*system, 1000 + conv]))
+    hot.cached = {b for s in tenants for b in s}
+    hot.inflight = 3
+    first = _place(chooser, backends, _req("normal", [*tenants[0], 2000]))
+    assert first is cool  # hot took 100 % lately and is busier: the new branch moves...
+    # ... and the first tenant's home with it; the second tenant's home stays for now.
+    assert chooser.pick(_candidates(backends), _req("normal", [*tenants[1], 2001])) is hot
+    cool.inflight = 3  # equally busy: the moved home keeps its new branches
+    assert chooser.pick(_candidates(backends), _req("normal", [*tenants[0], 2002])) is cool
+    cool.inflight = 0
+    clock.advance(31)  # one balance_s later another may move (hot's share still high)
+    for conv in range(20):
+        _place(chooser, [hot], _req("normal", [*tenants[1], 3000 + conv]))
+    assert chooser.pick(_candidates(backends), _req("normal", [*tenants[1], 2003])) is cool
+
+
+def test_a_best_tier_reserve_slot_comes_after_every_backend_with_room_of_its_own() -> None:
+    # One-slot backends: a free slot and a reserve slot both leave 0 of the room after the
+    # request; the reserve (past a full room, on a backend that may be stuck) must lose.
+    hung, idle = _backends()
+    hung.room_cap = idle.room_cap = 1.0
+    hung.inflight = 1
+    candidates = [Candidate(hung, 1.0, None), Candidate(idle, 1.0, None)]
+    for chooser in (LeastUtilised(), PrefixAffinity(capacity=10), _chooser()):
+        for _ in range(3):  # never by rotation
+            req = _req("high", [1, 2])
+            picked = chooser.pick(candidates, req)
+            assert picked is idle, type(chooser).__name__
+            chooser.served(idle, req)
+
+
+def test_recent_shares_weigh_each_request_by_its_prompt_blocks_and_fade() -> None:
+    clock = FakeClock()
+    counts = DecayingCounts(30.0, clock)
+    for _ in range(4):
+        counts.add("long", 40.0)  # four turns of long conversations...
+    for _ in range(10):
+        counts.add("short", 8.0)  # ... fill more cache than ten short prompts
+    assert counts.shares(at_least=16) == {}  # 14 requests: too few to judge
+    counts.add("short", 8.0)
+    counts.add("short", 8.0)
+    shares = counts.shares(at_least=16)
+    assert shares["long"] == 160 / 256 and shares["short"] == 96 / 256
+    clock.advance(30.0)  # one time constant: the same shares, from e^-1 of the requests
+    assert counts.shares(at_least=16) == {}
+    assert counts.shares()["long"] == pytest.approx(160 / 256)

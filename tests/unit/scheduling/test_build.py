@@ -13,6 +13,7 @@ from proxy.config.tenants import hash_key
 from proxy.policies import registry
 from proxy.policies.backends import LeastUtilised, PrefixAffinity
 from proxy.policies.displacement import LargestShare
+from proxy.policies.kvaware import KvAware
 from proxy.policies.order import Fcfs, ShortFirst
 from proxy.policies.tenants import EarliestDeadlineFirst, VirtualTokenCounter
 from proxy.policies.tiers import StrideTierSelector
@@ -108,3 +109,17 @@ async def test_reload_without_policy_change_keeps_the_fairness_history() -> None
     _queued(state, "a", clock())
     state.apply(_config())
     assert state.queue.policies.tenants is fairness and fairness.counter("a") > 0
+
+
+async def test_reload_of_a_chooser_parameter_builds_a_new_chooser_and_only_then() -> None:
+    clock = FakeClock()
+    state = ProxyState(_config("backends: kv_aware, kv_hold_s: 5"), b"secret", clock)
+    chooser = state.pool.chooser
+    assert isinstance(chooser, KvAware) and chooser.holds == {"normal": 5.0}
+    state.apply(_config("backends: kv_aware, kv_hold_s: 5"))
+    assert state.pool.chooser is chooser  # nothing changed: its memory of prefixes stays
+    state.apply(_config("backends: kv_aware, kv_hold_s: 0"))
+    rebuilt = state.pool.chooser
+    assert isinstance(rebuilt, KvAware) and rebuilt.holds == {"normal": 0.0}
+    state.apply(_config("backends: kv_aware, kv_hold_s: 0, kv_room_weight_best: 2"))
+    assert state.pool.chooser is not rebuilt

@@ -8,6 +8,7 @@ import pytest
 
 from proxy.config.backends import Backend, BackendHealth
 from proxy.policies.backends import LeastUtilised
+from proxy.policies.kvaware import KvAware
 from proxy.policies.types import QueuedRequest, TierLimits
 from proxy.scheduling.build import default_queue_policies
 from proxy.scheduling.dispatch import Dispatcher, Lease, QueueTimeoutError
@@ -102,3 +103,60 @@ async def test_a_displaced_waiter_gets_queue_full_and_its_slot_goes_to_the_newco
     running2 = flood[0] if flood[0].done() else mine
     running2.result().release()
     assert flood[0].done() and mine.done() and len(d.queue) == 0
+
+
+def _kv_dispatcher(clock: FakeClock, hold_s: float = 1.0) -> Dispatcher:
+    """Two backends of one slot each, ``kv_aware`` with a hold of ``hold_s`` for the worst
+    tier."""
+    queue = AdmissionQueue(
+        {"low": TierLimits(1, 10, 30.0), "high": TierLimits(10, 10, 30.0)},
+        default_queue_policies(aging_s=30, reference_tokens=8192),
+    )
+    chooser = KvAware(
+        block_size=32, latency_weights={"high": 1.0, "low": 0.1}, hold_s=hold_s, clock=clock
+    )
+    backends = [Backend(url=f"http://b{i}:1", max_inflight=1) for i in range(2)]
+    return Dispatcher(queue, BackendPool(backends, BackendHealth(), chooser), ProxyMetrics(), clock)
+
+
+def _turn(tenant: str, blocks: range, clock: FakeClock) -> QueuedRequest:
+    req = QueuedRequest(
+        tier="low", tenant=tenant, prompt_tokens=32 * len(blocks), expected_output=5,
+        arrival_s=clock(),
+    )  # fmt: skip
+    req.prompt_blocks = tuple(blocks)
+    return req
+
+
+async def test_a_request_held_for_its_busy_home_lets_the_next_one_take_the_free_slot() -> None:
+    clock = FakeClock()
+    d = _kv_dispatcher(clock)
+    home, spare = d.pool.all()
+    first = d.enqueue(_turn("x", range(30), clock))
+    assert first.result().backend is home
+    # x's next turn would compute 30 blocks again on the spare backend: it waits for home...
+    held = d.enqueue(_turn("x", range(40), clock))
+    assert not held.done() and spare.inflight == 0
+    # ... and the next request in line (nothing cached anywhere) takes the spare slot.
+    other = d.enqueue(_turn("y", range(100, 110), clock))
+    assert other.result().backend is spare
+    # Home's slot frees: the held turn goes there at once.
+    first.result().release()
+    assert held.result().backend is home
+
+
+async def test_a_hold_ends_with_time_even_if_its_home_never_frees() -> None:
+    clock = FakeClock()
+    # The task sleeps until the hold's end by the injected clock (50 ms, which it also waits in
+    # real time); nothing frees a slot or kicks it meanwhile.
+    d = _kv_dispatcher(clock, hold_s=0.05)
+    _, spare = d.pool.all()
+    d.enqueue(_turn("x", range(30), clock))  # holds home's slot all along
+    d.start()
+    held = d.enqueue(_turn("x", range(40), clock))
+    await asyncio.sleep(0.01)
+    assert not held.done()
+    clock.now += 0.06
+    lease = await asyncio.wait_for(held, 1.0)  # no kick: the task's own wake-up
+    assert lease.backend is spare
+    await d.stop()
