@@ -42,6 +42,8 @@ def prefill_bars(runs: Sequence[RunFigures], path: Path) -> Path:
 def ttft_cdfs(run_dirs: dict[str, Path], tiers: Sequence[str], path: Path) -> Path:
     """One panel per tier, one line per policy (its ``records.json``); log time axis."""
     plt = pyplot()
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
     fig, axes = plt.subplots(1, len(tiers), figsize=(3.4 * len(tiers), 2.8), squeeze=False)
     records = {p: json.loads((d / "records.json").read_text()) for p, d in run_dirs.items()}
     for ax, tier in zip(axes[0], tiers, strict=True):
@@ -53,8 +55,11 @@ def ttft_cdfs(run_dirs: dict[str, Path], tiers: Sequence[str], path: Path) -> Pa
                 ys = [(k + 1) / len(ttfts) for k in range(len(ttfts))]
                 ax.step(ttfts, ys, where="post", color=COLORS[i % len(COLORS)], label=policy)
         ax.set_xscale("log")
+        ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_minor_formatter(NullFormatter())  # log minor labels overlap
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x * 1000:g} ms"))
         ax.set_title(f"TTFT, tier {tier}", fontsize=8)
-        ax.set_xlabel("seconds", fontsize=7)
+        ax.set_xlabel("time to first token (log)", fontsize=7)
         ax.set_ylim(0, 1.01)
         ax.grid(alpha=0.3)
         ax.tick_params(labelsize=7)
