@@ -84,8 +84,9 @@ async def test_charges_made_while_redis_is_down_are_merged_later(
     assert not await sync.merge()
     assert not stores[0].up
     redis_server.start()
-    stores[0].up = True  # as the probe would once it answers
-    await stores[0].redis.connection_pool.disconnect()
+    for store in stores:  # as each replica's probe would once Redis answers again: a pooled
+        store.up = True  # connection from before the restart is dead (the other replica's
+        await store.redis.connection_pool.disconnect()  # failed its first merge, now and then)
     vtc.backlog_changed("normal", "heavy", backlog("heavy"))
     assert await sync.merge()
     other = VirtualTokenCounter()
