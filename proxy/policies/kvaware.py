@@ -85,7 +85,7 @@ class KvAware:
         self._held: dict[int, tuple[str, float]] = {}
         self._rooms: dict[str, float] = {}  # backend url -> its room, when last a candidate
         self._groups = PrefixGroups(pending_blocks)  # shared prefixes, their new branches' home
-        self._sent = DecayingCounts(balance_s, clock)  # backend url -> requests sent lately
+        self._sent = DecayingCounts(balance_s, clock)  # backend url -> prompt blocks sent lately
         self._rehomed_at = -math.inf  # when the balance rule last moved a prefix's home
 
     def room(self, state: BackendView, now: float, health: BackendHealth) -> float:
@@ -121,8 +121,10 @@ class KvAware:
         group = self._groups.home(blocks[home_run - 1]) if blocks and home_run else None
         branch = group is not None
         home = group or home
+        for c in candidates:
+            self._rooms[c.state.cfg.url] = c.state.max_room
         shares = self._sent.shares(at_least=self.balance_min)
-        fair = 1.0 / max(1, len(shares), len(candidates))
+        over = self._over_share(shares)
         roomiest = max((free_share(c) for c in candidates), default=0.0)
         may_move = branch and self.clock() - self._rehomed_at >= self.balance_s
         best: B | None = None
@@ -130,14 +132,12 @@ class KvAware:
         best_saved = 0
         for c in candidates:
             url = c.state.cfg.url
-            self._rooms[url] = c.state.max_room
             share = shares.get(url, 0.0)
             saved = self.cached_tokens(c.state, blocks) if blocks else 0
             best_saved = max(best_saved, saved)
             room = free_share(c)
             # Taking more than its share lately, and busier than another now.
-            overloaded = share > fair + self.balance_margin and room < roomiest - TIE
-            if may_move and overloaded:
+            if may_move and url in over and room < roomiest - TIE:
                 saved = 0
             elif home is not None and url == home:
                 room += self.home_slots / max(1.0, c.state.max_room)
@@ -150,12 +150,11 @@ class KvAware:
         # one of ``full``; a home that is neither is no home to wait for.
         waitable = home is not None and any(b.cfg.url == home for b in full)
         gain = (home_run * self.block_size - best_saved) / prompt
-        home_over = home is not None and shares.get(home, 0.0) > fair + self.balance_margin
-        stays = not (may_move and home_over)  # else the balance rule lets it start elsewhere
-        held = waitable and stays and home is not None and request is not None
+        stays = not (may_move and home in over)  # else the balance rule lets it start elsewhere
         if (
-            held
-            and home is not None
+            waitable
+            and stays
+            and home
             and request is not None
             and self._holds(request, home, gain, now)
         ):
@@ -201,7 +200,8 @@ class KvAware:
         now, url = self.clock(), state.cfg.url
         holder, known = self._home(blocks)
         group = self._groups.home(blocks[known - 1]) if known else None
-        if group is not None and group != url and self._over_share(group):
+        over = self._over_share(self._sent.shares(at_least=self.balance_min))
+        if group is not None and group != url and group in over:
             self._groups.rehome(blocks[known - 1], url)  # the balance rule moved it
             self._rehomed_at = now
         self._groups.note(blocks, known, holder)
@@ -216,10 +216,10 @@ class KvAware:
         while len(self._owner) > self.pending_blocks:
             self._owner.popitem(last=False)
 
-    def _over_share(self, url: str) -> bool:
-        shares = self._sent.shares(at_least=self.balance_min)
+    def _over_share(self, shares: Mapping[str, float]) -> set[str]:
+        """The backends that took more than their share lately (of every backend seen)."""
         fair = 1.0 / max(1, len(shares), len(self._rooms))
-        return shares.get(url, 0.0) > fair + self.balance_margin
+        return {url for url, share in shares.items() if share > fair + self.balance_margin}
 
     def _pending_run(self, url: str, blocks: Sequence[int]) -> int:
         # Block hashes are chained: a block sent means every block before it was sent too.
