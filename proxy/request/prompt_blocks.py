@@ -14,10 +14,12 @@ prompts past ``kv_cache.inline_tokens`` are tokenized in a worker thread (docs/p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime
 from functools import partial
 from pathlib import Path
@@ -131,6 +133,22 @@ class ModelTokenizer:
         return list(self.tokenizer.encode(text, add_special_tokens=True).ids)
 
 
+def load_model(directory: str) -> ModelTokenizer | None:
+    """The tokenizer and template of ``directory``, used once before any request needs them
+    (the first encode and render allocate); None when unusable (logged)."""
+    try:
+        model = ModelTokenizer(Path(directory))
+    except Exception as exc:  # a missing file, bad JSON, a template that does not compile
+        log.warning("kv_cache.tokenizer %s unusable: %s", directory, exc)
+        return None
+    model.text_tokens("warm")
+    # A template that wants more than one message raises here; requests render their own.
+    if model.template is not None:
+        with contextlib.suppress(jinja2.exceptions.TemplateError):
+            model.chat_tokens([{"role": "user", "content": "warm"}])
+    return model
+
+
 def _text_content(content: object) -> str | None:
     """A message's content as vLLM gives it to a string-content template: the text, or the
     text parts joined by newlines; None for any other part (images, audio, ...)."""
@@ -221,7 +239,10 @@ class PromptBlocks:
     the local tokenizer where one is configured, else with a backend's /tokenize."""
 
     def __init__(self) -> None:
-        self._models: dict[str, ModelTokenizer | None] = {}  # by directory; None: unusable
+        # By directory, loaded or loading (None once loaded: unusable). A thread's future, not
+        # asyncio's: the config reload's thread and any event loop wait on the same load.
+        self._models: dict[str, Future[ModelTokenizer | None]] = {}
+        self._loads = threading.Lock()
         self.remote = RemoteTokenizer()
         self._threads = ThreadPoolExecutor(TOKENIZER_THREADS, "tierproxy-tokenize")
         self.off_loop = TenantCounts()  # each tenant's prompts on those threads now
@@ -236,17 +257,29 @@ class PromptBlocks:
         finally:
             self.off_loop.give_back(tenant)
 
+    def _load(self, directory: str, retry: bool = False) -> Future[ModelTokenizer | None]:
+        """The one load of ``directory``'s tokenizer, started by whoever asks first: the first
+        requests after a start used to load it once each, on threads that fought for the GIL
+        (40-50 ms of queueing in the kv-routing benchmark's opening burst)."""
+        with self._loads:
+            load = self._models.get(directory)
+            if load is None or (retry and load.done() and load.result() is None):
+                load = self._models[directory] = self._threads.submit(load_model, directory)
+        return load
+
+    def preload(self, config: Config) -> None:
+        """Load the configured tokenizer now, in the calling thread's time (the server's start
+        and a config reload, off the event loop), so that no request waits for it."""
+        kv = config.kv_cache
+        if kv.tokenizer is not None and kv_cache_on(kv, config.policies.backends):
+            self._load(kv.tokenizer, retry=True).result()  # the files may have been fixed
+
     async def _model(self, directory: str) -> ModelTokenizer | None:
-        if directory in self._models:
-            return self._models[directory]
-        # Off the loop (a large vocabulary takes ~100 ms); requests arriving meanwhile may load
-        # it too, once each at most: the first load to finish is kept.
-        try:
-            model: ModelTokenizer | None = await asyncio.to_thread(ModelTokenizer, Path(directory))
-        except Exception as exc:  # a missing file, bad JSON, a template that does not compile
-            log.warning("kv_cache.tokenizer %s unusable: %s", directory, exc)
-            model = None
-        return self._models.setdefault(directory, model)
+        load = self._load(directory)
+        if load.done():
+            return load.result()
+        # Shielded: a request that leaves while it waits must not cancel everyone's load.
+        return await asyncio.shield(asyncio.wrap_future(load))
 
     async def compute(
         self,

@@ -24,6 +24,7 @@ from proxy.ops.usage_log import UsageLogWriter
 from proxy.relay.budget import MemoryBudget
 from proxy.relay.forward import relay
 from proxy.request.pipeline import RequestPipeline
+from proxy.request.prompt_blocks import PROMPT_BLOCKS
 from proxy.request.quota_gate import QuotaGate
 from proxy.scheduling.build import build_scheduling
 from proxy.scheduling.kvsubscriber import KvEventWatcher
@@ -135,6 +136,7 @@ class ProxyState:
         replaced config, for the caller to drop off the loop too."""
         base, cfg = self.loaded, loaded.config
         changes = plan_changes(base.config.tenants, cfg.tenants)
+        PROMPT_BLOCKS.preload(cfg)  # a new kv_cache.tokenizer: loaded before it comes into force
         # Weak: the worker thread that ran this may still hold ``commit`` when the caller drops
         # the replaced config, which must then be freed there, off the loop, not by that thread.
         planned_against = weakref.ref(base)

@@ -16,6 +16,7 @@ import yaml
 from proxy.config.loader import parse_config
 from proxy.config.schema import Config
 from proxy.policies.blockhash import chain_hashes
+from proxy.request import prompt_blocks as prompt_blocks_module
 from proxy.request.inbound import ParsedRequest
 from proxy.request.prompt_blocks import (
     ModelTokenizer,
@@ -135,3 +136,45 @@ async def test_one_tenant_has_one_long_prompt_on_the_threads_at_a_time(
     gate.set()
     assert await held == (1,) and blocks.off_loop.held == {}
     assert await blocks.compute(threaded, request, "salt", tenant="a") == want
+
+
+async def test_the_first_burst_loads_the_tokenizer_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The benchmark's opening burst loaded it once per request, on threads fighting for the
+    GIL (40-50 ms queued): every request now waits on the one load, and one that leaves while
+    it waits does not cancel it for the others."""
+    loads, gate = [], threading.Event()
+    real = prompt_blocks_module.load_model
+
+    def slow_load(directory: str) -> ModelTokenizer | None:
+        loads.append(directory)
+        gate.wait(10)
+        return real(directory)
+
+    monkeypatch.setattr(prompt_blocks_module, "load_model", slow_load)
+    request = chat({"role": "user", "content": "hello " * 50}, estimate=100)
+    config, blocks = _config(enabled=True, tokenizer=str(MODEL)), PromptBlocks()
+    waiting = [asyncio.create_task(blocks.compute(config, request, "s")) for _ in range(5)]
+    await asyncio.sleep(0)  # each is waiting on the load now
+    waiting[0].cancel()  # a client that left
+    gate.set()
+    results = await asyncio.gather(*waiting[1:])
+    assert loads == [str(MODEL)]
+    assert results[0] and all(result == results[0] for result in results)
+    assert waiting[0].cancelled()
+
+
+def test_preload_loads_before_any_request_and_retries_what_was_unusable(
+    tmp_path: Path,
+) -> None:
+    blocks = PromptBlocks()
+    blocks.preload(_config(enabled=True, tokenizer=str(MODEL)))
+    assert blocks._models[str(MODEL)].result() is not None  # loaded: no request waits
+    blocks.preload(_config(tokenizer=str(tmp_path)))  # kv_cache off: nothing loaded
+    assert str(tmp_path) not in blocks._models
+    broken = _config(enabled=True, tokenizer=str(tmp_path))
+    blocks.preload(broken)
+    assert blocks._models[str(tmp_path)].result() is None  # logged, requests placed by load
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the operator fixes the files
+        (tmp_path / name).write_bytes((MODEL / name).read_bytes())
+    blocks.preload(broken)  # and reloads
+    assert blocks._models[str(tmp_path)].result() is not None

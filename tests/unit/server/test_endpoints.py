@@ -4,7 +4,9 @@ in-process backend."""
 from __future__ import annotations
 
 import contextlib
+import shutil
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -17,10 +19,12 @@ from proxy.bench.fake_vllm import FakeVLLM
 from proxy.config.loader import parse_config
 from proxy.config.server import Server
 from proxy.config.tenants import hash_key
+from proxy.request.prompt_blocks import PROMPT_BLOCKS
 from proxy.server.app import create_admin_app, create_app
 from proxy.server.listeners import Listeners
 from proxy.server.state import STATE
 from tests.helpers.clock import FakeClock
+from tests.helpers.paths import TINY_MODEL_DIR
 from tests.helpers.proxyrun import SECRET, auth, make_config
 
 ADMIN = {"Authorization": "Bearer admin-secret"}
@@ -159,3 +163,19 @@ async def test_metrics_on_the_client_listener_needs_an_admin_key(clock: FakeCloc
         client.get("/metrics", headers=auth("high")) as resp,
     ):
         assert resp.status == 404 and await error_code(resp) == "admin_disabled"
+
+
+async def test_the_tokenizer_is_loaded_before_the_listener_opens(
+    clock: FakeClock, tmp_path: Path
+) -> None:
+    """With kv_cache on, the model's tokenizer is loaded during the app's start (which the
+    listener waits for): the first burst of requests does not load it (docs/benchmarks.md)."""
+    model = tmp_path / "model"
+    shutil.copytree(TINY_MODEL_DIR, model)  # a directory no other test has loaded
+    async with FakeVLLM().serve() as url:
+        config = make_config([{"url": url}], kv_cache={"enabled": True, "tokenizer": str(model)})
+        app = create_app(parse_config(yaml.safe_dump(config)), secret=SECRET, clock=clock)
+        assert str(model) not in PROMPT_BLOCKS._models
+        async with TestClient(TestServer(app)):
+            load = PROMPT_BLOCKS._models[str(model)]
+            assert load.done() and load.result() is not None
