@@ -36,7 +36,7 @@ from proxy.config.schema import Config
 from proxy.policies.blockhash import chain_hashes, token_ids_ok
 from proxy.request.inbound import ParsedRequest
 from proxy.request.remote_tokens import RemoteTokenizer
-from proxy.request.tokencache import PrefixTokenCache
+from proxy.request.tokencache import PrefixTokenCache, encode_ids
 from proxy.scheduling.counts import TenantCounts
 from proxy.scheduling.pool import BackendPool
 
@@ -130,7 +130,7 @@ class ModelTokenizer:
         return self.prefixes.encode(text)
 
     def text_tokens(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=True).ids)
+        return encode_ids(self.tokenizer, text, add_special_tokens=True)
 
 
 def load_model(directory: str) -> ModelTokenizer | None:

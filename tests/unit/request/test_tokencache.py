@@ -6,11 +6,13 @@ configuration, or by the verification of its first cuts), and memory stays bound
 from __future__ import annotations
 
 import random
+import threading
+import time
 
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
 from proxy.request.prompt_blocks import ModelTokenizer
-from proxy.request.tokencache import VERIFY, PrefixTokenCache
+from proxy.request.tokencache import GIL_FREE_CHARS, VERIFY, PrefixTokenCache, encode_ids
 from tests.helpers.paths import TINY_MODEL_DIR
 
 
@@ -73,3 +75,32 @@ def test_memory_is_bounded_in_tokens() -> None:
         text = "".join(rng.choices(["ab", "cd ", "ef"], k=100)) + "</s>tail"
         cache.encode(text)
         assert cache._held <= 500
+
+
+def test_a_long_text_is_tokenized_without_holding_the_gil() -> None:
+    """Fresh eyes round six F7: one tenant's 676 KB prompts, tokenized on a worker thread, held
+    the GIL for the whole Rust encode and stopped the event loop (every tenant's requests) for
+    ~1 s. While a long text is encoded now, this thread runs; with the GIL held it could not run
+    at all between the encode's start and end."""
+    tokenizer = _tiny()
+    text = " ".join(f"word{i % 97} alpha beta" for i in range(12_000))  # ~200 KB
+    assert len(text) >= GIL_FREE_CHARS
+    span: list[float] = []
+    ids: list[list[int]] = []
+
+    def encode() -> None:
+        span.append(time.perf_counter())
+        ids.append(encode_ids(tokenizer, text, add_special_tokens=False))
+        span.append(time.perf_counter())
+
+    worker = threading.Thread(target=encode)
+    ticks: list[float] = []
+    worker.start()
+    while worker.is_alive():
+        ticks.append(time.perf_counter())
+    worker.join()
+    assert ids[0] == tokenizer.encode(text, add_special_tokens=False).ids
+    # The middle half of the encode: clear of the GIL hand-overs around its start and end.
+    quarter = (span[1] - span[0]) / 4
+    during = [t for t in ticks if span[0] + quarter < t < span[1] - quarter]
+    assert during, f"this thread did not run during the {4 * quarter:.3f} s encode"

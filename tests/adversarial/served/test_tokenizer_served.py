@@ -1,0 +1,54 @@
+"""The local tokenizer of `kv_cache` (proxy.request.prompt_blocks) against `tierproxy serve`:
+one tenant's huge prompts, tokenized on the proxy's worker threads, must not stop the event
+loop that serves everyone else (fresh eyes, round six F7: a high-tier one-liner waited 0.9-1.2 s
+behind one 676 KB prompt's encode, which held the GIL throughout). The in-process twin:
+tests/unit/request/test_tokencache.py."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.inproc import KEYS
+from tests.adversarial.served.kit import exchange, json_request
+from tests.adversarial.served.served import NullBackend
+from tests.helpers.paths import TINY_MODEL_DIR
+
+
+@pytest.fixture(scope="module")
+def backend() -> Iterator[NullBackend]:
+    """A fake vLLM serving the tiny model's name (the tokenizer's model)."""
+    with NullBackend(FakeVLLM()) as upstream:
+        yield upstream
+
+
+def chat(tier: str, content: str) -> bytes:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 4}
+    return json_request("/v1/chat/completions", body, KEYS[tier])
+
+
+async def test_a_huge_prompt_being_tokenized_leaves_the_loop_to_others(start_served: Any) -> None:
+    proxy = start_served(
+        policies={"backends": "kv_aware"},
+        kv_cache={"enabled": True, "tokenizer": str(TINY_MODEL_DIR)},
+    )
+    # ~0.95 MB of text (the fake's body limit is 1 MiB): about 1 s of encode on one core, all
+    # of it with the GIL held before.
+    huge = " ".join(f"word{i % 97} alpha beta" for i in range(54_000))
+    big = asyncio.create_task(exchange(proxy.host, proxy.port, chat("low", huge), timeout_s=120))
+    await asyncio.sleep(0.2)  # sent, parsed, on a tokenizer thread
+    worst = 0.0
+    for _ in range(5):
+        started = time.monotonic()
+        small = await exchange(proxy.host, proxy.port, chat("high", "hi"), timeout_s=30)
+        worst = max(worst, time.monotonic() - started)
+        assert small.status == 200, small.body[:300]
+    assert not big.done(), "the huge prompt was done before the small ones ran: no test"
+    assert worst < 0.5, worst
+    done = await big
+    assert done.status == 200, done.body[:300]
