@@ -130,7 +130,12 @@ class Admitted:
         queued (proxy.request.prompt_blocks)."""
         if self.attempts == 0:
             self.queued.prompt_blocks = await PROMPT_BLOCKS.compute(
-                self.config, self.parsed, self.cache_salt, via, self.tenant.name
+                self.config,
+                self.parsed,
+                self.cache_salt,
+                via,
+                self.tenant.name,
+                self.config.tiers[self.tier].priority,
             )
         return self
 

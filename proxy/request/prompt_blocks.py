@@ -19,7 +19,7 @@ import json
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from datetime import datetime
 from functools import partial
 from pathlib import Path
@@ -36,6 +36,7 @@ from proxy.config.schema import Config
 from proxy.policies.blockhash import chain_hashes, token_ids_ok
 from proxy.request.inbound import ParsedRequest
 from proxy.request.remote_tokens import RemoteTokenizer
+from proxy.request.tiered_threads import FIRST, TieredThreads
 from proxy.request.tokencache import PrefixTokenCache, encode_ids
 from proxy.scheduling.counts import TenantCounts
 from proxy.scheduling.pool import BackendPool
@@ -43,9 +44,10 @@ from proxy.scheduling.pool import BackendPool
 log = logging.getLogger("tierproxy.prompt_blocks")
 
 # Long prompts are tokenized on threads of their own (not asyncio's default pool, which config
-# reloads use too), at most this many of one tenant at once: past it a tenant's request goes
-# without blocks (placed by load) rather than queue for a thread. Eight 1 MB prompts of one
-# tenant pushed the others' latency from 3 ms to 365 ms on the shared pool (fresh eyes t02).
+# reloads use too), taken in tier order, at most this many of one tenant at once: past it a
+# tenant's request goes without blocks (placed by load) rather than queue for a thread. Eight
+# 1 MB prompts of one tenant pushed the others' latency from 3 ms to 365 ms on the shared pool
+# (fresh eyes t02).
 TOKENIZER_THREADS = 2
 PER_TENANT_OFF_LOOP = 1
 
@@ -244,16 +246,16 @@ class PromptBlocks:
         self._models: dict[str, Future[ModelTokenizer | None]] = {}
         self._loads = threading.Lock()
         self.remote = RemoteTokenizer()
-        self._threads = ThreadPoolExecutor(TOKENIZER_THREADS, "tierproxy-tokenize")
+        self._threads = TieredThreads(TOKENIZER_THREADS, "tierproxy-tokenize")
         self.off_loop = TenantCounts()  # each tenant's prompts on those threads now
 
     async def _on_thread(
-        self, tenant: str, work: Callable[[], tuple[int, ...] | None]
+        self, tenant: str, work: Callable[[], tuple[int, ...] | None], priority: int = 0
     ) -> tuple[int, ...] | None:
         if not self.off_loop.take(tenant, PER_TENANT_OFF_LOOP):
             return None  # the tenant's earlier long prompts come first; this one by load
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._threads, work)
+            return await asyncio.wrap_future(self._threads.submit(priority, work))
         finally:
             self.off_loop.give_back(tenant)
 
@@ -264,7 +266,8 @@ class PromptBlocks:
         with self._loads:
             load = self._models.get(directory)
             if load is None or (retry and load.done() and load.result() is None):
-                load = self._models[directory] = self._threads.submit(load_model, directory)
+                load = self._threads.submit(FIRST, partial(load_model, directory))
+                self._models[directory] = load
         return load
 
     def preload(self, config: Config) -> None:
@@ -288,7 +291,9 @@ class PromptBlocks:
         salt: str,
         via: Upstreams | None = None,
         tenant: str = "",
+        priority: int = 0,
     ) -> tuple[int, ...] | None:
+        """``priority``: the request's tier's (lower first), for a thread's turn."""
         kv: KvCache = config.kv_cache
         if not kv_cache_on(kv, config.policies.backends):
             return None
@@ -299,7 +304,8 @@ class PromptBlocks:
                 tokens = await self.remote.tokens(parsed, kv, via.pool, via.session(), via.clock())
             if inline:
                 return _blocks(tokens, kv.block_size, salt)
-            return await self._on_thread(tenant, partial(_blocks, tokens, kv.block_size, salt))
+            work = partial(_blocks, tokens, kv.block_size, salt)
+            return await self._on_thread(tenant, work, priority)
         model = await self._model(kv.tokenizer)
         if model is None:
             return None
@@ -307,7 +313,7 @@ class PromptBlocks:
             if inline:
                 return prompt_block_hashes(model, parsed, kv.block_size, salt)
             hashes = partial(prompt_block_hashes, model, parsed, kv.block_size, salt)
-            return await self._on_thread(tenant, hashes)
+            return await self._on_thread(tenant, hashes, priority)
         except jinja2.exceptions.TemplateError:
             return None  # vLLM would refuse it too (its template raised)
 

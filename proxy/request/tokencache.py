@@ -6,8 +6,11 @@ Exact only where tokenization cannot merge across the split: the text is cut rig
 special added token (the tokenizer splits its input at those first and tokenizes the pieces
 apart), one that absorbs no whitespace around it (``lstrip``/``rstrip``), and not with a
 ``Metaspace`` pre-tokenizer that prepends to the input's first piece only (``prepend_scheme:
-first``). And verified: the first ``VERIFY`` splits of each tokenizer are checked against a
-whole tokenization; one mismatch turns the cache off for it, for good (logged).
+first``). A text seen for the first time is tokenized whole (exact by definition) and the
+tokens of its longest cut prefix kept, found by the token that ends right at the cut; a text
+whose prefix is known is tokenized from the cut on, and the first ``VERIFY`` of those splits
+per tokenizer are checked against a whole tokenization: one mismatch turns the cache off for
+it, for good (logged).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from array import array
 from collections import OrderedDict
 from hashlib import blake2b
 
-from tokenizers import Tokenizer
+from tokenizers import Encoding, Tokenizer
 
 log = logging.getLogger("tierproxy.prompt_blocks")
 
@@ -41,11 +44,26 @@ def _splits_at_specials(tokenizer: Tokenizer) -> list[str]:
     ]
 
 
+def encode_text(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> Encoding:
+    """``text``'s encoding; a long text's without holding the GIL."""
+    if len(text) < GIL_FREE_CHARS:
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+
+
 def encode_ids(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
     """``text``'s token ids; a long text's without holding the GIL."""
-    if len(text) < GIL_FREE_CHARS:
-        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
-    return list(tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
+    return list(encode_text(tokenizer, text, add_special_tokens).ids)
+
+
+def _tokens_before(encoding: Encoding, cut: int) -> int | None:
+    """How many of ``encoding``'s tokens come before character ``cut``: the token holding the
+    character before the cut must end right at it (None: a token spans the cut)."""
+    last = encoding.char_to_token(cut - 1)
+    if last is None:
+        return None
+    span = encoding.token_to_chars(last)
+    return last + 1 if span is not None and span[1] == cut else None
 
 
 def _keys(text: str, cuts: list[int]) -> dict[int, bytes]:
@@ -106,6 +124,14 @@ class PrefixTokenCache:
                     start, head = cut, cached.tolist()
                     break
         last = cuts[0]
+        if start == 0:  # a first sight: one whole encode, its head kept for the next turn
+            encoding = encode_text(self.tokenizer, text, add_special_tokens=False)
+            ids = list(encoding.ids)
+            before = _tokens_before(encoding, last)
+            if before is not None:
+                with self._lock:
+                    self._put(keys[last], array("i", ids[:before]))
+            return ids
         if start < last:
             head += self._encode(text[start:last])
         ids = head + self._encode(text[last:])
