@@ -80,10 +80,11 @@ class KvCache(Strict):
         " `GET /kv_event_sources` again (the endpoint may have moved).",
     )
     inline_tokens: int = Field(
-        256,
+        1024,
         ge=0,
         description="Prompts estimated at up to this many tokens are tokenized on the event"
-        " loop; longer ones in a worker thread (docs/performance.md has the cost).",
+        " loop (about 1 ms at 1,024); longer ones in a worker thread, which a burst of"
+        " requests makes wait its turn on the loop (docs/performance.md has the cost).",
     )
 
 
