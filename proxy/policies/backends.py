@@ -51,6 +51,10 @@ class BackendChooser(Protocol):
         elsewhere (the dispatcher looks again then, not only when a slot frees); None: none
         is held."""
 
+    def left(self, request: QueuedRequest) -> None:
+        """``request`` left the queue unserved (its client went, it timed out or was
+        displaced): what ``pick`` kept for it goes."""
+
 
 def slot_room(state: BackendView, now: float, health: BackendHealth) -> float:
     """The room controller's slots (``max_inflight``, or learned), ramped after a
@@ -136,6 +140,9 @@ class LeastUtilised:
     def next_hold_end(self, now: float) -> float | None:
         return None
 
+    def left(self, request: QueuedRequest) -> None:
+        pass
+
 
 class PrefixAffinity:
     """The backend that last served the same prompt prefix, if it can take the request (its
@@ -182,6 +189,9 @@ class PrefixAffinity:
 
     def next_hold_end(self, now: float) -> float | None:
         return None
+
+    def left(self, request: QueuedRequest) -> None:
+        pass
 
     def served(self, state: BackendView, request: QueuedRequest | None) -> None:
         self._rotation.chose(state)

@@ -165,6 +165,10 @@ class KvAware:
         """Seconds until the first hold still running ends; None: none is."""
         return min((end - now for _, end in self._held.values() if end > now), default=None)
 
+    def left(self, request: QueuedRequest) -> None:
+        # A held request whose client left no longer waits: its place at home is free.
+        self._held.pop(id(request), None)
+
     def _holds(self, request: QueuedRequest, home: str, gain: float, now: float) -> bool:
         """Whether ``request`` waits on for its full ``home``, which would save ``gain`` of
         its prompt more than the best backend with room. A hold runs from the request's arrival

@@ -107,6 +107,7 @@ class Dispatcher:
             self._refuse_early(req, limits.queue_timeout_s)
         displaced = self.queue.push(req, self.clock(), force=force)
         if displaced is not None:
+            self.pool.chooser.left(displaced)
             self.metrics.queue_wait.labels(displaced.tier).observe(
                 self.clock() - displaced.arrival_s
             )
@@ -132,6 +133,7 @@ class Dispatcher:
     def withdraw(self, req: QueuedRequest) -> None:
         """The handler gave up on a request (client left): out of the queue, slot back."""
         if self.queue.remove(req):
+            self.pool.chooser.left(req)
             self.metrics.queue_depth.labels(req.tier).set(self.queue.depth(req.tier))
             self.metrics.queue_wait.labels(req.tier).observe(self.clock() - req.arrival_s)
             return
@@ -173,6 +175,7 @@ class Dispatcher:
         now = self.clock()
         touched: set[str] = set()
         for req in self.queue.expire(now):
+            self.pool.chooser.left(req)
             touched.add(req.tier)
             self.metrics.queue_wait.labels(req.tier).observe(now - req.arrival_s)
             if req.waiter is not None and not req.waiter.done():

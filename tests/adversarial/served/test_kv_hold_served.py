@@ -346,6 +346,28 @@ async def test_requests_held_for_a_full_home_wait_one_hold_at_once_and_none_gets
     assert proxy.tracebacks() == 0
 
 
+async def test_a_held_request_whose_client_leaves_gives_its_place_at_home_back(
+    stage: Stage,
+) -> None:
+    """No more wait for a home than it has slots (one here). A held request whose client
+    left counted against that until its hold's end, so the next turn for the home went to
+    the other engine at once and lost its cache (the served hold tests' finding)."""
+    hold = 2.0
+    proxy, home, other = stage.start(hold_s=hold)
+    await home_full_other_idle(stage, proxy, home, other, "AB")
+    left = await timed_chat(proxy, "low", second_turn("A"), timeout_s=0.5)
+    assert left.status is None  # held for its home when its client gave up
+
+    async def withdrawn() -> bool:
+        return await queue_depth(proxy, "low") == 0
+
+    await until(withdrawn, "the request whose client left is out of the queue")
+    held = await timed_chat(proxy, "low", second_turn("B"), timeout_s=hold + 10)
+    assert held.status == 200, held.body[:300]
+    assert held.waited_s >= hold - 0.05, held  # held for its home: A's place was free
+    assert other.second_turns() == ["B"] and proxy.tracebacks() == 0
+
+
 @pytest.mark.parametrize("leaves", ["drained", "down"])
 async def test_requests_held_for_a_home_that_leaves_service_go_to_the_idle_backend_at_once(
     stage: Stage, leaves: str

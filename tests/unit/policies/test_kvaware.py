@@ -336,6 +336,10 @@ def test_no_more_requests_wait_for_a_home_than_it_has_slots() -> None:
     # Two wait for the two slots that will free at home; the rest start where there is room.
     assert picks == [None, None, spare, spare, spare]
     assert _pick(chooser, backends, burst[0], clock) is None  # a held one stays held
+    # One whose client leaves (or that times out, or is displaced) waits no more: its place
+    # goes to the next (fresh eyes, served hold tests: it counted until its hold's end).
+    chooser.left(burst[0])
+    assert _pick(chooser, backends, burst[2], clock) is None
 
 
 def test_a_tenants_new_conversations_go_to_its_prefixs_home_not_where_a_turn_ran_last() -> None:
