@@ -79,12 +79,20 @@ class KvCache(Strict):
         description="A subscriber that receives nothing for this long checks the backend's"
         " `GET /kv_event_sources` again (the endpoint may have moved).",
     )
-    inline_tokens: int = Field(
-        1024,
+    inline_bytes: int = Field(
+        8192,
         ge=0,
-        description="Prompts estimated at up to this many tokens are tokenized on the event"
-        " loop (about 1 ms at 1,024); longer ones in a worker thread, which a burst of"
-        " requests makes wait its turn on the loop (docs/performance.md has the cost).",
+        description="Prompts whose parsed body holds at most this many bytes (its text, four"
+        " times over past ASCII, and each message's objects: what tokenizing scales with) are"
+        " tokenized on the event loop (1-2 ms at most); larger ones on the proxy's two"
+        " tokenizer threads (docs/performance.md has the cost).",
+    )
+    max_prompt_tokens: int = Field(
+        131072,
+        ge=1,
+        description="Prompts estimated past this many tokens get no blocks (placed by load):"
+        " tokenizing megabytes takes a thread seconds and ~200 bytes of memory a token, for a"
+        " prompt past most models' context.",
     )
 
 

@@ -8,12 +8,13 @@ Only what vLLM renders the same way for sure is computed: chat messages of a rol
 content, a completion's one prompt (text or token ids), and no field that changes the rendering
 (tools, documents, template kwargs, ...). Anything else gets None (the chooser falls back to
 load), never a guess. Computed only when ``kv_cache`` is on and a tokenizer is configured;
-prompts past ``kv_cache.inline_tokens`` are tokenized in a worker thread (docs/performance.md).
+bodies past ``kv_cache.inline_bytes`` are tokenized in a worker thread (docs/performance.md).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -143,11 +144,25 @@ def load_model(directory: str) -> ModelTokenizer | None:
     except Exception as exc:  # a missing file, bad JSON, a template that does not compile
         log.warning("kv_cache.tokenizer %s unusable: %s", directory, exc)
         return None
-    model.text_tokens("warm")
-    # A template that wants more than one message raises here; requests render their own.
-    if model.template is not None:
+    try:
+        model.text_tokens("warm")
+    except Exception as exc:
+        log.warning("kv_cache.tokenizer %s unusable: %s", directory, exc)
+        return None
+    try:
+        # A template that wants more than one message raises this; requests render their own.
         with contextlib.suppress(jinja2.exceptions.TemplateError):
-            model.chat_tokens([{"role": "user", "content": "warm"}])
+            if model.template is not None:
+                model.chat_tokens([{"role": "user", "content": "warm"}])
+    except Exception as exc:  # a template broken for any chat (fresh eyes round seven F1)
+        log.warning(
+            "kv_cache.tokenizer %s: its chat template fails on a one-message chat (%s: %s);"
+            " chats get no blocks",
+            directory,
+            type(exc).__name__,
+            exc,
+        )
+        model.template = None
     return model
 
 
@@ -223,6 +238,18 @@ def prompt_block_hashes(
     return chain_hashes(tokens[:-1], block_size, salt) if tokens else None
 
 
+def _on_loop(
+    loop: asyncio.AbstractEventLoop, call: Callable[[str], None], arg: str, _: object
+) -> None:
+    """``call(arg)`` on ``loop`` from whichever thread ends a job; nothing once it closed."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(call, arg)
+
+
+def _unusable(load: Future[ModelTokenizer | None]) -> bool:
+    return load.exception() is not None or load.result() is None
+
+
 class Upstreams(Protocol):
     """Where a backend's /tokenize is reached (the request pipeline)."""
 
@@ -248,16 +275,36 @@ class PromptBlocks:
         self.remote = RemoteTokenizer()
         self._threads = TieredThreads(TOKENIZER_THREADS, "tierproxy-tokenize")
         self.off_loop = TenantCounts()  # each tenant's prompts on those threads now
+        self._template_failed = False  # logged once
 
     async def _on_thread(
-        self, tenant: str, work: Callable[[], tuple[int, ...] | None], priority: int = 0
+        self,
+        tenant: str,
+        work: Callable[[], tuple[int, ...] | None],
+        priority: int = 0,
+        start_within_s: float = 0.5,
     ) -> tuple[int, ...] | None:
+        """``work`` on a tokenizer thread, or None (placed by load: the blocks are a hint)
+        when its tenant has one there already or no thread takes it within
+        ``start_within_s`` (better tiers' prompts go first and could keep it waiting for
+        ever: fresh eyes round seven F2)."""
         if not self.off_loop.take(tenant, PER_TENANT_OFF_LOOP):
             return None  # the tenant's earlier long prompts come first; this one by load
+        job = self._threads.submit(priority, work)
+        # The tenant's share comes back when its work ends, not when its client leaves: what
+        # runs is never stopped, and leaving must not let a tenant start more (round seven F3).
+        job.add_done_callback(
+            partial(_on_loop, asyncio.get_running_loop(), self.off_loop.give_back, tenant)
+        )
+        result = asyncio.wrap_future(job)
         try:
-            return await asyncio.wrap_future(self._threads.submit(priority, work))
-        finally:
-            self.off_loop.give_back(tenant)
+            done, _ = await asyncio.wait([result], timeout=start_within_s)
+            if not done and job.cancel():
+                return None  # never started: dropped
+            return await result
+        except asyncio.CancelledError:
+            job.cancel()  # its client left: dropped unless it already runs
+            raise
 
     def _load(self, directory: str, retry: bool = False) -> Future[ModelTokenizer | None]:
         """The one load of ``directory``'s tokenizer, started by whoever asks first: the first
@@ -265,7 +312,7 @@ class PromptBlocks:
         (40-50 ms of queueing in the kv-routing benchmark's opening burst)."""
         with self._loads:
             load = self._models.get(directory)
-            if load is None or (retry and load.done() and load.result() is None):
+            if load is None or (retry and load.done() and _unusable(load)):
                 load = self._threads.submit(FIRST, partial(load_model, directory))
                 self._models[directory] = load
         return load
@@ -275,14 +322,15 @@ class PromptBlocks:
         and a config reload, off the event loop), so that no request waits for it."""
         kv = config.kv_cache
         if kv.tokenizer is not None and kv_cache_on(kv, config.policies.backends):
-            self._load(kv.tokenizer, retry=True).result()  # the files may have been fixed
+            load = self._load(kv.tokenizer, retry=True)  # the files may have been fixed
+            concurrent.futures.wait([load])  # unusable: logged; requests get no blocks
 
     async def _model(self, directory: str) -> ModelTokenizer | None:
         load = self._load(directory)
-        if load.done():
-            return load.result()
-        # Shielded: a request that leaves while it waits must not cancel everyone's load.
-        return await asyncio.shield(asyncio.wrap_future(load))
+        if not load.done():
+            # Shielded: a request that leaves while it waits must not cancel everyone's load.
+            await asyncio.shield(asyncio.wait([asyncio.wrap_future(load)]))
+        return None if _unusable(load) else load.result()
 
     async def compute(
         self,
@@ -297,7 +345,9 @@ class PromptBlocks:
         kv: KvCache = config.kv_cache
         if not kv_cache_on(kv, config.policies.backends):
             return None
-        inline = parsed.prompt_tokens <= kv.inline_tokens
+        if parsed.prompt_tokens > kv.max_prompt_tokens:
+            return None  # seconds of a thread and its weight in memory, past most contexts
+        inline = parsed.held_bytes <= kv.inline_bytes
         tokens = given_tokens(parsed)
         if kv.tokenizer is None or tokens is not None:
             if tokens is None and via is not None:
@@ -305,7 +355,7 @@ class PromptBlocks:
             if inline:
                 return _blocks(tokens, kv.block_size, salt)
             work = partial(_blocks, tokens, kv.block_size, salt)
-            return await self._on_thread(tenant, work, priority)
+            return await self._on_thread(tenant, work, priority, kv.tokenize_timeout_s)
         model = await self._model(kv.tokenizer)
         if model is None:
             return None
@@ -313,9 +363,16 @@ class PromptBlocks:
             if inline:
                 return prompt_block_hashes(model, parsed, kv.block_size, salt)
             hashes = partial(prompt_block_hashes, model, parsed, kv.block_size, salt)
-            return await self._on_thread(tenant, hashes, priority)
+            return await self._on_thread(tenant, hashes, priority, kv.tokenize_timeout_s)
         except jinja2.exceptions.TemplateError:
             return None  # vLLM would refuse it too (its template raised)
+        except Exception as exc:  # a template bug this request reaches: placed by load
+            if not self._template_failed:
+                self._template_failed = True
+                log.warning(
+                    "kv_cache.tokenizer %s: a prompt failed to render: %r", kv.tokenizer, exc
+                )
+            return None
 
 
 PROMPT_BLOCKS = PromptBlocks()  # one per process: a tokenizer loaded once serves every request

@@ -24,7 +24,7 @@ class TieredThreads:
     def __init__(self, threads: int, name: str) -> None:
         self.threads = threads
         self.name = name
-        self._waiting: list[tuple[int, int, Future[Any], Callable[[], Any]]] = []
+        self._waiting: list[list[Any]] = []  # [priority, order, future, work or None]
         self._ready = threading.Condition()
         self._order = itertools.count()
         self._started = False
@@ -32,6 +32,10 @@ class TieredThreads:
     def submit(self, priority: int, work: Callable[[], T]) -> Future[T]:
         """Queue ``work``; a future cancelled while it waits is dropped, never run."""
         future: Future[T] = Future()
+        entry: list[Any] = [priority, next(self._order), future, work]
+        # Cancelled while it waits: its work (and what it holds, a parsed prompt) goes now,
+        # not when a thread reaches its entry (round seven F5).
+        future.add_done_callback(lambda _: entry.__setitem__(3, None))
         with self._ready:
             if not self._started:
                 self._started = True
@@ -39,7 +43,7 @@ class TieredThreads:
                     worker = threading.Thread(target=self._serve, name=f"{self.name}-{n}")
                     worker.daemon = True  # pure computation: nothing to finish at exit
                     worker.start()
-            heapq.heappush(self._waiting, (priority, next(self._order), future, work))
+            heapq.heappush(self._waiting, entry)
             self._ready.notify()
         return future
 
@@ -54,7 +58,7 @@ class TieredThreads:
                 while not self._waiting:
                     self._ready.wait()
                 _, _, future, work = heapq.heappop(self._waiting)
-            if not future.set_running_or_notify_cancel():
+            if not future.set_running_or_notify_cancel() or work is None:
                 continue
             try:
                 result = work()

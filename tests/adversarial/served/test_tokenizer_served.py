@@ -7,8 +7,10 @@ tests/unit/request/test_tokencache.py."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,10 +35,9 @@ def chat(tier: str, content: str) -> bytes:
 
 
 async def test_a_huge_prompt_being_tokenized_leaves_the_loop_to_others(start_served: Any) -> None:
-    proxy = start_served(
-        policies={"backends": "kv_aware"},
-        kv_cache={"enabled": True, "tokenizer": str(TINY_MODEL_DIR)},
-    )
+    # Tokenized whatever its length (the default max_prompt_tokens would skip this one).
+    kv_cache = {"enabled": True, "tokenizer": str(TINY_MODEL_DIR), "max_prompt_tokens": 10**7}
+    proxy = start_served(policies={"backends": "kv_aware"}, kv_cache=kv_cache)
     # ~0.95 MB of text (the fake's body limit is 1 MiB): about 1 s of encode on one core, all
     # of it with the GIL held before.
     huge = " ".join(f"word{i % 97} alpha beta" for i in range(54_000))
@@ -52,3 +53,23 @@ async def test_a_huge_prompt_being_tokenized_leaves_the_loop_to_others(start_ser
     assert worst < 0.5, worst
     done = await big
     assert done.status == 200, done.body[:300]
+
+
+async def test_a_template_broken_for_every_chat_leaves_the_proxy_serving(
+    start_served: Any, tmp_path: Path
+) -> None:
+    """Fresh eyes round seven F1: a chat template that raises TypeError on any chat (here
+    ``tools|length`` with no tools) stopped `tierproxy serve` at its start (the tokenizer's
+    warm-up); each chat got a 500 before that. Now logged; chats are placed by load."""
+    model = tmp_path / "model"
+    shutil.copytree(TINY_MODEL_DIR, model)
+    (model / "chat_template.jinja").write_text("{% if tools|length > 0 %}x{% endif %}")
+    proxy = start_served(
+        policies={"backends": "kv_aware"},
+        kv_cache={"enabled": True, "tokenizer": str(model)},
+    )
+    for tier in ("high", "low"):
+        resp = await exchange(proxy.host, proxy.port, chat(tier, "hi"), timeout_s=20)
+        assert resp.status == 200, resp.body[:300]
+    assert proxy.count(r"its chat template fails on a one-message chat") == 1
+    assert proxy.tracebacks() == 0

@@ -34,7 +34,9 @@ def model() -> ModelTokenizer:
 
 
 def parsed(body: dict[str, Any], endpoint: str = "chat", estimate: int = 10) -> ParsedRequest:
-    return ParsedRequest(body, endpoint, False, "tiny", estimate, 16, 16, False)  # type: ignore[arg-type]
+    request = ParsedRequest(body, endpoint, False, "tiny", estimate, 16, 16, False)  # type: ignore[arg-type]
+    request.held_bytes = 4 * estimate  # what decides inline or on a thread
+    return request
 
 
 def chat(*messages: dict[str, Any], **extra: Any) -> ParsedRequest:
@@ -111,9 +113,9 @@ async def test_computed_when_on_inline_or_in_a_thread(
     want = prompt_block_hashes(model, request, 32, "salt")
     assert want
     blocks = PromptBlocks()
-    inline = _config(enabled=True, tokenizer=str(MODEL), inline_tokens=1000)
+    inline = _config(enabled=True, tokenizer=str(MODEL), inline_bytes=100_000)
     assert await blocks.compute(inline, request, "salt") == want
-    threaded = _config(enabled=True, tokenizer=str(MODEL), inline_tokens=0)
+    threaded = _config(enabled=True, tokenizer=str(MODEL), inline_bytes=0)
     assert await blocks.compute(threaded, request, "salt") == want
     missing = _config(enabled=True, tokenizer=str(tmp_path))
     assert await blocks.compute(missing, request, "salt") is None
@@ -126,7 +128,7 @@ async def test_one_tenant_has_one_long_prompt_on_the_threads_at_a_time(
     slowed every other tenant; past its share a request goes without blocks (placed by load)."""
     request = chat({"role": "user", "content": "hello " * 50}, estimate=100)
     want = prompt_block_hashes(model, request, 32, "salt")
-    threaded = _config(enabled=True, tokenizer=str(MODEL), inline_tokens=0)
+    threaded = _config(enabled=True, tokenizer=str(MODEL), inline_bytes=0)
     blocks, gate = PromptBlocks(), threading.Event()
     held = asyncio.create_task(blocks._on_thread("a", lambda: (1,) if gate.wait(10) else None))
     await asyncio.sleep(0)  # its thread holds tenant a's share
@@ -178,3 +180,84 @@ def test_preload_loads_before_any_request_and_retries_what_was_unusable(
         (tmp_path / name).write_bytes((MODEL / name).read_bytes())
     blocks.preload(broken)  # and reloads
     assert blocks._models[str(tmp_path)].result() is not None
+
+
+def test_a_template_broken_for_every_chat_leaves_the_tokenizer_for_completions(
+    tmp_path: Path,
+) -> None:
+    """Fresh eyes round seven F1: a template that raised TypeError on a plain chat stopped
+    `tierproxy serve` from starting (the warm-up), and its failed load was kept for good."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((MODEL / name).read_bytes())
+    (tmp_path / "chat_template.jinja").write_text("{% if tools|length > 0 %}x{% endif %}")
+    model = prompt_blocks_module.load_model(str(tmp_path))
+    assert model is not None and model.template is None  # chats: no blocks; completions: yes
+    assert prompt_tokens(model, chat({"role": "user", "content": "hi"})) is None
+    completion = parsed({"model": "tiny", "prompt": "hello"}, "completions")
+    assert prompt_tokens(model, completion)
+
+
+async def test_a_load_that_raised_is_unusable_and_retried_on_the_next_preload(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def broken(directory: str) -> ModelTokenizer | None:
+        raise TypeError("a bug in loading")
+
+    monkeypatch.setattr(prompt_blocks_module, "load_model", broken)
+    config, blocks = _config(enabled=True, tokenizer=str(MODEL)), PromptBlocks()
+    blocks.preload(config)  # logged by the future's owner, never raised into the server
+    assert await blocks.compute(config, chat({"role": "user", "content": "hi"}), "s") is None
+    monkeypatch.setattr(prompt_blocks_module, "load_model", lambda d: ModelTokenizer(Path(d)))
+    blocks.preload(config)
+    assert await blocks.compute(config, chat({"role": "user", "content": "hi"}), "s") is not None
+
+
+async def test_a_prompt_no_thread_takes_in_time_goes_without_blocks_and_never_runs() -> None:
+    """Round seven F2: better tiers' prompts go first; a worse tier's waited for a thread for
+    as long as they kept coming (14 s, past its timeouts). It waits ``start_within_s``."""
+    blocks, gate, ran = PromptBlocks(), threading.Event(), list[str]()
+    busy = [
+        asyncio.create_task(blocks._on_thread(name, lambda: (1,) if gate.wait(10) else None))
+        for name in ("a", "b")
+    ]  # both threads taken
+    while blocks._threads.waiting or len(blocks.off_loop.held) < 2:
+        await asyncio.sleep(0.01)
+
+    def never() -> tuple[int, ...]:
+        ran.append("c")
+        return (2,)
+
+    late = await blocks._on_thread("c", never, 5, 0.05)
+    await asyncio.sleep(0)  # the share comes back through the loop
+    assert late is None and blocks.off_loop.of("c") == 0
+    gate.set()
+    assert [await task for task in busy] == [(1,), (1,)]
+    assert ran == [] and blocks._threads.waiting == 0
+
+
+async def test_a_tenant_whose_client_left_keeps_its_thread_share_until_the_work_ends() -> None:
+    """Round seven F3: the share came back when the client left while its prompt was still
+    being tokenized, so a tenant that sent and left took both threads."""
+    blocks, gate = PromptBlocks(), threading.Event()
+    task = asyncio.create_task(blocks._on_thread("a", lambda: (1,) if gate.wait(10) else None))
+    while not blocks.off_loop.held or blocks._threads.waiting:
+        await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert blocks.off_loop.of("a") == 1  # its work still runs
+    assert await blocks._on_thread("a", lambda: (2,)) is None
+    gate.set()
+    while blocks.off_loop.of("a"):
+        await asyncio.sleep(0.01)
+    assert await blocks._on_thread("a", lambda: (2,)) == (2,)
+
+
+async def test_prompts_past_max_prompt_tokens_get_no_blocks() -> None:
+    config = _config(enabled=True, tokenizer=str(MODEL), max_prompt_tokens=50)
+    blocks, text = (
+        PromptBlocks(),
+        {"model": "tiny", "messages": [{"role": "user", "content": "hi " * 40}]},
+    )
+    assert await blocks.compute(config, parsed(text, estimate=50), "s")
+    assert await blocks.compute(config, parsed(text, estimate=51), "s") is None

@@ -4,7 +4,9 @@ the caller."""
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 from concurrent.futures import CancelledError, Future
 from functools import partial
 
@@ -54,3 +56,24 @@ def test_work_cancelled_while_waiting_never_runs_and_failures_reach_the_caller()
     with pytest.raises(CancelledError):
         left.result(0)
     assert ran == [] and threads.waiting == 0
+
+
+def test_work_cancelled_while_waiting_is_let_go_at_once() -> None:
+    """Round seven F5: a cancelled entry kept its work (a parsed prompt, megabytes) until a
+    thread reached it, which under a flood of better tiers could be never."""
+
+    class Prompt:
+        def __call__(self) -> None:
+            return None
+
+    threads, gate = TieredThreads(1, "test"), threading.Event()
+    _busy(threads, gate)
+    prompt = Prompt()
+    held = weakref.ref(prompt)
+    waiting = threads.submit(0, prompt)
+    del prompt
+    assert held() is not None  # queued: kept for its thread
+    assert waiting.cancel()
+    gc.collect()
+    assert held() is None and threads.waiting == 1  # the entry stays, its work does not
+    gate.set()
