@@ -120,7 +120,17 @@ class Rotation:
         self._last[state.cfg.url] = self._seq
 
 
-class LeastUtilised:
+class NeverHolds:
+    """What a chooser that never holds a request back says of holds."""
+
+    def next_hold_end(self, now: float) -> float | None:
+        return None
+
+    def left(self, request: QueuedRequest) -> None:
+        pass
+
+
+class LeastUtilised(NeverHolds):
     def room(self, state: BackendView, now: float, health: BackendHealth) -> float:
         return slot_room(state, now, health)
 
@@ -137,14 +147,8 @@ class LeastUtilised:
     def served(self, state: BackendView, request: QueuedRequest | None) -> None:
         pass
 
-    def next_hold_end(self, now: float) -> float | None:
-        return None
 
-    def left(self, request: QueuedRequest) -> None:
-        pass
-
-
-class PrefixAffinity:
+class PrefixAffinity(NeverHolds):
     """The backend that last served the same prompt prefix, if it can take the request (its
     prefix cache probably still holds it). A new prefix goes to the least utilised backend;
     ties go to the backend that holds fewer remembered prefixes, then to the one chosen
@@ -186,12 +190,6 @@ class PrefixAffinity:
             if best is None or key > best_key:
                 best, best_key = c, key
         return best.state if best is not None else None
-
-    def next_hold_end(self, now: float) -> float | None:
-        return None
-
-    def left(self, request: QueuedRequest) -> None:
-        pass
 
     def served(self, state: BackendView, request: QueuedRequest | None) -> None:
         self._rotation.chose(state)

@@ -141,19 +141,15 @@ def load_model(directory: str) -> ModelTokenizer | None:
     (the first encode and render allocate); None when unusable (logged)."""
     try:
         model = ModelTokenizer(Path(directory))
+        model.text_tokens("warm")
     except Exception as exc:  # a missing file, bad JSON, a template that does not compile
         log.warning("kv_cache.tokenizer %s unusable: %s", directory, exc)
         return None
     try:
-        model.text_tokens("warm")
-    except Exception as exc:
-        log.warning("kv_cache.tokenizer %s unusable: %s", directory, exc)
-        return None
-    try:
-        # A template that wants more than one message raises this; requests render their own.
-        with contextlib.suppress(jinja2.exceptions.TemplateError):
-            if model.template is not None:
-                model.chat_tokens([{"role": "user", "content": "warm"}])
+        if model.template is not None:
+            model.chat_tokens([{"role": "user", "content": "warm"}])
+    except jinja2.exceptions.TemplateError:
+        pass  # a template that wants more than one message; requests render their own
     except Exception as exc:  # a template broken for any chat (fresh eyes round seven F1)
         log.warning(
             "kv_cache.tokenizer %s: its chat template fails on a one-message chat (%s: %s);"
@@ -268,8 +264,8 @@ class PromptBlocks:
     the local tokenizer where one is configured, else with a backend's /tokenize."""
 
     def __init__(self) -> None:
-        # By directory, loaded or loading (None once loaded: unusable). A thread's future, not
-        # asyncio's: the config reload's thread and any event loop wait on the same load.
+        # By directory, loaded or loading (unusable: None or an exception). A thread's future,
+        # not asyncio's: the config reload's thread and any event loop wait on the same load.
         self._models: dict[str, Future[ModelTokenizer | None]] = {}
         self._loads = threading.Lock()
         self.remote = RemoteTokenizer()

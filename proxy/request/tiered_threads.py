@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 FIRST = -(2**63)  # ahead of every tier (a tokenizer's load)
+_COMPACT_MIN = 256
 
 
 class TieredThreads:
@@ -28,6 +29,7 @@ class TieredThreads:
         self._ready = threading.Condition()
         self._order = itertools.count()
         self._started = False
+        self._compact_at = _COMPACT_MIN  # entries, cancelled ones included, before a sweep
 
     def submit(self, priority: int, work: Callable[[], T]) -> Future[T]:
         """Queue ``work``; a future cancelled while it waits is dropped, never run."""
@@ -43,6 +45,12 @@ class TieredThreads:
                     worker = threading.Thread(target=self._serve, name=f"{self.name}-{n}")
                     worker.daemon = True  # pure computation: nothing to finish at exit
                     worker.start()
+            if len(self._waiting) >= self._compact_at:
+                # Entries cancelled while they waited stay until a thread reaches them, which a
+                # flood of better priorities can put off for ever: swept here instead.
+                self._waiting = [e for e in self._waiting if not e[2].done()]
+                heapq.heapify(self._waiting)
+                self._compact_at = max(_COMPACT_MIN, 2 * len(self._waiting))
             heapq.heappush(self._waiting, entry)
             self._ready.notify()
         return future

@@ -131,9 +131,10 @@ class ProxyState:
         self.prepare(loaded)()
 
     def prepare(self, loaded: LoadedConfig) -> Callable[[], LoadedConfig]:
-        """Work out off the event loop (it reads the configs only) what ``loaded`` changes;
-        the returned commit applies it on the loop in O(changed tenants) and returns the
-        replaced config, for the caller to drop off the loop too."""
+        """Work out off the event loop (it reads the configs, and loads a newly named
+        ``kv_cache.tokenizer``) what ``loaded`` changes; the returned commit applies it on the
+        loop in O(changed tenants) and returns the replaced config, for the caller to drop off
+        the loop too."""
         base, cfg = self.loaded, loaded.config
         changes = plan_changes(base.config.tenants, cfg.tenants)
         PROMPT_BLOCKS.preload(cfg)  # a new kv_cache.tokenizer: loaded before it comes into force

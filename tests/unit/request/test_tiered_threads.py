@@ -77,3 +77,16 @@ def test_work_cancelled_while_waiting_is_let_go_at_once() -> None:
     gc.collect()
     assert held() is None and threads.waiting == 1  # the entry stays, its work does not
     gate.set()
+
+
+def test_cancelled_entries_are_swept_while_better_work_keeps_the_threads() -> None:
+    """Under a flood of better priorities a thread never reaches a cancelled entry: the
+    queue is swept on submit, so it holds about twice the live entries at most."""
+    threads, gate = TieredThreads(1, "test"), threading.Event()
+    _busy(threads, gate)
+    for _ in range(2_000):
+        threads.submit(5, lambda: None).cancel()
+    live = threads.submit(5, lambda: "ran")
+    assert threads.waiting <= 2 * 256
+    gate.set()
+    assert live.result(10) == "ran"
