@@ -58,7 +58,7 @@ class FakeRequest:
 
 def one_request(tracing: Tracing) -> None:
     now = time.monotonic()
-    spans = tracing.begin(FakeRequest(), "req-1", now, now)  # type: ignore[arg-type]
+    spans = tracing.begin(FakeRequest(), "req-1", now, now, "tenant")  # type: ignore[arg-type]
     spans.queue_wait("normal", 0, 0, now)
     spans.upstream(
         backend="http://127.0.0.1:8000",

@@ -43,15 +43,22 @@ class TracingSettings(Strict):
         1.0,
         ge=0.0,
         le=1.0,
-        description="Share of new traces recorded (by trace id). A request that continues a"
-        " client's trace follows the client's sampled flag unless `follow_client_sampling` is"
-        " false.",
+        description="Share of traces recorded (by trace id), a client's continued traces"
+        " included unless `follow_client_sampling` is on.",
     )
     follow_client_sampling: bool = Field(
-        True,
-        description="Parent-based sampling: a client's `traceparent` flag decides whether its"
-        " request is recorded. false: `sample_ratio` decides for every request (a client then"
-        " cannot make the proxy record all its requests); its trace is continued either way.",
+        False,
+        description="Opt-in: a client's `traceparent` with its sampled flag set is recorded"
+        " whatever `sample_ratio` says, up to `client_sampled_per_minute` requests per tenant;"
+        " past that, and for a flag not set, `sample_ratio` decides. Off (the default): the"
+        " proxy's ratio decides for every request (a tenant cannot make the proxy record, and"
+        " the operator pay for, all its requests); the client's trace is continued either way.",
+    )
+    client_sampled_per_minute: int = Field(
+        60,
+        ge=0,
+        description="With `follow_client_sampling`: the most requests per tenant and minute that"
+        " a client's sampled flag alone gets recorded.",
     )
     service_name: str = Field(
         "tierproxy", min_length=1, description="The `service.name` of the proxy's spans."

@@ -124,7 +124,7 @@ class RequestPipeline:
             trace.tenant, trace.key_id = identify(request.headers, loaded)
             if self.tracing is not None:  # after the key: no keyless client's trace recorded
                 trace.spans = self.tracing.begin(
-                    request, trace.request_id, trace.arrival, self.clock()
+                    request, trace.request_id, trace.arrival, self.clock(), trace.tenant.name
                 )
             adm = await self.parse(request, endpoint, loaded.config, trace.tenant, trace)
             trace.admitted, adm.spans = True, trace.spans

@@ -75,3 +75,44 @@ async def test_hostile_trace_context_is_served_and_bounded(
     continued = [s for s in servers if s.trace_id == TRACE]
     assert len(continued) == 4
     assert all(s.parent_span_id == SPAN for s in continued)
+
+
+async def _sampled_requests(proxy_host: str, port: int, count: int) -> None:
+    headers = [
+        ("Content-Type", "application/json"),
+        ("Authorization", f"Bearer {KEYS['normal']}"),
+        ("traceparent", VALID),
+    ]
+    for _ in range(count):
+        resp = await exchange(
+            proxy_host,
+            port,
+            request_bytes("POST", "/v1/chat/completions", headers, orjson.dumps(BODY)),
+        )
+        assert resp.status == 200, resp.body[:200]
+
+
+async def test_a_tenant_cannot_make_the_proxy_record_its_requests(
+    start_served: StartServed, backend: NullBackend
+) -> None:
+    """The operator pays for every span: at sample_ratio 0, a sampled traceparent records
+    nothing by default (it recorded every request before issue 30), and with the opt-in
+    follow_client_sampling at most client_sampled_per_minute of them."""
+    for follow, expected in ((False, 0), (True, 3)):
+        receiver = OtlpReceiver()
+        app = web.Application()
+        app.router.add_post("/v1/traces", receiver.http_export)
+        with ThreadedUpstream(app) as sink:
+            tracing = {
+                "endpoint": f"{sink.url}/v1/traces",
+                "protocol": "http/protobuf",
+                "sample_ratio": 0.0,
+                "follow_client_sampling": follow,
+                "client_sampled_per_minute": 3,
+            }
+            proxy = start_served(tracing=tracing)
+            await _sampled_requests(proxy.host, proxy.port, 20)
+            proxy.stop()  # graceful: the spans still queued are exported now
+            assert proxy.tracebacks() == 0, proxy.log_text()[-3000:]
+        servers = [s for s in receiver.spans if s.name == "POST /v1/chat/completions"]
+        assert len(servers) == expected, follow

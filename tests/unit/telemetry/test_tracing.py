@@ -22,7 +22,7 @@ from proxy.config import tracing as tracing_config
 from proxy.config.loader import ConfigError, parse_config
 from proxy.config.tracing import TracingSettings
 from proxy.telemetry import spans as spans_module
-from proxy.telemetry.tracing import Tracing
+from proxy.telemetry.tracing import ClientSampling, Tracing
 from proxy.ticket import TICKET_HEADER, decode_ticket
 from tests.helpers.clock import FakeClock
 from tests.helpers.proxyrun import KEYS, SECRET, auth, make_config, until
@@ -52,14 +52,22 @@ class Caught:
 
 @contextlib.asynccontextmanager
 async def traced(
-    clock: FakeClock, *backends: FakeVLLM, ratio: float = 1.0, follow: bool = True, **config: Any
+    clock: FakeClock,
+    *backends: FakeVLLM,
+    ratio: float = 1.0,
+    follow: bool = False,
+    per_minute: int = 60,
+    **config: Any,
 ) -> AsyncIterator[tuple[Rig, Caught]]:
     """The rig with tracing on (as ``tracing:`` builds it), its spans caught in memory."""
     caught = Caught()
     settings = TracingSettings(
-        endpoint="http://127.0.0.1:9", sample_ratio=ratio, follow_client_sampling=follow
+        endpoint="http://127.0.0.1:9",
+        sample_ratio=ratio,
+        follow_client_sampling=follow,
+        client_sampled_per_minute=per_minute,
     )
-    tracing = Tracing(settings, processor=SimpleSpanProcessor(caught.exporter))
+    tracing = Tracing(settings, processor=SimpleSpanProcessor(caught.exporter), clock=clock)
     async with served_rig(clock, *backends, **config) as r:
         r.state.pipeline.tracing = tracing
         try:
@@ -310,30 +318,60 @@ async def test_sampling_off_records_nothing_and_tells_vllm_not_to(clock: FakeClo
             assert not sampled(received.headers["traceparent"])
 
 
-async def test_a_client_not_sampled_flag_is_followed_by_default(clock: FakeClock) -> None:
+async def test_a_client_not_sampled_flag_never_lowers_the_ratio(clock: FakeClock) -> None:
+    for follow in (False, True):
+        backend = FakeVLLM()
+        async with traced(clock, backend, ratio=1.0, follow=follow) as (r, caught):
+            headers = {**auth("normal"), "traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-00"}
+            resp = await r.client.post("/v1/chat/completions", json=body(), headers=headers)
+            assert resp.status == 200
+            server = caught.one("POST /v1/chat/completions")
+            assert hexid(server.context.trace_id, 32) == CLIENT_TRACE  # continued all the same
+            (received,) = backend.received
+            assert sampled(received.headers["traceparent"])
+
+
+async def _client_sampled_requests(r: Rig, count: int, tier: str = "normal") -> None:
+    headers = {**auth(tier), "traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"}
+    for _ in range(count):
+        resp = await r.client.post("/v1/chat/completions", json=body(), headers=headers)
+        assert resp.status == 200
+
+
+async def test_by_default_a_client_cannot_make_the_proxy_record_its_requests(
+    clock: FakeClock,
+) -> None:
     backend = FakeVLLM()
-    async with traced(clock, backend, ratio=1.0) as (r, caught):
-        headers = {**auth("normal"), "traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-00"}
-        assert (
-            await r.client.post("/v1/chat/completions", json=body(), headers=headers)
-        ).status == 200
+    async with traced(clock, backend, ratio=0.0) as (r, caught):
+        await _client_sampled_requests(r, 5)
         assert caught.all() == []
-        (received,) = backend.received
-        assert received.headers["traceparent"].startswith(f"00-{CLIENT_TRACE}-")
-        assert not sampled(received.headers["traceparent"])
+        assert not any(sampled(got.headers["traceparent"]) for got in backend.received)
 
 
-async def test_client_sampling_can_be_ignored(clock: FakeClock) -> None:
+async def test_followed_client_sampling_is_bounded_per_tenant_and_minute(
+    clock: FakeClock,
+) -> None:
     backend = FakeVLLM()
-    async with traced(clock, backend, ratio=1.0, follow=False) as (r, caught):
-        headers = {**auth("normal"), "traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-00"}
-        assert (
-            await r.client.post("/v1/chat/completions", json=body(), headers=headers)
-        ).status == 200
-        server = caught.one("POST /v1/chat/completions")
-        assert hexid(server.context.trace_id, 32) == CLIENT_TRACE  # continued all the same
-        (received,) = backend.received
-        assert sampled(received.headers["traceparent"])
+    async with traced(clock, backend, ratio=0.0, follow=True, per_minute=3) as (r, caught):
+        await _client_sampled_requests(r, 5)
+        assert len(caught.named("POST /v1/chat/completions")) == 3
+        await _client_sampled_requests(r, 2, tier="high")  # another tenant's own allowance
+        assert len(caught.named("POST /v1/chat/completions")) == 5
+        clock.advance(60.0)
+        await _client_sampled_requests(r, 5)
+        assert len(caught.named("POST /v1/chat/completions")) == 8
+
+
+def test_client_sampling_allowance_windows() -> None:
+    clock = FakeClock()
+    allowance = ClientSampling(2, clock)
+    assert [allowance.allow("a") for _ in range(3)] == [True, True, False]
+    assert allowance.allow("b")
+    clock.advance(59.9)
+    assert not allowance.allow("a")
+    clock.advance(0.1)
+    assert allowance.allow("a")
+    assert not ClientSampling(0, clock).allow("a")
 
 
 async def test_tracing_off_makes_no_span_object(
