@@ -31,3 +31,17 @@ def quota_refused(
         retry_after_s=reset_s,
         retryable=False,
     )
+
+
+def unpriced(model: str | None) -> ProxyError:
+    """A tenant with a budget asked for work that no ``pricing:`` entry prices: refused, never
+    run for free."""
+    what = f"model '{model}'" if model else "the backends' default model (no 'model' was sent)"
+    return ProxyError(
+        400,
+        f"Your key has a budget and {what} has no price on this service; name a priced model"
+        " or ask the operator to price it.",
+        type="invalid_request_error",
+        param="model",
+        code="model_not_priced",
+    )

@@ -84,8 +84,9 @@ def chat_chunk(
     return b"data: " + orjson.dumps(body) + b"\n\n"
 
 
-def models_list(model: str) -> bytes:
-    return orjson.dumps({"object": "list", "data": [{"id": model, "object": "model"}]})
+def models_list(model: str, max_model_len: int = 2048) -> bytes:
+    card = {"id": model, "object": "model", "root": model, "parent": None}
+    return orjson.dumps({"object": "list", "data": [{**card, "max_model_len": max_model_len}]})
 
 
 DONE = b"data: [DONE]\n\n"

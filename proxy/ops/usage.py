@@ -23,9 +23,9 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 
 from proxy.api.usage import cached_tokens, token_usage
-from proxy.config.quotas import price_of
 from proxy.config.schema import Config
 from proxy.relay.forward import RelayResult, UpstreamCall
+from proxy.request.billing import Billed, billed_as
 
 if TYPE_CHECKING:
     from proxy.request.admitted import Admitted, Relay, Trace
@@ -178,8 +178,13 @@ class UsageMeter:
             counts, estimated = token_usage(result.usage if result is not None else None), False
         started = result.extra.get(_STARTED) if result is not None else None
         queue_end = started if isinstance(started, float) else end
-        model = adm.parsed.model if adm is not None else None
-        price = price_of((adm.config if adm is not None else self.config()).pricing, model)
+        # Billed as the quota gate priced it at admission (the backends' default model for a
+        # request without one); a request refused before that, as it named.
+        billed = adm.billed if adm is not None else Billed(None, None)
+        if billed.model is None and billed.price is None:
+            pricing = (adm.config if adm is not None else self.config()).pricing
+            billed = billed_as(adm.parsed.model if adm is not None else None, pricing, ())
+        model, price = billed.model, billed.price
         cached = cached_tokens(result.usage if result is not None else None)
         prompt = counts.prompt if counts is not None else 0
         completion = counts.completion if counts is not None else 0

@@ -24,6 +24,7 @@ from proxy.policies.types import QueuedRequest
 from proxy.relay.budget import Reservation
 from proxy.relay.delivered import Delivered
 from proxy.relay.forward import RelayResult, UpstreamCall
+from proxy.request.billing import Billed
 from proxy.request.inbound import ParsedRequest
 from proxy.request.prompt_blocks import PROMPT_BLOCKS, Upstreams
 from proxy.scheduling.quotas import QuotaHold
@@ -85,6 +86,8 @@ class Admitted:
     # Its tenant's rate-limit windows once admitted: the x-ratelimit-* headers of its stream.
     limit_windows: Mapping[str, BucketWindow] = field(default_factory=dict)
     quota_hold: QuotaHold | None = None  # what its quotas reserved (proxy.request.quota_gate)
+    # The model it is billed as and that model's price (proxy.request.quota_gate).
+    billed: Billed = field(default_factory=lambda: Billed(None, None))
     # What its stream wrote to the client, counted by the relay: kept here so that a request
     # whose handler is cancelled (the client left) is still billed for it.
     delivered: Delivered = field(default_factory=Delivered)
@@ -117,12 +120,6 @@ class Admitted:
     def reserved_tokens(self) -> float:
         """What the tenant's token limit is charged up front (given back once usage is known)."""
         return float(self.parsed.prompt_tokens + self.parsed.expected_output)
-
-    @property
-    def quota_tokens(self) -> float:
-        """What quotas reserve up front: the prompt's upper bound (not its estimate: a quota
-        is a hard cap, and CJK text makes ~3 tokens a character, not 1/4) and its output."""
-        return float(self.parsed.prompt_upper_bound + self.parsed.expected_output)
 
     async def with_blocks(self, via: Upstreams) -> Admitted:
         """Itself, its queue entry given its prompt's KV-cache blocks (for the kv_aware chooser;

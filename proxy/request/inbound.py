@@ -64,10 +64,20 @@ class ParsedRequest:
     # An upper bound of its prompt's tokens (prompt_bound): what quotas and budgets reserve.
     # 0: not measured (then the estimate).
     prompt_bound_tokens: int = 0
+    sequences: int = 1  # generations it runs: n choices of every prompt (0: a pooling route)
 
     @property
     def prompt_upper_bound(self) -> int:
         return max(self.prompt_bound_tokens, self.prompt_tokens)
+
+    @property
+    def output_upper_bound(self) -> int | None:
+        """The most output tokens vLLM may generate for it (every sequence to its
+        max_tokens); 0 on the routes that generate nothing; None when nothing bounds it but
+        the model's context (no max_tokens from the client, the tier or the proxy)."""
+        if not self.sequences:
+            return 0
+        return None if self.max_tokens is None else self.max_tokens * self.sequences
 
     @property
     def upstream_path(self) -> str:
@@ -171,6 +181,7 @@ def parse_body(
         path=path,
         held_bytes=shape.held_bytes(raw),
         prompt_bound_tokens=prompt_bound(len(raw), chars, endpoint),
+        sequences=body.get("n", 1) * _prompts(body, endpoint) if route.generates else 0,
     )
 
 
@@ -243,7 +254,7 @@ def _output_budget(
 ) -> tuple[int | None, int]:
     """(max_tokens as sent on, clamped to the tier; output tokens expected from all n
     choices of every prompt) of a generating request."""
-    fields = _budget_fields(endpoint)
+    fields = budget_fields(endpoint)
     client_set = any(name in body for name in fields)
     max_tokens = _clamped_max_tokens(body, tier, limits, fields)
     n = _lax_field(body, "n", lax_int, "an integer")
@@ -304,7 +315,9 @@ def _lax_field(body: dict[str, Any], name: str, read: Callable[[object], Any], k
     return value
 
 
-def _budget_fields(endpoint: Endpoint) -> tuple[str, ...]:
+def budget_fields(endpoint: Endpoint) -> tuple[str, ...]:
+    """The body fields that bound a generating route's output (the first: what the proxy
+    sets when it bounds the output itself)."""
     return ("max_output_tokens",) if endpoint == "responses" else _TOKEN_FIELDS
 
 

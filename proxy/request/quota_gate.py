@@ -7,16 +7,27 @@ or nothing when no answer came (refused, timed out, every backend failed)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from proxy.api.quota_errors import quota_refused
+from proxy.api.quota_errors import quota_refused, unpriced
 from proxy.api.usage import cached_tokens
-from proxy.config.quotas import price_of
 from proxy.config.tenants import quota_of
 from proxy.relay.forward import RelayResult
 from proxy.request.admitted import Admitted
-from proxy.scheduling.quotas import QuotaAsk, QuotaBook, QuotaLedger
+from proxy.request.billing import (
+    Card,
+    affordable_output,
+    billed_as,
+    default_models,
+    model_context,
+)
+from proxy.request.inbound import budget_fields
+from proxy.scheduling.quotas import COUNTERS, QuotaAsk, QuotaBook, QuotaLedger
 from proxy.telemetry.metrics import ProxyMetrics
+
+
+def _no_cards() -> Iterable[Sequence[Card]]:
+    return ()
 
 
 class QuotaGate:
@@ -26,23 +37,35 @@ class QuotaGate:
         *,
         wall: Callable[[], float] = time.time,
         metrics: ProxyMetrics | None = None,
+        model_cards: Callable[[], Iterable[Sequence[Card]]] = _no_cards,
     ) -> None:
+        """``model_cards``: each backend's ``/v1/models`` cards as last probed (the model
+        vLLM runs for a request without one, and its context)."""
         self.book: QuotaBook = book if book is not None else QuotaLedger()
         self.wall = wall  # periods are calendar days and months: a wall clock, UTC
         self.metrics = metrics
+        self.model_cards = model_cards
 
     async def reserve(self, adm: Admitted) -> None:
-        """Reserve the request's worst case on its tenant's quotas, or refuse it."""
+        """Price the request as the model vLLM will run; reserve its worst case on its
+        tenant's quotas, or refuse it."""
+        parsed = adm.parsed
+        defaults = [] if parsed.model is not None else default_models(self.model_cards())
+        adm.billed = billed_as(parsed.model, adm.config.pricing, defaults)
         quota = quota_of(adm.tenant, adm.config.tiers[adm.tier])
         limits = quota.limits() if quota is not None else {}
         if not limits:
             return
-        price = price_of(adm.config.pricing, adm.parsed.model)
-        parsed = adm.parsed
-        # The prompt's upper bound, not its estimate: settled to the real usage at the end.
-        prompt = parsed.prompt_upper_bound
-        cost = price.worst_case(prompt, parsed.expected_output) if price else 0.0
-        ask = QuotaAsk(adm.tenant.name, limits, adm.quota_tokens, cost)
+        price = adm.billed.price
+        if price is None and any(COUNTERS[c][0] == "cost" for c in limits):
+            raise unpriced(adm.billed.model)
+        if parsed.output_upper_bound is None:
+            self._bound_output(adm, limits)
+        # The prompt's upper bound, not its estimate, and every output token vLLM may make:
+        # settled to the real usage at the end.
+        prompt, output = parsed.prompt_upper_bound, parsed.output_upper_bound or 0
+        cost = price.worst_case(prompt, output) if price else 0.0
+        ask = QuotaAsk(adm.tenant.name, limits, float(prompt + output), cost)
         verdict = await self.book.reserve(ask, self.wall())
         if verdict.hold is None:
             if self.metrics is not None:
@@ -51,6 +74,32 @@ class QuotaGate:
                 verdict.which, verdict.limit, verdict.used, verdict.asked, verdict.retry_after_s
             )
         adm.quota_hold = verdict.hold
+
+    def _bound_output(self, adm: Admitted, limits: Mapping[str, float]) -> None:
+        """A request with quotas and no output bound gets one, sent on as its max_tokens: the
+        model's context (else ``limits.max_tokens_ceiling``), cut to what its tenant's
+        remaining quotas still pay for, so that vLLM stops where the budget runs out rather
+        than the quota being passed by a whole context."""
+        parsed = adm.parsed
+        context = model_context(adm.billed.model, self.model_cards())
+        ceiling = adm.config.limits.max_tokens_ceiling
+        bound = min(context, ceiling) if context is not None else ceiling
+        used = self._used(adm.tenant.name, limits)
+        afford = affordable_output(
+            limits,
+            used,
+            prompt=parsed.prompt_upper_bound,
+            price=adm.billed.price,
+            sequences=max(1, parsed.sequences),
+        )
+        if afford is not None and afford >= 1:
+            bound = min(bound, afford)
+        parsed.max_tokens = parsed.body[budget_fields(parsed.endpoint)[0]] = bound
+
+    def _used(self, tenant: str, limits: Mapping[str, float]) -> dict[str, float]:
+        """Each counter's use as this replica knows it (with Redis: as last read)."""
+        report = self.book.usage(tenant, limits, self.wall())
+        return {name: float(entry.get("used", 0.0)) for name, entry in report.items()}
 
     def settle(self, adm: Admitted, result: RelayResult | None) -> None:
         """Once per request (the pipeline's finally): the reservation corrected to its usage."""
@@ -61,7 +110,7 @@ class QuotaGate:
         if counts is None:
             self.book.settle(hold, 0.0, 0.0)
             return
-        price = price_of(adm.config.pricing, adm.parsed.model)
+        price = adm.billed.price
         cached = cached_tokens(result.usage if result is not None else None)
         cost = price.cost(counts.prompt, cached, counts.completion) if price else 0.0
         self.book.settle(hold, float(counts.total), cost)

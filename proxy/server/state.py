@@ -89,7 +89,11 @@ class ProxyState:
             budget=self.budget,
             relay=TimedRelay(relay),
             on_finish=self.usage.finished,
-            quotas=QuotaGate(self.quota_book, metrics=self.metrics),
+            quotas=QuotaGate(
+                self.quota_book,
+                metrics=self.metrics,
+                model_cards=lambda: [state.model_cards for state in self.pool.all()],
+            ),
             tracing=self.tracing,
         )
         self.live = LiveStatus(

@@ -1,0 +1,147 @@
+"""What a request is billed as before it runs (proxy.request.billing, proxy.request.quota_gate):
+a request without ``model`` at the price of the model vLLM runs for it, never free; refused with
+a budget and no price at all; an unbounded output bounded by the model's context and cut to
+what the tenant's quotas still pay for."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from proxy.bench.fake_vllm import FakeVLLM
+from proxy.config.quotas import Price
+from proxy.request.billing import (
+    Billed,
+    affordable_output,
+    billed_as,
+    default_models,
+    model_context,
+)
+from tests.helpers.clock import FakeClock
+from tests.helpers.proxyrun import auth
+from tests.helpers.rig import Rig, error_of, served_rig, tenants
+
+PRICES = {"tiny": Price(input=1.0, output=2.0), "big": Price(input=5.0, output=9.0)}
+# One token costs whole units: 2 per prompt token, 10 per output token.
+PRICING = {"tiny": {"input": 2_000_000, "output": 10_000_000}}
+CARDS: tuple[dict[str, object], ...] = ({"id": "tiny", "parent": None, "max_model_len": 2048},)
+
+
+def test_default_models_are_each_backends_first_base_model() -> None:
+    adapter = {"id": "sql-lora", "parent": "tiny"}
+    backends = [(adapter, {"id": "tiny"}), ({"id": "big"}, {"id": "tiny"}), ()]
+    assert default_models(backends) == ["tiny", "big"]
+
+
+def test_a_named_model_is_billed_as_itself() -> None:
+    assert billed_as("tiny", PRICES, ["big"]) == Billed("tiny", PRICES["tiny"])
+    assert billed_as("other", PRICES, ["big"]) == Billed("other", None)
+
+
+def test_without_a_model_the_dearest_default_or_the_star_price() -> None:
+    assert billed_as(None, PRICES, ["tiny", "big"]) == Billed("big", PRICES["big"])
+    star = {**PRICES, "*": Price(input=3.0, output=3.0)}
+    assert billed_as(None, star, []) == Billed(None, star["*"])
+    assert billed_as(None, star, ["unlisted"]) == Billed("unlisted", star["*"])  # by its glob
+    assert billed_as(None, PRICES, []) == Billed(None, None)
+
+
+def test_model_context_is_the_largest_reported() -> None:
+    backends: list[tuple[dict[str, object], ...]] = [
+        CARDS,
+        ({"id": "tiny", "max_model_len": 4096},),
+        ({"id": "tiny"},),
+    ]
+    assert model_context("tiny", backends) == 4096
+    assert model_context("big", backends) is None
+    flagged: tuple[dict[str, object], ...] = ({"id": "tiny", "max_model_len": True},)
+    assert model_context("tiny", [flagged]) is None
+
+
+def test_affordable_output_takes_the_tightest_counter() -> None:
+    price = Price(input=1_000_000, output=2_000_000)  # 1 a prompt token, 2 an output token
+    limits = {"tokens_per_day": 1000.0, "budget_per_day": 500.0}
+    used = {"tokens_per_day": 100.0, "budget_per_day": 300.0}
+    # tokens: (900 - 50) / 2 = 425; money: (200 - 50) / (2 * 2) = 37.
+    assert affordable_output(limits, used, prompt=50, price=price, sequences=2) == 37
+    assert affordable_output({}, used, prompt=50, price=price, sequences=1) is None
+    budget_only = {"budget_per_day": 500.0}
+    assert affordable_output(budget_only, used, prompt=50, price=None, sequences=1) is None
+
+
+def _with_cards(r: Rig) -> None:
+    for state in r.state.pool.all():
+        state.model_cards = CARDS
+
+
+async def _post(r: Rig, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    resp = await r.client.post("/v1/chat/completions", json=body, headers=auth("normal"))
+    raw = await resp.read()
+    return resp.status, orjson.loads(raw)
+
+
+CHAT = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 8}
+
+
+@pytest.mark.parametrize("model", [{}, {"model": None}], ids=["absent", "null"])
+async def test_a_request_without_model_spends_the_budget(
+    clock: FakeClock, model: dict[str, Any]
+) -> None:
+    """Before issue 30 such requests cost nothing: 20 of 20 passed a spent budget."""
+    records: list[dict[str, Any]] = []
+    config: dict[str, Any] = {"tenants": tenants(quota={"budget_per_day": 400}), "pricing": PRICING}
+    async with served_rig(clock, FakeVLLM(), **config) as r:
+        _with_cards(r)
+        r.state.usage.sink = lambda line: records.append(orjson.loads(line))
+        statuses = [(await _post(r, {**CHAT, **model}))[0] for _ in range(20)]
+        assert 200 in statuses and statuses.count(429) >= 10
+        assert statuses.index(429) < 10  # 44 a request (7 x 2 + 3 x 10) of 400, worst 2 + 8
+        ok = [rec for rec in records if rec["outcome"] == "ok"]
+        assert ok and all(rec["model"] == "tiny" and rec["cost"] == 44 for rec in ok)
+
+
+async def test_a_budget_without_any_price_refuses_clearly(clock: FakeClock) -> None:
+    config: dict[str, Any] = {"tenants": tenants(quota={"budget_per_day": 400}), "pricing": {}}
+    backend = FakeVLLM()
+    async with served_rig(clock, backend, **config) as r:
+        _with_cards(r)
+        for body in ({**CHAT}, {**CHAT, "model": "tiny"}):
+            resp = await r.client.post("/v1/chat/completions", json=body, headers=auth("normal"))
+            assert resp.status == 400
+            error = await error_of(resp)
+            assert error["code"] == "model_not_priced" and error["param"] == "model"
+        assert backend.served == 0
+
+
+async def test_a_quota_without_a_budget_needs_no_price(clock: FakeClock) -> None:
+    config: dict[str, Any] = {"tenants": tenants(quota={"tokens_per_day": 10_000})}
+    async with served_rig(clock, FakeVLLM(), **config) as r:
+        assert (await _post(r, {**CHAT, "model": "tiny"}))[0] == 200
+
+
+async def test_an_unbounded_output_is_cut_at_what_the_budget_still_pays(clock: FakeClock) -> None:
+    backend = FakeVLLM()
+    quota = {"budget_per_day": 1000, "tokens_per_day": 100_000}
+    config: dict[str, Any] = {"tenants": tenants(quota=quota), "pricing": PRICING}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hello there"}]}
+    async with served_rig(clock, backend, **config) as r:
+        _with_cards(r)
+        assert (await _post(r, body))[0] == 200
+        # What the budget pays after the prompt's bound (at 2 a token): under 100 at 10 a
+        # token, not the model's 2,048.
+        assert 0 < backend.received[-1].body["max_tokens"] < 100
+        for state in r.state.pool.all():
+            state.model_cards = ({"id": "tiny", "max_model_len": 50},)
+        assert (await _post(r, body))[0] == 200
+        assert backend.received[-1].body["max_tokens"] == 50  # the context
+
+
+async def test_without_a_quota_the_output_is_left_as_sent(clock: FakeClock) -> None:
+    backend = FakeVLLM()
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hello there"}]}
+    async with served_rig(clock, backend) as r:
+        _with_cards(r)
+        assert (await _post(r, body))[0] == 200
+        assert "max_tokens" not in backend.received[-1].body
