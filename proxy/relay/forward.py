@@ -293,9 +293,9 @@ async def _stream_through(
         await send.write(out, head)
         while chunk := await _read_chunk(resp, call.deadline):
             total += len(chunk)
+            scan.feed(chunk)  # first: the chunk past the limit may hold the usage
             if total > limit:
                 raise EventTooLarge(limit)
-            scan.feed(chunk)
             await send.write(out, chunk)
         await send.finish(out)
     except ClientStalled:
