@@ -160,6 +160,10 @@ class FakeVLLM:
         tokenize_gate: asyncio.Event | None = None,
         script: Script | None = None,
         metrics_text: str = "",
+        stream_chunks: int = 0,
+        chunk_tokens: int = 1,
+        cut_before_usage: bool = False,
+        pad_bytes: int = 0,
     ) -> None:
         self.model = model
         self.status = status
@@ -174,6 +178,15 @@ class FakeVLLM:
         self.tokenize_gate = tokenize_gate
         self.script = script
         self.metrics_text = metrics_text
+        # What real vLLM cannot be made to show on demand (billing tests): a stream of
+        # ``stream_chunks`` chunks a choice (0: one "ok") of ``chunk_tokens`` tokens each
+        # (--stream-interval, speculative decoding, a lagging reader), its usage counting
+        # them all; ``cut_before_usage``: the connection drops after the last one (no usage
+        # chunk, no [DONE]); ``pad_bytes``: a non-stream answer that large, its usage at the end.
+        self.stream_chunks = stream_chunks
+        self.chunk_tokens = chunk_tokens
+        self.cut_before_usage = cut_before_usage
+        self.pad_bytes = pad_bytes
         self.gate = asyncio.Event()
         self.gate.set()
         self.received: list[Received] = []
@@ -274,6 +287,8 @@ class FakeVLLM:
         if path == "/v1/responses":
             return await (self._responses_stream(request) if stream else self._responses())
         if path in GENERATIONS:
+            if stream and self.stream_chunks:
+                return await self._token_stream(request, body)
             if stream:
                 return await self._generation_stream(request, body)
             return web.Response(body=self._generation(path), content_type="application/json")
@@ -282,9 +297,12 @@ class FakeVLLM:
         return web.json_response({"object": "list", "data": [], "usage": usage})
 
     def _generation(self, path: str) -> bytes:
-        if path == "/v1/chat/completions":
+        if path == "/v1/chat/completions" and not self.pad_bytes:
             return chat_completion(self.model, "ok", self.usage_body())
-        choice = {"index": 0, "text": "ok", "finish_reason": "stop"}
+        choice: dict[str, Any] = {"index": 0, "text": "ok", "finish_reason": "stop"}
+        if self.pad_bytes:  # a client-sized logprobs tail, before usage (completions' order)
+            entries = self.pad_bytes // 11 + 1  # ~11 bytes an entry
+            choice["logprobs"] = {"tokens": ["tok"] * entries, "token_logprobs": [-1.5] * entries}
         return orjson.dumps(
             {
                 "id": "cmpl-fake",
@@ -295,6 +313,33 @@ class FakeVLLM:
                 "usage": self.usage_body(),
             }
         )
+
+    async def _token_stream(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        """``stream_chunks`` chunks of ``chunk_tokens`` tokens for each of ``n`` choices,
+        interleaved as vLLM sends them; then the usage chunk, or a dropped connection."""
+        resp = await _sse(request)
+        choices_asked = body.get("n")
+        n = choices_asked if isinstance(choices_asked, int) else 1
+        text = "tok " * self.chunk_tokens
+        chat = request.path == "/v1/chat/completions"
+        for _ in range(self.stream_chunks):
+            choices = [
+                {"index": i, "delta": {"content": text}} if chat else {"index": i, "text": text}
+                for i in range(n)
+            ]
+            for choice in choices:
+                await resp.write(chat_chunk(self.model, [{**choice, "finish_reason": None}]))
+        if self.cut_before_usage:
+            await asyncio.sleep(0.05)  # what was written reaches the proxy first
+            assert request.transport is not None
+            request.transport.abort()
+            return resp
+        completion = self.stream_chunks * self.chunk_tokens * n
+        usage = usage_of(self.usage[0], completion)
+        await resp.write(chat_chunk(self.model, [], usage=usage))
+        await resp.write(DONE)
+        await self._end(resp)
+        return resp
 
     async def _generation_stream(
         self, request: web.Request, body: dict[str, Any]
@@ -339,8 +384,10 @@ class FakeVLLM:
         resp = await _sse(request)
         created = {"type": "response.created", "response": {"status": "in_progress"}}
         await resp.write(_event("response.created", created))
-        delta = {"type": "response.output_text.delta", "delta": "ok"}
-        await resp.write(_event("response.output_text.delta", delta))
+        text = "tok " * self.chunk_tokens if self.stream_chunks else "ok"
+        delta = {"type": "response.output_text.delta", "delta": text}
+        for _ in range(self.stream_chunks or 1):
+            await resp.write(_event("response.output_text.delta", delta))
         if not self.cut_responses_stream:
             prompt, completion = self.usage
             usage = {

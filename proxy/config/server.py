@@ -127,6 +127,13 @@ class Relay(Strict):
         description="A non-stream answer larger than this is refused (502 when its length is"
         " announced, a cut connection when it passes the limit while being relayed).",
     )
+    oversize_scan_bytes: int = Field(
+        256 * 1024 * 1024,
+        ge=0,
+        description="An answer past max_response_bytes was computed whole by the engine: it is"
+        " read on this far (never held, never relayed; within the execution timeout) for its"
+        " usage, which is billed. Without it, the request is billed its reservation.",
+    )
     max_reset_retries: int = Field(
         1,
         ge=0,

@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry, Counter
 from proxy.api.usage import cached_tokens, token_usage
 from proxy.config.schema import Config
 from proxy.relay.forward import RelayResult, UpstreamCall
+from proxy.request.admitted import ESTIMATES
 from proxy.request.billing import Billed, billed_as
 
 if TYPE_CHECKING:
@@ -87,9 +88,11 @@ class UsageRecord:
     queue_s: float
     engine_s: float
     duration_s: float
-    # The tokens are the proxy's estimate, not the backend's usage: a stream that ended
-    # without it, billed what it delivered (a lower bound) and its prompt's estimate.
+    # The tokens are the proxy's estimate, not the backend's usage (never below what the
+    # engine ran); usage_basis says which (proxy.request.admitted.Admitted.billed_usage):
+    # backend | delivered | reservation | client_left | none.
     usage_estimated: bool = False
+    usage_basis: str = "none"
     client_request_id: str | None = None  # the client's X-Request-Id, beside the proxy's own
     # Of prompt_tokens, those vLLM found in its prefix cache (vLLM's
     # --enable-prompt-tokens-details; 0 without it).
@@ -173,9 +176,11 @@ class UsageMeter:
         assert trace.tenant is not None
         end = self.clock()
         if adm is not None:
-            counts, estimated = adm.billed_usage(result)
+            counts, basis = adm.billed_usage(result)
         else:
-            counts, estimated = token_usage(result.usage if result is not None else None), False
+            counts = token_usage(result.usage if result is not None else None)
+            basis = "backend" if counts is not None else "none"
+        estimated = basis in ESTIMATES
         started = result.extra.get(_STARTED) if result is not None else None
         queue_end = started if isinstance(started, float) else end
         # Billed as the quota gate priced it at admission (the backends' default model for a
@@ -204,6 +209,7 @@ class UsageMeter:
             engine_s=max(0.0, end - queue_end),
             duration_s=max(0.0, end - trace.arrival),
             usage_estimated=estimated,
+            usage_basis=basis,
             client_request_id=trace.client_request_id,
             cached_prompt_tokens=min(cached, prompt),
             predicted_cached_tokens=_predicted(adm),

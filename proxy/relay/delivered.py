@@ -1,13 +1,21 @@
 """What a streamed answer relayed to its client, counted as it goes: the bill of a stream that
 ends without the backend's usage (the client left after reading almost everything, the tier's
 time limit cut it, the backend broke mid-stream). Such a stream is billed what it delivered,
-never nothing.
+never nothing, and never less than the engine generated for it.
 
-The count is of events, not of tokens, and it is a lower bound: vLLM sends each chunk for one
-engine step of one choice, at least one generated token (more with speculative decoding or a
-``--stream-interval`` above 1). Counting them costs one ``bytes.count`` per block written (in
-C: no JSON parsed per chunk; ~0.1-0.2 µs an event, benchmarks/delivered_bench.py); a chat
-stream's opening chunk of each choice (its ``role``) carries no token and is not counted.
+Two counts, both one C-level pass over each block written (no JSON parsed per chunk):
+
+- events with generated tokens: vLLM sends each chunk for one engine step of one choice, at
+  least one token; a chat stream's opening chunk of each choice (its ``role``) carries none;
+- the bytes of the generated text in them (``content``, ``text``, tool-call ``arguments``,
+  reasoning; a Responses delta's ``delta``), as JSON-escaped on the wire: an escape is never
+  shorter than the UTF-8 bytes it stands for, so this is at least the text's UTF-8 size.
+
+A chunk may hold many tokens (``--stream-interval``, speculative decoding, a reader that lags
+and gets steps merged): counting events bills 149 for 7,600 tokens in 152 chunks. A
+byte-level tokenizer makes at most one token per byte, so the text's bytes bound the tokens
+from above; the bill is that bound, and never less than one token an event
+(``output_bound``).
 
 vLLM's ``stream_options.continuous_usage_stats`` was weighed and not used: its counts are per
 choice (``previous_num_tokens[i]``), so the last one seen undercounts ``n`` > 1 and prompt
@@ -17,6 +25,7 @@ them for the clients that did not ask for it.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 # A chat or completions chunk with a choice (the usage chunk's choices are empty).
@@ -27,14 +36,28 @@ _ROLE = b'"role":'
 # response.reasoning_text.delta, response.function_call_arguments.delta ... (their ``type``
 # field; the ``event:`` line ends in a newline, not a quote).
 _RESPONSES_DELTA = b'.delta"'
+# The generated text of a chunk: a JSON string under one of these keys (an escaped quote
+# inside a string is ``\"``, so a key is never found inside a string's text); its body is the
+# unrolled ``(?:[^"\\]|\\.)*``: one pass, no backtracking per character.
+_CHUNK_TEXT = re.compile(
+    rb'"(?:content|text|arguments|reasoning_content|reasoning)":"([^"\\]*(?:\\.[^"\\]*)*)"'
+)
+# A Responses delta event's text: only its ``delta`` (the ``.done`` events repeat the whole).
+_DELTA_TEXT = re.compile(rb'"delta":"([^"\\]*(?:\\.[^"\\]*)*)"')
+
+
+def text_bytes(block: bytes, pattern: re.Pattern[bytes] = _CHUNK_TEXT) -> int:
+    """The escaped size of the generated text in ``block``'s events."""
+    return sum(map(len, pattern.findall(block)))  # ~40 % faster than spans of finditer
 
 
 @dataclass(slots=True)
 class Delivered:
-    """Events with generated tokens written to the client, over every attempt (a retry
-    happens only before the first byte, so at most one attempt counts any)."""
+    """Events with generated tokens written to the client, and their text's bytes, over every
+    attempt (a retry happens only before the first byte, so at most one attempt counts any)."""
 
     events: int = 0
+    text_bytes: int = 0
     # The request went to a backend and that attempt neither answered nor failed yet: a client
     # that leaves now leaves work done (vLLM prefilled, maybe decoded); cleared on a failure.
     sent: bool = False
@@ -49,8 +72,17 @@ class Delivered:
             count -= block.count(_ROLE)
             self._past_roles = count > 0
         self.events += count
+        if count > 0:
+            self.text_bytes += text_bytes(block)
 
     def responses_event(self, event: bytes) -> None:
         """One Responses API event was written."""
         if _RESPONSES_DELTA in event:
             self.events += 1
+            self.text_bytes += text_bytes(event, _DELTA_TEXT)
+
+    @property
+    def output_bound(self) -> int:
+        """An upper bound of the tokens delivered: the text's bytes (a byte-level tokenizer
+        makes at most one token a byte), at least one token an event."""
+        return max(self.events, self.text_bytes)

@@ -83,6 +83,9 @@ class RelayResult:
     usage: dict[str, Any] | None = None
     first_token_at: float | None = None
     backend_failed: bool = False  # counts toward passive ejection
+    # Past the relay's size bounds (the request chose its size): billed the usage found in the
+    # rest of the answer, else its reservation (proxy.request.admitted.Admitted.billed_usage).
+    oversize: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -186,7 +189,37 @@ def _too_large(limit: int) -> RelayResult:
     its size (echo with logprobs, prompt_logprobs, n), so it is this request's 502, never a
     failure of the backend (no ejection) and never retried on another one."""
     err = upstream_too_large(limit)
-    return RelayResult(err.response(), Outcome.UPSTREAM_ERROR, err.status)
+    return RelayResult(err.response(), Outcome.UPSTREAM_ERROR, err.status, oversize=True)
+
+
+async def _too_large_answer(
+    call: UpstreamCall, resp: aiohttp.ClientResponse, scan: UsageScan
+) -> RelayResult:
+    """A non-stream answer past ``max_response_bytes`` before any byte reached the client:
+    its 502, and its usage from the rest of the body (vLLM computed it all)."""
+    result = _too_large(call.bounds.max_response_bytes)
+    if resp.status == 200:
+        result.usage = await _scan_rest(call, resp, scan)
+    return result
+
+
+async def _scan_rest(
+    call: UpstreamCall, resp: aiohttp.ClientResponse, scan: UsageScan
+) -> dict[str, Any] | None:
+    """The usage of an oversize answer, from the rest of its body: read a chunk at a time and
+    dropped (never held, never relayed), until the usage, the body's end, ``oversize_scan_bytes``
+    or the execution deadline, whichever comes first; None when it was not found."""
+    budget = call.bounds.oversize_scan_bytes
+    try:
+        while scan.usage is None and budget > 0:
+            chunk = await _read_chunk(resp, call.deadline)
+            if not chunk:
+                break
+            budget -= len(chunk)
+            scan.feed(chunk)
+    except (TimeoutError, *UPSTREAM_BROKE):
+        pass  # billed the reservation
+    return scan.usage
 
 
 def _outcome_of_status(status: int) -> Outcome:
@@ -213,7 +246,7 @@ async def _relay_whole(
 ) -> RelayResult:
     bounds = call.bounds
     if resp.content_length is not None and resp.content_length > bounds.max_response_bytes:
-        return _too_large(bounds.max_response_bytes)
+        return await _too_large_answer(call, resp, UsageScan())
     try:
         async with asyncio.timeout_at(call.deadline):
             body, whole = await _read_head(resp, bounds.buffer_response_bytes)
@@ -260,9 +293,9 @@ async def _stream_through(
         await send.write(out, head)
         while chunk := await _read_chunk(resp, call.deadline):
             total += len(chunk)
+            scan.feed(chunk)  # first: the chunk past the limit may hold the usage
             if total > limit:
                 raise EventTooLarge(limit)
-            scan.feed(chunk)
             await send.write(out, chunk)
         await send.finish(out)
     except ClientStalled:
@@ -272,12 +305,13 @@ async def _stream_through(
     except (TimeoutError, EventTooLarge, *UPSTREAM_BROKE) as exc:
         timed_out = isinstance(exc, TimeoutError)
         result.outcome = Outcome.TIMEOUT if timed_out else Outcome.UPSTREAM_ERROR
-        result.backend_failed = not timed_out and not isinstance(exc, EventTooLarge)
+        result.oversize = isinstance(exc, EventTooLarge)
+        result.backend_failed = not timed_out and not result.oversize
         send.abort()
     if resp.status == 200:
         # The answer was generated whole before its first byte came: billed whatever became
-        # of its relay, as soon as its usage went by.
-        result.usage = scan.usage
+        # of its relay, as soon as its usage went by (past the size bound: read on for it).
+        result.usage = await _scan_rest(call, resp, scan) if result.oversize else scan.usage
     return result
 
 
@@ -348,7 +382,7 @@ async def _relay_stream(
         result.outcome = Outcome.TIMEOUT
         last = execution_timeout(call.timeout_s).sse_event()
     except EventTooLarge as exc:  # the request's doing, not the backend's (see _too_large)
-        result.outcome = Outcome.UPSTREAM_ERROR
+        result.outcome, result.oversize = Outcome.UPSTREAM_ERROR, True
         last = upstream_too_large(exc.limit).sse_event()
     except UPSTREAM_BROKE as exc:
         result.outcome, result.backend_failed = Outcome.UPSTREAM_ERROR, True

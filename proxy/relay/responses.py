@@ -90,7 +90,7 @@ async def _relay_events(
         # The request chose the size (a final event carries the whole response): its 502, not
         # the backend's failure (proxy.relay.forward._too_large).
         err = upstream_too_large(exc.limit)
-        return RelayResult(err.response(), Outcome.UPSTREAM_ERROR, 502)
+        return RelayResult(err.response(), Outcome.UPSTREAM_ERROR, 502, oversize=True)
     except UPSTREAM_BROKE as exc:
         raise UpstreamUnavailable("reset", str(exc)) from exc
 
@@ -126,6 +126,7 @@ async def _relay_events(
         result.outcome, last = Outcome.TIMEOUT, execution_timeout(call.timeout_s)
     except sse.EventTooLarge as exc:
         result.outcome, last = Outcome.UPSTREAM_ERROR, upstream_too_large(exc.limit)
+        result.oversize = True
     except UPSTREAM_BROKE as exc:
         result.outcome, result.backend_failed = Outcome.UPSTREAM_ERROR, True
         last = upstream_failed(f"The backend failed mid-stream: {exc}")

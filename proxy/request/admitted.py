@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from aiohttp import web
 
@@ -143,26 +143,43 @@ class Admitted:
         charge = self.config.policies.cached_prompt_charge
         return work_tokens(counts.prompt, counts.cached, counts.completion, charge)
 
-    def billed_usage(self, result: RelayResult | None) -> tuple[TokenUsage | None, bool]:
-        """(the usage to bill, whether it is an estimate): the backend's, else, for a stream
-        that ended without it (client gone, timeout, backend broke), the events it delivered
-        (a lower bound of its output tokens) and the prompt's estimate; for a request whose
-        client left while a backend ran it, at least the prompt's estimate (prefill was done),
-        and for a non-stream one its expected output too (it delivers nothing until its end:
-        what vLLM decoded before the abort is unknown; docs/quotas.md); None when nothing was
-        delivered either."""
+    def billed_usage(self, result: RelayResult | None) -> tuple[TokenUsage | None, Basis]:
+        """(the usage to bill, what it rests on: ``proxy.request.admitted.Basis``). The
+        backend's usage when it came (whole, or found in the rest of an oversize answer);
+        else, never less than the engine ran:
+
+        - ``reservation``: an answer past the relay's size bounds without usage: its worst case
+          (the prompt's upper bound and the output's, as reserved; what it delivered if more);
+        - ``delivered``: a stream that ended without usage (client gone, timeout, backend broke):
+          the prompt's upper bound (vLLM ran the whole prompt before its first chunk) and an
+          upper bound of the tokens delivered (``Delivered.output_bound``);
+        - ``client_left``: a non-stream request whose client left while a backend ran it: the
+          prompt's upper bound and its expected output (what vLLM decoded before the abort is
+          unknown: docs/quotas.md);
+        - ``none``: nothing ran that is known of (refused, failed before the backend)."""
         counts = token_usage(result.usage) if result is not None else None
         if counts is not None:
-            return counts, False
-        output = self.delivered.events
+            return counts, "backend"
+        prompt = self.parsed.prompt_upper_bound
+        output = self.delivered.output_bound
+        basis: Basis = "delivered"
+        worst = self.parsed.output_upper_bound
+        worst = self.parsed.expected_output if worst is None else worst
+        if result is not None and result.oversize:
+            output, basis = max(worst, output), "reservation"
         # Cut by its client (the handler cancelled) while a backend ran it.
         cut = result is None and self.delivered.sent and not BY_ENDPOINT[self.parsed.endpoint].cheap
         if cut and not self.parsed.stream:
-            output = self.parsed.expected_output
+            output, basis = worst, "client_left"
         if output <= 0 and not cut:
-            return None, False
-        prompt = self.parsed.prompt_tokens
-        return TokenUsage(prompt, output, prompt + output), True
+            return None, "none"
+        return TokenUsage(prompt, output, prompt + output), basis
+
+
+# What a bill rests on: the backend's own usage, or an estimate that is never below what the
+# engine ran (``Admitted.billed_usage``), or nothing billed; the usage log's ``usage_basis``.
+Basis = Literal["backend", "delivered", "reservation", "client_left", "none"]
+ESTIMATES: frozenset[Basis] = frozenset({"delivered", "reservation", "client_left"})
 
 
 FinishHook = Callable[[Trace, Admitted | None, RelayResult | None], None]

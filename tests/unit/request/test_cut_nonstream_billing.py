@@ -1,5 +1,5 @@
 """A non-stream request whose client leaves while the backend runs it is billed its prompt's
-estimate and its expected output (fresh eyes q03: it was billed 0 in the quota, the tpm bucket,
+upper bound and its expected output (fresh eyes q03: it was billed 0 in the quota, the tpm bucket,
 the usage log and the fairness charge, so closing just before the answer ran a tenant past its
 quota); one that leaves while still queued is billed nothing.
 The pipeline as the app wires it (a client that leaves cancels its handler), on the fake clock."""
@@ -25,6 +25,7 @@ from proxy.config.loader import parse_config
 from proxy.policies.cost import weighted_tokens
 from proxy.policies.tenants import VirtualTokenCounter
 from proxy.server.state import ProxyState
+from tests.helpers.bills import prompt_bound
 from tests.helpers.clock import FakeClock
 from tests.helpers.proxyrun import SECRET, auth, make_config, until
 from tests.helpers.rig import tenants
@@ -32,7 +33,6 @@ from tests.helpers.rig import tenants
 TENANT = "tenant-normal"
 TPM = 100_000
 DAY = 1_000_000
-PROMPT_ESTIMATE = 6  # ("hello there" 11 + "user" 4 + 8 a message) / 4 a token, rounded up
 MAX_TOKENS = 2000
 BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hello there"}]}
 
@@ -96,16 +96,19 @@ async def test_a_request_cut_while_the_backend_runs_it_is_billed(
         # A stream that delivered nothing yet: its prompt; a non-stream: its prompt and its
         # expected output (what the engine did before the abort is unknown).
         output = 0 if stream else MAX_TOKENS
-        tokens = PROMPT_ESTIMATE + output
+        sent = {**BODY, "max_tokens": MAX_TOKENS, "stream": stream}
+        prompt = prompt_bound(state.config, sent)  # its upper bound: never below vLLM's count
+        tokens = prompt + output
         quota, tpm, fairness = charged(state, clock)
         # Before: the quota 0 (its reservation refunded), tpm its reservation (unknown usage).
         assert quota == tokens and tpm == tokens
-        assert fairness == pytest.approx(weighted_tokens(PROMPT_ESTIMATE, output))
+        assert fairness == pytest.approx(weighted_tokens(prompt, output))
         (record,) = records
         assert record["outcome"] == "client_gone" and record["status"] == 499
-        assert record["prompt_tokens"] == PROMPT_ESTIMATE
+        assert record["prompt_tokens"] == prompt
         assert record["completion_tokens"] == output
         assert record["usage_estimated"] is True
+        assert record["usage_basis"] == ("delivered" if stream else "client_left")
 
 
 async def test_a_request_cut_while_queued_is_billed_nothing(

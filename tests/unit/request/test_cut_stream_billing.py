@@ -24,6 +24,7 @@ from proxy.policies.cost import weighted_tokens
 from proxy.policies.tenants import VirtualTokenCounter
 from proxy.relay.delivered import Delivered
 from proxy.server.state import ProxyState
+from tests.helpers.bills import prompt_bound
 from tests.helpers.clock import FakeClock
 from tests.helpers.proxyrun import SECRET, auth, make_config, until
 from tests.helpers.rig import tenants
@@ -31,7 +32,7 @@ from tests.helpers.rig import tenants
 TOKENS = 40  # content chunks the backend streams before it hangs or breaks
 TPM = 100_000
 PROMPT = "hello there"
-PROMPT_ESTIMATE = 6  # (11 characters + 4 of the role + 8 a message) / 4 a token, rounded up
+TOKEN_BYTES = len("tok ")  # each chunk's text: a cut stream is billed its bytes (no tokenizer)
 BODY = {"model": "tiny", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4000}
 
 
@@ -124,9 +125,13 @@ async def read_tokens(resp: aiohttp.ClientResponse, at_least: int) -> int:
     return seen
 
 
-def delivered_charge() -> tuple[float, float]:
-    """(tpm tokens, fairness charge) of a stream that delivered ``TOKENS`` tokens."""
-    return PROMPT_ESTIMATE + TOKENS, weighted_tokens(PROMPT_ESTIMATE, TOKENS)
+def delivered_charge(state: ProxyState) -> tuple[float, float]:
+    """(tpm tokens, fairness charge) of a stream that delivered ``TOKENS`` chunks: its prompt's
+    upper bound (vLLM ran it all before the first chunk) and its text's bytes (an upper bound
+    of its tokens without a tokenizer)."""
+    prompt = prompt_bound(state.config, {**BODY, "stream": True})
+    output = TOKENS * TOKEN_BYTES
+    return prompt + output, weighted_tokens(prompt, output)
 
 
 async def test_a_client_that_leaves_after_reading_the_stream_is_billed_what_it_read(
@@ -143,10 +148,10 @@ async def test_a_client_that_leaves_after_reading_the_stream_is_billed_what_it_r
         resp.close()  # read everything there was, then left
         await asyncio.wait_for(backend.hung_up.wait(), 5)
         await until(lambda: r.state.limits.concurrent("tenant-normal") == 0, 5, "the settle")
-        tpm, fairness = delivered_charge()
+        tpm, fairness = delivered_charge(r.state)
         assert r.tpm_charged(clock) == pytest.approx(tpm)
         assert r.vtc() == pytest.approx(fairness)
-        assert r.tokens_metric("completion") == TOKENS
+        assert r.tokens_metric("completion") == TOKENS * TOKEN_BYTES
 
 
 async def test_a_stream_the_backend_breaks_is_not_refunded_to_zero(clock: FakeClock) -> None:
@@ -160,7 +165,7 @@ async def test_a_stream_the_backend_breaks_is_not_refunded_to_zero(clock: FakeCl
         text = await resp.read()
         assert text.count(b'"content":"tok "') == TOKENS
         assert b"upstream_error" in text  # the relay's closing error event
-        tpm, fairness = delivered_charge()
+        tpm, fairness = delivered_charge(r.state)
         assert r.vtc() == pytest.approx(fairness)
         assert r.tpm_charged(clock) == pytest.approx(tpm)
 
