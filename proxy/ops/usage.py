@@ -19,22 +19,20 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 import orjson
-from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 
 from proxy.api.usage import cached_tokens, token_usage
 from proxy.config.quotas import price_of
 from proxy.config.schema import Config
-from proxy.relay.forward import RelayResult, UpstreamCall
+from proxy.relay.forward import UPSTREAM_STARTED, RelayResult
 
 if TYPE_CHECKING:
-    from proxy.request.admitted import Admitted, Relay, Trace
+    from proxy.request.admitted import Admitted, Trace
 
 log = logging.getLogger("tierproxy")
 
 OTHER = "other"
 UNKNOWN = "-"
-_STARTED = "usage_started_at"  # RelayResult.extra: when the answering upstream call began
 _LABELS = ["tenant", "tier", "model", "outcome"]
 
 
@@ -104,21 +102,6 @@ class UsageRecord:
         return orjson.dumps(asdict(self))
 
 
-class TimedRelay:
-    """The relay, noting when the call began (engine time starts there)."""
-
-    def __init__(self, inner: Relay) -> None:
-        self.inner = inner
-
-    async def __call__(
-        self, call: UpstreamCall, request: web.Request, *, stream: bool, now: Callable[[], float]
-    ) -> RelayResult:
-        started = now()
-        result = await self.inner(call, request, stream=stream, now=now)
-        result.extra[_STARTED] = started
-        return result
-
-
 class UsageMeter:
     def __init__(
         self,
@@ -176,7 +159,7 @@ class UsageMeter:
             counts, estimated = adm.billed_usage(result)
         else:
             counts, estimated = token_usage(result.usage if result is not None else None), False
-        started = result.extra.get(_STARTED) if result is not None else None
+        started = result.extra.get(UPSTREAM_STARTED) if result is not None else None
         queue_end = started if isinstance(started, float) else end
         model = adm.parsed.model if adm is not None else None
         price = price_of((adm.config if adm is not None else self.config()).pricing, model)

@@ -86,6 +86,10 @@ class RelayResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+# RelayResult.extra: when the upstream call that answered began (the pipeline stamps it).
+UPSTREAM_STARTED = "usage_started_at"
+
+
 @dataclass(frozen=True)
 class UpstreamCall:
     session: aiohttp.ClientSession
