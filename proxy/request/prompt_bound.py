@@ -57,7 +57,10 @@ def pairwise_bound(body: dict[str, Any], body_bytes: int, media_cap: int) -> int
         text = left_bytes * _items(right) + right_bytes
     else:
         text = left_bytes + right_bytes
-    return TEMPLATE_TOKENS + text + ITEM_TOKENS * pairs
+    # Never below the bytes of the whole body: what else it holds may be rendered too.
+    return max(
+        TEMPLATE_TOKENS + text + ITEM_TOKENS * pairs, linear_bound(body, body_bytes, media_cap)
+    )
 
 
 _PAIR_FIELDS = (
