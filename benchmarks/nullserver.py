@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import re
 
-from proxy.bench.fake_vllm import (
+from proxy.bench.vllm_answers import (
     NULL_MODEL,
     models_list,
     null_completion,

@@ -35,11 +35,11 @@ from pathlib import Path
 import orjson
 import yaml
 
-from proxy.bench.fake_vllm import NULL_EVENTS as EVENTS
-from proxy.bench.fake_vllm import NULL_MODEL as MODEL
-from proxy.bench.fake_vllm import models_list
-from proxy.bench.fake_vllm import null_completion as completion
-from proxy.bench.fake_vllm import null_stream_events as stream_events
+from proxy.bench.vllm_answers import NULL_EVENTS as EVENTS
+from proxy.bench.vllm_answers import NULL_MODEL as MODEL
+from proxy.bench.vllm_answers import models_list
+from proxy.bench.vllm_answers import null_completion as completion
+from proxy.bench.vllm_answers import null_stream_events as stream_events
 from proxy.config.tenants import hash_key
 
 MODELS = models_list(MODEL)

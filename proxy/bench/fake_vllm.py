@@ -7,7 +7,8 @@ the integration tests run vLLM itself.
 Every route the proxy sends on (``proxy.api.routes.POST_PATHS``) plus vLLM's probes (``/health``,
 ``/version``, ``/v1/models``, ``/metrics``), answered in vLLM's shapes. It counts what it
 received, served and had hung up on. The answer builders (``chat_completion``, ``chat_chunk``,
-``models_list``) are also what ``benchmarks/nullserver.py`` writes on its raw wire.
+``models_list``, in ``proxy.bench.vllm_answers``) are also what ``benchmarks/nullserver.py``
+writes on its raw wire.
 """
 
 from __future__ import annotations
@@ -24,6 +25,13 @@ from multidict import CIMultiDictProxy
 
 from proxy.api.routes import POST_PATHS
 from proxy.bench.inproc import serve_app
+from proxy.bench.vllm_answers import (
+    DONE,
+    chat_chunk,
+    chat_completion,
+    models_list,
+    usage_of,
+)
 
 # The test's own answer to the n-th request (from 1): for byte-level faults no setting covers;
 # None: the configured answer.
@@ -35,95 +43,6 @@ class Received:
     path: str
     headers: CIMultiDictProxy[str]
     body: dict[str, Any]
-
-
-def usage_of(prompt: int, completion: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
-
-
-def chat_completion(
-    model: str,
-    content: str,
-    usage: dict[str, int],
-    *,
-    finish_reason: str = "stop",
-    id_: str = "chatcmpl-fake",
-) -> bytes:
-    choice = {
-        "index": 0,
-        "message": {"role": "assistant", "content": content},
-        "finish_reason": finish_reason,
-    }
-    body = {
-        "id": id_,
-        "object": "chat.completion",
-        "created": 1,
-        "model": model,
-        "choices": [choice],
-        "usage": usage,
-    }
-    return orjson.dumps(body)
-
-
-def chat_chunk(
-    model: str, choices: list[dict[str, Any]], *, id_: str = "chatcmpl-fake", **extra: Any
-) -> bytes:
-    """One SSE event of a streamed chat answer, as vLLM writes it."""
-    body = {
-        "id": id_,
-        "object": "chat.completion.chunk",
-        "created": 1,
-        "model": model,
-        "choices": choices,
-        **extra,
-    }
-    return b"data: " + orjson.dumps(body) + b"\n\n"
-
-
-def models_list(model: str, max_model_len: int = 2048) -> bytes:
-    card = {"id": model, "object": "model", "root": model, "parent": None}
-    return orjson.dumps({"object": "list", "data": [{**card, "max_model_len": max_model_len}]})
-
-
-DONE = b"data: [DONE]\n\n"
-
-# The overhead benchmark's fixed answers (benchmarks/nullserver.py writes them on a raw wire,
-# benchmarks/overhead.py has nginx serve them as files): a stream of 60 token events.
-NULL_MODEL = "null-model"
-NULL_EVENTS = 60
-NULL_USAGE = usage_of(12, NULL_EVENTS)
-
-
-def null_stream_events() -> list[bytes]:
-    """The events of one streamed answer as vLLM writes them with include_usage: the role, the
-    content events, the finish, the usage chunk and [DONE]."""
-    delta = {"index": 0, "logprobs": None, "finish_reason": None}
-    events = [
-        chat_chunk(
-            NULL_MODEL,
-            [{**delta, "delta": {"role": "assistant", "content": ""}}],
-            id_="chatcmpl-null",
-        )
-    ]
-    events += [
-        chat_chunk(NULL_MODEL, [{**delta, "delta": {"content": f" t{i}"}}], id_="chatcmpl-null")
-        for i in range(NULL_EVENTS - 1)
-    ]
-    finish = {**delta, "delta": {"content": ""}, "finish_reason": "length"}
-    events.append(chat_chunk(NULL_MODEL, [finish], id_="chatcmpl-null"))
-    events.append(chat_chunk(NULL_MODEL, [], id_="chatcmpl-null", usage=NULL_USAGE))
-    events.append(DONE)
-    return events
-
-
-def null_completion() -> bytes:
-    return chat_completion(
-        NULL_MODEL, "null " * 16, NULL_USAGE, finish_reason="length", id_="chatcmpl-null"
-    )
 
 
 class FakeVLLM:

@@ -170,6 +170,14 @@ class InputLimits(Strict):
         " `json_too_many_elements` at parse time (10,000 chat messages with content parts"
         " take ~50,000).",
     )
+    max_tokens_per_media_item: int = Field(
+        16_384,
+        ge=1,
+        description="What one image, audio or video part of a prompt is reserved against quotas"
+        " and budgets, in tokens, in place of its bytes (docs/quotas.md, the prompt's upper"
+        " bound). The default covers common vision models (Qwen2-VL at its default maximum"
+        " resolution: 16,384; LLaVA: 576 to 2,880); set your model's maximum per item.",
+    )
     body_read_timeout_s: float = Field(
         30.0,
         gt=0,

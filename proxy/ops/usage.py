@@ -19,23 +19,21 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 import orjson
-from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 
 from proxy.api.usage import cached_tokens, token_usage
 from proxy.config.schema import Config
-from proxy.relay.forward import RelayResult, UpstreamCall
+from proxy.relay.result import UPSTREAM_STARTED, RelayResult
 from proxy.request.admitted import ESTIMATES
 from proxy.request.billing import Billed, billed_as
 
 if TYPE_CHECKING:
-    from proxy.request.admitted import Admitted, Relay, Trace
+    from proxy.request.admitted import Admitted, Trace
 
 log = logging.getLogger("tierproxy")
 
 OTHER = "other"
 UNKNOWN = "-"
-_STARTED = "usage_started_at"  # RelayResult.extra: when the answering upstream call began
 _LABELS = ["tenant", "tier", "model", "outcome"]
 
 
@@ -107,21 +105,6 @@ class UsageRecord:
         return orjson.dumps(asdict(self))
 
 
-class TimedRelay:
-    """The relay, noting when the call began (engine time starts there)."""
-
-    def __init__(self, inner: Relay) -> None:
-        self.inner = inner
-
-    async def __call__(
-        self, call: UpstreamCall, request: web.Request, *, stream: bool, now: Callable[[], float]
-    ) -> RelayResult:
-        started = now()
-        result = await self.inner(call, request, stream=stream, now=now)
-        result.extra[_STARTED] = started
-        return result
-
-
 class UsageMeter:
     def __init__(
         self,
@@ -181,7 +164,7 @@ class UsageMeter:
             counts = token_usage(result.usage if result is not None else None)
             basis = "backend" if counts is not None else "none"
         estimated = basis in ESTIMATES
-        started = result.extra.get(_STARTED) if result is not None else None
+        started = result.extra.get(UPSTREAM_STARTED) if result is not None else None
         queue_end = started if isinstance(started, float) else end
         # Billed as the quota gate priced it at admission (the backends' default model for a
         # request without one); a request refused before that, as it named.

@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
@@ -28,11 +27,9 @@ from aiohttp import web
 
 from proxy.api.errors import ProxyError, execution_timeout, upstream_failed, upstream_too_large
 from proxy.api.outcome import Outcome
-from proxy.config.server import Relay
-from proxy.relay.budget import MemoryBudget
 from proxy.relay.clientsend import ClientSender, ClientStalled
-from proxy.relay.delivered import Delivered
 from proxy.relay.held import held_response
+from proxy.relay.result import RelayResult, UpstreamCall, UpstreamUnavailable
 from proxy.relay.sse import EventTooLarge
 from proxy.relay.sserelay import SseRelay
 from proxy.relay.usagescan import UsageScan, is_error_body, usage_of_body
@@ -52,58 +49,6 @@ UPSTREAM_BROKE = (
     aiohttp.ClientResponseError,
 )
 CLIENT_LEFT = (ConnectionResetError, aiohttp.ClientConnectionResetError)
-
-
-class UpstreamUnavailable(Exception):
-    """The backend failed before anything reached the client: safe to retry elsewhere, once
-    only where the backend may have run the request (``maybe_ran``: a reset or an invalid
-    answer after it was sent, or its engine died: the request may be what killed it)."""
-
-    def __init__(
-        self, kind: str, detail: str, status: int | None = None, body: bytes | None = None
-    ) -> None:
-        super().__init__(f"{kind}: {detail}")
-        self.kind = kind
-        self.detail = detail
-        self.status = status
-        self.body = body
-
-    @property
-    def maybe_ran(self) -> bool:
-        return self.kind in ("reset", "engine_dead")
-
-
-@dataclass
-class RelayResult:
-    """What the caller needs for accounting and metrics."""
-
-    response: web.StreamResponse
-    outcome: Outcome  # ok | backend_error | client_error | upstream_error | timeout | client_gone
-    status: int  # | client_stalled
-    usage: dict[str, Any] | None = None
-    first_token_at: float | None = None
-    backend_failed: bool = False  # counts toward passive ejection
-    # Past the relay's size bounds (the request chose its size): billed the usage found in the
-    # rest of the answer, else its reservation (proxy.request.admitted.Admitted.billed_usage).
-    oversize: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class UpstreamCall:
-    session: aiohttp.ClientSession
-    url: str
-    body: bytes
-    headers: Mapping[str, str]
-    deadline: float  # loop time
-    timeout_s: float  # the tier's limit, for messages
-    strip_usage_chunk: bool  # the proxy asked for usage; the client did not
-    bounds: Relay = field(default_factory=Relay)
-    budget: MemoryBudget | None = None  # what a buffered answer reserves while held
-    # What a stream wrote to the client (the request's, kept when the handler is cancelled).
-    delivered: Delivered = field(default_factory=Delivered)
-    # The client's answer's X-Request-Id (its own echoed); None: the id sent upstream.
-    reply_request_id: str | None = None
 
 
 async def relay(

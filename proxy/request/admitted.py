@@ -7,9 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Protocol
-
-from aiohttp import web
+from typing import TYPE_CHECKING, Literal
 
 from proxy.api.hotpath import new_request_id
 from proxy.api.outcome import Outcome
@@ -23,7 +21,7 @@ from proxy.policies.prefix import prefix_hash
 from proxy.policies.types import QueuedRequest
 from proxy.relay.budget import Reservation
 from proxy.relay.delivered import Delivered
-from proxy.relay.forward import RelayResult, UpstreamCall
+from proxy.relay.forward import RelayResult
 from proxy.request.billing import Billed
 from proxy.request.inbound import ParsedRequest
 from proxy.request.prompt_blocks import PROMPT_BLOCKS, Upstreams
@@ -32,14 +30,6 @@ from proxy.telemetry.slo import Latency
 
 if TYPE_CHECKING:  # OpenTelemetry is loaded only where tracing is on (proxy.telemetry.tracing)
     from proxy.telemetry.spans import RequestSpans
-
-
-class Relay(Protocol):
-    """The upstream call and the relay of its answer (``proxy.relay.forward.relay``)."""
-
-    async def __call__(
-        self, call: UpstreamCall, request: web.Request, *, stream: bool, now: Callable[[], float]
-    ) -> RelayResult: ...
 
 
 @dataclass

@@ -1,20 +1,20 @@
 """What a request's input costs, per route, in characters of text (the tier's chars_per_token
-turns them into a token estimate for fairness and the tokens-per-minute limit); and the few
-coercions vLLM's pydantic models make, so the proxy accepts what vLLM accepts.
+turns them into a token estimate for fairness and the tokens-per-minute limit: a guess; what
+quotas reserve is proxy.request.prompt_bound's bound); and the few coercions vLLM's pydantic
+models make, so the proxy accepts what vLLM accepts.
 
 The estimate is charged up front and corrected once the backend reports its usage.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from proxy.api.errors import bad_request
 from proxy.api.usage import token_usage
 
 # Message parts whose size says nothing about their tokens (an image's base64 is not its token
-# count); their real cost is charged once the backend reports the usage.
+# count): left out of the estimate (never of the bound); the usage corrects it.
 MEDIA_KEYS = frozenset(
     {"image_url", "input_audio", "audio_url", "video_url", "file", "input_image", "file_data"}
 )
@@ -52,6 +52,66 @@ def text_chars(value: object, *, keys: bool = False) -> int:
         elif item is not None:
             chars += SCALAR_CHARS
     return chars
+
+
+# What a chat prompt holds besides its messages: the schemas the backend renders into it, and
+# what its chat template renders (vLLM's ``documents`` for RAG, ``chat_template_kwargs``).
+_SCHEMA_FIELDS = (
+    "tools",
+    "functions",
+    "response_format",
+    "tool_choice",
+    "documents",
+    "chat_template_kwargs",
+)
+
+
+def _validate_messages(messages: object) -> int:
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty array", param="messages")
+    chars = 0
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise bad_request(
+                f"messages[{i}] must be an object with a string 'role'", param=f"messages.[{i}]"
+            )
+        # Every part: content, name, tool calls and their arguments, tool results.
+        chars += text_chars(message) + 8
+    return chars
+
+
+def _validate_prompt(prompt: object) -> int:
+    ok = isinstance(prompt, str) or (
+        isinstance(prompt, list)
+        and prompt
+        and (
+            all(isinstance(p, str) for p in prompt)
+            or all(_is_int(p) for p in prompt)
+            or all(isinstance(p, list) and all(_is_int(x) for x in p) for p in prompt)
+        )
+    )
+    if not ok:
+        raise bad_request(
+            "'prompt' must be a string, an array of strings or an array of token ids",
+            param="prompt",
+        )
+    return text_chars(prompt)
+
+
+def chat_chars(body: dict[str, Any]) -> int:
+    """The messages (validated) and the schemas rendered with them."""
+    chars = _validate_messages(body.get("messages"))
+    return chars + sum(text_chars(body.get(name), keys=True) for name in _SCHEMA_FIELDS)
+
+
+def completion_chars(body: dict[str, Any]) -> int:
+    if "prompt" not in body:
+        raise bad_request("'prompt' is required", param="prompt")
+    return _validate_prompt(body["prompt"])
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _required(body: dict[str, Any], *names: str) -> object:
@@ -106,19 +166,6 @@ def tokenize_chars(body: dict[str, Any]) -> int:
 
 def detokenize_chars(body: dict[str, Any]) -> int:
     return text_chars(_required(body, "tokens"))
-
-
-# The routes besides chat and completions (proxy.request.inbound validates those two itself).
-INPUT_CHARS: dict[str, Callable[[dict[str, Any]], int]] = {
-    "responses": responses_chars,
-    "embeddings": pooled_input_chars,
-    "pooling": pooled_input_chars,
-    "classify": pooled_input_chars,
-    "score": score_chars,
-    "rerank": rerank_chars,
-    "tokenize": tokenize_chars,
-    "detokenize": detokenize_chars,
-}
 
 
 # -- coercions as pydantic's lax mode makes them (vLLM's request models) ---------------------

@@ -1,8 +1,9 @@
 """What comes in from a client: the API key, the JSON body, and what must not pass on.
 
-No client sets its priority, cache salt or vLLM's KV/encoder connectors (remote engines, block
-ids): ``priority``, ``vllm_xargs``, ``cache_salt`` and ``*_transfer_params`` are dropped here,
-the headers that steer vLLM in ``proxy.request.headers``; only the proxy's signed ticket decides.
+The body's fields pass by the route's rule (``proxy.request.route_table``, its
+``proxy.request.body_fields``): no client sets its priority, cache salt, session, request id or
+vLLM's KV/encoder connectors; the headers that steer vLLM are dropped in
+``proxy.request.headers``; only the proxy's signed ticket decides.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from proxy.config.scheduling import Limits, Scheduling
 from proxy.config.server import InputLimits
 from proxy.config.tenants import Tier
 from proxy.request.body import read_body
-from proxy.request.costs import INPUT_CHARS, lax_bool, lax_int, text_chars
+from proxy.request.costs import lax_bool, lax_int
 from proxy.request.jsonshape import (
     JsonShape,
     TooDeep,
@@ -32,6 +33,7 @@ from proxy.request.jsonshape import (
     measure,
     nesting_exceeds,
 )
+from proxy.request.route_table import ROWS, RouteRow
 
 __all__ = [
     "BODY_READ_TIMEOUT_S",
@@ -44,9 +46,6 @@ __all__ = [
 
 # The admin API's body wait (client bodies wait input.body_read_timeout_s).
 BODY_READ_TIMEOUT_S = 30.0
-
-_CONNECTOR_FIELDS = ("kv_transfer_params", "ec_transfer_params")
-STRIPPED_BODY_FIELDS = ("priority", "vllm_xargs", "cache_salt", *_CONNECTOR_FIELDS)
 
 
 @dataclass
@@ -84,54 +83,7 @@ class ParsedRequest:
         return self.path or BY_ENDPOINT[self.endpoint].paths[0]
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 _DEFAULT_INPUTS = InputLimits()
-
-# What a chat prompt holds besides its messages: the schemas the backend renders into it, and
-# what its chat template renders (vLLM's ``documents`` for RAG, ``chat_template_kwargs``).
-_SCHEMA_FIELDS = (
-    "tools",
-    "functions",
-    "response_format",
-    "tool_choice",
-    "documents",
-    "chat_template_kwargs",
-)
-
-
-def _validate_messages(messages: object) -> int:
-    if not isinstance(messages, list) or not messages:
-        raise bad_request("'messages' must be a non-empty array", param="messages")
-    chars = 0
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise bad_request(
-                f"messages[{i}] must be an object with a string 'role'", param=f"messages.[{i}]"
-            )
-        # Every part: content, name, tool calls and their arguments, tool results.
-        chars += text_chars(message) + 8
-    return chars
-
-
-def _validate_prompt(prompt: object) -> int:
-    ok = isinstance(prompt, str) or (
-        isinstance(prompt, list)
-        and prompt
-        and (
-            all(isinstance(p, str) for p in prompt)
-            or all(_is_int(p) for p in prompt)
-            or all(isinstance(p, list) and all(_is_int(x) for x in p) for p in prompt)
-        )
-    )
-    if not ok:
-        raise bad_request(
-            "'prompt' must be a string, an array of strings or an array of token ids",
-            param="prompt",
-        )
-    return text_chars(prompt)
 
 
 def parse_body(
@@ -155,17 +107,17 @@ def parse_body(
     if max_depth is not None:
         inputs = inputs.model_copy(update={"max_json_depth": max_depth})
     body, shape = _decode_object(raw, inputs)
-    route = BY_ENDPOINT[endpoint]
+    route, row = BY_ENDPOINT[endpoint], ROWS[endpoint]
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request("'model' must be a string", param="model")
     stream = _lax_field(body, "stream", lax_bool, "a boolean")
     stream = bool(stream) and route.generates  # the pooling routes never stream
-    chars = _input_chars(body, endpoint)
-    for name in STRIPPED_BODY_FIELDS:
-        body.pop(name, None)
+    chars = row.measure(body)
+    bound = row.bound(body, len(raw), inputs.max_tokens_per_media_item)
+    row.fields.apply(body)
     max_tokens, expected = (
-        _output_budget(body, endpoint, tier, limits, scheduling, token_limit)
+        _output_budget(body, row, tier, limits, scheduling, token_limit)
         if route.generates
         else (None, 0)
     )
@@ -177,31 +129,12 @@ def parse_body(
         prompt_tokens=max(1, math.ceil(chars / scheduling.chars_per_token)),
         max_tokens=max_tokens,
         expected_output=expected,
-        client_wants_usage=_ask_for_usage(body, endpoint, stream),
+        client_wants_usage=_ask_for_usage(body, row, stream),
         path=path,
         held_bytes=shape.held_bytes(raw),
-        prompt_bound_tokens=prompt_bound(len(raw), chars, endpoint),
-        sequences=body.get("n", 1) * _prompts(body, endpoint) if route.generates else 0,
+        prompt_bound_tokens=bound,
+        sequences=body.get("n", 1) * row.generations(body) if route.generates else 0,
     )
-
-
-# What a chat template adds besides the messages' own text (BOS, a default system prompt, the
-# generation prompt): per message it is covered by the message's JSON syntax ({"role": ...}).
-TEMPLATE_TOKENS = 32
-# Routes that run the model on every pair of their inputs: their text is counted as many times
-# as it is run (proxy.request.costs._pairs_chars), which the body's size does not bound.
-_PAIRWISE = frozenset({"score", "rerank"})
-
-
-def prompt_bound(body_bytes: int, chars: int, endpoint: Endpoint) -> int:
-    """An upper bound of the prompt's tokens, for quotas and budgets (docs/quotas.md): a
-    byte-level BPE or byte-fallback tokenizer makes at most one token per UTF-8 byte of text,
-    and a code point is at most 4 bytes (``chars`` counts media parts not at all, a scalar as
-    4); the body's own size is a tighter bound where it holds no media, and it is already
-    known: its text's UTF-8 bytes, escaped or not, are inside it. No second walk of the body."""
-    by_chars = 4 * chars
-    bound = by_chars if endpoint in _PAIRWISE else min(body_bytes, by_chars)
-    return bound + TEMPLATE_TOKENS
 
 
 def _decode_object(raw: bytes, inputs: InputLimits) -> tuple[dict[str, Any], JsonShape]:
@@ -232,21 +165,9 @@ def _decode_object(raw: bytes, inputs: InputLimits) -> tuple[dict[str, Any], Jso
     return {k: v for k, v in loaded.items() if v is not None}, shape
 
 
-def _input_chars(body: dict[str, Any], endpoint: Endpoint) -> int:
-    """Characters of the input the request sends to the model (validating its shape)."""
-    if endpoint == "chat":
-        chars = _validate_messages(body.get("messages"))
-        return chars + sum(text_chars(body.get(name), keys=True) for name in _SCHEMA_FIELDS)
-    if endpoint == "completions":
-        if "prompt" not in body:
-            raise bad_request("'prompt' is required", param="prompt")
-        return _validate_prompt(body["prompt"])
-    return INPUT_CHARS[endpoint](body)
-
-
 def _output_budget(
     body: dict[str, Any],
-    endpoint: Endpoint,
+    row: RouteRow,
     tier: Tier,
     limits: Limits,
     scheduling: Scheduling,
@@ -254,7 +175,7 @@ def _output_budget(
 ) -> tuple[int | None, int]:
     """(max_tokens as sent on, clamped to the tier; output tokens expected from all n
     choices of every prompt) of a generating request."""
-    fields = budget_fields(endpoint)
+    fields = row.budget_fields
     client_set = any(name in body for name in fields)
     max_tokens = _clamped_max_tokens(body, tier, limits, fields)
     n = _lax_field(body, "n", lax_int, "an integer")
@@ -264,7 +185,7 @@ def _output_budget(
     expected = max_tokens if max_tokens is not None else scheduling.default_expected_output
     if tier.max_tokens is not None:
         expected = min(expected, tier.max_tokens)
-    prompts = _prompts(body, endpoint)
+    prompts = row.generations(body)
     if token_limit is not None and not client_set:
         # Without max_tokens vLLM runs to the context's end (or the tier's cap), past what the
         # tenant's whole tokens_per_minute allows, and debt past one minute is forgiven: each
@@ -276,20 +197,11 @@ def _output_budget(
     return max_tokens, int(expected * n * prompts)
 
 
-def _prompts(body: dict[str, Any], endpoint: Endpoint) -> int:
-    """How many generations of ``n`` choices the request runs: vLLM runs every prompt of a
-    completions prompt list (strings or token-id lists; a flat token-id list is one)."""
-    prompt = body.get("prompt") if endpoint == "completions" else None
-    if isinstance(prompt, list) and prompt and not _is_int(prompt[0]):
-        return len(prompt)
-    return 1
-
-
-def _ask_for_usage(body: dict[str, Any], endpoint: Endpoint, stream: bool) -> bool:
+def _ask_for_usage(body: dict[str, Any], row: RouteRow, stream: bool) -> bool:
     """Whether the client asked for a stream's usage; the body asks vLLM for it anyway
     (fairness and metrics count real tokens; the relay drops the chunk again if unasked).
     The Responses API always ends its stream with the usage (in response.completed)."""
-    if endpoint == "responses":
+    if row.usage_always:
         return True
     if not stream:
         return False
@@ -313,12 +225,6 @@ def _lax_field(body: dict[str, Any], name: str, read: Callable[[object], Any], k
         raise bad_request(f"'{name}' must be {kind}", param=name)
     body[name] = value
     return value
-
-
-def budget_fields(endpoint: Endpoint) -> tuple[str, ...]:
-    """The body fields that bound a generating route's output (the first: what the proxy
-    sets when it bounds the output itself)."""
-    return ("max_output_tokens",) if endpoint == "responses" else _TOKEN_FIELDS
 
 
 _TOKEN_FIELDS = ("max_tokens", "max_completion_tokens")

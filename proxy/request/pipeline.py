@@ -35,15 +35,16 @@ from proxy.api.routes import BY_ENDPOINT, Endpoint, Route
 from proxy.config.schema import Config, LoadedConfig
 from proxy.config.tenants import Tenant
 from proxy.relay.budget import MemoryBudget, Reservation
-from proxy.relay.forward import RelayResult, UpstreamUnavailable, relay
-from proxy.relay.responses import relay_responses
-from proxy.request.admitted import Admitted, FinishHook, Relay, Trace, no_finish_hook
+from proxy.relay.forward import RelayResult, UpstreamUnavailable
+from proxy.relay.result import UPSTREAM_STARTED
+from proxy.request.admitted import Admitted, FinishHook, Trace, no_finish_hook
 from proxy.request.answers import Answers
 from proxy.request.auth import identify
 from proxy.request.inbound import parse_body, read_body
 from proxy.request.leases import direct_lease
 from proxy.request.poison import blame, give_up, refuse_poison
 from proxy.request.quota_gate import QuotaGate
+from proxy.request.route_table import ROWS, Relay
 from proxy.request.tenancy import tenant_gate
 from proxy.request.traced import upstream_spans
 from proxy.request.uploads import TenantUploads, UploadRefused, closing
@@ -78,7 +79,7 @@ class RequestPipeline:
         pool: BackendPool,
         metrics: ProxyMetrics,
         session: Callable[[], aiohttp.ClientSession],
-        relay: Relay = relay,
+        relay: Relay | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         budget: MemoryBudget | None = None,
         on_finish: FinishHook | None = None,
@@ -94,7 +95,7 @@ class RequestPipeline:
         self.pool = pool
         self.metrics = metrics
         self.session = session  # exists once the app has started
-        self.relay = relay
+        self.relay = relay  # None: each route's own (proxy.request.route_table)
         self.sleep = sleep
         self.budget = budget if budget is not None else MemoryBudget(None)
         self.child = LabelCache()  # metric children of each request, looked up once
@@ -350,9 +351,10 @@ class RequestPipeline:
             reply_request_id=request.get(REQUEST_ID),
             trace_headers=traced,
         )
-        # The Responses API streams events of its own kind (proxy.relay.responses).
-        relay_fn = relay_responses if adm.parsed.endpoint == "responses" else self.relay
+        relay_fn = self.relay or ROWS[adm.parsed.endpoint].relay
+        started = self.clock()  # engine time starts here, whichever relay (usage log)
         result = await relay_fn(call, request, stream=adm.parsed.stream, now=self.clock)
+        result.extra[UPSTREAM_STARTED] = started
         if adm.spans is not None:
             adm.spans.upstream_done(result, self.clock())
         if result.backend_failed:

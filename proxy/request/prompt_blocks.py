@@ -34,9 +34,11 @@ from tokenizers import Tokenizer
 
 from proxy.config.kv_cache import KvCache, kv_cache_on
 from proxy.config.schema import Config
-from proxy.policies.blockhash import chain_hashes, token_ids_ok
+from proxy.policies.blockhash import chain_hashes
 from proxy.request.inbound import ParsedRequest
+from proxy.request.kv_prompt import ChatPrompt, IdsPrompt, TextPrompt
 from proxy.request.remote_tokens import RemoteTokenizer
+from proxy.request.route_table import ROWS
 from proxy.request.tiered_threads import FIRST, TieredThreads
 from proxy.request.tokencache import PrefixTokenCache, encode_ids
 from proxy.scheduling.counts import TenantCounts
@@ -52,21 +54,6 @@ log = logging.getLogger("tierproxy.prompt_blocks")
 TOKENIZER_THREADS = 2
 PER_TENANT_OFF_LOOP = 1
 
-# Body fields that change the prompt's tokens when present: such requests get no blocks.
-_CHAT_FIELDS = frozenset(
-    {
-        "tools",
-        "documents",
-        "chat_template",
-        "chat_template_kwargs",
-        "add_generation_prompt",
-        "continue_final_message",
-        "add_special_tokens",
-        "truncate_prompt_tokens",
-        "mm_processor_kwargs",
-    }
-)
-_COMPLETION_FIELDS = frozenset({"add_special_tokens", "truncate_prompt_tokens", "prompt_embeds"})
 _SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token")
 
 
@@ -162,66 +149,23 @@ def load_model(directory: str) -> ModelTokenizer | None:
     return model
 
 
-def _text_content(content: object) -> str | None:
-    """A message's content as vLLM gives it to a string-content template: the text, or the
-    text parts joined by newlines; None for any other part (images, audio, ...)."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        return None
-    texts: list[str] = []
-    for part in content:
-        if not isinstance(part, dict) or part.get("type") != "text":
-            return None
-        text = part.get("text")
-        if not isinstance(text, str):
-            return None
-        texts.append(text)
-    return "\n".join(texts)
-
-
-def _chat_messages(body: dict[str, Any]) -> list[dict[str, str]] | None:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        return None
-    out: list[dict[str, str]] = []
-    for message in messages:
-        if not isinstance(message, dict) or not set(message) <= {"role", "content", "name"}:
-            return None
-        role, content = message.get("role"), _text_content(message.get("content"))
-        if not isinstance(role, str) or content is None:
-            return None
-        rendered = {"role": role, "content": content}
-        if isinstance(message.get("name"), str):
-            rendered["name"] = message["name"]
-        out.append(rendered)
-    return out
-
-
 def prompt_tokens(model: ModelTokenizer, parsed: ParsedRequest) -> list[int] | None:
-    """The prompt's token ids as vLLM will see them; None when not surely the same."""
-    body = parsed.body
-    if parsed.endpoint == "chat":
-        if model.template is None or _CHAT_FIELDS & body.keys():
-            return None
-        messages = _chat_messages(body)
-        return model.chat_tokens(messages) if messages is not None else None
-    if parsed.endpoint != "completions" or _COMPLETION_FIELDS & body.keys():
-        return None
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return model.text_tokens(prompt)
-    return given_tokens(parsed)
+    """The prompt's token ids as vLLM will see them (the route's ``kv_prompt``); None when
+    not surely the same."""
+    source = ROWS[parsed.endpoint].kv_prompt
+    prompt = source.local(parsed.body) if source is not None else None
+    if isinstance(prompt, ChatPrompt):
+        return model.chat_tokens(prompt.messages) if model.template is not None else None
+    if isinstance(prompt, TextPrompt):
+        return model.text_tokens(prompt.text)
+    return prompt.ids if prompt is not None else None
 
 
 def given_tokens(parsed: ParsedRequest) -> list[int] | None:
-    """A completion's prompt given as token ids: used as they are, no tokenizer needed."""
-    prompt = parsed.body.get("prompt")
-    if parsed.endpoint != "completions" or _COMPLETION_FIELDS & parsed.body.keys():
-        return None
-    return prompt if prompt and token_ids_ok(prompt) else None
+    """A prompt given as token ids: used as they are, no tokenizer needed."""
+    source = ROWS[parsed.endpoint].kv_prompt
+    prompt = source.local(parsed.body) if source is not None else None
+    return prompt.ids if isinstance(prompt, IdsPrompt) else None
 
 
 def prompt_block_hashes(

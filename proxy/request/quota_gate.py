@@ -21,7 +21,7 @@ from proxy.request.billing import (
     default_models,
     model_context,
 )
-from proxy.request.inbound import budget_fields
+from proxy.request.route_table import ROWS
 from proxy.scheduling.quotas import COUNTERS, QuotaAsk, QuotaBook, QuotaLedger
 from proxy.telemetry.metrics import ProxyMetrics
 
@@ -94,7 +94,7 @@ class QuotaGate:
         )
         if afford is not None and afford >= 1:
             bound = min(bound, afford)
-        parsed.max_tokens = parsed.body[budget_fields(parsed.endpoint)[0]] = bound
+        parsed.max_tokens = parsed.body[ROWS[parsed.endpoint].budget_fields[0]] = bound
 
     def _used(self, tenant: str, limits: Mapping[str, float]) -> dict[str, float]:
         """Each counter's use as this replica knows it (with Redis: as last read)."""

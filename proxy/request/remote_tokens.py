@@ -18,63 +18,19 @@ import orjson
 from proxy.config.kv_cache import KvCache
 from proxy.policies.blockhash import token_ids_ok
 from proxy.request.inbound import ParsedRequest
+from proxy.request.route_table import ROWS
 from proxy.scheduling.pool import BackendPool
 from proxy.scheduling.probes import ProbeFailed, read_capped
 
-# What /tokenize takes of a chat request that changes its tokens; anything else that does
-# (documents, media) is not sent this way.
-_CHAT_FIELDS = (
-    "add_generation_prompt",
-    "continue_final_message",
-    "add_special_tokens",
-    "chat_template",
-    "chat_template_kwargs",
-    "tools",
-)
-_NOT_RENDERED_ALIKE = frozenset({"documents", "mm_processor_kwargs", "media_io_kwargs"})
 _CAP_BYTES = 16 * 1024 * 1024  # ~1.5 million token ids
 
 
-def _text_only(messages: list[Any]) -> bool:
-    """No part other than text (images and audio hash their own extra keys)."""
-    for message in messages:
-        if not isinstance(message, dict):
-            return False
-        content = message.get("content")
-        if isinstance(content, list) and any(
-            not isinstance(p, dict) or p.get("type") != "text" for p in content
-        ):
-            return False
-    return True
-
-
 def tokenize_body(parsed: ParsedRequest) -> dict[str, Any] | None:
-    """The /tokenize request that gives ``parsed``'s prompt tokens; None when there is none."""
-    body = parsed.body
-    if parsed.endpoint == "chat":
-        messages = body.get("messages")
-        if not isinstance(messages, list) or _NOT_RENDERED_ALIKE & body.keys():
-            return None
-        if not _text_only(messages):
-            return None
-        out = {"messages": messages, **{k: body[k] for k in _CHAT_FIELDS if k in body}}
-    elif parsed.endpoint == "completions":
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1:
-            prompt = prompt[0]
-        if not isinstance(prompt, str) or {"truncate_prompt_tokens", "prompt_embeds"} & body.keys():
-            return None
-        out = {
-            "prompt": prompt,
-            **(
-                {"add_special_tokens": body["add_special_tokens"]}
-                if "add_special_tokens" in body
-                else {}
-            ),
-        }
-    else:
-        return None
-    if parsed.model is not None:
+    """The /tokenize request that gives ``parsed``'s prompt tokens (the route's ``kv_prompt``);
+    None when there is none."""
+    source = ROWS[parsed.endpoint].kv_prompt
+    out = source.remote(parsed.body) if source is not None else None
+    if out is not None and parsed.model is not None:
         out["model"] = parsed.model
     return out
 

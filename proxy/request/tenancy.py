@@ -7,6 +7,7 @@ from proxy.api.errors import bad_request, model_not_found
 from proxy.api.routes import BY_ENDPOINT
 from proxy.config.tenants import Tenant, Tier, allowed_models, cache_scope, model_allowed
 from proxy.request.inbound import ParsedRequest
+from proxy.request.route_table import ROWS
 from proxy.request.stored import no_stored_responses
 from proxy.scheduling.pool import BackendPool
 from proxy.ticket import derive_cache_salt
@@ -35,6 +36,6 @@ def tenant_gate(
     proxy.request.stored), and the cache salt to send it with ("" on the routes that run no
     model)."""
     check_model(pool, parsed.model, tenant, tier)
-    if parsed.endpoint == "responses":
+    if ROWS[parsed.endpoint].stored_responses_refused:
         no_stored_responses(parsed.body)  # 400, or store: false
     return "" if BY_ENDPOINT[parsed.endpoint].cheap else cache_salt(secret, tenant, tier)

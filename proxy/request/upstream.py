@@ -18,6 +18,7 @@ from proxy.relay.delivered import Delivered
 from proxy.relay.forward import UpstreamCall
 from proxy.request.headers import upstream_headers
 from proxy.request.inbound import ParsedRequest
+from proxy.request.route_table import ROWS
 from proxy.ticket import (
     CONTENT_DIGEST_HEADER,
     REQUEST_ID_HEADER,
@@ -65,6 +66,8 @@ def upstream_call(
         body["priority"] = tier.priority
     if cache_salt:
         body["cache_salt"] = cache_salt
+    if ROWS[parsed.endpoint].proxy_request_id:  # vLLM's own id on /v1/responses
+        body["request_id"] = request_id
     payload = orjson.dumps(body)
     # Bound to these exact bytes, this request id and a fresh nonce: one use, for a moment.
     now = time.time() + clock_correction_s

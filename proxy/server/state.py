@@ -19,10 +19,9 @@ from proxy.config.schema import Config, LoadedConfig
 from proxy.ops.live.collector import BackendRoomCollector, TierCollector
 from proxy.ops.live.status import LiveStatus
 from proxy.ops.reload import ConfigWatcher
-from proxy.ops.usage import TimedRelay, UsageMeter
+from proxy.ops.usage import UsageMeter
 from proxy.ops.usage_log import UsageLogWriter
 from proxy.relay.budget import MemoryBudget
-from proxy.relay.forward import relay
 from proxy.request.pipeline import RequestPipeline
 from proxy.request.prompt_blocks import PROMPT_BLOCKS
 from proxy.request.quota_gate import QuotaGate
@@ -87,7 +86,6 @@ class ProxyState:
             metrics=self.metrics,
             session=self.upstream_session,
             budget=self.budget,
-            relay=TimedRelay(relay),
             on_finish=self.usage.finished,
             quotas=QuotaGate(
                 self.quota_book,

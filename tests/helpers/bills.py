@@ -4,9 +4,8 @@ proxy computes it, so that a test does not hard-code a measure another change ma
 
 from __future__ import annotations
 
+import json
 from typing import Any
-
-import orjson
 
 from proxy.api.routes import Endpoint
 from proxy.config.schema import Config
@@ -14,9 +13,10 @@ from proxy.request.inbound import parse_body
 
 
 def prompt_bound(config: Config, body: dict[str, Any], endpoint: Endpoint = "chat") -> int:
-    """The prompt's upper bound of ``body`` sent by a tenant of the ``normal`` tier."""
+    """The prompt's upper bound of ``body`` sent by a tenant of the ``normal`` tier, encoded as
+    aiohttp's client encodes ``json=`` (``json.dumps``: the bound counts the body's bytes)."""
     parsed = parse_body(
-        orjson.dumps(body),
+        json.dumps(body).encode(),
         endpoint,
         config.tiers["normal"],
         config.limits,

@@ -21,6 +21,7 @@ from proxy.bench.fake_vllm import FakeVLLM, Script
 from proxy.relay.budget import MemoryBudget
 from proxy.relay.forward import RelayResult, UpstreamCall
 from proxy.relay.held import HeldResponse
+from proxy.request.route_table import ROWS
 from tests.helpers.clock import FakeClock
 from tests.helpers.proxyrun import auth
 from tests.helpers.rig import BODY, relay_config, rig, served_rig
@@ -115,7 +116,7 @@ async def test_the_client_gets_the_direct_bytes(
     backend = FakeVLLM(script=vllm_like(cut))
     async with backend.serve() as url, rig(relay_config(url), clock) as r:
         expected = await direct(url, body)
-        relay, held_after_relay = r.state.pipeline.relay, []
+        relay, held_after_relay = ROWS["chat"].relay, []
 
         async def spy(call: UpstreamCall, request: web.Request, **kw: Any) -> RelayResult:
             result = await relay(call, request, **kw)

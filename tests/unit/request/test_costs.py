@@ -6,8 +6,10 @@ import pytest
 
 from proxy.api.errors import ProxyError
 from proxy.api.reply_headers import openai_duration, ratelimit_headers, request_id_for
+from proxy.api.routes import Endpoint
 from proxy.config.tenants import Tenant
-from proxy.request.costs import INPUT_CHARS, lax_bool, lax_int, usage_counts
+from proxy.request.costs import lax_bool, lax_int, usage_counts
+from proxy.request.route_table import ROWS
 from proxy.scheduling.limits import LimitRegistry
 
 
@@ -22,18 +24,18 @@ def _tenant(rpm: int, tpm: int) -> Tenant:
 
 
 def test_each_route_charges_its_own_inputs() -> None:
-    assert INPUT_CHARS["embeddings"]({"input": ["abcd", "ef"]}) == 6
-    assert INPUT_CHARS["embeddings"]({"input": [[1, 2, 3]]}) == 12  # token ids: ~1 each
-    assert INPUT_CHARS["pooling"]({"messages": [{"role": "user", "content": "hey"}]}) == 7
+    assert ROWS["embeddings"].measure({"input": ["abcd", "ef"]}) == 6
+    assert ROWS["embeddings"].measure({"input": [[1, 2, 3]]}) == 12  # token ids: ~1 each
+    assert ROWS["pooling"].measure({"messages": [{"role": "user", "content": "hey"}]}) == 7
     responses = {"input": "abcd", "instructions": "xy", "tools": [{"name": "f"}]}
-    assert INPUT_CHARS["responses"](responses) == 4 + 2 + len("name") + 1
+    assert ROWS["responses"].measure(responses) == 4 + 2 + len("name") + 1
     # Score and rerank: the one query meets every document.
-    assert INPUT_CHARS["score"]({"text_1": "qq", "text_2": ["aaa", "b"]}) == 2 * 2 + 4
-    assert INPUT_CHARS["score"]({"text_1": ["qq", "r"], "text_2": ["aaa", "b"]}) == 3 + 4
-    assert INPUT_CHARS["score"]({"queries": "q", "documents": ["ab"]}) == 1 + 2
-    assert INPUT_CHARS["rerank"]({"query": "qq", "documents": ["a", "bb", "c"]}) == 6 + 4
-    assert INPUT_CHARS["tokenize"]({"prompt": "hello"}) == 5
-    assert INPUT_CHARS["detokenize"]({"tokens": [1, 2]}) == 8
+    assert ROWS["score"].measure({"text_1": "qq", "text_2": ["aaa", "b"]}) == 2 * 2 + 4
+    assert ROWS["score"].measure({"text_1": ["qq", "r"], "text_2": ["aaa", "b"]}) == 3 + 4
+    assert ROWS["score"].measure({"queries": "q", "documents": ["ab"]}) == 1 + 2
+    assert ROWS["rerank"].measure({"query": "qq", "documents": ["a", "bb", "c"]}) == 6 + 4
+    assert ROWS["tokenize"].measure({"prompt": "hello"}) == 5
+    assert ROWS["detokenize"].measure({"tokens": [1, 2]}) == 8
 
 
 @pytest.mark.parametrize(
@@ -46,9 +48,9 @@ def test_each_route_charges_its_own_inputs() -> None:
         ("detokenize", {}, "tokens"),
     ],
 )
-def test_a_missing_input_is_a_400(route: str, body: dict[str, object], param: str) -> None:
+def test_a_missing_input_is_a_400(route: Endpoint, body: dict[str, object], param: str) -> None:
     with pytest.raises(ProxyError) as exc:
-        INPUT_CHARS[route](body)
+        ROWS[route].measure(body)
     assert exc.value.status == 400 and exc.value.param == param
 
 

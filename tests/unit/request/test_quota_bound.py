@@ -10,8 +10,10 @@ from datetime import UTC, datetime
 
 from proxy.bench.fake_vllm import FakeVLLM
 from proxy.config.scheduling import Limits, Scheduling
+from proxy.config.server import InputLimits
 from proxy.config.tenants import Tier
 from proxy.request.inbound import parse_body
+from proxy.request.prompt_bound import MESSAGE_TOKENS, TEMPLATE_TOKENS
 from tests.helpers.clock import FakeClock
 from tests.helpers.proxyrun import until
 from tests.helpers.rig import served_rig, tenants
@@ -33,15 +35,18 @@ def test_the_bound_is_above_the_real_count_where_the_estimate_is_far_below() -> 
     assert parsed.prompt_upper_bound >= REAL[0]  # json.dumps escapes: 6 bytes a character
     raw = json.dumps(cjk_body(), ensure_ascii=False).encode()
     literal = parse_body(raw, "chat", TIER, Limits(), Scheduling())
-    assert REAL[0] <= literal.prompt_upper_bound <= len(raw) + 32  # its UTF-8 bytes
+    overhead = TEMPLATE_TOKENS + MESSAGE_TOKENS  # the template's, once and per message
+    assert REAL[0] <= literal.prompt_upper_bound <= len(raw) + overhead  # its UTF-8 bytes
 
 
-def test_media_parts_do_not_count_their_base64() -> None:
+def test_media_parts_count_the_configured_maximum_not_their_base64() -> None:
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 100_000}}
-    content = [{"type": "text", "text": "what is this?"}, image]
+    content = [{"type": "text", "text": "what is this?"}, image, image]
     body = {"model": "tiny", "messages": [{"role": "user", "content": content}]}
-    parsed = parse_body(json.dumps(body).encode(), "chat", TIER, Limits(), Scheduling())
-    assert parsed.prompt_upper_bound < 1_000  # 4 bytes a character of its text, at most
+    inputs = InputLimits(max_tokens_per_media_item=300)
+    raw = json.dumps(body).encode()
+    parsed = parse_body(raw, "chat", TIER, Limits(), Scheduling(), inputs=inputs)
+    assert 2 * 300 < parsed.prompt_upper_bound < 2 * 300 + 400  # the text's bytes, 2 images
 
 
 async def test_a_concurrent_cjk_burst_stays_within_the_day_quota(clock: FakeClock) -> None:

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from proxy.api.usage import TokenUsage, token_usage
-from proxy.bench.fake_vllm import FakeVLLM, usage_of
+from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.vllm_answers import usage_of
 from proxy.policies.cost import weighted_tokens, work_tokens
 from proxy.policies.types import QueuedRequest, TierLimits
 from proxy.scheduling.build import default_queue_policies

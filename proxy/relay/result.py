@@ -1,0 +1,75 @@
+"""What one upstream call is (``UpstreamCall``), what its relay reports (``RelayResult``), and
+the failure that may be retried elsewhere (``UpstreamUnavailable``): the types the relay
+(``proxy.relay.forward``, ``proxy.relay.responses``) and the request path share."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from proxy.api.outcome import Outcome
+from proxy.config.server import Relay
+from proxy.relay.budget import MemoryBudget
+from proxy.relay.delivered import Delivered
+
+__all__ = ["UPSTREAM_STARTED", "RelayResult", "UpstreamCall", "UpstreamUnavailable"]
+
+
+class UpstreamUnavailable(Exception):
+    """The backend failed before anything reached the client: safe to retry elsewhere, once
+    only where the backend may have run the request (``maybe_ran``: a reset or an invalid
+    answer after it was sent, or its engine died: the request may be what killed it)."""
+
+    def __init__(
+        self, kind: str, detail: str, status: int | None = None, body: bytes | None = None
+    ) -> None:
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind
+        self.detail = detail
+        self.status = status
+        self.body = body
+
+    @property
+    def maybe_ran(self) -> bool:
+        return self.kind in ("reset", "engine_dead")
+
+
+@dataclass
+class RelayResult:
+    """What the caller needs for accounting and metrics."""
+
+    response: web.StreamResponse
+    outcome: Outcome  # ok | backend_error | client_error | upstream_error | timeout | client_gone
+    status: int  # | client_stalled
+    usage: dict[str, Any] | None = None
+    first_token_at: float | None = None
+    backend_failed: bool = False  # counts toward passive ejection
+    # Past the relay's size bounds (the request chose its size): billed the usage found in the
+    # rest of the answer, else its reservation (proxy.request.admitted.Admitted.billed_usage).
+    oversize: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# RelayResult.extra: when the upstream call that answered began (the pipeline stamps it).
+UPSTREAM_STARTED = "usage_started_at"
+
+
+@dataclass(frozen=True)
+class UpstreamCall:
+    session: aiohttp.ClientSession
+    url: str
+    body: bytes
+    headers: Mapping[str, str]
+    deadline: float  # loop time
+    timeout_s: float  # the tier's limit, for messages
+    strip_usage_chunk: bool  # the proxy asked for usage; the client did not
+    bounds: Relay = field(default_factory=Relay)
+    budget: MemoryBudget | None = None  # what a buffered answer reserves while held
+    # What a stream wrote to the client (the request's, kept when the handler is cancelled).
+    delivered: Delivered = field(default_factory=Delivered)
+    # The client's answer's X-Request-Id (its own echoed); None: the id sent upstream.
+    reply_request_id: str | None = None
