@@ -69,7 +69,8 @@ local ttl = tonumber(ARGV[6])
 if max_conc > 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)  -- leases nobody renewed
   if redis.call('ZCARD', KEYS[3]) >= max_conc then
-    return {0, '1', 'max_concurrent', '', '', done}  -- frees when a request ends: no clock says when
+    -- frees when a request ends: no clock says when
+    return {0, '1', 'max_concurrent', '', '', done}
   end
 end
 local wait, which = 0, ''
