@@ -40,6 +40,9 @@ class RedisServer:
                 "no",
                 "--dir",
                 str(self.workdir),
+                # DEBUG SLEEP from loopback: a test's stall of the whole server (a fork, an fsync)
+                "--enable-debug-command",
+                "local",
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

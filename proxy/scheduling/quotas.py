@@ -60,6 +60,7 @@ class QuotaHold:
     tokens: float
     cost: float
     shared: bool = False  # reserved in Redis (else in this process's ledger)
+    op: str = ""  # the reservation's id in Redis (its settle is applied once, by that id)
 
     def delta(self, counter: str, tokens: float | None, cost: float | None) -> float:
         """Real usage minus the reservation on ``counter``; 0 when the usage is unknown (the

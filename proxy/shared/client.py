@@ -6,6 +6,13 @@ Waiting for a pooled connection is kept apart from the call: a call first takes 
 ``max_connections`` slots (within ``pool_wait_s``; past it ``SharedStateBusy``, Redis stays up),
 then has its whole ``call_timeout_s``. Only the call's own failures count towards "down": a
 burst larger than the pool no longer flips a healthy Redis to down.
+
+A script that fails on a value it did not expect (``WRONGTYPE``, a Lua error) is Redis
+answering, not Redis down: ``SharedStateBadValue`` for that call alone, never "down" for every
+tenant. The scripts check their keys themselves and answer per tenant; this is the net below.
+
+Every key carries the format version (``{key_prefix}:v2:...``): replicas of two versions in a
+rolling upgrade never read each other's keys (docs/scale-out.md).
 """
 
 from __future__ import annotations
@@ -15,13 +22,13 @@ import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from proxy.config.shared_state import SharedState
@@ -38,6 +45,11 @@ WARN_EVERY_S = 10.0
 DOWN_AFTER_TIMEOUTS = 3
 # Connections past max_connections: the room's subscriber holds one for good (proxy.shared.room).
 SUBSCRIBER_CONNECTIONS = 1
+# The format of every key and value this code writes; bumped when one changes, so that replicas
+# of two versions during a rolling upgrade keep apart instead of misreading each other.
+KEY_FORMAT = "v2"
+# At most this many keys remembered for the "bad key" warnings' rate limit.
+WARNED_KEYS = 1024
 
 
 class SharedStateDown(Exception):
@@ -47,6 +59,11 @@ class SharedStateDown(Exception):
 class SharedStateBusy(SharedStateDown):
     """No connection came free within ``pool_wait_s``: decided without Redis, which is not
     marked down (it may be perfectly healthy; this process has more calls than connections)."""
+
+
+class SharedStateBadValue(SharedStateDown):
+    """A script met a value it cannot read (a key of another type or format): this call is
+    decided without Redis, which stays up for every other tenant."""
 
 
 class Script:
@@ -93,6 +110,14 @@ class SharedStore:
             " Redis; Redis not marked down)",
             registry=registry,
         )
+        self.bad_keys = Counter(
+            "tierproxy_shared_state_bad_keys",
+            "Redis keys found holding a value of the wrong type or format, by kind (quota:"
+            " its tenant decided without Redis; limit, ledger: reset; script: a call failed)",
+            ["kind"],
+            registry=registry,
+        )
+        self._warned_keys: dict[str, float] = {}
         self._probe = OwnedTask("tierproxy-shared-probe")
         self._warned_at = -WARN_EVERY_S
         self._timeouts = 0  # consecutive calls that timed out
@@ -100,7 +125,19 @@ class SharedStore:
         self._orphans: set[asyncio.Future[Any]] = set()  # run_or_undo's, their caller gone
 
     def key(self, *parts: str) -> str:
-        return ":".join((self.cfg.key_prefix, *parts))
+        return ":".join((self.cfg.key_prefix, KEY_FORMAT, *parts))
+
+    def bad_key(self, kind: str, key: str, action: str) -> None:
+        """A key of the wrong type or format, met by a script: counted, and logged with its name
+        (at most once per key every ``WARN_EVERY_S``; a key name holds no secret)."""
+        self.bad_keys.labels(kind).inc()
+        now = time.monotonic()
+        if now - self._warned_keys.get(key, -WARN_EVERY_S) < WARN_EVERY_S:
+            return
+        if len(self._warned_keys) >= WARNED_KEYS:
+            self._warned_keys.clear()
+        self._warned_keys[key] = now
+        log.warning("shared state: bad value at Redis key %s (%s): %s", key, kind, action)
 
     async def close(self) -> None:
         await self._probe.stop()
@@ -125,16 +162,24 @@ class SharedStore:
         try:
             async with asyncio.timeout(self.cfg.call_timeout_s):
                 result = await op(self.redis)
+        except ResponseError as exc:
+            if not _bad_value(exc):
+                self._failed(exc)
+            self.bad_key("script", "(a script's key)", str(exc).splitlines()[0][:200])
+            raise SharedStateBadValue(str(exc)) from exc
         except (RedisError, OSError, TimeoutError) as exc:
-            slow = isinstance(exc, TimeoutError | RedisTimeoutError)
-            self._timeouts = self._timeouts + 1 if slow else DOWN_AFTER_TIMEOUTS
-            if self._timeouts >= DOWN_AFTER_TIMEOUTS:
-                self.mark_down(exc)
-            raise SharedStateDown(str(exc) or type(exc).__name__) from exc
+            self._failed(exc)
         finally:
             self._slots.release()
         self._timeouts = 0
         return result
+
+    def _failed(self, exc: BaseException) -> NoReturn:
+        slow = isinstance(exc, TimeoutError | RedisTimeoutError)
+        self._timeouts = self._timeouts + 1 if slow else DOWN_AFTER_TIMEOUTS
+        if self._timeouts >= DOWN_AFTER_TIMEOUTS:
+            self.mark_down(exc)
+        raise SharedStateDown(str(exc) or type(exc).__name__) from exc
 
     async def warm(self) -> None:
         """Open the pool's connections now, not in the first burst of requests (opening
@@ -205,3 +250,9 @@ class SharedStore:
             for callback in self.on_up:
                 callback()
             return
+
+
+def _bad_value(exc: ResponseError) -> bool:
+    """A script's own failure on a value (not READONLY, OOM, BUSY: Redis's state)."""
+    text = str(exc)
+    return text.startswith("WRONGTYPE") or "user_script" in text

@@ -106,11 +106,13 @@ class SharedLimitRegistry:
             except SharedStateDown:
                 pass  # decided below, without Redis
             else:
+                for key in filter(None, _text(levels[-1]).split("\n")):
+                    self.store.bad_key("limit", key, "reset (a full bucket, as after a restart)")
                 if int(allowed) != 1:
                     return LimitVerdict(False, float(wait), _text(which))
                 capped = cfg.max_concurrent is not None
                 self._held[hold] = _SharedHold(tenant, member if capped else "")
-                return LimitVerdict(True, hold=hold, windows=_windows(cfg, levels))
+                return LimitVerdict(True, hold=hold, windows=_windows(cfg, levels[:2]))
         if self.store.cfg.on_failure == "refuse":
             raise shared_state_unavailable(self.store.cfg.probe_interval_s)
         verdict = self.local.try_admit(tenant, tokens, now)

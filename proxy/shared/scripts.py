@@ -15,6 +15,24 @@ from proxy.shared.client import Script
 _BUCKET = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+-- A key of the wrong type or format (a rolling upgrade, an operator's mistake) is reset: a full
+-- bucket, an empty lease set, as after a Redis restart (the renewals rebuild the leases within
+-- a second). Returned, newline-separated, to be counted and logged; other tenants never see it.
+local reset = {}
+local function check(key, want)
+  local found = redis.call('TYPE', key)['ok']
+  local ok = found == 'none' or found == want
+  if ok and found == 'hash' then
+    local v = redis.call('HMGET', key, 'level', 'at')
+    local lvl, at = tonumber(v[1]), tonumber(v[2])
+    ok = lvl ~= nil and at ~= nil and lvl == lvl and at == at
+      and math.abs(lvl) ~= math.huge and math.abs(at) ~= math.huge
+  end
+  if not ok then
+    redis.call('DEL', key)
+    reset[#reset + 1] = key
+  end
+end
 local function level(key, per_min)
   local v = redis.call('HMGET', key, 'level', 'at')
   local lvl, at = tonumber(v[1]), tonumber(v[2])
@@ -35,18 +53,24 @@ end
 # KEYS: rpm bucket, tpm bucket, concurrency set (member -> lease expiry)
 # ARGV: rpm per minute (0: none), tpm per minute (0: none), tokens, max concurrent (0: none),
 #       member, lease ttl (s)
-# Returns {1, "0", "", rpm level, tpm level} (levels after the take; "" where no such limit)
-# or {0, retry after seconds, the limit that said no}. All or nothing.
+# Returns {1, "0", "", rpm level, tpm level, keys reset} (levels after the take; "" where no
+# such limit) or {0, retry after seconds, the limit that said no, "", "", keys reset}. All or
+# nothing.
 ADMIT = Script(
     _BUCKET
     + """
+check(KEYS[1], 'hash')
+check(KEYS[2], 'hash')
+check(KEYS[3], 'zset')
+local done = table.concat(reset, '\\n')
 local rpm, tpm = tonumber(ARGV[1]), tonumber(ARGV[2])
 local tokens, max_conc = tonumber(ARGV[3]), tonumber(ARGV[4])
 local ttl = tonumber(ARGV[6])
 if max_conc > 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)  -- leases nobody renewed
   if redis.call('ZCARD', KEYS[3]) >= max_conc then
-    return {0, '1', 'max_concurrent'}  -- frees when a request ends: no clock says when
+    -- frees when a request ends: no clock says when
+    return {0, '1', 'max_concurrent', '', '', done}
   end
 end
 local wait, which = 0, ''
@@ -62,8 +86,8 @@ if tpm > 0 then
   local w = (math.min(tokens, tpm) - tl) / (tpm / 60)
   if w > 0 and w >= wait then wait, which = w, 'tokens_per_minute' end
 end
-if wait > 0 then return {0, tostring(wait), which} end
-local out = {1, '0', '', '', ''}
+if wait > 0 then return {0, tostring(wait), which, '', '', done} end
+local out = {1, '0', '', '', '', done}
 if rpm > 0 then
   store(KEYS[1], rpm, rl - 1)
   out[4] = tostring(math.max(-rpm, rl - 1))
@@ -87,6 +111,8 @@ return out
 SETTLE = Script(
     _BUCKET
     + """
+check(KEYS[1], 'hash')
+check(KEYS[2], 'zset')
 redis.call('ZREM', KEYS[2], ARGV[4])
 local tpm, reserved, used = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 if tpm > 0 and used >= 0 and used ~= reserved then
@@ -108,6 +134,7 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local ttl = tonumber(ARGV[1])
 for i, key in ipairs(KEYS) do
+  if redis.call('TYPE', key)['ok'] ~= 'zset' then redis.call('DEL', key) end  -- as ADMIT's
   redis.call('ZADD', key, now + ttl, ARGV[i + 1])
   redis.call('PEXPIRE', key, math.ceil(ttl * 1000) + 1000)
 end

@@ -31,15 +31,24 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
 @pytest.fixture
 def start(backend: NullBackend, redis_server: RedisServer, tmp_path: Path) -> Iterator[Any]:
     """``start(**tenant_limits)``: `tierproxy serve` with one tenant (the normal tier's demo key)
-    and shared state in ``redis_server`` (``shared=False``: without), in front of the test
-    module's own ``backend`` fixture; all stopped at teardown."""
+    and shared state in ``redis_server`` (``shared=False``: without; ``state``: more of its
+    settings), in front of the test module's own ``backend`` fixture; ``others``: more tenants
+    (the high tier's demo key first); all stopped at teardown."""
     started: list[ServedProxy] = []
 
-    def run(shared: bool = True, **limits: Any) -> ServedProxy:
+    def run(
+        shared: bool = True,
+        state: dict[str, Any] | None = None,
+        others: tuple[dict[str, Any], ...] = (),
+        **limits: Any,
+    ) -> ServedProxy:
         tenant = {"name": TENANT, "tier": "normal", "keys": [{"sha256": hash_key(KEYS["normal"])}]}
-        state = {"url": redis_server.url, "call_timeout_s": 0.2, "probe_interval_s": 0.1}
-        extra: dict[str, Any] = {"shared_state": state} if shared else {}
-        config = served_config(backend.url, tenants=[{**tenant, **limits}], **extra)
+        settings = {"url": redis_server.url, "call_timeout_s": 0.2, "probe_interval_s": 0.1}
+        extra: dict[str, Any] = {"shared_state": {**settings, **(state or {})}} if shared else {}
+        tenants = [{**tenant, **limits}]
+        for other, key in zip(others, ("high", "low"), strict=False):
+            tenants.append({"tier": key, "keys": [{"sha256": hash_key(KEYS[key])}], **other})
+        config = served_config(backend.url, tenants=tenants, **extra)
         proxy = ServedProxy(config, tmp_path, name=f"proxy-{len(started)}")
         started.append(proxy)
         proxy.start()

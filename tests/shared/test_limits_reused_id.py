@@ -48,7 +48,7 @@ async def burst(proxy: ServedProxy, n: int, request_id: str | None) -> Counter[i
 def leases(server: RedisServer) -> int:
     client = redis.Redis.from_url(server.url, socket_timeout=5)
     try:
-        return int(client.zcard(f"tierproxy:limit:{{{TENANT}}}:concurrent"))
+        return int(client.zcard(f"tierproxy:v2:limit:{{{TENANT}}}:concurrent"))
     finally:
         client.close()
 
@@ -65,7 +65,7 @@ async def settled(server: RedisServer) -> None:
 def tpm_level(server: RedisServer) -> float:
     client = redis.Redis.from_url(server.url, socket_timeout=5)
     try:
-        level = client.hget(f"tierproxy:limit:{{{TENANT}}}:tpm", "level")
+        level = client.hget(f"tierproxy:v2:limit:{{{TENANT}}}:tpm", "level")
     finally:
         client.close()
     return float(level) if level is not None else float("inf")

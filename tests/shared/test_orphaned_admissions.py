@@ -19,7 +19,8 @@ from proxy.config.tenants import Tenant
 from proxy.scheduling.quotas import QuotaAsk
 from proxy.shared.client import SharedStore
 from proxy.shared.limits import SharedLimitRegistry
-from proxy.shared.quotas import RESERVE, SharedQuotaBook
+from proxy.shared.quota_scripts import RESERVE
+from proxy.shared.quotas import SharedQuotaBook
 from proxy.shared.scripts import ADMIT
 from tests.helpers.redis_server import RedisServer
 

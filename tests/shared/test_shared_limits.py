@@ -190,3 +190,25 @@ async def test_tpm_debt_is_capped_at_one_minute_as_the_local_limiter_does(
     assert (await b.admit("acme", 1_000_000, 0.0)).allowed
     after = await b.admit("acme", 10, 0.0)
     assert not after.allowed and 60.0 < after.retry_after_s <= 61.0, after
+
+
+@pytest.mark.parametrize("bad", ["string", "nan level"])
+async def test_a_bucket_of_the_wrong_type_is_reset_for_its_tenant(
+    redis_server: RedisServer, bad: str
+) -> None:
+    store = SharedStore(SharedState(url=redis_server.url, on_failure="refuse"), CollectorRegistry())
+    registry = SharedLimitRegistry(store)
+    registry.configure([tenant(requests_per_minute=60)], 0.0)
+    key = "tierproxy:v2:limit:{acme}:rpm"
+    try:
+        if bad == "string":
+            await store.redis.set(key, "an older format")
+        else:
+            await store.redis.hset(key, mapping={"level": "nan", "at": "0"})
+        verdict = await registry.admit("acme", 1.0, 0.0)
+        assert verdict.allowed and store.up  # reset to a full bucket, as after a restart
+        assert store.bad_keys.labels("limit")._value.get() == 1
+        assert float(await store.redis.hget(key, "level") or 0) == 59
+    finally:
+        await registry.stop()
+        await store.close()

@@ -79,11 +79,11 @@ async def test_keys_expire_a_day_after_their_period(
     limits = {"tokens_per_day": 1000.0, "tokens_per_month": 5000.0, "budget_per_month": 9.0}
     assert (await a.reserve(ask(10, limits, cost=0.5), wall())).allowed
     redis = a.store.redis
-    keys = sorted(k.decode() for k in await redis.keys("tierproxy:quota:*"))
+    keys = sorted(k.decode() for k in await redis.keys("tierproxy:v2:quota:*:20*"))
     assert keys == [
-        "tierproxy:quota:{acme}:budget_per_month:2026-12",
-        "tierproxy:quota:{acme}:tokens_per_day:2026-12-31",
-        "tierproxy:quota:{acme}:tokens_per_month:2026-12",
+        "tierproxy:v2:quota:{acme}:budget_per_month:2026-12",
+        "tierproxy:v2:quota:{acme}:tokens_per_day:2026-12-31",
+        "tierproxy:v2:quota:{acme}:tokens_per_month:2026-12",
     ]
     for key in keys:  # each ends with 2027-01-01 00:00 UTC, plus a day's grace
         expires_at = await redis.pexpiretime(key)
@@ -101,8 +101,8 @@ async def test_a_month_boundary_settles_into_the_old_month(books: Callable[..., 
     a.settle(late.hold, 50.0, None)
     await settled(a)
     redis = a.store.redis
-    assert float(await redis.get("tierproxy:quota:{acme}:tokens_per_month:2026-12")) == 50
-    assert await redis.get("tierproxy:quota:{acme}:tokens_per_month:2027-01") is None
+    assert float(await redis.get("tierproxy:v2:quota:{acme}:tokens_per_month:2026-12")) == 50
+    assert await redis.get("tierproxy:v2:quota:{acme}:tokens_per_month:2027-01") is None
     assert (await b.reserve(ask(1000, month), wall())).allowed  # January is whole
 
 
@@ -127,7 +127,7 @@ async def test_redis_down_goes_on_from_the_last_counts_and_catches_up(
     await settled(a)
     # A Redis that lost its data learns the net of what this replica charged while it was
     # away: 200 reserved + 50 past it - 100 the shared request gave back.
-    key = "tierproxy:quota:{acme}:tokens_per_day:2026-12-01"
+    key = "tierproxy:v2:quota:{acme}:tokens_per_day:2026-12-01"
     assert float(await a.store.redis.get(key)) == 150
     assert a.usage("acme", DAY, wall())["tokens_per_day"]["used"] == 850
 
@@ -178,5 +178,5 @@ async def test_a_busy_pool_decides_locally_and_redis_learns_it_later(
     # Redis never went down, so nothing calls on_up: the next call that reaches it catches up.
     assert (await a.reserve(ask(50), wall())).allowed
     await settled(a)
-    key = "tierproxy:quota:{acme}:tokens_per_day:2026-12-01"
+    key = "tierproxy:v2:quota:{acme}:tokens_per_day:2026-12-01"
     assert float(await a.store.redis.get(key)) == 150
