@@ -61,17 +61,19 @@ _SAMPLING = frozenset(
      "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag",
      "thinking_token_budget", "echo", "service_tier", "store", "reasoning_effort",
      "include_reasoning", "prediction", "modalities", "audio", "web_search_options",
-     "parallel_tool_calls"}
+     "parallel_tool_calls", "logprob_token_ids", "repetition_detection", "return_mm_kwargs",
+     "return_token_offsets", "routed_experts_prompt_start", "stream_interval",
+     "truncation_side", "watermarking", "mm_payload"}
 )  # fmt: skip
 _CHAT_TEMPLATE = frozenset(
     {"messages", "tools", "tool_choice", "functions", "function_call", "documents",
      "chat_template", "chat_template_kwargs", "add_generation_prompt",
-     "continue_final_message", "return_token_strs"}
+     "continue_final_message", "return_token_strs", "return_prompt_text"}
 )  # fmt: skip
 _POOLING = frozenset(
     {"input", "encoding_format", "dimensions", "normalize", "embed_dtype", "endianness",
      "softmax", "activation", "use_activation", "task", "pooling_task", "return_documents",
-     "top_n"}
+     "top_n", "data", "padding", "truncation_side"}
 )  # fmt: skip
 
 CHAT = _COMMON | _SAMPLING | _CHAT_TEMPLATE
@@ -89,7 +91,8 @@ SCORE = (
     _COMMON
     | _POOLING
     | {"text_1", "text_2", "data_1", "data_2", "queries", "documents", "items", "query",
-       "chat_template", "chat_template_kwargs"}
+       "chat_template", "chat_template_kwargs", "instruction", "max_tokens_per_doc",
+       "max_tokens_per_query"}
 )  # fmt: skip
 TOKENIZE = _COMMON | _CHAT_TEMPLATE | {"prompt", "return_token_strs"}
 DETOKENIZE = _COMMON | {"tokens"}
