@@ -42,6 +42,8 @@ async def engine(request: web.Request, n: int) -> web.StreamResponse:
     once, as vLLM's engine does whatever its reader does, then waits to be aborted."""
     body = await request.json()
     tokens = vllm_max_tokens(body)
+    if request.path == "/v1/completions":
+        return await _completion(body, tokens)
     EMITTED.append(tokens)
     if body.get("user") == "flood":
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -57,10 +59,29 @@ async def engine(request: web.Request, n: int) -> web.StreamResponse:
     return web.json_response(answer)
 
 
+async def _completion(body: dict[str, Any], tokens: int) -> web.Response:
+    """vLLM 0.32 runs every embeds prompt first, then every text prompt
+    (renderers/online_renderer.py, preprocess_completion), each to max_tokens."""
+    embeds = body.get("prompt_embeds")
+    embeds = [embeds] if isinstance(embeds, str) else list(embeds or [])
+    prompt = body.get("prompt")
+    texts = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], str) else [1]
+    runs = len(embeds) + (len(texts) if prompt not in (None, "") else 0)
+    EMITTED.append(runs * tokens)
+    await asyncio.sleep(0.5)
+    usage = {"prompt_tokens": runs, "completion_tokens": runs * tokens}
+    choices = [{"index": i, "text": "x", "finish_reason": "length"} for i in range(runs)]
+    return web.json_response({"object": "text_completion", "choices": choices, "usage": usage})
+
+
 @pytest.fixture(scope="module")
 def backend() -> Iterator[NullBackend]:
     with NullBackend(FakeVLLM(model="tiny", script=engine)) as upstream:
         yield upstream
+
+
+def ok_records(log: Path) -> list[dict[str, Any]]:
+    return [r for r in usage_records(log) if r["status"] == 200]
 
 
 def tenant(quota: dict[str, float]) -> list[dict[str, Any]]:
@@ -91,7 +112,7 @@ async def test_max_completion_tokens_beside_a_small_max_tokens_cannot_pass_the_q
         *(exchange(proxy.host, proxy.port, request, timeout_s=20) for _ in range(8))
     )
     served = sum(a.status == 200 for a in answers)
-    await wait_for(lambda: len(usage_records(log)) >= served, 10, "the usage-log lines")
+    await wait_for(lambda: len(ok_records(log)) == served, 10, "the usage-log lines")
     billed = sum(r["prompt_tokens"] + r["completion_tokens"] for r in usage_records(log))
     worst_one = each + 200  # one request's worst case: its output and a generous prompt bound
     assert billed <= limit + worst_one, (served, billed)
@@ -121,3 +142,28 @@ async def test_a_stream_its_client_never_reads_is_billed_what_the_engine_generat
     await wait_for(lambda: len(usage_records(log)) == 1, 10, "the usage-log line")
     (record,) = usage_records(log)
     assert record["completion_tokens"] >= tokens, orjson.dumps(record).decode()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="red team F3: a completions prompt_embeds list is not counted as prompts: vLLM runs"
+    " each embeds prompt (and the text prompt) to max_tokens; the reservation counts one run",
+)
+async def test_a_prompt_embeds_list_cannot_pass_the_quota(
+    start_served: StartServed, tmp_path: Path
+) -> None:
+    # Today: 20 embeds prompts and a text one reserve ~1,200 tokens; two run at once and the
+    # counter ends at 42,042 against tokens_per_day 3,000 (vLLM with --enable-prompt-embeds).
+    log = tmp_path / "usage.jsonl"
+    limit, each = 3000, 1000
+    proxy = start_served(usage_log={"path": str(log)}, tenants=tenant({"tokens_per_day": limit}))
+    body = {"model": "tiny", "prompt": "hi", "prompt_embeds": ["AAAA"] * 20, "max_tokens": each}
+    request = json_request("/v1/completions", body, KEYS["normal"])
+    answers = await asyncio.gather(
+        *(exchange(proxy.host, proxy.port, request, timeout_s=20) for _ in range(4))
+    )
+    served = sum(a.status == 200 for a in answers)
+    await wait_for(lambda: len(ok_records(log)) == served, 10, "the usage-log lines")
+    billed = sum(r["prompt_tokens"] + r["completion_tokens"] for r in usage_records(log))
+    worst_one = 21 * each + 200  # one request's worst case as vLLM runs it
+    assert billed <= limit + worst_one, (served, billed)
