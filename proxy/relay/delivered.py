@@ -61,12 +61,17 @@ class Delivered:
     # The request went to a backend and that attempt neither answered nor failed yet: a client
     # that leaves now leaves work done (vLLM prefilled, maybe decoded); cleared on a failure.
     sent: bool = False
+    # A write to the client was waiting (its reader lagged, stopped or left) when the stream
+    # ended: the engine decodes on whatever its reader does, so what it made past the events
+    # counted here is unknown (the request is billed its reservation: Admitted.billed_usage).
+    writing: bool = False
     _past_roles: bool = False  # a token chunk was seen: no opening chunk comes after it
 
     def chunks(self, block: bytes) -> None:
-        """A block of chat or completions events was written. One scan per block; the
-        opening chunks (chat's role, all sent before any token) are looked for only until
-        the first token chunk."""
+        """A block of chat or completions events came from the engine (counted before it is
+        written: a client that stops reading is billed what the engine sent). One scan per
+        block; the opening chunks (chat's role, all sent before any token) are looked for only
+        until the first token chunk."""
         count = block.count(_CHOICE)
         if not self._past_roles:
             count -= block.count(_ROLE)
@@ -76,7 +81,7 @@ class Delivered:
             self.text_bytes += text_bytes(block)
 
     def responses_event(self, event: bytes) -> None:
-        """One Responses API event was written."""
+        """One Responses API event came from the engine (counted before it is written)."""
         if _RESPONSES_DELTA in event:
             self.events += 1
             self.text_bytes += text_bytes(event, _DELTA_TEXT)

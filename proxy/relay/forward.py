@@ -28,6 +28,7 @@ from aiohttp import web
 from proxy.api.errors import ProxyError, execution_timeout, upstream_failed, upstream_too_large
 from proxy.api.outcome import Outcome
 from proxy.relay.clientsend import ClientSender, ClientStalled
+from proxy.relay.delivered import Delivered
 from proxy.relay.held import held_response
 from proxy.relay.result import RelayResult, UpstreamCall, UpstreamUnavailable
 from proxy.relay.sse import EventTooLarge
@@ -260,6 +261,17 @@ async def _stream_through(
     return result
 
 
+async def _write_counted(
+    send: ClientSender, out: web.StreamResponse, block: bytes, delivered: Delivered
+) -> None:
+    """Count a block of events as the engine's (before the write: a reader that stops is
+    billed what came), then write it; ``writing`` stays set if the write never returns."""
+    delivered.chunks(block)
+    delivered.writing = True
+    await send.write(out, block)
+    delivered.writing = False
+
+
 async def _read_chunk(resp: aiohttp.ClientResponse, deadline: float) -> bytes:
     async with asyncio.timeout_at(deadline):
         return await resp.content.readany()
@@ -303,19 +315,16 @@ async def _relay_stream(
     try:
         await send.prepare(out)
         if first:
-            await send.write(out, first)
-            delivered.chunks(first)
+            await _write_counted(send, out, first, delivered)
         # Not past [DONE]: the answer is whole, the client's response ends now, not with the
         # backend's end of body that comes apart (a client that reads [DONE] and closes was
         # cut waiting for it); nothing after [DONE] is forwarded or billed. The backend's
         # connection is pooled only if its end came too (docs/performance.md: why no wait).
         while not scan.saw_done and (chunk := await content.readany()):
             if block := scan.feed(chunk):
-                await send.write(out, block)
-                delivered.chunks(block)
+                await _write_counted(send, out, block, delivered)
         if rest := scan.finish():
-            await send.write(out, rest)
-            delivered.chunks(rest)
+            await _write_counted(send, out, rest, delivered)
         if not scan.saw_done:
             result.outcome, result.backend_failed = Outcome.UPSTREAM_ERROR, True
             last = upstream_failed("The backend ended the stream without [DONE].").sse_event()

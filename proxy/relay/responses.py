@@ -109,8 +109,10 @@ async def _relay_events(
             if kind in FINAL_EVENTS:
                 ended = True
                 result.usage = _usage_of(data)
+            call.delivered.responses_event(event)  # the engine's, before the write
+            call.delivered.writing = True
             await send.write(out, event)
-            call.delivered.responses_event(event)
+            call.delivered.writing = False
             if ended:  # nothing follows the final event: end without the backend's close
                 break
             async with asyncio.timeout_at(call.deadline):

@@ -138,8 +138,10 @@ class Admitted:
         backend's usage when it came (whole, or found in the rest of an oversize answer);
         else, never less than the engine ran:
 
-        - ``reservation``: an answer past the relay's size bounds without usage: its worst case
-          (the prompt's upper bound and the output's, as reserved; what it delivered if more);
+        - ``reservation``: an answer past the relay's size bounds without usage, or a stream
+          that ended while a write to its client was waiting (the reader lagged, stopped or
+          left: the engine decodes on regardless, how far is unknown): its worst case (the
+          prompt's upper bound and the output's, as reserved; what came if more);
         - ``delivered``: a stream that ended without usage (client gone, timeout, backend broke):
           the prompt's upper bound (vLLM ran the whole prompt before its first chunk) and an
           upper bound of the tokens delivered (``Delivered.output_bound``);
@@ -155,7 +157,7 @@ class Admitted:
         basis: Basis = "delivered"
         worst = self.parsed.output_upper_bound
         worst = self.parsed.expected_output if worst is None else worst
-        if result is not None and result.oversize:
+        if (result is not None and result.oversize) or self.delivered.writing:
             output, basis = max(worst, output), "reservation"
         # Cut by its client (the handler cancelled) while a backend ran it.
         cut = result is None and self.delivered.sent and not BY_ENDPOINT[self.parsed.endpoint].cheap

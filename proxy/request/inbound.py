@@ -233,7 +233,9 @@ _TOKEN_FIELDS = ("max_tokens", "max_completion_tokens")
 def _clamped_max_tokens(
     body: dict[str, Any], tier: Tier, limits: Limits, fields: tuple[str, ...] = _TOKEN_FIELDS
 ) -> int | None:
-    """Validate the output budget fields and clamp them to the tier's cap."""
+    """Validate the output budget fields and clamp them to the tier's cap. Of two fields the
+    larger is the bound: vLLM's chat takes ``max_completion_tokens`` over ``max_tokens``
+    whatever their sizes (a small ``max_tokens`` beside it reserved 1 and ran 2,000)."""
     chosen: int | None = None
     for name in fields:
         value = _lax_field(body, name, lax_int, "a positive integer")
@@ -246,7 +248,7 @@ def _clamped_max_tokens(
                 f"'{name}' is {value}; the most this service allows is {limits.max_tokens_ceiling}",
                 param=name,
             )
-        chosen = value if chosen is None else min(chosen, value)
+        chosen = value if chosen is None else max(chosen, value)
     if tier.max_tokens is not None:
         if chosen is None or chosen > tier.max_tokens:
             chosen = tier.max_tokens

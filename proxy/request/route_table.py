@@ -35,11 +35,15 @@ def one_generation(body: dict[str, Any]) -> int:
 
 def completion_generations(body: dict[str, Any]) -> int:
     """vLLM runs every prompt of a completions prompt list (strings or token-id lists; a flat
-    token-id list is one)."""
+    token-id list is one), and every one of its ``prompt_embeds`` besides (a list or one)."""
     prompt = body.get("prompt")
+    runs = 1
     if isinstance(prompt, list) and prompt and not costs._is_int(prompt[0]):
-        return len(prompt)
-    return 1
+        runs = len(prompt)
+    embeds = body.get("prompt_embeds")
+    if embeds is not None:
+        runs += len(embeds) if isinstance(embeds, list) else 1
+    return runs
 
 
 @dataclass(frozen=True)
@@ -71,7 +75,7 @@ ROWS: Mapping[Endpoint, RouteRow] = {
         costs.completion_chars,
         linear_bound,
         BodyFields(body_fields.COMPLETIONS),
-        budget_fields=_TOKENS,
+        budget_fields=("max_tokens",),  # vLLM's completions have no max_completion_tokens
         generations=completion_generations,
         kv_prompt=kv_prompt.COMPLETION,
     ),

@@ -14,8 +14,8 @@ from tests.helpers.clock import FakeClock
 from tests.helpers.proxyrun import auth, make_config, until
 from tests.helpers.rig import BODY, error_of, rig
 
-# 50,000 empty objects beside the chat: 150 KB of JSON, ~3.6 MB once parsed.
-PADDED = {**BODY, "pad": [{}] * 50_000}
+# 50,000 empty objects beside the chat (in a field that passes): 150 KB of JSON, ~3.6 MB parsed.
+PADDED = {**BODY, "chat_template_kwargs": {"pad": [{}] * 50_000}}  # a field vLLM knows
 RAW = orjson.dumps(PADDED)
 
 

@@ -8,8 +8,7 @@ tests/adversarial/test_relay_faults.py (usage first), tests/unit/request/test_tp
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ from aiohttp import web
 
 from proxy.bench.fake_vllm import FakeVLLM
 from proxy.config.tenants import hash_key
-from tests.adversarial.served.kit import RawClient, exchange, json_request
+from tests.adversarial.served.kit import RawClient, exchange, json_request, usage_records, wait_for
 from tests.adversarial.served.served import NullBackend, StartServed
 from tests.helpers.proxyrun import KEYS
 
@@ -98,19 +97,6 @@ def backend() -> Iterator[Upstream]:
     """This module's fake backend (the served fixtures forward to it)."""
     with Upstream() as upstream:
         yield upstream
-
-
-def usage_records(log: Path) -> list[dict[str, Any]]:
-    text = log.read_text() if log.exists() else ""
-    return [orjson.loads(line) for line in text.splitlines()]
-
-
-async def wait_for(test: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not test():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 def chat(user: str, **extra: object) -> bytes:

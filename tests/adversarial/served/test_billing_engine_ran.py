@@ -14,9 +14,8 @@ import aiohttp
 import pytest
 
 from proxy.bench.fake_vllm import FakeVLLM
-from tests.adversarial.served.kit import exchange, json_request
+from tests.adversarial.served.kit import exchange, json_request, usage_records, wait_for
 from tests.adversarial.served.served import ADMIN_KEY, NullBackend, ServedProxy, StartServed
-from tests.adversarial.served.test_billing import usage_records, wait_for
 from tests.helpers.proxyrun import KEYS
 
 CHUNKS, PER_CHUNK = 152, 50  # 7,600 tokens in 152 chunks: billed 149 before

@@ -15,9 +15,8 @@ import pytest
 
 from proxy.bench.fake_vllm import FakeVLLM
 from proxy.config.tenants import hash_key
-from tests.adversarial.served.kit import exchange, json_request
+from tests.adversarial.served.kit import exchange, json_request, usage_records, wait_for
 from tests.adversarial.served.served import NullBackend, StartServed
-from tests.adversarial.served.test_billing import usage_records, wait_for
 from tests.helpers.proxyrun import KEYS
 
 ENGINE_S = 0.4  # each answer takes this long at the fake backend

@@ -1,6 +1,6 @@
-"""Red team (issue 30, "Money you can trust"): a paying tenant against `tierproxy serve`
-(uvloop, the C parser) in front of a fake vLLM that answers as vLLM 0.32 does. Each test
-fails today and passes once its finding is fixed (``xfail(strict=True)`` until then)."""
+"""A paying tenant who wants to pay less, against `tierproxy serve` (uvloop, the C parser) in
+front of a fake vLLM that answers as vLLM 0.32 does: the red team's findings of issue 30
+("Money you can trust"), each of which failed before its fix."""
 
 from __future__ import annotations
 
@@ -15,9 +15,8 @@ from aiohttp import web
 
 from proxy.bench.fake_vllm import FakeVLLM
 from proxy.config.tenants import hash_key
-from tests.adversarial.served.kit import RawClient, exchange, json_request
+from tests.adversarial.served.kit import RawClient, exchange, json_request, usage_records, wait_for
 from tests.adversarial.served.served import NullBackend, StartServed
-from tests.adversarial.served.test_billing import usage_records, wait_for
 from tests.helpers.proxyrun import KEYS
 
 EMITTED: list[int] = []  # tokens the fake engine generated, one entry a request
@@ -94,11 +93,8 @@ def chat(**extra: object) -> bytes:
     return json_request("/v1/chat/completions", body, KEYS["normal"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="red team F1: max_tokens=1 with max_completion_tokens=2000 reserves 1 output token"
-    " (the proxy takes the smaller) while vLLM runs max_completion_tokens",
-)
+# Red team F1: max_tokens=1 with max_completion_tokens=2000 reserves 1 output token (the proxy
+# takes the smaller) while vLLM runs max_completion_tokens (fixed in issue 30).
 async def test_max_completion_tokens_beside_a_small_max_tokens_cannot_pass_the_quota(
     start_served: StartServed, tmp_path: Path
 ) -> None:
@@ -118,11 +114,8 @@ async def test_max_completion_tokens_beside_a_small_max_tokens_cannot_pass_the_q
     assert billed <= limit + worst_one, (served, billed)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="red team F2: a stream whose client stops reading is billed what reached its"
-    " socket, not what the engine generated (vLLM decodes on whatever its reader does)",
-)
+# Red team F2: a stream whose client stops reading is billed what reached its socket, not what the
+# engine generated (vLLM decodes on whatever its reader does) (fixed in issue 30).
 async def test_a_stream_its_client_never_reads_is_billed_what_the_engine_generated(
     start_served: StartServed, tmp_path: Path
 ) -> None:
@@ -144,11 +137,8 @@ async def test_a_stream_its_client_never_reads_is_billed_what_the_engine_generat
     assert record["completion_tokens"] >= tokens, orjson.dumps(record).decode()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="red team F3: a completions prompt_embeds list is not counted as prompts: vLLM runs"
-    " each embeds prompt (and the text prompt) to max_tokens; the reservation counts one run",
-)
+# Red team F3: a completions prompt_embeds list is not counted as prompts: vLLM runs each embeds
+# prompt (and the text prompt) to max_tokens; the reservation counts one run (fixed in issue 30).
 async def test_a_prompt_embeds_list_cannot_pass_the_quota(
     start_served: StartServed, tmp_path: Path
 ) -> None:
@@ -169,11 +159,9 @@ async def test_a_prompt_embeds_list_cannot_pass_the_quota(
     assert billed <= limit + worst_one, (served, billed)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="red team F1b: on /v1/completions a max_completion_tokens of 1 beside max_tokens=2000"
-    " reserves 1 output token; vLLM's CompletionRequest has no such field and runs max_tokens",
-)
+# Red team F1b: on /v1/completions a max_completion_tokens of 1 beside max_tokens=2000 reserves 1
+# output token; vLLM's CompletionRequest has no such field and runs max_tokens (fixed in issue
+# 30).
 async def test_max_completion_tokens_on_completions_cannot_pass_the_quota(
     start_served: StartServed, tmp_path: Path
 ) -> None:
