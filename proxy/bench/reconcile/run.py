@@ -43,6 +43,7 @@ from proxy.ticket import DEFAULT_SECRET_ENV
 # logprobs of each prompt and output token, ~1.5 KB a token) spread across it.
 MAX_RESPONSE_BYTES = 384 * 1024
 CALL_TIMEOUT_S = 0.25
+QUEUE_TIMEOUT_S = 5.0
 STALL_S = 2.0  # longer than CALL_TIMEOUT_S
 TROUBLE_DELAY_S = 0.3  # into a category's requests
 RESTART_AFTER_S = 1.0
@@ -77,7 +78,9 @@ def proxy_config(
             "on_failure": "local",
         }
     backends = [{"url": engine_url, "max_inflight": 4}]
-    return make_config(backends, tenants=[t.config() for t in people], **extra)
+    # A queue that stops moving (seen after the Redis troubles) costs seconds, not minutes.
+    tiers = {"normal": {"queue_timeout_s": QUEUE_TIMEOUT_S}}
+    return make_config(backends, tiers=tiers, tenants=[t.config() for t in people], **extra)
 
 
 def _start(
