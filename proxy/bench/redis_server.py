@@ -1,5 +1,6 @@
 """A real redis-server on a free loopback port, for the shared-state tests and benchmark: no
-persistence (a restart is a Redis that forgot everything, the harshest case)."""
+persistence by default (a restart is a Redis that forgot everything, the harshest case);
+``appendonly`` keeps every write (fsync each), as docs/quotas.md advises where budgets are money."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from proxy.ops.process import free_port
 
 
 class RedisServer:
-    def __init__(self, workdir: Path, port: int | None = None) -> None:
+    def __init__(self, workdir: Path, port: int | None = None, appendonly: bool = False) -> None:
         self.workdir = workdir
         self.port = port or free_port()
+        self.appendonly = appendonly
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -37,7 +39,9 @@ class RedisServer:
                 "--save",
                 "",
                 "--appendonly",
-                "no",
+                "yes" if self.appendonly else "no",
+                "--appendfsync",
+                "always",
                 "--dir",
                 str(self.workdir),
                 # DEBUG SLEEP from loopback: a test's stall of the whole server (a fork, an fsync)
