@@ -80,6 +80,7 @@ class SharedBackendRoom:
         self.pool.on_shared_room = None
         for state in self.pool.all():  # hand back what we hold, for the other replicas
             held = (state.granted or 0) + self._shed.pop(state.cfg.url, 0)
+            state.granted = 0
             if held:
                 with contextlib.suppress(SharedStateDown):
                     await self._give_back(state, held)
@@ -136,7 +137,9 @@ class SharedBackendRoom:
         """Ask for the slots this replica needs on ``state`` or give back the ones it does
         not; returns when to look again at the latest."""
         if state.granted is None:
-            state.granted = 0  # first time, or Redis is back: it remembers nothing of ours
+            # First time, or Redis is back: whatever it still has of ours (a stall, a restart
+            # from its append-only file) is overwritten by what we send now, 0.
+            state.granted = 0
         shed = self._shed.pop(state.cfg.url, 0)
         if shed:
             await self._give_back(state, shed)
@@ -158,6 +161,7 @@ class SharedBackendRoom:
                     _room(state),
                     self.store.cfg.priority_reserve,
                     1 if better else 0,
+                    state.granted,
                 ],
             )
             self._replicas[state.cfg.url] = int(replicas)
@@ -174,7 +178,7 @@ class SharedBackendRoom:
             await self.store.run(
                 ROOM_ACQUIRE,
                 self._keys(state),
-                [self.replica, self.store.cfg.lease_ttl_s, 0, 0, 0, 0],
+                [self.replica, self.store.cfg.lease_ttl_s, 0, 0, 0, 0, state.granted],
             )
         return self.store.cfg.lease_ttl_s / 3
 
@@ -223,10 +227,13 @@ class SharedBackendRoom:
         await self._give_back(state, slots)
 
     async def _give_back(self, state: BackendState, slots: int) -> None:
+        """Give back ``slots`` (already taken off ``state.granted``): Redis's entry for this
+        replica is set to what it now holds (what a lost call left there is overwritten)."""
+        held = state.granted or 0
         await self.store.run(
             ROOM_RELEASE,
             self._keys(state),
-            [self.replica, self.store.cfg.lease_ttl_s, slots, self.channel, state.cfg.url],
+            [self.replica, self.store.cfg.lease_ttl_s, slots, self.channel, state.cfg.url, held],
         )
 
     # -- messages ------------------------------------------------------------------------

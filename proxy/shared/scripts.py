@@ -189,19 +189,30 @@ redis.call('PEXPIRE', KEYS[1], math.ceil(ttl * 1000) + 1000)
 redis.call('PEXPIRE', KEYS[2], math.ceil(ttl * 1000) + 1000)
 """
 
-# ARGV: replica, ttl, want, room (max_inflight), reserve, better (1: best tier waits here)
-# Returns {granted, seconds until another replica's heartbeat expires (room may appear then
-# without a message), live replicas}. Want 0 renews the heartbeat only.
+# ARGV: replica, ttl, want, room (max_inflight), reserve, better (1: best tier waits here),
+# held (the slots the replica holds before this call, as it counts them). Returns {granted,
+# seconds until another replica's heartbeat expires (room may appear then without a message),
+# live replicas}. Want 0 renews the heartbeat only. The replica's entry is SET to held +
+# granted, never incremented: a call whose answer was lost (a stall past call_timeout_s, after
+# which the script still ran) is overwritten by the next one, not kept as slots nobody holds.
 ROOM_ACQUIRE = Script(
     _ROOM
     + """
 local want, room, reserve = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-local total = 0
-for _, v in ipairs(redis.call('HVALS', KEYS[1])) do total = total + tonumber(v) end
+local held = tonumber(ARGV[7])
+local total = held
+local entries = redis.call('HGETALL', KEYS[1])
+for i = 1, #entries, 2 do
+  if entries[i] ~= replica then total = total + (tonumber(entries[i + 1]) or 0) end
+end
 local cap = room
 if ARGV[6] == '1' then cap = room + reserve end
 local grant = math.max(0, math.min(want, cap - total))
-if grant > 0 then redis.call('HINCRBY', KEYS[1], replica, grant) end
+if held + grant > 0 then
+  redis.call('HSET', KEYS[1], replica, held + grant)
+else
+  redis.call('HDEL', KEYS[1], replica)
+end
 local retry = ttl
 local first = redis.call('ZRANGE', KEYS[2], 0, 1, 'WITHSCORES')
 for i = 1, #first, 2 do
@@ -214,12 +225,17 @@ return {grant, tostring(retry), redis.call('ZCARD', KEYS[2])}
 """
 )
 
-# ARGV: replica, ttl, slots given back, channel, backend url. Wakes replicas waiting for room.
+# ARGV: replica, ttl, slots given back, channel, backend url, held (what the replica holds
+# after it: its entry is set to it, as in ROOM_ACQUIRE). Wakes replicas waiting for room.
 ROOM_RELEASE = Script(
     _ROOM
     + """
-local left = redis.call('HINCRBY', KEYS[1], replica, -tonumber(ARGV[3]))
-if left <= 0 then redis.call('HDEL', KEYS[1], replica) end
+local left = tonumber(ARGV[6])
+if left > 0 then
+  redis.call('HSET', KEYS[1], replica, left)
+else
+  redis.call('HDEL', KEYS[1], replica)
+end
 redis.call('PUBLISH', ARGV[4], ARGV[5])
 return left
 """

@@ -157,6 +157,29 @@ async def test_a_replica_with_a_standing_backlog_cannot_keep_the_others_out(
     assert a.granted == 2 and a.state.inflight == 2
 
 
+async def test_a_grant_whose_answer_was_lost_holds_no_slot(
+    replicas: Callable[..., Any],
+) -> None:
+    """A stall past call_timeout_s (a fork, a SIGSTOP, a slow fsync): the acquire script still
+    ran in Redis after the replica gave up on it. Before issue 30 the replica's entry was
+    incremented and never corrected (it heartbeats, so it never expires): the backend looked
+    full for ever and every request timed out in the queue with the engine idle (found by
+    the reconciliation benchmark's Redis stall). The next call sets the entry to what the
+    replica holds."""
+    a, b = await replicas(lease_ttl_s=30.0, priority_reserve=0)
+    a.want(2)
+    await until(lambda: a.granted == 2, 5, "a to get its slots")
+    held_key = a.room._keys(a.state)[0]
+    await a.room.store.redis.hset(held_key, "a", 4)  # what a lost grant of 2 more leaves
+    a.run(2)
+    a.finish(2)
+    a.waiting = 0
+    b.want(4)
+    await until(lambda: b.granted == 4, 5, "b to get the whole room back")
+    assert a.granted == 0
+    assert await a.room.store.redis.hget(held_key, "a") is None
+
+
 async def test_a_stopped_replicas_slots_return_within_the_ttl(
     replicas: Callable[..., Any],
 ) -> None:
