@@ -106,9 +106,10 @@ def proxy_config(
     policies: dict[str, Any] = {"backends": name}
     if weights:
         best, worst, *hold = (float(w) for w in weights.split("/"))
-        policies |= {"kv_room_weight_best": best, "kv_room_weight_worst": worst}
+        knobs: dict[str, float] = {"room_weight_best": best, "room_weight_worst": worst}
         if hold:
-            policies["kv_hold_s"] = hold[0]
+            knobs["hold_s"] = hold[0]
+        policies["kv_aware"] = knobs
     return {
         "listen": {"host": "127.0.0.1", "port": 0},
         "tiers": {t: DEFAULT_TIERS[t] for t in scenario.tiers},

@@ -10,7 +10,7 @@ from pydantic import (
     model_validator,
 )
 
-from proxy.config.base import Strict
+from proxy.config.base import TUNING, Strict
 
 
 class BackendHealth(Strict):
@@ -20,33 +20,47 @@ class BackendHealth(Strict):
         1.0, gt=0, description="Seconds between active `GET /health` probes of each backend."
     )
     metrics_interval_s: float = Field(
-        0.5, gt=0, description="Seconds between scrapes of each backend's `/metrics` (its load)."
+        0.5,
+        gt=0,
+        description="Seconds between scrapes of each backend's `/metrics` (its load).",
+        json_schema_extra=TUNING,
     )
     models_interval_s: float = Field(
-        10.0, gt=0, description="Seconds between refreshes of each backend's `/v1/models`."
+        10.0,
+        gt=0,
+        description="Seconds between refreshes of each backend's `/v1/models`.",
+        json_schema_extra=TUNING,
     )
     stale_after_s: float = Field(
         2.0,
         gt=0,
         description="Scraped load older than this is ignored (the proxy's own counts decide"
         " alone).",
+        json_schema_extra=TUNING,
     )
     max_backend_waiting: int = Field(
         2,
         ge=0,
         description="Requests a backend may hold in its own waiting queue; beyond this its room"
         " shrinks by the excess until it drains.",
+        json_schema_extra=TUNING,
     )
     ramp_s: float = Field(
         5.0,
         ge=0,
         description="After an ejection ends, the backend's room ramps from 25% to 100% over"
         " this long.",
+        json_schema_extra=TUNING,
     )
     eject_base_s: float = Field(
-        1.0, gt=0, description="First ejection's length; it doubles with each one in a row."
+        1.0,
+        gt=0,
+        description="First ejection's length; it doubles with each one in a row.",
+        json_schema_extra=TUNING,
     )
-    eject_max_s: float = Field(30.0, gt=0, description="Longest ejection.")
+    eject_max_s: float = Field(
+        30.0, gt=0, description="Longest ejection.", json_schema_extra=TUNING
+    )
     connect_timeout_s: float = Field(
         3.0,
         gt=0,
@@ -54,7 +68,10 @@ class BackendHealth(Strict):
         " applies a change).",
     )
     probe_timeout_s: float = Field(
-        5.0, gt=0, description="Timeout of one health, metrics or models probe."
+        5.0,
+        gt=0,
+        description="Timeout of one health, metrics or models probe.",
+        json_schema_extra=TUNING,
     )
     max_metrics_bytes: int = Field(
         4 * 1024 * 1024,
@@ -63,6 +80,7 @@ class BackendHealth(Strict):
         " larger one is a failed scrape (cut at the cap, counted in"
         " `tierproxy_backend_probe_failures_total`, its load left to go stale). `/v1/models`"
         " answers are cut at 1 MiB and `/health` ones at 64 KiB.",
+        json_schema_extra=TUNING,
     )
     unhealthy_after: int = Field(
         3,
@@ -70,6 +88,7 @@ class BackendHealth(Strict):
         description="Consecutive failed /health probes before a backend counts as down (a slow"
         " answer from a busy API server is not an outage; refused connections on requests eject"
         " at once anyway).",
+        json_schema_extra=TUNING,
     )
     max_attempts: int = Field(
         3,
@@ -123,6 +142,7 @@ class Backend(Strict):
         description="With `kv_events`: the ZMQ endpoint of that publisher's replay socket (vLLM's"
         " `replay_endpoint`), which batches missed in a gap are asked from. null: none (from"
         " `/kv_event_sources` otherwise).",
+        json_schema_extra=TUNING,
     )
     send_priority: bool = Field(
         True,

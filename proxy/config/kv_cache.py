@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from proxy.config.base import Strict
+from proxy.config.base import TUNING, Strict
 
 # Backend choosers that read the index and the prompts' blocks (``policies.backends``).
 KV_AWARE_POLICIES: frozenset[str] = frozenset({"kv_aware"})
@@ -42,12 +42,14 @@ class KvCache(Strict):
         gt=0,
         description="Without `tokenizer`: a backend's /tokenize that has not answered by then"
         " gives no blocks (the chooser falls back to load).",
+        json_schema_extra=TUNING,
     )
     max_remote_tokenize: int = Field(
         16,
         ge=0,
         description="Without `tokenizer`: /tokenize calls in flight at most (per process); a"
         " request past it gets no blocks rather than wait. 0: never.",
+        json_schema_extra=TUNING,
     )
     max_blocks: int = Field(
         200_000,
@@ -55,6 +57,7 @@ class KvCache(Strict):
         description="Blocks one backend's index holds at most (about 300 bytes each: vLLM's"
         " block hashes are ints or 32 bytes, longer ones are refused); past it"
         " the oldest stored are dropped first.",
+        json_schema_extra=TUNING,
     )
     max_batch_bytes: int = Field(
         4 * 1024 * 1024,
@@ -64,6 +67,7 @@ class KvCache(Strict):
         " larger one drops the connection (the index goes cold). vLLM publishes one batch per"
         " engine step: KBs (about 5 bytes a token it stores: 4 MiB is some 800,000 tokens in one"
         " step); decoding one takes the event loop ~20 ms a MiB.",
+        json_schema_extra=TUNING,
     )
     resync_s: float = Field(
         30.0,
@@ -72,12 +76,14 @@ class KvCache(Strict):
         " is dropped and counts as cold for this long: the chooser ignores it meanwhile (it"
         " misses the blocks stored before the gap). An engine seen from its first event, or"
         " restarted, is warm at once.",
+        json_schema_extra=TUNING,
     )
     idle_timeout_s: float = Field(
         10.0,
         gt=0,
         description="A subscriber that receives nothing for this long checks the backend's"
         " `GET /kv_event_sources` again (the endpoint may have moved).",
+        json_schema_extra=TUNING,
     )
     inline_bytes: int = Field(
         8192,
@@ -86,6 +92,7 @@ class KvCache(Strict):
         " times over past ASCII, and each message's objects: what tokenizing scales with) are"
         " tokenized on the event loop (1-2 ms at most); larger ones on the proxy's two"
         " tokenizer threads (docs/performance.md has the cost).",
+        json_schema_extra=TUNING,
     )
     max_prompt_tokens: int = Field(
         131072,
@@ -93,6 +100,7 @@ class KvCache(Strict):
         description="Prompts estimated past this many tokens get no blocks (placed by load):"
         " tokenizing megabytes takes a thread seconds and ~200 bytes of memory a token, for a"
         " prompt past most models' context.",
+        json_schema_extra=TUNING,
     )
 
 

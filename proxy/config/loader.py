@@ -4,6 +4,7 @@ from the environment, tenants validated in chunks that hand the GIL back to the 
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -15,9 +16,12 @@ from pydantic import (
     ValidationError,
 )
 
+from proxy.config.deprecated import flat_policy_warnings
 from proxy.config.schema import Config, LoadedConfig
 from proxy.config.tenants import KeySpec, Tenant, hash_key
 from proxy.config.yaml_load import Lines, safe_load, yield_gil
+
+log = logging.getLogger("tierproxy")
 
 # The example keys shipped in configs/tierproxy.env.example (and the secret's placeholder, in
 # case it is pasted as a key): a deployment that kept them would let anyone in as that tenant.
@@ -185,13 +189,16 @@ def parse_config(
     by_hash, admin, problems, warnings = _resolve_keys(config, lines, env, expires)
     if problems:
         raise ConfigError(source, problems)
+    deprecated = flat_policy_warnings(data)
+    for warning in deprecated:
+        log.warning("%s: %s", source, warning)
     return LoadedConfig(
         config=config,
         tenant_by_key_hash=by_hash,
         admin_key_hashes=admin,
         source=source,
         key_expires_at={digest: at for digest, at in expires.items() if at != float("inf")},
-        warnings=tuple(warnings),
+        warnings=tuple(warnings + deprecated),
     )
 
 

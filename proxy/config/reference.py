@@ -1,7 +1,9 @@
 """docs/configuration.md, generated from the config schema (`tierproxy config-reference`).
 
 Walks ``Config`` and every section model it reaches, whatever sections exist: a new section
-appears here by being a field of ``Config`` with ``Field(description=...)`` on its fields.
+appears here by being a field of ``Config`` with ``Field(description=...)`` on its fields. The
+operator's keys come first; the fields tagged ``json_schema_extra=TUNING`` (and every field of a
+section reached only through one) go to the "Tuning" appendix.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
+from proxy.config.base import is_tuning
 from proxy.config.schema import Config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -134,6 +137,34 @@ def sections(root: type[BaseModel] = Config) -> list[tuple[str, type[BaseModel]]
     return found
 
 
+def tuning_sections(root: type[BaseModel] = Config) -> set[type[BaseModel]]:
+    """The sections reached only through a tuning field: every field of theirs is tuning."""
+    operator: set[type[BaseModel]] = {root}
+    todo = [root]
+    while todo:
+        for field in todo.pop().model_fields.values():
+            if is_tuning(field):
+                continue
+            for sub in _models_in(field.annotation):
+                if sub not in operator:
+                    operator.add(sub)
+                    todo.append(sub)
+    return {model for _, model in sections(root)} - operator
+
+
+def split_fields(
+    model: type[BaseModel], tuning: set[type[BaseModel]]
+) -> tuple[list[str], list[str]]:
+    """(the operator's field names, the tuning ones) of ``model``."""
+    if model in tuning:
+        return [], list(model.model_fields)
+    fields = model.model_fields
+    return (
+        [n for n, f in fields.items() if not is_tuning(f)],
+        [n for n, f in fields.items() if is_tuning(f)],
+    )
+
+
 def _example_data(path: Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
@@ -159,16 +190,61 @@ def _yaml(value: dict[str, Any]) -> str:
     return yaml.safe_dump(value, sort_keys=False, default_flow_style=False, width=96).rstrip()
 
 
-def _example_block(names: list[str], examples: dict[str, Any]) -> list[str]:
+def _operator_part(value: Any, model: type[BaseModel] | None) -> Any:
+    """An example without its section's tuning keys (the operator's page shows none)."""
+    if model is None or not isinstance(value, dict):
+        return value
+    fields = model.model_fields
+    return {k: v for k, v in value.items() if k not in fields or not is_tuning(fields[k])}
+
+
+def _example_block(
+    names: list[str], examples: dict[str, Any], model: type[BaseModel] | None = None
+) -> list[str]:
     shown = {n: example_of(n, Config.model_fields[n], examples) for n in names}
-    shown = {n: v for n, v in shown.items() if v is not None}
+    shown = {n: _operator_part(v, model) for n, v in shown.items() if v is not None}
     return ["", "```yaml", _yaml(shown), "```"] if shown else []
 
 
-def _table(model: type[BaseModel]) -> list[str]:
+def _table(model: type[BaseModel], names: list[str]) -> list[str]:
     rows = ["| Field | Type | Default | Meaning |", "|---|---|---|---|"]
-    rows += [field_row(model, n, f) for n, f in model.model_fields.items()]
+    rows += [field_row(model, n, model.model_fields[n]) for n in names]
     return rows
+
+
+def _heading(anchor: str, title: str, model: type[BaseModel]) -> list[str]:
+    out = ["", f'<a id="{anchor}"></a>', title, ""]
+    return out + ([" ".join(model.__doc__.split()), ""] if model.__doc__ else [])
+
+
+def _tuning_appendix(tuning: set[type[BaseModel]]) -> list[str]:
+    out = [
+        "",
+        '<a id="tuning"></a>',
+        "# Tuning",
+        "",
+        "A controller's or an implementation's internals: the defaults are measured"
+        " (docs/performance.md, docs/benchmarks.md) and an operator should not need these;"
+        " change one to fix a measured problem. They load, reload and validate as the keys"
+        " above do.",
+    ]
+    _, top = split_fields(Config, tuning)
+    if top:
+        out += ["", f'<a id="{_anchor(Config)}-tuning"></a>', "## Top level (tuning)", ""]
+        out += _table(Config, top)
+    for path, model in sections():
+        operator, names = split_fields(model, tuning)
+        if not names:
+            continue
+        anchor = _anchor(model) + ("-tuning" if operator else "")
+        title = f"## `{path}` ({model.__name__})" + (" (tuning)" if operator else "")
+        out += (
+            ["", f'<a id="{anchor}"></a>', title, ""]
+            if operator
+            else _heading(anchor, title, model)
+        )
+        out += _table(model, names)
+    return out
 
 
 def render(example_file: dict[str, Any] | None = None) -> str:
@@ -181,29 +257,35 @@ def render(example_file: dict[str, Any] | None = None) -> str:
         " regenerate with `tierproxy config-reference -o docs/configuration.md`. -->",
         "",
         "The proxy reads one YAML file (`tierproxy serve -c FILE`; `tierproxy check -c FILE`"
-        " validates it). Every section and field below, with its type, bounds, default and"
-        " meaning; unknown fields are errors. Examples come from `configs/example.yaml` where"
-        " it sets the section, else from the defaults.",
+        " validates it). Every section and field an operator sets, with its type, bounds,"
+        " default and meaning; unknown fields are errors. Examples come from"
+        " `configs/example.yaml` where it sets the section, else from the defaults. The"
+        " internals an expert tunes follow in the [Tuning](#tuning) appendix.",
         "",
         f'<a id="{_anchor(Config)}"></a>',
         "## Top level",
         "",
         " ".join((Config.__doc__ or "").split()),
         "",
-        *_table(Config),
     ]
+    tuning = tuning_sections()
+    top_operator, _ = split_fields(Config, tuning)
+    out += _table(Config, top_operator)
     section_tops = {path.split(".")[0].split("[")[0] for path, _ in sections()}
-    out += _example_block([n for n in Config.model_fields if n not in section_tops], examples)
+    plain = [n for n in top_operator if n not in section_tops]
+    out += _example_block(plain, examples)
     for path, model in sections():
-        out += ["", f'<a id="{_anchor(model)}"></a>', f"## `{path}` ({model.__name__})", ""]
-        if model.__doc__:
-            out += [" ".join(model.__doc__.split()), ""]
-        out += _table(model)
+        operator, _ = split_fields(model, tuning)
+        if not operator:
+            continue
+        out += _heading(_anchor(model), f"## `{path}` ({model.__name__})", model)
+        out += _table(model, operator)
         top = path.split(".")[0].split("[")[0]
         if path in (top, f"{top}[]", f"{top}.<name>"):
-            out += _example_block([top], examples)
+            out += _example_block([top], examples, model)
     out += ["", "## A complete file", "", f"`{EXAMPLE_PATH}`:", "", "```yaml"]
     out += [(REPO / EXAMPLE_PATH).read_text(encoding="utf-8").rstrip(), "```"]
+    out += _tuning_appendix(tuning)
     return "\n".join(out) + "\n"
 
 

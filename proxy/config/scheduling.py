@@ -3,13 +3,12 @@ estimates, aging) and `policies:` (which implementation of each seam runs)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import (
-    Field,
-)
+from pydantic import Field, model_validator
 
-from proxy.config.base import Strict
+from proxy.config.base import TUNING, Strict
+from proxy.config.deprecated import nest_flat_policy_knobs
 
 
 class Limits(Strict):
@@ -52,15 +51,20 @@ class Scheduling(Strict):
         gt=0,
         description='Cost at which a request counts as "as long as they come" for the'
         " short-first order.",
+        json_schema_extra=TUNING,
     )
     chars_per_token: float = Field(
-        4.0, gt=0, description="Characters per token, to estimate a prompt's tokens cheaply."
+        4.0,
+        gt=0,
+        description="Characters per token, to estimate a prompt's tokens cheaply.",
+        json_schema_extra=TUNING,
     )
     default_expected_output: int = Field(
         256,
         gt=0,
         description="Expected output tokens when the client sets no max_tokens (the tier cap"
         " wins when lower).",
+        json_schema_extra=TUNING,
     )
     best_tier_reserve: int = Field(
         1,
@@ -82,6 +86,57 @@ TenantPolicy = Literal["vtc", "edf"]
 OrderPolicy = Literal["short_first", "fcfs"]
 DisplacementPolicy = Literal["largest_share", "none"]
 BackendPolicy = Literal["least_utilised", "prefix_affinity", "kv_aware"]
+
+
+class PrefixAffinityKnobs(Strict):
+    """`policies.prefix_affinity`: how a prompt prefix is recognised and remembered."""
+
+    prefix_tokens: int = Field(
+        256,
+        gt=0,
+        description="Leading tokens that identify a prompt prefix (approximated with"
+        " `scheduling.chars_per_token`).",
+    )
+    memory: int = Field(10_000, gt=0, description="How many prefixes are remembered (LRU).")
+
+
+class KvAwareKnobs(Strict):
+    """`policies.kv_aware`: free room against cached prefill, and the hold for a busy cache."""
+
+    room_weight_best: float = Field(
+        1.0,
+        gt=0,
+        description="How much the best tier weighs a backend's free room against the share of"
+        " its prompt cached there (1.0: a fully cached prompt is worth a whole idle backend);"
+        " higher sends it to idle backends sooner.",
+    )
+    room_weight_worst: float = Field(
+        0.1,
+        gt=0,
+        description="The same weight for the worst tier (tiers between: geometric steps by"
+        " priority); lower lets it follow its cache onto busier backends.",
+    )
+    hold_s: float = Field(
+        1.0,
+        ge=0,
+        le=30,
+        description="The longest a worst-tier request waits for the busy backend that holds"
+        " its prompt's prefix while another has room (better tiers wait less, in proportion to"
+        " their room weights; 0: never waits, moves at once).",
+    )
+
+
+class VtcKnobs(Strict):
+    """`policies.vtc`: what the fairness counters charge."""
+
+    cached_prompt_charge: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="What one prompt token that hit the backend's prefix cache costs in the"
+        " fairness counters, against 1.0 for one it computed (needs vLLM's"
+        " `--enable-prompt-tokens-details`; without it every prompt token counts 1.0).",
+    )
 
 
 class Policies(Strict):
@@ -113,41 +168,22 @@ class Policies(Strict):
         " `prefix_affinity` (the one that served the same prompt prefix, when it has room) or"
         " `kv_aware` (prefill saved by what each backend's KV cache holds, against its load).",
     )
-    prefix_tokens: int = Field(
-        256,
-        gt=0,
-        description="`prefix_affinity`: leading tokens that identify a prompt prefix"
-        " (approximated with `scheduling.chars_per_token`).",
+    prefix_affinity: PrefixAffinityKnobs = Field(
+        PrefixAffinityKnobs(),
+        description="`backends: prefix_affinity`'s knobs (also the prefix hash every request"
+        " carries).",
+        json_schema_extra=TUNING,
     )
-    prefix_memory: int = Field(
-        10_000, gt=0, description="`prefix_affinity`: how many prefixes are remembered (LRU)."
+    kv_aware: KvAwareKnobs = Field(
+        KvAwareKnobs(), description="`backends: kv_aware`'s knobs.", json_schema_extra=TUNING
     )
-    kv_room_weight_best: float = Field(
-        1.0,
-        gt=0,
-        description="`kv_aware`: how much the best tier weighs a backend's free room against"
-        " the share of its prompt cached there (1.0: a fully cached prompt is worth a whole"
-        " idle backend); higher sends it to idle backends sooner.",
+    vtc: VtcKnobs = Field(
+        VtcKnobs(), description="`tenants: vtc`'s knobs.", json_schema_extra=TUNING
     )
-    kv_room_weight_worst: float = Field(
-        0.1,
-        gt=0,
-        description="`kv_aware`: the same weight for the worst tier (tiers between: geometric"
-        " steps by priority); lower lets it follow its cache onto busier backends.",
-    )
-    kv_hold_s: float = Field(
-        1.0,
-        ge=0,
-        le=30,
-        description="`kv_aware`: the longest a worst-tier request waits for the busy backend"
-        " that holds its prompt's prefix while another has room (better tiers wait less, in"
-        " proportion to their room weights; 0: never waits, moves at once).",
-    )
-    cached_prompt_charge: float = Field(
-        0.1,
-        ge=0,
-        le=1,
-        description="`tenants: vtc`: what one prompt token that hit the backend's prefix cache"
-        " costs in the fairness counters, against 1.0 for one it computed (needs vLLM's"
-        " `--enable-prompt-tokens-details`; without it every prompt token counts 1.0).",
-    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nest_flat_knobs(cls, data: Any) -> Any:
+        """The flat names of before 2026-12 (`kv_hold_s`, ...), moved under their policy;
+        the loader logs a deprecation warning for each (proxy/config/deprecated.py)."""
+        return nest_flat_policy_knobs(data)

@@ -11,7 +11,7 @@ from pydantic import (
 )
 
 from proxy.config.backends import Backend, BackendHealth
-from proxy.config.base import Strict
+from proxy.config.base import TUNING, Strict
 from proxy.config.kv_cache import KvCache
 from proxy.config.quotas import Price
 from proxy.config.scheduling import Limits, Policies, Scheduling
@@ -54,6 +54,7 @@ class Config(Strict):
     adaptive_room: AdaptiveRoom = Field(
         AdaptiveRoom(),
         description="The controller that learns each adaptive backend's room (docs/slo.md).",
+        json_schema_extra=TUNING,
     )
     input: InputLimits = Field(InputLimits(), description="What a client may send.")
     relay: Relay = Field(Relay(), description="Bounds on relaying answers.")

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from proxy.config.base import Strict
+from proxy.config.base import TUNING, Strict
 
 
 class Listen(Strict):
@@ -43,6 +43,7 @@ class Server(Strict):
         " one, which is refused only when no such connection is left. A client holding every"
         " slot with half-sent heads then locks nobody out; a connection whose request is in"
         " progress (body, queue, answer) is never cut. `false`: the newcomer is refused.",
+        json_schema_extra=TUNING,
     )
     max_connections_per_address: int | None = Field(
         None,
@@ -70,6 +71,7 @@ class Server(Strict):
         description="Connections of the admin listener's own (`admin_listen`), apart from"
         " `max_connections`: /metrics, /admin and drain answer while the public listener is"
         " flooded. Without `admin_listen` they share the public listener's cap.",
+        json_schema_extra=TUNING,
     )
     # nginx reads a request head into at most 4 x 8 KiB buffers (large_client_header_buffers);
     # Envoy's max_request_headers_kb defaults to 60 KiB.
@@ -89,12 +91,14 @@ class Server(Strict):
         " and closes. With `max_header_bytes` it bounds what clients that never finish their"
         " headers hold, however many connections they open. A head that arrives whole in one"
         " read (almost every real client's) is never counted.",
+        json_schema_extra=TUNING,
     )
     reload_debounce_s: float = Field(
         0.2,
         ge=0,
         description="Live reload: a changed file is applied only when it reads the same again"
         " this long after (a file saved in two writes is never applied half-written).",
+        json_schema_extra=TUNING,
     )
 
 
@@ -114,12 +118,14 @@ class Relay(Strict):
         gt=0,
         description="One SSE event held at most: past it, an error event and [DONE], or 502"
         " before any byte reached the client.",
+        json_schema_extra=TUNING,
     )
     buffer_response_bytes: int = Field(
         1024 * 1024,
         gt=0,
         description="A non-stream answer up to this size is held whole (usage read, retry still"
         " possible); a larger one is streamed through to the client in chunks.",
+        json_schema_extra=TUNING,
     )
     max_response_bytes: int = Field(
         64 * 1024 * 1024,
@@ -133,12 +139,14 @@ class Relay(Strict):
         description="An answer past max_response_bytes was computed whole by the engine: it is"
         " read on this far (never held, never relayed; within the execution timeout) for its"
         " usage, which is billed. Without it, the request is billed its reservation.",
+        json_schema_extra=TUNING,
     )
     max_reset_retries: int = Field(
         1,
         ge=0,
         description="Retries of a request after a backend reset it (or answered invalid HTTP):"
         " it may have run there. Past this, the request is a poison pill: 502.",
+        json_schema_extra=TUNING,
     )
 
 
@@ -152,6 +160,7 @@ class InputLimits(Strict):
         le=128,
         description="Deepest nesting of arrays and objects in a body (the body itself is depth"
         " 1); deeper bodies get 400 at parse time.",
+        json_schema_extra=TUNING,
     )
     # Every value parsed is walked in Python on the event loop (validation, the token estimate):
     # ~0.2 µs a scalar, ~1 µs an object or array. Bodies of tiny containers ([{},{},...]: one per
@@ -162,6 +171,7 @@ class InputLimits(Strict):
         description="Most values (strings, numbers, arrays, objects ...) inside a body's arrays"
         " and objects, at every level; past it 400 `json_too_many_elements` at parse time"
         " (a prompt of a million token ids fits).",
+        json_schema_extra=TUNING,
     )
     max_json_containers: int = Field(
         100_000,
@@ -169,6 +179,7 @@ class InputLimits(Strict):
         description="Most arrays and objects in a body, at every level; past it 400"
         " `json_too_many_elements` at parse time (10,000 chat messages with content parts"
         " take ~50,000).",
+        json_schema_extra=TUNING,
     )
     max_tokens_per_media_item: int = Field(
         16_384,
@@ -177,6 +188,7 @@ class InputLimits(Strict):
         " and budgets, in tokens, in place of its bytes (docs/quotas.md, the prompt's upper"
         " bound). The default covers common vision models (Qwen2-VL at its default maximum"
         " resolution: 16,384; LLaVA: 576 to 2,880); set your model's maximum per item.",
+        json_schema_extra=TUNING,
     )
     body_read_timeout_s: float = Field(
         30.0,

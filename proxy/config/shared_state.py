@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from proxy.config.base import Strict
+from proxy.config.base import TUNING, Strict
 
 
 class SharedState(Strict):
@@ -28,6 +28,7 @@ class SharedState(Strict):
         description="Each Redis call gives up after this long once it has a connection (then"
         " on_failure decides); timeouts of calls, never waits for a connection, mark Redis"
         " down.",
+        json_schema_extra=TUNING,
     )
     pool_wait_s: float = Field(
         1.0,
@@ -38,6 +39,7 @@ class SharedState(Strict):
         " decided as on_failure says, without marking"
         " Redis down: a busy pool says this process is busy, not that Redis is. A request"
         " waits on Redis at most pool_wait_s + call_timeout_s before it is decided.",
+        json_schema_extra=TUNING,
     )
     on_failure: Literal["local", "refuse"] = Field(
         "local",
@@ -49,18 +51,21 @@ class SharedState(Strict):
         gt=0,
         description="Fairness counters are merged this often (their staleness across replicas"
         " is bounded by it plus one round trip); leases are renewed this often too.",
+        json_schema_extra=TUNING,
     )
     lease_ttl_s: float = Field(
         5.0,
         gt=0,
         description="A replica that stops renewing (crashed, cut off) loses its concurrency"
         " slots and backend room after this.",
+        json_schema_extra=TUNING,
     )
     max_connections: int = Field(
         16,
         gt=0,
         description="Redis calls at once per process (one connection each; one more carries"
         " the room messages); more concurrent calls wait for one, within pool_wait_s.",
+        json_schema_extra=TUNING,
     )
     priority_reserve: int = Field(
         1,
@@ -68,7 +73,11 @@ class SharedState(Strict):
         description="Slots past a backend's room that, across replicas, only a request of the"
         " best tier may take (the plugin preempts lower tiers inside vLLM, so this over-commit"
         " is safe).",
+        json_schema_extra=TUNING,
     )
     probe_interval_s: float = Field(
-        0.5, gt=0, description="While Redis is down, try it again this often."
+        0.5,
+        gt=0,
+        description="While Redis is down, try it again this often.",
+        json_schema_extra=TUNING,
     )

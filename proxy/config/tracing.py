@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from proxy.config.base import Strict
+from proxy.config.base import TUNING, Strict
 
 # What each protocol's exporter needs (the ``tracing`` extra of the package brings both).
 EXPORTER_MODULES = {
@@ -64,7 +64,10 @@ class TracingSettings(Strict):
         "tierproxy", min_length=1, description="The `service.name` of the proxy's spans."
     )
     export_timeout_s: float = Field(
-        10.0, gt=0, description="Bound on one export call (spans are exported off the loop)."
+        10.0,
+        gt=0,
+        description="Bound on one export call (spans are exported off the loop).",
+        json_schema_extra=TUNING,
     )
 
     @model_validator(mode="after")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from proxy.config.base import Strict
+from proxy.config.base import TUNING, Strict
 
 
 class UsageLogSettings(Strict):
@@ -28,4 +28,5 @@ class UsageLogSettings(Strict):
         10_000,
         gt=0,
         description="Lines waiting for the writer thread; beyond it lines are dropped and counted.",
+        json_schema_extra=TUNING,
     )

@@ -41,15 +41,15 @@ DISPLACEMENTS: Registry[Displacement] = {
 }
 BACKENDS: Registry[BackendChooser] = {
     "least_utilised": lambda cfg: LeastUtilised(),
-    "prefix_affinity": lambda cfg: PrefixAffinity(cfg.policies.prefix_memory),
+    "prefix_affinity": lambda cfg: PrefixAffinity(cfg.policies.prefix_affinity.memory),
     "kv_aware": lambda cfg: KvAware(
         block_size=cfg.kv_cache.block_size,
         latency_weights=latency_weights(
             {name: t.priority for name, t in cfg.tiers.items()},
-            cfg.policies.kv_room_weight_best,
-            cfg.policies.kv_room_weight_worst,
+            cfg.policies.kv_aware.room_weight_best,
+            cfg.policies.kv_aware.room_weight_worst,
         ),
-        hold_s=cfg.policies.kv_hold_s,
+        hold_s=cfg.policies.kv_aware.hold_s,
     ),
 }
 

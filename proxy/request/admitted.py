@@ -96,7 +96,7 @@ class Admitted:
             # For backend choosers that steer by prompt prefix (a few µs of hashing).
             prefix_hash=prefix_hash(
                 self.parsed.body,
-                tokens=self.config.policies.prefix_tokens,
+                tokens=self.config.policies.prefix_affinity.prefix_tokens,
                 chars_per_token=self.config.scheduling.chars_per_token,
                 salt=self.cache_salt,
             ),
@@ -128,9 +128,9 @@ class Admitted:
 
     def work(self, counts: TokenUsage) -> float:
         """The fairness charge of ``counts``: weighted tokens, with the prompt tokens vLLM
-        found in its prefix cache at ``policies.cached_prompt_charge`` each (they skipped
+        found in its prefix cache at ``policies.vtc.cached_prompt_charge`` each (they skipped
         the prefill: a tenant that reuses its prefixes costs the engine less)."""
-        charge = self.config.policies.cached_prompt_charge
+        charge = self.config.policies.vtc.cached_prompt_charge
         return work_tokens(counts.prompt, counts.cached, counts.completion, charge)
 
     def billed_usage(self, result: RelayResult | None) -> tuple[TokenUsage | None, Basis]:

@@ -100,10 +100,8 @@ def chooser_inputs(config: Config) -> tuple[object, ...]:
     p = config.policies
     return (
         p.backends,
-        p.prefix_memory,
-        p.kv_room_weight_best,
-        p.kv_room_weight_worst,
-        p.kv_hold_s,
+        p.prefix_affinity.memory,
+        p.kv_aware,
         config.kv_cache.block_size,
         tuple(sorted((name, t.priority) for name, t in config.tiers.items())),
     )

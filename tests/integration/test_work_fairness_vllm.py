@@ -2,7 +2,7 @@
 ``--enable-prompt-tokens-details``: two backlogged tenants of one tier send the same prompts
 (same length, same output), one of them the same prompt again and again (it hits vLLM's
 prefix cache), the other a fresh one each time. The proxy charges cached prompt tokens at
-``policies.cached_prompt_charge``, so the reusing tenant is served more, by that fraction.
+``policies.vtc.cached_prompt_charge``, so the reusing tenant is served more, by that fraction.
 
 One engine, one slot: requests run one at a time, in the order the proxy dispatches them.
 """
@@ -50,7 +50,7 @@ async def test_the_tenant_whose_prompts_hit_the_cache_is_served_more_by_the_frac
     config = make_config(
         [{"url": engine.spec.url, "max_inflight": 1}],
         tenants=tenants,
-        policies={"cached_prompt_charge": FRACTION},
+        policies={"vtc": {"cached_prompt_charge": FRACTION}},
     )
     shared = _prompt()
     done: list[tuple[str, dict[str, Any]]] = []  # (tenant, usage) in completion order

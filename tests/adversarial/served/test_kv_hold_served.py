@@ -216,7 +216,7 @@ class Stage:
             # its head while it waits: each request after it is looked at only once the one
             # before has left. (Holds timed from when a request was first looked at, F1,
             # would add up to one hold per request.)
-            sections.update(kv_hold_s=hold_s, order="fcfs")
+            sections.update(kv_aware={"hold_s": hold_s}, order="fcfs")
         config = make_config(
             [{"url": e.url, "max_inflight": 1} for e in (first, second)],
             tiers=tiers,
@@ -323,7 +323,7 @@ async def test_requests_held_for_a_full_home_wait_one_hold_at_once_and_none_gets
     stage: Stage, hold_s: float, queue_timeout_s: float, count: int
 ) -> None:
     """F1, F3: a tenant's second turns, all homed on the hung engine, each wait for it at
-    most their hold from arrival (low tier: ``kv_hold_s``; at most half the queue timeout),
+    most their hold from arrival (low tier: ``kv_aware.hold_s``; at most half the queue timeout),
     at the same time, then the idle engine serves them all."""
     tags = TAGS[:count]
     proxy, home, other = stage.start(

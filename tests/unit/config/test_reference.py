@@ -10,8 +10,16 @@ from typing import Any, Literal, get_args
 from pydantic import BaseModel, Field
 
 from proxy.config import reference as config_reference
-from proxy.config.base import Strict
-from proxy.config.reference import DOC_PATH, NO_DESCRIPTION, render, sections, type_name
+from proxy.config.base import TUNING, Strict
+from proxy.config.reference import (
+    DOC_PATH,
+    NO_DESCRIPTION,
+    render,
+    sections,
+    split_fields,
+    tuning_sections,
+    type_name,
+)
 from proxy.config.scheduling import Policies
 from proxy.config.schema import Config
 from tests.helpers.paths import REPO
@@ -57,6 +65,59 @@ def test_every_section_and_field_is_in_the_reference() -> None:
             assert f"| `{name}` |" in text
     for path in ("tiers.<name>", "tenants[]", "tenants[].keys[]", "backends[]", "policies"):
         assert any(p == path for p, _ in sections()), path
+
+
+def _tables(text: str) -> dict[str, set[str]]:
+    """Each `## ` heading of ``text`` -> the field names its table lists."""
+    out = {}
+    for chunk in text.split("\n## ")[1:]:
+        heading, _, body = chunk.partition("\n")
+        rows = [line for line in body.splitlines() if line.startswith("| `")]
+        out[heading] = {line.split("`")[1] for line in rows}
+    return out
+
+
+def test_every_field_is_either_the_operators_or_tuning_and_listed_in_its_part() -> None:
+    operator_part, _, appendix = render().partition('<a id="tuning"></a>\n# Tuning')
+    assert appendix, "the Tuning appendix is missing"
+    operator_tables, tuning_tables = _tables(operator_part), _tables(appendix)
+    tuning = tuning_sections()
+    every: list[tuple[str, type[BaseModel]]] = [("", Config), *sections()]
+    for path, model in every:
+        operator, tuned = split_fields(model, tuning)
+        assert sorted(operator + tuned) == sorted(model.model_fields), model.__name__
+        assert not set(operator) & set(tuned), model.__name__
+        title = f"`{path}` ({model.__name__})" if path else "Top level"
+        # The operator's part lists exactly its fields: no tuning field among them.
+        assert operator_tables.get(title, set()) == set(operator), title
+        if tuned:
+            split = f"{title} (tuning)" if operator else title
+            assert tuning_tables[split] == set(tuned), title
+        assert not (model in tuning and title in operator_tables), title
+
+
+def test_whole_sections_behind_a_tuning_field_are_tuning() -> None:
+    names = {m.__name__ for m in tuning_sections()}
+    assert {"AdaptiveRoom", "KvAwareKnobs", "PrefixAffinityKnobs", "VtcKnobs"} <= names
+    assert "Tier" not in names and "Policies" not in names
+
+
+def test_a_tuning_field_goes_to_the_appendix_and_its_section_with_it() -> None:
+    class Inner(Strict):
+        knob: int = Field(1, description="deep")
+
+    class Section(Strict):
+        size: int = Field(1, description="set me")
+        internal: int = Field(2, description="tune me", json_schema_extra=TUNING)
+        inner: Inner = Field(Inner(), description="all tuning", json_schema_extra=TUNING)
+
+    class Root(Strict):
+        section: Section = Field(Section(), description="new")
+
+    tuning = tuning_sections(Root)
+    assert tuning == {Inner}
+    assert split_fields(Section, tuning) == (["size"], ["internal", "inner"])
+    assert split_fields(Inner, tuning) == ([], ["knob"])
 
 
 def test_policy_names_in_the_schema_are_the_registrys() -> None:

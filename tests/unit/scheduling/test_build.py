@@ -113,13 +113,13 @@ async def test_reload_without_policy_change_keeps_the_fairness_history() -> None
 
 async def test_reload_of_a_chooser_parameter_builds_a_new_chooser_and_only_then() -> None:
     clock = FakeClock()
-    state = ProxyState(_config("backends: kv_aware, kv_hold_s: 5"), b"secret", clock)
+    state = ProxyState(_config("backends: kv_aware, kv_aware: {hold_s: 5}"), b"secret", clock)
     chooser = state.pool.chooser
     assert isinstance(chooser, KvAware) and chooser.holds == {"normal": 5.0}
-    state.apply(_config("backends: kv_aware, kv_hold_s: 5"))
+    state.apply(_config("backends: kv_aware, kv_aware: {hold_s: 5}"))
     assert state.pool.chooser is chooser  # nothing changed: its memory of prefixes stays
-    state.apply(_config("backends: kv_aware, kv_hold_s: 0"))
+    state.apply(_config("backends: kv_aware, kv_aware: {hold_s: 0}"))
     rebuilt = state.pool.chooser
     assert isinstance(rebuilt, KvAware) and rebuilt.holds == {"normal": 0.0}
-    state.apply(_config("backends: kv_aware, kv_hold_s: 0, kv_room_weight_best: 2"))
+    state.apply(_config("backends: kv_aware, kv_aware: {hold_s: 0, room_weight_best: 2}"))
     assert state.pool.chooser is not rebuilt

@@ -1,5 +1,5 @@
 """Fairness by the work a request caused: prompt tokens vLLM found in its prefix cache are
-charged ``policies.cached_prompt_charge`` each, so of two backlogged tenants that send the same
+charged ``policies.vtc.cached_prompt_charge`` each, so of two backlogged tenants that send the same
 tokens, the one whose prompts hit the cache gets more requests served, by that fraction."""
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ async def test_an_answers_cached_tokens_reach_the_charge_the_counters_and_the_me
     clock: FakeClock, stream: bool
 ) -> None:
     fake = CachedFake(usage=(100, 3))
-    policies = {"cached_prompt_charge": 0.25}
+    policies = {"vtc": {"cached_prompt_charge": 0.25}}
     async with served_rig(clock, fake, policies=policies) as r:
         extra = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
         assert (await r.chat("normal", **extra)).status == 200
