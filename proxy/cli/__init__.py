@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
         "config-reference",
         help="print the configuration reference (-o docs/configuration.md; --check: up to date?)",
     )
+    serving.add_tool_parsers(sub)
     engines.add_parsers(sub)
     admin.add_parsers(sub)
 

@@ -69,7 +69,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def add_parsers(sub: Subparsers) -> None:
-    """Adds serve, check, hash-key and tiny-model."""
+    """Adds serve and check."""
     p = sub.add_parser("serve", help="run the proxy")
     p.add_argument("-c", "--config", required=True)
     p.add_argument("--host", help="override listen.host")
@@ -93,6 +93,9 @@ def add_parsers(sub: Subparsers) -> None:
     )
     p.set_defaults(func=_cmd_check)
 
+
+def add_tool_parsers(sub: Subparsers) -> None:
+    """Adds hash-key and tiny-model (after keys and config-reference in --help, as before)."""
     p = sub.add_parser("hash-key", help="print the sha256 form of a key read from stdin")
     p.set_defaults(func=_cmd_hash_key)
 
