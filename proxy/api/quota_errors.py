@@ -6,14 +6,15 @@ twice, for nothing: nothing frees before the reset)."""
 from __future__ import annotations
 
 from proxy.api.errors import ProxyError
+from proxy.api.quota_counters import COUNTERS
 
 
 def quota_refused(
     counter: str, limit: float, used: float, asked: float, reset_s: float
 ) -> ProxyError:
-    """``counter``: tokens_per_day | tokens_per_month | budget_per_day | budget_per_month."""
-    money = counter.startswith("budget")
-    span = "day (UTC)" if counter.endswith("day") else "month (UTC)"
+    """``counter``: a name in ``COUNTERS`` (its measure, period and code say the rest)."""
+    kind = COUNTERS[counter]
+    money, span = kind.money, kind.period_text
     fmt = "{:.4f}" if money else "{:.0f}"
     what = "budget" if money else "token quota"
     message = (
@@ -27,7 +28,7 @@ def quota_refused(
         429,
         message,
         type="insufficient_quota",
-        code="budget_exceeded" if money else "quota_exceeded",
+        code=kind.code,
         retry_after_s=reset_s,
         retryable=False,
     )

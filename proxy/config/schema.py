@@ -144,6 +144,3 @@ class LoadedConfig:
 
     def tenant_for_key(self, key: str) -> Tenant | None:
         return self.tenant_by_key_hash.get(hash_key(key))
-
-    def is_admin_key(self, key: str) -> bool:
-        return hash_key(key) in self.admin_key_hashes

@@ -61,11 +61,6 @@ def chain(
     return hashes
 
 
-def block_hash(parent: int, tokens: Sequence[int], extra: ExtraKeys = None) -> int:
-    """The hash of one full block: ``tokens`` after the block whose hash is ``parent``."""
-    return chain(parent, tokens, len(tokens), [extra])[0]
-
-
 def chain_hashes(tokens: Sequence[int], block_size: int, salt: str = "") -> tuple[int, ...]:
     """A prompt's chained block hashes, the cache salt folded into the first block as vLLM does
     (its ``extra_keys`` ``(salt,)``)."""

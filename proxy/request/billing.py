@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from proxy.api.quota_counters import COUNTERS
 from proxy.config.quotas import Price, price_of
-from proxy.scheduling.quotas import COUNTERS
 
 Card = Mapping[str, object]
 
@@ -82,7 +82,7 @@ def affordable_output(
     per_sequence: float | None = None
     for counter, limit in limits.items():
         left = limit - used.get(counter, 0.0)
-        if COUNTERS[counter][0] == "tokens":
+        if COUNTERS[counter].measure == "tokens":
             room = (left - prompt) / sequences
         elif price is not None and price.output > 0:
             room = (left - price.worst_case(prompt, 0.0)) / (price.worst_case(0.0, 1.0) * sequences)

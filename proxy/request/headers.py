@@ -40,7 +40,6 @@ NEVER_FORWARDED = HOP_BY_HOP_HEADERS | {
 # Dropped unless input.forward_headers names them: the client's cookies, and headers that steer
 # vLLM's engine (its data-parallel rank, its session routing).
 DROPPED_BY_DEFAULT = frozenset({"cookie", "x-data-parallel-rank", "x-session-id"})
-DROPPED_HEADERS = NEVER_FORWARDED | DROPPED_BY_DEFAULT
 
 
 def upstream_headers(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
+from proxy.api.quota_counters import COUNTERS
 from proxy.api.quota_errors import quota_refused, unpriced
 from proxy.api.usage import cached_tokens
 from proxy.config.tenants import quota_of
@@ -22,7 +23,7 @@ from proxy.request.billing import (
     model_context,
 )
 from proxy.request.route_table import ROWS
-from proxy.scheduling.quotas import COUNTERS, QuotaAsk, QuotaBook, QuotaLedger
+from proxy.scheduling.quotas import QuotaAsk, QuotaBook, QuotaLedger
 from proxy.telemetry.metrics import ProxyMetrics
 
 
@@ -57,7 +58,7 @@ class QuotaGate:
         if not limits:
             return
         price = adm.billed.price
-        if price is None and any(COUNTERS[c][0] == "cost" for c in limits):
+        if price is None and any(COUNTERS[c].money for c in limits):
             raise unpriced(adm.billed.model)
         if parsed.output_upper_bound is None:
             self._bound_output(adm, limits)

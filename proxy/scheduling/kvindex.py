@@ -24,8 +24,6 @@ VllmHash = Hashable  # vLLM's ExternalBlockHash: an int, or bytes
 @dataclass
 class IndexStats:
     stored: int = 0  # blocks stored (events' blocks, whether new or seen again)
-    removed: int = 0
-    cleared: int = 0  # AllBlocksCleared, engine restarts and drops after a gap
     evicted: int = 0  # dropped for the memory bound
     orphans: int = 0  # stored blocks whose parent the index does not know: not indexed
 
@@ -67,8 +65,6 @@ class KvIndex:
         self._warm_at = self.clock() + self.resync_s
 
     def clear(self) -> None:
-        if self._blocks:
-            self.stats.cleared += 1
         self._blocks.clear()
         self._proxy_of.clear()
 
@@ -112,7 +108,6 @@ class KvIndex:
             proxy_hash = self._proxy_of.pop(vllm_hash, None)
             if proxy_hash is not None and self._blocks.get(proxy_hash) == vllm_hash:
                 del self._blocks[proxy_hash]
-                self.stats.removed += 1
 
     def _bound(self) -> None:
         # Oldest stored first: the engine's own LRU evicts those too, sooner or later.

@@ -15,16 +15,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
-Span = Literal["day", "month"]
-# Each counter: what it counts (tokens | cost) and over which period.
-COUNTERS: dict[str, tuple[str, Span]] = {
-    "tokens_per_day": ("tokens", "day"),
-    "tokens_per_month": ("tokens", "month"),
-    "budget_per_day": ("cost", "day"),
-    "budget_per_month": ("cost", "month"),
-}
+from proxy.api.quota_counters import COUNTERS, Span
 
 
 def period(span: Span, wall: float) -> tuple[str, float]:
@@ -34,6 +27,8 @@ def period(span: Span, wall: float) -> tuple[str, float]:
     if span == "day":
         start = datetime(at.year, at.month, at.day, tzinfo=UTC)
         return start.strftime("%Y-%m-%d"), (start + timedelta(days=1)).timestamp()
+    if span != "month":  # a span without its arithmetic here must not count as a month
+        raise ValueError(f"no period arithmetic for span {span!r}")
     nxt = datetime(at.year + at.month // 12, at.month % 12 + 1, 1, tzinfo=UTC)
     return f"{at.year:04d}-{at.month:02d}", nxt.timestamp()
 
@@ -48,7 +43,7 @@ class QuotaAsk:
     cost: float
 
     def amount(self, counter: str) -> float:
-        return self.tokens if COUNTERS[counter][0] == "tokens" else self.cost
+        return self.tokens if COUNTERS[counter].measure == "tokens" else self.cost
 
 
 @dataclass(frozen=True)
@@ -65,7 +60,7 @@ class QuotaHold:
     def delta(self, counter: str, tokens: float | None, cost: float | None) -> float:
         """Real usage minus the reservation on ``counter``; 0 when the usage is unknown (the
         reservation stays the charge)."""
-        if COUNTERS[counter][0] == "tokens":
+        if COUNTERS[counter].measure == "tokens":
             return 0.0 if tokens is None else tokens - self.tokens
         return 0.0 if cost is None else cost - self.cost
 
@@ -89,7 +84,7 @@ def decide(
     refusal: QuotaVerdict | None = None
     periods = []
     for counter, limit in ask.limits.items():
-        name, resets_at = period(COUNTERS[counter][1], wall)
+        name, resets_at = period(COUNTERS[counter].span, wall)
         periods.append((counter, name))
         amount, now_used = ask.amount(counter), used.get(counter, 0.0)
         if amount > 0 and now_used + amount > limit:
@@ -140,7 +135,7 @@ class QuotaLedger:
         return True
 
     def try_reserve(self, ask: QuotaAsk, wall: float) -> QuotaVerdict:
-        used = {c: self.get(ask.tenant, c, period(COUNTERS[c][1], wall)[0]) for c in ask.limits}
+        used = {c: self.get(ask.tenant, c, period(COUNTERS[c].span, wall)[0]) for c in ask.limits}
         verdict = decide(ask, used, wall)
         if verdict.hold is not None:
             for counter, name in verdict.hold.periods:
@@ -160,7 +155,7 @@ class QuotaLedger:
         """For /admin/status: each quota's use in the current period, its limit and its reset."""
         out: dict[str, Any] = {}
         for counter, limit in limits.items():
-            name, resets_at = period(COUNTERS[counter][1], wall)
+            name, resets_at = period(COUNTERS[counter].span, wall)
             out[counter] = {
                 "used": round(self.get(tenant, counter, name), 6),
                 "limit": limit,

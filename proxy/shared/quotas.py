@@ -28,8 +28,8 @@ from datetime import datetime
 from typing import Any
 
 from proxy.api.errors import shared_state_unavailable
+from proxy.api.quota_counters import COUNTERS
 from proxy.scheduling.quotas import (
-    COUNTERS,
     QuotaAsk,
     QuotaHold,
     QuotaLedger,
@@ -120,7 +120,7 @@ class SharedQuotaBook:
         """Redis's verdict, or None: decided without Redis (down, busy, or this tenant's
         counter unreadable)."""
         counters = list(ask.limits)
-        periods = tuple((c, period(COUNTERS[c][1], wall)[0]) for c in counters)
+        periods = tuple((c, period(COUNTERS[c].span, wall)[0]) for c in counters)
         amounts = tuple(ask.amount(c) for c in counters)
         op = self._mint()
         args: list[object] = self._head(op)
@@ -156,7 +156,7 @@ class SharedQuotaBook:
             return verdict
         # Redis refused what its figures, read back, would allow (a float's last bit):
         # Redis decides.
-        first, resets_at = counters[0], period(COUNTERS[counters[0]][1], wall)[1]
+        first, resets_at = counters[0], period(COUNTERS[counters[0]].span, wall)[1]
         limit, asked = ask.limits[first], ask.amount(first)
         return QuotaVerdict(False, None, first, limit, values[0], asked, resets_at - wall)
 
@@ -244,7 +244,7 @@ class SharedQuotaBook:
 
 def _period_end(counter: str, name: str) -> float:
     """The end of the period named ``name`` ("2026-12-01", "2026-12")."""
-    span = COUNTERS[counter][1]
+    span = COUNTERS[counter].span
     start = name if span == "day" else f"{name}-01"
     return period(span, datetime.fromisoformat(start + "T00:00:00+00:00").timestamp())[1]
 

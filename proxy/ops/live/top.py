@@ -24,6 +24,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from proxy.api.quota_counters import COUNTERS
+
 FETCH_TIMEOUT_S = 2.0
 _STATE_STYLE = {
     "healthy": "green",
@@ -116,14 +118,6 @@ def _tenants(status: dict[str, Any]) -> Table:
     return t
 
 
-_QUOTA_LABEL = {
-    "tokens_per_day": "tok/d",
-    "tokens_per_month": "tok/mo",
-    "budget_per_day": "$/d",
-    "budget_per_month": "$/mo",
-}
-
-
 def quota_text(quota: dict[str, Any]) -> Text:
     """``tok/d 12% $/mo 97%``: each quota's share used this period, red from 90 %."""
     if not quota:
@@ -132,7 +126,8 @@ def quota_text(quota: dict[str, Any]) -> Text:
     for counter, q in quota.items():
         share = q["used"] / q["limit"] if q["limit"] else 0.0
         style = "bold red" if share >= 0.9 else ("yellow" if share >= 0.75 else "")
-        out.append(f"{_QUOTA_LABEL.get(counter, counter)} ")
+        kind = COUNTERS.get(counter)  # a counter this version does not know: its name
+        out.append(f"{kind.label if kind else counter} ")
         out.append(f"{share:.0%}", style=style)
         out.append(" ")
     out.rstrip()

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from proxy.cli import build_parser, engine_spec
+from proxy.cli import build_parser
+from proxy.cli.engines import engine_spec
 from proxy.ops import engine
 from tests.helpers.paths import REPO
 

@@ -91,7 +91,7 @@ def test_usage_by_key_shows_whether_a_rotated_out_key_is_still_used(
 
 
 def test_the_cli_offers_every_grouping_the_report_knows() -> None:
-    from proxy import cli
+    from proxy.cli import admin
     from proxy.ops import usage_report
 
-    assert cli.GROUPS == usage_report.GROUPS
+    assert admin.GROUPS == usage_report.GROUPS
