@@ -15,13 +15,11 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
-from proxy.api.errors import (
-    ProxyError,
+from proxy.api.errors import ProxyError, memory_full, too_large
+from proxy.api.input_errors import (
     bad_encoding,
     bad_framing,
     body_timeout,
-    memory_full,
-    too_large,
     too_many_members,
     unsupported_encoding,
 )

@@ -15,11 +15,8 @@ from typing import Any
 
 import orjson
 
-from proxy.api.errors import (
-    bad_request,
-    too_deep,
-    too_many_elements,
-)
+from proxy.api.errors import bad_request
+from proxy.api.input_errors import too_deep, too_many_elements
 from proxy.api.routes import BY_ENDPOINT, Endpoint
 from proxy.config.scheduling import Limits, Scheduling
 from proxy.config.server import InputLimits

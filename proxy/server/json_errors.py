@@ -18,7 +18,8 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 from aiohttp.typedefs import Handler
 
-from proxy.api.errors import ProxyError, http_error, internal_error, unknown_url
+from proxy.api.errors import ProxyError, internal_error, unknown_url
+from proxy.api.input_errors import http_error
 
 log = logging.getLogger("tierproxy")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from proxy.api import errors
+from proxy.api import errors, input_errors
 from proxy.api.errors import ProxyError
 from proxy.api.outcome import Outcome, outcome_of
 
@@ -59,7 +59,7 @@ def test_answers_a_retry_cannot_fix_say_so() -> None:
     assert errors.too_large(10).headers() == {"x-should-retry": "false"}
     # Waiting helps these: the SDK's own rule (retry, honouring Retry-After) stays.
     assert "x-should-retry" not in errors.queue_full("low", 1).headers()
-    assert "x-should-retry" not in errors.body_timeout(1).headers()
+    assert "x-should-retry" not in input_errors.body_timeout(1).headers()
     assert "x-should-retry" not in errors.backends_failed("reset").headers()
 
 
