@@ -143,7 +143,7 @@ async def test_header_timeouts_are_spread_over_the_last_quarter(
 ) -> None:
     """Connections opened in one burst must not all time out in one loop iteration: each timer
     falls in [0.75, 1] x header_timeout_s (here pinned to its earliest end, 0.75 x 4 s)."""
-    monkeypatch.setattr("proxy.server.listeners.random.random", lambda: 1.0)
+    monkeypatch.setattr("proxy.server.guarded_handler.random.random", lambda: 1.0)
     settings = Server(header_timeout_s=4.0, keepalive_timeout_s=60)
     async with serving(settings, _app()) as (_, port):
         loop = asyncio.get_running_loop()
