@@ -14,7 +14,6 @@ batches) until the next batch says where the stream stands (``proxy.scheduling.k
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections.abc import Callable
@@ -26,7 +25,6 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from proxy.config.kv_cache import KvCache
-from proxy.scheduling.backend import BackendState
 from proxy.scheduling.kvevents import (
     Applied,
     EventBatch,
@@ -40,13 +38,11 @@ from proxy.scheduling.kvreplay import replay
 from proxy.scheduling.kvsources import event_endpoints
 from proxy.scheduling.pool import BackendPool
 from proxy.scheduling.probes import ProbeFailed, probe_get
-from proxy.tasks import OwnedTask
 from proxy.telemetry.kvmetrics import KvIndexMetrics
 
 log = logging.getLogger("tierproxy.kvevents")
 
 _SOURCES_CAP_BYTES = 64 * 1024
-_SYNC_PAUSE_S = 1.0  # between two looks of the supervisor at the pool
 _ERROR_PAUSE_S = 1.0  # before a subscriber that failed opens its connection again
 _LOG_EVERY_S = 60.0  # one error line per backend and kind at most, with a count of the rest
 
@@ -302,95 +298,3 @@ def _close(sub: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket | None) -> None:
     if monitor is not None:
         monitor.close(linger=0)
     sub.close(linger=0)
-
-
-class KvEventWatcher:
-    """Starts a subscriber for each backend of the pool while ``kv_cache`` is on, stops the
-    ones of backends that left, and hangs each backend's index on its state."""
-
-    def __init__(
-        self,
-        pool: BackendPool,
-        settings: Callable[[], KvCache | None],
-        session: aiohttp.ClientSession,
-        metrics: KvIndexMetrics,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.pool = pool
-        self.settings = settings  # None: off under the current config
-        self.session = session
-        self.metrics = metrics
-        self.clock = clock
-        self._ctx: zmq.asyncio.Context | None = None  # made with the first subscriber
-        self._task = OwnedTask("tierproxy-kv-events")
-        self._subs: dict[str, tuple[KvSubscriber, OwnedTask]] = {}
-        self._block_size: int | None = None
-
-    def start(self) -> None:
-        self._task.start(self._run)
-
-    async def stop(self) -> None:
-        await self._task.stop()
-        await self._stop(set(self._subs))
-        if self._ctx is not None:
-            self._ctx.destroy(linger=0)
-            self._ctx = None
-
-    async def _run(self) -> None:
-        while True:
-            await self.sync()
-            await asyncio.sleep(_SYNC_PAUSE_S)
-
-    async def sync(self) -> None:
-        settings = self.settings()
-        if settings is None or settings.block_size != self._block_size:
-            await self._stop(set(self._subs))  # off, or every index is of another block size
-            self._block_size = settings.block_size if settings is not None else None
-        urls = {s.cfg.url for s in self.pool.all()} if settings is not None else set()
-        await self._stop(set(self._subs) - urls)
-        for url in urls - set(self._subs):
-            assert settings is not None
-            self._subs[url] = self._start(url, settings)
-        for sub, task in self._subs.values():
-            if task.done:  # never meant to end (its errors are caught): start it again
-                log.error("backend %s: KV-event subscriber ended; started again", sub.label)
-                sub.metrics.errors.labels(sub.label).inc()
-                task.start(sub.run)
-        for state in self.pool.all():
-            self._attach(state, settings)
-
-    def _start(self, url: str, settings: KvCache) -> tuple[KvSubscriber, OwnedTask]:
-        index = KvIndex(settings.block_size, settings.max_blocks, self.clock, settings.resync_s)
-        current = functools.partial(self._current, settings)
-        if self._ctx is None:
-            self._ctx = zmq.asyncio.Context()
-        sub = KvSubscriber(url, index, current, self.pool, self.session, self.metrics, self._ctx)
-        task = OwnedTask(f"tierproxy-kv-events {url}")
-        task.start(sub.run)
-        return sub, task
-
-    def _current(self, fallback: KvCache) -> KvCache:
-        return self.settings() or fallback
-
-    def _attach(self, state: BackendState, settings: KvCache | None) -> None:
-        entry = self._subs.get(state.cfg.url)
-        if entry is None:
-            state.kv_index = None
-            return
-        sub = entry[0]
-        index = state.kv_index = sub.index
-        if settings is not None:  # a reload may change these in place
-            index.max_blocks, index.resync_s = settings.max_blocks, settings.resync_s
-        label = state.label
-        self.metrics.blocks.labels(label).set(len(index))
-        self.metrics.warm.labels(label).set(1 if index.warm() else 0)
-        self.metrics.evicted.labels(label).inc(index.stats.evicted - sub.reported_evicted)
-        sub.reported_evicted = index.stats.evicted
-
-    async def _stop(self, urls: set[str]) -> None:
-        for url in urls:
-            sub, task = self._subs.pop(url)
-            await task.stop()
-            state = self.pool.states.get(url)
-            if state is not None and state.kv_index is sub.index:
-                state.kv_index = None

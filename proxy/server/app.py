@@ -25,7 +25,7 @@ from proxy.ops.runtime import run, tune_gc, tune_logging
 from proxy.ops.worker_share import WorkerShare
 from proxy.request.expect import expect_checker, no_continue
 from proxy.request.prompt_blocks import PROMPT_BLOCKS
-from proxy.scheduling.kvsubscriber import KvEventWatcher
+from proxy.scheduling.kvwatcher import KvEventWatcher
 from proxy.scheduling.monitor import BackendMonitor
 from proxy.server.admin import AdminEndpoints
 from proxy.server.endpoints import ServiceEndpoints

@@ -26,7 +26,7 @@ from proxy.request.pipeline import RequestPipeline
 from proxy.request.prompt_blocks import PROMPT_BLOCKS
 from proxy.request.quota_gate import QuotaGate
 from proxy.scheduling.build import build_scheduling
-from proxy.scheduling.kvsubscriber import KvEventWatcher
+from proxy.scheduling.kvwatcher import KvEventWatcher
 from proxy.scheduling.limits import LimitRegistry, TenantLimits, plan_changes
 from proxy.scheduling.monitor import BackendMonitor
 from proxy.scheduling.quotas import QuotaBook, QuotaLedger

@@ -24,7 +24,8 @@ from proxy.config.kv_cache import KvCache
 from proxy.ops.process import free_port
 from proxy.policies.backends import LeastUtilised
 from proxy.policies.blockhash import chain_hashes
-from proxy.scheduling.kvsubscriber import KvEventWatcher, KvSubscriber
+from proxy.scheduling.kvsubscriber import KvSubscriber
+from proxy.scheduling.kvwatcher import KvEventWatcher
 from proxy.scheduling.pool import BackendPool
 from proxy.telemetry.metrics import ProxyMetrics
 
