@@ -38,12 +38,12 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from proxy.policies.backends import TIE, B, Candidate, Rotation, free_share, slot_room
+from proxy.policies.backends import TIE, B, Candidate, Rotation, free_share
 from proxy.policies.kvgroups import PrefixGroups
 from proxy.policies.types import BackendView, QueuedRequest
 
 if TYPE_CHECKING:
-    from proxy.config.backends import BackendHealth
+    pass
 
 
 class KvAware:
@@ -87,9 +87,6 @@ class KvAware:
         self._groups = PrefixGroups(pending_blocks)  # shared prefixes, their new branches' home
         self._sent = DecayingCounts(balance_s, clock)  # backend url -> prompt blocks sent lately
         self._rehomed_at = -math.inf  # when the balance rule last moved a prefix's home
-
-    def room(self, state: BackendView, now: float, health: BackendHealth) -> float:
-        return slot_room(state, now, health)
 
     def cached_tokens(self, state: BackendView, blocks: Sequence[int]) -> int:
         """The longest prefix of ``blocks`` cached on ``state`` or sent there lately, in tokens
