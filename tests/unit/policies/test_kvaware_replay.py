@@ -118,7 +118,7 @@ def old_pick(
 
 
 class OldKvAware(KvAware):
-    pick = old_pick  # type: ignore[assignment]
+    pick = old_pick
 
 
 def _prompt(rng: random.Random) -> tuple[int, ...] | None:
@@ -183,12 +183,14 @@ def test_the_scoring_terms_pick_as_the_old_pick_did(seed: int) -> None:
         if picked is None:
             held += bool(candidates)
             if rng.random() < 0.2:
-                new.left(req), old.left(req)
+                new.left(req)
+                old.left(req)
             else:
                 waiting.append(req)
             continue
         moved += picked.cfg.url != new._home(req.prompt_blocks or ())[0]
-        new.served(picked, req), old.served(picked, req)
+        new.served(picked, req)
+        old.served(picked, req)
         picked.inflight += 1
     assert moved > 0  # the replay reached more than one backend's cache
     if new.holds["low"] > 0:
