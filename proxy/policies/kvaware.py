@@ -28,6 +28,9 @@ the prompt blocks sent lately (``balance_margin`` over ``1/n``, fading over ``ba
 and is busier now, a new branch of it may start where there is room, and the prefix's home moves
 there: one prefix per ``balance_s``, since the shares lag the move. Conversations under way
 stay with their history.
+
+The score's terms and the picker are in ``proxy.policies.kvterms``, the hold rule in
+``proxy.policies.kvhold``; this module keeps what the chooser remembers between picks.
 """
 
 from __future__ import annotations
