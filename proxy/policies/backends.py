@@ -28,8 +28,8 @@ class Candidate(Generic[B]):
 
 
 class BackendChooser(Protocol):
-    def room(self, state: BackendView, now: float, health: BackendHealth) -> float:
-        """Free request slots on this backend now (may be fractional during a ramp)."""
+    """Ranks the backends that can take a request (the room of each is ``slot_room``'s, the
+    same whichever chooser ranks them)."""
 
     def pick(
         self,
@@ -131,9 +131,6 @@ class NeverHolds:
 
 
 class LeastUtilised(NeverHolds):
-    def room(self, state: BackendView, now: float, health: BackendHealth) -> float:
-        return slot_room(state, now, health)
-
     def pick(
         self,
         candidates: Sequence[Candidate[B]],
@@ -161,9 +158,6 @@ class PrefixAffinity(NeverHolds):
         self._last: OrderedDict[int, str] = OrderedDict()  # prefix hash -> backend url
         self._owned: dict[str, int] = {}  # backend url -> prefixes of ``_last`` it holds
         self._rotation = Rotation()
-
-    def room(self, state: BackendView, now: float, health: BackendHealth) -> float:
-        return slot_room(state, now, health)
 
     def pick(
         self,

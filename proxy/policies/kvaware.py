@@ -28,6 +28,9 @@ the prompt blocks sent lately (``balance_margin`` over ``1/n``, fading over ``ba
 and is busier now, a new branch of it may start where there is room, and the prefix's home moves
 there: one prefix per ``balance_s``, since the shares lag the move. Conversations under way
 stay with their history.
+
+The score's terms and the picker are in ``proxy.policies.kvterms``, the hold rule in
+``proxy.policies.kvhold``; this module keeps what the chooser remembers between picks.
 """
 
 from __future__ import annotations
@@ -36,14 +39,12 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
 
-from proxy.policies.backends import TIE, B, Candidate, Rotation, free_share, slot_room
+from proxy.policies.backends import B, Candidate, Rotation, free_share
 from proxy.policies.kvgroups import PrefixGroups
+from proxy.policies.kvhold import HomeHold
+from proxy.policies.kvterms import Scene, pick_best, score, serves_home
 from proxy.policies.types import BackendView, QueuedRequest
-
-if TYPE_CHECKING:
-    from proxy.config.backends import BackendHealth
 
 
 class KvAware:
@@ -80,16 +81,11 @@ class KvAware:
         self._pending: OrderedDict[tuple[str, int], float] = OrderedDict()
         # Chained block hash -> the backend it was last sent to (least recently sent first).
         self._owner: OrderedDict[int, str] = OrderedDict()
-        # id(request) -> (the home it waits for, when its hold ends): who waits where, for the
-        # per-home cap and the dispatcher's wake-up; dropped when served or its hold is over.
-        self._held: dict[int, tuple[str, float]] = {}
+        self._hold = HomeHold(self.holds, hold_share)  # who waits for which home
         self._rooms: dict[str, float] = {}  # backend url -> its room, when last a candidate
         self._groups = PrefixGroups(pending_blocks)  # shared prefixes, their new branches' home
         self._sent = DecayingCounts(balance_s, clock)  # backend url -> prompt blocks sent lately
         self._rehomed_at = -math.inf  # when the balance rule last moved a prefix's home
-
-    def room(self, state: BackendView, now: float, health: BackendHealth) -> float:
-        return slot_room(state, now, health)
 
     def cached_tokens(self, state: BackendView, blocks: Sequence[int]) -> int:
         """The longest prefix of ``blocks`` cached on ``state`` or sent there lately, in tokens
@@ -109,87 +105,66 @@ class KvAware:
     ) -> B | None:
         now = self.clock() if now is None else now
         blocks = request.prompt_blocks if request is not None else None
-        weight = self.latency_weights.get(request.tier, 1.0) if request is not None else 1.0
-        prompt = max(1, request.prompt_tokens) if request is not None else 1
-        if blocks:  # the prompt's real length: its full blocks and a partial one
-            prompt = (len(blocks) + 1) * self.block_size
         self._expire(now)
+        scene, home_run = self._scene(candidates, request, blocks)
+        saved = [self.cached_tokens(c.state, blocks) if blocks else 0 for c in candidates]
+        best = pick_best(
+            score(c, s, self._rotation.age(c.state), scene)
+            for c, s in zip(candidates, saved, strict=True)
+        )
+        if request is not None and serves_home(scene, full):
+            assert scene.home is not None
+            # Wait only if home would save enough more than the best backend with room.
+            gain = (home_run * self.block_size - max(saved, default=0)) / scene.prompt
+            if self._holds(request, scene.home, gain, now):
+                return None  # its home is full: wait for it there (the dispatcher looks again)
+        return best
+
+    def _scene(
+        self,
+        candidates: Sequence[Candidate[B]],
+        request: QueuedRequest | None,
+        blocks: Sequence[int] | None,
+    ) -> tuple[Scene, int]:
+        """What the terms read of this pick, and how many of the prompt's leading blocks its
+        home was sent."""
         home, home_run = self._home(blocks) if blocks else (None, 0)
         # A new branch of a shared prefix (a tenant's new conversation) goes to the prefix's
         # home. It loses only that prefix if it starts elsewhere: off a home that took more
         # than its share, it may (one prefix moved per balance_s: the shares lag the move).
         group = self._groups.home(blocks[home_run - 1]) if blocks and home_run else None
-        branch = group is not None
-        home = group or home
         for c in candidates:
             self._rooms[c.state.cfg.url] = c.state.max_room
         shares = self._sent.shares(at_least=self.balance_min)
-        over = self._over_share(shares)
-        roomiest = max((free_share(c) for c in candidates), default=0.0)
-        may_move = branch and self.clock() - self._rehomed_at >= self.balance_s
-        best: B | None = None
-        best_key = (0, 0, 0, 0, 0)
-        best_saved = 0
-        for c in candidates:
-            url = c.state.cfg.url
-            share = shares.get(url, 0.0)
-            saved = self.cached_tokens(c.state, blocks) if blocks else 0
-            best_saved = max(best_saved, saved)
-            room = free_share(c)
-            # Taking more than its share lately, and busier than another now.
-            if may_move and url in over and room < roomiest - TIE:
-                saved = 0
-            elif home is not None and url == home:
-                room += self.home_slots / max(1.0, c.state.max_room)
-            score = min(1.0, saved / prompt) + weight * room
-            age = self._rotation.age(c.state)
-            key = (round(score / TIE), round(room / TIE), saved, round(-share / TIE), age)
-            if best is None or key > best_key:
-                best, best_key = c.state, key
-        # Wait only for a home that serves the request and is up (not ejected, not draining):
-        # one of ``full``; a home that is neither is no home to wait for.
-        waitable = home is not None and any(b.cfg.url == home for b in full)
-        gain = (home_run * self.block_size - best_saved) / prompt
-        stays = not (may_move and home in over)  # else the balance rule lets it start elsewhere
-        if (
-            waitable
-            and stays
-            and home
-            and request is not None
-            and self._holds(request, home, gain, now)
-        ):
-            return None  # its home is full: wait for it there (the dispatcher looks again)
-        return best
+        scene = Scene(
+            prompt=self._prompt_tokens(request, blocks),
+            weight=self.latency_weights.get(request.tier, 1.0) if request is not None else 1.0,
+            home=group or home,
+            home_slots=self.home_slots,
+            shares=shares,
+            over=self._over_share(shares),
+            roomiest=max((free_share(c) for c in candidates), default=0.0),
+            may_move=group is not None and self.clock() - self._rehomed_at >= self.balance_s,
+        )
+        return scene, home_run
+
+    def _prompt_tokens(self, request: QueuedRequest | None, blocks: Sequence[int] | None) -> int:
+        """The prompt's real length: its full blocks and a partial one (at least 1)."""
+        if blocks:
+            return (len(blocks) + 1) * self.block_size
+        return max(1, request.prompt_tokens) if request is not None else 1
 
     def next_hold_end(self, now: float) -> float | None:
         """Seconds until the first hold still running ends; None: none is."""
-        return min((end - now for _, end in self._held.values() if end > now), default=None)
+        return self._hold.next_end(now)
 
     def left(self, request: QueuedRequest) -> None:
         # A held request whose client left no longer waits: its place at home is free.
-        self._held.pop(id(request), None)
+        self._hold.drop(request)
 
     def _holds(self, request: QueuedRequest, home: str, gain: float, now: float) -> bool:
-        """Whether ``request`` waits on for its full ``home``, which would save ``gain`` of
-        its prompt more than the best backend with room. A hold runs from the request's arrival
-        (a tenant's requests behind it wait out their holds at the same time, not one after
-        another) and never past half of its queue timeout. No more wait for one home than it
-        has slots (each finishing request frees one): the rest of a burst goes where there is
-        room now."""
-        hold = self.holds.get(request.tier, 0.0)
-        if hold <= 0 or gain < self.hold_share:
-            return False
-        end = request.arrival_s + hold
-        if request.deadline_s > request.arrival_s:
-            end = min(end, request.arrival_s + (request.deadline_s - request.arrival_s) / 2)
-        if now >= end:
-            return False
-        if id(request) not in self._held:
-            waiting = sum(1 for h, e in self._held.values() if h == home and e > now)
-            if waiting >= self._rooms.get(home, 1.0):
-                return False
-            self._held[id(request)] = (home, end)
-        return True
+        """The hold rule (``HomeHold.waits``) for ``home``, capped at its room."""
+        return self._hold.waits(request, home, gain, now, self._rooms.get(home, 1.0))
 
     def served(self, state: BackendView, request: QueuedRequest | None) -> None:
         self._rotation.chose(state)
@@ -198,7 +173,7 @@ class KvAware:
         blocks = request.prompt_blocks if request is not None else None
         self._sent.add(state.cfg.url, float(max(1, len(blocks or ()))))
         if request is not None:
-            self._held.pop(id(request), None)
+            self._hold.drop(request)
         if not blocks:
             return
         now, url = self.clock(), state.cfg.url
@@ -209,6 +184,10 @@ class KvAware:
             self._groups.rehome(blocks[known - 1], url)  # the balance rule moved it
             self._rehomed_at = now
         self._groups.note(blocks, known, holder)
+        self._remember(url, blocks, now)
+
+    def _remember(self, url: str, blocks: Sequence[int], now: float) -> None:
+        """``blocks`` were sent to ``url`` at ``now``: cached there meanwhile, and their home."""
         for block in blocks:
             key = (url, block)
             self._pending[key] = now
@@ -245,9 +224,7 @@ class KvAware:
         """``now``: the pool's clock, that of the requests' arrivals and holds; what was sent
         is timed by the chooser's own."""
         horizon = self.clock() - self.pending_s
-        if self._held:  # holds over (the request went elsewhere, timed out, or left)
-            for gone in [k for k, (_, end) in self._held.items() if end <= now]:
-                del self._held[gone]
+        self._hold.expire(now)
         while self._pending:
             key, at = next(iter(self._pending.items()))
             if at >= horizon:

@@ -35,7 +35,11 @@ def _prompt_hash(body: Mapping[str, Any], *, tokens: int, chars_per_token: float
     if isinstance(messages, list):
         text = _chat_text(messages, limit=int(tokens * chars_per_token))
         return _digest(text.encode("utf-8")) if text else None
-    prompt = body.get("prompt")
+    return _completion_hash(body.get("prompt"), tokens=tokens, chars_per_token=chars_per_token)
+
+
+def _completion_hash(prompt: Any, *, tokens: int, chars_per_token: float) -> int | None:
+    """A completion's ``prompt``: text, token ids, or a batch of either (its first)."""
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         prompt = prompt[0]  # a batch: the first prompt
     if isinstance(prompt, str) and prompt:

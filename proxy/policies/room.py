@@ -69,6 +69,16 @@ class _Scrape(NamedTuple):
 
 
 @dataclass(frozen=True, slots=True)
+class _Window:
+    """The scrapes since the last change, summed up (``GradientRoom._window``)."""
+
+    peak_running: float
+    least_waiting: float
+    mean_waiting: float
+    slack: float  # how far past the allowance vLLM may queue before the room shrinks
+
+
+@dataclass(frozen=True, slots=True)
 class RoomSignals:
     load: ScrapedLoad | None  # the latest scrape, None if stale or never seen
     had_metrics: bool  # the backend has answered /metrics at least once
@@ -191,58 +201,83 @@ class GradientRoom:
             return None
         if load is not None and len(self._scrapes) < 2:
             return None  # two scrapes since the last change, at least: one may fall between steps
-        peak_running = max((s.running for s in self._scrapes), default=0.0)
-        # Over the scrapes since the last change, not one snapshot: that may catch vLLM
-        # between steps (successors of finished requests not yet scheduled) or the transit at
-        # a peak. Shrinking needs every scrape queued beyond the allowance, growth an average
-        # queue within it.
-        waits = [s.waiting for s in self._scrapes]
-        least_waiting = min(waits, default=0.0)
-        mean_waiting = sum(waits) / max(1, len(waits))
-        transit = self.transit  # what the room must cover besides vLLM's batch and queue
-        # Hysteresis against the noise of snapshots: vLLM may queue a tenth of its batch more
-        # than the allowance before the room shrinks (one request at least).
-        slack = max(1.0, _SLACK_SHARE * peak_running)
-        p = self.params
+        window = self._window()
         misses = self.slo.miss_share(now)
-        slipping = misses is not None and misses > self.miss_budget
-        if load is not None and least_waiting > signals.allowance + slack - 1:
-            batch = math.ceil(peak_running + signals.allowance + transit)
+        decided, change = self._shrink(now, load, signals, window)
+        if not decided:
+            decided, change = self._answer_trouble(now, misses)
+        return change if decided else self._grow(now, load, signals, window)
+
+    def _window(self) -> _Window:
+        """Over the scrapes since the last change, not one snapshot: that may catch vLLM
+        between steps (successors of finished requests not yet scheduled) or the transit at
+        a peak. Shrinking needs every scrape queued beyond the allowance, growth an average
+        queue within it."""
+        peak_running = max((s.running for s in self._scrapes), default=0.0)
+        waits = [s.waiting for s in self._scrapes]
+        return _Window(
+            peak_running=peak_running,
+            least_waiting=min(waits, default=0.0),
+            mean_waiting=sum(waits) / max(1, len(waits)),
+            # Hysteresis against the noise of snapshots: vLLM may queue a tenth of its batch
+            # more than the allowance before the room shrinks (one request at least).
+            slack=max(1.0, _SLACK_SHARE * peak_running),
+        )
+
+    def _shrink(
+        self, now: float, load: ScrapedLoad | None, signals: RoomSignals, w: _Window
+    ) -> tuple[bool, RoomChange | None]:
+        """To what vLLM runs, when it queues beyond the allowance; (False, None): it does not."""
+        if load is None:
+            return False, None
+        # self.transit: what the room must cover besides vLLM's batch and queue.
+        if w.least_waiting > signals.allowance + w.slack - 1:
+            batch = math.ceil(w.peak_running + signals.allowance + self.transit)
             if batch < self.room:
-                return self._set(now, batch, "queued")
-        if load is not None and self._swinging_over(mean_waiting, peak_running, signals, slack):
+                return True, self._set(now, batch, "queued")
+        if self._swinging_over(w.mean_waiting, w.peak_running, signals, w.slack):
             # Half the average excess at a time, never under the batch plus the allowance.
-            floor = math.ceil(peak_running + signals.allowance)
-            step = self.room - (mean_waiting - signals.allowance) / 2
+            floor = math.ceil(w.peak_running + signals.allowance)
+            step = self.room - (w.mean_waiting - signals.allowance) / 2
             if max(floor, step) < self.room:
-                return self._set(now, max(floor, step), "queued")
+                return True, self._set(now, max(floor, step), "queued")
+        return False, None
+
+    def _answer_trouble(self, now: float, misses: float | None) -> tuple[bool, RoomChange | None]:
+        """Smaller after a preemption or an SLO slipping; held while an SLO-bound room has not
+        been judged again; (False, None): none of these."""
+        decrease = self.params.decrease_ratio
         if self._preempted:
-            return self._set(now, self.room * p.decrease_ratio, "preempted")
-        if slipping:
+            return True, self._set(now, self.room * decrease, "preempted")
+        if misses is not None and misses > self.miss_budget:
             self.slo.clear()  # judge the next room on its own requests
             self._slo_bound = True
-            return self._set(now, self.room * p.decrease_ratio, "slo")
+            return True, self._set(now, self.room * decrease, "slo")
         if self._slo_bound and misses is None:
-            return None
+            return True, None
         self._slo_bound = False
-        # vLLM ran (nearly) all the room at once (all of it that was not in transit): its
-        # batch has space left. A room at vLLM's batch plus the allowance plus the transit
-        # keeps the allowance waiting there and stops growing.
-        if load is None:
-            below_batch = True
-        else:
-            # One request of slack (the slack above applies to shrinking only: growth must
-            # still find a batch limit it has not seen).
-            ran = peak_running + transit
-            below_batch = mean_waiting <= signals.allowance and (
-                ran > self.room - signals.allowance + 1
-            )
+        return False, None
+
+    def _grow(
+        self, now: float, load: ScrapedLoad | None, signals: RoomSignals, w: _Window
+    ) -> RoomChange | None:
+        """vLLM ran (nearly) all the room at once (all of it that was not in transit): its
+        batch has space left. A room at vLLM's batch plus the allowance plus the transit
+        keeps the allowance waiting there and stops growing."""
+        p = self.params
+        below_batch = load is None or self._batch_has_space(signals, w)
         kv_ok = load is None or load.kv_usage < p.kv_high
         used = signals.peak_inflight >= self.room - 1
         if below_batch and kv_ok and used and self.room < self.ceiling:
             grown = self.room * 2 if self.slow_start else self.room * (1 + p.increase_ratio)
             return self._set(now, max(grown, self.room + 1), "grow")
         return None
+
+    def _batch_has_space(self, signals: RoomSignals, w: _Window) -> bool:
+        # One request of slack (the slack of shrinking applies to shrinking only: growth
+        # must still find a batch limit it has not seen).
+        ran = w.peak_running + self.transit
+        return w.mean_waiting <= signals.allowance and ran > self.room - signals.allowance + 1
 
     def _swinging_over(
         self, mean_waiting: float, peak_running: float, signals: RoomSignals, slack: float

@@ -24,7 +24,6 @@ from proxy.relay.delivered import Delivered
 from proxy.relay.forward import RelayResult
 from proxy.request.billing import Billed
 from proxy.request.inbound import ParsedRequest
-from proxy.request.prompt_blocks import PROMPT_BLOCKS, Upstreams
 from proxy.scheduling.quotas import QuotaHold
 from proxy.telemetry.slo import Latency
 
@@ -110,21 +109,6 @@ class Admitted:
     def reserved_tokens(self) -> float:
         """What the tenant's token limit is charged up front (given back once usage is known)."""
         return float(self.parsed.prompt_tokens + self.parsed.expected_output)
-
-    async def with_blocks(self, via: Upstreams) -> Admitted:
-        """Itself, its queue entry given its prompt's KV-cache blocks (for the kv_aware chooser;
-        None while kv_cache is off) on its first attempt: computed once it may run, before it is
-        queued (proxy.request.prompt_blocks)."""
-        if self.attempts == 0:
-            self.queued.prompt_blocks = await PROMPT_BLOCKS.compute(
-                self.config,
-                self.parsed,
-                self.cache_salt,
-                via,
-                self.tenant.name,
-                self.config.tiers[self.tier].priority,
-            )
-        return self
 
     def work(self, counts: TokenUsage) -> float:
         """The fairness charge of ``counts``: weighted tokens, with the prompt tokens vLLM

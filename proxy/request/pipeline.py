@@ -43,6 +43,7 @@ from proxy.request.auth import identify
 from proxy.request.inbound import parse_body, read_body
 from proxy.request.leases import direct_lease
 from proxy.request.poison import blame, give_up, refuse_poison
+from proxy.request.prompt_blocks import PromptBlocks
 from proxy.request.quota_gate import QuotaGate
 from proxy.request.route_table import ROWS, Relay
 from proxy.request.tenancy import tenant_gate
@@ -85,6 +86,7 @@ class RequestPipeline:
         on_finish: FinishHook | None = None,
         quotas: QuotaGate | None = None,
         tracing: Tracing | None = None,
+        prompt_blocks: PromptBlocks | None = None,
     ) -> None:
         self.config = config  # the current config; read once per request
         self.secret = secret
@@ -102,6 +104,7 @@ class RequestPipeline:
         self.on_finish = on_finish or no_finish_hook  # per-tenant usage (proxy.ops.usage)
         self.quotas = quotas or QuotaGate(metrics=metrics)  # day/month tokens and money
         self.uploads = TenantUploads()  # bodies coming in, per tenant
+        self.prompt_blocks = prompt_blocks or PromptBlocks()  # the prompts' KV blocks
         self.tracing = tracing  # None: off, and no span object is made (docs/tracing.md)
         self.answers = Answers(
             config=config, clock=clock, limits=limits, metrics=metrics, child=self.child
@@ -138,7 +141,8 @@ class RequestPipeline:
                     if BY_ENDPOINT[endpoint].cheap:
                         lease = direct_lease(self.pool, adm, self.clock)
                     else:  # queued with its prompt's blocks (for kv_aware; None: off)
-                        lease = await self.dispatch(adm, self.enqueue(await adm.with_blocks(self)))
+                        adm = await self.prompt_blocks.given(adm, self)
+                        lease = await self.dispatch(adm, self.enqueue(adm))
                     result = await self.forward(request, adm, lease)
                 self.account(adm, result)
                 trace.latency = latency_of(adm.arrival, result, self.clock())
@@ -323,8 +327,7 @@ class RequestPipeline:
             refuse_poison(blamed, adm, lease.backend.label)
             if adm.attempts >= adm.config.backend_health.max_attempts:
                 raise give_up(exc) from None
-            # Back into the queue at its old place: another backend takes it, or this one once
-            # its short ejection ends (a single backend's hiccup is no reason to fail).
+            # Back into the queue at its old place: another backend, or this one, takes it.
             self.metrics.retries.inc()
             return None
         finally:

@@ -24,7 +24,7 @@ from concurrent.futures import Future
 from datetime import datetime
 from functools import partial
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 import jinja2
@@ -43,6 +43,9 @@ from proxy.request.tiered_threads import FIRST, TieredThreads
 from proxy.request.tokencache import PrefixTokenCache, encode_ids
 from proxy.scheduling.counts import TenantCounts
 from proxy.scheduling.pool import BackendPool
+
+if TYPE_CHECKING:
+    from proxy.request.admitted import Admitted
 
 log = logging.getLogger("tierproxy.prompt_blocks")
 
@@ -205,7 +208,9 @@ def _blocks(tokens: list[int] | None, block_size: int, salt: str) -> tuple[int, 
 
 class PromptBlocks:
     """Computes a request's ``QueuedRequest.prompt_blocks`` when the config asks for them: with
-    the local tokenizer where one is configured, else with a backend's /tokenize."""
+    the local tokenizer where one is configured, else with a backend's /tokenize. One per
+    server (``proxy.server.state`` builds it and hands it to the pipeline): a tokenizer loaded
+    once serves every request."""
 
     def __init__(self) -> None:
         # By directory, loaded or loading (unusable: None or an exception). A thread's future,
@@ -314,5 +319,17 @@ class PromptBlocks:
                 )
             return None
 
-
-PROMPT_BLOCKS = PromptBlocks()  # one per process: a tokenizer loaded once serves every request
+    async def given(self, adm: Admitted, via: Upstreams) -> Admitted:
+        """``adm``, its queue entry given its prompt's KV-cache blocks (for the kv_aware
+        chooser; None while kv_cache is off) on its first attempt: computed once it may run,
+        before it is queued."""
+        if adm.attempts == 0:
+            adm.queued.prompt_blocks = await self.compute(
+                adm.config,
+                adm.parsed,
+                adm.cache_salt,
+                via,
+                adm.tenant.name,
+                adm.config.tiers[adm.tier].priority,
+            )
+        return adm

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 
 from proxy.config.backends import Backend, BackendHealth
 from proxy.config.slo import AdaptiveRoom
-from proxy.policies.backends import BackendChooser, Candidate
+from proxy.policies.backends import BackendChooser, Candidate, slot_room
 from proxy.policies.room import FixedRoom, GradientRoom, RoomChange, RoomController, RoomSignals
 from proxy.policies.types import QueuedRequest
 from proxy.scheduling.backend import BackendState
@@ -129,7 +129,7 @@ class BackendPool:
     def room(self, state: BackendState, now: float, *, best: bool = False) -> float:
         """Free request slots on this backend now (may be fractional during a ramp); for a
         request of the best tier (``best``), with the best-tier reserve when the room is full."""
-        room = self.chooser.room(state, now, self.health)
+        room = slot_room(state, now, self.health)
         if best and room < 1.0:
             room = max(room, self.reserve_room(state, now))
         if state.granted is not None:

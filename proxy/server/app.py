@@ -24,7 +24,6 @@ from proxy.ops.reload import ConfigWatcher
 from proxy.ops.runtime import run, tune_gc, tune_logging
 from proxy.ops.worker_share import WorkerShare
 from proxy.request.expect import expect_checker, no_continue
-from proxy.request.prompt_blocks import PROMPT_BLOCKS
 from proxy.scheduling.kvwatcher import KvEventWatcher
 from proxy.scheduling.monitor import BackendMonitor
 from proxy.server.admin import AdminEndpoints
@@ -134,7 +133,7 @@ def create_admin_app(public: web.Application) -> web.Application:
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
     # Before the listener opens: the first requests find the tokenizer loaded.
-    await asyncio.to_thread(PROMPT_BLOCKS.preload, state.config)
+    await asyncio.to_thread(state.prompt_blocks.preload, state.config)
     health = state.config.backend_health
     state.session = aiohttp.ClientSession(
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=health.connect_timeout_s),

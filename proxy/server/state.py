@@ -23,7 +23,7 @@ from proxy.ops.usage import UsageMeter
 from proxy.ops.usage_log import UsageLogWriter
 from proxy.relay.budget import MemoryBudget
 from proxy.request.pipeline import RequestPipeline
-from proxy.request.prompt_blocks import PROMPT_BLOCKS
+from proxy.request.prompt_blocks import PromptBlocks
 from proxy.request.quota_gate import QuotaGate
 from proxy.scheduling.build import build_scheduling
 from proxy.scheduling.kvwatcher import KvEventWatcher
@@ -75,6 +75,7 @@ class ProxyState:
             clock=clock,
             sink=self.usage_log.write if self.usage_log is not None else None,
         )
+        self.prompt_blocks = PromptBlocks()  # the tokenizer, loaded once for every request
         self.pipeline = RequestPipeline(
             config=lambda: self.loaded,
             secret=secret,
@@ -93,6 +94,7 @@ class ProxyState:
                 model_cards=lambda: [state.model_cards for state in self.pool.all()],
             ),
             tracing=self.tracing,
+            prompt_blocks=self.prompt_blocks,
         )
         self.live = LiveStatus(
             config=lambda: self.loaded.config,
@@ -139,7 +141,9 @@ class ProxyState:
         the loop too."""
         base, cfg = self.loaded, loaded.config
         changes = plan_changes(base.config.tenants, cfg.tenants)
-        PROMPT_BLOCKS.preload(cfg)  # a new kv_cache.tokenizer: loaded before it comes into force
+        self.prompt_blocks.preload(
+            cfg
+        )  # a new kv_cache.tokenizer: loaded before it comes into force
         # Weak: the worker thread that ran this may still hold ``commit`` when the caller drops
         # the replaced config, which must then be freed there, off the loop, not by that thread.
         planned_against = weakref.ref(base)

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from proxy.config.backends import Backend, BackendHealth
 from proxy.config.loader import parse_config
 from proxy.config.schema import Config
-from proxy.policies.backends import Candidate
+from proxy.policies.backends import Candidate, slot_room
 from proxy.policies.backlog import TenantBacklog
 from proxy.policies.registry import BACKENDS, CHOICES, DISPLACEMENTS, ORDERS, TENANTS, TIERS
 from proxy.policies.types import QueuedRequest, ScrapedLoad, TierLimits
@@ -264,7 +264,7 @@ def test_a_backend_chooser_gives_room_only_where_there_is_some_and_picks_a_candi
             states.append(state)
         candidates = []
         for state in states:
-            room = chooser.room(state, now, HEALTH)
+            room = slot_room(state, now, HEALTH)  # the pool's, whichever chooser
             assert 0.0 <= room <= max(0.0, state.max_room - state.inflight), (state, room)
             if not state.available(now):
                 assert room == 0.0

@@ -19,7 +19,6 @@ from proxy.bench.fake_vllm import FakeVLLM
 from proxy.config.loader import parse_config
 from proxy.config.server import Server
 from proxy.config.tenants import hash_key
-from proxy.request.prompt_blocks import PROMPT_BLOCKS
 from proxy.server.app import create_admin_app, create_app
 from proxy.server.listeners import Listeners
 from proxy.server.state import STATE
@@ -175,7 +174,8 @@ async def test_the_tokenizer_is_loaded_before_the_listener_opens(
     async with FakeVLLM().serve() as url:
         config = make_config([{"url": url}], kv_cache={"enabled": True, "tokenizer": str(model)})
         app = create_app(parse_config(yaml.safe_dump(config)), secret=SECRET, clock=clock)
-        assert str(model) not in PROMPT_BLOCKS._models
+        blocks = app[STATE].prompt_blocks
+        assert str(model) not in blocks._models
         async with TestClient(TestServer(app)):
-            load = PROMPT_BLOCKS._models[str(model)]
+            load = blocks._models[str(model)]
             assert load.done() and load.result() is not None

@@ -1,0 +1,146 @@
+"""``backends: kv_aware``'s scoring terms, its picker and its hold rule, each alone."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import pytest
+
+from proxy.config.backends import Backend
+from proxy.policies.backends import Candidate
+from proxy.policies.kvhold import HomeHold
+from proxy.policies.kvterms import (
+    Scene,
+    Scored,
+    balance,
+    cached_prefix,
+    home_affinity,
+    leaves_home,
+    pick_best,
+    score,
+    serves_home,
+)
+from proxy.policies.types import QueuedRequest, ScrapedLoad
+
+A, B_URL = "http://a:80", "http://b:80"
+SCENE = Scene(
+    prompt=100,
+    weight=1.0,
+    home=None,
+    home_slots=1.5,
+    shares={},
+    over=set(),
+    roomiest=0.0,
+    may_move=False,
+)
+
+
+@dataclass(eq=False)
+class View:
+    cfg: Backend
+    inflight: int = 0
+    max_room: float = 4.0
+    reinstated_at: float | None = None
+
+    def available(self, now: float) -> bool:
+        return True
+
+    def fresh_load(self, now: float, stale_after_s: float) -> ScrapedLoad | None:
+        return None
+
+    def cached_blocks(self, blocks: Sequence[int]) -> int | None:
+        return 0
+
+
+def _view(url: str = A, inflight: int = 0) -> View:
+    return View(Backend(url=url), inflight=inflight)
+
+
+def _candidate(view: View) -> Candidate[View]:
+    return Candidate(view, view.max_room - view.inflight, None)
+
+
+def test_cached_prefix_is_the_share_of_the_prompt_saved_at_most_all() -> None:
+    assert cached_prefix(0, 100) == 0.0
+    assert cached_prefix(25, 100) == 0.25
+    assert cached_prefix(300, 100) == 1.0
+
+
+def test_home_affinity_is_home_slots_of_the_home_s_room_and_nothing_elsewhere() -> None:
+    home = replace(SCENE, home=A)
+    assert home_affinity(_view(A), home) == pytest.approx(1.5 / 4.0)
+    assert home_affinity(_view(B_URL), home) == 0.0
+    assert home_affinity(_view(A), SCENE) == 0.0  # no home known
+
+
+def test_balance_prefers_the_backend_sent_less_lately() -> None:
+    scene = replace(SCENE, shares={A: 0.7, B_URL: 0.3})
+    assert balance(_view(B_URL), scene) > balance(_view(A), scene)
+    assert balance(_view("http://new:80"), scene) == 0.0
+
+
+def test_leaves_home_only_when_moves_are_allowed_over_share_and_busier() -> None:
+    busy = _candidate(_view(A, inflight=3))
+    scene = replace(SCENE, over={A}, roomiest=0.5, may_move=True)
+    assert leaves_home(busy, scene)
+    assert not leaves_home(busy, replace(scene, may_move=False))
+    assert not leaves_home(busy, replace(scene, over=set()))
+    assert not leaves_home(busy, replace(scene, roomiest=0.0))  # no backend has more room
+
+
+def test_score_sums_cache_and_weighted_room_and_a_leaving_home_counts_no_cache() -> None:
+    idle, busy = _candidate(_view(A)), _candidate(_view(B_URL, inflight=2))
+    # Equal cache: the room decides; equal room: the cache decides.
+    assert score(idle, 50, 0, SCENE).key > score(busy, 50, 0, SCENE).key
+    assert score(busy, 90, 0, SCENE).key > score(busy, 50, 0, SCENE).key
+    # A low weight of room lets a busy hot cache win; a high one sends it to the idle one.
+    low, high = replace(SCENE, weight=0.25), replace(SCENE, weight=4.0)
+    assert score(busy, 90, 0, low).key > score(idle, 0, 0, low).key
+    assert score(idle, 0, 0, high).key > score(busy, 90, 0, high).key
+    moving = replace(SCENE, over={B_URL}, roomiest=0.75, may_move=True, home=B_URL)
+    assert score(busy, 90, 0, moving).key[2] == 0  # its cache no longer counts
+    assert score(busy, 90, 0, moving).key == score(busy, 0, 0, moving).key
+
+
+def test_pick_best_takes_the_highest_key_and_the_first_of_equal_ones() -> None:
+    a, b = _view(A), _view(B_URL)
+    assert pick_best([]) is None
+    assert pick_best([Scored(a, (1, 0, 0, 0, 0)), Scored(b, (2, 0, 0, 0, 0))]) is b
+    assert pick_best([Scored(a, (1, 0, 0, 0, 5)), Scored(b, (1, 0, 0, 0, 4))]) is a
+    assert pick_best([Scored(a, (1, 0, 0, 0, 0)), Scored(b, (1, 0, 0, 0, 0))]) is a
+
+
+def test_a_request_waits_only_for_a_full_home_it_keeps() -> None:
+    home = replace(SCENE, home=A)
+    assert serves_home(home, [_view(A)])
+    assert not serves_home(home, [_view(B_URL)])  # its home has room (or is down)
+    assert not serves_home(SCENE, [_view(A)])  # no home
+    assert not serves_home(replace(home, over={A}, may_move=True), [_view(A)])  # may leave
+
+
+def _held(tier: str = "low", arrival: float = 0.0, deadline: float = 0.0) -> QueuedRequest:
+    return QueuedRequest(tier, "t", 10, 10, arrival, deadline_s=deadline)
+
+
+def test_the_hold_rule_waits_while_the_gain_is_enough_its_hold_runs_and_home_has_slots() -> None:
+    hold = HomeHold({"low": 2.0, "high": 0.0}, hold_share=0.25)
+    assert not hold.waits(_held("high"), A, 1.0, 0.5, slots=4)  # no hold for its tier
+    assert not hold.waits(_held(), A, 0.1, 0.5, slots=4)  # too little to gain
+    first = _held()
+    assert hold.waits(first, A, 0.5, 0.5, slots=1)
+    assert hold.waiting(A, 0.5) == 1 and hold.next_end(0.5) == pytest.approx(1.5)
+    assert not hold.waits(_held(), A, 0.5, 0.5, slots=1)  # home's one slot has a waiter
+    assert hold.waits(first, A, 0.5, 1.0, slots=1)  # the one waiting waits on
+    assert not hold.waits(first, A, 0.5, 2.0, slots=1)  # its hold is over
+    # Never past half its queue timeout.
+    assert not hold.waits(_held(deadline=1.0), B_URL, 0.5, 0.6, slots=4)
+    hold.drop(first)
+    assert hold.waiting(A, 0.5) == 0 and hold.next_end(0.5) is None
+
+
+def test_holds_over_expire() -> None:
+    hold = HomeHold({"low": 2.0}, hold_share=0.25)
+    assert hold.waits(_held(), A, 0.5, 0.5, slots=4)
+    hold.expire(2.0)
+    assert hold.waiting(A, 0.0) == 0
