@@ -1,7 +1,7 @@
 """Tokenizer routes (/tokenize, /detokenize) against a better tier's generation, in process:
 they never take the backends' generation room (issue 22: six low-tier /tokenize calls held a
 backend's six slots and a high-tier chat got 503 at its queue timeout), and they have a small
-cap of their own per backend. The served twin: tests/adversarial/served/test_served_round2.py."""
+cap of their own per backend. The served twin: tests/adversarial/served/test_memory_routes_startup_served.py."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 Content-Length or chunked alike: what a Content-Length announces costs nothing until it comes
 (idle connections announcing 8 MiB each once held the whole budget, issue 22 #3). Concurrent
 large uploads cannot pass ``limits.max_held_bytes``. In process, over the pipeline rig; the
-served twins are in tests/adversarial/served/test_served_round2.py and test_served_round3.py."""
+served twins are in tests/adversarial/served/test_memory_routes_startup_served.py and test_odd_inputs_served.py."""
 
 from __future__ import annotations
 
