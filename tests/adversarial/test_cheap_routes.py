@@ -15,11 +15,11 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.inproc import SECRET, auth, make_config, until
 from proxy.config.loader import parse_config
 from proxy.server.app import create_app
 from proxy.server.state import STATE, ProxyState
 from tests.helpers.clock import FakeClock
-from tests.helpers.proxyrun import SECRET, auth, make_config, until
 
 Client = TestClient[web.Request, web.Application]
 TOKENIZE = {"model": "tiny", "prompt": "hello"}

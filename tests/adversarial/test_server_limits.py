@@ -12,11 +12,11 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 from aiohttp import web
 
+from proxy.bench.inproc import until
 from proxy.config.server import Server
 from proxy.server.listeners import Listeners
 from proxy.server.open_files import raise_open_files_limit
 from proxy.server.refusals import RefusalLog
-from tests.helpers.proxyrun import until
 
 GET = b"GET /ping HTTP/1.1\r\nHost: proxy\r\n\r\n"
 Conn = tuple[asyncio.StreamReader, asyncio.StreamWriter]

@@ -10,10 +10,10 @@ import asyncio
 
 import orjson
 
+from proxy.bench.inproc import KEYS, until
 from proxy.relay.budget import held_estimate
 from tests.adversarial.served.kit import RawClient
 from tests.helpers.clock import FakeClock
-from tests.helpers.proxyrun import KEYS, until
 from tests.helpers.rig import BODY, relay_config, rig
 
 UPLOAD = 1_000_000  # bytes of body announced

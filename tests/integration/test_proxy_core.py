@@ -11,13 +11,13 @@ import openai
 import orjson
 import pytest
 
+from proxy.bench.inproc import auth, make_config, running_proxy, until
 from proxy.bench.scrape import wait_idle
 from proxy.config.tenants import hash_key
 from proxy.relay import sse
 from proxy.telemetry import prometheus
 from tests.helpers.enginefarm import EngineFarm
 from tests.helpers.engines import LONG_CONTEXT
-from tests.helpers.proxyrun import auth, make_config, running_proxy, until
 
 pytestmark = [pytest.mark.integration, pytest.mark.engines(LONG_CONTEXT)]
 # The tiny model's whole context: a "long" request then holds its slot for 15 s or more even on

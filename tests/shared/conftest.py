@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from proxy.bench.inproc import KEYS
+from proxy.bench.redis_server import RedisServer
 from proxy.config.tenants import hash_key
 from tests.adversarial.served.served import NullBackend, ServedProxy, served_config
-from tests.helpers.redis_server import RedisServer
 from tests.shared.replicas import TENANT
 
 

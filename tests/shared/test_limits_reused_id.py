@@ -15,9 +15,9 @@ import redis
 
 from proxy.bench.fake_vllm import FakeVLLM
 from proxy.bench.inproc import KEYS
+from proxy.bench.redis_server import RedisServer
 from tests.adversarial.served.kit import Response, exchange, json_request
 from tests.adversarial.served.served import NullBackend, ServedProxy
-from tests.helpers.redis_server import RedisServer
 from tests.shared.replicas import TENANT
 
 REUSED = "same-id-every-time"

@@ -20,8 +20,8 @@ import pytest
 
 from proxy.bench.fake_vllm import FakeVLLM
 from proxy.bench.inproc import until
+from proxy.bench.redis_server import RedisServer
 from proxy.bench.stack import ProxyProcess
-from tests.helpers.redis_server import RedisServer
 from tests.shared.replicas import metric, post, replica_config, start_replicas
 
 

@@ -14,12 +14,12 @@ from prometheus_client import CollectorRegistry
 
 from proxy.api.errors import ProxyError
 from proxy.bench.inproc import until
+from proxy.bench.redis_server import RedisServer
 from proxy.config.shared_state import SharedState
 from proxy.config.tenants import Tenant
 from proxy.scheduling.limits import LimitVerdict
 from proxy.shared.client import SharedStore
 from proxy.shared.limits import SharedLimitRegistry
-from tests.helpers.redis_server import RedisServer
 
 
 def tenant(**limits: Any) -> Tenant:

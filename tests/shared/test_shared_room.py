@@ -17,13 +17,13 @@ from prometheus_client import CollectorRegistry
 
 from proxy.bench.fake_vllm import FakeVLLM
 from proxy.bench.inproc import until
+from proxy.bench.redis_server import RedisServer
 from proxy.config.backends import Backend, BackendHealth
 from proxy.config.shared_state import SharedState
 from proxy.policies.backends import LeastUtilised
 from proxy.scheduling.pool import BackendPool
 from proxy.shared.client import SharedStore
 from proxy.shared.room import SharedBackendRoom
-from tests.helpers.redis_server import RedisServer
 from tests.shared.replicas import post, replica_config, start_replicas
 
 URL = "http://127.0.0.1:1"

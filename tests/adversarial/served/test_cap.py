@@ -15,6 +15,7 @@ import time
 
 import orjson
 
+from proxy.bench.inproc import KEYS
 from tests.adversarial.served.kit import (
     ClosedEarly,
     Crowd,
@@ -27,7 +28,6 @@ from tests.adversarial.served.kit import (
     request_bytes,
 )
 from tests.adversarial.served.served import ADMIN_KEY, NullBackend, ServedProxy, StartServed
-from tests.helpers.proxyrun import KEYS
 
 CAP = 20
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}

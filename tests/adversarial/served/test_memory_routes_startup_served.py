@@ -22,6 +22,7 @@ import yaml
 from aiohttp import web
 
 from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.inproc import KEYS, SECRET
 from proxy.config.tenants import hash_key
 from proxy.relay.budget import held_estimate
 from proxy.ticket import DEFAULT_SECRET_ENV
@@ -38,7 +39,6 @@ from tests.adversarial.served.served import (
     ThreadedUpstream,
     served_config,
 )
-from tests.helpers.proxyrun import KEYS, SECRET
 
 BIG_ANSWER_BYTES = 900 * 1024  # held whole; loopback alone would swallow it
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}

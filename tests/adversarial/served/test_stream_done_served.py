@@ -18,9 +18,9 @@ import pytest
 from aiohttp import web
 
 from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.inproc import KEYS
 from tests.adversarial.served.kit import exchange, json_request
 from tests.adversarial.served.served import NullBackend, StartServed
-from tests.helpers.proxyrun import KEYS
 
 DONE = b"data: [DONE]\n\n"
 

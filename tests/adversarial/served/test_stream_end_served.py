@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.inproc import KEYS
 from proxy.telemetry.prometheus import of
 from tests.adversarial.served.kit import RawClient, exchange, json_request, request_bytes
 from tests.adversarial.served.served import (
@@ -21,7 +22,6 @@ from tests.adversarial.served.served import (
     ServedProxy,
     served_config,
 )
-from tests.helpers.proxyrun import KEYS
 
 LATE_S = 0.3
 STREAMS = 6

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import yaml
 
+from proxy.bench.inproc import make_config
 from proxy.config.loader import ConfigError, parse_config
 from proxy.config.tenants import hash_key
 from tests.helpers.paths import REPO
-from tests.helpers.proxyrun import make_config
 
 
 def example_keys() -> dict[str, str]:
