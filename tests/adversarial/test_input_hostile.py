@@ -18,6 +18,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.hostile.kit import exchange, is_openai_error, request_bytes
 from proxy.bench.inproc import SECRET, auth, make_config, running_proxy
 from proxy.config.loader import parse_config
 from proxy.request.inbound import parse_body
@@ -25,7 +26,6 @@ from proxy.server.app import create_app
 from proxy.server.json_errors import json_errors
 from tests.adversarial.answers import assert_openai_error
 from tests.adversarial.encoding_cases import CASES as ENCODING_CASES
-from tests.adversarial.served.kit import exchange, is_openai_error, request_bytes
 from tests.adversarial.strategies import deep_raw, encode, nested
 from tests.helpers.clock import FakeClock
 from tests.helpers.rig import BODY, error_of, rig, tenants

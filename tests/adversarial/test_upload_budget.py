@@ -10,9 +10,9 @@ import asyncio
 
 import orjson
 
+from proxy.bench.hostile.kit import RawClient
 from proxy.bench.inproc import KEYS, until
 from proxy.relay.budget import held_estimate
-from tests.adversarial.served.kit import RawClient
 from tests.helpers.clock import FakeClock
 from tests.helpers.rig import BODY, relay_config, rig
 

@@ -14,10 +14,10 @@ import pytest
 import redis
 
 from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.hostile.kit import Response, exchange, json_request
+from proxy.bench.hostile.served import NullBackend, ServedProxy
 from proxy.bench.inproc import KEYS
 from proxy.bench.redis_server import RedisServer
-from tests.adversarial.served.kit import Response, exchange, json_request
-from tests.adversarial.served.served import NullBackend, ServedProxy
 from tests.shared.replicas import TENANT
 
 REUSED = "same-id-every-time"

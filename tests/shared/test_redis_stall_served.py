@@ -14,10 +14,10 @@ import pytest
 from redis.asyncio import Redis
 
 from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.hostile.kit import exchange, json_request
+from proxy.bench.hostile.served import NullBackend
 from proxy.bench.inproc import KEYS
 from proxy.bench.redis_server import RedisServer
-from tests.adversarial.served.kit import exchange, json_request
-from tests.adversarial.served.served import NullBackend
 from tests.helpers.redis_server import stall
 from tests.shared.replicas import TENANT
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import aiohttp
 
 from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.hostile.kit import RawClient
 from proxy.bench.redis_server import RedisServer
 from proxy.ops.process import free_port, http_ok
-from tests.adversarial.served.kit import RawClient
 from tests.shared.replicas import owner, post, replica_config
 
 

@@ -20,14 +20,14 @@ import orjson
 import pytest
 from aiohttp import web
 
-from proxy.bench.inproc import KEYS, make_config
-from tests.adversarial.served.kit import exchange, json_request
-from tests.adversarial.served.served import (
+from proxy.bench.hostile.kit import exchange, json_request
+from proxy.bench.hostile.served import (
     ADMIN_KEY,
     ServedProxy,
     ThreadedUpstream,
     admin_sections,
 )
+from proxy.bench.inproc import KEYS, make_config
 
 ENGINE_DEAD = {
     "error": {

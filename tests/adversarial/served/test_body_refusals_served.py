@@ -7,13 +7,13 @@ from __future__ import annotations
 import asyncio
 import time
 
-from tests.adversarial.served.kit import (
+from proxy.bench.hostile.kit import (
     RawClient,
     exchange,
     is_openai_error,
     request_bytes,
 )
-from tests.adversarial.served.served import ServedProxy, auth_header
+from proxy.bench.hostile.served import ServedProxy, auth_header
 
 # 8 MiB (the default max_body_bytes) of empty objects: 2.8 million containers.
 TINY = (8 * 1024 * 1024 - 200) // 3

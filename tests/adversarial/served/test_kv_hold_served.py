@@ -37,15 +37,15 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from proxy.bench.fake_vllm import FakeVLLM
-from proxy.bench.inproc import KEYS, make_config
-from proxy.ops.tiny_model import make_tiny_model
-from tests.adversarial.served.kit import exchange, json_request, request_bytes
-from tests.adversarial.served.served import (
+from proxy.bench.hostile.kit import exchange, json_request, request_bytes
+from proxy.bench.hostile.served import (
     ADMIN_KEY,
     ServedProxy,
     ThreadedUpstream,
     admin_sections,
 )
+from proxy.bench.inproc import KEYS, make_config
+from proxy.ops.tiny_model import make_tiny_model
 from tests.helpers.paths import TINY_MODEL_DIR
 
 CHAT = "/v1/chat/completions"

@@ -22,23 +22,23 @@ import yaml
 from aiohttp import web
 
 from proxy.bench.fake_vllm import FakeVLLM
-from proxy.bench.inproc import KEYS, SECRET
-from proxy.config.tenants import hash_key
-from proxy.relay.budget import held_estimate
-from proxy.ticket import DEFAULT_SECRET_ENV
-from tests.adversarial.served.kit import (
+from proxy.bench.hostile.kit import (
     RawClient,
     exchange,
     json_request,
     non_reader,
     request_bytes,
 )
-from tests.adversarial.served.served import (
+from proxy.bench.hostile.served import (
     ServedProxy,
     StartServed,
     ThreadedUpstream,
     served_config,
 )
+from proxy.bench.inproc import KEYS, SECRET
+from proxy.config.tenants import hash_key
+from proxy.relay.budget import held_estimate
+from proxy.ticket import DEFAULT_SECRET_ENV
 
 BIG_ANSWER_BYTES = 900 * 1024  # held whole; loopback alone would swallow it
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}

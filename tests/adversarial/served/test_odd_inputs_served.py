@@ -11,10 +11,10 @@ import time
 
 import pytest
 
+from proxy.bench.hostile.kit import RawClient, exchange, is_openai_error, request_bytes
+from proxy.bench.hostile.served import ServedProxy, StartServed
 from proxy.bench.inproc import KEYS
 from proxy.relay.budget import held_estimate
-from tests.adversarial.served.kit import RawClient, exchange, is_openai_error, request_bytes
-from tests.adversarial.served.served import ServedProxy, StartServed
 
 CHAT = b'{"model": "null", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}'
 MAX_BODY = 8 * 1024 * 1024  # limits.max_body_bytes by default

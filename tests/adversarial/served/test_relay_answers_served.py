@@ -15,8 +15,8 @@ import pytest
 from aiohttp import web
 
 from proxy.bench.fake_vllm import FakeVLLM
-from tests.adversarial.served.kit import exchange, json_request
-from tests.adversarial.served.served import (
+from proxy.bench.hostile.kit import exchange, json_request
+from proxy.bench.hostile.served import (
     ADMIN_KEY,
     NullBackend,
     ServedProxy,

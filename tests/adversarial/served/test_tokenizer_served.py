@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.hostile.kit import exchange, json_request
+from proxy.bench.hostile.served import NullBackend
 from proxy.bench.inproc import KEYS
-from tests.adversarial.served.kit import exchange, json_request
-from tests.adversarial.served.served import NullBackend
 from tests.helpers.paths import TINY_MODEL_DIR
 
 

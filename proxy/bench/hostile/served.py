@@ -2,9 +2,10 @@
 subprocess on its default loop (uvloop where installed) with aiohttp's C parser, in front of a
 fake backend, as a user's deployment runs; its log in a file a test can read.
 
-The fake backend is ``FakeVLLM`` (proxy.bench.fake_vllm) on an event loop of its own in a thread of the test
-process: the served proxy reaches it whatever the test's loop is doing, it starts in
-milliseconds, and a test can read its counters. Fixtures pick it in one place (``conftest.py``).
+The fake backend is ``FakeVLLM`` (proxy.bench.fake_vllm) on an event loop of its own in a
+thread of the test process: the served proxy reaches it whatever the test's loop is doing, it
+starts in milliseconds, and a test can read its counters. The served tests' fixtures pick it
+in one place (tests/adversarial/served/conftest.py).
 """
 
 from __future__ import annotations
