@@ -8,7 +8,7 @@ import orjson
 
 from proxy.bench.fake_vllm import FakeVLLM
 from proxy.bench.inproc import make_config, until
-from tests.adversarial.answers import assert_openai_error
+from tests.helpers.answers import assert_openai_error
 from tests.helpers.clock import FakeClock
 from tests.helpers.rig import rig, stream_body
 

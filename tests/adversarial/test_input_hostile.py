@@ -24,10 +24,10 @@ from proxy.config.loader import parse_config
 from proxy.request.inbound import parse_body
 from proxy.server.app import create_app
 from proxy.server.json_errors import json_errors
-from tests.adversarial.answers import assert_openai_error
-from tests.adversarial.encoding_cases import CASES as ENCODING_CASES
-from tests.adversarial.strategies import deep_raw, encode, nested
+from tests.helpers.answers import assert_openai_error
 from tests.helpers.clock import FakeClock
+from tests.helpers.encoding_cases import CASES as ENCODING_CASES
+from tests.helpers.fuzz_strategies import deep_raw, encode, nested
 from tests.helpers.rig import BODY, error_of, rig, tenants
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from proxy.bench.fake_vllm import FakeVLLM
 from proxy.bench.inproc import KEYS, make_config, running_proxy
-from tests.adversarial.answers import assert_openai_error, read_answer
+from tests.helpers.answers import assert_openai_error, read_answer
 
 KEY = f"Authorization: Bearer {KEYS['low']}\r\n".encode()
 CHAT = b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\n" + KEY

@@ -17,7 +17,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionMessageParam
 from proxy.bench.inproc import make_config, until
 from proxy.config.tenants import hash_key
 from proxy.relay import sse
-from tests.compat.common import (
+from tests.helpers.compat import (
     MODEL,
     Sides,
     dump,

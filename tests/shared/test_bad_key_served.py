@@ -19,7 +19,7 @@ from proxy.bench.hostile.served import NullBackend
 from proxy.bench.inproc import KEYS
 from proxy.bench.redis_server import RedisServer
 from proxy.scheduling.quotas import period
-from tests.shared.replicas import TENANT
+from tests.helpers.replicas import TENANT
 
 BODY = {"model": "null", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 QUOTA = {"tokens_per_day": 1_000_000}

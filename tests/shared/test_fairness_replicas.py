@@ -18,7 +18,7 @@ from proxy.bench.fake_vllm import FakeVLLM
 from proxy.bench.inproc import make_config
 from proxy.bench.redis_server import RedisServer
 from proxy.config.tenants import hash_key
-from tests.shared.replicas import start_replicas
+from tests.helpers.replicas import start_replicas
 
 KEYS = {"heavy": "key-heavy", "light": "key-light"}
 

@@ -18,7 +18,7 @@ from proxy.bench.hostile.kit import Response, exchange, json_request
 from proxy.bench.hostile.served import NullBackend, ServedProxy
 from proxy.bench.inproc import KEYS
 from proxy.bench.redis_server import RedisServer
-from tests.shared.replicas import TENANT
+from tests.helpers.replicas import TENANT
 
 REUSED = "same-id-every-time"
 USED = 450  # total_tokens the backend reports for every answer

@@ -19,7 +19,7 @@ from proxy.bench.hostile.served import NullBackend
 from proxy.bench.inproc import KEYS
 from proxy.bench.redis_server import RedisServer
 from tests.helpers.redis_server import stall
-from tests.shared.replicas import TENANT
+from tests.helpers.replicas import TENANT
 
 BODY = {"model": "null", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 400}
 USED = 8  # the backend reports 4 + 4 tokens an answer

@@ -22,7 +22,7 @@ from proxy.bench.fake_vllm import FakeVLLM
 from proxy.bench.inproc import until
 from proxy.bench.redis_server import RedisServer
 from proxy.bench.stack import ProxyProcess
-from tests.shared.replicas import metric, post, replica_config, start_replicas
+from tests.helpers.replicas import metric, post, replica_config, start_replicas
 
 
 @pytest.fixture

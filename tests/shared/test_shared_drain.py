@@ -19,7 +19,7 @@ from proxy.policies.backends import LeastUtilised
 from proxy.scheduling.pool import BackendPool
 from proxy.shared.client import SharedStore
 from proxy.shared.drain import SharedDrain
-from tests.shared.replicas import owner, post, replica_config
+from tests.helpers.replicas import owner, post, replica_config
 
 ADMIN_KEY = "admin-key-for-drain"
 

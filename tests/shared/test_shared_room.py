@@ -24,7 +24,7 @@ from proxy.policies.backends import LeastUtilised
 from proxy.scheduling.pool import BackendPool
 from proxy.shared.client import SharedStore
 from proxy.shared.room import SharedBackendRoom
-from tests.shared.replicas import post, replica_config, start_replicas
+from tests.helpers.replicas import post, replica_config, start_replicas
 
 URL = "http://127.0.0.1:1"
 

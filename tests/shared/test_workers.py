@@ -14,7 +14,7 @@ from proxy.bench.fake_vllm import FakeVLLM
 from proxy.bench.hostile.kit import RawClient
 from proxy.bench.redis_server import RedisServer
 from proxy.ops.process import free_port, http_ok
-from tests.shared.replicas import owner, post, replica_config
+from tests.helpers.replicas import owner, post, replica_config
 
 
 def children(pid: int) -> set[int]:

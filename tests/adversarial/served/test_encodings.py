@@ -7,7 +7,7 @@ import pytest
 
 from proxy.bench.hostile.kit import exchange, is_openai_error, request_bytes
 from proxy.bench.hostile.served import ServedProxy, auth_header
-from tests.adversarial.encoding_cases import CASES
+from tests.helpers.encoding_cases import CASES
 
 
 @pytest.mark.parametrize(

@@ -20,8 +20,8 @@ from proxy.bench.hostile.served import (
     ThreadedUpstream,
     admin_sections,
 )
-from tests.adversarial.fuzzing import ANSWER_TIMEOUT_S, Harness, fuzz, fuzz_config
-from tests.adversarial.histogram import SERVED_FUZZ
+from tests.helpers.fuzz_histogram import SERVED_FUZZ
+from tests.helpers.fuzzing import ANSWER_TIMEOUT_S, Harness, fuzz, fuzz_config
 
 FUZZ_SERVED_CASES = int(os.environ.get("TIERPROXY_FUZZ_SERVED_CASES", "10000"))
 

@@ -1,7 +1,7 @@
 """Issue 22's third list, against `tierproxy serve` on its default loop (uvloop, the C parser),
 with the kit's realistic clients: credentials that are not UTF-8 (#13), a gzip body of many
 members (#2), uploads that announce a length and send nothing (#3). The in-process twins:
-tests/unit/request/test_odd_inputs.py, tests/adversarial/encoding_cases.py, test_upload_budget.py."""
+tests/unit/request/test_odd_inputs.py, tests/helpers/encoding_cases.py, test_upload_budget.py."""
 
 from __future__ import annotations
 
