@@ -27,6 +27,8 @@ from proxy.api.routes import POST_PATHS
 from proxy.bench.inproc import serve_app
 from proxy.bench.vllm_answers import (
     DONE,
+    ENGINE_DEAD,
+    METRICS_PADDING,
     chat_chunk,
     chat_completion,
     models_list,
@@ -59,7 +61,10 @@ class FakeVLLM:
     ``/tokenize`` answers this status.
     ``tokenize_gate``: set, ``/tokenize`` and ``/detokenize`` wait for it (a busy tokenizer;
     ``tokenizing`` counts the waiting). ``script``: the test's own answer to every POST (None
-    from it: the configured answer). ``version_calls`` counts ``GET /version``.
+    from it: the configured answer). ``version_calls`` counts ``GET /version``. ``poison``: a
+    chat whose first message is this kills the engine (``dead``): vLLM's EngineDeadError 500 to
+    it and every later POST, ``/health`` 500. ``metrics_padding_bytes``: ``/metrics`` streams
+    that much (a broken exporter) before ``metrics_text``.
     Serve it with ``serve()``: a caller hanging up cancels its handler, counted in ``hung_up``.
     """
 
@@ -83,6 +88,8 @@ class FakeVLLM:
         chunk_tokens: int = 1,
         cut_before_usage: bool = False,
         pad_bytes: int = 0,
+        poison: str | None = None,
+        metrics_padding_bytes: int = 0,
     ) -> None:
         self.model = model
         self.status = status
@@ -106,6 +113,9 @@ class FakeVLLM:
         self.chunk_tokens = chunk_tokens
         self.cut_before_usage = cut_before_usage
         self.pad_bytes = pad_bytes
+        self.poison = poison
+        self.dead = False
+        self.metrics_padding_bytes = metrics_padding_bytes
         self.gate = asyncio.Event()
         self.gate.set()
         self.received: list[Received] = []
@@ -144,14 +154,22 @@ class FakeVLLM:
         return web.Response()
 
     async def _empty(self, request: web.Request) -> web.Response:
-        return web.Response(text="")
+        return web.Response(text="", status=500 if self.dead else 200)
 
     async def _version(self, request: web.Request) -> web.Response:
         self.version_calls += 1
         return web.json_response({"version": "0.32.0"})
 
-    async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(text=self.metrics_text)
+    async def _metrics(self, request: web.Request) -> web.StreamResponse:
+        if not self.metrics_padding_bytes:
+            return web.Response(text=self.metrics_text)
+        resp = web.StreamResponse(headers={"Content-Type": "text/plain"})
+        await resp.prepare(request)
+        with contextlib.suppress(ConnectionResetError):  # the proxy cuts it at its cap
+            for _ in range(self.metrics_padding_bytes // len(METRICS_PADDING)):
+                await resp.write(METRICS_PADDING)
+            await resp.write(self.metrics_text.encode())
+        return resp
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.Response(body=models_list(self.model), content_type="application/json")
@@ -161,6 +179,9 @@ class FakeVLLM:
         body: dict[str, Any] = orjson.loads(raw) if raw else {}
         self.received.append(Received(request.path, request.headers, body))
         n = len(self.received)
+        if self.dead or self._is_poison(body):
+            self.dead = True
+            return web.Response(body=ENGINE_DEAD, status=500, content_type="application/json")
         self.active += 1
         self.max_active = max(self.max_active, self.active)
         try:
@@ -178,6 +199,15 @@ class FakeVLLM:
             raise
         finally:
             self.active -= 1
+
+    def _is_poison(self, body: dict[str, Any]) -> bool:
+        messages = body.get("messages")
+        first = messages[0] if isinstance(messages, list) and messages else None
+        return (
+            self.poison is not None
+            and isinstance(first, dict)
+            and first.get("content") == self.poison
+        )
 
     async def _answer(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         path = request.path

@@ -95,3 +95,20 @@ def null_completion() -> bytes:
     return chat_completion(
         NULL_MODEL, "null " * 16, NULL_USAGE, finish_reason="length", id_="chatcmpl-null"
     )
+
+
+# vLLM's answer once its engine core died (EngineDeadError): a 500 to this request and every
+# later one, until the process is restarted.
+ENGINE_DEAD = orjson.dumps(
+    {
+        "error": {
+            "message": "EngineCore encountered an issue."
+            " See stack trace (above) for the root cause.",
+            "type": "InternalServerError",
+            "param": None,
+            "code": 500,
+        }
+    }
+)
+# ~64 KiB of histogram lines: what a broken exporter pads /metrics with.
+METRICS_PADDING = b'vllm:histogram_bucket{engine="0",le="0.5"} 1\n' * 1400
