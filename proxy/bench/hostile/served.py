@@ -175,6 +175,12 @@ class ServedProxy:
                 return int(line.split()[1]) * 1024
         raise LookupError(f"{field} not in /proc/{self.pid}/status")
 
+    def cpu_s(self) -> float:
+        """CPU seconds the process has used (user + system, from /proc): work on its one event
+        loop, counted apart from how busy the machine is."""
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def loaded(self, fragment: str) -> bool:
         """Whether a shared object whose path holds ``fragment`` is mapped (uvloop's loop,
         aiohttp's C parser)."""
