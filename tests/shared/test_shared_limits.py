@@ -126,7 +126,7 @@ async def test_a_dead_replicas_slots_return_within_the_lease_ttl(
     assert not (await alive.admit("acme", 1, 0.0)).allowed
 
     async def admitted() -> bool:
-        return (await alive.admit("acme", 1, 0.0)).allowed
+        return bool((await alive.admit("acme", 1, 0.0)).allowed)
 
     # TTL 0.5 s: 10 polls of 0.05 s on a quiet machine; 30 allow its lag (a busy one polls less).
     await polls_until(admitted, 30, "the dead replica's lease to expire")

@@ -131,10 +131,10 @@ async def test_the_best_tier_is_served_past_a_room_full_of_a_worse_tier(
     while engine.chats < 2:  # the room (2) is full of the low tier; its third call queues
         assert time.monotonic() < deadline, "the low tier's calls never reached the engine"
         await asyncio.sleep(0.05)
-    started = time.monotonic()
+    # Without the reserve it would queue behind the held calls until its queue timeout (3 s)
+    # and get a 503: its status tells, not a wall-clock bound a busy machine can stretch.
     high = await exchange(proxy.host, proxy.port, chat("high", "hi"), timeout_s=10)
-    waited = time.monotonic() - started
-    assert high.status == 200 and waited < 2.0, (high.status, high.body, waited)
+    assert high.status == 200, (high.status, high.body)
     normal = asyncio.create_task(
         exchange(proxy.host, proxy.port, chat("normal", "hi"), timeout_s=30)
     )
@@ -149,17 +149,23 @@ async def test_one_backends_huge_metrics_is_cut_and_counted(
     engines: list[Engine], served_over: Any
 ) -> None:
     broken, healthy = engines[0], engines[1]
-    broken.null.metrics_padding_bytes = 48 * 1024 * 1024  # a broken exporter: 48 MB every scrape
     backends = [{"url": broken.url, "max_inflight": 4}, {"url": healthy.url, "max_inflight": 4}]
     proxy = served_over(backends)  # the default cap (backend_health.max_metrics_bytes, 4 MiB)
+
+    async def worst_chat_s(chats: int) -> float:
+        worst = 0.0
+        for _ in range(chats):
+            started = time.monotonic()
+            resp = await exchange(proxy.host, proxy.port, chat("high", "hi"), timeout_s=10)
+            worst = max(worst, time.monotonic() - started)
+            assert resp.status == 200
+            await asyncio.sleep(0.25)
+        return worst
+
+    quiet = await worst_chat_s(4)  # the same chats, this machine, this load, sane /metrics
+    broken.null.metrics_padding_bytes = 48 * 1024 * 1024  # a broken exporter: 48 MB every scrape
     rss_before = proxy.rss_bytes()
-    worst = 0.0
-    for _ in range(20):  # 5 s: about ten scrapes of the broken backend
-        started = time.monotonic()
-        resp = await exchange(proxy.host, proxy.port, chat("high", "hi"), timeout_s=10)
-        worst = max(worst, time.monotonic() - started)
-        assert resp.status == 200
-        await asyncio.sleep(0.25)
+    worst = await worst_chat_s(20)  # 5 s: about ten scrapes of the broken backend
     text = await admin_metrics(proxy)
     oversize = [
         line
@@ -168,7 +174,9 @@ async def test_one_backends_huge_metrics_is_cut_and_counted(
         and 'reason="oversize"' in line
         and broken.url in line
     ]
-    assert worst < 1.0, worst  # on the lockstep monitor that read it whole: seconds
+    # On the lockstep monitor that read it whole: seconds. Against the quiet figure of the
+    # same test (a busy machine slows both), not a fixed second.
+    assert worst < max(1.0, 10 * quiet), (worst, quiet)
     assert oversize and float(oversize[0].rsplit(" ", 1)[1]) >= 3, oversize
     assert proxy.rss_bytes() - rss_before < 32 * 1024 * 1024
     assert proxy.count(r"its /metrics answer passed 4194304 bytes") == 1
