@@ -116,7 +116,8 @@ async def test_bad_chunk_framing_inside_a_body_fails_that_body_at_once(port: int
     head = CHAT + b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n"
     started = asyncio.get_running_loop().time()
     status, headers, body, rest = await exchange(port, head, b"zz\r\nxx\r\n0\r\n\r\n")
-    assert asyncio.get_running_loop().time() - started < 2
+    # At once (ms), not at the body timeout (30 s): a third of it tells them apart on any load.
+    assert asyncio.get_running_loop().time() - started < 10
     error = assert_openai_error(status, headers[b"content-type"].decode(), body)
     assert status == 400 and error["code"] == "bad_framing", body
     assert "chunk size" in str(error["message"]) and "^" not in str(error["message"])

@@ -155,7 +155,8 @@ async def test_redis_down_falls_back_to_local_limits_and_recovers(
     redis_server.kill()
     started = time.monotonic()
     verdict = await a.admit("acme", 1, 0.0)
-    assert time.monotonic() - started < 0.5  # bounded by call_timeout_s
+    # Bounded by call_timeout_s (0.2 s), not a hang: ten of them leave a busy machine its lag.
+    assert time.monotonic() - started < 10 * 0.2
     assert verdict.allowed  # this replica's own (full) bucket decided
     assert gauge._value.get() == 1
     assert verdict.hold in a._held and a._held[verdict.hold] is None  # settled locally
