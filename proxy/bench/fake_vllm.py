@@ -30,8 +30,10 @@ from proxy.bench.vllm_answers import (
     ENGINE_DEAD,
     METRICS_PADDING,
     chat_chunk,
-    chat_completion,
+    generation,
     models_list,
+    responses_event,
+    responses_usage,
     usage_of,
 )
 
@@ -240,28 +242,13 @@ class FakeVLLM:
                 return await self._token_stream(request, body)
             if stream:
                 return await self._generation_stream(request, body)
-            return web.Response(body=self._generation(path), content_type="application/json")
+            return web.Response(
+                body=generation(path, self.model, self.usage_body(), self.pad_bytes),
+                content_type="application/json",
+            )
         prompt, _ = self.usage  # pooling, scoring: no completion tokens
         usage = {"prompt_tokens": prompt, "total_tokens": prompt, "completion_tokens": 0}
         return web.json_response({"object": "list", "data": [], "usage": usage})
-
-    def _generation(self, path: str) -> bytes:
-        if path == "/v1/chat/completions" and not self.pad_bytes:
-            return chat_completion(self.model, "ok", self.usage_body())
-        choice: dict[str, Any] = {"index": 0, "text": "ok", "finish_reason": "stop"}
-        if self.pad_bytes:  # a client-sized logprobs tail, before usage (completions' order)
-            entries = self.pad_bytes // 11 + 1  # ~11 bytes an entry
-            choice["logprobs"] = {"tokens": ["tok"] * entries, "token_logprobs": [-1.5] * entries}
-        return orjson.dumps(
-            {
-                "id": "cmpl-fake",
-                "object": "text_completion",
-                "created": 1,
-                "model": self.model,
-                "choices": [choice],
-                "usage": self.usage_body(),
-            }
-        )
 
     async def _token_stream(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         """``stream_chunks`` chunks of ``chunk_tokens`` tokens for each of ``n`` choices,
@@ -321,31 +308,23 @@ class FakeVLLM:
         return resp
 
     async def _responses(self) -> web.Response:
-        prompt, completion = self.usage
-        usage = {
-            "input_tokens": prompt,
-            "output_tokens": completion,
-            "total_tokens": prompt + completion,
-        }
+        usage = responses_usage(*self.usage)
         return web.json_response({"object": "response", "usage": usage})
 
     async def _responses_stream(self, request: web.Request) -> web.StreamResponse:
         resp = await _sse(request)
         created = {"type": "response.created", "response": {"status": "in_progress"}}
-        await resp.write(_event("response.created", created))
+        await resp.write(responses_event("response.created", created))
         text = "tok " * self.chunk_tokens if self.stream_chunks else "ok"
         delta = {"type": "response.output_text.delta", "delta": text}
         for _ in range(self.stream_chunks or 1):
-            await resp.write(_event("response.output_text.delta", delta))
+            await resp.write(responses_event("response.output_text.delta", delta))
         if not self.cut_responses_stream:
-            prompt, completion = self.usage
-            usage = {
-                "input_tokens": prompt,
-                "output_tokens": completion,
-                "total_tokens": prompt + completion,
+            done = {
+                "type": "response.completed",
+                "response": {"usage": responses_usage(*self.usage)},
             }
-            done = {"type": "response.completed", "response": {"usage": usage}}
-            await resp.write(_event("response.completed", done))
+            await resp.write(responses_event("response.completed", done))
         await self._end(resp)
         return resp
 
@@ -362,7 +341,3 @@ async def _sse(request: web.Request) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
     return resp
-
-
-def _event(kind: str, data: dict[str, Any]) -> bytes:
-    return f"event: {kind}\ndata: ".encode() + orjson.dumps(data) + b"\n\n"
