@@ -1,6 +1,7 @@
-"""Round two of the fresh-eyes findings, against `tierproxy serve` (uvloop, C parser): a small
-body of many tiny containers must not freeze the event loop (#1), and ``Expect: 100-continue``
-is answered only after the key and the announced size are checked (#13)."""
+"""Bodies refused before they cost the proxy, against `tierproxy serve` (uvloop, C parser): a
+small body of many tiny containers must not freeze the event loop (fresh eyes #1), and
+``Expect: 100-continue`` is answered only after the key and the announced size are checked
+(#13)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""Round two of the fresh-eyes findings on the relay, against `tierproxy serve` (uvloop, C
-parser) in front of a backend that answers as vLLM can: an answer too large for the relay's
-bounds never gets the backend ejected (#2), ``n`` > 1 streams pass every choice's tokens as they
-come (#3), and the backend is asked for identity answers (#12)."""
+"""vLLM-like answers through the relay, against `tierproxy serve` (uvloop, C parser) in front
+of a backend that answers as vLLM can: an answer too large for the relay's bounds never gets
+the backend ejected (fresh eyes #2), ``n`` > 1 streams pass every choice's tokens as they come
+(#3), and the backend is asked for identity answers (#12)."""
 
 from __future__ import annotations
 
