@@ -41,6 +41,9 @@ from typing import Any
 
 import aiohttp
 
+from proxy.bench.hostile.kit import unfinished_headers
+from proxy.bench.hostile.measure import header_memory, hostile_head, over_cap
+from proxy.bench.hostile.served import NullBackend, ServedProxy, served_config
 from proxy.bench.live import (
     LiveStack,
     auth,
@@ -54,8 +57,6 @@ from proxy.bench.proxy_config import BENCH_ADMIN_KEY
 from proxy.bench.scrape import fetch_metrics
 from proxy.server.open_files import raise_open_files_limit
 from proxy.telemetry.prometheus import VLLM_RUNNING, total
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the served-process kit in tests/
 
 LOW_TIMEOUT_S = 4.0  # the low tier's request_timeout_s
 SEND_IDLE_S = 2.0  # relay.send_idle_timeout_s
@@ -315,10 +316,6 @@ async def run(args: argparse.Namespace, out_dir: Path) -> None:
 
 # -- (d), (e) against the served process, in front of a fake backend ---------------------------
 async def served_rows(args: argparse.Namespace, out_dir: Path) -> None:
-    from tests.adversarial.served.kit import unfinished_headers
-    from tests.adversarial.served.measure import header_memory, hostile_head, over_cap
-    from tests.adversarial.served.served import NullBackend, ServedProxy, served_config
-
     with NullBackend().start() as backend:
         caps = {"max_connections": args.budget_conns + 100}
         print("(d) unfinished request heads (tierproxy serve, uvloop, C parser)")

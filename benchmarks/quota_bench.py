@@ -19,17 +19,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import sys
 import tempfile
 from pathlib import Path
 
 import aiohttp
 
-sys.path.insert(0, str(Path(__file__).parent))
-from shared_state import config, latencies, pct, send, start
-
 from proxy.bench.fake_vllm import FakeVLLM
 from proxy.bench.redis_server import RedisServer
+from proxy.bench.replica_latency import config, latencies, pct, send, start
 
 QUOTA = {
     "tokens_per_day": 10**12,

@@ -27,9 +27,13 @@ from proxy.api.routes import POST_PATHS
 from proxy.bench.inproc import serve_app
 from proxy.bench.vllm_answers import (
     DONE,
+    ENGINE_DEAD,
+    METRICS_PADDING,
     chat_chunk,
-    chat_completion,
+    generation,
     models_list,
+    responses_event,
+    responses_usage,
     usage_of,
 )
 
@@ -59,7 +63,10 @@ class FakeVLLM:
     ``/tokenize`` answers this status.
     ``tokenize_gate``: set, ``/tokenize`` and ``/detokenize`` wait for it (a busy tokenizer;
     ``tokenizing`` counts the waiting). ``script``: the test's own answer to every POST (None
-    from it: the configured answer). ``version_calls`` counts ``GET /version``.
+    from it: the configured answer). ``version_calls`` counts ``GET /version``. ``poison``: a
+    chat whose first message is this kills the engine (``dead``): vLLM's EngineDeadError 500 to
+    it and every later POST, ``/health`` 500. ``metrics_padding_bytes``: ``/metrics`` streams
+    that much (a broken exporter) before ``metrics_text``.
     Serve it with ``serve()``: a caller hanging up cancels its handler, counted in ``hung_up``.
     """
 
@@ -83,6 +90,8 @@ class FakeVLLM:
         chunk_tokens: int = 1,
         cut_before_usage: bool = False,
         pad_bytes: int = 0,
+        poison: str | None = None,
+        metrics_padding_bytes: int = 0,
     ) -> None:
         self.model = model
         self.status = status
@@ -106,6 +115,9 @@ class FakeVLLM:
         self.chunk_tokens = chunk_tokens
         self.cut_before_usage = cut_before_usage
         self.pad_bytes = pad_bytes
+        self.poison = poison
+        self.dead = False
+        self.metrics_padding_bytes = metrics_padding_bytes
         self.gate = asyncio.Event()
         self.gate.set()
         self.received: list[Received] = []
@@ -144,14 +156,22 @@ class FakeVLLM:
         return web.Response()
 
     async def _empty(self, request: web.Request) -> web.Response:
-        return web.Response(text="")
+        return web.Response(text="", status=500 if self.dead else 200)
 
     async def _version(self, request: web.Request) -> web.Response:
         self.version_calls += 1
         return web.json_response({"version": "0.32.0"})
 
-    async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(text=self.metrics_text)
+    async def _metrics(self, request: web.Request) -> web.StreamResponse:
+        if not self.metrics_padding_bytes:
+            return web.Response(text=self.metrics_text)
+        resp = web.StreamResponse(headers={"Content-Type": "text/plain"})
+        await resp.prepare(request)
+        with contextlib.suppress(ConnectionResetError):  # the proxy cuts it at its cap
+            for _ in range(self.metrics_padding_bytes // len(METRICS_PADDING)):
+                await resp.write(METRICS_PADDING)
+            await resp.write(self.metrics_text.encode())
+        return resp
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.Response(body=models_list(self.model), content_type="application/json")
@@ -161,6 +181,9 @@ class FakeVLLM:
         body: dict[str, Any] = orjson.loads(raw) if raw else {}
         self.received.append(Received(request.path, request.headers, body))
         n = len(self.received)
+        if self.dead or self._is_poison(body):
+            self.dead = True
+            return web.Response(body=ENGINE_DEAD, status=500, content_type="application/json")
         self.active += 1
         self.max_active = max(self.max_active, self.active)
         try:
@@ -178,6 +201,15 @@ class FakeVLLM:
             raise
         finally:
             self.active -= 1
+
+    def _is_poison(self, body: dict[str, Any]) -> bool:
+        messages = body.get("messages")
+        first = messages[0] if isinstance(messages, list) and messages else None
+        return (
+            self.poison is not None
+            and isinstance(first, dict)
+            and first.get("content") == self.poison
+        )
 
     async def _answer(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         path = request.path
@@ -210,28 +242,13 @@ class FakeVLLM:
                 return await self._token_stream(request, body)
             if stream:
                 return await self._generation_stream(request, body)
-            return web.Response(body=self._generation(path), content_type="application/json")
+            return web.Response(
+                body=generation(path, self.model, self.usage_body(), self.pad_bytes),
+                content_type="application/json",
+            )
         prompt, _ = self.usage  # pooling, scoring: no completion tokens
         usage = {"prompt_tokens": prompt, "total_tokens": prompt, "completion_tokens": 0}
         return web.json_response({"object": "list", "data": [], "usage": usage})
-
-    def _generation(self, path: str) -> bytes:
-        if path == "/v1/chat/completions" and not self.pad_bytes:
-            return chat_completion(self.model, "ok", self.usage_body())
-        choice: dict[str, Any] = {"index": 0, "text": "ok", "finish_reason": "stop"}
-        if self.pad_bytes:  # a client-sized logprobs tail, before usage (completions' order)
-            entries = self.pad_bytes // 11 + 1  # ~11 bytes an entry
-            choice["logprobs"] = {"tokens": ["tok"] * entries, "token_logprobs": [-1.5] * entries}
-        return orjson.dumps(
-            {
-                "id": "cmpl-fake",
-                "object": "text_completion",
-                "created": 1,
-                "model": self.model,
-                "choices": [choice],
-                "usage": self.usage_body(),
-            }
-        )
 
     async def _token_stream(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         """``stream_chunks`` chunks of ``chunk_tokens`` tokens for each of ``n`` choices,
@@ -291,31 +308,23 @@ class FakeVLLM:
         return resp
 
     async def _responses(self) -> web.Response:
-        prompt, completion = self.usage
-        usage = {
-            "input_tokens": prompt,
-            "output_tokens": completion,
-            "total_tokens": prompt + completion,
-        }
+        usage = responses_usage(*self.usage)
         return web.json_response({"object": "response", "usage": usage})
 
     async def _responses_stream(self, request: web.Request) -> web.StreamResponse:
         resp = await _sse(request)
         created = {"type": "response.created", "response": {"status": "in_progress"}}
-        await resp.write(_event("response.created", created))
+        await resp.write(responses_event("response.created", created))
         text = "tok " * self.chunk_tokens if self.stream_chunks else "ok"
         delta = {"type": "response.output_text.delta", "delta": text}
         for _ in range(self.stream_chunks or 1):
-            await resp.write(_event("response.output_text.delta", delta))
+            await resp.write(responses_event("response.output_text.delta", delta))
         if not self.cut_responses_stream:
-            prompt, completion = self.usage
-            usage = {
-                "input_tokens": prompt,
-                "output_tokens": completion,
-                "total_tokens": prompt + completion,
+            done = {
+                "type": "response.completed",
+                "response": {"usage": responses_usage(*self.usage)},
             }
-            done = {"type": "response.completed", "response": {"usage": usage}}
-            await resp.write(_event("response.completed", done))
+            await resp.write(responses_event("response.completed", done))
         await self._end(resp)
         return resp
 
@@ -332,7 +341,3 @@ async def _sse(request: web.Request) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
     return resp
-
-
-def _event(kind: str, data: dict[str, Any]) -> bytes:
-    return f"event: {kind}\ndata: ".encode() + orjson.dumps(data) + b"\n\n"

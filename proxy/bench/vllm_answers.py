@@ -95,3 +95,54 @@ def null_completion() -> bytes:
     return chat_completion(
         NULL_MODEL, "null " * 16, NULL_USAGE, finish_reason="length", id_="chatcmpl-null"
     )
+
+
+def generation(path: str, model: str, usage: dict[str, int], pad_bytes: int) -> bytes:
+    """A non-stream chat or completions answer; ``pad_bytes``: a client-sized logprobs tail
+    (as a completions answer) before its usage."""
+    if path == "/v1/chat/completions" and not pad_bytes:
+        return chat_completion(model, "ok", usage)
+    choice: dict[str, Any] = {"index": 0, "text": "ok", "finish_reason": "stop"}
+    if pad_bytes:  # a client-sized logprobs tail, before usage (completions' order)
+        entries = pad_bytes // 11 + 1  # ~11 bytes an entry
+        choice["logprobs"] = {"tokens": ["tok"] * entries, "token_logprobs": [-1.5] * entries}
+    return orjson.dumps(
+        {
+            "id": "cmpl-fake",
+            "object": "text_completion",
+            "created": 1,
+            "model": model,
+            "choices": [choice],
+            "usage": usage,
+        }
+    )
+
+
+def responses_usage(prompt: int, completion: int) -> dict[str, int]:
+    return {
+        "input_tokens": prompt,
+        "output_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def responses_event(kind: str, data: dict[str, Any]) -> bytes:
+    """One event of a Responses stream (typed, unlike chat's ``data:`` lines)."""
+    return f"event: {kind}\ndata: ".encode() + orjson.dumps(data) + b"\n\n"
+
+
+# vLLM's answer once its engine core died (EngineDeadError): a 500 to this request and every
+# later one, until the process is restarted.
+ENGINE_DEAD = orjson.dumps(
+    {
+        "error": {
+            "message": "EngineCore encountered an issue."
+            " See stack trace (above) for the root cause.",
+            "type": "InternalServerError",
+            "param": None,
+            "code": 500,
+        }
+    }
+)
+# ~64 KiB of histogram lines: what a broken exporter pads /metrics with.
+METRICS_PADDING = b'vllm:histogram_bucket{engine="0",le="0.5"} 1\n' * 1400

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.adversarial.histogram import FUZZ, SERVED_FUZZ
+from tests.helpers.fuzz_histogram import FUZZ, SERVED_FUZZ
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -7,9 +7,9 @@ from __future__ import annotations
 import orjson
 
 from proxy.bench.fake_vllm import FakeVLLM
-from tests.adversarial.answers import assert_openai_error
+from proxy.bench.inproc import make_config, until
+from tests.helpers.answers import assert_openai_error
 from tests.helpers.clock import FakeClock
-from tests.helpers.proxyrun import make_config, until
 from tests.helpers.rig import rig, stream_body
 
 

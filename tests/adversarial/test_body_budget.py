@@ -9,9 +9,9 @@ import asyncio
 import orjson
 
 from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.inproc import auth, make_config, until
 from proxy.request.jsonshape import measure
 from tests.helpers.clock import FakeClock
-from tests.helpers.proxyrun import auth, make_config, until
 from tests.helpers.rig import BODY, error_of, rig
 
 # 50,000 empty objects beside the chat (in a field that passes): 150 KB of JSON, ~3.6 MB parsed.

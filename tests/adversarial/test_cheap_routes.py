@@ -1,7 +1,7 @@
 """Tokenizer routes (/tokenize, /detokenize) against a better tier's generation, in process:
 they never take the backends' generation room (issue 22: six low-tier /tokenize calls held a
 backend's six slots and a high-tier chat got 503 at its queue timeout), and they have a small
-cap of their own per backend. The served twin: tests/adversarial/served/test_served_round2.py."""
+cap of their own per backend. The served twin: tests/adversarial/served/test_memory_routes_startup_served.py."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.inproc import SECRET, auth, make_config, until
 from proxy.config.loader import parse_config
 from proxy.server.app import create_app
 from proxy.server.state import STATE, ProxyState
 from tests.helpers.clock import FakeClock
-from tests.helpers.proxyrun import SECRET, auth, make_config, until
 
 Client = TestClient[web.Request, web.Application]
 TOKENIZE = {"model": "tiny", "prompt": "hello"}

@@ -10,10 +10,10 @@ import aiohttp
 import orjson
 
 from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.inproc import auth, make_config, running_proxy, until
 from proxy.relay.budget import held_estimate
 from proxy.server.state import ProxyState
-from tests.adversarial.answers import assert_openai_error, read_answer
-from tests.helpers.proxyrun import auth, make_config, running_proxy, until
+from tests.helpers.answers import assert_openai_error, read_answer
 
 MAX_BODY = 256 * 1024
 ADMITTED = 6  # the budget holds this many maximal bodies

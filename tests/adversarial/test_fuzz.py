@@ -11,7 +11,7 @@ and one event loop; the status histogram is printed in pytest's summary and writ
 
 from __future__ import annotations
 
-from tests.adversarial.fuzzing import FUZZ_CASES, Harness, fuzz
+from tests.helpers.fuzzing import FUZZ_CASES, Harness, fuzz
 
 
 def test_fuzzed_requests_never_get_a_5xx_nor_leak() -> None:

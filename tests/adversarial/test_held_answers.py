@@ -17,8 +17,8 @@ import pytest
 from aiohttp import web
 
 from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.inproc import auth, running_proxy, until
 from tests.helpers.clock import FakeClock
-from tests.helpers.proxyrun import auth, running_proxy, until
 from tests.helpers.rig import BODY, relay_config, rig
 
 ANSWER_BYTES = 900 * 1024  # held whole (under buffer_response_bytes), too big for loopback

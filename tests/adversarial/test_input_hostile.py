@@ -18,17 +18,18 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.hostile.kit import exchange, is_openai_error, request_bytes
+from proxy.bench.inproc import SECRET, auth, make_config, running_proxy
 from proxy.config.loader import parse_config
 from proxy.request.inbound import parse_body
 from proxy.server.app import create_app
 from proxy.server.json_errors import json_errors
-from tests.adversarial.answers import assert_openai_error
-from tests.adversarial.encoding_cases import CASES as ENCODING_CASES
-from tests.adversarial.served.kit import exchange, is_openai_error, request_bytes
-from tests.adversarial.strategies import deep_raw, encode, nested
+from tests.helpers.answers import assert_openai_error
 from tests.helpers.clock import FakeClock
-from tests.helpers.proxyrun import SECRET, auth, make_config, running_proxy
+from tests.helpers.encoding_cases import CASES as ENCODING_CASES
+from tests.helpers.fuzz_strategies import deep_raw, encode, nested
 from tests.helpers.rig import BODY, error_of, rig, tenants
+from tests.helpers.timing import timer_lateness_s
 
 
 @contextlib.asynccontextmanager
@@ -120,12 +121,15 @@ async def test_a_slow_body_gets_408_within_the_knob() -> None:
         )
         await writer.drain()
         started = asyncio.get_running_loop().time()
+        # A timer of the test's own at the knob, on the same loop: as late as the proxy's.
+        reference = asyncio.create_task(timer_lateness_s(0.3))
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=5)
         waited = asyncio.get_running_loop().time() - started
+        took_knob = await reference
         writer.close()
         assert head.startswith(b"HTTP/1.1 408"), head
         assert b"application/json" in head
-        assert 0.25 <= waited < 2.0
+        assert 0.25 <= waited < took_knob + 1.5, (waited, took_knob)
 
 
 @pytest.mark.parametrize(

@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator
 import pytest
 
 from proxy.bench.fake_vllm import FakeVLLM
-from tests.adversarial.answers import assert_openai_error, read_answer
-from tests.helpers.proxyrun import KEYS, make_config, running_proxy
+from proxy.bench.inproc import KEYS, make_config, running_proxy
+from tests.helpers.answers import assert_openai_error, read_answer
 
 KEY = f"Authorization: Bearer {KEYS['low']}\r\n".encode()
 CHAT = b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\n" + KEY
@@ -116,7 +116,8 @@ async def test_bad_chunk_framing_inside_a_body_fails_that_body_at_once(port: int
     head = CHAT + b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n"
     started = asyncio.get_running_loop().time()
     status, headers, body, rest = await exchange(port, head, b"zz\r\nxx\r\n0\r\n\r\n")
-    assert asyncio.get_running_loop().time() - started < 2
+    # At once (ms), not at the body timeout (30 s): a third of it tells them apart on any load.
+    assert asyncio.get_running_loop().time() - started < 10
     error = assert_openai_error(status, headers[b"content-type"].decode(), body)
     assert status == 400 and error["code"] == "bad_framing", body
     assert "chunk size" in str(error["message"]) and "^" not in str(error["message"])

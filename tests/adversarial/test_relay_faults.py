@@ -18,10 +18,11 @@ import pytest
 from aiohttp import web
 
 from proxy.bench.fake_vllm import FakeVLLM, Script
+from proxy.bench.inproc import auth, make_config, until
 from proxy.relay import sse
 from tests.helpers.clock import FakeClock
-from tests.helpers.proxyrun import auth, make_config, until
 from tests.helpers.rig import BODY, Rig, error_of, relay_config, rig, stream_body
+from tests.helpers.sse_answers import chunk, sse_answer
 
 USAGE = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
 ENGINE_DEAD = {
@@ -32,20 +33,6 @@ ENGINE_DEAD = {
         "code": 500,
     }
 }
-
-
-def chunk(text: str) -> bytes:
-    delta = {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
-    return b"data: " + orjson.dumps({"object": "chat.completion.chunk", **delta}) + b"\n\n"
-
-
-async def sse_answer(request: web.Request, *parts: bytes) -> web.StreamResponse:
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-    await resp.prepare(request)
-    for part in parts:
-        await resp.write(part)
-    await resp.write_eof()
-    return resp
 
 
 def completion(content: str) -> bytes:

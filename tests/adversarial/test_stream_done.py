@@ -14,10 +14,10 @@ import orjson
 from aiohttp import web
 
 from proxy.bench.fake_vllm import FakeVLLM
-from tests.adversarial.test_relay_faults import chunk, sse_answer
+from proxy.bench.inproc import auth, make_config, running_proxy, until
 from tests.helpers.clock import FakeClock
-from tests.helpers.proxyrun import auth, make_config, running_proxy, until
 from tests.helpers.rig import BODY, relay_config, rig, stream_body
+from tests.helpers.sse_answers import chunk, sse_answer
 
 DONE = b"data: [DONE]\n\n"
 COMPLETION = {"tier": "normal", "kind": "completion"}

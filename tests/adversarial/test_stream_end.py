@@ -14,8 +14,8 @@ import aiohttp
 import pytest
 
 from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.inproc import auth, make_config, running_proxy, until
 from proxy.server.state import ProxyState
-from tests.helpers.proxyrun import auth, make_config, running_proxy, until
 
 LATE_S = 0.3  # from the last event to the end of the backend's body
 STREAMS = 4

@@ -2,7 +2,7 @@
 Content-Length or chunked alike: what a Content-Length announces costs nothing until it comes
 (idle connections announcing 8 MiB each once held the whole budget, issue 22 #3). Concurrent
 large uploads cannot pass ``limits.max_held_bytes``. In process, over the pipeline rig; the
-served twins are in tests/adversarial/served/test_served_round2.py and test_served_round3.py."""
+served twins are in tests/adversarial/served/test_memory_routes_startup_served.py and test_odd_inputs_served.py."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import asyncio
 
 import orjson
 
+from proxy.bench.hostile.kit import RawClient
+from proxy.bench.inproc import KEYS, until
 from proxy.relay.budget import held_estimate
-from tests.adversarial.served.kit import RawClient
 from tests.helpers.clock import FakeClock
-from tests.helpers.proxyrun import KEYS, until
 from tests.helpers.rig import BODY, relay_config, rig
 
 UPLOAD = 1_000_000  # bytes of body announced

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from proxy.ops.engine import EngineProcess
-from tests.compat.common import Sides, engine, sides
+from tests.helpers.compat import Sides, engine, sides
 from tests.helpers.enginefarm import EngineFarm
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.compat.common import MODEL, TOKENIZER_DIR, Sides
+from tests.helpers.compat import MODEL, TOKENIZER_DIR, Sides
 from tests.helpers.engines import LONG_CONTEXT
 from tests.helpers.paths import REPO
 

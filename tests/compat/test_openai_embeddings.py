@@ -9,7 +9,7 @@ import math
 import pytest
 
 from proxy.ops.engine import EngineProcess
-from tests.compat.common import MODEL, Sides, dump, shape
+from tests.helpers.compat import MODEL, Sides, dump, shape
 from tests.helpers.enginefarm import EngineFarm
 from tests.helpers.engines import EMBED
 

@@ -14,9 +14,10 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionMessageParam
 
+from proxy.bench.inproc import make_config, until
 from proxy.config.tenants import hash_key
 from proxy.relay import sse
-from tests.compat.common import (
+from tests.helpers.compat import (
     MODEL,
     Sides,
     dump,
@@ -29,7 +30,6 @@ from tests.compat.common import (
 )
 from tests.helpers.enginefarm import EngineFarm
 from tests.helpers.engines import LONG_CONTEXT
-from tests.helpers.proxyrun import make_config, until
 
 pytestmark = [pytest.mark.integration, pytest.mark.engines(LONG_CONTEXT)]
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say something."}]

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from proxy.bench.inproc import SECRET
 from proxy.bench.plugin.requests import ENGINE_ARGS as PLUGIN_BENCH_ARGS
 from proxy.ops.engine import (
     POOLING_ARGS,
@@ -24,7 +25,6 @@ from proxy.ops.engine import (
 )
 from proxy.ticket import DEFAULT_SECRET_ENV
 from proxy.vllm_plugin.settings import ENV_REQUIRE_TICKET
-from tests.helpers.proxyrun import SECRET
 
 PLUGIN_SECRET = "plugin-test-secret-of-at-least-32-bytes"
 

@@ -1,13 +1,8 @@
-"""The real redis-server of the shared-state tests: ``proxy.bench.redis_server`` re-exported,
-and a stall of the whole server."""
+"""A stall of the whole redis-server the shared-state tests run (``proxy.bench.redis_server``)."""
 
 from __future__ import annotations
 
 from redis.asyncio import Redis
-
-from proxy.bench.redis_server import RedisServer
-
-__all__ = ["RedisServer", "stall"]
 
 
 async def stall(redis: Redis, seconds: float) -> None:

@@ -17,13 +17,13 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from proxy.api.routes import BY_ENDPOINT
 from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.inproc import SECRET, auth, make_config
 from proxy.config.loader import parse_config
 from proxy.config.tenants import hash_key
 from proxy.policies.tenants import VirtualTokenCounter
 from proxy.scheduling.backend import BackendState
 from proxy.server.state import ProxyState
 from tests.helpers.clock import FakeClock
-from tests.helpers.proxyrun import SECRET, auth, make_config
 
 BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 8}
 

@@ -12,10 +12,10 @@ import orjson
 import pytest
 
 from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.inproc import auth, make_config, running_proxy, until
 from proxy.relay import sse
 from tests.helpers.enginefarm import EngineFarm
 from tests.helpers.engines import CORE, PAIR_B
-from tests.helpers.proxyrun import auth, make_config, running_proxy, until
 
 pytestmark = [pytest.mark.integration, pytest.mark.engines(CORE, PAIR_B)]
 TIMEOUT = aiohttp.ClientTimeout(total=180)

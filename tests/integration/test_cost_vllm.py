@@ -15,12 +15,12 @@ import aiohttp
 import orjson
 import pytest
 
+from proxy.bench.inproc import make_config, running_proxy
 from proxy.config.tenants import hash_key
 from proxy.ops.engine import EngineProcess
 from proxy.scheduling.quotas import period
 from tests.helpers.enginefarm import EngineFarm
 from tests.helpers.engines import PROMPT_DETAILS
-from tests.helpers.proxyrun import make_config, running_proxy
 
 pytestmark = [pytest.mark.integration, pytest.mark.engines(PROMPT_DETAILS)]
 TIMEOUT = aiohttp.ClientTimeout(total=120)

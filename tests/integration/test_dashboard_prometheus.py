@@ -23,7 +23,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from proxy.bench.inproc import serve_app
+from proxy.bench.inproc import auth, make_config, running_proxy, serve_app
 from proxy.bench.redis_server import RedisServer
 from proxy.config.tenants import hash_key
 from proxy.ops.process import free_port
@@ -32,7 +32,6 @@ from tests.helpers import promserver
 from tests.helpers.dashboard import REFUSAL_OUTCOMES, panels
 from tests.helpers.enginefarm import EngineFarm
 from tests.helpers.engines import CORE
-from tests.helpers.proxyrun import auth, make_config, running_proxy
 
 pytestmark = [pytest.mark.integration, pytest.mark.engines(CORE)]
 TIMEOUT = aiohttp.ClientTimeout(total=60)

@@ -14,12 +14,12 @@ from typing import Any
 import aiohttp
 import pytest
 
+from proxy.bench.inproc import SECRET, auth, make_config, running_proxy
 from proxy.ops.engine import EngineProcess
 from proxy.telemetry import prometheus
 from proxy.ticket import derive_cache_salt
 from tests.helpers.enginefarm import EngineFarm
 from tests.helpers.engines import PREFIX_CACHE
-from tests.helpers.proxyrun import SECRET, auth, make_config, running_proxy
 
 pytestmark = [pytest.mark.integration, pytest.mark.engines(PREFIX_CACHE)]
 TIMEOUT = aiohttp.ClientTimeout(total=60)

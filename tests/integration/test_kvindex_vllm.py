@@ -19,13 +19,13 @@ from typing import Any
 import aiohttp
 import pytest
 
+from proxy.bench.inproc import auth, make_config, running_proxy, until
 from proxy.ops.engine import EngineProcess
 from proxy.policies.types import QueuedRequest
 from proxy.scheduling.backend import BackendState
 from proxy.server.state import ProxyState
 from tests.helpers.enginefarm import EngineFarm
 from tests.helpers.engines import KV_EVENTS
-from tests.helpers.proxyrun import auth, make_config, running_proxy, until
 
 pytestmark = [pytest.mark.integration, pytest.mark.engines(KV_EVENTS)]
 TIMEOUT = aiohttp.ClientTimeout(total=60)

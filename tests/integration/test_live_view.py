@@ -17,12 +17,12 @@ from typing import Any
 import aiohttp
 import pytest
 
+from proxy.bench.inproc import KEYS, auth, make_config, running_proxy
 from proxy.config.tenants import hash_key
 from tests.helpers.dashboard import exposed_names, queried_names
 from tests.helpers.enginefarm import EngineFarm
 from tests.helpers.engines import CORE
 from tests.helpers.paths import REPO
-from tests.helpers.proxyrun import KEYS, auth, make_config, running_proxy
 
 pytestmark = [pytest.mark.integration, pytest.mark.engines(CORE)]
 ADMIN_KEY = "live-view-admin-key"

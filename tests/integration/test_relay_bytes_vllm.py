@@ -12,9 +12,9 @@ from typing import Any
 import aiohttp
 import pytest
 
+from proxy.bench.inproc import auth, make_config, running_proxy
 from tests.helpers.enginefarm import EngineFarm
 from tests.helpers.engines import LONG_CONTEXT
-from tests.helpers.proxyrun import auth, make_config, running_proxy
 
 pytestmark = [pytest.mark.integration, pytest.mark.engines(LONG_CONTEXT)]
 TIMEOUT = aiohttp.ClientTimeout(total=120)

@@ -11,11 +11,11 @@ import aiohttp
 import pytest
 import yaml
 
+from proxy.bench.inproc import KEYS, auth, make_config, running_proxy, until
 from proxy.config.tenants import hash_key
 from proxy.server.state import ProxyState
 from tests.helpers.enginefarm import EngineFarm
 from tests.helpers.engines import CORE
-from tests.helpers.proxyrun import KEYS, auth, make_config, running_proxy, until
 
 pytestmark = [pytest.mark.integration, pytest.mark.engines(CORE)]
 ADMIN_KEY = "admin-key-for-the-reload-test"

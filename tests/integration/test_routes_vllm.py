@@ -15,10 +15,10 @@ import aiohttp
 import orjson
 import pytest
 
+from proxy.bench.inproc import auth, make_config, running_proxy
 from proxy.ops.engine import EngineProcess
 from tests.helpers.enginefarm import EngineFarm
 from tests.helpers.engines import CORE, POOLING_TICKETED
-from tests.helpers.proxyrun import auth, make_config, running_proxy
 
 pytestmark = [pytest.mark.integration, pytest.mark.engines(POOLING_TICKETED, CORE)]
 TIMEOUT = aiohttp.ClientTimeout(total=60)

@@ -11,10 +11,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from proxy.bench.inproc import auth, make_config, running_proxy
 from proxy.bench.redis_server import RedisServer
 from tests.helpers.enginefarm import EngineFarm
 from tests.helpers.engines import CORE
-from tests.helpers.proxyrun import auth, make_config, running_proxy
 
 pytestmark = [pytest.mark.integration, pytest.mark.engines(CORE)]
 TIMEOUT = aiohttp.ClientTimeout(total=180)

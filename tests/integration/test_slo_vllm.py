@@ -10,9 +10,9 @@ from typing import Any
 import aiohttp
 import pytest
 
+from proxy.bench.inproc import auth, make_config, running_proxy
 from tests.helpers.enginefarm import EngineFarm
 from tests.helpers.engines import CORE
-from tests.helpers.proxyrun import auth, make_config, running_proxy
 
 pytestmark = [pytest.mark.integration, pytest.mark.engines(CORE)]
 TIMEOUT = aiohttp.ClientTimeout(total=60)

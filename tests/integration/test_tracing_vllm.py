@@ -11,10 +11,10 @@ from typing import Any
 import aiohttp
 import pytest
 
+from proxy.bench.inproc import auth, make_config, running_proxy, until
 from tests.helpers.enginefarm import EngineFarm
 from tests.helpers.engines import OTLP_SOCKET, TRACED
 from tests.helpers.otlp import OtlpReceiver, ReceivedSpan
-from tests.helpers.proxyrun import auth, make_config, running_proxy, until
 
 pytestmark = [pytest.mark.integration, pytest.mark.engines(TRACED)]
 TIMEOUT = aiohttp.ClientTimeout(total=60)

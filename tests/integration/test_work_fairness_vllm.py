@@ -16,12 +16,12 @@ from typing import Any
 import aiohttp
 import pytest
 
+from proxy.bench.inproc import make_config, running_proxy
 from proxy.config.tenants import hash_key
 from proxy.ops.engine import EngineProcess
 from proxy.policies.cost import work_tokens
 from tests.helpers.enginefarm import EngineFarm
 from tests.helpers.engines import PROMPT_DETAILS
-from tests.helpers.proxyrun import make_config, running_proxy
 
 pytestmark = [pytest.mark.integration, pytest.mark.engines(PROMPT_DETAILS)]
 TIMEOUT = aiohttp.ClientTimeout(total=120)

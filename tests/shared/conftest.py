@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
+from proxy.bench.hostile.served import NullBackend, ServedProxy, served_config
 from proxy.bench.inproc import KEYS
+from proxy.bench.redis_server import RedisServer
 from proxy.config.tenants import hash_key
-from tests.adversarial.served.served import NullBackend, ServedProxy, served_config
-from tests.helpers.redis_server import RedisServer
-from tests.shared.replicas import TENANT
+from tests.helpers.replicas import TENANT
 
 
 @pytest.fixture

@@ -14,12 +14,12 @@ import pytest
 from redis.asyncio import Redis
 
 from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.hostile.kit import exchange, json_request
+from proxy.bench.hostile.served import NullBackend
 from proxy.bench.inproc import KEYS
+from proxy.bench.redis_server import RedisServer
 from proxy.scheduling.quotas import period
-from tests.adversarial.served.kit import exchange, json_request
-from tests.adversarial.served.served import NullBackend
-from tests.helpers.redis_server import RedisServer
-from tests.shared.replicas import TENANT
+from tests.helpers.replicas import TENANT
 
 BODY = {"model": "null", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 QUOTA = {"tokens_per_day": 1_000_000}

@@ -16,9 +16,9 @@ import aiohttp
 
 from proxy.bench.fake_vllm import FakeVLLM
 from proxy.bench.inproc import make_config
+from proxy.bench.redis_server import RedisServer
 from proxy.config.tenants import hash_key
-from tests.helpers.redis_server import RedisServer
-from tests.shared.replicas import start_replicas
+from tests.helpers.replicas import start_replicas
 
 KEYS = {"heavy": "key-heavy", "light": "key-light"}
 

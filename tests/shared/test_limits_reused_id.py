@@ -14,11 +14,11 @@ import pytest
 import redis
 
 from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.hostile.kit import Response, exchange, json_request
+from proxy.bench.hostile.served import NullBackend, ServedProxy
 from proxy.bench.inproc import KEYS
-from tests.adversarial.served.kit import Response, exchange, json_request
-from tests.adversarial.served.served import NullBackend, ServedProxy
-from tests.helpers.redis_server import RedisServer
-from tests.shared.replicas import TENANT
+from proxy.bench.redis_server import RedisServer
+from tests.helpers.replicas import TENANT
 
 REUSED = "same-id-every-time"
 USED = 450  # total_tokens the backend reports for every answer

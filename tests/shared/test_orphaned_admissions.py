@@ -14,6 +14,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from proxy.bench.inproc import until
+from proxy.bench.redis_server import RedisServer
 from proxy.config.shared_state import SharedState
 from proxy.config.tenants import Tenant
 from proxy.scheduling.quotas import QuotaAsk
@@ -22,7 +23,6 @@ from proxy.shared.limits import SharedLimitRegistry
 from proxy.shared.quota_scripts import RESERVE
 from proxy.shared.quotas import SharedQuotaBook
 from proxy.shared.scripts import ADMIT
-from tests.helpers.redis_server import RedisServer
 
 REPLY_DELAY_S = 0.4  # Redis's answers reach the proxy this late (under the call timeout)
 

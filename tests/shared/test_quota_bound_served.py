@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.hostile.kit import exchange, json_request
+from proxy.bench.hostile.served import NullBackend
 from proxy.bench.inproc import KEYS
-from tests.adversarial.served.kit import exchange, json_request
-from tests.adversarial.served.served import NullBackend
 
 REAL = (60_000, 10)  # the tokens the backend reports for each prompt below
 LIMIT = 200_000

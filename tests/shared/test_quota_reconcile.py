@@ -14,12 +14,12 @@ from prometheus_client import CollectorRegistry
 
 from proxy.api.errors import ProxyError
 from proxy.bench.inproc import until
+from proxy.bench.redis_server import RedisServer
 from proxy.config.shared_state import SharedState
 from proxy.scheduling.quotas import QuotaAsk
 from proxy.shared.client import SharedStateDown, SharedStore
 from proxy.shared.quotas import RECORD_TTL_S, SharedQuotaBook
 from tests.helpers.clock import FakeClock
-from tests.helpers.redis_server import RedisServer
 
 DAY = {"tokens_per_day": 1000.0}
 NOON = datetime(2026, 12, 1, 12, tzinfo=UTC).timestamp()

@@ -13,13 +13,13 @@ import orjson
 import pytest
 
 from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.hostile.kit import Response, exchange, is_openai_error, json_request
+from proxy.bench.hostile.served import NullBackend
 from proxy.bench.inproc import KEYS
 from proxy.config.scheduling import Limits, Scheduling
 from proxy.config.tenants import Tier
 from proxy.request.inbound import parse_body
 from proxy.scheduling.quotas import period
-from tests.adversarial.served.kit import Response, exchange, is_openai_error, json_request
-from tests.adversarial.served.served import NullBackend
 
 BODY = {"model": "null", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 # What a quota reserves for BODY: its prompt's upper bound (its bytes) and max_tokens.

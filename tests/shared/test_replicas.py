@@ -20,9 +20,10 @@ import pytest
 
 from proxy.bench.fake_vllm import FakeVLLM
 from proxy.bench.inproc import until
+from proxy.bench.redis_server import RedisServer
 from proxy.bench.stack import ProxyProcess
-from tests.helpers.redis_server import RedisServer
-from tests.shared.replicas import metric, post, replica_config, start_replicas
+from tests.helpers.replicas import metric, post, replica_config, start_replicas
+from tests.helpers.timing import polls_until
 
 
 @pytest.fixture
@@ -141,11 +142,12 @@ async def test_a_killed_replicas_slots_come_back_within_the_lease_ttl(
             refused = await post(session, survivor.url)
             assert refused.status == 429  # max_concurrent is global
             doomed.signal(signal.SIGKILL)
-            killed_at = time.monotonic()
-            while (await post(session, survivor.url)).status != 200:
-                await asyncio.sleep(0.05)
-            recovered_s = time.monotonic() - killed_at
-            assert recovered_s < 1.0 + 1.5, recovered_s  # the lease TTL (1 s), plus lag
+
+            async def served() -> bool:
+                return (await post(session, survivor.url)).status == 200
+
+            # The lease TTL (1 s): 20 polls quiet, 50 with lag (a busy machine polls less).
+            await polls_until(served, 50, "the survivor to serve past the dead replica's lease")
             for task in held:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):

@@ -10,6 +10,7 @@ from pathlib import Path
 import aiohttp
 
 from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.redis_server import RedisServer
 from proxy.config.backends import Backend, BackendHealth
 from proxy.config.shared_state import SharedState
 from proxy.config.tenants import hash_key
@@ -18,8 +19,7 @@ from proxy.policies.backends import LeastUtilised
 from proxy.scheduling.pool import BackendPool
 from proxy.shared.client import SharedStore
 from proxy.shared.drain import SharedDrain
-from tests.helpers.redis_server import RedisServer
-from tests.shared.replicas import owner, post, replica_config
+from tests.helpers.replicas import owner, post, replica_config
 
 ADMIN_KEY = "admin-key-for-drain"
 

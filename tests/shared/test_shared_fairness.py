@@ -11,13 +11,13 @@ from collections.abc import AsyncIterator
 import pytest
 from prometheus_client import CollectorRegistry
 
+from proxy.bench.redis_server import RedisServer
 from proxy.config.shared_state import SharedState
 from proxy.policies.backlog import TenantBacklog
 from proxy.policies.tenants import VirtualTokenCounter
 from proxy.policies.types import QueuedRequest
 from proxy.shared.client import SharedStore
 from proxy.shared.fairness import FairnessSync
-from tests.helpers.redis_server import RedisServer
 
 COST = 100.0  # weighted tokens of every request
 

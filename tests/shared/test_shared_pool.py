@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
+from proxy.bench.redis_server import RedisServer
 from proxy.config.shared_state import SharedState
 from proxy.shared.client import SharedStateBusy, SharedStateDown, SharedStore
-from tests.helpers.redis_server import RedisServer
 
 
 @pytest.fixture

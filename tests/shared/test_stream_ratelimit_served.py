@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.hostile.kit import Response, exchange, json_request
+from proxy.bench.hostile.served import NullBackend
 from proxy.bench.inproc import KEYS
-from tests.adversarial.served.kit import Response, exchange, json_request
-from tests.adversarial.served.served import NullBackend
 
 BODY = {
     "model": "null",

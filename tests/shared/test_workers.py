@@ -11,10 +11,10 @@ from pathlib import Path
 import aiohttp
 
 from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.hostile.kit import RawClient
+from proxy.bench.redis_server import RedisServer
 from proxy.ops.process import free_port, http_ok
-from tests.adversarial.served.kit import RawClient
-from tests.helpers.redis_server import RedisServer
-from tests.shared.replicas import owner, post, replica_config
+from tests.helpers.replicas import owner, post, replica_config
 
 
 def children(pid: int) -> set[int]:

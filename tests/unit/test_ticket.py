@@ -169,10 +169,10 @@ def test_the_contract_module_imports_neither_aiohttp_nor_vllm() -> None:
 def test_the_proxy_refuses_to_start_with_a_weak_secret(secret: bytes) -> None:
     import yaml
 
+    from proxy.bench.inproc import SECRET as GOOD
+    from proxy.bench.inproc import make_config
     from proxy.config.loader import ConfigError, parse_config
     from proxy.server.app import create_app
-    from tests.helpers.proxyrun import SECRET as GOOD
-    from tests.helpers.proxyrun import make_config
 
     loaded = parse_config(yaml.safe_dump(make_config([{"url": "http://127.0.0.1:9"}])))
     with pytest.raises(ConfigError, match="ticket secret"):

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.adversarial.served.served import NullBackend, ServedProxy, StartServed, served_config
+from proxy.bench.hostile.served import NullBackend, ServedProxy, StartServed, served_config
 
 
 @pytest.fixture(scope="module")

@@ -1,15 +1,14 @@
 """What one backend (or one tenant's requests) can do to the others, against `tierproxy serve`
 on its default loop with realistic clients from the kit (findings #11, #12, #21 of the second
-attack report). Each backend is a fake vLLM of its own (``TroubleEngine``) on a thread of the
-test process: a chat whose content is "poison" kills its engine (vLLM's EngineDeadError, and
-/health failing after), "hold" waits at a gate the test opens, and /metrics can be made huge.
+attack report). Each backend is the fake vLLM (``FakeVLLM``) on a thread of the test process:
+a chat whose content is "poison" kills its engine (vLLM's EngineDeadError, and /health failing
+after), "hold" waits at a gate the test opens, and /metrics can be made huge.
 The in-process twins: tests/adversarial/test_relay_faults.py, tests/unit/test_monitor.py and
 tests/unit/test_best_tier_reserve.py."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,78 +19,42 @@ import orjson
 import pytest
 from aiohttp import web
 
-from proxy.bench.inproc import KEYS, make_config
-from tests.adversarial.served.kit import exchange, json_request
-from tests.adversarial.served.served import (
+from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.hostile.kit import exchange, json_request
+from proxy.bench.hostile.served import (
     ADMIN_KEY,
+    NullBackend,
     ServedProxy,
-    ThreadedUpstream,
     admin_sections,
 )
+from proxy.bench.inproc import KEYS, make_config
 
-ENGINE_DEAD = {
-    "error": {
-        "message": "EngineCore encountered an issue. See stack trace (above) for the root cause.",
-        "type": "InternalServerError",
-        "param": None,
-        "code": 500,
-    }
-}
-LOAD = b'vllm:num_requests_running{engine="0"} 0\nvllm:num_requests_waiting{engine="0"} 0\n'
-USAGE = {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+LOAD = 'vllm:num_requests_running{engine="0"} 0\nvllm:num_requests_waiting{engine="0"} 0\n'
 
 
-class TroubleEngine(ThreadedUpstream):
-    """A fake vLLM that a request can kill, hold, or that answers /metrics hugely."""
+class Engine(NullBackend):
+    """The fake vLLM on a thread of its own: "poison" kills it, "hold" waits until
+    ``release()``."""
 
     def __init__(self) -> None:
-        self.dead = False
-        self.chats = 0
-        self.metrics_bytes = 0  # of padding before the load lines
-        self.gate = asyncio.Event()  # on this upstream's loop; opened by release()
-        app = web.Application()
-        app.router.add_get("/health", self._health)
-        app.router.add_get("/metrics", self._metrics)
-        app.router.add_get("/v1/models", self._models)
-        app.router.add_post("/v1/chat/completions", self._chat)
-        super().__init__(app)
+        self.held = asyncio.Event()  # waited on this backend's loop; opened by release()
+        super().__init__(FakeVLLM(poison="poison", metrics_text=LOAD, script=self._hold))
+
+    async def _hold(self, request: web.Request, n: int) -> None:
+        if (await request.json())["messages"][0]["content"] == "hold":
+            await self.held.wait()
+
+    @property
+    def chats(self) -> int:
+        return len(self.null.received)
 
     def release(self) -> None:
-        self.loop.call_soon_threadsafe(self.gate.set)
-
-    async def _health(self, request: web.Request) -> web.Response:
-        return web.Response(status=500 if self.dead else 200)
-
-    async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
-
-    async def _metrics(self, request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/plain"})
-        await resp.prepare(request)
-        line = b'vllm:histogram_bucket{engine="0",le="0.5"} 1\n' * 1400  # ~64 KiB
-        with contextlib.suppress(ConnectionResetError):
-            for _ in range(self.metrics_bytes // len(line)):
-                await resp.write(line)
-            await resp.write(LOAD)
-        return resp
-
-    async def _chat(self, request: web.Request) -> web.Response:
-        body = await request.json()
-        self.chats += 1
-        content = body["messages"][0]["content"]
-        if self.dead or content == "poison":
-            self.dead = True
-            return web.json_response(ENGINE_DEAD, status=500)
-        if content == "hold":
-            await self.gate.wait()
-        message = {"role": "assistant", "content": "ok"}
-        answer = {"object": "chat.completion", "choices": [{"index": 0, "message": message}]}
-        return web.json_response({**answer, "usage": USAGE})
+        self.loop.call_soon_threadsafe(self.held.set)
 
 
 @pytest.fixture
-def engines() -> Iterator[list[TroubleEngine]]:
-    started = [TroubleEngine().start() for _ in range(3)]
+def engines() -> Iterator[list[Engine]]:
+    started = [Engine().start() for _ in range(3)]
     try:
         yield started
     finally:
@@ -141,12 +104,12 @@ async def admin_metrics(proxy: ServedProxy) -> str:
 
 
 async def test_a_request_that_kills_an_engine_kills_only_one(
-    engines: list[TroubleEngine], served_over: Any
+    engines: list[Engine], served_over: Any
 ) -> None:
     proxy = served_over([{"url": e.url, "max_inflight": 4} for e in engines])
     resp = await exchange(proxy.host, proxy.port, chat("low", "poison"), timeout_s=20)
     assert resp.status == 502 and orjson.loads(resp.body)["error"]["code"] == "engine_dead"
-    assert sum(e.dead for e in engines) == 1 and sum(e.chats for e in engines) == 1
+    assert sum(e.null.dead for e in engines) == 1 and sum(e.chats for e in engines) == 1
     assert proxy.count(r"engine died running it alone; not retried") == 1
     # The other engines still serve (the dead one is ejected, or its retry goes elsewhere).
     for _ in range(4):
@@ -155,7 +118,7 @@ async def test_a_request_that_kills_an_engine_kills_only_one(
 
 
 async def test_the_best_tier_is_served_past_a_room_full_of_a_worse_tier(
-    engines: list[TroubleEngine], served_over: Any
+    engines: list[Engine], served_over: Any
 ) -> None:
     engine = engines[0]
     tiers = {"high": {"queue_timeout_s": 3}}
@@ -168,10 +131,10 @@ async def test_the_best_tier_is_served_past_a_room_full_of_a_worse_tier(
     while engine.chats < 2:  # the room (2) is full of the low tier; its third call queues
         assert time.monotonic() < deadline, "the low tier's calls never reached the engine"
         await asyncio.sleep(0.05)
-    started = time.monotonic()
+    # Without the reserve it would queue behind the held calls until its queue timeout (3 s)
+    # and get a 503: its status tells, not a wall-clock bound a busy machine can stretch.
     high = await exchange(proxy.host, proxy.port, chat("high", "hi"), timeout_s=10)
-    waited = time.monotonic() - started
-    assert high.status == 200 and waited < 2.0, (high.status, high.body, waited)
+    assert high.status == 200, (high.status, high.body)
     normal = asyncio.create_task(
         exchange(proxy.host, proxy.port, chat("normal", "hi"), timeout_s=30)
     )
@@ -183,20 +146,26 @@ async def test_the_best_tier_is_served_past_a_room_full_of_a_worse_tier(
 
 
 async def test_one_backends_huge_metrics_is_cut_and_counted(
-    engines: list[TroubleEngine], served_over: Any
+    engines: list[Engine], served_over: Any
 ) -> None:
     broken, healthy = engines[0], engines[1]
-    broken.metrics_bytes = 48 * 1024 * 1024  # a broken exporter: 48 MB every scrape
     backends = [{"url": broken.url, "max_inflight": 4}, {"url": healthy.url, "max_inflight": 4}]
     proxy = served_over(backends)  # the default cap (backend_health.max_metrics_bytes, 4 MiB)
+
+    async def worst_chat_s(chats: int) -> float:
+        worst = 0.0
+        for _ in range(chats):
+            started = time.monotonic()
+            resp = await exchange(proxy.host, proxy.port, chat("high", "hi"), timeout_s=10)
+            worst = max(worst, time.monotonic() - started)
+            assert resp.status == 200
+            await asyncio.sleep(0.25)
+        return worst
+
+    quiet = await worst_chat_s(4)  # the same chats, this machine, this load, sane /metrics
+    broken.null.metrics_padding_bytes = 48 * 1024 * 1024  # a broken exporter: 48 MB every scrape
     rss_before = proxy.rss_bytes()
-    worst = 0.0
-    for _ in range(20):  # 5 s: about ten scrapes of the broken backend
-        started = time.monotonic()
-        resp = await exchange(proxy.host, proxy.port, chat("high", "hi"), timeout_s=10)
-        worst = max(worst, time.monotonic() - started)
-        assert resp.status == 200
-        await asyncio.sleep(0.25)
+    worst = await worst_chat_s(20)  # 5 s: about ten scrapes of the broken backend
     text = await admin_metrics(proxy)
     oversize = [
         line
@@ -205,7 +174,9 @@ async def test_one_backends_huge_metrics_is_cut_and_counted(
         and 'reason="oversize"' in line
         and broken.url in line
     ]
-    assert worst < 1.0, worst  # on the lockstep monitor that read it whole: seconds
+    # On the lockstep monitor that read it whole: seconds. Against the quiet figure of the
+    # same test (a busy machine slows both), not a fixed second.
+    assert worst < max(1.0, 10 * quiet), (worst, quiet)
     assert oversize and float(oversize[0].rsplit(" ", 1)[1]) >= 3, oversize
     assert proxy.rss_bytes() - rss_before < 32 * 1024 * 1024
     assert proxy.count(r"its /metrics answer passed 4194304 bytes") == 1

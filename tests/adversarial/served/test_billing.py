@@ -17,10 +17,11 @@ import pytest
 from aiohttp import web
 
 from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.hostile.kit import RawClient, exchange, json_request
+from proxy.bench.hostile.served import NullBackend, StartServed
+from proxy.bench.inproc import KEYS
 from proxy.config.tenants import hash_key
-from tests.adversarial.served.kit import RawClient, exchange, json_request, usage_records, wait_for
-from tests.adversarial.served.served import NullBackend, StartServed
-from tests.helpers.proxyrun import KEYS
+from tests.helpers.served_logs import usage_records, wait_for
 
 TOKEN = b'"content":"tok "'
 TOKEN_BYTES = len("tok ")  # a cut stream is billed its text's bytes (no tokenizer loaded)

@@ -14,9 +14,10 @@ import aiohttp
 import pytest
 
 from proxy.bench.fake_vllm import FakeVLLM
-from tests.adversarial.served.kit import exchange, json_request, usage_records, wait_for
-from tests.adversarial.served.served import ADMIN_KEY, NullBackend, ServedProxy, StartServed
-from tests.helpers.proxyrun import KEYS
+from proxy.bench.hostile.kit import exchange, json_request
+from proxy.bench.hostile.served import ADMIN_KEY, NullBackend, ServedProxy, StartServed
+from proxy.bench.inproc import KEYS
+from tests.helpers.served_logs import usage_records, wait_for
 
 CHUNKS, PER_CHUNK = 152, 50  # 7,600 tokens in 152 chunks: billed 149 before
 QUOTA = {"tokens_per_day": 10_000_000}

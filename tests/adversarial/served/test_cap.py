@@ -15,7 +15,7 @@ import time
 
 import orjson
 
-from tests.adversarial.served.kit import (
+from proxy.bench.hostile.kit import (
     ClosedEarly,
     Crowd,
     RawClient,
@@ -26,8 +26,8 @@ from tests.adversarial.served.kit import (
     realistic_socket,
     request_bytes,
 )
-from tests.adversarial.served.served import ADMIN_KEY, NullBackend, ServedProxy, StartServed
-from tests.helpers.proxyrun import KEYS
+from proxy.bench.hostile.served import ADMIN_KEY, NullBackend, ServedProxy, StartServed
+from proxy.bench.inproc import KEYS
 
 CAP = 20
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}

@@ -15,18 +15,18 @@ import pytest
 from aiohttp import web
 
 from proxy.bench.fake_vllm import FakeVLLM
-from proxy.bench.inproc import SECRET
-from proxy.ticket import REQUEST_ID_HEADER, TICKET_HEADER
-from proxy.vllm_plugin.settings import DEFAULT_TICKET_MAX_SKEW_S, DEFAULT_TICKET_WINDOW_S
-from proxy.vllm_plugin.verify import body_matches, check_binding, check_ticket
-from tests.adversarial.served.kit import exchange, json_request
-from tests.adversarial.served.served import (
+from proxy.bench.hostile.kit import exchange, json_request
+from proxy.bench.hostile.served import (
     ADMIN_KEY,
     ServedProxy,
     StartServed,
     ThreadedUpstream,
     auth_header,
 )
+from proxy.bench.inproc import SECRET
+from proxy.ticket import REQUEST_ID_HEADER, TICKET_HEADER
+from proxy.vllm_plugin.settings import DEFAULT_TICKET_MAX_SKEW_S, DEFAULT_TICKET_WINDOW_S
+from proxy.vllm_plugin.verify import body_matches, check_binding, check_ticket
 
 SKEW_S = -10.0  # the engine host's clock minus the proxy's
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.adversarial.encoding_cases import CASES
-from tests.adversarial.served.kit import exchange, is_openai_error, request_bytes
-from tests.adversarial.served.served import ServedProxy, auth_header
+from proxy.bench.hostile.kit import exchange, is_openai_error, request_bytes
+from proxy.bench.hostile.served import ServedProxy, auth_header
+from tests.helpers.encoding_cases import CASES
 
 
 @pytest.mark.parametrize(

@@ -14,14 +14,14 @@ from pathlib import Path
 import aiohttp
 
 from proxy.bench.fake_vllm import FakeVLLM
-from tests.adversarial.fuzzing import ANSWER_TIMEOUT_S, Harness, fuzz, fuzz_config
-from tests.adversarial.histogram import SERVED_FUZZ
-from tests.adversarial.served.served import (
+from proxy.bench.hostile.served import (
     ADMIN_KEY,
     ServedProxy,
     ThreadedUpstream,
     admin_sections,
 )
+from tests.helpers.fuzz_histogram import SERVED_FUZZ
+from tests.helpers.fuzzing import ANSWER_TIMEOUT_S, Harness, fuzz, fuzz_config
 
 FUZZ_SERVED_CASES = int(os.environ.get("TIERPROXY_FUZZ_SERVED_CASES", "10000"))
 

@@ -5,9 +5,9 @@ their headers pin a bounded amount of memory, not ~2 MiB each."""
 
 from __future__ import annotations
 
-from tests.adversarial.served.kit import exchange, is_openai_error, unfinished_headers
-from tests.adversarial.served.measure import MIB, header_memory, hostile_head
-from tests.adversarial.served.served import ServedProxy, StartServed
+from proxy.bench.hostile.kit import exchange, is_openai_error, unfinished_headers
+from proxy.bench.hostile.measure import MIB, header_memory, hostile_head
+from proxy.bench.hostile.served import ServedProxy, StartServed
 
 
 async def test_a_head_past_max_header_bytes_gets_431_json(served: ServedProxy) -> None:

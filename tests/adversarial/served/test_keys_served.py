@@ -12,9 +12,9 @@ from pathlib import Path
 
 import yaml
 
+from proxy.bench.hostile.kit import Response, exchange, json_request
+from proxy.bench.hostile.served import NullBackend, ServedProxy, served_config
 from proxy.bench.inproc import KEYS
-from tests.adversarial.served.kit import Response, exchange, json_request
-from tests.adversarial.served.served import NullBackend, ServedProxy, served_config
 
 BODY = {"model": "null", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 COMMENT = "# the keys of the high tenant: edited by `tierproxy keys` (this comment stays)\n"

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import socket
 
-from tests.adversarial.served.kit import (
+from proxy.bench.hostile.kit import (
     MSS,
     RawClient,
     exchange,
@@ -15,7 +15,7 @@ from tests.adversarial.served.kit import (
     json_request,
     request_bytes,
 )
-from tests.adversarial.served.served import ServedProxy, StartServed, auth_header
+from proxy.bench.hostile.served import ServedProxy, StartServed, auth_header
 
 
 async def test_a_realistic_client_gets_a_whole_answer(served: ServedProxy) -> None:

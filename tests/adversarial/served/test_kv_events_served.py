@@ -19,10 +19,10 @@ import zmq
 from aiohttp import web
 
 from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.hostile.kit import exchange, json_request, request_bytes
+from proxy.bench.hostile.served import ADMIN_KEY, NullBackend, ServedProxy
 from proxy.bench.inproc import KEYS
 from proxy.ops.process import free_port
-from tests.adversarial.served.kit import exchange, json_request, request_bytes
-from tests.adversarial.served.served import ADMIN_KEY, NullBackend, ServedProxy
 
 PORT = free_port()
 

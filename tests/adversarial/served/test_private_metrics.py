@@ -3,9 +3,9 @@ its usage, so a client without the admin key gets 401 and no tenant name (docs/i
 
 from __future__ import annotations
 
+from proxy.bench.hostile.kit import exchange, json_request, request_bytes
+from proxy.bench.hostile.served import ADMIN_KEY, StartServed, auth_header
 from proxy.config.tenants import hash_key
-from tests.adversarial.served.kit import exchange, json_request, request_bytes
-from tests.adversarial.served.served import ADMIN_KEY, StartServed, auth_header
 
 BODY = {"model": "null", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 

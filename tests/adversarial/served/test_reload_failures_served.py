@@ -15,9 +15,9 @@ from pathlib import Path
 
 import yaml
 
+from proxy.bench.hostile.kit import exchange, json_request, request_bytes
+from proxy.bench.hostile.served import ADMIN_KEY, NullBackend, ServedProxy, served_config
 from proxy.config.tenants import hash_key
-from tests.adversarial.served.kit import exchange, json_request, request_bytes
-from tests.adversarial.served.served import ADMIN_KEY, NullBackend, ServedProxy, served_config
 
 BODY = {"model": "null", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 VICTIM = "victim-key-0123456789"

@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 
-from tests.adversarial.served.kit import exchange, json_request
-from tests.adversarial.served.served import ServedProxy, auth_header
+from proxy.bench.hostile.kit import exchange, json_request
+from proxy.bench.hostile.served import ServedProxy, auth_header
 
 BODY = {"model": "null", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 

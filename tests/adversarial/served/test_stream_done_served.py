@@ -18,9 +18,9 @@ import pytest
 from aiohttp import web
 
 from proxy.bench.fake_vllm import FakeVLLM
-from tests.adversarial.served.kit import exchange, json_request
-from tests.adversarial.served.served import NullBackend, StartServed
-from tests.helpers.proxyrun import KEYS
+from proxy.bench.hostile.kit import exchange, json_request
+from proxy.bench.hostile.served import NullBackend, StartServed
+from proxy.bench.inproc import KEYS
 
 DONE = b"data: [DONE]\n\n"
 

@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 
 from proxy.bench.fake_vllm import FakeVLLM
-from proxy.telemetry.prometheus import of
-from tests.adversarial.served.kit import RawClient, exchange, json_request, request_bytes
-from tests.adversarial.served.served import (
+from proxy.bench.hostile.kit import RawClient, exchange, json_request, request_bytes
+from proxy.bench.hostile.served import (
     ADMIN_KEY,
     NullBackend,
     ServedProxy,
     served_config,
 )
-from tests.helpers.proxyrun import KEYS
+from proxy.bench.inproc import KEYS
+from proxy.telemetry.prometheus import of
 
 LATE_S = 0.3
 STREAMS = 6

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.hostile.kit import exchange, json_request
+from proxy.bench.hostile.served import NullBackend
 from proxy.bench.inproc import KEYS
-from tests.adversarial.served.kit import exchange, json_request
-from tests.adversarial.served.served import NullBackend
 from tests.helpers.paths import TINY_MODEL_DIR
 
 
@@ -41,6 +41,7 @@ async def test_a_huge_prompt_being_tokenized_leaves_the_loop_to_others(start_ser
     # ~0.95 MB of text (the fake's body limit is 1 MiB): about 1 s of encode on one core, all
     # of it with the GIL held before.
     huge = " ".join(f"word{i % 97} alpha beta" for i in range(54_000))
+    big_started = time.monotonic()
     big = asyncio.create_task(exchange(proxy.host, proxy.port, chat("low", huge), timeout_s=120))
     await asyncio.sleep(0.2)  # sent, parsed, on a tokenizer thread
     worst = 0.0
@@ -50,9 +51,12 @@ async def test_a_huge_prompt_being_tokenized_leaves_the_loop_to_others(start_ser
         worst = max(worst, time.monotonic() - started)
         assert small.status == 200, small.body[:300]
     assert not big.done(), "the huge prompt was done before the small ones ran: no test"
-    assert worst < 0.5, worst
     done = await big
+    big_s = time.monotonic() - big_started
     assert done.status == 200, done.body[:300]
+    # With the GIL held, a one-liner waited out most of the encode (0.9-1.2 s of ~1.2 s).
+    # Against the huge prompt's own time in this test, which a busy machine stretches alike.
+    assert worst < max(0.5, 0.4 * big_s), (worst, big_s)
 
 
 async def test_a_template_broken_for_every_chat_leaves_the_proxy_serving(

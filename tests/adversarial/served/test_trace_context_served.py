@@ -9,9 +9,9 @@ from __future__ import annotations
 import orjson
 from aiohttp import web
 
+from proxy.bench.hostile.kit import exchange, request_bytes
+from proxy.bench.hostile.served import NullBackend, StartServed, ThreadedUpstream
 from proxy.bench.inproc import KEYS
-from tests.adversarial.served.kit import exchange, request_bytes
-from tests.adversarial.served.served import NullBackend, StartServed, ThreadedUpstream
 from tests.helpers.otlp import OtlpReceiver
 
 BODY = {"model": "null", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}

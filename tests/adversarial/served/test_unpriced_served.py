@@ -12,10 +12,10 @@ from typing import Any
 
 import orjson
 
+from proxy.bench.hostile.kit import exchange, json_request, request_bytes
+from proxy.bench.hostile.served import ServedProxy, StartServed
+from proxy.bench.inproc import KEYS
 from proxy.config.tenants import hash_key
-from tests.adversarial.served.kit import exchange, json_request, request_bytes
-from tests.adversarial.served.served import ServedProxy, StartServed
-from tests.helpers.proxyrun import KEYS
 
 # The fake backend (model "null") answers 4 prompt and 4 output tokens: 4 + 400 = 404 a request.
 PRICING = {"null": {"input": 1_000_000, "output": 100_000_000}}

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import asyncio
 
-from tests.adversarial.served.kit import ClosedEarly, crowd, exchange, json_request
-from tests.adversarial.served.served import StartServed
-from tests.helpers.proxyrun import KEYS
+from proxy.bench.hostile.kit import ClosedEarly, crowd, exchange, json_request
+from proxy.bench.hostile.served import StartServed
+from proxy.bench.inproc import KEYS
 
 CAP = 40
 CHAT = {"model": "null", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]}

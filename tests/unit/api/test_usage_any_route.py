@@ -13,13 +13,13 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from proxy.api.usage import TokenUsage, token_usage
 from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.inproc import SECRET, auth, make_config, until
 from proxy.config.loader import parse_config
 from proxy.config.tenants import hash_key
 from proxy.relay import sse
 from proxy.server.app import create_app
 from proxy.server.state import STATE
 from tests.helpers.clock import FakeClock
-from tests.helpers.proxyrun import SECRET, auth, make_config, until
 
 BODY = {"model": "tiny", "input": "hello", "max_output_tokens": 4}
 # A Responses answer's usage, as vLLM writes it (the fake below reports 6 in, 4 out).

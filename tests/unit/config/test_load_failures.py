@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from proxy.bench.inproc import make_config
 from proxy.cli import main
 from proxy.config.loader import ConfigError, load_config, parse_config
 from proxy.config.tenants import hash_key
 from proxy.config.yaml_load import MAX_DEPTH, safe_load
-from tests.helpers.proxyrun import make_config
 
 DIGEST = hash_key("some-key")
 

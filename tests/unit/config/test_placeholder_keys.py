@@ -1,17 +1,17 @@
 """The example keys shipped in configs/tierproxy.env.example are refused at start (and on a
 reload), like the example ticket secret: by value where the key comes from the environment, by
 hash where the config holds its sha256 (issue 22: `Bearer change-me` answered 200 as the high
-tier). The served twin: tests/adversarial/served/test_served_round2.py."""
+tier). The served twin: tests/adversarial/served/test_memory_routes_startup_served.py."""
 
 from __future__ import annotations
 
 import pytest
 import yaml
 
+from proxy.bench.inproc import make_config
 from proxy.config.loader import ConfigError, parse_config
 from proxy.config.tenants import hash_key
 from tests.helpers.paths import REPO
-from tests.helpers.proxyrun import make_config
 
 
 def example_keys() -> dict[str, str]:

@@ -18,12 +18,12 @@ import pytest
 from aiohttp import web
 
 from proxy.bench.fake_vllm import FakeVLLM, Script
+from proxy.bench.inproc import auth
 from proxy.relay.budget import MemoryBudget
 from proxy.relay.forward import RelayResult, UpstreamCall
 from proxy.relay.held import HeldResponse
 from proxy.request.route_table import ROWS
 from tests.helpers.clock import FakeClock
-from tests.helpers.proxyrun import auth
 from tests.helpers.rig import BODY, relay_config, rig, served_rig
 
 FINGERPRINT = "vllm-0.32.0-1a2b3c4d"

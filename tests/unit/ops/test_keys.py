@@ -24,38 +24,9 @@ from proxy.ops.keys import (
     revoke_key,
     rotate_key,
 )
+from tests.helpers.keyfile import BLOCK, NOW, A, B
+from tests.helpers.keyfile import now as _now
 from tests.helpers.paths import REPO
-
-NOW = datetime(2026, 3, 1, 9, 30, 15, 250_000, tzinfo=UTC)
-A, B = "a" * 64, "b" * 64
-
-BLOCK = f"""# hand-written: every comment here must survive
-listen: {{host: 127.0.0.1, port: 8000}}
-tiers:
-  high: {{priority: 0, weight: 10, max_queue: 10, queue_timeout_s: 5, request_timeout_s: 60}}
-
-tenants:
-  # the chat front end
-  - name: chat
-    tier: high
-    keys:
-      - sha256: "{A}"   # laptop key, quoted
-        id: aaaaaaaaaaaa
-      # the CI runner's key
-      - sha256: {B}
-    weight: 2
-  - name: batch
-    tier: high
-    keys:
-    - {{sha256: "{"c" * 64}"}}
-
-backends:
-  - url: http://127.0.0.1:8100   # the one engine
-"""
-
-
-def _now() -> datetime:
-    return NOW
 
 
 @pytest.fixture

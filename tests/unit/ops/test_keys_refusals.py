@@ -17,7 +17,8 @@ import pytest
 from proxy.cli import main
 from proxy.ops.keyfile import ConfigEdit, KeyFileError, readers_lost
 from proxy.ops.keys import KeysError, add_key
-from tests.unit.ops.test_keys import BLOCK, _now
+from tests.helpers.keyfile import BLOCK
+from tests.helpers.keyfile import now as _now
 
 _root_only = pytest.mark.skipif(os.geteuid() != 0, reason="gives files other owners (root)")
 

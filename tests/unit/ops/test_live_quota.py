@@ -11,13 +11,13 @@ from aiohttp.test_utils import TestClient, TestServer
 from rich.console import Console
 
 from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.inproc import SECRET, auth, make_config, until
 from proxy.config.loader import parse_config
 from proxy.config.tenants import hash_key
 from proxy.ops.live.top import render
 from proxy.server.app import create_app
 from proxy.server.state import STATE
 from tests.helpers.clock import FakeClock
-from tests.helpers.proxyrun import SECRET, auth, make_config, until
 
 ADMIN = {"Authorization": "Bearer admin-secret"}
 PRICING = {"tiny": {"input": 1_000_000, "output": 2_000_000}}  # 1 and 2 per token

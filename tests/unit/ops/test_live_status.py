@@ -14,6 +14,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.inproc import SECRET, auth, make_config, until
 from proxy.config.backends import Backend
 from proxy.config.loader import parse_config
 from proxy.config.tenants import hash_key
@@ -23,7 +24,6 @@ from proxy.scheduling.backend import BackendState
 from proxy.server.app import create_app
 from proxy.server.state import STATE, ProxyState
 from tests.helpers.clock import FakeClock
-from tests.helpers.proxyrun import SECRET, auth, make_config, until
 
 ADMIN = {"Authorization": "Bearer admin-secret"}
 Client = TestClient[web.Request, web.Application]

@@ -14,13 +14,12 @@ import yaml
 from rich.console import Console
 
 from proxy.bench.fake_vllm import FakeVLLM
-from proxy.bench.inproc import serve_app
+from proxy.bench.inproc import SECRET, make_config, serve_app
 from proxy.config.loader import parse_config
 from proxy.config.tenants import hash_key
 from proxy.ops.live.top import render
 from proxy.server.app import create_app
 from tests.helpers.paths import REPO
-from tests.helpers.proxyrun import SECRET, make_config
 
 STATUS: dict[str, Any] = {
     "window_s": 42.0,

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
+from proxy.bench.inproc import SECRET, make_config
 from proxy.config.loader import load_config, parse_config
 from proxy.config.schema import Config
 from proxy.ops import workers
@@ -18,7 +19,6 @@ from proxy.ops.worker_share import WorkerShare, shares_summary
 from proxy.ops.workers import check_workers
 from proxy.server.app import create_app
 from proxy.server.state import STATE
-from tests.helpers.proxyrun import SECRET, make_config
 
 
 def config(**extra: Any) -> Config:

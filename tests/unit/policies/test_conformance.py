@@ -26,6 +26,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from proxy.bench.inproc import make_config
 from proxy.config.backends import Backend, BackendHealth
 from proxy.config.loader import parse_config
 from proxy.config.schema import Config
@@ -34,7 +35,6 @@ from proxy.policies.backlog import TenantBacklog
 from proxy.policies.registry import BACKENDS, CHOICES, DISPLACEMENTS, ORDERS, TENANTS, TIERS
 from proxy.policies.types import QueuedRequest, ScrapedLoad, TierLimits
 from proxy.scheduling.backend import BackendState
-from tests.helpers.proxyrun import make_config
 
 T = TypeVar("T")
 CONFIG = parse_config(yaml.safe_dump(make_config([{"url": "http://b:1"}])), "conformance").config

@@ -11,6 +11,7 @@ import orjson
 import pytest
 
 from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.inproc import auth
 from proxy.config.quotas import Price
 from proxy.request.billing import (
     Billed,
@@ -20,7 +21,6 @@ from proxy.request.billing import (
     model_context,
 )
 from tests.helpers.clock import FakeClock
-from tests.helpers.proxyrun import auth
 from tests.helpers.rig import Rig, error_of, served_rig, tenants
 
 PRICES = {"tiny": Price(input=1.0, output=2.0), "big": Price(input=5.0, output=9.0)}

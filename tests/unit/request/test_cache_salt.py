@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.inproc import SECRET, auth, make_config
 from proxy.config.loader import parse_config
 from proxy.config.tenants import Tenant, Tier, cache_scope, hash_key
 from proxy.policies.prefix import prefix_hash
@@ -14,7 +15,6 @@ from proxy.ticket import TICKET_HEADER, decode_ticket, derive_cache_salt, encode
 from proxy.vllm_plugin.verify import salt_matches
 from tests.helpers.clock import FakeClock
 from tests.helpers.plugin_asgi import App, call, mw_with, refused, signed, ticket
-from tests.helpers.proxyrun import SECRET, auth, make_config
 from tests.helpers.rig import BODY, rig
 
 TIER = {"priority": 0, "weight": 1, "max_queue": 1, "queue_timeout_s": 1, "request_timeout_s": 1}

@@ -21,13 +21,13 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from proxy.api.routes import BY_ENDPOINT
 from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.inproc import SECRET, auth, make_config, until
 from proxy.config.loader import parse_config
 from proxy.policies.cost import weighted_tokens
 from proxy.policies.tenants import VirtualTokenCounter
 from proxy.server.state import ProxyState
 from tests.helpers.bills import prompt_bound
 from tests.helpers.clock import FakeClock
-from tests.helpers.proxyrun import SECRET, auth, make_config, until
 from tests.helpers.rig import tenants
 
 TENANT = "tenant-normal"

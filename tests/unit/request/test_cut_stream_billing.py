@@ -18,7 +18,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from proxy.api.routes import BY_ENDPOINT
-from proxy.bench.inproc import serve_app
+from proxy.bench.inproc import SECRET, auth, make_config, serve_app, until
 from proxy.config.loader import parse_config
 from proxy.policies.cost import weighted_tokens
 from proxy.policies.tenants import VirtualTokenCounter
@@ -26,7 +26,6 @@ from proxy.relay.delivered import Delivered
 from proxy.server.state import ProxyState
 from tests.helpers.bills import prompt_bound
 from tests.helpers.clock import FakeClock
-from tests.helpers.proxyrun import SECRET, auth, make_config, until
 from tests.helpers.rig import tenants
 
 TOKENS = 40  # content chunks the backend streams before it hangs or breaks

@@ -20,13 +20,14 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from proxy.api.routes import BY_ENDPOINT
 from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.inproc import SECRET, auth, make_config, until
+from proxy.bench.vllm_answers import generation, usage_of
 from proxy.config.loader import parse_config
 from proxy.policies.cost import weighted_tokens
 from proxy.policies.tenants import VirtualTokenCounter
 from proxy.relay.delivered import Delivered
 from proxy.server.state import ProxyState
 from tests.helpers.clock import FakeClock
-from tests.helpers.proxyrun import SECRET, auth, make_config, until
 from tests.helpers.rig import tenants
 
 TENANT = "tenant-normal"
@@ -118,7 +119,7 @@ async def test_an_oversize_answer_streamed_through_is_billed_its_usage(clock: Fa
     async def chunked(request: web.Request, n: int) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "application/json"})
         await resp.prepare(request)
-        await resp.write(FakeVLLM(pad_bytes=300_000, usage=(100, 30_000))._generation("/x"))
+        await resp.write(generation("/x", "tiny", usage_of(100, 30_000), pad_bytes=300_000))
         await resp.write_eof()
         return resp
 

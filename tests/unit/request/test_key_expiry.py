@@ -11,12 +11,12 @@ import pytest
 import yaml
 
 from proxy.api.errors import ProxyError
+from proxy.bench.inproc import make_config
 from proxy.config.loader import parse_config, summarize
 from proxy.config.schema import LoadedConfig
 from proxy.config.tenants import KeySpec, hash_key
 from proxy.request.auth import authenticate, authenticate_admin
 from tests.helpers.clock import FakeClock
-from tests.helpers.proxyrun import make_config
 
 EXPIRES = datetime(2026, 6, 30, 12, 0, tzinfo=UTC)
 AT = EXPIRES.timestamp()

@@ -12,7 +12,7 @@ import pytest
 from proxy.api.errors import ProxyError
 from proxy.config.tenants import hash_key
 from proxy.request.body import MAX_GZIP_MEMBERS, decode
-from tests.adversarial.encoding_cases import BODY, members
+from tests.helpers.encoding_cases import BODY, members
 
 RAW = [b"\xff\xfe\xfd", b"\xc3\x28", b"\xed\xa0\x80", b"caf\xe9"]
 

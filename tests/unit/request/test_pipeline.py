@@ -13,11 +13,11 @@ import orjson
 import pytest
 
 from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.inproc import make_config, until
 from proxy.ops.engine import free_port
 from proxy.policies.cost import weighted_tokens
 from proxy.relay.budget import held_estimate
 from tests.helpers.clock import FakeClock
-from tests.helpers.proxyrun import make_config, until
 from tests.helpers.rig import BODY, Rig, error_of, rig, served_rig, tenant, tenants
 
 # -- tenant limits -------------------------------------------------------------------------

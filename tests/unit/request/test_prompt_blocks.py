@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
+from proxy.bench.inproc import make_config
 from proxy.config.loader import parse_config
 from proxy.config.schema import Config
 from proxy.policies.blockhash import chain_hashes
@@ -25,7 +26,6 @@ from proxy.request.prompt_blocks import (
     prompt_tokens,
 )
 from tests.helpers.paths import TINY_MODEL_DIR as MODEL  # made by `make model`
-from tests.helpers.proxyrun import make_config
 
 
 @pytest.fixture(scope="module")

@@ -9,13 +9,13 @@ import json
 from datetime import UTC, datetime
 
 from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.inproc import until
 from proxy.config.scheduling import Limits, Scheduling
 from proxy.config.server import InputLimits
 from proxy.config.tenants import Tier
 from proxy.request.inbound import parse_body
 from proxy.request.prompt_bound import MESSAGE_TOKENS, TEMPLATE_TOKENS
 from tests.helpers.clock import FakeClock
-from tests.helpers.proxyrun import until
 from tests.helpers.rig import served_rig, tenants
 
 TENANT = "tenant-normal"

@@ -10,10 +10,10 @@ import orjson
 import pytest
 
 from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.inproc import KEYS, SECRET, auth, make_config
 from proxy.config.tenants import hash_key
 from proxy.ticket import REQUEST_ID_HEADER, TICKET_HEADER, decode_ticket
 from tests.helpers.clock import FakeClock
-from tests.helpers.proxyrun import KEYS, SECRET, auth, make_config
 from tests.helpers.rig import BODY, rig
 
 OURS = re.compile(r"[0-9a-f]{32}")

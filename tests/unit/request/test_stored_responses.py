@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.inproc import auth
 from tests.helpers.clock import FakeClock
-from tests.helpers.proxyrun import auth
-from tests.unit.server.test_routes import BODIES, proxy
+from tests.helpers.routes_app import BODIES, proxy
 
 BODY = BODIES["/v1/responses"]
 

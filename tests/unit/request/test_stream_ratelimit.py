@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 
 from proxy.bench.fake_vllm import FakeVLLM
-from tests.helpers.proxyrun import auth, make_config, running_proxy
+from proxy.bench.inproc import auth, make_config, running_proxy
 from tests.helpers.rig import tenants
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}

@@ -12,12 +12,12 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.inproc import SECRET, auth, make_config
 from proxy.config.loader import parse_config
 from proxy.config.tenants import hash_key
 from proxy.server.app import create_app
 from proxy.server.state import STATE, ProxyState
 from tests.helpers.clock import FakeClock
-from tests.helpers.proxyrun import SECRET, auth, make_config
 
 Client = TestClient[web.Request, web.Application]
 SERVED = ("tiny", "big-1", "big-2")

@@ -9,11 +9,11 @@ import orjson
 import pytest
 
 from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.inproc import auth, make_config
 from proxy.config.scheduling import Limits, Scheduling
 from proxy.config.tenants import Tier
 from proxy.request.inbound import parse_body
 from tests.helpers.clock import FakeClock
-from tests.helpers.proxyrun import auth, make_config
 from tests.helpers.rig import BODY, error_of, rig, tenants
 
 TIER = Tier(priority=0, weight=1, max_queue=10, queue_timeout_s=10, request_timeout_s=60)

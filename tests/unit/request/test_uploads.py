@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 import yaml
 
+from proxy.bench.inproc import make_config
 from proxy.config.loader import parse_config
 from proxy.request.uploads import TenantUploads, UploadRefused, upload_bound
-from tests.helpers.proxyrun import make_config
 
 
 def config(**sections: Any) -> Any:

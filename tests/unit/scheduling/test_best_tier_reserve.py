@@ -10,6 +10,7 @@ import asyncio
 import pytest
 import yaml
 
+from proxy.bench.inproc import make_config
 from proxy.config.backends import Backend, BackendHealth
 from proxy.config.loader import parse_config
 from proxy.config.schema import Config
@@ -21,7 +22,6 @@ from proxy.scheduling.pool import BackendPool
 from proxy.scheduling.queue import AdmissionQueue
 from proxy.telemetry.metrics import ProxyMetrics
 from tests.helpers.clock import FakeClock
-from tests.helpers.proxyrun import make_config
 
 
 def dispatcher(clock: FakeClock, *, room: int = 4, reserve: int = 1) -> Dispatcher:

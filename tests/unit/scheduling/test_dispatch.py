@@ -84,7 +84,7 @@ async def test_dispatcher_task_wakes_for_deadlines_and_stops_cleanly() -> None:
     clock.now += 10
     d.kick()
     with pytest.raises(QueueTimeoutError):
-        await asyncio.wait_for(waiting, 1.0)
+        await asyncio.wait_for(waiting, 10.0)  # at once by the fake clock; never, were it lost
     await d.stop()
 
 
@@ -157,6 +157,6 @@ async def test_a_hold_ends_with_time_even_if_its_home_never_frees() -> None:
     await asyncio.sleep(0.01)
     assert not held.done()
     clock.now += 0.06
-    lease = await asyncio.wait_for(held, 1.0)  # no kick: the task's own wake-up
+    lease = await asyncio.wait_for(held, 10.0)  # no kick: the task's own wake-up
     assert lease.backend is spare
     await d.stop()

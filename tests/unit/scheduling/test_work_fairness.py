@@ -11,13 +11,13 @@ import pytest
 
 from proxy.api.usage import TokenUsage, token_usage
 from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.inproc import until
 from proxy.bench.vllm_answers import usage_of
 from proxy.policies.cost import weighted_tokens, work_tokens
 from proxy.policies.types import QueuedRequest, TierLimits
 from proxy.scheduling.build import default_queue_policies
 from proxy.scheduling.queue import AdmissionQueue
 from tests.helpers.clock import FakeClock
-from tests.helpers.proxyrun import until
 from tests.helpers.rig import served_rig
 
 PROMPT, CACHED, OUTPUT = 1000, 896, 20

@@ -16,6 +16,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.inproc import SECRET, auth, make_config
 from proxy.config.loader import parse_config
 from proxy.config.server import Server
 from proxy.config.tenants import hash_key
@@ -24,7 +25,6 @@ from proxy.server.listeners import Listeners
 from proxy.server.state import STATE
 from tests.helpers.clock import FakeClock
 from tests.helpers.paths import TINY_MODEL_DIR
-from tests.helpers.proxyrun import SECRET, auth, make_config
 
 ADMIN = {"Authorization": "Bearer admin-secret"}
 

@@ -4,65 +4,21 @@ the tiers, the path sent on, the headers of the answer, 405s and vLLM's probes."
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
-from typing import Any
 
 import orjson
 import pytest
-import yaml
-from aiohttp import web
-from aiohttp.test_utils import TestClient, TestServer
 
 from proxy.api.routes import POST_PATHS
 from proxy.bench.fake_vllm import FakeVLLM
-from proxy.config.loader import parse_config
-from proxy.config.tenants import hash_key
+from proxy.bench.inproc import auth
 from proxy.policies.tenants import VirtualTokenCounter
 from proxy.relay import sse
-from proxy.server.app import create_app
-from proxy.server.state import STATE, ProxyState
 from proxy.server.version import VERSION_TTL_S
 from proxy.ticket import TICKET_HEADER
 from tests.helpers.clock import FakeClock
-from tests.helpers.proxyrun import SECRET, auth, make_config
+from tests.helpers.routes_app import BODIES, LIMITED_KEY, proxy
 
-Client = TestClient[web.Request, web.Application]
-
-LIMITED_KEY = "key-limited"
 USAGE = (5, 1)  # prompt, completion tokens the fake reports (a pooling answer: 5, 0)
-BODIES: dict[str, dict[str, Any]] = {
-    "/v1/responses": {"model": "tiny", "input": "hello", "max_output_tokens": 4},
-    "/v1/embeddings": {"model": "tiny", "input": ["hello", "world"]},
-    "/pooling": {"model": "tiny", "input": "hello"},
-    "/classify": {"model": "tiny", "input": "hello"},
-    "/score": {"model": "tiny", "text_1": "q", "text_2": ["a", "b"]},
-    "/v1/score": {"model": "tiny", "queries": "q", "documents": ["a"]},
-    "/rerank": {"model": "tiny", "query": "q", "documents": ["a", "b"]},
-    "/v1/rerank": {"model": "tiny", "query": "q", "documents": ["a"]},
-    "/v2/rerank": {"model": "tiny", "query": "q", "documents": ["a"]},
-    "/tokenize": {"model": "tiny", "prompt": "hello"},
-    "/detokenize": {"model": "tiny", "tokens": [1, 2]},
-    "/v1/chat/completions": {"model": "tiny", "messages": [{"role": "user", "content": "x"}]},
-    "/v1/completions": {"model": "tiny", "prompt": "x"},
-}
-
-
-@contextlib.asynccontextmanager
-async def proxy(clock: FakeClock, backend: FakeVLLM) -> AsyncIterator[tuple[Client, ProxyState]]:
-    async with backend.serve() as url:
-        limited = {
-            "name": "limited",
-            "tier": "normal",
-            "keys": [{"sha256": hash_key(LIMITED_KEY)}],
-            "requests_per_minute": 60,
-            "tokens_per_minute": 6000,
-        }
-        high = {"name": "tenant-high", "tier": "high", "keys": [{"sha256": hash_key("key-high")}]}
-        config = make_config([{"url": url}], tenants=[high, limited])
-        app = create_app(parse_config(yaml.safe_dump(config)), secret=SECRET, clock=clock)
-        async with TestClient(TestServer(app)) as client:
-            yield client, app[STATE]
 
 
 def test_every_route_has_a_body_here() -> None:

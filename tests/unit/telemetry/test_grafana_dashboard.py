@@ -13,13 +13,13 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from proxy.api.outcome import Outcome
 from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.inproc import SECRET, make_config
 from proxy.config.loader import parse_config
 from proxy.config.tenants import hash_key
 from proxy.server.app import create_app
 from tests.helpers.clock import FakeClock
 from tests.helpers.dashboard import REFUSAL_OUTCOMES, exposed_names, panels, queried_names
 from tests.helpers.paths import REPO
-from tests.helpers.proxyrun import SECRET, make_config
 
 
 async def test_every_proxy_metric_a_panel_queries_is_on_metrics(

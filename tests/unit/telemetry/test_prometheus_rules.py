@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 import yaml
 
+from proxy.bench.inproc import SECRET, make_config
 from proxy.config.loader import parse_config
 from proxy.server.state import ProxyState
 from tests.helpers import promserver
 from tests.helpers.clock import FakeClock
 from tests.helpers.paths import REPO
-from tests.helpers.proxyrun import SECRET, make_config
 
 RULES_DIR = REPO / "configs" / "prometheus"
 RULE_FILES = sorted(RULES_DIR.glob("*.yml"))

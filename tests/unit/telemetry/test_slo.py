@@ -11,6 +11,7 @@ import yaml
 from proxy.api.errors import refused_early
 from proxy.api.outcome import Outcome, outcome_of
 from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.inproc import make_config, until
 from proxy.config.backends import Backend, BackendHealth
 from proxy.config.loader import ConfigError, parse_config
 from proxy.policies.backends import LeastUtilised
@@ -23,7 +24,6 @@ from proxy.scheduling.pool import BackendPool
 from proxy.scheduling.queue import AdmissionQueue
 from proxy.telemetry.metrics import ProxyMetrics
 from tests.helpers.clock import FakeClock
-from tests.helpers.proxyrun import make_config, until
 from tests.helpers.rig import rig, tenants
 
 SLO = {"ttft_s": 5.0, "itl_s": 1.0, "percentile": 95}

@@ -18,6 +18,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.inproc import KEYS, SECRET, auth, make_config, until
 from proxy.config import tracing as tracing_config
 from proxy.config.loader import ConfigError, parse_config
 from proxy.config.tracing import TracingSettings
@@ -25,7 +26,6 @@ from proxy.telemetry import spans as spans_module
 from proxy.telemetry.tracing import ClientSampling, Tracing
 from proxy.ticket import TICKET_HEADER, decode_ticket
 from tests.helpers.clock import FakeClock
-from tests.helpers.proxyrun import KEYS, SECRET, auth, make_config, until
 from tests.helpers.rig import Rig, served_rig, tenants
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"

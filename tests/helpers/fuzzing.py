@@ -17,11 +17,11 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.inproc import KEYS, auth, make_config, running_proxy, until
 from proxy.server.state import ProxyState
-from tests.adversarial.answers import assert_openai_error, read_answer
-from tests.adversarial.histogram import FUZZ, FuzzHistogram
-from tests.adversarial.strategies import ClientCase, RawCase, client_cases, compress, raw_cases
-from tests.helpers.proxyrun import KEYS, auth, make_config, running_proxy, until
+from tests.helpers.answers import assert_openai_error, read_answer
+from tests.helpers.fuzz_histogram import FUZZ, FuzzHistogram
+from tests.helpers.fuzz_strategies import ClientCase, RawCase, client_cases, compress, raw_cases
 
 FUZZ_CASES = int(os.environ.get("TIERPROXY_FUZZ_CASES", "10000"))
 BATCH = 10

@@ -11,13 +11,13 @@ from typing import Any
 import openai
 import prometheus_client
 
+from proxy.bench.inproc import KEYS, make_config, running_proxy
 from proxy.ops.engine import EngineProcess
 from proxy.server.state import ProxyState
 from proxy.telemetry import prometheus
 from tests.helpers.enginefarm import EngineFarm
 from tests.helpers.engines import LONG_CONTEXT
 from tests.helpers.paths import TINY_MODEL_DIR
-from tests.helpers.proxyrun import KEYS, make_config, running_proxy
 
 MODEL = "tiny"
 TOKENIZER_DIR = TINY_MODEL_DIR

@@ -1,7 +1,7 @@
-"""Round two of the fresh-eyes findings on the relay, against `tierproxy serve` (uvloop, C
-parser) in front of a backend that answers as vLLM can: an answer too large for the relay's
-bounds never gets the backend ejected (#2), ``n`` > 1 streams pass every choice's tokens as they
-come (#3), and the backend is asked for identity answers (#12)."""
+"""vLLM-like answers through the relay, against `tierproxy serve` (uvloop, C parser) in front
+of a backend that answers as vLLM can: an answer too large for the relay's bounds never gets
+the backend ejected (fresh eyes #2), ``n`` > 1 streams pass every choice's tokens as they come
+(#3), and the backend is asked for identity answers (#12)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import pytest
 from aiohttp import web
 
 from proxy.bench.fake_vllm import FakeVLLM
-from tests.adversarial.served.kit import exchange, json_request
-from tests.adversarial.served.served import (
+from proxy.bench.hostile.kit import exchange, json_request
+from proxy.bench.hostile.served import (
     ADMIN_KEY,
     NullBackend,
     ServedProxy,
@@ -135,12 +135,12 @@ async def test_answers_too_large_never_eject_the_backend(start_served: StartServ
         resp = await exchange(proxy.host, proxy.port, attack)
         assert resp.status == 502 and resp.error_code() == "upstream_too_large", resp.body[:200]
     assert await backend_states(proxy) == ["healthy"]
-    started = time.perf_counter()
     good = json_request(
         "/v1/chat/completions", ONE_CHAT, None, {"Authorization": auth_header("high")}
     )
+    # Healthy (above), so no ejection to wait out: served, and still healthy after.
     assert (await exchange(proxy.host, proxy.port, good)).status == 200
-    assert time.perf_counter() - started < 1.0  # no wait for an ejection to end
+    assert await backend_states(proxy) == ["healthy"]
 
 
 async def test_n_choices_stream_as_they_come(start_served: StartServed) -> None:

@@ -12,10 +12,8 @@ import asyncio
 import contextlib
 import socket
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 import orjson
 
@@ -340,16 +338,3 @@ async def non_reader(host: str, port: int, request: bytes) -> RawClient:
         client.close()
         raise
     return client
-
-
-def usage_records(log: Path) -> list[dict[str, Any]]:
-    text = log.read_text() if log.exists() else ""
-    return [orjson.loads(line) for line in text.splitlines()]
-
-
-async def wait_for(test: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not test():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)

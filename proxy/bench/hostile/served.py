@@ -2,9 +2,10 @@
 subprocess on its default loop (uvloop where installed) with aiohttp's C parser, in front of a
 fake backend, as a user's deployment runs; its log in a file a test can read.
 
-The fake backend is ``FakeVLLM`` (proxy.bench.fake_vllm) on an event loop of its own in a thread of the test
-process: the served proxy reaches it whatever the test's loop is doing, it starts in
-milliseconds, and a test can read its counters. Fixtures pick it in one place (``conftest.py``).
+The fake backend is ``FakeVLLM`` (proxy.bench.fake_vllm) on an event loop of its own in a
+thread of the test process: the served proxy reaches it whatever the test's loop is doing, it
+starts in milliseconds, and a test can read its counters. The served tests' fixtures pick it
+in one place (tests/adversarial/served/conftest.py).
 """
 
 from __future__ import annotations
@@ -173,6 +174,12 @@ class ServedProxy:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
         raise LookupError(f"{field} not in /proc/{self.pid}/status")
+
+    def cpu_s(self) -> float:
+        """CPU seconds the process has used (user + system, from /proc): work on its one event
+        loop, counted apart from how busy the machine is."""
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def loaded(self, fragment: str) -> bool:
         """Whether a shared object whose path holds ``fragment`` is mapped (uvloop's loop,

@@ -8,8 +8,8 @@ import collections
 import time
 from dataclasses import dataclass
 
-from tests.adversarial.served.kit import crowd, request_bytes, unfinished_headers
-from tests.adversarial.served.served import ServedProxy
+from proxy.bench.hostile.kit import crowd, request_bytes, unfinished_headers
+from proxy.bench.hostile.served import ServedProxy
 
 MIB = 2**20
 
