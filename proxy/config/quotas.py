@@ -18,9 +18,9 @@ PER = 1_000_000  # prices are per million tokens
 
 class Quota(Strict):
     """Tokens and money a tenant may use per UTC day and per UTC calendar month. Checked before
-    a request runs against its worst case (prompt estimate plus max_tokens for each choice,
-    priced as uncached input), corrected to its real usage when it ends; refused with 429
-    `quota_exceeded` / `budget_exceeded` and a Retry-After to the period's reset."""
+    a request runs against its worst case (the prompt's upper bound plus max_tokens for each
+    choice, priced as uncached input), corrected to what the engine ran when it ends; refused
+    with 429 `quota_exceeded` / `budget_exceeded` and a Retry-After to the period's reset."""
 
     tokens_per_day: float | None = Field(
         None, gt=0, description="Prompt + output tokens per UTC day; null: no daily quota."
@@ -33,8 +33,8 @@ class Quota(Strict):
     budget_per_day: float | None = Field(
         None,
         gt=0,
-        description="Money per UTC day, in the currency of `pricing` (requests to a model"
-        " without a price cost nothing); null: no daily budget.",
+        description="Money per UTC day, in the currency of `pricing` (a request to a model"
+        " without a price is refused: 400 `model_not_priced`); null: no daily budget.",
     )
     budget_per_month: float | None = Field(
         None,
