@@ -22,10 +22,8 @@ from proxy.api.errors import (
     ProxyError,
     config_changed,
     memory_full,
-    over_token_limit,
     queue_full,
     queue_timeout,
-    rate_limited,
     refused_early,
 )
 from proxy.api.hotpath import LabelCache
@@ -37,6 +35,7 @@ from proxy.config.tenants import Tenant
 from proxy.relay.budget import MemoryBudget, Reservation
 from proxy.relay.forward import RelayResult, UpstreamUnavailable
 from proxy.relay.result import UPSTREAM_STARTED
+from proxy.request.accounting import account, charge_usage
 from proxy.request.admitted import Admitted, FinishHook, Trace, no_finish_hook
 from proxy.request.answers import Answers
 from proxy.request.auth import identify
@@ -47,6 +46,7 @@ from proxy.request.prompt_blocks import PromptBlocks
 from proxy.request.quota_gate import QuotaGate
 from proxy.request.route_table import ROWS, Relay
 from proxy.request.tenancy import tenant_gate
+from proxy.request.tenant_limits import pass_tenant_limits, settle_tenant_limits
 from proxy.request.traced import upstream_spans
 from proxy.request.uploads import TenantUploads, UploadRefused, closing
 from proxy.request.upstream import upstream_call
@@ -221,46 +221,12 @@ class RequestPipeline:
     # -- tenant limits -------------------------------------------------------------------
 
     async def pass_tenant_limits(self, adm: Admitted) -> None:
-        """Take the tenant's rate and concurrency allowance, or wait for it (``on_limit: queue``,
-        within the tier's queue timeout), or refuse with 429 and the exact wait."""
-        tenant = adm.tenant
-        cap = tenant.tokens_per_minute
-        if cap is not None and adm.reserved_tokens > cap:
-            # Bigger than the whole bucket: once the bucket is full, it would pass and run
-            # tokens_per_minute many times over (a prompt list of 200, max_tokens 2048).
-            self.metrics.rate_limited.labels(tenant.name, "tokens_per_minute").inc()
-            raise over_token_limit(cap, adm.reserved_tokens)
-        give_up_at = adm.arrival + adm.config.tiers[adm.tier].queue_timeout_s
-        while True:
-            verdict = await self.limits.admit(tenant.name, adm.reserved_tokens, self.clock())
-            if verdict.allowed:
-                adm.limit_hold, adm.limit_windows = verdict.hold, verdict.windows
-                return
-            self.metrics.rate_limited.labels(tenant.name, verdict.limit).inc()
-            wait = verdict.retry_after_s
-            if tenant.on_limit != "queue" or self.clock() + wait > give_up_at:
-                raise rate_limited(verdict.limit, wait)
-            if adm.spans is not None:
-                adm.spans.limit_wait(verdict.limit, self.clock())
-            # A request waiting for its tenant's limit holds its body like a queued one: it
-            # counts against the tier's queue cap.
-            try:
-                waits = self.queue.begin_limit_wait(adm.tier)
-            except UnknownTier:
-                raise config_changed() from None
-            if not waits:
-                raise queue_full(adm.tier, self.retry_after(adm.tier))
-            try:  # not a network wait: the bucket refills on the clock (or a slot frees)
-                await self.sleep(min(wait, 0.25) if verdict.limit == "max_concurrent" else wait)
-            finally:
-                self.queue.end_limit_wait(adm.tier)
+        await pass_tenant_limits(
+            adm, self.limits, self.metrics, self.queue, self.clock, self.sleep, self.retry_after
+        )
 
     def settle_tenant_limits(self, adm: Admitted, result: RelayResult | None) -> None:
-        """Charge the tenant's token limit what the request really used: the unused part of the
-        reservation comes back, usage past it is debited (the next requests wait for it)."""
-        counts, _ = adm.billed_usage(result)
-        used = float(counts.total) if counts is not None else None
-        self.limits.settle(adm.tenant.name, adm.reserved_tokens, used, self.clock(), adm.limit_hold)
+        settle_tenant_limits(adm, result, self.limits, self.clock())
 
     # -- queue and dispatch --------------------------------------------------------------
 
@@ -377,24 +343,7 @@ class RequestPipeline:
     # -- account -------------------------------------------------------------------------
 
     def account(self, adm: Admitted, result: RelayResult) -> None:
-        """Metrics of the answer, and the fairness charge corrected to the real usage."""
-        if BY_ENDPOINT[adm.parsed.endpoint].cheap:
-            return  # never queued: no fairness charge to correct, no tokens
-        m = self.metrics
-        if result.first_token_at is not None:
-            self.child(m.ttft, adm.tier).observe(result.first_token_at - adm.arrival)
-        if not self.charge_usage(adm, result) and result.outcome != Outcome.OK:
-            # Nothing was generated that we know of: give back the estimate charged at dispatch.
-            self.queue.correct_charge(adm.queued, 0.0)
+        account(adm, result, self.metrics, self.child, self.queue)
 
     def charge_usage(self, adm: Admitted, result: RelayResult | None) -> bool:
-        """Token metrics and the fairness charge from the usage billed (the backend's, or
-        what a cut stream delivered); False when there is none."""
-        counts, _ = adm.billed_usage(result)
-        if counts is None:
-            return False
-        self.child(self.metrics.tokens, adm.tier, "prompt").inc(counts.prompt)
-        self.child(self.metrics.tokens, adm.tier, "completion").inc(counts.completion)
-        self.child(self.metrics.tokens, adm.tier, "cached_prompt").inc(counts.cached)
-        self.queue.correct_charge(adm.queued, adm.work(counts))
-        return True
+        return charge_usage(adm, result, self.metrics, self.child, self.queue)
