@@ -21,18 +21,9 @@ from proxy.api.errors import ProxyError, execution_timeout, upstream_failed, ups
 from proxy.api.outcome import Outcome
 from proxy.relay import sse
 from proxy.relay.clientsend import ClientSender, ClientStalled
-from proxy.relay.forward import (
-    CLIENT_LEFT,
-    ENGINE_DEAD,
-    UPSTREAM_BROKE,
-    RelayResult,
-    UpstreamCall,
-    UpstreamUnavailable,
-    finish_stream,
-    open_relay,
-    relay,
-    settled,
-)
+from proxy.relay.forward import finish_stream, relay
+from proxy.relay.result import RelayResult, UpstreamCall, UpstreamUnavailable
+from proxy.relay.upstreamio import CLIENT_LEFT, ENGINE_DEAD, UPSTREAM_BROKE, open_relay, settled
 from proxy.ticket import REQUEST_ID_HEADER
 
 # The last event of a Responses stream: each carries the whole response, its usage included.
@@ -88,7 +79,7 @@ async def _relay_events(
         raise UpstreamUnavailable("reset", "stream ended before its first event") from None
     except sse.EventTooLarge as exc:
         # The request chose the size (a final event carries the whole response): its 502, not
-        # the backend's failure (proxy.relay.forward._too_large).
+        # the backend's failure (proxy.relay.upstreamio.too_large).
         err = upstream_too_large(exc.limit)
         return RelayResult(err.response(), Outcome.UPSTREAM_ERROR, 502, oversize=True)
     except UPSTREAM_BROKE as exc:

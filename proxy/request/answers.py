@@ -16,8 +16,9 @@ from proxy.api.reply_headers import ratelimit_headers, should_retry_header
 from proxy.config.schema import LoadedConfig
 from proxy.config.server import Relay as RelayBounds
 from proxy.relay.clientsend import ClientStalled
-from proxy.relay.forward import CLIENT_LEFT, RelayResult
 from proxy.relay.held import HeldResponse
+from proxy.relay.result import RelayResult
+from proxy.relay.upstreamio import CLIENT_LEFT
 from proxy.request.admitted import Trace
 from proxy.scheduling.limits import TenantLimits
 from proxy.telemetry.metrics import ProxyMetrics

@@ -25,10 +25,9 @@ from __future__ import annotations
 
 import heapq
 import logging
-import math
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -39,59 +38,18 @@ from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
-from proxy.ticket import XARG_PREFILL_SHARE, XARG_TIME_LIMIT
+from proxy.vllm_plugin.counters import CountersLog, PluginCounters
+from proxy.vllm_plugin.requestview import (
+    ADMITTABLE,
+    prefill_left,
+    rank,
+    request_prefill_share,
+    request_time_limit,
+)
 from proxy.vllm_plugin.settings import SchedulerSettings
 
 # A child of vLLM's logger, so lines land in vLLM's log with its format.
 logger = logging.getLogger("vllm.tierproxy.scheduler")
-
-# Statuses of a waiting request that the scheduling loop would try to admit now.
-_ADMITTABLE = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-
-
-@dataclass
-class PluginCounters:
-    """What the plugin did; logged every ``TIERPROXY_PLUGIN_STATS_INTERVAL_S`` when it changes."""
-
-    preemptions: int = 0  # running requests preempted for a better-tier waiting one
-    preemptions_refused: int = 0  # wanted a victim, all candidates at their preemption bound
-    prefill_tokens_deferred: int = 0  # worse-tier prefill tokens held back by the share cap
-    capped_steps: int = 0
-    deadline_drops_waiting: int = 0  # never ran (or waited preempted) past the deadline
-    deadline_drops_running: int = 0  # stopped mid-generation
-
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
-
-
-def _extra_args(request: Request) -> dict[str, Any]:
-    params = request.sampling_params
-    extra = params.extra_args if params is not None else None
-    return extra if isinstance(extra, dict) else {}
-
-
-def request_time_limit(request: Request) -> float | None:
-    """The ticket's time limit (seconds, from receipt) the middleware put into ``vllm_xargs``."""
-    value = _extra_args(request).get(XARG_TIME_LIMIT)
-    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
-        return max(0.0, float(value))
-    return None
-
-
-def request_prefill_share(request: Request, default: float) -> float:
-    value = _extra_args(request).get(XARG_PREFILL_SHARE)
-    if isinstance(value, int | float) and not isinstance(value, bool) and 0 < value <= 1:
-        return float(value)
-    return default
-
-
-def _rank(request: Request) -> tuple[int, float]:
-    """vLLM's own order: lower priority value first, then earlier arrival."""
-    return (request.priority, request.arrival_time)
-
-
-def _prefill_left(request: Request) -> int:
-    return max(0, request.num_tokens - request.num_computed_tokens)
 
 
 class TierScheduler(Scheduler):
@@ -118,8 +76,7 @@ class TierScheduler(Scheduler):
         self._plugin_preemptions: dict[str, int] = {}  # request id -> times we preempted it
         self._pending_outputs: list[EngineCoreOutput] = []
         self._pending_clients: list[int] = []
-        self._stats_logged_at = time.monotonic()
-        self._stats_logged: dict[str, int] = {}
+        self._counters_log = CountersLog(self.plugin_settings.stats_interval_s)
         if self.policy != SchedulingPolicy.PRIORITY:
             logger.warning(
                 "tierproxy: --scheduling-policy is %s, not priority: tiers are ignored and no "
@@ -153,7 +110,7 @@ class TierScheduler(Scheduler):
                 self.max_num_scheduled_tokens = cap.full_budget
         if cap is not None:
             self._account_deferred(cap, output)
-        self._maybe_log_stats()
+        self._counters_log.maybe_log(self.plugin_counters)
         return output
 
     def update_from_output(
@@ -230,7 +187,7 @@ class TierScheduler(Scheduler):
         """KV blocks the request's first step needs (its next chunk plus the sampled token)."""
         tokens = (
             request.num_computed_tokens
-            + min(_prefill_left(request), self.max_num_scheduled_tokens)
+            + min(prefill_left(request), self.max_num_scheduled_tokens)
             + 1
         )
         return -(-tokens // self.block_size)
@@ -240,8 +197,8 @@ class TierScheduler(Scheduler):
             return
         worst_running = max(r.priority for r in self.running)
         candidates = sorted(
-            (r for r in self.waiting if r.status in _ADMITTABLE and r.priority < worst_running),
-            key=_rank,
+            (r for r in self.waiting if r.status in ADMITTABLE and r.priority < worst_running),
+            key=rank,
         )
         if not candidates:
             return
@@ -276,7 +233,7 @@ class TierScheduler(Scheduler):
         if not allowed:
             self.plugin_counters.preemptions_refused += 1
             return None
-        return max(allowed, key=_rank)
+        return max(allowed, key=rank)
 
     def _preempt(self, victim: Request, beneficiary: Request, now: float) -> None:
         self.running.remove(victim)
@@ -303,7 +260,7 @@ class TierScheduler(Scheduler):
         best = min(r.priority for r in decoding)
         prefilling = [r for r in self.running if r.is_prefill_chunk]
         free_slots = max(0, self._free_slots())
-        admittable = sorted((r for r in self.waiting if r.status in _ADMITTABLE), key=_rank)[
+        admittable = sorted((r for r in self.waiting if r.status in ADMITTABLE), key=rank)[
             :free_slots
         ]
         worse = [r for r in prefilling + admittable if r.priority > best]
@@ -311,17 +268,17 @@ class TierScheduler(Scheduler):
             return None
         budget = self.max_num_scheduled_tokens
         share = request_prefill_share(
-            min(worse, key=_rank), self.plugin_settings.default_prefill_share
+            min(worse, key=rank), self.plugin_settings.default_prefill_share
         )
         cap = max(1, int(share * budget))
-        worse_need = sum(_prefill_left(r) for r in worse)
+        worse_need = sum(prefill_left(r) for r in worse)
         if worse_need <= cap:
             return None
         decode_need = sum(
             max(1, r.num_tokens_with_spec + r.num_output_placeholders - r.num_computed_tokens)
             for r in decoding
         )
-        better_need = sum(_prefill_left(r) for r in prefilling + admittable if r.priority <= best)
+        better_need = sum(prefill_left(r) for r in prefilling + admittable if r.priority <= best)
         lowered = decode_need + better_need + cap
         if lowered >= budget:
             return None
@@ -342,18 +299,6 @@ class TierScheduler(Scheduler):
         if deferred:
             self.plugin_counters.capped_steps += 1
             self.plugin_counters.prefill_tokens_deferred += deferred
-
-    # ---- counters ------------------------------------------------------------------------------
-
-    def _maybe_log_stats(self) -> None:
-        now = time.monotonic()
-        if now - self._stats_logged_at < self.plugin_settings.stats_interval_s:
-            return
-        self._stats_logged_at = now
-        current = self.plugin_counters.as_dict()
-        if current != self._stats_logged:
-            self._stats_logged = current
-            logger.info("tierproxy counters: %s", " ".join(f"{k}={v}" for k, v in current.items()))
 
 
 @dataclass(frozen=True)

@@ -36,12 +36,9 @@ from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from proxy.ticket import XARG_PREFILL_SHARE, XARG_TIME_LIMIT, XARG_TRUSTED, Ticket  # noqa: E402
+from proxy.vllm_plugin.counters import PluginCounters  # noqa: E402
 from proxy.vllm_plugin.middleware import rewrite_body  # noqa: E402
-from proxy.vllm_plugin.scheduler import (  # noqa: E402
-    AsyncTierScheduler,
-    PluginCounters,
-    TierScheduler,
-)
+from proxy.vllm_plugin.scheduler import AsyncTierScheduler, TierScheduler  # noqa: E402
 from proxy.vllm_plugin.settings import SchedulerSettings  # noqa: E402
 from tests.helpers.clock import FakeClock  # noqa: E402
 from tests.helpers.paths import REPO  # noqa: E402
