@@ -23,6 +23,7 @@ from proxy.shared.limits import SharedLimitRegistry
 from proxy.shared.quota_scripts import RESERVE
 from proxy.shared.quotas import SharedQuotaBook
 from proxy.shared.scripts import ADMIT
+from tests.helpers.shared_store import warm
 
 REPLY_DELAY_S = 0.4  # Redis's answers reach the proxy this late (under the call timeout)
 
@@ -78,7 +79,7 @@ async def store(redis_server: RedisServer) -> AsyncIterator[SharedStore]:
         shared = SharedStore(
             SharedState(url=link.url, call_timeout_s=5.0, max_connections=2), CollectorRegistry()
         )
-        await shared.warm()
+        await warm(shared)
         # Loaded before: a first call's NOSCRIPT round trip would be the one the client leaves.
         await asyncio.gather(*(shared.redis.script_load(x.source) for x in (ADMIT, RESERVE)))
         yield shared

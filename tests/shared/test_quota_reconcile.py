@@ -20,6 +20,7 @@ from proxy.scheduling.quotas import QuotaAsk
 from proxy.shared.client import SharedStateDown, SharedStore
 from proxy.shared.quotas import RECORD_TTL_S, SharedQuotaBook
 from tests.helpers.clock import FakeClock
+from tests.helpers.shared_store import warm
 
 DAY = {"tokens_per_day": 1000.0}
 NOON = datetime(2026, 12, 1, 12, tzinfo=UTC).timestamp()
@@ -33,7 +34,7 @@ def ask(tokens: float, tenant: str = "acme") -> QuotaAsk:
 @pytest.fixture
 async def book(redis_server: RedisServer) -> AsyncIterator[SharedQuotaBook]:
     store = SharedStore(SharedState(url=redis_server.url, on_failure="refuse"), CollectorRegistry())
-    await store.warm()
+    await warm(store)
     made = SharedQuotaBook(store, clock=FakeClock(NOON))
     yield made
     await made.stop()

@@ -20,6 +20,7 @@ from proxy.config.tenants import Tenant
 from proxy.scheduling.limits import LimitVerdict
 from proxy.shared.client import SharedStore
 from proxy.shared.limits import SharedLimitRegistry
+from tests.helpers.shared_store import warm
 from tests.helpers.timing import polls_until
 
 
@@ -28,18 +29,6 @@ def tenant(**limits: Any) -> Tenant:
 
 
 Replicas = Callable[..., AsyncIterator[list[SharedLimitRegistry]]]
-
-
-async def warm(store: SharedStore, attempts: int = 3) -> None:
-    """The pool's connections opened; a machine busy enough to pass warm()'s own bound once
-    (its 1 s to open them) gets another try, not a failed test."""
-    for attempt in range(attempts):
-        try:
-            await store.warm()
-            return
-        except TimeoutError:
-            if attempt == attempts - 1:
-                raise
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 from proxy.bench.redis_server import RedisServer
 from proxy.config.shared_state import SharedState
 from proxy.shared.client import SharedStateBusy, SharedStateDown, SharedStore
+from tests.helpers.shared_store import warm
 
 
 @pytest.fixture
@@ -23,7 +24,7 @@ async def store(redis_server: RedisServer) -> AsyncIterator[Callable[..., Any]]:
 
     async def make(**cfg: Any) -> SharedStore:
         s = SharedStore(SharedState(url=redis_server.url, **cfg), CollectorRegistry())
-        await s.warm()
+        await warm(s)
         made.append(s)
         return s
 

@@ -20,6 +20,7 @@ from proxy.scheduling.quotas import QuotaAsk
 from proxy.shared.client import SharedStateBusy, SharedStore
 from proxy.shared.quotas import SharedQuotaBook
 from tests.helpers.clock import FakeClock
+from tests.helpers.shared_store import warm
 
 DAY = {"tokens_per_day": 1000.0}
 
@@ -39,7 +40,7 @@ async def books(redis_server: RedisServer) -> AsyncIterator[Callable[..., Any]]:
     async def make(n: int, **cfg: Any) -> list[SharedQuotaBook]:
         for _ in range(n):
             store = SharedStore(SharedState(url=redis_server.url, **cfg), CollectorRegistry())
-            await store.warm()
+            await warm(store)
             made.append(SharedQuotaBook(store))
         return made[-n:]
 

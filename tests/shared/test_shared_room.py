@@ -25,6 +25,7 @@ from proxy.scheduling.pool import BackendPool
 from proxy.shared.client import SharedStore
 from proxy.shared.room import SharedBackendRoom
 from tests.helpers.replicas import post, replica_config, start_replicas
+from tests.helpers.shared_store import warm
 from tests.helpers.timing import polls_until
 
 URL = "http://127.0.0.1:1"
@@ -80,7 +81,7 @@ async def replicas(redis_server: RedisServer) -> AsyncIterator[Callable[..., Any
         out = []
         for name in ("a", "b"):
             store = SharedStore(SharedState(url=redis_server.url, **cfg), CollectorRegistry())
-            await store.warm()
+            await warm(store)
             replica = Replica(store, name, room)
             replica.room.start()
             made.append(replica)
