@@ -28,7 +28,7 @@ from pathlib import Path
 import aiohttp
 
 from proxy.bench.inproc import SECRET, auth, make_config, running_proxy
-from proxy.ops.engine import EngineProcess, local_engine
+from proxy.tools.engine import EngineProcess, local_engine
 
 ARGS = ("--enable-prefix-caching", "--block-size", "32")
 

@@ -4,6 +4,7 @@ two stock vLLM CPU engines with small prefix caches, KV events and
 between runs. Prints a markdown table and writes every run's figures and records under --out.
 
     python benchmarks/kv_routing.py --policies least_utilised,prefix_affinity,kv_aware
+    python benchmarks/kv_routing.py --shape s32007   # a shape of the family (kv-family.yaml)
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from proxy.bench.kvbench import (
     start_engines,
 )
 from proxy.bench.kvplots import prefill_bars, ttft_cdfs
+from proxy.bench.kvsim.family import find_shape
 
 
 def main() -> int:
@@ -32,6 +34,12 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("--scenario", default="prefix-cache")
+    parser.add_argument(
+        "--shape",
+        help="a shape of the family (proxy/bench/scenarios/families/kv-family.yaml) by name"
+        " or sSEED, with its engine count and settings; benchmarks/kv_sim.py --shape NAME"
+        " simulates it",
+    )
     parser.add_argument(
         "--policies",
         default="least_utilised,prefix_affinity,kv_aware",
@@ -46,12 +54,15 @@ def main() -> int:
         "--plots", type=Path, help="where the PNGs go (default: the run's folder; docs/img)"
     )
     args = parser.parse_args()
-    scenario = load_conversation_scenario(args.scenario)
+    if args.shape:
+        scenario = find_shape(args.shape).scenario
+    else:
+        scenario = load_conversation_scenario(args.scenario)
     duration = args.duration or scenario.duration_s
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     out = args.out / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
-    engines = start_engines(scenario, out)
+    engines = start_engines(scenario, out, n=scenario.engines)
     runs: list[RunFigures] = []
     try:
         urls = [e.spec.url for e in engines]

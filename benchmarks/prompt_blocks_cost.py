@@ -85,11 +85,11 @@ async def remote_cost(url: str, n: int, system_words: int) -> tuple[float, float
     """µs p50 / p99 of the blocks through a backend's /tokenize, one call at a time."""
     import aiohttp
 
+    from proxy.backends.pool import BackendPool
     from proxy.config.backends import Backend, BackendHealth
     from proxy.config.kv_cache import KvCache
     from proxy.policies.backends import LeastUtilised
     from proxy.request.remote_tokens import RemoteTokenizer
-    from proxy.scheduling.pool import BackendPool
 
     pool = BackendPool([Backend(url=url)], BackendHealth(), LeastUtilised())
     remote, kv = RemoteTokenizer(), KvCache(tokenize_timeout_s=5.0)

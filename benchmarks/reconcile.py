@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 from proxy.bench.reconcile.run import Settings, reconcile
-from proxy.ops.engine import EngineProcess, local_engine
+from proxy.tools.engine import EngineProcess, local_engine
 
 
 def main() -> None:

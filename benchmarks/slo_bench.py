@@ -33,12 +33,12 @@ import aiohttp
 
 from proxy.bench.inproc import SECRET, auth, make_config, running_proxy
 from proxy.bench.stats import percentile
-from proxy.ops.engine import (
+from proxy.relay import sse
+from proxy.ticket import DEFAULT_SECRET_ENV
+from proxy.tools.engine import (
     EngineProcess,
     local_engine,
 )
-from proxy.relay import sse
-from proxy.ticket import DEFAULT_SECRET_ENV
 
 TIMEOUT = aiohttp.ClientTimeout(total=120)
 SLO = {"high": {"ttft_s": 1.0}, "normal": {"ttft_s": 3.0}}

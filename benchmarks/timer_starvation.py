@@ -1,5 +1,5 @@
 """How late a sleeping process wakes while a CPU vLLM engine generates, with the engine free to
-run anywhere and confined to `proxy.ops.engine.engine_cores()`: the reason for that placement.
+run anywhere and confined to `proxy.tools.engine.engine_cores()`: the reason for that placement.
 
 vLLM's engine-core process busy-waits (sched_yield) for its worker's output. On a small VM we
 saw that spinner delay the timers of other processes on its core by seconds, which is what the
@@ -23,7 +23,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from proxy.ops.engine import (
+from proxy.tools.engine import (
     EngineProcess,
     engine_cores,
     local_engine,

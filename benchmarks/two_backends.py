@@ -19,7 +19,7 @@ from pathlib import Path
 
 from proxy.bench.stack import ProxyProcess
 from proxy.bench.throughput import compare, start_proxy
-from proxy.ops.engine import (
+from proxy.tools.engine import (
     EngineProcess,
     local_engine,
 )

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from proxy.ops.engine import tail
+from proxy.tools.engine import tail
 from tests.helpers.clock import FakeClock
 from tests.helpers.enginefarm import EngineFarm
 from tests.helpers.engineplan import order
@@ -44,7 +44,7 @@ def _engines_available() -> bool:
 
 
 def _model_dir() -> Path:
-    from proxy.ops.tiny_model import make_tiny_model
+    from proxy.tools.tiny_model import make_tiny_model
 
     return make_tiny_model(TINY_MODEL_DIR)
 
@@ -84,7 +84,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         return  # the engines fixture says why, in the first test that asks
     for position, item in enumerate(session.items):
         item.stash[_POSITION] = position
-    _farm(session.config).follow(plan)
+    quiet = [item.get_closest_marker("quiet_engines") is not None for item in session.items]
+    _farm(session.config).follow(plan, quiet)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -168,6 +169,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
     config.addinivalue_line(
         "markers", "engines(*settings): the vLLM engines (tests/helpers/engines.py) the tests use"
+    )
+    config.addinivalue_line(
+        "markers", "quiet_engines: the test measures its engines; no engine starts beside it"
     )
     signal.signal(signal.SIGUSR1, _dump_asyncio_tasks)
 

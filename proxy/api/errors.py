@@ -192,6 +192,16 @@ def queue_timeout(tier: str, waited_s: float, retry_after_s: float) -> ProxyErro
     )
 
 
+def adapter_load_failed(adapter: str, reason: str) -> ProxyError:
+    return ProxyError(
+        503,
+        f"The adapter `{adapter}` could not be loaded ({reason}); retry later.",
+        type="server_error",
+        code="adapter_load_failed",
+        param="model",
+    )
+
+
 def execution_timeout(limit_s: float) -> ProxyError:
     return ProxyError(
         504,

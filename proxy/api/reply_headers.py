@@ -10,6 +10,7 @@ ignored, so that no client can put control characters or megabytes into logs and
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -84,6 +85,8 @@ def ratelimit_headers(windows: Mapping[str, BucketWindow]) -> dict[str, str]:
     tenant has (none for those it has not)."""
     out: dict[str, str] = {}
     for name, window in windows.items():
+        if not all(map(math.isfinite, (window.limit, window.remaining, window.reset_s))):
+            continue  # no header rather than a made-up figure
         out[f"x-ratelimit-limit-{name}"] = str(int(window.limit))
         out[f"x-ratelimit-remaining-{name}"] = str(max(0, int(window.remaining)))
         out[f"x-ratelimit-reset-{name}"] = openai_duration(window.reset_s)

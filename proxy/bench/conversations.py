@@ -39,6 +39,10 @@ class ConversationTenant(_Strict):
     name: str = Field(min_length=1)
     tier: str = Field(min_length=1)
     key: str | None = None  # API key; default bench-<name>-key
+    # Tenants of one cache group share one prefix-cache salt (docs/isolation.md) and, with
+    # shared_words, a preamble at the head of their system prompts (a prefix shared by tenants).
+    cache_group: str | None = None
+    shared_words: int = Field(0, ge=0)
     # Conversations: how many run at once, their shared system prompt, turns each.
     conversations: int = Field(0, ge=0)
     system_words: int = Field(0, ge=0)
@@ -66,7 +70,11 @@ class ConversationTenant(_Strict):
         return self.key or f"bench-{self.name}-key"
 
     def system_prompt(self) -> str:
-        return words(random.Random(f"{self.name}/system"), self.system_words)
+        own = words(random.Random(f"{self.name}/system"), self.system_words)
+        if not (self.shared_words and self.cache_group):
+            return own
+        shared = words(random.Random(f"group/{self.cache_group}"), self.shared_words)
+        return f"{shared} {own}"
 
 
 class EngineShape(_Strict):
@@ -76,6 +84,7 @@ class EngineShape(_Strict):
     block_size: int = Field(32, gt=0)
     max_num_seqs: int = Field(4, gt=0)
     max_model_len: int = Field(2048, gt=0)
+    max_num_batched_tokens: int | None = Field(None, gt=0)  # None: vLLM's default
 
 
 class ConversationScenario(_Strict):
@@ -84,6 +93,7 @@ class ConversationScenario(_Strict):
     duration_s: float = Field(90.0, gt=0)
     engine: EngineShape = EngineShape()
     max_inflight: int = Field(4, gt=0)  # per backend, in the proxy
+    engines: int = Field(2, ge=1)  # how many engines benchmarks/kv_routing.py starts
     tenants: list[ConversationTenant] = Field(min_length=1)
 
     @model_validator(mode="after")

@@ -28,9 +28,9 @@ from proxy.bench.scrape import fetch_metrics, wait_idle
 from proxy.bench.stack import ProxyProcess
 from proxy.bench.stats import percentile
 from proxy.config.tenants import hash_key
-from proxy.ops.engine import EngineProcess, local_engine
 from proxy.ops.process import free_port
 from proxy.telemetry import prometheus
+from proxy.tools.engine import EngineProcess, local_engine
 
 COUNTERS = {
     "prompt": "vllm:prompt_tokens_total",
@@ -44,7 +44,10 @@ HTTP = aiohttp.ClientTimeout(total=30)
 
 def engine_args(scenario: ConversationScenario) -> list[str]:
     """Past the KV-event flags (``kv_event_args``): a prefix cache of the scenario's size."""
-    return ["--num-gpu-blocks-override", str(scenario.engine.kv_blocks)]
+    args = ["--num-gpu-blocks-override", str(scenario.engine.kv_blocks)]
+    if scenario.engine.max_num_batched_tokens is not None:
+        args += ["--max-num-batched-tokens", str(scenario.engine.max_num_batched_tokens)]
+    return args
 
 
 def start_engines(scenario: ConversationScenario, logs: Path, n: int = 2) -> list[EngineProcess]:
@@ -93,28 +96,33 @@ def proxy_config(
 ) -> dict[str, Any]:
     """The run's proxy config; ``tokenizer`` (the served model's directory): the KV index and
     the prompts' blocks on, for ``kv_aware``."""
-    # resync_s 0: each run starts from caches just emptied, so a subscriber joining the
-    # engines' event streams midway starts exact (in production it waits out resync_s).
+    # resync_s 0 (the default): each run starts from caches just emptied, so a subscriber
+    # joining the engines' event streams midway holds all they hold from the start.
     kv_cache = {
         "enabled": True,
         "block_size": scenario.engine.block_size,
         "tokenizer": tokenizer,
         "resync_s": 0,
     }
-    # kv_aware@BEST/WORST[/HOLD_S]
+    # kv_aware@BEST/WORST[/HOLD_S[/WORK_WEIGHT]]
     name, _, weights = policy.removesuffix("+kv").partition("@")
     policies: dict[str, Any] = {"backends": name}
     if weights:
-        best, worst, *hold = (float(w) for w in weights.split("/"))
+        best, worst, *more = (float(w) for w in weights.split("/"))
         knobs: dict[str, float] = {"room_weight_best": best, "room_weight_worst": worst}
-        if hold:
-            knobs["hold_s"] = hold[0]
+        for knob, value in zip(("hold_s", "work_weight"), more, strict=False):
+            knobs[knob] = value
         policies["kv_aware"] = knobs
     return {
         "listen": {"host": "127.0.0.1", "port": 0},
         "tiers": {t: DEFAULT_TIERS[t] for t in scenario.tiers},
         "tenants": [
-            {"name": t.name, "tier": t.tier, "keys": [{"sha256": hash_key(t.api_key)}]}
+            {
+                "name": t.name,
+                "tier": t.tier,
+                "keys": [{"sha256": hash_key(t.api_key)}],
+                **({"cache_group": t.cache_group} if t.cache_group else {}),
+            }
             for t in scenario.tenants
         ],
         "backends": [{"url": u, "max_inflight": scenario.max_inflight} for u in urls],

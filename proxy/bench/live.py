@@ -23,10 +23,10 @@ from proxy.bench.proxy_config import BENCH_ADMIN_KEY
 from proxy.bench.scrape import fetch_metrics
 from proxy.bench.stack import ProxyProcess
 from proxy.config.tenants import hash_key
-from proxy.ops.engine import EngineProcess, local_engine
 from proxy.ops.process import StopOnExit, free_port
 from proxy.telemetry.prometheus import total
 from proxy.ticket import DEFAULT_SECRET_ENV
+from proxy.tools.engine import EngineProcess, local_engine
 
 __all__ = ["KEYS", "LiveStack", "ProxyUsage", "auth", "chat_body", "stream_ttft"]
 

@@ -14,9 +14,9 @@ from typing import Self
 
 from proxy.bench.proxy_config import proxy_config, write_proxy_config
 from proxy.bench.scenario import Scenario
-from proxy.ops.engine import EngineProcess, local_engine
 from proxy.ops.process import ManagedProcess, StopOnExit, free_port, http_ok
 from proxy.ticket import DEFAULT_SECRET_ENV
+from proxy.tools.engine import EngineProcess, local_engine
 
 
 class LocalStack(StopOnExit):

@@ -14,9 +14,9 @@ import yaml
 
 from proxy.bench.inproc import SECRET, auth, make_config
 from proxy.bench.stack import ProxyProcess
-from proxy.ops.engine import EngineProcess
 from proxy.ops.process import free_port
 from proxy.ticket import DEFAULT_SECRET_ENV
+from proxy.tools.engine import EngineProcess
 
 
 async def closed_loop(

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from proxy.cli import admin, engines, serving
+from proxy.signals import defer_reloads
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -15,7 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     serving.add_parsers(sub)
 
-    from proxy.ops.keys_cli import add_parser as add_keys_parser
+    from proxy.tools.keys_cli import add_parser as add_keys_parser
 
     add_keys_parser(sub)
 
@@ -44,5 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from proxy.config.reference import main as reference_main
 
         return reference_main(argv[1:])
+    if argv[:1] == ["serve"]:
+        defer_reloads()  # before the seconds of imports and loading that precede the watcher
     args = build_parser().parse_args(argv)
     return int(args.func(args))

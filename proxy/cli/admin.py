@@ -10,7 +10,7 @@ from pathlib import Path
 
 from proxy.cli.parsing import Subparsers
 
-# proxy.ops.usage_report.GROUPS, not imported: that would load pydantic for every command (a
+# proxy.tools.usage_report.GROUPS, not imported: that would load pydantic for every command (a
 # test keeps the two equal).
 GROUPS = ("tenant", "tier", "model", "backend", "outcome", "key_id")
 
@@ -55,7 +55,7 @@ def _cmd_top(args: argparse.Namespace) -> int:
 
 
 def _cmd_usage(args: argparse.Namespace) -> int:
-    from proxy.ops.usage_report import parse_since, render, summarize
+    from proxy.tools.usage_report import parse_since, render, summarize
 
     try:
         since = parse_since(args.since, time.time()) if args.since else None

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from proxy.cli.parsing import Subparsers
 
 if TYPE_CHECKING:
-    from proxy.ops.engine import EngineSpec
+    from proxy.tools.engine import EngineSpec
 
 EXAMPLE_CONFIG = "configs/example.yaml"
 DEMO_KEYS = {"high": "demo-high-key", "normal": "demo-normal-key", "low": "demo-low-key"}
@@ -29,13 +29,13 @@ def _install_stop_handlers() -> None:
 
 def engine_spec(args: argparse.Namespace) -> EngineSpec:
     """`tierproxy engine`'s vLLM: a CPU build confined to its own cores like `up`'s."""
-    from proxy.ops.engine import POOLING_ARGS, cpu_confinement, free_port, local_engine
+    from proxy.tools.engine import POOLING_ARGS, cpu_confinement, free_port, local_engine
 
     extra = [a for a in args.vllm_args if a != "--"]
     block_size, kv_port = args.block_size, args.kv_events_port
     if args.config is not None:  # the config's kv_cache decides, unless the port is given
         from proxy.config.loader import load_config
-        from proxy.ops.engine import kv_events_wanted
+        from proxy.tools.engine import kv_events_wanted
 
         wanted = kv_events_wanted(load_config(args.config).config)
         if wanted is not None:
@@ -56,7 +56,7 @@ def engine_spec(args: argparse.Namespace) -> EngineSpec:
 
 
 def _cmd_engine(args: argparse.Namespace) -> int:
-    from proxy.ops.engine import EngineProcess, confinement_note
+    from proxy.tools.engine import EngineProcess, confinement_note
 
     spec = engine_spec(args)
     engine = EngineProcess(spec)
@@ -79,14 +79,15 @@ def _cmd_engine(args: argparse.Namespace) -> int:
 def _cmd_up(args: argparse.Namespace) -> int:
     """The embedded default: local CPU engine(s) plus the proxy on configs/example.yaml."""
     from proxy.config.loader import load_config
-    from proxy.ops.engine import (
+    from proxy.server.app import serve
+    from proxy.tools.engine import (
         EngineProcess,
         ensure_model,
         free_port,
         kv_events_wanted,
         local_engine,
     )
-    from proxy.server.app import serve
+    from proxy.tools.tiny_adapters import ensure_tiny_adapters, lora_engine_settings
 
     os.environ.setdefault("TIERPROXY_TICKET_SECRET", secrets.token_urlsafe(32))
     loaded = load_config(args.config)
@@ -94,8 +95,13 @@ def _cmd_up(args: argparse.Namespace) -> int:
     log_dir = Path(".tierproxy/logs")
     engines = []
     block_size = kv_events_wanted(loaded.config)  # one KV-event port per engine when wanted
+    adapters = loaded.config.adapters
+    ensure_tiny_adapters([a.path for a in adapters.values()], model)
     for index, backend in enumerate(loaded.config.backends[: args.engines]):
         port = int(backend.url.rsplit(":", 1)[1])
+        lora_args, lora_env = lora_engine_settings(
+            backend.max_loras, backend.load_adapters, bool(adapters)
+        )
         spec = local_engine(
             model=model,
             served_name=served,
@@ -103,7 +109,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs,
             index=index if args.engines > 1 else None,  # the last core stays for the proxy
             # Requests that reach vLLM without the proxy's ticket run as the lowest tier.
-            env={"TIERPROXY_UNTICKETED_PRIORITY": str(loaded.config.lowest_priority)},
+            env={"TIERPROXY_UNTICKETED_PRIORITY": str(loaded.config.lowest_priority), **lora_env},
+            extra_args=lora_args,  # LoRA on for `adapters:` (docs/adapters.md)
             kv_events_port=free_port() if block_size is not None else None,
             kv_replay_port=free_port() if block_size is not None else None,
             block_size=block_size or 32,

@@ -1,4 +1,5 @@
-"""`tierproxy serve`, `check`, `hash-key` and `tiny-model`: run the proxy, check its config."""
+"""`tierproxy serve`, `check`, `hash-key`, `tiny-model` and `tiny-adapters`: run the proxy, check
+its config, make the test model and its adapters."""
 
 from __future__ import annotations
 
@@ -9,9 +10,17 @@ from proxy.cli.parsing import REFERENCE_POINTER, Subparsers
 
 
 def _cmd_tiny_model(args: argparse.Namespace) -> int:
-    from proxy.ops.tiny_model import make_tiny_model
+    from proxy.tools.tiny_model import make_tiny_model
 
     print(make_tiny_model(args.dir))
+    return 0
+
+
+def _cmd_tiny_adapters(args: argparse.Namespace) -> int:
+    from proxy.tools.tiny_adapters import make_tiny_adapters
+
+    for name, path in make_tiny_adapters(args.dir, args.model).items():
+        print(f"{name}={path}")
     return 0
 
 
@@ -37,7 +46,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
             print(f"  {problem}", file=sys.stderr)
         print(REFERENCE_POINTER, file=sys.stderr)
         return 1
-    from proxy.ops.keys import expiry_warnings, utc_now
+    from proxy.tools.keys import expiry_warnings, utc_now
 
     print(summarize(loaded))
     for warning in expiry_warnings(loaded.config, utc_now(), args.expiring_days):
@@ -102,3 +111,10 @@ def add_tool_parsers(sub: Subparsers) -> None:
     p = sub.add_parser("tiny-model", help="write a tiny random Llama model for CPU vLLM")
     p.add_argument("dir")
     p.set_defaults(func=_cmd_tiny_model)
+
+    p = sub.add_parser(
+        "tiny-adapters", help="write random rank-8 LoRA adapters for the tiny model (no download)"
+    )
+    p.add_argument("dir", help="one adapter per name is written to DIR/NAME")
+    p.add_argument("--model", default=".tierproxy/tiny-model", help="the base model's directory")
+    p.set_defaults(func=_cmd_tiny_adapters)

@@ -67,6 +67,17 @@ class BackendHealth(Strict):
         description="Timeout to open a connection to a backend. Read at start (a restart"
         " applies a change).",
     )
+    dead_connection_s: float = Field(
+        10.0,
+        ge=2.0,
+        le=600.0,
+        description="A connection to a backend whose host stops answering at the TCP level"
+        " (an engine container killed, a node gone: nothing resets the connection) is closed"
+        " after this long, and its request retried elsewhere if it has sent its client nothing;"
+        " without it such a request waits out its tier's whole limit. TCP keep-alive probes"
+        " and TCP_USER_TIMEOUT: a busy engine still acknowledges and is never cut. Read at start.",
+        json_schema_extra=TUNING,
+    )
     probe_timeout_s: float = Field(
         5.0,
         gt=0,
@@ -142,6 +153,24 @@ class Backend(Strict):
         description="With `kv_events`: the ZMQ endpoint of that publisher's replay socket (vLLM's"
         " `replay_endpoint`), which batches missed in a gap are asked from. null: none (from"
         " `/kv_event_sources` otherwise).",
+        json_schema_extra=TUNING,
+    )
+    max_loras: int | None = Field(
+        None,
+        ge=1,
+        description="Its vLLM's --max-loras (run with --enable-lora): distinct LoRA adapters it"
+        " runs at once; the proxy never has more in flight there (the rest wait in the proxy's"
+        " queue, not in vLLM's). null: it serves no adapter (docs/adapters.md).",
+    )
+    load_adapters: bool = Field(
+        False,
+        description="The proxy may load and unload `adapters:` on it at runtime (vLLM with"
+        " VLLM_ALLOW_RUNTIME_LORA_UPDATING=True); false: only those it lists in /v1/models.",
+    )
+    adapter_load_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="Longest `POST /v1/load_lora_adapter` (or unload); past it the load failed.",
         json_schema_extra=TUNING,
     )
     send_priority: bool = Field(

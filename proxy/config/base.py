@@ -18,6 +18,8 @@ def is_tuning(field: FieldInfo) -> bool:
 
 
 class Strict(BaseModel):
-    """Every config section: unknown fields are errors, values are frozen."""
+    """Every config section: unknown fields are errors, values are frozen, numbers finite (YAML's
+    ``.inf`` reads as "unlimited" but passes every ``gt=0``; no limit or price is infinite:
+    leave it out)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)

@@ -70,12 +70,13 @@ class KvCache(Strict):
         json_schema_extra=TUNING,
     )
     resync_s: float = Field(
-        30.0,
+        0.0,
         ge=0,
-        description="After a gap in a backend's KV events (a reconnect, a lost batch) its index"
-        " is dropped and counts as cold for this long: the chooser ignores it meanwhile (it"
-        " misses the blocks stored before the gap). An engine seen from its first event, or"
-        " restarted, is warm at once.",
+        description="After a new connection to a backend's KV events or a gap in them (a"
+        " lost batch), its index is dropped and holds only what it hears from then: it may"
+        " miss blocks stored before, never claims one removed (partial). The chooser ignores"
+        " it for this long (0: trusted at once). An engine heard from its first event, or an"
+        " AllBlocksCleared, makes it exact at once.",
         json_schema_extra=TUNING,
     )
     idle_timeout_s: float = Field(

@@ -16,6 +16,7 @@ from pydantic import (
     ValidationError,
 )
 
+from proxy.config.config_file import read_config_bytes
 from proxy.config.deprecated import flat_policy_warnings
 from proxy.config.schema import Config, LoadedConfig
 from proxy.config.tenants import KeySpec, Tenant, hash_key
@@ -205,7 +206,7 @@ def parse_config(
 def load_config(path: str | Path) -> LoadedConfig:
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        text = read_config_bytes(p).decode("utf-8")
     except OSError as exc:
         raise ConfigError(str(p), [f"cannot read: {exc.strerror}"]) from exc
     except UnicodeDecodeError as exc:

@@ -117,12 +117,34 @@ class KvAwareKnobs(Strict):
         " priority); lower lets it follow its cache onto busier backends.",
     )
     hold_s: float = Field(
-        1.0,
+        10.0,
         ge=0,
         le=30,
         description="The longest a worst-tier request waits for the busy backend that holds"
         " its prompt's prefix while another has room (better tiers wait less, in proportion to"
-        " their room weights; 0: never waits, moves at once).",
+        " their room weights; never past half the tier's `queue_timeout_s`; 0: never waits,"
+        " moves at once). 10 s held best across the family of workloads of docs/benchmarks.md"
+        " (3 s: with engines busy, a turn left its tenant's cache for a free slot and computed"
+        " its system prompt again; 1 s moved long conversations off their cache).",
+    )
+    work_weight: float = Field(
+        0.5,
+        ge=0,
+        description="How much the best tier weighs a token of prefill queued ahead of it on a"
+        " backend (sent there by the proxy, not yet shown done by the backend's KV events; a"
+        " request decoding counts a few tokens) against a token of prefill that backend's cache"
+        " saves it (worse tiers less, in proportion to their room weights; 0: queued work"
+        " counts only as the room it takes). 0.5 held best across the family of workloads of"
+        " docs/benchmarks.md (0.25 left longer best-tier tails; 1 moved conversations off"
+        " their caches).",
+    )
+    memory_blocks: int = Field(
+        65_536,
+        ge=1,
+        description="How many (backend, block) pairs the chooser remembers of where it sent"
+        " prompts that ran (their homes), shared between tenants: past it, the tenant keeping"
+        " the most loses its oldest.",
+        json_schema_extra=TUNING,
     )
 
 

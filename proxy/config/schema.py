@@ -10,6 +10,7 @@ from pydantic import (
     model_validator,
 )
 
+from proxy.config.adapters import Adapter, adapter_name_ok, adapter_prices
 from proxy.config.backends import Backend, BackendHealth
 from proxy.config.base import TUNING, Strict
 from proxy.config.kv_cache import KvCache
@@ -26,9 +27,9 @@ from proxy.ticket import DEFAULT_PREFILL_SHARE, DEFAULT_SECRET_ENV
 
 class Config(Strict):
     """The whole file. Most sections apply on a live reload; `listen`, `admin_listen`,
-    `server`, `ticket_secret_env`, `shared_state`, `usage_log`, `tracing` and
-    `backend_health.connect_timeout_s` are read at start (a reload that changes one names it
-    in a warning: a restart applies it)."""
+    `server`, `ticket_secret_env`, `shared_state`, `usage_log`, `tracing`,
+    `backend_health.connect_timeout_s` and `backend_health.dead_connection_s` are read at start
+    (a reload that changes one names it in a warning: a restart applies it)."""
 
     listen: Listen = Field(Listen(), description="Where clients reach the proxy.")
     admin_listen: AdminListen | None = Field(
@@ -83,6 +84,15 @@ class Config(Strict):
         " costs nothing.",
         examples=[{"tiny": {"input": 0.15, "cached_input": 0.075, "output": 0.6}}],
     )
+    adapters: dict[str, Adapter] = Field(
+        default_factory=dict,
+        description="LoRA adapters by the name clients send as `model` (docs/adapters.md):"
+        " where engines load each from, its base model, who may use it, its price. Backends"
+        " with `max_loras` serve them.",
+        examples=[
+            {"sql-lora": {"path": "/adapters/sql-lora", "base_model": "tiny", "shared": True}}
+        ],
+    )
     usage_log: UsageLogSettings | None = Field(
         None,
         description="One JSON line per finished request (proxy/ops/usage_log.py); none: off."
@@ -108,6 +118,22 @@ class Config(Strict):
             if tenant.name in names:
                 raise ValueError(f"tenant name {tenant.name!r} appears twice")
             names.add(tenant.name)
+        base_models = {a.base_model for a in self.adapters.values()}
+        for adapter_name, adapter in self.adapters.items():
+            adapter_name_ok(adapter_name)
+            if adapter_name in base_models:
+                # vLLM refuses to load it, and its catalogue entry would hide the base model
+                # from every other tenant (its 404 as for a private adapter).
+                raise ValueError(
+                    f"adapter {adapter_name!r} has the name of a base model: adapters and"
+                    " served models share one name space"
+                )
+            for who in adapter.tenants:
+                if who not in names:
+                    raise ValueError(f"adapter {adapter_name!r} names unknown tenant {who!r}")
+            for tier in adapter.tiers:
+                if tier not in self.tiers:
+                    raise ValueError(f"adapter {adapter_name!r} names unknown tier {tier!r}")
         admin = self.admin_listen
         if admin is not None and admin.port != 0 and admin.port == self.listen.port:
             raise ValueError("admin_listen must use another port than listen")
@@ -115,6 +141,11 @@ class Config(Strict):
         if len(set(urls)) != len(urls):
             raise ValueError("a backend url appears twice")
         return self
+
+    @property
+    def prices(self) -> dict[str, Price]:
+        """`pricing:` with each adapter's own price under its name."""
+        return adapter_prices(self.adapters, self.pricing)
 
     def prefill_share(self, tier: str) -> float:
         explicit = self.tiers[tier].prefill_share

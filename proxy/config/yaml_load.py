@@ -98,9 +98,12 @@ class _Builder:
         loader = self.loader
         out: dict[Any, Any] = {}
         while not loader.check_event(yaml.MappingEndEvent):
-            key = self.node(loader.get_event(), depth + 1)
+            event = loader.get_event()
+            key = self.node(event, depth + 1)
             if isinstance(key, list | dict):
                 raise _Unusual("complex key")
+            if key in out:
+                raise _duplicate(key, _mark(event))
             out[key] = self.node(loader.get_event(), depth + 1)
         loader.get_event()
         return out
@@ -126,6 +129,34 @@ def yield_gil() -> None:
     time.sleep(0)
 
 
+def _duplicate(key: Any, mark: yaml.Mark | None) -> yaml.YAMLError:
+    # YAML says a mapping's keys are unique; PyYAML keeps the last silently. In a config that
+    # turns a second `acme-sql:` into a silent replacement of the first (a private adapter
+    # shared, its price gone): refused instead, with its line.
+    return yaml.constructor.ConstructorError(
+        None, None, f"duplicate key {key!r} (a key may appear once in a mapping)", mark
+    )
+
+
+class _UniqueKeys(LOADER):  # type: ignore[misc,valid-type]
+    """The full loader (anchors, merge keys) refusing duplicate keys too; a merged key that
+    the mapping sets again is an override, as YAML means it, not a duplicate."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                if key in seen:
+                    raise _duplicate(key, key_node.start_mark)
+                seen.add(key)
+            except TypeError:  # an unhashable key: the constructor's own error follows
+                break
+        return super().construct_mapping(node, deep)  # type: ignore[no-any-return]
+
+
 # Resolved plain-scalar tags whose values are immutable, safe to share through the cache.
 _SIMPLE = frozenset({"null", "bool", "int", "float", "timestamp"})
 
@@ -142,7 +173,7 @@ def safe_load(text: str) -> Any:
     finally:
         builder.loader.dispose()
     try:
-        return yaml.load(text, Loader=LOADER)  # LOADER is a safe loader
+        return yaml.load(text, Loader=_UniqueKeys)  # a safe loader
     except (ValueError, OverflowError) as exc:  # a scalar's constructor (dates): no mark here
         raise yaml.constructor.ConstructorError(None, None, str(exc)) from exc
 

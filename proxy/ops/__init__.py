@@ -1,8 +1,7 @@
-"""Running the proxy — above the request path: config reload (``reload``), usage metering,
-its log and reports (``usage``, ``usage_log``, ``usage_report``), the live view
-(``live``), `tierproxy keys` editing the config file (``keys``, ``keys_cli``, ``keyedit``,
-``keyfile``), the event loop and runtime tuning (``runtime``), ``--workers`` (``workers``), and
-local vLLM engines (``engine``, ``process``, ``tiny_model``).
+"""Running the proxy — above the request path: config reload (``reload``), usage metering and
+its log (``usage``, ``usage_log``), the live view (``live``), the event loop and runtime tuning
+(``runtime``), ``--workers`` (``workers``, ``worker_share``) and starting and stopping child
+processes (``process``).
 
-May import ``request``, ``shared`` and every floor below; never ``server``.
+May import ``request``, ``replicas`` and every floor below; never ``server`` or ``tools``.
 """

@@ -1,6 +1,6 @@
 """A child process that cannot outlive us: its own process group, one stop path, a log file.
 
-The base of the vLLM engines (proxy/ops/engine.py) and of the proxy the bench starts as
+The base of the vLLM engines (proxy/tools/engine.py) and of the proxy the bench starts as
 `tierproxy serve` (proxy/bench/stack.py): each is started in a new session, so that stopping
 it (SIGTERM to the group, a grace period, then SIGKILL) stops every child it forked; each gets
 SIGTERM when the process that started it dies, however it dies (Linux), so a crashed test run
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -177,7 +178,57 @@ def tail(path: Path, lines: int = 40) -> str:
     return "\n".join(text[-lines:])
 
 
+_PORTS_FLOOR = 10_000
+
+
+def _ephemeral_floor() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now, below the kernel's ephemeral range where there is room: a port the
+    kernel hands out for ``bind(0)`` is the kind it also gives every outgoing connection, so a
+    client elsewhere could take it before the server that was meant to bind it does."""
+    ceiling = _ephemeral_floor()
+    for _ in range(64) if ceiling - _PORTS_FLOOR >= 1_000 else ():
+        port = random.randrange(_PORTS_FLOOR, ceiling)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every process below it (Linux: each thread's ``children`` list in /proc)."""
+    tree, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        tree.append(current)
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{current}/task"):
+                with contextlib.suppress(OSError):
+                    children = Path(f"/proc/{current}/task/{task}/children").read_text()
+                    todo += [int(child) for child in children.split()]
+    return tree
+
+
+def confine_tree(pid: int, cpus: frozenset[int]) -> int:
+    """Every thread of ``pid`` and of its descendants onto ``cpus`` (threads they start later
+    inherit it); how many were moved. Affinity is per thread on Linux: a process's own call
+    moves only the thread that makes it."""
+    moved = 0
+    for member in process_tree(pid):
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{member}/task"):
+                with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                    os.sched_setaffinity(int(task), cpus)
+                    moved += 1
+    return moved

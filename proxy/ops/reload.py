@@ -17,8 +17,10 @@ import signal
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from proxy.config.config_file import read_config_bytes
 from proxy.config.loader import ConfigError, load_config, parse_config
 from proxy.config.schema import Config, LoadedConfig
+from proxy.signals import take_deferred_reloads
 from proxy.tasks import OwnedTask
 from proxy.telemetry.metrics import ProxyMetrics
 
@@ -43,6 +45,7 @@ RESTART_FIELDS = (
     "usage_log",
     "tracing",
     "backend_health.connect_timeout_s",
+    "backend_health.dead_connection_s",
 )
 # Applied by a reload (ProxyState.prepare): every other top-level section. A new section must be
 # named in one of the two lists (tests/unit/ops/test_reload.py checks).
@@ -59,6 +62,7 @@ LIVE_SECTIONS = (
     "backends",
     "admin_keys",
     "pricing",
+    "adapters",  # read per request (access, price) and by the adapter router
     "kv_cache",  # the KV-event watcher and the prompt blocks read it as they go
 )
 
@@ -68,6 +72,16 @@ def _value(config: Config, path: str) -> object:
     for part in path.split("."):
         value = getattr(value, part, None)
     return value
+
+
+def adapter_paths_changed(old: Config, new: Config) -> list[str]:
+    """Adapters whose path a reload changed: vLLM keeps serving what it loaded under the name
+    (a load of a name it holds is "already loaded")."""
+    return [
+        name
+        for name, adapter in new.adapters.items()
+        if name in old.adapters and old.adapters[name].path != adapter.path
+    ]
 
 
 def restart_needed(old: Config, new: Config) -> list[str]:
@@ -104,6 +118,7 @@ class ConfigWatcher:
         self.sleep = sleep
         self.transform = transform  # a worker's share of the bounds (proxy.ops.worker_share)
         self._digest = self._read()[1]
+        self._applied = self._digest  # the sha256 of the file in force (None: force a reload)
         self._read_error: str | None = None  # the unreadable file's error, reported once
         self._task = OwnedTask("tierproxy-config-watcher")
         self._lock = asyncio.Lock()
@@ -112,7 +127,7 @@ class ConfigWatcher:
     def _read(self) -> tuple[bytes | None, bytes | None, str | None]:
         """(the file's bytes, their sha256, None), or (None, None, why) where it cannot be read."""
         try:
-            data = self.path.read_bytes()
+            data = read_config_bytes(self.path)
         except OSError as exc:
             return None, None, f"cannot read {self.path}: {exc.strerror or exc}"
         return data, hashlib.sha256(data).digest(), None
@@ -122,6 +137,8 @@ class ConfigWatcher:
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
             self._sighup_installed = True
+        if self._sighup_installed and take_deferred_reloads():
+            self._on_sighup()  # asked for while the proxy started
         self._task.start(self._poll)
 
     async def stop(self) -> None:
@@ -134,6 +151,7 @@ class ConfigWatcher:
         log.info("SIGHUP: reloading %s", self.path)
         # Runs inside the polling task's next turn so that reloads never overlap.
         self._digest = None
+        self._applied = None  # reloaded even if unchanged: the operator asked
         self._read_error = None  # an unreadable file is reported again
 
     async def _poll(self) -> None:
@@ -166,7 +184,13 @@ class ConfigWatcher:
             log.info("config %s is still changing; waiting for it to settle", self.path)
             return False
         self._digest = digest
-        return await self.reload(data)
+        if digest == self._applied:  # an edit undone: the file in force again
+            log.info("config %s is back to the config in force: nothing to reload", self.path)
+            return False
+        if not await self.reload(data):
+            return False
+        self._applied = digest
+        return True
 
     async def _unreadable(self, error: str) -> bool:
         if error == self._read_error:
@@ -204,6 +228,10 @@ class ConfigWatcher:
                 return False
             for name in restart_needed(self.current(), loaded.config):
                 log.warning("config reload: %s changed; it takes effect only after a restart", name)
+            for name in adapter_paths_changed(self.current(), loaded.config):
+                log.warning("config reload: adapter %s has a new path; an engine that holds it"
+                            " keeps the old weights until it is unloaded there (a new name"
+                            " applies new weights at once)", name)  # fmt: skip
             replaced = [commit()]
             del commit  # it holds the old config too
             self.metrics.config_reloads.labels("ok").inc()

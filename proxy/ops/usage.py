@@ -26,6 +26,7 @@ from proxy.config.schema import Config
 from proxy.relay.result import UPSTREAM_STARTED, RelayResult
 from proxy.request.admitted import ESTIMATES
 from proxy.request.billing import Billed, billed_as
+from proxy.telemetry.adapter_metrics import AdapterMetrics
 
 if TYPE_CHECKING:
     from proxy.request.admitted import Admitted, Trace
@@ -100,6 +101,7 @@ class UsageRecord:
     # What the proxy's prefix-cache index predicted of cached_prompt_tokens when it dispatched
     # the request (kv_cache on; null: no prediction): equal to it when the index is exact.
     predicted_cached_tokens: int | None = None
+    adapter: str | None = None  # the LoRA adapter of `adapters:` it ran (its model); null: none
 
     def to_json(self) -> bytes:
         return orjson.dumps(asdict(self))
@@ -115,8 +117,10 @@ class UsageMeter:
         clock: Callable[[], float],
         wall: Callable[[], float] = time.time,
         sink: Callable[[bytes], object] | None = None,
+        adapters: AdapterMetrics | None = None,
     ) -> None:
         self.counters = UsageCounters(registry)
+        self.adapters = adapters  # per-adapter requests and tokens
         self.config = config
         self.models = models  # what the configured backends serve
         self.clock = clock
@@ -152,6 +156,9 @@ class UsageMeter:
             self.tokens_by_tenant[key] = self.tokens_by_tenant.get(key, 0.0) + used
         c.queue_seconds.labels(*labels).inc(record.queue_s)
         c.engine_seconds.labels(*labels).inc(record.engine_s)
+        if record.adapter is not None and self.adapters is not None:
+            out = record.completion_tokens
+            self.adapters.finished(record.adapter, record.outcome, record.prompt_tokens, out)
         if self.sink is not None:
             self.sink(record.to_json())
 
@@ -170,9 +177,10 @@ class UsageMeter:
         # request without one); a request refused before that, as it named.
         billed = adm.billed if adm is not None else Billed(None, None)
         if billed.model is None and billed.price is None:
-            pricing = (adm.config if adm is not None else self.config()).pricing
+            pricing = (adm.config if adm is not None else self.config()).prices
             billed = billed_as(adm.parsed.model if adm is not None else None, pricing, ())
         model, price = billed.model, billed.price
+        catalogue = (adm.config if adm is not None else self.config()).adapters
         cached = cached_tokens(result.usage if result is not None else None)
         prompt = counts.prompt if counts is not None else 0
         completion = counts.completion if counts is not None else 0
@@ -197,6 +205,7 @@ class UsageMeter:
             cached_prompt_tokens=min(cached, prompt),
             predicted_cached_tokens=_predicted(adm),
             cost=round(price.cost(prompt, cached, completion), 9) if price is not None else None,
+            adapter=model if model is not None and model in catalogue else None,
         )
 
     def bounded(self, record: UsageRecord) -> tuple[str, str, str, str]:
@@ -209,7 +218,7 @@ class UsageMeter:
         model = record.model
         if model is None:
             model = UNKNOWN
-        elif model not in self.models():
+        elif model not in self.models() and model not in cfg.adapters:
             model = OTHER
         return tenant, tier, model, record.outcome
 

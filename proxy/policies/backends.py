@@ -46,6 +46,11 @@ class BackendChooser(Protocol):
     def served(self, state: BackendView, request: QueuedRequest | None) -> None:
         """``request`` (None: nothing known of it) was sent to ``state``."""
 
+    def ended(self, state: BackendView, request: QueuedRequest | None, ran: bool) -> None:
+        """``request``, sent to ``state`` (``served``), ended. ``ran`` False: the engine did
+        no work for it (it answered a 4xx, the connection failed before it was sent, its
+        handler left first): what ``served`` kept of it goes, and leaves no trace."""
+
     def next_hold_end(self, now: float) -> float | None:
         """Seconds until the first request ``pick`` holds back for a full backend may go
         elsewhere (the dispatcher looks again then, not only when a slot frees); None: none
@@ -128,6 +133,9 @@ class NeverHolds:
 
     def left(self, request: QueuedRequest) -> None:
         pass
+
+    def ended(self, state: BackendView, request: QueuedRequest | None, ran: bool) -> None:
+        pass  # what it remembers is shaped at dispatch (kv_aware keeps only what ran)
 
 
 class LeastUtilised(NeverHolds):

@@ -1,7 +1,7 @@
 """The proxy's own hash of a KV-cache block: its token ids chained from its parent block's hash,
 with the block's extra keys (vLLM's: the request's cache salt on the first block). vLLM's own
 block hashes are not stable across its processes, so both sides of the prefix-cache index use
-this one: the KV-event subscriber (``proxy.scheduling.kvindex``) for the blocks an engine
+this one: the KV-event subscriber (``proxy.backends.kvindex``) for the blocks an engine
 stored, the request layer (``proxy.request.prompt_blocks``) for a prompt's blocks.
 
 Keyed BLAKE2b, 8 bytes: a key drawn per process (the hashes never leave it), so that no client
@@ -14,6 +14,7 @@ import os
 from array import array
 from collections.abc import Sequence
 from hashlib import blake2b
+from typing import NamedTuple
 
 import msgspec
 
@@ -61,7 +62,26 @@ def chain(
     return hashes
 
 
-def chain_hashes(tokens: Sequence[int], block_size: int, salt: str = "") -> tuple[int, ...]:
-    """A prompt's chained block hashes, the cache salt folded into the first block as vLLM does
-    (its ``extra_keys`` ``(salt,)``)."""
-    return tuple(chain(NO_PARENT, tokens, block_size, [(salt,)] if salt else None))
+class BlockKeys(NamedTuple):
+    """What vLLM folds into a prompt's blocks besides its tokens: the LoRA adapter's name in
+    every block, then the cache salt in the first (its ``extra_keys``: ``(adapter, salt)``,
+    ``(adapter,)``, ...; without an adapter ``(salt,)``, then none)."""
+
+    salt: str = ""
+    adapter: str | None = None
+
+    def extra_keys(self, blocks: int) -> list[tuple[str, ...]] | None:
+        if self.adapter is None:
+            return [(self.salt,)] if self.salt else None
+        first: tuple[str, ...] = (self.adapter, self.salt) if self.salt else (self.adapter,)
+        return [first] + [(self.adapter,)] * (blocks - 1)
+
+
+def chain_hashes(
+    tokens: Sequence[int], block_size: int, salt: str | BlockKeys = ""
+) -> tuple[int, ...]:
+    """A prompt's chained block hashes, the cache salt (and the adapter: ``BlockKeys``) folded
+    in as vLLM does."""
+    keys = salt if isinstance(salt, BlockKeys) else BlockKeys(salt)
+    extra = keys.extra_keys(len(tokens) // block_size)
+    return tuple(chain(NO_PARENT, tokens, block_size, extra))

@@ -12,14 +12,16 @@ longest cached prefix, then the backend chosen longest ago (never config order).
 
 Between a dispatch and the KV events of its prefill, the index does not yet show the prompt: a
 burst of one conversation's turns, or of one tenant's system prompt, would scatter. So the
-chooser remembers for ``pending_s`` where it sent each prompt's blocks and counts them as
-cached there meanwhile.
+chooser remembers where it sent each prompt's blocks and counts them as cached there while the
+request runs and for ``pending_s`` after it was sent (``proxy.policies.kvmemory``: only what
+the engine ran is kept, in a share per tenant).
 
-Three rules keep each prefix in one place (each backend holding a copy would halve what both
+Four rules keep each prefix in one place (each backend holding a copy would halve what both
 caches hold) and the load even. Home: a prompt's home is the backend its deepest known block
 was last sent to, or, for a new branch of a shared prefix (a tenant's new conversation under
-its system prompt), that prefix's home (``kvgroups``); it scores as if it had ``home_slots``
-more free slots. Hold: a request whose home is full waits for it, up to its tier's hold
+its system prompt), that prefix's home (``kvgroups``); it scores as if it had up to
+``home_slots`` more free slots, in proportion to the share of the prompt it holds. Hold: a
+request whose home is full waits for it, up to its tier's hold
 (``hold_s`` for the worst tier, less for better ones in proportion to their room weights), when
 home would save at least ``hold_share`` of its prompt more than any backend with room, and
 fewer wait for that home than it has slots; the dispatcher passes it over meanwhile and gives
@@ -27,7 +29,13 @@ the free slot to the next request. Balance: when a prefix's home took more than 
 the prompt blocks sent lately (``balance_margin`` over ``1/n``, fading over ``balance_s``)
 and is busier now, a new branch of it may start where there is room, and the prefix's home moves
 there: one prefix per ``balance_s``, since the shares lag the move. Conversations under way
-stay with their history.
+stay with their history. Spread: a backend past ``max_share`` of the requests sent lately counts
+nothing cached while another can take the request (unless it holds half the prompt or more).
+
+Cost model: the prefill each backend was sent and its KV events do not show done yet
+(``proxy.policies.kvwork``: a request decoding counts a few tokens, however long its answer),
+in tokens, weighs against the prefill its cache saves (``work_weight`` for the best tier,
+worse tiers less), in the score and in the hold.
 
 The score's terms and the picker are in ``proxy.policies.kvterms``, the hold rule in
 ``proxy.policies.kvhold``; this module keeps what the chooser remembers between picks.
@@ -37,13 +45,14 @@ from __future__ import annotations
 
 import math
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 
 from proxy.policies.backends import B, Candidate, Rotation, free_share
 from proxy.policies.kvgroups import PrefixGroups
 from proxy.policies.kvhold import HomeHold
+from proxy.policies.kvmemory import PlacementMemory
 from proxy.policies.kvterms import Scene, pick_best, score, serves_home
+from proxy.policies.kvwork import WorkAhead
 from proxy.policies.types import BackendView, QueuedRequest
 
 
@@ -61,6 +70,8 @@ class KvAware:
         balance_min: float = 16.0,
         pending_s: float = 10.0,
         pending_blocks: int = 65_536,
+        max_share: float = 0.64,
+        work_weight: float = 0.25,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.block_size = block_size
@@ -68,23 +79,29 @@ class KvAware:
         worst = min(self.latency_weights.values(), default=1.0)
         # tier -> the longest it waits for its prefix's home: hold_s for the worst tier.
         self.holds = {t: hold_s * worst / w for t, w in self.latency_weights.items()}
+        # tier -> a token queued ahead against one of prefill saved: work_weight for the best.
+        best = max(self.latency_weights.values(), default=1.0)
+        self.work_weights = {t: work_weight * w / best for t, w in self.latency_weights.items()}
         self.hold_share = hold_share
         self.home_slots = home_slots
         self.balance_margin = balance_margin
         self.balance_s = balance_s
         self.balance_min = balance_min  # requests sent lately before shares are judged
         self.pending_s = pending_s
+        self.max_share = max_share  # of the requests sent lately, past which a backend is left
         self.pending_blocks = pending_blocks
         self.clock = clock
         self._rotation = Rotation()
-        # (backend url, chained block hash) -> when it was sent there; oldest first.
-        self._pending: OrderedDict[tuple[str, int], float] = OrderedDict()
-        # Chained block hash -> the backend it was last sent to (least recently sent first).
-        self._owner: OrderedDict[int, str] = OrderedDict()
+        self._work = WorkAhead(block_size)  # per backend, the prefill sent there not done
+        # Where prompts' blocks were sent: in flight, then kept once the engine ran them.
+        self.memory = PlacementMemory(pending_blocks, pending_s, clock)
+        # A request in flight -> its prefix-group note, made once it ran (``PrefixGroups``).
+        self._notes: dict[QueuedRequest, tuple[tuple[int, ...], int, str | None]] = {}
         self._hold = HomeHold(self.holds, hold_share)  # who waits for which home
         self._rooms: dict[str, float] = {}  # backend url -> its room, when last a candidate
         self._groups = PrefixGroups(pending_blocks)  # shared prefixes, their new branches' home
         self._sent = DecayingCounts(balance_s, clock)  # backend url -> prompt blocks sent lately
+        self._requests = DecayingCounts(balance_s, clock)  # backend url -> requests sent lately
         self._rehomed_at = -math.inf  # when the balance rule last moved a prefix's home
 
     def cached_tokens(self, state: BackendView, blocks: Sequence[int]) -> int:
@@ -93,7 +110,7 @@ class KvAware:
         if not blocks:
             return 0
         indexed = state.cached_blocks(blocks) or 0
-        return max(indexed, self._pending_run(state.cfg.url, blocks)) * self.block_size
+        return max(indexed, self.memory.pending_run(state.cfg.url, blocks)) * self.block_size
 
     def pick(
         self,
@@ -106,7 +123,7 @@ class KvAware:
         now = self.clock() if now is None else now
         blocks = request.prompt_blocks if request is not None else None
         self._expire(now)
-        scene, home_run = self._scene(candidates, request, blocks)
+        scene, home_run = self._scene(candidates, request, blocks, full)
         saved = [self.cached_tokens(c.state, blocks) if blocks else 0 for c in candidates]
         best = pick_best(
             score(c, s, self._rotation.age(c.state), scene)
@@ -116,7 +133,9 @@ class KvAware:
             assert scene.home is not None
             # Wait only if home would save enough more than the best backend with room.
             gain = (home_run * self.block_size - max(saved, default=0)) / scene.prompt
-            if self._holds(request, scene.home, gain, now):
+            # ... and more than the work queued at home past the least queued with room.
+            queued = scene.work_weight * (scene.work.get(scene.home, 0.0) - scene.least_work)
+            if gain * scene.prompt >= queued and self._holds(request, scene.home, gain, now):
                 return None  # its home is full: wait for it there (the dispatcher looks again)
         return best
 
@@ -125,6 +144,7 @@ class KvAware:
         candidates: Sequence[Candidate[B]],
         request: QueuedRequest | None,
         blocks: Sequence[int] | None,
+        full: Sequence[BackendView] = (),
     ) -> tuple[Scene, int]:
         """What the terms read of this pick, and how many of the prompt's leading blocks its
         home was sent."""
@@ -136,15 +156,24 @@ class KvAware:
         for c in candidates:
             self._rooms[c.state.cfg.url] = c.state.max_room
         shares = self._sent.shares(at_least=self.balance_min)
+        prompt = self._prompt_tokens(request, blocks)
+        work = {c.state.cfg.url: self._work.of(c.state) for c in candidates}
+        least_work = min(work.values(), default=0.0)
+        work.update((b.cfg.url, self._work.of(b)) for b in full)
         scene = Scene(
-            prompt=self._prompt_tokens(request, blocks),
+            prompt=prompt,
             weight=self.latency_weights.get(request.tier, 1.0) if request is not None else 1.0,
             home=group or home,
             home_slots=self.home_slots,
+            home_cover=min(1.0, home_run * self.block_size / prompt),
             shares=shares,
             over=self._over_share(shares),
             roomiest=max((free_share(c) for c in candidates), default=0.0),
             may_move=group is not None and self.clock() - self._rehomed_at >= self.balance_s,
+            crowded=self._crowded(len(candidates)),
+            work_weight=self.work_weights.get(request.tier, 0.0) if request is not None else 0.0,
+            work=work,
+            least_work=least_work,
         )
         return scene, home_run
 
@@ -172,9 +201,13 @@ class KvAware:
         # flood of short prompts, however many, does not.
         blocks = request.prompt_blocks if request is not None else None
         self._sent.add(state.cfg.url, float(max(1, len(blocks or ()))))
+        self._requests.add(state.cfg.url)
         if request is not None:
             self._hold.drop(request)
-        if not blocks:
+            saved = self.cached_tokens(state, blocks) if blocks else 0
+            prefill = self._prompt_tokens(request, blocks) - saved
+            self._work.sent(request, state.cfg.url, prefill, blocks or (), saved // self.block_size)
+        if request is None or not blocks:
             return
         now, url = self.clock(), state.cfg.url
         holder, known = self._home(blocks)
@@ -183,53 +216,37 @@ class KvAware:
         if group is not None and group != url and group in over:
             self._groups.rehome(blocks[known - 1], url)  # the balance rule moved it
             self._rehomed_at = now
-        self._groups.note(blocks, known, holder)
-        self._remember(url, blocks, now)
+        self._notes[request] = (blocks, known, holder)  # noted once it ran
+        self.memory.sent(request, request.tenant, url, blocks)
 
-    def _remember(self, url: str, blocks: Sequence[int], now: float) -> None:
-        """``blocks`` were sent to ``url`` at ``now``: cached there meanwhile, and their home."""
-        for block in blocks:
-            key = (url, block)
-            self._pending[key] = now
-            self._pending.move_to_end(key)
-            self._owner[block] = url
-            self._owner.move_to_end(block)
-        while len(self._pending) > self.pending_blocks:
-            self._pending.popitem(last=False)
-        while len(self._owner) > self.pending_blocks:
-            self._owner.popitem(last=False)
+    def ended(self, state: BackendView, request: QueuedRequest | None, ran: bool) -> None:
+        # Only what the engine ran shapes the memory (a 4xx, a failed connection: no trace).
+        if request is None:
+            return
+        self._work.ended(request)
+        note = self._notes.pop(request, None)
+        if self.memory.ended(request, ran=ran) is not None and note is not None:
+            self._groups.note(*note)
+
+    def _crowded(self, n: int) -> frozenset[str]:
+        """The backends past ``max_share`` of the requests sent lately (none while one
+        backend alone can take the request)."""
+        if n < 2:
+            return frozenset()
+        shares = self._requests.shares(at_least=self.balance_min)
+        return frozenset(url for url, share in shares.items() if share > self.max_share)
 
     def _over_share(self, shares: Mapping[str, float]) -> set[str]:
         """The backends that took more than their share lately (of every backend seen)."""
         fair = 1.0 / max(1, len(shares), len(self._rooms))
         return {url for url, share in shares.items() if share > fair + self.balance_margin}
 
-    def _pending_run(self, url: str, blocks: Sequence[int]) -> int:
-        # Block hashes are chained: a block sent means every block before it was sent too.
-        for i in range(len(blocks) - 1, -1, -1):
-            if (url, blocks[i]) in self._pending:
-                return i + 1
-        return 0
-
     def _home(self, blocks: Sequence[int]) -> tuple[str | None, int]:
-        """The backend the deepest of ``blocks`` ever sent was last sent to, and how many
-        leading blocks that is (None, 0: none was sent)."""
-        for i in range(len(blocks) - 1, -1, -1):
-            owner = self._owner.get(blocks[i])
-            if owner is not None:
-                return owner, i + 1
-        return None, 0
+        return self.memory.home(blocks)
 
     def _expire(self, now: float) -> None:
-        """``now``: the pool's clock, that of the requests' arrivals and holds; what was sent
-        is timed by the chooser's own."""
-        horizon = self.clock() - self.pending_s
+        """``now``: the pool's clock, that of the requests' arrivals and holds."""
         self._hold.expire(now)
-        while self._pending:
-            key, at = next(iter(self._pending.items()))
-            if at >= horizon:
-                break
-            del self._pending[key]
 
 
 class DecayingCounts:

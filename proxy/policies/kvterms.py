@@ -1,23 +1,28 @@
 """``backends: kv_aware``'s scoring terms, each a small function of one candidate and the
 ``Scene`` of the pick, and the one picker that ranks what they score.
 
-A backend's score is ``CACHE_WEIGHT * cached_prefix + tier weight * room``, where ``room`` is
-``free_share`` plus ``home_affinity``; ``leaves_home`` (the balance rule) counts a busy
-over-share backend's cache as nothing. Scores that tie fall back, in order, to the room, the
-cached prefix, ``balance`` (the smaller share of the prompt blocks sent lately) and the
-rotation's age (docs in ``proxy.policies.kvaware``).
+A backend's score is ``CACHE_WEIGHT * cached_prefix + tier weight * room - queue_cost``, where
+``room`` is ``free_share`` plus ``home_affinity`` and ``queue_cost`` the tokens queued there
+past the least queued anywhere (``proxy.policies.kvwork``) over the prompt's; ``leaves_home``
+(the balance rule) counts a busy over-share backend's cache as nothing. Scores that tie fall
+back, in order, to the room, the cached prefix, ``balance`` (the smaller share of the prompt
+blocks sent lately) and the rotation's age (docs in ``proxy.policies.kvaware``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic
 
 from proxy.policies.backends import TIE, B, Candidate, free_share
 from proxy.policies.types import BackendView
 
 CACHE_WEIGHT = 1.0  # the cached prefix's weight; the room's is the tier's latency weight
+
+# The spread rule leaves a crowded home only for prompts it holds less of than this share: a
+# conversation under way stays with its history (above 1: the rule moves every prompt).
+SPREAD_KEEPS = 0.5
 
 # (score, room, cached tokens, -share lately, rotation age), compared in that order.
 Key = tuple[int, int, int, int, int]
@@ -31,14 +36,27 @@ class Scene:
     weight: float  # the tier's weight of room against cache
     home: str | None  # the url of the prompt's (or its shared prefix's) home; None: none
     home_slots: float  # the free slots the home scores as if it had more
+    home_cover: float  # the share of the prompt its home holds (or was sent), 0..1
     shares: Mapping[str, float]  # backend url -> its share of the prompt blocks sent lately
     over: set[str]  # the backends that took more than their share lately
     roomiest: float  # the most free_share among the candidates
     may_move: bool  # the balance rule may move a shared prefix's home now
+    crowded: frozenset[str] = frozenset()  # backends past their cap of the requests lately
+    work_weight: float = 0.0  # the tier's weight of a token queued ahead against one saved
+    work: Mapping[str, float] = field(default_factory=dict)  # url -> tokens queued there
+    least_work: float = 0.0  # the least of ``work`` among the candidates
 
     def home_stays(self) -> bool:
-        """Whether the prompt keeps to its home (else the balance rule lets it go)."""
-        return not (self.may_move and self.home in self.over)
+        """Whether the prompt keeps to its home (else the balance or the spread rule lets it
+        go)."""
+        return not ((self.may_move and self.home in self.over) or self.spreads(self.home))
+
+    def spreads(self, url: str | None) -> bool:
+        """Whether the spread rule sends this prompt off ``url`` (crowded, and not the home of
+        most of the prompt)."""
+        if url not in self.crowded:
+            return False
+        return url != self.home or self.home_cover < SPREAD_KEEPS
 
 
 def cached_prefix(saved_tokens: int, prompt: int) -> float:
@@ -48,17 +66,32 @@ def cached_prefix(saved_tokens: int, prompt: int) -> float:
 
 def leaves_home(c: Candidate[B], scene: Scene) -> bool:
     """Balance: a backend that took more than its share lately, and is busier than another
-    now, counts nothing cached (a new branch of a shared prefix may start elsewhere)."""
+    now, counts nothing cached (a new branch of a shared prefix may start elsewhere). Spread:
+    so does one past its cap of all requests lately (any prompt may start elsewhere: one
+    engine never serves most of the work while others idle)."""
     url = c.state.cfg.url
+    if scene.spreads(url):
+        return True
     return scene.may_move and url in scene.over and free_share(c) < scene.roomiest - TIE
 
 
 def home_affinity(state: BackendView, scene: Scene) -> float:
-    """The prompt's home scores as if it had ``home_slots`` more free slots (a share of its
-    room); any other backend, nothing."""
+    """The prompt's home scores as if it had up to ``home_slots`` more free slots (a share
+    of its room), in proportion to the share of the prompt it holds: a conversation's home,
+    nearly all; a short preamble that tenants share, little (packing every tenant under it onto
+    one cache would evict what each of them holds alone); any other backend, nothing."""
     if scene.home is None or state.cfg.url != scene.home:
         return 0.0
-    return scene.home_slots / max(1.0, state.max_room)
+    return scene.home_slots * scene.home_cover / max(1.0, state.max_room)
+
+
+def queue_cost(state: BackendView, scene: Scene) -> float:
+    """The cost model: the tokens queued ahead of the request on the backend, past the least
+    any candidate has, as a share of its prompt and weighed by its tier, against the share of
+    its prompt cached there (``cached_prefix``): a turn leaves its home when the prefill the
+    home saves it is less than the work it would wait behind there."""
+    extra = scene.work.get(state.cfg.url, 0.0) - scene.least_work
+    return scene.work_weight * max(0.0, extra) / scene.prompt
 
 
 def balance(state: BackendView, scene: Scene) -> float:
@@ -81,6 +114,7 @@ def score(c: Candidate[B], saved: int, age: int, scene: Scene) -> Scored[B]:
     else:
         room += home_affinity(c.state, scene)
     total = CACHE_WEIGHT * cached_prefix(saved, scene.prompt) + scene.weight * room
+    total -= queue_cost(c.state, scene)
     rank = round(balance(c.state, scene) / TIE)
     return Scored(c.state, (round(total / TIE), round(room / TIE), saved, rank, age))
 

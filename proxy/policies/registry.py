@@ -5,6 +5,7 @@ A new policy is one class in its seam's module plus one line here.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, TypeVar
 
@@ -42,15 +43,29 @@ DISPLACEMENTS: Registry[Displacement] = {
 BACKENDS: Registry[BackendChooser] = {
     "least_utilised": lambda cfg: LeastUtilised(),
     "prefix_affinity": lambda cfg: PrefixAffinity(cfg.policies.prefix_affinity.memory),
-    "kv_aware": lambda cfg: KvAware(
+    "kv_aware": lambda cfg: kv_aware(cfg),
+}
+
+
+def kv_aware(cfg: Config, clock: Callable[[], float] = time.monotonic) -> KvAware:
+    knobs = cfg.policies.kv_aware
+    return KvAware(
         block_size=cfg.kv_cache.block_size,
         latency_weights=latency_weights(
             {name: t.priority for name, t in cfg.tiers.items()},
-            cfg.policies.kv_aware.room_weight_best,
-            cfg.policies.kv_aware.room_weight_worst,
+            knobs.room_weight_best,
+            knobs.room_weight_worst,
         ),
-        hold_s=cfg.policies.kv_aware.hold_s,
-    ),
+        hold_s=knobs.hold_s,
+        work_weight=knobs.work_weight,
+        pending_blocks=knobs.memory_blocks,
+        clock=clock,
+    )
+
+
+# The choosers that keep time of their own, built on the scheduling's clock (a simulation's).
+CLOCKED_BACKENDS: Mapping[str, Callable[[Config, Callable[[], float]], BackendChooser]] = {
+    "kv_aware": kv_aware,
 }
 
 

@@ -43,7 +43,7 @@ class VirtualTokenCounter:
         # Whose oldest request changed since their heap entry was made. Repositioned at the
         # next pick, unless a charge does it first (a dispatch changes both: one heap push).
         self._moved: set[tuple[str, str]] = set()
-        # Service charged here and not yet merged with other replicas' (proxy.shared.fairness
+        # Service charged here and not yet merged with other replicas' (proxy.replicas.fairness
         # sets it to {}); None: this process is alone.
         self.unsynced: dict[str, float] | None = None
 

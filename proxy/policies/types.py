@@ -53,6 +53,9 @@ class QueuedRequest:
     # Of those, how many the index of the backend it was sent to held then (set by the pool at
     # dispatch; None: no blocks, or a cold index): logged beside vLLM's cached_tokens.
     predicted_blocks: int | None = None
+    # Backends (urls) an earlier attempt failed on before the client got anything: a retry
+    # goes elsewhere while another available backend serves its model.
+    failed_on: frozenset[str] = frozenset()
     # Set by the queue.
     deadline_s: float = 0.0
     state: State = State.QUEUED
@@ -76,7 +79,7 @@ class ScrapedLoad:
 
 
 class BackendView(Protocol):
-    """A backend as the chooser and room policies see it (``proxy.scheduling.pool.BackendState``
+    """A backend as the chooser and room policies see it (``proxy.backends.pool.BackendState``
     is the one implementation)."""
 
     @property

@@ -11,12 +11,13 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from proxy.api.errors import ProxyError, execution_timeout
 from proxy.api.outcome import Outcome
 from proxy.config.server import Relay
 from proxy.relay.budget import MemoryBudget
 from proxy.relay.delivered import Delivered
 
-__all__ = ["UPSTREAM_STARTED", "RelayResult", "UpstreamCall", "UpstreamUnavailable"]
+__all__ = ["UPSTREAM_STARTED", "NoAnswerHead", "RelayResult", "UpstreamCall", "UpstreamUnavailable"]
 
 
 class UpstreamUnavailable(Exception):
@@ -53,6 +54,11 @@ class RelayResult:
     oversize: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def engine_ran(self) -> bool:
+        """False where the backend refused the request (a 4xx): its engine did no work."""
+        return self.outcome is not Outcome.CLIENT_ERROR
+
 
 # RelayResult.extra: when the upstream call that answered began (the pipeline stamps it).
 UPSTREAM_STARTED = "usage_started_at"
@@ -73,3 +79,14 @@ class UpstreamCall:
     delivered: Delivered = field(default_factory=Delivered)
     # The client's answer's X-Request-Id (its own echoed); None: the id sent upstream.
     reply_request_id: str | None = None
+
+
+class NoAnswerHead(ProxyError):
+    """The tier's limit passed before the backend sent so much as its answer's head: the
+    client's 504, as for any execution timeout. For a stream it is also the backend's failure:
+    vLLM sends a stream's head as soon as it takes the request (however long the request then
+    waits for the engine), so none at all means a server that no longer answers."""
+
+    def __init__(self, limit_s: float) -> None:
+        error = execution_timeout(limit_s)
+        super().__init__(error.status, error.message, type=error.type, code=error.code)

@@ -14,10 +14,10 @@ from collections.abc import AsyncIterator
 import aiohttp
 from aiohttp import web
 
-from proxy.api.errors import execution_timeout, upstream_too_large
+from proxy.api.errors import upstream_too_large
 from proxy.api.outcome import Outcome
 from proxy.relay.clientsend import ClientSender
-from proxy.relay.result import RelayResult, UpstreamCall, UpstreamUnavailable
+from proxy.relay.result import NoAnswerHead, RelayResult, UpstreamCall, UpstreamUnavailable
 from proxy.ticket import REQUEST_ID_HEADER
 
 # What vLLM's EngineDeadError says (vllm/v1/engine/exceptions.py), answered as a 500 before any
@@ -50,7 +50,7 @@ async def open_relay(
             async with asyncio.timeout_at(call.deadline):
                 resp = await open_upstream(call)
         except TimeoutError:
-            raise execution_timeout(call.timeout_s) from None
+            raise NoAnswerHead(call.timeout_s) from None
         async with resp:
             yield resp, ClientSender(request, call.deadline, call.bounds.send_idle_timeout_s)
     except Exception:
@@ -69,6 +69,10 @@ def settled(resp: aiohttp.ClientResponse, result: RelayResult) -> RelayResult:
 async def open_upstream(call: UpstreamCall) -> aiohttp.ClientResponse:
     try:
         return await call.session.post(call.url, data=call.body, headers=call.headers)
+    except aiohttp.ConnectionTimeoutError as exc:
+        # A host gone (its SYNs dropped): the backend's fault, not the tier's time limit,
+        # though aiohttp's error is also a TimeoutError.
+        raise UpstreamUnavailable("connect", f"connect timed out: {exc}") from exc
     except aiohttp.ClientConnectorError as exc:
         raise UpstreamUnavailable("connect", str(exc)) from exc
     except UPSTREAM_BROKE as exc:

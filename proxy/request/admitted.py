@@ -83,6 +83,12 @@ class Admitted:
     cache_salt: str = ""  # the prefix-cache salt of the tenant's scope (derive_cache_salt)
     spans: RequestSpans | None = None  # the trace's (Trace.spans)
 
+    @property
+    def adapter(self) -> str | None:
+        """Its model when that is a LoRA adapter of the catalogue (``adapters:``); else None."""
+        model = self.parsed.model
+        return model if model is not None and model in self.config.adapters else None
+
     def __post_init__(self) -> None:
         self.queued = QueuedRequest(
             tier=self.tier,

@@ -30,18 +30,20 @@ from proxy.api.hotpath import LabelCache
 from proxy.api.outcome import Outcome
 from proxy.api.reply_headers import ADMITTED_LIMITS, REQUEST_ID, ratelimit_headers
 from proxy.api.routes import BY_ENDPOINT, Endpoint, Route
+from proxy.backends.pool import BackendPool
 from proxy.config.schema import Config, LoadedConfig
 from proxy.config.tenants import Tenant
 from proxy.relay.budget import MemoryBudget, Reservation
 from proxy.relay.forward import RelayResult, UpstreamUnavailable
-from proxy.relay.result import UPSTREAM_STARTED
+from proxy.relay.result import UPSTREAM_STARTED, NoAnswerHead
 from proxy.request.accounting import account, charge_usage
+from proxy.request.adapter_gate import AdapterGate
 from proxy.request.admitted import Admitted, FinishHook, Trace, no_finish_hook
 from proxy.request.answers import Answers
 from proxy.request.auth import identify
+from proxy.request.backend_faults import no_answer_head, retry_elsewhere
 from proxy.request.inbound import parse_body, read_body
 from proxy.request.leases import direct_lease
-from proxy.request.poison import blame, give_up, refuse_poison
 from proxy.request.prompt_blocks import PromptBlocks
 from proxy.request.quota_gate import QuotaGate
 from proxy.request.route_table import ROWS, Relay
@@ -53,7 +55,6 @@ from proxy.request.upstream import upstream_call
 from proxy.scheduling.dispatch import CheapLease, Dispatcher, Lease, QueueTimeoutError
 from proxy.scheduling.early_refusal import EarlyRefusal
 from proxy.scheduling.limits import TenantLimits
-from proxy.scheduling.pool import BackendPool
 from proxy.scheduling.queue import AdmissionQueue, QueueFull, UnknownTier
 from proxy.telemetry.metrics import ProxyMetrics
 from proxy.telemetry.slo import backend_met, latency_of
@@ -105,6 +106,7 @@ class RequestPipeline:
         self.quotas = quotas or QuotaGate(metrics=metrics)  # day/month tokens and money
         self.uploads = TenantUploads()  # bodies coming in, per tenant
         self.prompt_blocks = prompt_blocks or PromptBlocks()  # the prompts' KV blocks
+        self.adapters = AdapterGate()  # loads a request's LoRA adapter on its backend first
         self.tracing = tracing  # None: off, and no span object is made (docs/tracing.md)
         self.answers = Answers(
             config=config, clock=clock, limits=limits, metrics=metrics, child=self.child
@@ -143,7 +145,10 @@ class RequestPipeline:
                     else:  # queued with its prompt's blocks (for kv_aware; None: off)
                         adm = await self.prompt_blocks.given(adm, self)
                         lease = await self.dispatch(adm, self.enqueue(adm))
+                        await self.adapters.ready(lease, adm.parsed.model)
                     result = await self.forward(request, adm, lease)
+                    if self.adapters.forgotten(lease, adm, result):
+                        result = None  # the engine lost its adapter: loaded on the next pass
                 self.account(adm, result)
                 trace.latency = latency_of(adm.arrival, result, self.clock())
             finally:
@@ -209,7 +214,7 @@ class RequestPipeline:
             token_limit=tenant.tokens_per_minute,
             inputs=config.input,
         )
-        salt = tenant_gate(self.pool, self.secret, config.tiers[tenant.tier], tenant, parsed)
+        salt = tenant_gate(self.pool, self.secret, config, tenant, parsed)
         # The estimate reserved while the body was read (6x its bytes) grows to what the parsed
         # body measures where that is more: tiny containers hold up to 24x their bytes.
         if not held.grow(parsed.held_bytes - held.amount):
@@ -273,31 +278,23 @@ class RequestPipeline:
     async def forward(
         self, request: web.Request, adm: Admitted, lease: Lease | CheapLease
     ) -> RelayResult | None:
-        """Send the request to the leased backend and relay the answer; None when the backend
-        failed before anything reached the client (retry), 503/502 once attempts run out, 502
-        at once when a second backend broke while it may have been running the request."""
+        """Relay the request to the leased backend; None: it failed before anything reached
+        the client (retry); 503/502 once attempts run out, or a second backend that ran it broke."""
         adm.attempts += 1
+        ran = True  # unless known otherwise (the client left: it may have run)
         try:
-            return await self.relay_once(request, adm, lease)
+            result = await self.relay_once(request, adm, lease)
+            ran = result.engine_ran
+            return result
         except UpstreamUnavailable as exc:
-            blamed = blame(exc, lease)  # read before this failure is recorded
-            self.pool.record_failure(lease.backend, self.clock(), definitive=exc.kind == "connect")
-            self.metrics.backend_errors.labels(lease.backend.label, exc.kind).inc()
-            log.warning(
-                "request %s: backend %s unavailable (%s); attempt %d",
-                adm.request_id,
-                lease.backend.label,
-                exc.kind,
-                adm.attempts,
-            )
-            refuse_poison(blamed, adm, lease.backend.label)
-            if adm.attempts >= adm.config.backend_health.max_attempts:
-                raise give_up(exc) from None
-            # Back into the queue at its old place: another backend, or this one, takes it.
-            self.metrics.retries.inc()
+            ran = exc.maybe_ran
+            retry_elsewhere(exc, adm, lease, self.pool, self.metrics, self.clock())
             return None
+        except NoAnswerHead:
+            no_answer_head(adm, lease, self.pool, self.metrics, self.clock())
+            raise
         finally:
-            lease.release()
+            lease.release(ran=ran)  # what did not run leaves no trace in the chooser
 
     async def relay_once(
         self, request: web.Request, adm: Admitted, lease: Lease | CheapLease
@@ -334,9 +331,8 @@ class RequestPipeline:
             if isinstance(lease, CheapLease):
                 return result  # no generation: nothing for the room controller's latency
             # The backend's part of the latency, for its room controller (docs/slo.md).
-            met = backend_met(
-                adm.config.tiers[adm.tier].slo, lease.granted_at, result, self.clock()
-            )
+            slo = adm.config.tiers[adm.tier].slo
+            met = backend_met(slo, lease.granted_at, result, self.clock())
             self.pool.observe_latency(lease.backend, self.clock(), met)
         return result
 

@@ -25,15 +25,17 @@ def blame(exc: UpstreamUnavailable, lease: Lease | CheapLease) -> str | None:
     it was the only request there: the likely poison pill, never retried), "maybe" (it may
     have run there: retried within ``relay.max_reset_retries``), None (it cannot have: retried
     within ``backend_health.max_attempts``). An engine already failing when the request was
-    handed to it was most likely dead before it arrived: that death is not its doing."""
+    handed to it (its requests or its /health probes failing) was most likely dead before it
+    arrived: that death is not its doing."""
     if not exc.maybe_ran:
         return None
     state = lease.backend
     if exc.kind != "engine_dead":
         return "maybe"
-    if state.failing_since is not None:
+    signs = [t for t in (state.failing_since, state.probe_failing_since) if t is not None]
+    if signs:
         # Failing before it was sent: dead already. Since: others ran there when it died.
-        return None if state.failing_since < lease.granted_at else "maybe"
+        return None if min(signs) < lease.granted_at else "maybe"
     return "alone" if state.inflight + state.cheap_inflight <= 1 else "maybe"
 
 

@@ -32,17 +32,18 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from proxy.backends.counts import TenantCounts
+from proxy.backends.pool import BackendPool
 from proxy.config.kv_cache import KvCache, kv_cache_on
 from proxy.config.schema import Config
-from proxy.policies.blockhash import chain_hashes
+from proxy.policies.blockhash import BlockKeys, chain_hashes
+from proxy.request.billing import model_context
 from proxy.request.inbound import ParsedRequest
 from proxy.request.kv_prompt import ChatPrompt, IdsPrompt, TextPrompt
 from proxy.request.remote_tokens import RemoteTokenizer
 from proxy.request.route_table import ROWS
 from proxy.request.tiered_threads import FIRST, TieredThreads
 from proxy.request.tokencache import PrefixTokenCache, encode_ids
-from proxy.scheduling.counts import TenantCounts
-from proxy.scheduling.pool import BackendPool
 
 if TYPE_CHECKING:
     from proxy.request.admitted import Admitted
@@ -172,13 +173,16 @@ def given_tokens(parsed: ParsedRequest) -> list[int] | None:
 
 
 def prompt_block_hashes(
-    model: ModelTokenizer, parsed: ParsedRequest, block_size: int, salt: str
+    model: ModelTokenizer,
+    parsed: ParsedRequest,
+    block_size: int,
+    salt: str | BlockKeys,
+    context: int | None = None,
 ) -> tuple[int, ...] | None:
     """The blocks vLLM can serve from its cache: the full blocks of all but the last token
     (it computes at least one token of every prompt), so that a backend holding ``n`` of them
     saves exactly ``n * block_size`` tokens of prefill."""
-    tokens = prompt_tokens(model, parsed)
-    return chain_hashes(tokens[:-1], block_size, salt) if tokens else None
+    return _blocks(prompt_tokens(model, parsed), block_size, salt, context)
 
 
 def _on_loop(
@@ -201,9 +205,15 @@ class Upstreams(Protocol):
     session: Callable[[], aiohttp.ClientSession]
 
 
-def _blocks(tokens: list[int] | None, block_size: int, salt: str) -> tuple[int, ...] | None:
-    """``prompt_block_hashes`` of tokens already known."""
-    return chain_hashes(tokens[:-1], block_size, salt) if tokens else None
+def _blocks(
+    tokens: list[int] | None, block_size: int, salt: str | BlockKeys, context: int | None = None
+) -> tuple[int, ...] | None:
+    """``prompt_block_hashes`` of tokens already known; None, unhashed, for a prompt that
+    leaves no room for one output token in the model's ``context`` (vLLM refuses it: no work,
+    nothing for the chooser to remember)."""
+    if not tokens or (context is not None and len(tokens) >= context):
+        return None
+    return chain_hashes(tokens[:-1], block_size, salt)
 
 
 class PromptBlocks:
@@ -281,12 +291,14 @@ class PromptBlocks:
         self,
         config: Config,
         parsed: ParsedRequest,
-        salt: str,
+        salt: str | BlockKeys,
         via: Upstreams | None = None,
         tenant: str = "",
         priority: int = 0,
+        context: int | None = None,
     ) -> tuple[int, ...] | None:
-        """``priority``: the request's tier's (lower first), for a thread's turn."""
+        """``priority``: the request's tier's (lower first), for a thread's turn; ``context``:
+        the model's (``max_model_len``; None: unknown), past which a prompt is not hashed."""
         kv: KvCache = config.kv_cache
         if not kv_cache_on(kv, config.policies.backends):
             return None
@@ -298,16 +310,16 @@ class PromptBlocks:
             if tokens is None and via is not None:
                 tokens = await self.remote.tokens(parsed, kv, via.pool, via.session(), via.clock())
             if inline:
-                return _blocks(tokens, kv.block_size, salt)
-            work = partial(_blocks, tokens, kv.block_size, salt)
+                return _blocks(tokens, kv.block_size, salt, context)
+            work = partial(_blocks, tokens, kv.block_size, salt, context)
             return await self._on_thread(tenant, work, priority, kv.tokenize_timeout_s)
         model = await self._model(kv.tokenizer)
         if model is None:
             return None
         try:
             if inline:
-                return prompt_block_hashes(model, parsed, kv.block_size, salt)
-            hashes = partial(prompt_block_hashes, model, parsed, kv.block_size, salt)
+                return prompt_block_hashes(model, parsed, kv.block_size, salt, context)
+            hashes = partial(prompt_block_hashes, model, parsed, kv.block_size, salt, context)
             return await self._on_thread(tenant, hashes, priority, kv.tokenize_timeout_s)
         except jinja2.exceptions.TemplateError:
             return None  # vLLM would refuse it too (its template raised)
@@ -327,9 +339,10 @@ class PromptBlocks:
             adm.queued.prompt_blocks = await self.compute(
                 adm.config,
                 adm.parsed,
-                adm.cache_salt,
+                BlockKeys(adm.cache_salt, adm.adapter),
                 via,
                 adm.tenant.name,
                 adm.config.tiers[adm.tier].priority,
+                model_context(adm.billed.model, (s.model_cards for s in via.pool.all())),
             )
         return adm

@@ -52,7 +52,7 @@ class QuotaGate:
         tenant's quotas, or refuse it."""
         parsed = adm.parsed
         defaults = [] if parsed.model is not None else default_models(self.model_cards())
-        adm.billed = billed_as(parsed.model, adm.config.pricing, defaults)
+        adm.billed = billed_as(parsed.model, adm.config.prices, defaults)
         quota = quota_of(adm.tenant, adm.config.tiers[adm.tier])
         limits = quota.limits() if quota is not None else {}
         if not limits:

@@ -15,12 +15,12 @@ from typing import Any
 import aiohttp
 import orjson
 
+from proxy.backends.pool import BackendPool
+from proxy.backends.probes import ProbeFailed, read_capped
 from proxy.config.kv_cache import KvCache
 from proxy.policies.blockhash import token_ids_ok
 from proxy.request.inbound import ParsedRequest
 from proxy.request.route_table import ROWS
-from proxy.scheduling.pool import BackendPool
-from proxy.scheduling.probes import ProbeFailed, read_capped
 
 _CAP_BYTES = 16 * 1024 * 1024  # ~1.5 million token ids
 

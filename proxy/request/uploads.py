@@ -14,8 +14,8 @@ from contextlib import contextmanager
 from aiohttp import web
 
 from proxy.api.errors import ProxyError
+from proxy.backends.counts import TenantCounts
 from proxy.config.schema import Config
-from proxy.scheduling.counts import TenantCounts
 
 
 class UploadRefused(ProxyError):

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from proxy.backends.pool import BackendPool
 from proxy.config.schema import Config
 from proxy.policies import registry
 from proxy.policies.backends import BackendChooser
@@ -17,7 +18,6 @@ from proxy.policies.tenants import VirtualTokenCounter
 from proxy.policies.tiers import StrideTierSelector
 from proxy.policies.types import TierLimits
 from proxy.scheduling.dispatch import Dispatcher
-from proxy.scheduling.pool import BackendPool
 from proxy.scheduling.queue import AdmissionQueue, QueuePolicies
 from proxy.telemetry.metrics import ProxyMetrics
 from proxy.telemetry.slo import slo_miss_budget
@@ -44,8 +44,10 @@ def queue_policies(config: Config) -> QueuePolicies:
     )
 
 
-def backend_chooser(config: Config) -> BackendChooser:
-    return registry.BACKENDS[config.policies.backends](config)
+def backend_chooser(config: Config, clock: Callable[[], float] = time.monotonic) -> BackendChooser:
+    name = config.policies.backends
+    clocked = registry.CLOCKED_BACKENDS.get(name)
+    return clocked(config, clock) if clocked is not None else registry.BACKENDS[name](config)
 
 
 @dataclass
@@ -83,7 +85,7 @@ class Scheduling:
                 old.backends,
                 new.backends,
             )
-            self.pool.chooser = backend_chooser(config)
+            self.pool.chooser = backend_chooser(config, self.dispatcher.clock)
         set_best_tier_reserve(self.pool, config)
         self.pool.reconfigure(
             config.backends,
@@ -91,6 +93,7 @@ class Scheduling:
             config.adaptive_room,
             miss_budget=slo_miss_budget(config),
         )
+        self.pool.adapters = {name: a.base_model for name, a in config.adapters.items()}
         self.config = config
 
 
@@ -114,11 +117,12 @@ def build_scheduling(
     pool = BackendPool(
         config.backends,
         config.backend_health,
-        backend_chooser(config),
+        backend_chooser(config, clock),
         config.adaptive_room,
         miss_budget=slo_miss_budget(config),
     )
     set_best_tier_reserve(pool, config)
+    pool.adapters = {name: a.base_model for name, a in config.adapters.items()}
     return Scheduling(queue, pool, Dispatcher(queue, pool, metrics, clock), config)
 
 

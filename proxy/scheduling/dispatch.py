@@ -12,10 +12,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from proxy.backends.adapter_slots import LoadPlan
+from proxy.backends.backend import BackendState
+from proxy.backends.pool import BackendPool
 from proxy.policies.types import QueuedRequest
-from proxy.scheduling.backend import BackendState
 from proxy.scheduling.early_refusal import EarlyRefusal, ServiceRates
-from proxy.scheduling.pool import BackendPool
 from proxy.scheduling.queue import AdmissionQueue, QueueFull
 from proxy.tasks import OwnedTask
 from proxy.telemetry.metrics import ProxyMetrics
@@ -43,11 +44,21 @@ class Lease:
     granted_at: float = 0.0  # when the dispatcher handed it out (the backend's part starts)
     best: bool = False  # of the best tier
     reserved: bool = False  # let in past the backend's room, through the best-tier reserve
+    request: QueuedRequest | None = None  # what the chooser was told it served
+    adapter_plan: LoadPlan | None = None  # the adapter load it must do before it is sent
 
-    def release(self) -> None:
+    def release(self, *, ran: bool = True) -> None:
+        """``ran`` False: the engine did no work for it (a 4xx, a failed connection, never
+        sent): the chooser keeps no trace of it."""
         if not self.released:
             self.released = True
-            self._dispatcher.pool.release(self.backend, self.tokens, best=self.best)
+            if self.adapter_plan is not None:  # its load never began (the loader clears it)
+                self.backend.adapters.cancel(self.adapter_plan)
+            pool = self._dispatcher.pool
+            now = self._dispatcher.clock()
+            pool.release(
+                self.backend, self.tokens, best=self.best, request=self.request, ran=ran, now=now
+            )
             # Hand the slot on now, so that a burst never sees a full queue beside a free slot.
             self._dispatcher.dispatch_ready()
 
@@ -62,7 +73,7 @@ class CheapLease:
     tenant: str = ""
     released: bool = False
 
-    def release(self) -> None:
+    def release(self, *, ran: bool = True) -> None:
         if not self.released:
             self.released = True
             self.pool.release_cheap(self.backend, self.tenant)
@@ -144,7 +155,7 @@ class Dispatcher:
             and not waiter.cancelled()
             and not waiter.exception()
         ):
-            waiter.result().release()
+            waiter.result().release(ran=False)  # never sent
 
     async def _run(self) -> None:
         while True:
@@ -195,11 +206,16 @@ class Dispatcher:
             tokens = float(req.prompt_tokens + req.expected_output)
             best = req.tier in self.pool.best_tiers
             reserved = best and self.pool.room(backend, now) < 1.0
-            self.pool.acquire(backend, tokens, request=req, best=best, reserved=reserved)
+            plan = self.pool.acquire(
+                backend, tokens, request=req, best=best, reserved=reserved, now=now
+            )
             self.service.dispatched(req.tier, now, self.queue.depth(req.tier))
-            lease = Lease(backend, tokens, self, granted_at=now, best=best, reserved=reserved)
+            lease = Lease(
+                backend, tokens, self, granted_at=now, best=best, reserved=reserved, request=req
+            )
+            lease.adapter_plan = plan
             if req.waiter is None or req.waiter.done():
-                lease.release()  # its handler is gone
+                lease.release(ran=False)  # its handler is gone: never sent
                 continue
             self.metrics.queue_wait.labels(req.tier).observe(now - req.arrival_s)
             req.waiter.set_result(lease)

@@ -134,7 +134,7 @@ class TenantLimiter:
 
 class TenantLimits(Protocol):
     """What the pipeline needs of tenant limits: this process's ``LimitRegistry`` or the
-    replicas' shared one (``proxy.shared.limits``). ``settle`` is given the ``hold`` of the
+    replicas' shared one (``proxy.replicas.limits``). ``settle`` is given the ``hold`` of the
     verdict that admitted the request: that ties it to its admit."""
 
     def configure(self, tenants: list[Tenant], now: float) -> None: ...

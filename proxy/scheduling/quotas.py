@@ -7,7 +7,7 @@ even when the request ended after the boundary). Unlike the per-minute limits no
 a period's counter starts at zero when the period starts.
 
 ``QuotaLedger`` keeps this process's counters, on a wall clock passed in (so a test crosses a
-month's end without waiting); ``proxy.shared.quotas`` keeps them in Redis for all replicas.
+month's end without waiting); ``proxy.replicas.quotas`` keeps them in Redis for all replicas.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def decide(
 
 class QuotaBook(Protocol):
     """What the pipeline needs of quotas: this process's ``QuotaLedger`` or the replicas'
-    shared one (``proxy.shared.quotas``)."""
+    shared one (``proxy.replicas.quotas``)."""
 
     async def reserve(self, ask: QuotaAsk, wall: float) -> QuotaVerdict: ...
 

@@ -11,10 +11,10 @@ import orjson
 from aiohttp import web
 
 from proxy.api.errors import ProxyError, bad_request, unknown_backend
+from proxy.backends.backend import BackendState
+from proxy.replicas.client import SharedStateDown
 from proxy.request.auth import authenticate_admin
 from proxy.request.inbound import BODY_READ_TIMEOUT_S
-from proxy.scheduling.backend import BackendState
-from proxy.shared.client import SharedStateDown
 
 if TYPE_CHECKING:
     from proxy.server.state import ProxyState

@@ -13,25 +13,25 @@ import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-import aiohttp
 from aiohttp import web
 
 from proxy.api.reply_headers import add_admitted_limits, add_request_id
 from proxy.api.routes import ROUTES
+from proxy.backends.kvwatcher import KvEventWatcher
+from proxy.backends.monitor import BackendMonitor
 from proxy.config.loader import ConfigError, load_config, metrics_warnings
 from proxy.config.schema import LoadedConfig
 from proxy.ops.reload import ConfigWatcher
 from proxy.ops.runtime import run, tune_gc, tune_logging
 from proxy.ops.worker_share import WorkerShare
 from proxy.request.expect import expect_checker, no_continue
-from proxy.scheduling.kvwatcher import KvEventWatcher
-from proxy.scheduling.monitor import BackendMonitor
 from proxy.server.admin import AdminEndpoints
 from proxy.server.endpoints import ServiceEndpoints
 from proxy.server.json_errors import json_error_bodies, json_errors
 from proxy.server.listeners import Listeners
 from proxy.server.open_files import raise_open_files_limit
 from proxy.server.state import STATE, ProxyState
+from proxy.server.upstream_session import upstream_session
 from proxy.ticket import SecretError, check_secret, secret_from_env
 
 log = logging.getLogger("tierproxy")
@@ -134,18 +134,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
     # Before the listener opens: the first requests find the tokenizer loaded.
     await asyncio.to_thread(state.prompt_blocks.preload, state.config)
-    health = state.config.backend_health
-    state.session = aiohttp.ClientSession(
-        timeout=aiohttp.ClientTimeout(total=None, sock_connect=health.connect_timeout_s),
-        # Idle upstream connections close before uvicorn's 5 s keep-alive would close them under
-        # us (a request written into a connection the server is closing fails for nothing).
-        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0),
-        read_bufsize=2**20,
-        # Answers are relayed as they come, never decoded: ask for them plain (aiohttp would
-        # offer gzip, and a gzip-ing front's bytes reached clients labelled application/json).
-        auto_decompress=False,
-        headers={"Accept-Encoding": "identity"},
-    )
+    state.session = upstream_session(state.config.backend_health)
     state.monitor = BackendMonitor(
         state.pool, state.session, state.metrics, state.dispatcher.kick, state.clock
     )
@@ -170,6 +159,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         await state.kv_watcher.stop()
         await state.version.stop()
         await state.dispatcher.stop()
+        await state.pipeline.adapters.stop()  # before the session its loads use closes
         if state.shared is not None:
             await state.shared.stop()
         await state.session.close()

@@ -17,7 +17,8 @@ from proxy.api.errors import (
     unknown_url,
 )
 from proxy.api.routes import POST_PATHS
-from proxy.config.tenants import allowed_models, model_allowed
+from proxy.config.adapters import adapter_cards, model_visible
+from proxy.config.tenants import allowed_models
 from proxy.request.auth import authenticate, authenticate_admin
 
 if TYPE_CHECKING:
@@ -38,11 +39,18 @@ class ServiceEndpoints:
         assert self.state.monitor is not None  # started with the app
         # Only what the key may use (the tenant's `models`, else its tier's).
         patterns = allowed_models(tenant, loaded.config.tiers[tenant.tier])
+        adapters = loaded.config.adapters
+        engine_cards = await self.state.monitor.models_payload()
+        # The served models; adapters (cards with a parent) only as the catalogue says, in
+        # the proxy's own cards, loaded or not (the proxy loads one on first use).
         cards = [
             card
-            for card in await self.state.monitor.models_payload()
-            if model_allowed(patterns, str(card.get("id", "")))
+            for card in engine_cards
+            if card.get("parent") is None
+            and model_visible(str(card.get("id", "")), patterns, adapters, tenant)
         ]
+        served = {str(c.get("id", "")) for c in engine_cards if c.get("parent") is None}
+        cards += adapter_cards(adapters, tenant, patterns, lambda base: base in served)
         return web.json_response(
             {"object": "list", "data": cards}, dumps=lambda o: orjson.dumps(o).decode()
         )

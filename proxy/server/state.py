@@ -14,6 +14,9 @@ from typing import TYPE_CHECKING
 import aiohttp
 from aiohttp import web
 
+from proxy.backends.adapter_loader import AdapterEvents, AdapterLoader
+from proxy.backends.kvwatcher import KvEventWatcher
+from proxy.backends.monitor import BackendMonitor
 from proxy.config.kv_cache import KvCache, kv_cache_on
 from proxy.config.schema import Config, LoadedConfig
 from proxy.ops.live.collector import BackendRoomCollector, TierCollector
@@ -22,16 +25,14 @@ from proxy.ops.reload import ConfigWatcher
 from proxy.ops.usage import UsageMeter
 from proxy.ops.usage_log import UsageLogWriter
 from proxy.relay.budget import MemoryBudget
+from proxy.replicas.runtime import SharedRuntime
 from proxy.request.pipeline import RequestPipeline
 from proxy.request.prompt_blocks import PromptBlocks
 from proxy.request.quota_gate import QuotaGate
 from proxy.scheduling.build import build_scheduling
-from proxy.scheduling.kvwatcher import KvEventWatcher
 from proxy.scheduling.limits import LimitRegistry, TenantLimits, plan_changes
-from proxy.scheduling.monitor import BackendMonitor
 from proxy.scheduling.quotas import QuotaBook, QuotaLedger
 from proxy.server.version import VersionCache, fetch_version
-from proxy.shared.runtime import SharedRuntime
 from proxy.telemetry.metrics import ProxyMetrics
 
 if TYPE_CHECKING:  # loaded only where tracing is on
@@ -74,6 +75,7 @@ class ProxyState:
             models=self.pool.known_models,
             clock=clock,
             sink=self.usage_log.write if self.usage_log is not None else None,
+            adapters=self.metrics.adapters,
         )
         self.prompt_blocks = PromptBlocks()  # the tokenizer, loaded once for every request
         self.pipeline = RequestPipeline(
@@ -95,6 +97,13 @@ class ProxyState:
             ),
             tracing=self.tracing,
             prompt_blocks=self.prompt_blocks,
+        )
+        events = self.metrics.adapters
+        self.pipeline.adapters.loader = AdapterLoader(
+            self.upstream_session,
+            lambda: self.loaded.config.adapters,
+            AdapterEvents(events.loaded, events.unloaded, events.failed),
+            clock,
         )
         self.live = LiveStatus(
             config=lambda: self.loaded.config,

@@ -12,8 +12,8 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 import orjson
 
+from proxy.backends.pool import BackendPool
 from proxy.config.backends import BackendHealth
-from proxy.scheduling.pool import BackendPool
 
 # A backend's version changes only with a restart; a stale answer for a minute is harmless.
 VERSION_TTL_S = 60.0

@@ -1,5 +1,5 @@
 """Metrics of the per-backend prefix-cache indexes fed by vLLM's KV events
-(``proxy.scheduling.kvevents``)."""
+(``proxy.backends.kvevents``)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,16 @@ class KvIndexMetrics:
         )
         self.warm = Gauge(
             "tierproxy_kv_index_warm",
-            "1 when a backend's prefix-cache index is in sync with its KV events (0: cold, after"
-            " a start, a gap, a reconnect or an engine restart)",
+            "1 when the chooser uses a backend's prefix-cache index (its trust is 1 or 2; 0:"
+            " cold, no connection to its KV events)",
+            ["backend"],
+            registry=r,
+        )
+        self.trust = Gauge(
+            "tierproxy_kv_index_trust",
+            "How far a backend's prefix-cache index is trusted: 2 exact (heard from the"
+            " engine's first batch, a replay of it, or an AllBlocksCleared), 1 partial (lacks"
+            " blocks stored before it joined or before a gap; never over-predicts), 0 cold",
             ["backend"],
             registry=r,
         )

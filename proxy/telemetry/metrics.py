@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
+from proxy.telemetry.adapter_metrics import AdapterMetrics
 from proxy.telemetry.kvmetrics import KvIndexMetrics
 from proxy.telemetry.slo import SloMetrics
 
@@ -139,7 +140,8 @@ class ProxyMetrics:
         )
         # Goodput, early refusals and backend room (proxy/telemetry/slo.py, docs/slo.md).
         self.slo = SloMetrics(r)
-        self.kv = KvIndexMetrics(r)  # the prefix-cache indexes (proxy.scheduling.kvevents)
+        self.kv = KvIndexMetrics(r)  # the prefix-cache indexes (proxy.backends.kvevents)
+        self.adapters = AdapterMetrics(r)  # per LoRA adapter (docs/adapters.md)
         # What a soak watches for leaks: process_resident_memory_bytes, process_open_fds, ...
         ProcessCollector(registry=r)
         self.event_loop_tasks = Gauge(

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from proxy.ops.engine import EngineProcess
+from proxy.tools.engine import EngineProcess
 from tests.helpers.compat import Sides, engine, sides
 from tests.helpers.enginefarm import EngineFarm
 

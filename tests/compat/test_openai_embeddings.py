@@ -8,12 +8,13 @@ import math
 
 import pytest
 
-from proxy.ops.engine import EngineProcess
+from proxy.tools.engine import EngineProcess
 from tests.helpers.compat import MODEL, Sides, dump, shape
 from tests.helpers.enginefarm import EngineFarm
 from tests.helpers.engines import EMBED
 
-pytestmark = [pytest.mark.integration, pytest.mark.engines(EMBED)]
+# long: a pooling engine of its own (a start of ~30 s for two tests).
+pytestmark = [pytest.mark.integration, pytest.mark.engines(EMBED), pytest.mark.long]
 INPUTS = ["hello there", "a second, longer sentence to embed"]
 
 

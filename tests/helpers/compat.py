@@ -12,9 +12,9 @@ import openai
 import prometheus_client
 
 from proxy.bench.inproc import KEYS, make_config, running_proxy
-from proxy.ops.engine import EngineProcess
 from proxy.server.state import ProxyState
 from proxy.telemetry import prometheus
+from proxy.tools.engine import EngineProcess
 from tests.helpers.enginefarm import EngineFarm
 from tests.helpers.engines import LONG_CONTEXT
 from tests.helpers.paths import TINY_MODEL_DIR

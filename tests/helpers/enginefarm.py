@@ -1,12 +1,14 @@
 """Real vLLM servers for the suite, one per setting, started ahead of the tests that use them.
 
 The farm follows the run's plan (each test's settings, in run order: tests/helpers/engineplan.py).
-Before each test it stops the engines no later test uses, and, while the test about to run
-needs no engine, starts the next settings the plan needs (at most ``capacity`` live, and only
-with memory for one more): their ~25 s starts overlap tests that need none. Before a test that
-uses engines, what it needs starts (all at once) and every start under way is waited for, so
-that no engine starts beside the engines a test measures. Each start is recorded: its
-setting, whether it started ahead, seconds from start to ready, seconds a test waited for it.
+Before each test it stops the engines no later test uses, and starts the next settings the plan
+needs (at most ``capacity`` live, and only with memory for one more): their ~25 s starts
+overlap the tests before them. Before a test that uses engines, what it needs starts (all at
+once) and every start under way is waited for; a start runs on any core and moves onto the
+engine cores once ready (proxy.tools.engine.EngineProcess), so it may run beside a test that
+uses engines — except one marked ``quiet_engines`` (it measures its engines: nothing starts
+beside them). Each start is recorded: its setting, whether it started ahead, seconds from
+start to ready, seconds a test waited for it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from proxy.ops.engine import EngineProcess, EngineSpec, http_ok
+from proxy.tools.engine import EngineProcess, EngineSpec
 
 if TYPE_CHECKING:  # the settings import the proxy's app: only the engine tests need it loaded
     from tests.helpers.engines import EngineSetting
@@ -69,11 +71,15 @@ class EngineFarm:
         self.starts: list[Start] = []
         self.used_by_current_test: list[EngineProcess] = []
         self.plan: Sequence[frozenset[EngineSetting]] = ()
+        self.quiet: list[bool] = []
         self.later: list[frozenset[EngineSetting]] = []  # later[i]: used by plan[i:]
         self.position: int | None = None
 
-    def follow(self, plan: Sequence[frozenset[EngineSetting]]) -> None:
+    def follow(self, plan: Sequence[frozenset[EngineSetting]], quiet: Sequence[bool] = ()) -> None:
+        """``plan[i]``: the settings the i-th test uses; ``quiet[i]``: it measures its engines,
+        so nothing starts beside them while it runs."""
         self.plan = plan
+        self.quiet = list(quiet) or [False] * len(plan)
         self.later = [frozenset()] * (len(plan) + 1)
         for i in range(len(plan) - 1, -1, -1):
             self.later[i] = self.later[i + 1] | plan[i]
@@ -94,7 +100,10 @@ class EngineFarm:
                 self._start(setting, ahead=False)
             for setting in list(self.pending):
                 self._wait_ready(setting)
-            return
+            if self.quiet[position]:
+                return
+        # Starts go on any core and move onto the engine cores once ready (EngineProcess): they
+        # may run beside a test that uses engines, which would otherwise wait ~25 s for each.
         for setting in self._coming(position):
             if len(self.live) >= self.capacity:
                 break
@@ -195,7 +204,7 @@ class EngineFarm:
 
     def _note_ready(self) -> None:
         for setting, record in list(self.pending.items()):
-            if http_ok(f"{self.live[setting].spec.url}/v1/models", timeout_s=1.0):
+            if self.live[setting].ready():
                 record.ready_s = time.monotonic() - record.started_at
                 del self.pending[setting]
 

@@ -16,14 +16,14 @@ from pathlib import Path
 
 from proxy.bench.inproc import SECRET
 from proxy.bench.plugin.requests import ENGINE_ARGS as PLUGIN_BENCH_ARGS
-from proxy.ops.engine import (
+from proxy.ticket import DEFAULT_SECRET_ENV
+from proxy.tools.engine import (
     POOLING_ARGS,
     TINY_SERVED_NAME,
     EngineSpec,
     free_port,
     local_engine,
 )
-from proxy.ticket import DEFAULT_SECRET_ENV
 from proxy.vllm_plugin.settings import ENV_REQUIRE_TICKET
 
 PLUGIN_SECRET = "plugin-test-secret-of-at-least-32-bytes"
@@ -76,7 +76,7 @@ POOLING_TICKETED = EngineSetting(
     env=EngineSetting.environ({DEFAULT_SECRET_ENV: SECRET.decode(), ENV_REQUIRE_TICKET: "1"}),
 )
 # Prefix caching on in blocks of 32 (the CPU attention needs a multiple of 32) with the flags
-# `tierproxy up` passes for kv_cache (proxy.ops.engine.kv_event_args: cached tokens in usage, KV
+# `tierproxy up` passes for kv_cache (proxy.tools.engine.kv_event_args: cached tokens in usage, KV
 # events over ZMQ on a free port), the plugin with the suite's secret: the tenant isolation
 # tests (tests/integration/test_isolation_vllm.py) and the KV-cache index's
 # (tests/integration/test_kvindex_vllm.py) share it.
@@ -107,5 +107,17 @@ TRACED = EngineSetting(
     extra_args=("--otlp-traces-endpoint", f"unix://{OTLP_SOCKET}"),
     env=EngineSetting.environ(
         {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc", "OTEL_BSP_SCHEDULE_DELAY": "100"}
+    ),
+)
+# LoRA on (rank 8, two adapters at once) with runtime loading, KV events and the plugin: the
+# adapter tests (tests/integration/test_adapters_vllm.py) load the tiny adapters through the
+# proxy (proxy.tools.tiny_adapters); the engine starts with none.
+LORA = EngineSetting(
+    "lora",
+    plugin=True,
+    kv_events=True,
+    extra_args=("--enable-lora", "--max-lora-rank", "8", "--max-loras", "2"),
+    env=EngineSetting.environ(
+        {DEFAULT_SECRET_ENV: SECRET.decode(), "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
     ),
 )

@@ -16,12 +16,12 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from proxy.api.routes import BY_ENDPOINT
+from proxy.backends.backend import BackendState
 from proxy.bench.fake_vllm import FakeVLLM
 from proxy.bench.inproc import SECRET, auth, make_config
 from proxy.config.loader import parse_config
 from proxy.config.tenants import hash_key
 from proxy.policies.tenants import VirtualTokenCounter
-from proxy.scheduling.backend import BackendState
 from proxy.server.state import ProxyState
 from tests.helpers.clock import FakeClock
 

@@ -18,7 +18,12 @@ from tests.helpers.enginefarm import EngineFarm
 from tests.helpers.engines import CORE, PAIR_B
 
 pytestmark = [pytest.mark.integration, pytest.mark.engines(CORE, PAIR_B)]
-TIMEOUT = aiohttp.ClientTimeout(total=180)
+TIMEOUT = aiohttp.ClientTimeout(total=900)  # a bound only: a busy machine is slow
+
+
+# Long enough that the drained backend's two requests still run after two admin calls on a busy
+# machine (400 finished first once), within the engine's 2,048-token context.
+DRAINED_TOKENS = 1_500
 
 
 def _chat(max_tokens: int, stream: bool = False) -> dict[str, Any]:
@@ -77,6 +82,7 @@ async def test_load_spreads_evenly_and_by_room(engines: EngineFarm) -> None:
         assert abs(share_a - want_a) <= 0.1, counts
 
 
+@pytest.mark.long  # the engine is killed and started again (~30 s)
 async def test_killed_backend_loses_nothing_and_comes_back(engines: EngineFarm) -> None:
     a = engines.get(CORE)
     b = engines.get(PAIR_B)
@@ -155,7 +161,7 @@ async def test_backend_dying_mid_stream_gives_an_error_event(engines: EngineFarm
 async def test_refused_connection_before_first_byte_is_retried_elsewhere(
     engines: EngineFarm,
 ) -> None:
-    from proxy.ops.engine import free_port
+    from proxy.tools.engine import free_port
 
     real = engines.get(CORE)
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
@@ -179,10 +185,13 @@ async def test_admin_drain_lets_inflight_finish_and_sends_no_new_work(engines: E
     cfg = make_config(
         [{"url": a.spec.url, "max_inflight": 2}, {"url": b.spec.url, "max_inflight": 2}],
         admin_keys=[{"sha256": hash_key("admin-secret")}],
+        # The six later requests wait behind two long ones on the other engine: bounds a busy
+        # machine cannot reach (60 s of queue was, at ten times the cores' load).
+        tiers={"normal": {"queue_timeout_s": 900, "request_timeout_s": 900}},
     )
     admin = {"Authorization": "Bearer admin-secret"}
     async with running_proxy(cfg) as (base, state), aiohttp.ClientSession(timeout=TIMEOUT) as s:
-        running = [asyncio.create_task(_call(s, base, _chat(400))) for _ in range(4)]
+        running = [asyncio.create_task(_call(s, base, _chat(DRAINED_TOKENS))) for _ in range(4)]
         victim = state.pool.states[b.spec.url]
         await until(lambda: victim.inflight == 2, what="two requests on the backend to drain")
         async with s.post(
@@ -196,10 +205,12 @@ async def test_admin_drain_lets_inflight_finish_and_sends_no_new_work(engines: E
             assert r.status == 200 and view["draining"] is True and view["inflight"] == 2
         sent = victim.dispatched_total
         more = await asyncio.gather(*(_call(s, base, _chat(4)) for _ in range(6)))
-        assert all(r["status"] == 200 for r in more) and victim.dispatched_total == sent
+        assert [r["status"] for r in more] == [200] * 6
+        assert victim.dispatched_total == sent
         # The drained backend's in-flight requests completed in full.
         assert all(
-            r["status"] == 200 and r["tokens"] == 400 for r in await asyncio.gather(*running)
+            r["status"] == 200 and r["tokens"] == DRAINED_TOKENS
+            for r in await asyncio.gather(*running)
         )
         async with s.get(f"{base}/admin/backends", headers=admin) as r:
             listed = {v["url"]: v for v in (await r.json())["backends"]}

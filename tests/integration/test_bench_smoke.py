@@ -15,7 +15,7 @@ from proxy.bench.cli import main
 from proxy.bench.proxy_config import proxy_config, write_proxy_config
 from proxy.bench.scenario import load_scenario
 from proxy.bench.stack import ProxyProcess
-from proxy.ops.engine import EngineProcess, free_port
+from proxy.tools.engine import EngineProcess, free_port
 from tests.helpers.enginefarm import EngineFarm
 from tests.helpers.engines import CORE
 

@@ -15,9 +15,9 @@ import aiohttp
 import pytest
 
 from proxy.bench.inproc import SECRET, auth, make_config, running_proxy
-from proxy.ops.engine import EngineProcess
 from proxy.telemetry import prometheus
 from proxy.ticket import derive_cache_salt
+from proxy.tools.engine import EngineProcess
 from tests.helpers.enginefarm import EngineFarm
 from tests.helpers.engines import PREFIX_CACHE
 

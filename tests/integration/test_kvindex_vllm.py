@@ -1,4 +1,4 @@
-"""The prefix-cache index (proxy.scheduling.kvindex, fed by vLLM's KV events) against a real
+"""The prefix-cache index (proxy.backends.kvindex, fed by vLLM's KV events) against a real
 vLLM with ``--enable-prefix-caching --enable-prompt-tokens-details`` and a ZMQ publisher: what
 the index predicts a prompt finds cached, in tokens, equals what vLLM reports it found
 (``usage.prompt_tokens_details.cached_tokens``) for repeated and extended prompts, per tenant
@@ -19,11 +19,11 @@ from typing import Any
 import aiohttp
 import pytest
 
+from proxy.backends.backend import BackendState
 from proxy.bench.inproc import auth, make_config, running_proxy, until
-from proxy.ops.engine import EngineProcess
 from proxy.policies.types import QueuedRequest
-from proxy.scheduling.backend import BackendState
 from proxy.server.state import ProxyState
+from proxy.tools.engine import EngineProcess
 from tests.helpers.enginefarm import EngineFarm
 from tests.helpers.engines import KV_EVENTS
 
@@ -145,6 +145,7 @@ async def test_predicted_cached_tokens_equal_vllms(engine: EngineProcess, local:
             assert predicted == reported and reported > 0, (repeat, extended_text)
 
 
+@pytest.mark.long  # the engine is killed and started again (~30 s)
 async def test_index_recovers_after_reconnect_and_engine_restart(engine: EngineProcess) -> None:
     # No resync window to wait out: warm comes from the replay socket or an engine's batch 0.
     async with (

@@ -15,11 +15,15 @@ import pytest
 
 from proxy.bench.plugin import scenarios as sc
 from proxy.bench.plugin.requests import LOW_TOKENS
-from proxy.ops.engine import EngineProcess
+from proxy.tools.engine import EngineProcess
 from tests.helpers.enginefarm import EngineFarm
 from tests.helpers.engines import PLUGIN_ON, PLUGIN_SECRET, PLUGIN_STOCK
 
-pytestmark = [pytest.mark.integration, pytest.mark.engines(PLUGIN_STOCK, PLUGIN_ON)]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.engines(PLUGIN_STOCK, PLUGIN_ON),
+    pytest.mark.quiet_engines,  # A/B figures: nothing starts beside the two engines
+]
 
 KEY = PLUGIN_SECRET.encode()
 

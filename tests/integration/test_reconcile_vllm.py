@@ -29,7 +29,7 @@ import pytest
 from proxy.bench.reconcile.ledger import Reconciliation, ratio
 from proxy.bench.reconcile.run import Settings, reconcile
 from proxy.bench.redis_server import RedisServer
-from proxy.ops.engine import EngineProcess
+from proxy.tools.engine import EngineProcess
 from tests.helpers.enginefarm import EngineFarm
 from tests.helpers.engines import CORE
 

@@ -16,7 +16,7 @@ import orjson
 import pytest
 
 from proxy.bench.inproc import auth, make_config, running_proxy
-from proxy.ops.engine import EngineProcess
+from proxy.tools.engine import EngineProcess
 from tests.helpers.enginefarm import EngineFarm
 from tests.helpers.engines import CORE, POOLING_TICKETED
 

@@ -14,7 +14,7 @@ from proxy.bench.inproc import auth, make_config, running_proxy
 from tests.helpers.enginefarm import EngineFarm
 from tests.helpers.engines import CORE
 
-pytestmark = [pytest.mark.integration, pytest.mark.engines(CORE)]
+pytestmark = [pytest.mark.integration, pytest.mark.engines(CORE), pytest.mark.quiet_engines]
 TIMEOUT = aiohttp.ClientTimeout(total=60)
 BODY: dict[str, Any] = {
     "model": "tiny",

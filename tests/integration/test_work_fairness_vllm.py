@@ -18,8 +18,8 @@ import pytest
 
 from proxy.bench.inproc import make_config, running_proxy
 from proxy.config.tenants import hash_key
-from proxy.ops.engine import EngineProcess
 from proxy.policies.cost import work_tokens
+from proxy.tools.engine import EngineProcess
 from tests.helpers.enginefarm import EngineFarm
 from tests.helpers.engines import PROMPT_DETAILS
 

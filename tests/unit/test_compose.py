@@ -4,6 +4,7 @@ client with compose exists, and a structural check everywhere."""
 from __future__ import annotations
 
 import importlib
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -13,8 +14,8 @@ import pytest
 import yaml
 
 from proxy.config.loader import load_config
-from proxy.ops.engine import kv_event_args
 from proxy.ticket import PLUGIN_FLAGS
+from proxy.tools.engine import kv_event_args
 from tests.helpers.paths import REPO
 
 
@@ -35,11 +36,13 @@ def _compose() -> dict[str, Any]:
     return data
 
 
-def _has_compose() -> bool:
-    if shutil.which("docker") is None:
-        return False
-    probe = subprocess.run(["docker", "compose", "version"], capture_output=True, check=False)
-    return probe.returncode == 0
+def _compose_cli() -> list[str] | None:
+    """`docker compose` (v2) where it runs, else Debian's `docker-compose` (v1.29), else None."""
+    if shutil.which("docker") is not None:
+        probe = subprocess.run(["docker", "compose", "version"], capture_output=True, check=False)
+        if probe.returncode == 0:
+            return ["docker", "compose"]
+    return ["docker-compose"] if shutil.which("docker-compose") else None
 
 
 def test_compose_structure_matches_the_code(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -152,7 +155,7 @@ def test_plugin_classes_named_in_compose_import() -> None:
                 assert hasattr(importlib.import_module(module), cls)
 
 
-@pytest.mark.skipif(not _has_compose(), reason="no docker compose client on this machine")
+@pytest.mark.skipif(_compose_cli() is None, reason="no docker compose client on this machine")
 def test_docker_compose_config_accepts_the_file(tmp_path: Path) -> None:
     # A copy of the project's compose files beside the example .env (env_file: .env).
     shutil.copytree(REPO / "configs", tmp_path / "configs")
@@ -160,12 +163,39 @@ def test_docker_compose_config_accepts_the_file(tmp_path: Path) -> None:
     shutil.copy(REPO / "docker-compose.yml", tmp_path)
     shutil.copy(REPO / "configs/tierproxy.env.example", tmp_path / ".env")
     result = subprocess.run(
-        ["docker", "compose", "--project-directory", str(tmp_path), "config", "--quiet"],
+        [*(_compose_cli() or []), "--project-directory", str(tmp_path), "config", "--quiet"],
         capture_output=True,
         text=True,
         check=False,
+        cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.skipif(_compose_cli() is None, reason="no docker compose client on this machine")
+def test_the_cpu_test_stack_is_the_gpu_stack_on_cpu() -> None:
+    """docker/test/compose.cpu.yml (what `make compose-test` runs) is valid, and its engines
+    run with the plugin flags and KV events of docker-compose.yml's, its replicas the same
+    image, healthcheck and config mount folder."""
+    env = {"TIERPROXY_CONFIG_DIR": "/tmp", "TINY_MODEL_DIR": "/tmp", "TIERPROXY_TICKET_SECRET": "x"}
+    test_file = REPO / "docker/test/compose.cpu.yml"
+    result = subprocess.run(
+        [*(_compose_cli() or []), "-f", str(test_file), "config", "--quiet"],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, **env},
+    )
+    assert result.returncode == 0, result.stderr
+    cpu = yaml.safe_load(test_file.read_text())["services"]
+    gpu = _compose()["services"]
+    assert set(cpu) == set(gpu) - {"grafana"}
+    gpu_flags = {a.split("=", 1)[0] for a in gpu["vllm-0"]["command"]} - {"--model"}
+    assert gpu_flags <= {a.split("=", 1)[0] for a in cpu["vllm-0"]["command"]}
+    assert cpu["proxy"]["image"] == gpu["proxy"]["image"]
+    assert cpu["proxy"]["healthcheck"]["test"] == gpu["proxy"]["healthcheck"]["test"]
+    for service in cpu.values():
+        assert service["init"] is True  # python as PID 1 would make `down` wait 10 s
 
 
 @pytest.mark.skipif(shutil.which("haproxy") is None, reason="no haproxy on this machine")

@@ -10,7 +10,7 @@ from typing import Any, cast
 
 import pytest
 
-from proxy.ops.engine import EngineSpec
+from proxy.tools.engine import EngineSpec
 from tests.helpers.enginefarm import EngineFarm
 from tests.helpers.engineplan import order, split, waves
 from tests.helpers.engines import EngineSetting
@@ -87,19 +87,29 @@ class FakeEngine:
     def wait_ready(self, timeout_s: float = 240.0) -> None:
         assert self.running
 
+    def ready(self) -> bool:
+        return False  # never seen ready between tests: a start is waited for
 
-def run_plan(farm: EngineFarm, plan: list[frozenset[EngineSetting]]) -> tuple[list[str], list[str]]:
+
+def run_plan(
+    farm: EngineFarm, plan: list[frozenset[EngineSetting]], quiet: list[bool] | None = None
+) -> tuple[list[str], list[str]]:
     """Each test of ``plan`` run against the farm: the settings launched, and when ("ahead":
-    before a test that needs none; "for its test": before a test that uses it; "in get": when
-    a test asked); checks that live engines stay within the capacity."""
+    before a test that does not use it; "for its test": before a test that uses it; "in get":
+    when a test asked); checks that live engines stay within the capacity."""
     launched_at: list[str] = []
-    farm.follow(plan)
+    quiet = quiet or [False] * len(plan)
+    farm.follow(plan, quiet)
     for position, need in enumerate(plan):
         before = len(farm.starts)
         farm.advance(position)
-        launched_at += ["for its test" if need else "ahead"] * (len(farm.starts) - before)
-        # No engine is starting while a test that uses engines runs.
-        assert not need or not farm.pending
+        launched_at += [
+            "for its test" if start.setting in {s.name for s in need} else "ahead"
+            for start in farm.starts[before:]
+        ]
+        # A test's own engines are ready when it runs; beside a quiet one nothing starts.
+        assert not need & farm.pending.keys()
+        assert not (need and quiet[position] and farm.pending)
         before = len(farm.starts)
         for setting in sorted(need, key=lambda s: s.name):
             assert farm.get(setting).alive()
@@ -129,6 +139,16 @@ def test_the_suites_plan_starts_each_engine_once_and_all_ahead(tmp_path: Path) -
     started, launched_at = run_plan(make_farm(tmp_path), plan)
     assert sorted(started) == sorted(s.name for s in (C, B, P, L, S, G, E))
     assert launched_at == ["ahead"] * len(started)
+
+
+def test_engines_start_ahead_beside_a_test_that_uses_engines_but_not_a_quiet_one(
+    tmp_path: Path,
+) -> None:
+    plan = [frozenset({C}), frozenset({C}), frozenset({B})]
+    started, launched_at = run_plan(make_farm(tmp_path), plan)
+    assert started == ["c", "b"] and launched_at == ["for its test", "ahead"]
+    started, launched_at = run_plan(make_farm(tmp_path), plan, [True, True, False])
+    assert started == ["c", "b"] and launched_at == ["for its test", "for its test"]
 
 
 def test_in_collection_order_an_engine_starts_again(tmp_path: Path) -> None:

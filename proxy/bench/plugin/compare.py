@@ -17,11 +17,11 @@ from proxy.bench.plugin.scenarios import (
     itl_scenario,
     preempt_scenario,
 )
-from proxy.ops.engine import (
+from proxy.ticket import DEFAULT_SECRET_ENV
+from proxy.tools.engine import (
     EngineProcess,
     local_engine,
 )
-from proxy.ticket import DEFAULT_SECRET_ENV
 
 
 def secret() -> str:

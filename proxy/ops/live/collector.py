@@ -8,9 +8,9 @@ from collections.abc import Callable, Iterator
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from proxy.backends.pool import BackendPool
 from proxy.config.schema import Config
 from proxy.ops.live.status import backend_state
-from proxy.scheduling.pool import BackendPool
 from proxy.scheduling.queue import AdmissionQueue
 
 STATES = ("healthy", "ramping", "ejected", "down", "draining")

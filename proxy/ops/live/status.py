@@ -14,15 +14,16 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client.metrics import MetricWrapperBase
 
 from proxy.api.outcome import Outcome
+from proxy.backends.backend import BackendState
 from proxy.config.tenants import Tenant, Tier, quota_of
 from proxy.ops.live.window import CounterWindow, Key, WindowView, histogram_quantile
-from proxy.scheduling.backend import BackendState
+from proxy.policies.kvaware import KvAware
 
 if TYPE_CHECKING:
+    from proxy.backends.pool import BackendPool
     from proxy.config.schema import Config
     from proxy.ops.usage import UsageMeter
     from proxy.scheduling.limits import TenantLimits
-    from proxy.scheduling.pool import BackendPool
     from proxy.scheduling.queue import AdmissionQueue
     from proxy.scheduling.quotas import QuotaBook
     from proxy.telemetry.metrics import ProxyMetrics
@@ -107,6 +108,7 @@ class LiveStatus:
             "tenants": tenants[:max_tenants],
             "tenants_active": len(tenants),
             "backends": self.backends(),
+            "kv_placement": self.kv_placement(),
         }
 
     def tiers(self, view: WindowView, tenants: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -184,6 +186,20 @@ class LiveStatus:
         if self.quotas is None or quota is None:
             return {}
         return self.quotas.usage(tenant.name, quota.limits(), wall)
+
+    def kv_placement(self) -> dict[str, Any] | None:
+        """kv_aware's memory of where prompts were sent (``proxy.policies.kvmemory``): each
+        tenant's kept (backend, block) pairs per backend, and the requests in flight; None
+        under another chooser."""
+        chooser = self.pool.chooser
+        if not isinstance(chooser, KvAware):
+            return None
+        memory = chooser.memory
+        return {
+            "capacity": memory.capacity,
+            "in_flight": memory.in_flight(),
+            "tenants": memory.placement(),
+        }
 
     def backends(self) -> list[dict[str, Any]]:
         pool, now = self.pool, self.clock()

@@ -1,4 +1,5 @@
 """``tierproxy top``: ``/admin/status`` in a terminal, refreshed every second; q or Ctrl-C quits.
+With LoRA adapters configured, an adapters panel from the proxy's ``/metrics``.
 
 Drawn with rich's ``Live`` on the alternate screen. Keys are read in cbreak mode (Ctrl-C still
 interrupts), and the wait for a key is the refresh interval.
@@ -25,6 +26,7 @@ from rich.table import Table
 from rich.text import Text
 
 from proxy.api.quota_counters import COUNTERS
+from proxy.ops.live.adapters_panel import adapter_rows, adapter_table
 
 FETCH_TIMEOUT_S = 2.0
 _STATE_STYLE = {
@@ -41,25 +43,46 @@ class StatusError(Exception):
 
 
 def fetch_status(base_url: str, admin_key: str, timeout_s: float = FETCH_TIMEOUT_S) -> Any:
+    body = _fetch(base_url, "/admin/status", admin_key, timeout_s)
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise StatusError(f"cannot read {base_url}/admin/status: {exc}") from None
+
+
+def fetch_metrics(base_url: str, admin_key: str, timeout_s: float = FETCH_TIMEOUT_S) -> str:
+    """The proxy's /metrics text (the admin key is its bearer token where it asks for one)."""
+    return _fetch(base_url, "/metrics", admin_key, timeout_s).decode(errors="replace")
+
+
+def _fetch(base_url: str, path: str, admin_key: str, timeout_s: float) -> bytes:
     request = urllib.request.Request(
-        base_url.rstrip("/") + "/admin/status",
+        base_url.rstrip("/") + path,
         headers={"Authorization": f"Bearer {admin_key}"},
     )
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as resp:
-            return orjson.loads(resp.read())
+            body: bytes = resp.read()
+            return body
     except urllib.error.HTTPError as exc:
         detail = exc.read()[:300].decode(errors="replace")
-        raise StatusError(f"{exc.code} from {base_url}: {detail}") from None
-    except (urllib.error.URLError, OSError, orjson.JSONDecodeError) as exc:
-        raise StatusError(f"cannot read {base_url}/admin/status: {exc}") from None
+        raise StatusError(f"{exc.code} from {base_url}{path}: {detail}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise StatusError(f"cannot read {base_url}{path}: {exc}") from None
 
 
 def _num(value: float | None, fmt: str = "{:g}") -> str:
     return "-" if value is None else fmt.format(value)
 
 
-def render(status: dict[str, Any] | None, source: str, error: str | None = None) -> RenderableType:
+def render(
+    status: dict[str, Any] | None,
+    source: str,
+    error: str | None = None,
+    metrics_text: str | None = None,
+) -> RenderableType:
+    """The screen; ``metrics_text`` (the proxy's /metrics) adds the adapters panel when it
+    names any adapter."""
     now = datetime.now().strftime("%H:%M:%S")
     window = f"window {status['window_s']:.0f}s" if status else "no data"
     head = Text.assemble(
@@ -70,6 +93,9 @@ def render(status: dict[str, Any] | None, source: str, error: str | None = None)
         parts.append(Text(error, style="bold red"))
     if status:
         parts += [_tiers(status["tiers"]), _tenants(status), _backends(status["backends"])]
+    rows = adapter_rows(metrics_text) if metrics_text else []
+    if rows:
+        parts.append(adapter_table(rows))
     return Group(*parts)
 
 
@@ -194,12 +220,13 @@ def run_top(base_url: str, admin_key: str, interval_s: float = 1.0) -> int:
             Live(console=console, screen=True, auto_refresh=False) as live,
         ):
             while True:
-                status, error = None, None
+                status, error, metrics = None, None, None
                 try:
                     status = fetch_status(base_url, admin_key)
+                    metrics = fetch_metrics(base_url, admin_key)
                 except StatusError as exc:
                     error = str(exc)
-                live.update(render(status, base_url, error), refresh=True)
+                live.update(render(status, base_url, error, metrics), refresh=True)
                 if keys.quit_within(interval_s):
                     return 0
     except KeyboardInterrupt:

@@ -2,7 +2,7 @@
 its KV events (a ZMQ publisher in the test, vLLM's wire format) carry events of no vLLM shape
 and a sequence number jumping by 2**62, and its /tokenize answers a token id of 2**63. The
 subscriber goes on (the batches after are counted) and clients get their answers. The
-in-process twins: tests/unit/scheduling/test_kvsubscriber.py, test_kvindex.py and
+in-process twins: tests/unit/backends/test_kvsubscriber.py, test_kvindex.py and
 tests/unit/request/test_remote_tokens.py."""
 
 from __future__ import annotations

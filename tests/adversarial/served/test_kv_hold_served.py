@@ -45,7 +45,7 @@ from proxy.bench.hostile.served import (
     admin_sections,
 )
 from proxy.bench.inproc import KEYS, make_config
-from proxy.ops.tiny_model import make_tiny_model
+from proxy.tools.tiny_model import make_tiny_model
 from tests.helpers.paths import TINY_MODEL_DIR
 
 CHAT = "/v1/chat/completions"

@@ -17,7 +17,8 @@ from proxy.bench.conversations import (
     load_conversation_scenario,
 )
 from proxy.bench.fake_vllm import FakeVLLM
-from proxy.bench.kvbench import figures, proxy_config, render
+from proxy.bench.kvbench import engine_args, figures, proxy_config, render
+from proxy.bench.kvsim.family import load_family
 from proxy.bench.scenario import ScenarioError
 from proxy.config.loader import parse_config
 
@@ -45,7 +46,8 @@ async def test_a_conversation_resends_its_history_growing_turn_by_turn() -> None
     chat = ConversationTenant(
         name="c", tier="high", conversations=1, system_words=20, turns=3, think_s=(0, 0)
     )
-    scenario = ConversationScenario(name="t", duration_s=1, tenants=[chat])
+    # Long enough for a second conversation's first turn on a busy machine (dozens here).
+    scenario = ConversationScenario(name="t", duration_s=3, tenants=[chat])
     fake = FakeVLLM(usage=(50, 4))
     async with fake.serve() as url:
         records = await run_load(url, scenario, 0.3)
@@ -87,3 +89,20 @@ def test_figures_count_what_vllm_computed_and_the_index_accuracy() -> None:
     table = render([base, f])
     assert "| `kv_aware` | 1 | 4 (1) | 1,200 of 2,000 (60%) | 1.50 | 40% |" in table
     assert "50.0% of 2" in table and "| n/a |" in table
+
+
+def test_a_family_shape_runs_on_real_engines_with_its_settings_and_cache_groups() -> None:
+    shape = next(s for s in load_family() if any(t.shared_words for t in s.scenario.tenants))
+    scenario = shape.scenario
+    args = engine_args(scenario)
+    assert args[:2] == ["--num-gpu-blocks-override", str(scenario.engine.kv_blocks)]
+    assert args[2:] == ["--max-num-batched-tokens", "2048"]
+    urls = [f"http://e{i}:1" for i in range(scenario.engines)]
+    data = proxy_config(scenario, urls, "kv_aware", Path("/tmp/usage.jsonl"))
+    groups = {t["name"]: t.get("cache_group") for t in data["tenants"]}
+    assert groups == {t.name: t.cache_group for t in scenario.tenants}
+    assert len(data["backends"]) == scenario.engines
+    # Tenants of one group open their system prompts with the same preamble.
+    a, b = [t for t in scenario.tenants if t.cache_group == "g0"][:2]
+    shared = " ".join(a.system_prompt().split()[: a.shared_words])
+    assert b.system_prompt().startswith(shared) and a.system_prompt() != b.system_prompt()

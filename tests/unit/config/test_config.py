@@ -53,6 +53,14 @@ def test_every_error_names_field_and_line(monkeypatch: pytest.MonkeyPatch) -> No
     assert any(p.startswith("tiers.low.max_queue (line 5)") for p in problems), problems
 
 
+def test_an_infinite_number_is_refused_where_it_stands(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BATCH_KEY", "batch-secret")
+    for value in (".inf", ".nan"):
+        with pytest.raises(ConfigError) as exc:
+            parse_config(GOOD.replace("weight: 10", f"weight: {value}"), "x.yaml")
+        assert any(p.startswith("tiers.high.weight (line 4)") for p in exc.value.problems)
+
+
 def test_unknown_tier_missing_env_and_bad_hash(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("BATCH_KEY", raising=False)
     with pytest.raises(ConfigError) as exc:

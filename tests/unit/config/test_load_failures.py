@@ -96,3 +96,18 @@ def test_check_prints_the_problem_not_a_traceback(
     path.write_bytes(b"\xff\xfe")
     assert main(["check", "-c", str(path)]) == 1
     assert "not UTF-8" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("anchored", [False, True])  # the fast builder, and the full loader
+def test_a_key_written_twice_is_a_problem_on_its_line(anchored: bool) -> None:
+    # PyYAML keeps the last silently: a second `acme-sql:` under `adapters:` made a private
+    # adapter shared and dropped its price, a second `adapters:` replaced the whole catalogue
+    # (red team 2026-12-02, finding 3).
+    entry = "{path: /a, base_model: tiny}"
+    extra = "x_note: &n 1\n" if anchored else ""
+    text = _text() + extra + f"adapters:\n  acme-sql: {entry}\n  acme-sql: {entry}\n"
+    problems = _problems(text)
+    assert len(problems) == 1 and "duplicate key 'acme-sql'" in problems[0], problems
+    assert f"line {_line_of(text, 'acme-sql') + 1}" in problems[0]
+    merged = "base: &b {a: 1, b: 2}\nover: {<<: *b, b: 3}\n"  # a merge key overridden: fine
+    assert safe_load(merged)["over"] == {"a": 1, "b": 3}

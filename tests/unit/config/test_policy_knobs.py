@@ -83,7 +83,10 @@ def test_defaults_are_unchanged() -> None:
     p = Policies()
     assert (p.prefix_affinity.prefix_tokens, p.prefix_affinity.memory) == (256, 10_000)
     assert (p.kv_aware.room_weight_best, p.kv_aware.room_weight_worst) == (1.0, 0.1)
-    assert (p.kv_aware.hold_s, p.vtc.cached_prompt_charge) == (1.0, 0.1)
+    # hold_s 10 since issue 32 (3 s, then 10 s once the cost model counted prefill only):
+    # shorter holds moved conversations off their cache across the family.
+    assert (p.kv_aware.hold_s, p.vtc.cached_prompt_charge) == (10.0, 0.1)
+    assert p.kv_aware.work_weight == 0.5
 
 
 def test_the_examples_commented_policies_block_is_the_nested_form() -> None:

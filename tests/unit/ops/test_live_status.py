@@ -13,6 +13,7 @@ import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
+from proxy.backends.backend import BackendState
 from proxy.bench.fake_vllm import FakeVLLM
 from proxy.bench.inproc import SECRET, auth, make_config, until
 from proxy.config.backends import Backend
@@ -20,7 +21,6 @@ from proxy.config.loader import parse_config
 from proxy.config.tenants import hash_key
 from proxy.ops.live.status import backend_state
 from proxy.ops.usage import UsageRecord
-from proxy.scheduling.backend import BackendState
 from proxy.server.app import create_app
 from proxy.server.state import STATE, ProxyState
 from tests.helpers.clock import FakeClock

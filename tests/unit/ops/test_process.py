@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import proxy
-from proxy.ops.process import ManagedProcess, tail
+from proxy.ops.process import ManagedProcess, confine_tree, free_port, process_tree, tail
 
 # Forks a grandchild that would outlive a plain kill of its parent, prints both pids.
 FAMILY = """
@@ -112,3 +113,42 @@ time.sleep(600)
         assert _wait_for(lambda: _gone(grandchild))
     finally:
         outer.stop()
+
+
+# A child that starts a thread and a grandchild, prints the grandchild's pid, then waits.
+THREADED_FAMILY = """
+import os, subprocess, sys, threading, time
+threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
+grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+print(grandchild.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _allowed(pid: int) -> set[frozenset[int]]:
+    """The CPU sets of every thread of ``pid``."""
+    return {frozenset(os.sched_getaffinity(int(task))) for task in os.listdir(f"/proc/{pid}/task")}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_confine_tree_moves_every_thread_of_every_descendant(tmp_path: Path) -> None:
+    core = frozenset({min(os.sched_getaffinity(0))})
+    log = tmp_path / "family.log"
+    with ManagedProcess([sys.executable, "-c", THREADED_FAMILY], log_path=log) as proc:
+        proc.start()
+        assert _wait_for(lambda: log.read_text().strip().isdigit())
+        grandchild = int(log.read_text())
+        assert proc.pid is not None and grandchild in process_tree(proc.pid)
+        moved = confine_tree(proc.pid, core)
+        assert moved >= 3  # the child's two threads, the grandchild's one
+        assert _allowed(proc.pid) == {core} and _allowed(grandchild) == {core}
+
+
+def test_free_port_stays_out_of_the_range_outgoing_connections_take() -> None:
+    floor = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {free_port() for _ in range(20)}
+    if floor >= 11_000:
+        assert all(10_000 <= port < floor for port in ports)
+    for port in ports:  # each one binds
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))

@@ -111,6 +111,30 @@ async def test_a_broken_file_changes_nothing_and_counts_an_error(tmp_path: Path)
     assert errors == 1
 
 
+async def test_an_edit_undone_is_nothing_to_reload_but_sighup_reloads_it(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    good = config_text(2)
+    path.write_text(good)
+    watch, applied = watcher(path)
+    path.write_text(good.replace("weight: 1", "weight: -1"))  # broken: an error, old in force
+    assert not await watch.check()
+    path.write_text(good)  # undone: the file in force again
+    assert not await watch.check()
+    assert applied.calls == []
+    oks = watch.metrics.registry.get_sample_value(
+        "tierproxy_config_reloads_total", {"result": "ok"}
+    )
+    assert not oks
+    path.write_text(config_text(3))
+    assert await watch.check()
+    path.write_text(good)  # back to an older file: not the one in force, so it applies
+    assert await watch.check()
+    assert [len(c.config.tenants) for c in applied.calls] == [3, 2]
+    watch._on_sighup()
+    assert await watch.check()  # the operator asked: reloaded although unchanged
+    assert len(applied.calls) == 3
+
+
 async def test_parsing_runs_off_the_event_loop(tmp_path: Path) -> None:
     path = tmp_path / "config.yaml"
     path.write_text(config_text(2))
@@ -162,6 +186,22 @@ async def test_every_read_at_start_section_is_named_when_it_changes(
     for name in ("shared_state", "usage_log", "admin_listen", "backend_health.connect_timeout_s"):
         assert f"{name} changed; it takes effect only after a restart" in caplog.text
     assert "listen changed" not in caplog.text.replace("admin_listen changed", "")
+
+
+async def test_an_adapter_given_a_new_path_is_named(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # vLLM keeps what it loaded under the name: the operator is told the new weights wait
+    # for an unload (red team 2026-12-02, finding 4).
+    path = tmp_path / "config.yaml"
+    adapter = "adapters: {{acme-sql: {{path: {p}, base_model: tiny, shared: true}}}}\n"
+    path.write_text(config_text(2) + adapter.format(p="/old"))
+    watch, applied = watcher(path)
+    path.write_text(config_text(2) + adapter.format(p="/new"))
+    with caplog.at_level(logging.WARNING, logger="tierproxy.reload"):
+        assert await watch.check()
+    assert len(applied.calls) == 1
+    assert "adapter acme-sql has a new path" in caplog.text
 
 
 def test_every_section_is_either_live_or_read_at_start() -> None:

@@ -92,6 +92,6 @@ def test_usage_by_key_shows_whether_a_rotated_out_key_is_still_used(
 
 def test_the_cli_offers_every_grouping_the_report_knows() -> None:
     from proxy.cli import admin
-    from proxy.ops import usage_report
+    from proxy.tools import usage_report
 
     assert admin.GROUPS == usage_report.GROUPS

@@ -12,7 +12,7 @@ import pytest
 from proxy.cli import main
 from proxy.config.usage_log import UsageLogSettings
 from proxy.ops.usage_log import UsageLogWriter, rotated_paths
-from proxy.ops.usage_report import parse_since, summarize
+from proxy.tools.usage_report import parse_since, summarize
 
 
 def _line(i: int, tenant: str = "a", ts: float = 1000.0, **extra: object) -> bytes:

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 
+from proxy.backends.pool import BackendPool
 from proxy.config.backends import Backend, BackendHealth
 from proxy.policies.backends import LeastUtilised, PrefixAffinity
 from proxy.policies.displacement import NoDisplacement
@@ -15,7 +16,6 @@ from proxy.policies.tenants import EarliestDeadlineFirst
 from proxy.policies.tiers import StrictPriorityTierSelector
 from proxy.policies.types import QueuedRequest, TierLimits
 from proxy.scheduling.build import default_queue_policies
-from proxy.scheduling.pool import BackendPool
 from proxy.scheduling.queue import AdmissionQueue, QueueFull
 
 

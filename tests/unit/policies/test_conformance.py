@@ -26,6 +26,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from proxy.backends.backend import BackendState
 from proxy.bench.inproc import make_config
 from proxy.config.backends import Backend, BackendHealth
 from proxy.config.loader import parse_config
@@ -34,7 +35,6 @@ from proxy.policies.backends import Candidate, slot_room
 from proxy.policies.backlog import TenantBacklog
 from proxy.policies.registry import BACKENDS, CHOICES, DISPLACEMENTS, ORDERS, TENANTS, TIERS
 from proxy.policies.types import QueuedRequest, ScrapedLoad, TierLimits
-from proxy.scheduling.backend import BackendState
 
 T = TypeVar("T")
 CONFIG = parse_config(yaml.safe_dump(make_config([{"url": "http://b:1"}])), "conformance").config
@@ -280,3 +280,4 @@ def test_a_backend_chooser_gives_room_only_where_there_is_some_and_picks_a_candi
         assert any(picked is c.state for c in candidates), (picked, candidates)
         assert picked is not None
         chooser.served(picked, request)
+        chooser.ended(picked, request, ran=bool(prefix))  # every chooser hears how it ended

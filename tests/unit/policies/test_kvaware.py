@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from proxy.backends.pool import BackendPool
 from proxy.config.backends import Backend, BackendHealth
 from proxy.policies.backends import Candidate, LeastUtilised, PrefixAffinity
 from proxy.policies.kvaware import DecayingCounts, KvAware, latency_weights
 from proxy.policies.types import QueuedRequest, ScrapedLoad
-from proxy.scheduling.pool import BackendPool
 from tests.helpers.clock import FakeClock
 
 HEALTH = BackendHealth()
@@ -79,6 +79,7 @@ def _place(chooser: KvAware, backends: list[FakeBackend], req: QueuedRequest) ->
     picked = chooser.pick(_candidates(backends), req)
     assert picked is not None
     chooser.served(picked, req)
+    chooser.ended(picked, req, ran=True)  # it ran: kept
     return picked
 
 
@@ -130,19 +131,20 @@ def test_a_prompt_just_sent_counts_as_cached_there_until_its_events_could_have_a
     clock = FakeClock()
     backends = _backends()
     chooser = KvAware(block_size=BLOCK, latency_weights=WEIGHTS, pending_s=5.0, clock=clock)
-    system = [11, 12, 13, 14]
+    system = [11, 12, 13, 14, 15, 16, 17, 18]  # 8 of the next prompt's 10 blocks
     first = _place(chooser, backends, _req("normal", system))
     first.inflight += 1  # the pool counts it in
     other = backends[1 - backends.index(first)]
     # Busier now, and its index does not show the prompt yet: it still follows the prompt.
-    assert chooser.pick(_candidates(backends), _req("normal", [*system, 15])) is first
-    assert chooser.cached_tokens(first, [*system, 15]) == 4 * BLOCK
+    assert chooser.pick(_candidates(backends), _req("normal", [*system, 19])) is first
+    assert chooser.cached_tokens(first, [*system, 19]) == 8 * BLOCK
     assert chooser.cached_tokens(other, system) == 0
     clock.advance(5.1)  # the index is the truth again: still empty. Its home's bonus (1.5
-    # slots) keeps it there at one more in flight; at three more the least busy wins.
-    assert chooser.pick(_candidates(backends), _req("normal", [*system, 15])) is first
+    # slots, times the 8 of 10 blocks it holds: 1.2) keeps it there at one more in flight; at
+    # three more the least busy wins.
+    assert chooser.pick(_candidates(backends), _req("normal", [*system, 19])) is first
     first.inflight += 2
-    assert chooser.pick(_candidates(backends), _req("normal", [*system, 15])) is other
+    assert chooser.pick(_candidates(backends), _req("normal", [*system, 19])) is other
 
 
 def test_latency_weights_step_geometrically_from_the_best_tier_to_the_worst() -> None:
@@ -169,7 +171,7 @@ def test_prefix_affinity_spreads_new_prefixes_that_arrive_while_every_backend_is
 
 def test_a_tenants_new_conversations_gather_where_its_system_prompt_was_last_sent() -> None:
     a, b = backends = _backends()
-    system = [21, 22, 23]
+    system = [21, 22, 23, 24, 25, 26, 27, 28]  # 8 of each prompt's 10 blocks
     a.cached = b.cached = set(system)  # both hold it: the index alone cannot choose
     chooser = _chooser()
     first = _place(chooser, backends, _req("normal", [*system, 30]))
@@ -177,7 +179,8 @@ def test_a_tenants_new_conversations_gather_where_its_system_prompt_was_last_sen
     for tail in (31, 32, 33):
         assert _place(chooser, backends, _req("normal", [*system, tail])) is first
     # One request more in flight there does not scatter them (the home counts 1.5 slots
-    # more); two more do: load still breaks the tie past that.
+    # more times the share of the prompt it holds, 8 of 10 blocks: 1.2); two more do: load
+    # still breaks the tie past that.
     first.inflight = 1
     assert chooser.pick(_candidates(backends), _req("normal", [*system, 34])) is first
     first.inflight = 2
@@ -301,7 +304,10 @@ def test_new_conversations_leave_a_backend_that_took_more_than_its_share_continu
 ):
     clock = FakeClock()
     hot, cool = backends = _backends()
-    chooser = KvAware(block_size=BLOCK, latency_weights=WEIGHTS, hold_s=1.0, clock=clock)
+    # The balance rule alone (the spread rule, max_share, has a test of its own).
+    chooser = KvAware(
+        block_size=BLOCK, latency_weights=WEIGHTS, hold_s=1.0, clock=clock, max_share=1.0
+    )
     system = [1, 2, 3, 4, 5, 6]
     # The tenant's first conversations all went to ``hot``: the system prompt branches there.
     for conv in range(20):
@@ -360,7 +366,8 @@ def test_a_tenants_new_conversations_go_to_its_prefixs_home_not_where_a_turn_ran
 def test_the_balance_rule_moves_one_prefixs_home_at_a_time() -> None:
     clock = FakeClock()
     hot, cool = backends = _backends()
-    chooser = KvAware(block_size=BLOCK, latency_weights=WEIGHTS, clock=clock)
+    # The balance rule alone (the spread rule, max_share, has a test of its own).
+    chooser = KvAware(block_size=BLOCK, latency_weights=WEIGHTS, clock=clock, max_share=1.0)
     tenants = [[100 * t + 1, 100 * t + 2] for t in range(2)]
     for conv in range(10):  # both tenants' conversations all went to hot
         for system in tenants:
@@ -410,3 +417,28 @@ def test_recent_shares_weigh_each_request_by_its_prompt_blocks_and_fade() -> Non
     clock.advance(30.0)  # one time constant: the same shares, from e^-1 of the requests
     assert counts.shares(at_least=16) == {}
     assert counts.shares()["long"] == pytest.approx(160 / 256)
+
+
+def test_a_backend_past_its_share_of_the_requests_lately_is_left_by_new_conversations() -> None:
+    # Spread: one backend never serves most of the work while another has room (issue 32:
+    # a few tenants under one shared preamble all went to one of seven engines, 69 %). A
+    # conversation under way (its home holds half its prompt or more) stays with its history:
+    # moved, it computes it all again and leaves three on a cache too small (s32001).
+    clock = FakeClock()
+    hot, cool = backends = _backends()
+    chooser = KvAware(block_size=BLOCK, latency_weights=WEIGHTS, hold_s=1.0, clock=clock)
+    preamble = [1, 2]
+    history = [[*preamble, *(100 * conv + i for i in range(4))] for conv in range(1, 21)]
+    for conv in history:
+        assert _place(chooser, [hot], _req("normal", conv)) is hot
+    hot.cached = {*preamble, *history[0]}
+    # A new conversation under the preamble (2 of its 7 blocks there): the other backend.
+    new = _req("normal", [*preamble, 9000, 9001, 9002, 9003, 9004])
+    assert chooser.pick(_candidates(backends), new) is cool
+    # The first conversation's next turn (6 of 7 blocks there): home, past its share or not.
+    turn = _req("normal", [*history[0], 105])
+    assert chooser.pick(_candidates(backends), turn) is hot
+    # Alone, it is still taken; and shares fade (30 s): after a quiet minute it is home again.
+    assert chooser.pick(_candidates([hot]), new) is hot
+    clock.advance(120)
+    assert chooser.pick(_candidates(backends), new) is hot

@@ -1,6 +1,8 @@
 """``KvAware.pick`` as scoring terms makes the same decisions as the one function it was: a few
 hundred random states replayed through both choosers in lockstep, the old function copied here
-as the reference (main at 3153c1d, ``proxy/policies/kvaware.py``)."""
+as the reference (main at 3153c1d, ``proxy/policies/kvaware.py``), with issue 32's home bonus
+in proportion to the share of the prompt the home holds and its spread rule (the choosers are
+built with ``max_share`` 1.0 here: no backend is ever past it, as in the old pick)."""
 
 from __future__ import annotations
 
@@ -95,7 +97,9 @@ def old_pick(
         if may_move and url in over and room < roomiest - TIE:
             saved = 0
         elif home is not None and url == home:
-            room += self.home_slots / max(1.0, c.state.max_room)
+            # In proportion to the share of the prompt the home holds (since issue 32).
+            cover = min(1.0, home_run * self.block_size / prompt)
+            room += self.home_slots * cover / max(1.0, c.state.max_room)
         score = min(1.0, saved / prompt) + weight * room
         age = self._rotation.age(c.state)
         key = (round(score / TIE), round(room / TIE), saved, round(-share / TIE), age)
@@ -159,8 +163,10 @@ def test_the_scoring_terms_pick_as_the_old_pick_did(seed: int) -> None:
     rng = random.Random(seed)
     clock = FakeClock()
     knobs = dict(block_size=BLOCK, latency_weights=WEIGHTS, hold_s=rng.choice([0.0, 2.0, 5.0]))
-    knobs |= dict(balance_s=5.0, balance_min=4.0, pending_s=3.0, clock=clock)
-    new, old = KvAware(**knobs), OldKvAware(**knobs)  # type: ignore[arg-type]
+    knobs |= dict(balance_s=5.0, balance_min=4.0, pending_s=3.0, max_share=1.0, clock=clock)
+    # The cost model of work queued ahead is off: the old pick had none.
+    new = KvAware(**knobs, work_weight=0.0)  # type: ignore[arg-type]
+    old = OldKvAware(**knobs)  # type: ignore[arg-type]
     backends = [
         FakeBackend(Backend(url=f"http://b{i}:80"), room_cap=rng.choice([2.0, 4.0, 8.0]))
         for i in range(rng.randrange(2, 5))

@@ -29,6 +29,7 @@ SCENE = Scene(
     weight=1.0,
     home=None,
     home_slots=1.5,
+    home_cover=1.0,
     shares={},
     over=set(),
     roomiest=0.0,
@@ -72,6 +73,13 @@ def test_home_affinity_is_home_slots_of_the_home_s_room_and_nothing_elsewhere() 
     assert home_affinity(_view(A), home) == pytest.approx(1.5 / 4.0)
     assert home_affinity(_view(B_URL), home) == 0.0
     assert home_affinity(_view(A), SCENE) == 0.0  # no home known
+
+
+def test_home_affinity_scales_with_the_share_of_the_prompt_the_home_holds() -> None:
+    # A preamble shared by tenants that is a fifth of the prompt is worth a fifth of the home
+    # bonus: packing every tenant under it onto one cache would evict what each holds alone.
+    preamble = replace(SCENE, home=A, home_cover=0.2)
+    assert home_affinity(_view(A), preamble) == pytest.approx(0.2 * 1.5 / 4.0)
 
 
 def test_balance_prefers_the_backend_sent_less_lately() -> None:
@@ -144,3 +152,13 @@ def test_holds_over_expire() -> None:
     assert hold.waits(_held(), A, 0.5, 0.5, slots=4)
     hold.expire(2.0)
     assert hold.waiting(A, 0.0) == 0
+
+
+def test_the_spread_rule_leaves_a_crowded_home_only_for_prompts_it_holds_little_of() -> None:
+    crowded = replace(SCENE, crowded=frozenset({A}), home=A)
+    assert crowded.spreads(A) is False  # its home holds the whole prompt: it stays
+    assert not crowded.spreads(B_URL)  # not crowded
+    assert replace(crowded, home_cover=0.25).spreads(A)  # a short shared preamble: it goes
+    assert replace(crowded, home=B_URL).spreads(A)  # not its home: counts nothing cached
+    assert crowded.home_stays()
+    assert replace(crowded, home_cover=0.25).home_stays() is False

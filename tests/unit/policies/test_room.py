@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from proxy.backends.backend import BackendState
+from proxy.backends.pool import BackendPool
 from proxy.config.backends import Backend, BackendHealth
 from proxy.config.slo import AdaptiveRoom
 from proxy.policies.backends import LeastUtilised
 from proxy.policies.room import FixedRoom, GradientRoom, RoomChange
 from proxy.policies.types import ScrapedLoad
-from proxy.scheduling.backend import BackendState
-from proxy.scheduling.pool import BackendPool
 from tests.helpers.clock import FakeClock
 
 HEALTH = BackendHealth(max_backend_waiting=2, stale_after_s=2.0)

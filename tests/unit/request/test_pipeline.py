@@ -14,9 +14,9 @@ import pytest
 
 from proxy.bench.fake_vllm import FakeVLLM
 from proxy.bench.inproc import make_config, until
-from proxy.ops.engine import free_port
 from proxy.policies.cost import weighted_tokens
 from proxy.relay.budget import held_estimate
+from proxy.tools.engine import free_port
 from tests.helpers.clock import FakeClock
 from tests.helpers.rig import BODY, Rig, error_of, rig, served_rig, tenant, tenants
 

@@ -261,3 +261,16 @@ async def test_prompts_past_max_prompt_tokens_get_no_blocks() -> None:
     )
     assert await blocks.compute(config, parsed(text, estimate=50), "s")
     assert await blocks.compute(config, parsed(text, estimate=51), "s") is None
+
+
+async def test_a_prompt_past_the_models_context_is_not_hashed(model: ModelTokenizer) -> None:
+    # vLLM refuses it (400, no engine work): nothing for the chooser to remember.
+    fits, too_long = (parsed({"prompt": list(range(n))}, "completions") for n in (2047, 2048))
+    blocks = PromptBlocks()
+    config = _config(enabled=True, tokenizer=str(MODEL), inline_bytes=100_000)
+    assert await blocks.compute(config, fits, "s", context=2048)
+    assert await blocks.compute(config, too_long, "s", context=2048) is None
+    assert await blocks.compute(config, too_long, "s") is not None  # context unknown: hashed
+    assert prompt_block_hashes(model, too_long, 32, "s", context=2048) is None
+    given = _config(enabled=True, inline_bytes=100_000)  # token ids, no tokenizer
+    assert await blocks.compute(given, too_long, "s", context=2048) is None

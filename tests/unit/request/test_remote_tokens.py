@@ -10,6 +10,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from proxy.backends.pool import BackendPool
 from proxy.bench.fake_vllm import FakeVLLM
 from proxy.bench.inproc import serve_app
 from proxy.config.backends import Backend, BackendHealth
@@ -17,7 +18,6 @@ from proxy.config.kv_cache import KvCache
 from proxy.policies.backends import LeastUtilised
 from proxy.request.inbound import ParsedRequest
 from proxy.request.remote_tokens import RemoteTokenizer, tokenize_body
-from proxy.scheduling.pool import BackendPool
 from tests.helpers.clock import FakeClock
 from tests.helpers.rig import served_rig, tenants
 

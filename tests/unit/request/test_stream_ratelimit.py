@@ -1,6 +1,6 @@
 """x-ratelimit-* on streams of every route (issue #25 item 5), in-process through the app as it
 is served: the windows as they stood when the request was admitted, sent with the stream's
-headers. The served twin: tests/shared/test_stream_ratelimit_served.py."""
+headers. The served twin: tests/replicas/test_stream_ratelimit_served.py."""
 
 from __future__ import annotations
 

@@ -16,12 +16,13 @@ from proxy.request.tiered_threads import FIRST, TieredThreads
 
 
 def _busy(threads: TieredThreads, gate: threading.Event) -> Future[bool]:
-    """Work that holds the one thread until ``gate`` opens; running when this returns."""
+    """Work that holds the one thread until ``gate`` opens; running when this returns. (The
+    bound only ends a failed test's thread: a busy machine took 10 s between two lines.)"""
     running = threading.Event()
 
     def hold() -> bool:
         running.set()
-        return gate.wait(10)
+        return gate.wait(300)
 
     busy = threads.submit(5, hold)
     assert running.wait(10)

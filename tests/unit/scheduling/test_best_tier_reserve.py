@@ -10,6 +10,7 @@ import asyncio
 import pytest
 import yaml
 
+from proxy.backends.pool import BackendPool
 from proxy.bench.inproc import make_config
 from proxy.config.backends import Backend, BackendHealth
 from proxy.config.loader import parse_config
@@ -18,7 +19,6 @@ from proxy.policies.backends import LeastUtilised
 from proxy.policies.types import QueuedRequest, TierLimits
 from proxy.scheduling.build import build_scheduling, default_queue_policies
 from proxy.scheduling.dispatch import Dispatcher, Lease, QueueTimeoutError
-from proxy.scheduling.pool import BackendPool
 from proxy.scheduling.queue import AdmissionQueue
 from proxy.telemetry.metrics import ProxyMetrics
 from tests.helpers.clock import FakeClock

@@ -6,13 +6,13 @@ import asyncio
 
 import pytest
 
+from proxy.backends.pool import BackendPool
 from proxy.config.backends import Backend, BackendHealth
 from proxy.policies.backends import LeastUtilised
 from proxy.policies.kvaware import KvAware
 from proxy.policies.types import QueuedRequest, TierLimits
 from proxy.scheduling.build import default_queue_policies
 from proxy.scheduling.dispatch import Dispatcher, Lease, QueueTimeoutError
-from proxy.scheduling.pool import BackendPool
 from proxy.scheduling.queue import AdmissionQueue, QueueFull
 from proxy.telemetry.metrics import ProxyMetrics
 from tests.helpers.clock import FakeClock

@@ -4,6 +4,7 @@ against a real vLLM in tests/integration/test_live_view.py)."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,13 @@ from proxy.config.loader import parse_config
 from proxy.config.tenants import hash_key
 from proxy.server.app import create_app
 from tests.helpers.clock import FakeClock
-from tests.helpers.dashboard import REFUSAL_OUTCOMES, exposed_names, panels, queried_names
+from tests.helpers.dashboard import (
+    DASHBOARD,
+    REFUSAL_OUTCOMES,
+    exposed_names,
+    panels,
+    queried_names,
+)
 from tests.helpers.paths import REPO
 
 
@@ -61,6 +68,30 @@ def test_panels_cover_tiers_tenants_backends_and_vllm() -> None:
         assert needed in exprs
     ids = [p["id"] for p in panels()]
     assert len(ids) == len(set(ids))
+
+
+def test_the_adapters_row_shows_every_adapter_metric_by_adapter() -> None:
+    """Requests, tokens, loads, unloads, load latency and load failures per adapter (issue 34),
+    in the panels under the "LoRA adapters" row, each split by its adapter label."""
+    data = json.loads(DASHBOARD.read_text())
+    (row,) = [p for p in data["panels"] if p["type"] == "row" and "adapters" in p["title"]]
+    below = [p for p in panels() if p["gridPos"]["y"] > row["gridPos"]["y"]]
+    targets = [t for p in below for t in p["targets"]]
+    exprs = " ".join(t["expr"] for t in targets)
+    for family in (
+        "tierproxy_adapter_requests_total",
+        "tierproxy_adapter_tokens_total",
+        "tierproxy_adapter_loads_total",
+        "tierproxy_adapter_unloads_total",
+        "tierproxy_adapter_load_seconds_bucket",
+        "tierproxy_adapter_load_failures_total",
+    ):
+        assert family in exprs, family
+    for target in targets:
+        assert re.search(r"by \([^)]*\badapter\b", target["expr"]), target["expr"]
+        assert "{{adapter}}" in target["legendFormat"], target
+    assert all(p["gridPos"]["y"] > row["gridPos"]["y"] for p in below)
+    assert not [p for p in panels() if "adapter" in p["title"].lower() and p not in below]
 
 
 def test_refusals_are_refusal_outcomes_only() -> None:

@@ -10,6 +10,8 @@ import yaml
 
 from proxy.api.errors import refused_early
 from proxy.api.outcome import Outcome, outcome_of
+from proxy.backends.monitor import BackendMonitor
+from proxy.backends.pool import BackendPool
 from proxy.bench.fake_vllm import FakeVLLM
 from proxy.bench.inproc import make_config, until
 from proxy.config.backends import Backend, BackendHealth
@@ -19,8 +21,6 @@ from proxy.policies.types import QueuedRequest, ScrapedLoad, TierLimits
 from proxy.scheduling.build import default_queue_policies
 from proxy.scheduling.dispatch import Dispatcher, Lease
 from proxy.scheduling.early_refusal import EarlyRefusal
-from proxy.scheduling.monitor import BackendMonitor
-from proxy.scheduling.pool import BackendPool
 from proxy.scheduling.queue import AdmissionQueue
 from proxy.telemetry.metrics import ProxyMetrics
 from tests.helpers.clock import FakeClock

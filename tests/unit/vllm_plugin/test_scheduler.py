@@ -54,7 +54,7 @@ _HASHER = get_request_block_hasher(BLOCK, sha256)
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    from proxy.ops.tiny_model import make_tiny_model
+    from proxy.tools.tiny_model import make_tiny_model
 
     return make_tiny_model(REPO / ".tierproxy" / "tiny-model")  # idempotent, config only read
 

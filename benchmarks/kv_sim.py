@@ -1,0 +1,76 @@
+"""Backend choosers across the family of conversation workloads, simulated (issue 32;
+docs/benchmarks.md, "Cache-aware routing across a family of workloads"): each shape of
+proxy/bench/scenarios/families/kv-family.yaml through the proxy's real scheduling and choosers
+in front of simulated vLLM engines, on a simulated clock. Prints the family table and a
+summary.
+
+    python benchmarks/kv_sim.py                     # the whole family (minutes)
+    python benchmarks/kv_sim.py --shape s32007      # one shape, every figure
+    python benchmarks/kv_sim.py --seed 77 --shapes 3  # shapes drawn by another seed
+    python benchmarks/kv_sim.py --shape s91001 --costs busy  # engines as slow as beside the suite
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from proxy.bench.kvsim.engine import COSTS, EngineCosts
+from proxy.bench.kvsim.family import Shape, find_shape, load_family
+from proxy.bench.kvsim.report import BASELINES, Figures, figures, render_summary, render_table
+from proxy.bench.kvsim.run import simulate
+
+
+def run_shape(shape: Shape, policies: list[str], costs: EngineCosts) -> dict[str, Figures]:
+    duration = shape.scenario.duration_s
+    return {p: figures(simulate(shape.scenario, p, costs=costs), duration) for p in policies}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--shape", help="one shape by name (sSEED or its full name)")
+    parser.add_argument("--seed", type=int, help="draw the family from another seed")
+    parser.add_argument("--shapes", type=int, help="only the first N shapes")
+    parser.add_argument(
+        "--kv", default="kv_aware", help="the policy judged (kv_aware@BEST/WORST/HOLD/WORK)"
+    )
+    parser.add_argument(
+        "--costs",
+        default="quiet",
+        help="the engines' speed: quiet (one core to itself), busy (beside the test suite),"
+        " or STEP,PREFILL_TOKEN,DECODE_SEQ in seconds",
+    )
+    args = parser.parse_args()
+    costs = COSTS.get(args.costs) or EngineCosts(*(float(x) for x in args.costs.split(",")))
+    policies = [*BASELINES, args.kv]
+    if args.shape:
+        shape = find_shape(args.shape)
+        runs = run_shape(shape, policies, costs)
+        print(
+            f"{shape.name}: working set {shape.working_set_blocks} blocks,"
+            f" cache ratio {shape.cache_ratio:.2f}, {shape.scenario.engines} engines of"
+            f" {shape.scenario.engine.kv_blocks} blocks, {costs}"
+        )
+        for f in runs.values():
+            print(f"  {f}")
+        print(render_table([(shape.name, runs)], args.kv))
+        return 0
+    family = load_family(seed=args.seed)[: args.shapes]
+    rows = []
+    started = time.process_time()
+    for shape in family:
+        rows.append((shape.name, run_shape(shape, policies, costs)))
+        print(render_table(rows[-1:], args.kv).splitlines()[-1], file=sys.stderr)
+    print(render_table(rows, args.kv))
+    print()
+    print(render_summary(rows, args.kv))
+    cpu = time.process_time() - started
+    print(f"({len(rows)} shapes x {len(policies)} policies, {cpu:.0f} s CPU)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

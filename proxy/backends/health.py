@@ -1,0 +1,51 @@
+"""Outlier detection: when a backend is ejected (failed requests, a doubling backoff), marked
+down (failed probes) and reinstated (with a ramp, which the room policy applies). Pure logic on
+``BackendState``; the monitor and the pipeline report what they saw."""
+
+from __future__ import annotations
+
+from proxy.backends.backend import BackendState
+from proxy.config.backends import BackendHealth
+
+
+class OutlierDetection:
+    def __init__(self, health: BackendHealth) -> None:
+        self.health = health  # replaced on reload
+
+    def record_failure(self, state: BackendState, now: float, *, definitive: bool = False) -> None:
+        """Passive ejection, with a doubling backoff: at once when nothing listens
+        (``definitive``), after two failures in a row otherwise (a reset or a 5xx can be one
+        request's bad luck)."""
+        state.failures += 1
+        if state.failing_since is None:
+            state.failing_since = now
+        if not definitive and state.failures < 2:
+            return
+        backoff = min(self.health.eject_max_s, self.health.eject_base_s * 2 ** (state.failures - 1))
+        state.ejected_until = now + backoff
+        state.reinstated_at = None
+
+    def record_success(self, state: BackendState, now: float) -> None:
+        if state.failures:
+            state.failures = 0
+            state.failing_since = None
+            state.reinstated_at = now
+
+    def probe_result(self, state: BackendState, ok: bool, now: float) -> None:
+        state.probe_failures = 0 if ok else state.probe_failures + 1
+        if ok or state.probe_failing_since is None:
+            state.probe_failing_since = None if ok else now
+        if not ok and state.probe_failures < self.health.unhealthy_after:
+            return
+        if ok and not state.healthy:
+            state.healthy = True
+            state.failures, state.failing_since = 0, None
+            state.ejected_until = 0.0
+            state.reinstated_at = now
+        elif ok and state.failures and now >= state.ejected_until:
+            state.failures, state.failing_since = 0, None
+            state.reinstated_at = now
+        elif not ok:
+            if state.healthy:
+                state.reinstated_at = None
+            state.healthy = False

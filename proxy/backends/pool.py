@@ -1,0 +1,342 @@
+"""All backends: their room, the candidates for a request at dispatch time, bookkeeping of what
+runs where, and the models they serve. Pure logic, no I/O.
+
+The proxy's own in-flight counts come first (exact, instant); the load scraped from each vLLM's
+``/metrics`` corrects them (a backend whose own waiting queue grows gets no new work until it
+drains); scraped load older than ``stale_after_s`` is ignored on purpose and its age exported.
+The room of a backend and the choice among candidates belong to the chooser policy
+(``proxy.policies.backends``); how many requests a backend may hold at once, fixed or learned,
+to its room controller (``proxy.policies.room``); ejection and reinstatement to
+``proxy.backends.health``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+
+from proxy.backends.adapter_choice import adapter_able, serves_adapter
+from proxy.backends.adapter_slots import LoadPlan
+from proxy.backends.backend import BackendState
+from proxy.backends.health import OutlierDetection
+from proxy.config.backends import Backend, BackendHealth
+from proxy.config.slo import AdaptiveRoom
+from proxy.policies.backends import BackendChooser, Candidate, slot_room
+from proxy.policies.room import FixedRoom, GradientRoom, RoomChange, RoomController, RoomSignals
+from proxy.policies.types import QueuedRequest
+
+
+class BackendPool:
+    """All backends, their room, their health transitions; which one takes a request is the
+    chooser's call."""
+
+    def __init__(
+        self,
+        backends: Iterable[Backend],
+        health: BackendHealth,
+        chooser: BackendChooser,
+        adaptive: AdaptiveRoom | None = None,
+        *,
+        miss_budget: float = 0.01,
+    ) -> None:
+        self.health = health
+        self.outliers = OutlierDetection(health)
+        self.chooser = chooser
+        self.adaptive = adaptive or AdaptiveRoom()
+        self.miss_budget = miss_budget  # share of requests allowed to miss their tier's SLO
+        # Slots past a backend's room that only the best tiers take, while worse tiers hold
+        # as many of its slots (``scheduling.best_tier_reserve``; set by the builder).
+        self.best_tier_reserve = 0
+        self.best_tiers: frozenset[str] = frozenset()
+        self.states: dict[str, BackendState] = {}
+        # Told when a backend shared with other replicas runs out of granted room (False) or
+        # frees a slot (True): proxy.replicas.room asks for room or gives it back then.
+        self.on_shared_room: Callable[[bool], None] | None = None
+        # The `adapters:` catalogue: adapter name -> its base model (set by the builder).
+        self.adapters: Mapping[str, str] = {}
+        self.reconfigure(backends, health)
+
+    def reconfigure(
+        self,
+        backends: Iterable[Backend],
+        health: BackendHealth,
+        adaptive: AdaptiveRoom | None = None,
+        *,
+        miss_budget: float | None = None,
+    ) -> None:
+        """Keep the state of backends that stay; drain those that left (they finish their work
+        and are dropped once idle). A learned room survives a reload unless its parameters or
+        the backend's kind of room changed."""
+        self.health = health
+        self.outliers.health = health
+        renew = adaptive is not None and adaptive != self.adaptive
+        self.adaptive = adaptive or self.adaptive
+        if miss_budget is not None:
+            self.miss_budget = miss_budget
+        wanted = {b.url: b for b in backends}
+        for url, state in list(self.states.items()):
+            if url in wanted:
+                kind_changed = state.cfg.adaptive_room != wanted[url].adaptive_room
+                state.cfg = wanted[url]
+                if renew or kind_changed:
+                    state.room_controller = self._controller(state.cfg)
+                elif state.room_controller is not None:
+                    state.room_controller.set_ceiling(self._ceiling(state.cfg))
+                    if isinstance(state.room_controller, GradientRoom):
+                        state.room_controller.miss_budget = self.miss_budget
+                if state.removed:
+                    state.removed = state.draining = False
+            elif state.inflight == 0:
+                del self.states[url]
+            else:
+                state.removed = state.draining = True
+        for url, cfg in wanted.items():
+            if url not in self.states:
+                self.states[url] = BackendState(cfg=cfg, room_controller=self._controller(cfg))
+
+    def _ceiling(self, cfg: Backend) -> float:
+        return float(cfg.max_inflight or self.adaptive.max_room)
+
+    def _controller(self, cfg: Backend) -> RoomController:
+        if not cfg.adaptive_room:
+            return FixedRoom(cfg.max_inflight or self.adaptive.initial_room)
+        return GradientRoom(self.adaptive, self._ceiling(cfg), self.miss_budget)
+
+    def tick_room(self, state: BackendState, now: float) -> RoomChange | None:
+        """One look of the backend's room controller (after each monitor pass)."""
+        if state.room_controller is None:
+            return None
+        load = state.fresh_load(now, self.health.stale_after_s)
+        signals = RoomSignals(
+            load=load,
+            had_metrics=state.load is not None,
+            peak_inflight=state.peak_inflight,
+            transit=state.in_transit(load),
+            allowance=float(self.health.max_backend_waiting),
+        )
+        state.peak_inflight = state.inflight
+        return state.room_controller.tick(now, signals)
+
+    def observe_latency(self, state: BackendState, now: float, met: bool | None) -> None:
+        """A request on this backend ended; whether its backend-side latency met its target
+        (None: no target, or nothing to judge)."""
+        if met is not None and state.room_controller is not None:
+            state.room_controller.observe(now, met)
+
+    def slots(self) -> float:
+        """Room of all backends together (for a rough Retry-After)."""
+        return sum(s.max_room for s in self.states.values())
+
+    def all(self) -> list[BackendState]:
+        return list(self.states.values())
+
+    # -- choice --------------------------------------------------------------------------
+    def room(self, state: BackendState, now: float, *, best: bool = False) -> float:
+        """Free request slots on this backend now (may be fractional during a ramp); for a
+        request of the best tier (``best``), with the best-tier reserve when the room is full."""
+        room = slot_room(state, now, self.health)
+        if best and room < 1.0:
+            room = max(room, self.reserve_room(state, now))
+        if state.granted is not None:
+            granted = state.granted - state.inflight
+            if granted < 1 and self.on_shared_room is not None:
+                self.on_shared_room(False)
+            room = max(0.0, min(room, granted))
+        return room
+
+    def reserve_room(self, state: BackendState, now: float) -> float:
+        """Slots past the full room that a best-tier request may take: at most the reserve,
+        and at most as many as worse tiers run there. Inside vLLM the plugin preempts a
+        worse-tier request for each (docs/plugin.md), so the engine never runs more than its
+        room; without the plugin, the request waits in vLLM's queue instead of the proxy's."""
+        if not state.available(now):
+            return 0.0
+        worse = state.inflight - state.best_inflight
+        return float(max(0, min(self.best_tier_reserve, worse) - state.reserve_inflight))
+
+    def fits_tokens(self, state: BackendState, tokens: float) -> bool:
+        budget = state.cfg.max_tokens_inflight
+        # A request larger than the whole budget still runs when the backend is idle.
+        return (
+            budget is None or state.tokens_inflight == 0 or state.tokens_inflight + tokens <= budget
+        )
+
+    def choose(
+        self,
+        model: str | None,
+        tokens: float,
+        now: float,
+        *,
+        request: QueuedRequest | None = None,
+        best: bool = False,
+    ) -> BackendState | None:
+        """The chooser's pick among the backends that serve the model, fit the tokens and have
+        a free slot (``best``: a best-tier request, which may take the reserve); None if none
+        can take it."""
+        candidates: list[Candidate[BackendState]] = []
+        full: list[BackendState] = []
+        failed = request.failed_on if request is not None else frozenset()
+        avoid = self._passed_over(failed, model, now)
+        able = self._adapter_able(model)
+        for state in self.states.values():
+            if state.cfg.url in avoid:
+                continue
+            takes = state.cfg.url in able[0] | able[1] if able is not None else state.serves(model)
+            if not takes:
+                continue
+            if not self.fits_tokens(state, tokens):
+                continue
+            room = self.room(state, now, best=best)
+            if room >= 1.0:
+                load = state.fresh_load(now, self.health.stale_after_s)
+                candidates.append(Candidate(state, room, load))
+            elif state.available(now):
+                full.append(state)
+        if able is not None and any(c.state.cfg.url in able[0] for c in candidates):
+            # An adapter goes where it is held while one of those has room (no load).
+            candidates = [c for c in candidates if c.state.cfg.url in able[0]]
+        if not candidates:
+            return None
+        return self.chooser.pick(candidates, request, now=now, full=full)
+
+    def _adapter_able(self, model: str | None) -> tuple[set[str], set[str]] | None:
+        return adapter_able(self.states.values(), self.adapters, model)
+
+    def serves_adapter(self, model: str) -> bool:
+        return serves_adapter(self.states.values(), self.adapters, model)
+
+    def _passed_over(self, failed: frozenset[str], model: str | None, now: float) -> frozenset[str]:
+        """The backends a retry passes over: those it failed on, while another available
+        backend serves its model (it waits for that one's slot rather than go back to the
+        backend that just failed it, as Envoy's previous-hosts retry predicate does)."""
+        if failed and any(
+            s.cfg.url not in failed and s.available(now) and s.serves(model)
+            for s in self.states.values()
+        ):
+            return failed
+        return frozenset()
+
+    def any_room(self, now: float, *, best: bool = False) -> bool:
+        return any(self.room(s, now, best=best) >= 1.0 for s in self.states.values())
+
+    def any_available(self, now: float) -> bool:
+        return any(s.available(now) for s in self.states.values())
+
+    def known_models(self) -> set[str]:
+        models: set[str] = set()
+        for state in self.states.values():
+            if state.models:
+                models |= state.models
+        return models
+
+    def engine_adapters(self) -> frozenset[str]:
+        """The adapters the backends' ``/v1/models`` list (cards with a parent), as each
+        backend's last models probe found them (read per request: no card is walked here)."""
+        return frozenset().union(*(s.listed_adapters for s in self.states.values()))
+
+    def model_known(self, model: str | None) -> bool:
+        """False only when every backend has told us its models and none serves this one."""
+        if model is None:
+            return True
+        return any(s.models is None or model in s.models for s in self.states.values())
+
+    def acquire_cheap(
+        self,
+        model: str | None,
+        now: float,
+        tenant: str = "",
+        failed_on: frozenset[str] = frozenset(),
+    ) -> BackendState | None:
+        """For a tokenizer call: the available backend serving the model with the fewest such
+        calls below its own small cap and below the tenant's share of it (half: one tenant's
+        slow calls never take every slot), passing over those it failed on as ``acquire``
+        does; None when there is none. The generation room is neither checked nor taken:
+        vLLM tokenizes in its API server, not in the engine."""
+        best: BackendState | None = None
+        avoid = self._passed_over(failed_on, model, now)
+        for state in self.states.values():
+            if state.cfg.url in avoid or not (state.available(now) and state.serves(model)):
+                continue
+            if state.cheap_inflight >= state.cfg.max_cheap_inflight:
+                continue
+            if state.cheap_by_tenant.of(tenant) >= state.cheap_tenant_share:
+                continue
+            if best is None or state.cheap_inflight < best.cheap_inflight:
+                best = state
+        if best is not None:
+            best.cheap_inflight += 1
+            best.cheap_by_tenant.take(tenant)
+        return best
+
+    def release_cheap(self, state: BackendState, tenant: str = "") -> None:
+        state.cheap_inflight = max(0, state.cheap_inflight - 1)
+        state.cheap_by_tenant.give_back(tenant)
+
+    # -- bookkeeping ---------------------------------------------------------------------
+    def acquire(
+        self,
+        state: BackendState,
+        tokens: float,
+        *,
+        request: QueuedRequest | None = None,
+        best: bool = False,
+        reserved: bool = False,
+        now: float = 0.0,
+    ) -> LoadPlan | None:
+        """Count a request in on ``state``: ``best`` of the best tier, ``reserved`` let in
+        past the room through the reserve; the adapter load it must do first, if any."""
+        state.best_inflight += best
+        state.reserve_inflight += reserved
+        state.inflight += 1
+        state.peak_inflight = max(state.peak_inflight, state.inflight)
+        state.tokens_inflight += tokens
+        state.dispatched_total += 1
+        self.chooser.served(state, request)
+        if request is not None and request.prompt_blocks is not None:
+            request.predicted_blocks = state.cached_blocks(request.prompt_blocks)
+        model = request.model if request is not None else None
+        if model is not None and model in self.adapters and state.cfg.max_loras is not None:
+            return state.adapters.begin(model, state.cfg.max_loras, now)
+        return None
+
+    def release(
+        self,
+        state: BackendState,
+        tokens: float,
+        *,
+        best: bool = False,
+        request: QueuedRequest | None = None,
+        ran: bool = True,
+        now: float = 0.0,
+    ) -> None:
+        """Count a request out of ``state``; ``ran`` False: the engine did no work for it
+        (the chooser keeps no trace of it: ``BackendChooser.ended``)."""
+        if request is not None:
+            self.chooser.ended(state, request, ran)
+            if request.model is not None and request.model in state.adapters.inflight:
+                state.adapters.end(request.model, now)
+        state.best_inflight -= best
+        # Any request leaving brings the backend one nearer its room: one fewer over it.
+        state.reserve_inflight = max(0, state.reserve_inflight - 1)
+        state.inflight -= 1
+        state.tokens_inflight = max(0.0, state.tokens_inflight - tokens)
+        if state.granted is not None and self.on_shared_room is not None:
+            self.on_shared_room(True)
+        if state.removed and state.inflight == 0 and self.states.get(state.cfg.url) is state:
+            del self.states[state.cfg.url]
+
+    def drain(self, url: str, draining: bool = True) -> BackendState | None:
+        """Admin drain: stop new work to a backend and let in-flight work finish."""
+        state = self.states.get(url.rstrip("/"))
+        if state is not None and not state.removed:
+            state.draining = draining
+        return state
+
+    # -- health (the state machine is ``proxy.backends.health``) -----------------------
+    def record_failure(self, state: BackendState, now: float, *, definitive: bool = False) -> None:
+        self.outliers.record_failure(state, now, definitive=definitive)
+
+    def record_success(self, state: BackendState, now: float) -> None:
+        self.outliers.record_success(state, now)
+
+    def probe_result(self, state: BackendState, ok: bool, now: float) -> None:
+        self.outliers.probe_result(state, ok, now)

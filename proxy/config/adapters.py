@@ -1,0 +1,124 @@
+"""`adapters:`: the LoRA adapters tenants bring (docs/adapters.md): where engines load each
+from, its base model, who may use it and its price."""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Callable, Collection, Mapping
+
+from pydantic import Field
+
+from proxy.config.base import Strict
+from proxy.config.quotas import Price
+from proxy.config.tenants import Tenant
+
+# The shape of a tenant's cache salt (proxy.ticket.derive_cache_salt: 43 base64url characters).
+# vLLM folds the adapter's name and the salt into one list of extra keys: a name of this shape
+# could stand for a salt, so none is allowed.
+_SALT_SHAPE = re.compile(r"^[A-Za-z0-9_-]{43}$")
+# What vLLM's /v1/load_lora_adapter and a URL path take without surprises.
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+
+
+class Adapter(Strict):
+    """One LoRA adapter of a base model."""
+
+    path: str = Field(
+        min_length=1,
+        pattern=r"\S",
+        description="Where the engines load it from (their file system's path, or what their"
+        " LoRA resolver takes), as `--lora-modules NAME=PATH` or `POST /v1/load_lora_adapter`.",
+    )
+    base_model: str = Field(
+        min_length=1, description="The served model it adapts (only backends serving it load it)."
+    )
+    tenants: list[str] = Field(
+        default_factory=list, description="Tenants that may use it (by name)."
+    )
+    tiers: list[str] = Field(
+        default_factory=list, description="Tiers whose every tenant may use it."
+    )
+    shared: bool = Field(
+        False,
+        description="Every tenant may use it. false: only `tenants` and `tiers`; any other gets"
+        " 404 `model_not_found`, as for a model that does not exist, and never sees it in"
+        " `/v1/models`.",
+    )
+    price: Price | None = Field(
+        None,
+        description="Price per million tokens of its requests, in place of `pricing:`'s for its"
+        " name; null: `pricing:` decides (its name or a glob, else free).",
+    )
+
+
+def adapter_name_ok(name: str) -> str:
+    """ValueError for a name vLLM or the cache salt's domain cannot take."""
+    if not _NAME.match(name):
+        raise ValueError(
+            f"adapter name {name!r}: letters, digits and . _ : - only, 128 at most, starting"
+            " with a letter or digit"
+        )
+    if _SALT_SHAPE.match(name):
+        raise ValueError(
+            f"adapter name {name!r} has the shape of a cache salt (43 base64url characters):"
+            " vLLM keys the prefix cache by adapter and salt together"
+        )
+    return name
+
+
+def adapter_allowed(adapter: Adapter, tenant: Tenant) -> bool:
+    """Whether the tenant may use the adapter: shared, or it or its tier is named."""
+    return adapter.shared or tenant.name in adapter.tenants or tenant.tier in adapter.tiers
+
+
+def _matches(model: str, patterns: list[str] | None) -> bool:
+    return patterns is None or any(fnmatch.fnmatchcase(model, p) for p in patterns)
+
+
+def model_visible(
+    model: str,
+    patterns: list[str] | None,
+    adapters: Mapping[str, Adapter],
+    tenant: Tenant,
+    engine_adapters: Collection[str] = (),
+) -> bool:
+    """Whether the tenant may see and use ``model``. An adapter of the catalogue: by its own
+    rule (``adapter_allowed``), and by the tenant's model patterns unless the adapter names
+    the tenant itself (a tenant held to some models is not opened to every shared adapter).
+    An adapter an engine serves that the catalogue does not name (removed from it by a
+    reload while still loaded, or an engine's own ``--lora-modules``): nobody's. Any other
+    model: by the tenant's model patterns."""
+    adapter = adapters.get(model)
+    if adapter is not None:
+        named = tenant.name in adapter.tenants
+        return adapter_allowed(adapter, tenant) and (named or _matches(model, patterns))
+    if model in engine_adapters:
+        return False
+    return _matches(model, patterns)
+
+
+def adapter_prices(
+    adapters: Mapping[str, Adapter], pricing: Mapping[str, Price]
+) -> dict[str, Price]:
+    """``pricing`` with each priced adapter's own price under its exact name (an exact name
+    comes before the globs: proxy.config.quotas.price_of)."""
+    merged = dict(pricing)
+    merged.update({name: a.price for name, a in adapters.items() if a.price is not None})
+    return merged
+
+
+def adapter_cards(
+    adapters: Mapping[str, Adapter],
+    tenant: Tenant,
+    patterns: list[str] | None,
+    served: Callable[[str], bool],
+) -> list[dict[str, object]]:
+    """/v1/models cards of the tenant's adapters whose base model is ``served``, all in one
+    shape whether an engine holds them now or not (vLLM's own card carries the adapter's path
+    in ``root``, and which adapters are loaded is other tenants' business)."""
+    return [
+        {"id": name, "object": "model", "owned_by": "tierproxy", "parent": a.base_model}
+        for name, a in adapters.items()
+        if served(a.base_model) and model_visible(name, patterns, adapters, tenant)
+    ]

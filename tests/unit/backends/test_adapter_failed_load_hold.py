@@ -1,0 +1,74 @@
+"""A load that failed is not tried again on that backend for FAILED_LOAD_HOLD_S: a request for
+the broken adapter meanwhile is refused at once and gives up nobody's idle adapter (red team
+2026-12-02, finding 6: each request for an adapter with a bad path unloaded another tenant's
+adapter to make room for a load that failed again). A path changed by a reload is tried at once.
+Against a server answering vLLM's 400 for a path it cannot read; the loader's clock injected."""
+
+from __future__ import annotations
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from proxy.backends.adapter_loader import FAILED_LOAD_HOLD_S, AdapterLoader, AdapterLoadFailed
+from proxy.backends.backend import BackendState
+from proxy.bench.inproc import serve_app
+from proxy.config.adapters import Adapter
+from proxy.config.backends import Backend
+
+
+async def test_a_failed_load_is_held_back_and_unloads_nobody_meanwhile() -> None:
+    calls: list[tuple[str, str]] = []
+
+    async def load(request: web.Request) -> web.Response:
+        body = await request.json()
+        calls.append(("load", body["lora_name"]))
+        if body["lora_path"] == "/missing":
+            return web.json_response({"error": {"message": "no such path"}}, status=400)
+        return web.Response(text="Success")
+
+    async def unload(request: web.Request) -> web.Response:
+        calls.append(("unload", (await request.json())["lora_name"]))
+        return web.Response(text="Success")
+
+    app = web.Application()
+    app.router.add_post("/v1/load_lora_adapter", load)
+    app.router.add_post("/v1/unload_lora_adapter", unload)
+    catalogue = {
+        "theirs": Adapter(path="/theirs", base_model="tiny"),
+        "broken": Adapter(path="/missing", base_model="tiny"),
+    }
+    now = [100.0]
+    async with serve_app(app) as url, aiohttp.ClientSession() as session:
+        state = BackendState(Backend(url=url, max_inflight=4, max_loras=1, load_adapters=True))
+        loader = AdapterLoader(lambda: session, lambda: catalogue, clock=lambda: now[0])
+        await loader.ready(state, "theirs", state.adapters.begin("theirs", 1, now[0]))
+        state.adapters.end("theirs", now[0])  # idle: the one slot's possible victim
+
+        async def ask_for_broken() -> None:
+            plan = state.adapters.begin("broken", 1, now[0])
+            try:
+                await loader.ready(state, "broken", plan)
+            finally:
+                state.adapters.end("broken", now[0])
+
+        with pytest.raises(AdapterLoadFailed, match="HTTP 400"):
+            await ask_for_broken()  # gave up `theirs` for it: the slot was needed
+        state.adapters.listed(frozenset({"theirs"}), now[0])  # as if `theirs` were still there
+        calls.clear()
+        for _ in range(3):
+            now[0] += 5.0
+            with pytest.raises(AdapterLoadFailed, match=r"failed \d+ s ago"):
+                await ask_for_broken()
+        assert calls == []  # no load tried, nothing unloaded
+        assert "theirs" in state.adapters.held
+
+        now[0] += FAILED_LOAD_HOLD_S  # the hold is over: tried again (and fails again)
+        with pytest.raises(AdapterLoadFailed, match="HTTP 400"):
+            await ask_for_broken()
+        assert ("load", "broken") in calls
+
+        catalogue["broken"] = Adapter(path="/fixed", base_model="tiny")  # a reload fixed it
+        state.adapters.listed(frozenset(), now[0])
+        await ask_for_broken()  # tried at once, though its last load failed a moment ago
+        assert "broken" in state.adapters.held

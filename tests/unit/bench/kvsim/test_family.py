@@ -1,0 +1,68 @@
+"""The family of workloads (proxy.bench.kvsim.family) and a simulated run over it (kvsim.run)."""
+
+from __future__ import annotations
+
+import pytest
+
+from proxy.bench.kvsim.family import find_shape, load_family
+from proxy.bench.kvsim.report import figures, verdict
+from proxy.bench.kvsim.run import simulate
+from proxy.bench.scenario import ScenarioError
+
+
+def test_the_family_has_at_least_50_shapes_each_deterministic_by_seed() -> None:
+    family = load_family()
+    assert len(family) >= 50
+    assert len({s.name for s in family}) == len(family)
+    again = load_family()
+    assert [s.scenario for s in again] == [s.scenario for s in family]
+    other = load_family(seed=77)
+    assert {s.name for s in other}.isdisjoint(s.name for s in family)
+    assert find_shape(family[7].name).scenario == family[7].scenario
+    assert find_shape(family[7].name.split("-")[0]).scenario == family[7].scenario
+    with pytest.raises(ScenarioError):
+        find_shape("prefix-cache")
+
+
+def test_the_family_spans_the_issue_s_ranges() -> None:
+    family = load_family()
+    engines = {s.scenario.engines for s in family}
+    tenants = [sum(1 for t in s.scenario.tenants if t.conversations) for s in family]
+    turns = {t.turns for s in family for t in s.scenario.tenants if t.conversations}
+    assert min(engines) == 2 and max(engines) >= 7
+    assert min(tenants) <= 3 and max(tenants) >= 25
+    assert min(turns) == 1 and max(turns) >= 15
+    assert any(s.flood_share == 0 for s in family) and max(s.flood_share for s in family) > 0.6
+    assert min(s.cache_ratio for s in family) < 0.5 and max(s.cache_ratio for s in family) > 2.5
+    assert any(t.shared_words for s in family for t in s.scenario.tenants)
+    for s in family:  # every prompt fits an engine's cache
+        longest = max(
+            (t.system_words + t.shared_words + t.turns * 2 * t.user_words[1]) * 4.3
+            for t in s.scenario.tenants
+            if t.conversations
+        )
+        engine = s.scenario.engine
+        assert longest <= engine.kv_blocks * engine.block_size
+        # vLLM refuses to start an engine whose cache cannot hold one max_model_len sequence.
+        assert engine.max_model_len <= (engine.kv_blocks - 1) * engine.block_size
+
+
+def test_a_simulated_run_is_deterministic_and_counts_what_the_engines_did() -> None:
+    shape = find_shape(load_family()[1].name).scenario
+    a = figures(simulate(shape, "least_utilised", duration_s=10), 10)
+    b = figures(simulate(shape, "least_utilised", duration_s=10), 10)
+    assert a == b
+    assert a.requests > 0 and a.failed == 0
+    assert 0 < a.computed <= a.prompt and 0 <= a.floor_share <= a.share
+    assert sum(a.engine_share) == pytest.approx(1.0)
+
+
+def test_the_verdict_judges_kv_aware_against_the_better_baseline() -> None:
+    shape = find_shape(load_family()[1].name).scenario
+    runs = {
+        p: figures(simulate(shape, p, duration_s=10), 10)
+        for p in ("least_utilised", "prefix_affinity", "kv_aware")
+    }
+    v = verdict("x", runs)
+    better = min(runs["least_utilised"].share, runs["prefix_affinity"].share)
+    assert v.ratio == pytest.approx(runs["kv_aware"].share / better)
