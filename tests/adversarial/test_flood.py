@@ -4,6 +4,7 @@ budget, and idle and slowloris connections beside a real request."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 from typing import Any
 
 import aiohttp
@@ -93,7 +94,8 @@ async def _slowloris(port: int) -> bytes:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
 
     async def trickle() -> None:
-        for byte in b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\nX-Slow: ":
+        head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\nX-Slow: "
+        for byte in itertools.chain(head, itertools.repeat(ord("a"))):  # never the blank line
             writer.write(bytes([byte]))
             await writer.drain()
             await asyncio.sleep(0.02)  # the client being slow, not the test waiting
@@ -101,7 +103,7 @@ async def _slowloris(port: int) -> bytes:
     sending = asyncio.create_task(trickle())
     said = b""
     try:
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(60):  # a bound against hanging, not a measurement
             while chunk := await reader.read(65536):
                 said += chunk
     except ConnectionError:
@@ -117,13 +119,14 @@ async def test_idle_and_slowloris_connections_are_cut_and_a_real_request_is_serv
     async with FakeVLLM().serve() as url:
         config = make_config(
             [{"url": url}],
-            server={"max_connections": 30, "header_timeout_s": 0.3, "keepalive_timeout_s": 2},
+            # Long enough that a starved test loop opens all 20 before the first is cut.
+            server={"max_connections": 30, "header_timeout_s": 3.0, "keepalive_timeout_s": 2},
         )
         async with running_proxy(config) as (base, state):
             port = int(base.rsplit(":", 1)[1])
             idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(10)]
             slow = [asyncio.create_task(_slowloris(port)) for _ in range(10)]
-            await until(lambda: _open(state) == 20, 5, "20 hostile connections open")
+            await until(lambda: _open(state) == 20, 30, "20 hostile connections open")
 
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             request = orjson.dumps(
@@ -136,7 +139,7 @@ async def test_idle_and_slowloris_connections_are_cut_and_a_real_request_is_serv
                 + b"\r\nContent-Length: %d\r\n\r\n" % len(request)
                 + request
             )
-            status, _, _ = await asyncio.wait_for(read_answer(reader), 5)
+            status, _, _ = await asyncio.wait_for(read_answer(reader), 30)
             assert status == 200
             writer.close()
 
@@ -145,7 +148,7 @@ async def test_idle_and_slowloris_connections_are_cut_and_a_real_request_is_serv
                 assert head.startswith(b"HTTP/1.1 408 "), answer
                 assert orjson.loads(body)["error"]["code"] == "header_timeout"
             for idle_reader, idle_writer in idle:  # closed by the proxy, at most a 408 said
-                said = await asyncio.wait_for(idle_reader.read(), 5)
+                said = await asyncio.wait_for(idle_reader.read(), 30)
                 assert said == b"" or said.startswith(b"HTTP/1.1 408 "), said
                 idle_writer.close()
             await until(lambda: _open(state) == 0, 5, "every connection closed", state)

@@ -152,21 +152,24 @@ async def test_scripts_are_reloaded_after_a_restart(
 async def test_redis_down_falls_back_to_local_limits_and_recovers(
     replicas: Callable[..., Any], redis_server: RedisServer
 ) -> None:
+    # Calls get 2 s: a killed Redis refuses at once, and a busy machine must not time a live
+    # one out (the counts below would mix local and shared buckets: 68 of 70 allowed once).
+    call_timeout_s = 2.0
     (a,) = await replicas(
-        1, tenant(requests_per_minute=60), call_timeout_s=0.2, probe_interval_s=0.05
+        1, tenant(requests_per_minute=60), call_timeout_s=call_timeout_s, probe_interval_s=0.05
     )
     gauge = a.store.fallback
     assert sum(v.allowed for v in await admit_all([a], 60)) == 60
     redis_server.kill()
     started = time.monotonic()
     verdict = await a.admit("acme", 1, 0.0)
-    # Bounded by call_timeout_s (0.2 s), not a hang: ten of them leave a busy machine its lag.
-    assert time.monotonic() - started < 10 * 0.2
+    # Bounded by the call timeout, not a hang (a refused connection takes far less).
+    assert time.monotonic() - started < 3 * call_timeout_s
     assert verdict.allowed  # this replica's own (full) bucket decided
     assert gauge._value.get() == 1
     assert verdict.hold in a._held and a._held[verdict.hold] is None  # settled locally
     redis_server.start()
-    await until(lambda: a.store.up, 5, "the probe to find Redis again")
+    await until(lambda: a.store.up, 30, "the probe to find Redis again")
     assert gauge._value.get() == 0
     # Shared again: the restarted Redis has a fresh bucket of 60 for the whole deployment.
     assert sum(v.allowed for v in await admit_all([a], 70)) == 60

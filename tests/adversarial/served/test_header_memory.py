@@ -35,10 +35,13 @@ async def test_300_connections_sending_1_mib_heads_pin_no_memory(
 
 async def test_unfinished_heads_together_stay_within_the_budget(start_served: StartServed) -> None:
     """300 connections each holding 30 KiB (under max_header_bytes) against a 4 MiB budget:
-    about 130 are held, the rest refused with 503; the memory follows the budget."""
+    about 130 are held, the rest refused with 503; the memory follows the budget. A held head
+    ends in a 408 once its header timeout passes, which a busy machine can reach before the
+    count: held = still open + 408."""
     budget = 4 * MIB
     proxy = start_served(server={"max_pending_header_bytes": budget})
     figures = await header_memory(proxy, 300, hostile_head(30 * 1024))
     assert figures.answers.get("503", 0) >= 100, figures.line()
-    assert 100 <= figures.still_open <= 150, figures.line()
+    held = figures.still_open + figures.answers.get("408", 0)
+    assert 100 <= held <= 150, figures.line()
     assert figures.held_rss - figures.idle_rss < 4 * budget, figures.line()
