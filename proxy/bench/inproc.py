@@ -123,6 +123,11 @@ async def serve_app(
         await runner.cleanup()
 
 
+# A wait's timeout is a bound against hanging, never a measurement: whatever a caller asks, a
+# loop starved by a busy machine gets this long before the wait fails (CI failed 5 s ones).
+WAIT_FLOOR_S = 30.0
+
+
 async def until(
     condition: Callable[[], bool],
     timeout_s: float = 30.0,
@@ -131,6 +136,7 @@ async def until(
 ) -> None:
     """Poll a condition on running servers; fail (never hang) when it does not come true,
     saying what the proxy held at that moment."""
+    timeout_s = max(timeout_s, WAIT_FLOOR_S)
     deadline = asyncio.get_running_loop().time() + timeout_s
     while not condition():
         if asyncio.get_running_loop().time() > deadline:

@@ -75,7 +75,7 @@ async def exchange(port: int, *parts: bytes) -> tuple[int, dict[bytes, bytes], b
             if i:
                 await asyncio.sleep(0.05)  # the parts arrive apart, as separate reads
             writer.write(part)
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(30):  # against hanging
             status, headers, body = await read_answer(reader)
             rest = await reader.read()  # b"" once the proxy has closed the connection
         return status, headers, body, rest

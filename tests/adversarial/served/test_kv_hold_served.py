@@ -44,7 +44,7 @@ from proxy.bench.hostile.served import (
     ThreadedUpstream,
     admin_sections,
 )
-from proxy.bench.inproc import KEYS, make_config
+from proxy.bench.inproc import KEYS, WAIT_FLOOR_S, make_config
 from proxy.tools.tiny_model import make_tiny_model
 from tests.helpers.paths import TINY_MODEL_DIR
 
@@ -178,6 +178,7 @@ async def queue_depth(proxy: ServedProxy, tier: str) -> float:
 async def until(
     check: Callable[[], bool | Awaitable[bool]], what: str, timeout_s: float = 10.0
 ) -> None:
+    timeout_s = max(timeout_s, WAIT_FLOOR_S)  # a bound against hanging, not a measurement
     deadline = time.monotonic() + timeout_s
     while True:
         result = check()
