@@ -17,8 +17,9 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from types import TracebackType
 from typing import Self
+
+from proxy.ops.process import StopOnExit
 
 FORWARD = Path("/proc/sys/net/ipv4/ip_forward")
 # The commands the compose test runs, and Debian's package of each: the daemon, the compose
@@ -81,7 +82,7 @@ def daemon_answers() -> bool:
         return False
 
 
-class Dockerd:
+class Dockerd(StopOnExit):
     """``with Dockerd(log) as d:`` a daemon answers inside; ``d.started`` says whether it is
     ours (stopped on the way out, the host's network settings restored)."""
 
@@ -117,14 +118,6 @@ class Dockerd:
                 raise DockerUnavailable(f"dockerd did not start ({self.log}): {tail[0]}")
             time.sleep(0.2)
         return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     def stop(self) -> None:
         """Stop the daemon we started (by PID: its containerd goes with it) and undo its

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from proxy.bench.hostile.served import NullBackend, ServedProxy, served_config
+from proxy.bench.hostile.served import NullBackend, ServedFleet, ServedProxy, served_config
 from proxy.bench.inproc import KEYS
 from proxy.bench.redis_server import RedisServer
 from proxy.config.tenants import hash_key
@@ -34,7 +34,7 @@ def start(backend: NullBackend, redis_server: RedisServer, tmp_path: Path) -> It
     and shared state in ``redis_server`` (``shared=False``: without; ``state``: more of its
     settings), in front of the test module's own ``backend`` fixture; ``others``: more tenants
     (the high tier's demo key first); all stopped at teardown."""
-    started: list[ServedProxy] = []
+    fleet = ServedFleet(tmp_path)
 
     def run(
         shared: bool = True,
@@ -43,20 +43,15 @@ def start(backend: NullBackend, redis_server: RedisServer, tmp_path: Path) -> It
         **limits: Any,
     ) -> ServedProxy:
         tenant = {"name": TENANT, "tier": "normal", "keys": [{"sha256": hash_key(KEYS["normal"])}]}
-        settings = {"url": redis_server.url, "call_timeout_s": 0.2, "probe_interval_s": 0.1}
+        # 2 s calls: a busy machine must not time out a live Redis (a test wanting a stall
+        # shorter than that sets its own).
+        settings = {"url": redis_server.url, "call_timeout_s": 2.0, "probe_interval_s": 0.1}
         extra: dict[str, Any] = {"shared_state": {**settings, **(state or {})}} if shared else {}
         tenants = [{**tenant, **limits}]
         for other, key in zip(others, ("high", "low"), strict=False):
             tenants.append({"tier": key, "keys": [{"sha256": hash_key(KEYS[key])}], **other})
         config = served_config(backend.url, tenants=tenants, **extra)
-        proxy = ServedProxy(config, tmp_path, name=f"proxy-{len(started)}")
-        started.append(proxy)
-        proxy.start()
-        assert proxy.on_default_loop()
-        return proxy
+        return fleet.start(config)
 
-    try:
+    with fleet:
         yield run
-    finally:
-        for proxy in started:
-            proxy.stop()

@@ -54,7 +54,10 @@ async def settles_to(redis: Redis, expected: float, timeout_s: float = 8.0) -> f
 async def test_a_stall_past_the_call_timeout_leaves_the_counter_at_what_was_used(
     start: Any, redis_server: RedisServer, on_failure: str
 ) -> None:
-    proxy = start(state={"on_failure": on_failure}, quota={"tokens_per_day": 10_000_000})
+    proxy = start(
+        state={"on_failure": on_failure, "call_timeout_s": 0.2},
+        quota={"tokens_per_day": 10_000_000},
+    )
     request = json_request("/v1/chat/completions", BODY, KEYS["normal"])
     redis = Redis.from_url(redis_server.url)
     try:

@@ -210,6 +210,29 @@ class ServedProxy:
         return self.count(r"^Traceback \(most recent call last\)", since)
 
 
+class ServedFleet:
+    """The served proxies one fixture starts (``proxy-0``, ``proxy-1``, ... in ``workdir``),
+    each up and on its default loop when started; ``with`` stops them all on the way out."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.started: list[ServedProxy] = []
+
+    def start(self, config: dict[str, Any]) -> ServedProxy:
+        proxy = ServedProxy(config, self.workdir, name=f"proxy-{len(self.started)}")
+        self.started.append(proxy)
+        proxy.start()
+        assert proxy.on_default_loop(), "the served proxy is not on uvloop with the C parser"
+        return proxy
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for proxy in self.started:
+            proxy.stop()
+
+
 def auth_header(tier: str) -> str:
     return f"Bearer {KEYS[tier]}"
 

@@ -24,6 +24,7 @@ from proxy.bench.hostile.kit import exchange, json_request
 from proxy.bench.hostile.served import (
     ADMIN_KEY,
     NullBackend,
+    ServedFleet,
     ServedProxy,
     admin_sections,
 )
@@ -65,26 +66,18 @@ def engines() -> Iterator[list[Engine]]:
 
 @pytest.fixture
 def served_over(tmp_path: Path) -> Iterator[Any]:
-    proxies: list[ServedProxy] = []
+    with ServedFleet(tmp_path) as fleet:
 
-    def start(backends: list[dict[str, Any]], **sections: Any) -> ServedProxy:
-        config = make_config(backends, **admin_sections(), **sections)
-        config["backend_health"] = {
-            "health_interval_s": 0.5,
-            "metrics_interval_s": 0.5,
-            **config.get("backend_health", {}),
-        }
-        proxy = ServedProxy(config, tmp_path, name=f"proxy-{len(proxies)}")
-        proxies.append(proxy)
-        proxy.start()
-        assert proxy.on_default_loop()
-        return proxy
+        def start(backends: list[dict[str, Any]], **sections: Any) -> ServedProxy:
+            config = make_config(backends, **admin_sections(), **sections)
+            config["backend_health"] = {
+                "health_interval_s": 0.5,
+                "metrics_interval_s": 0.5,
+                **config.get("backend_health", {}),
+            }
+            return fleet.start(config)
 
-    try:
         yield start
-    finally:
-        for proxy in proxies:
-            proxy.stop()
 
 
 def chat(tier: str, content: str) -> bytes:

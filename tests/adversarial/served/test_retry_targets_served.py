@@ -45,7 +45,7 @@ from aiohttp import web
 
 from proxy.bench.fake_vllm import FakeVLLM
 from proxy.bench.hostile.kit import exchange, json_request
-from proxy.bench.hostile.served import NullBackend, ServedProxy, admin_sections
+from proxy.bench.hostile.served import NullBackend, ServedFleet, ServedProxy, admin_sections
 from proxy.bench.inproc import KEYS, make_config
 
 
@@ -53,21 +53,12 @@ from proxy.bench.inproc import KEYS, make_config
 def served_over(tmp_path: Path) -> Iterator[Any]:
     """Served proxies in front of the given backends (config order: the first is tried first
     while all are idle, ``least_utilised`` breaking ties by order); stopped at teardown."""
-    proxies: list[ServedProxy] = []
+    with ServedFleet(tmp_path) as fleet:
 
-    def start(backends: list[dict[str, Any]], **sections: Any) -> ServedProxy:
-        config = make_config(backends, **admin_sections(), **sections)
-        proxy = ServedProxy(config, tmp_path, name=f"proxy-{len(proxies)}")
-        proxies.append(proxy)
-        proxy.start()
-        assert proxy.on_default_loop()
-        return proxy
+        def start(backends: list[dict[str, Any]], **sections: Any) -> ServedProxy:
+            return fleet.start(make_config(backends, **admin_sections(), **sections))
 
-    try:
         yield start
-    finally:
-        for proxy in proxies:
-            proxy.stop()
 
 
 @contextlib.contextmanager
