@@ -30,6 +30,8 @@ from tests.helpers.paths import REPO, TINY_MODEL_DIR
 if TYPE_CHECKING:  # the settings import the proxy's app: only the engine tests load them
     from tests.helpers.engines import EngineSetting
 
+pytest_plugins = ["tests.helpers.gc_quiet_reports"]
+
 MAX_LIVE_ENGINES = int(os.environ.get("TIERPROXY_TEST_MAX_ENGINES", "3"))
 _FARM = pytest.StashKey[EngineFarm]()
 _POSITION = pytest.StashKey[int]()
