@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import asyncio
 
-from proxy.backends.adapter_slots import AdapterSlots, LoadPlan
+from proxy.backends.adapter_rules import SlotRules, begin, fit
+from proxy.backends.adapter_slots import AdapterSlots, LoadPlan, SlotUser
 from proxy.backends.pool import BackendPool
 from proxy.config.backends import Backend, BackendHealth
 from proxy.policies.backends import LeastUtilised
@@ -17,6 +18,8 @@ from proxy.scheduling.dispatch import Dispatcher, Lease
 from proxy.scheduling.queue import AdmissionQueue
 from proxy.telemetry.metrics import ProxyMetrics
 from tests.helpers.clock import FakeClock
+
+USER = SlotUser("tenant")
 
 ADAPTERS = {f"lora-{c}": "tiny" for c in "abcdef"}
 
@@ -54,10 +57,10 @@ def _req(model: str, clock: FakeClock) -> QueuedRequest:
 def test_slots_give_up_the_least_recently_used_idle_adapter() -> None:
     slots = AdapterSlots()
     slots.listed(frozenset({"a", "b"}), now=0.0)
-    assert slots.begin("a", 2, now=1.0) is None  # held: nothing to load
-    slots.end("a", now=2.0)  # a used last at 2, b at 0
-    assert slots.fit("c", 2, may_load=True) == "load"
-    assert slots.begin("c", 2, now=3.0) == LoadPlan("c", unload="b")
+    assert begin(slots, "a", USER, SlotRules(2), 1.0) is None  # held: nothing to load
+    slots.end("a", USER, 2.0)  # a used last at 2, b at 0
+    assert fit(slots, "c", USER, SlotRules(2, True), 0.0) == "load"
+    assert begin(slots, "c", USER, SlotRules(2), 3.0) == LoadPlan("c", unload="b")
     assert "c" in slots.loading and "b" not in slots.held
     # A later /v1/models that still lists b (its unload not done yet) does not bring it back.
     slots.listed(frozenset({"a", "b"}), now=4.0)
@@ -69,21 +72,22 @@ def test_slots_give_up_the_least_recently_used_idle_adapter() -> None:
 def test_nothing_to_give_up_while_every_held_adapter_runs() -> None:
     slots = AdapterSlots()
     for name in ("a", "b"):
-        assert slots.begin(name, 2, now=0.0) == LoadPlan(name)
+        assert begin(slots, name, USER, SlotRules(2), 0.0) == LoadPlan(name)
         slots.load_done(name, ok=True)
-    assert slots.fit("c", 2, may_load=True) is None  # two distinct in flight: the slots
-    assert slots.fit("a", 2, may_load=True) == "has"
-    slots.end("b", now=1.0)
-    assert slots.fit("c", 2, may_load=True) == "load"
-    assert slots.fit("c", 2, may_load=False) is None  # runtime loading not allowed
+    # Two distinct in flight: the slots.
+    assert fit(slots, "c", USER, SlotRules(2, True), 0.0) is None
+    assert fit(slots, "a", USER, SlotRules(2, True), 0.0) == "has"
+    slots.end("b", USER, 1.0)
+    assert fit(slots, "c", USER, SlotRules(2, True), 0.0) == "load"
+    assert fit(slots, "c", USER, SlotRules(2, False), 0.0) is None  # runtime loading not allowed
 
 
 def test_a_cancelled_plan_leaves_the_engine_as_it_was() -> None:
     slots = AdapterSlots()
     slots.listed(frozenset({"a", "b"}), now=0.0)
-    plan = slots.begin("c", 2, now=1.0)
+    plan = begin(slots, "c", USER, SlotRules(2), 1.0)
     assert plan is not None
-    slots.end("c", now=1.0)
+    slots.end("c", USER, 1.0)
     slots.cancel(plan)
     assert set(slots.held) == {"a", "b"} and not slots.loading and not slots.unloading
 
@@ -93,7 +97,7 @@ def test_an_adapter_the_engine_says_it_lacks_is_loaded_again_unless_its_load_run
     slots.listed(frozenset({"a"}), now=0.0)
     slots.gone("a")  # a 404 from the engine: restarted, or another replica unloaded it
     assert "a" not in slots.held
-    assert slots.begin("a", 2, now=1.0) == LoadPlan("a")  # the next request loads it
+    assert begin(slots, "a", USER, SlotRules(2), 1.0) == LoadPlan("a")  # the next request loads it
     slots.gone("a")  # a 404 sent before this load: the load under way decides
     assert "a" in slots.held and "a" in slots.loading
 
