@@ -47,20 +47,31 @@ def test_joining_an_adapter_only_the_best_tier_runs_counts_against_the_worse_tie
     slots = AdapterSlots()
     _run(slots, "shared", HIGH, 0.0)
     _run(slots, "shared", LOW, 0.0)  # no new slot, but its generation keeps this one busy
-    assert fit(slots, "low-2", LOW, RULES, 0.0) is None
+    assert fit(slots, "other-2", OTHER, RULES, 0.0) is None
     assert fit(slots, "high-2", SlotUser("another-high"), RULES, 0.0) == "load"
 
 
 def test_a_tenant_past_its_share_waits_while_another_tenant_wants_a_slot() -> None:
     slots = AdapterSlots()
-    rules = SlotRules(max_loras=2, tenant_cap=1, claim_s=300.0)  # no reserve: one tier
+    rules = SlotRules(max_loras=3, tenant_cap=1, claim_s=300.0)  # no reserve: one tier
     _run(slots, "theirs", OTHER, 0.0)
     slots.end("theirs", OTHER, 1.0)  # idle, but used a moment ago: wanted
     _run(slots, "a", CYCLER, 2.0)  # its long generation
-    assert fit(slots, "b", CYCLER, rules, 3.0) is None  # a second distinct adapter: no
+    # A second distinct adapter, though a slot is free: that one is left for the others.
+    assert fit(slots, "b", CYCLER, rules, 3.0) is None
     assert fit(slots, "a", CYCLER, rules, 3.0) == "has"
     # Once nobody else wanted a slot for claim_s, it may use them all.
     assert fit(slots, "b", CYCLER, rules, 1.0 + 300.5) == "load"
+
+
+def test_another_tenant_running_a_shared_adapter_wants_a_slot_too() -> None:
+    slots = AdapterSlots()
+    rules = SlotRules(max_loras=3, tenant_cap=1)
+    _run(slots, "shared", OTHER, 0.0)
+    _run(slots, "shared", CYCLER, 1.0)  # it used it last: the other tenant claims nothing
+    assert fit(slots, "b", CYCLER, rules, 2.0) is None
+    slots.end("shared", OTHER, 3.0)
+    assert fit(slots, "b", CYCLER, rules, 4.0) == "load"  # alone now
 
 
 def test_a_tenant_alone_uses_every_slot() -> None:

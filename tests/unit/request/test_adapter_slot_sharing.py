@@ -79,7 +79,8 @@ async def test_a_high_tier_adapter_is_answered_while_low_tier_generations_hold_t
             asyncio.create_task(_complete(client, base, "low", name, 250))
             for name in ("low-1", "low-2")
         ]
-        await until(lambda: state.pool.all()[0].adapters.running(), 30, "a low generation", state)
+        running = state.pool.all()[0].adapters.running
+        await until(lambda: bool(running()), 30, "a low generation", state)
         high = asyncio.create_task(_complete(client, base, "high", "high-1", 2))
         # The high request is answered, or waits in the proxy's queue: then the lows end.
         await until(
