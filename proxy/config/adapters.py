@@ -75,14 +75,11 @@ def adapter_allowed(adapter: Adapter, tenant: Tenant) -> bool:
 def adapters_of_tiers(
     adapters: Mapping[str, Adapter], tenants: Collection[Tenant], tiers: Collection[str]
 ) -> frozenset[str]:
-    """The adapters some tenant of ``tiers`` may use (a shared one, one open to one of the
-    tiers, one naming such a tenant), whatever its model patterns: where a slot may be kept
-    for those tiers."""
+    """The adapters some tenant of ``tiers`` may use (a shared one, one open to its tier, one
+    naming it), whatever its model patterns: where a slot may be kept for those tiers."""
     of_tiers = [t for t in tenants if t.tier in tiers]
     return frozenset(
-        name
-        for name, a in adapters.items()
-        if a.shared or set(a.tiers) & set(tiers) or any(adapter_allowed(a, t) for t in of_tiers)
+        name for name, a in adapters.items() if any(adapter_allowed(a, t) for t in of_tiers)
     )
 
 

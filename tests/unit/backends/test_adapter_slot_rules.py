@@ -10,6 +10,9 @@ from proxy.backends.adapter_rules import AdapterPolicy, SlotRules, begin, fit
 from proxy.backends.adapter_slots import AdapterSlots, LoadPlan, SlotUser
 from proxy.config.backends import Backend
 from proxy.config.scheduling import AdapterSlotKnobs
+from proxy.config.schema import Config
+from proxy.scheduling.build import build_scheduling
+from proxy.telemetry.metrics import ProxyMetrics
 
 HIGH = SlotUser("tenant-high", best=True)
 LOW = SlotUser("tenant-low", best=False)
@@ -128,3 +131,27 @@ def test_the_policy_keeps_a_reserve_only_where_it_can_serve_the_best_tier() -> N
     assert policy.rules(Backend(url="http://z:1"), "tiny") is None  # no LoRA there
     big = Backend(url="http://w:1", max_loras=8)
     assert policy.rules(big, "tiny") == SlotRules(8, False, 1, 4, 300.0)
+
+
+def _config(adapters: dict[str, dict[str, object]]) -> Config:
+    tier = {"weight": 1, "max_queue": 1, "queue_timeout_s": 1, "request_timeout_s": 1}
+    return Config.model_validate(
+        {
+            "tiers": {"high": {**tier, "priority": 0}, "low": {**tier, "priority": 10}},
+            "tenants": [
+                {"name": "h", "tier": "high", "keys": [{"sha256": "0" * 64}]},
+                {"name": "l", "tier": "low", "keys": [{"sha256": "1" * 64}]},
+            ],
+            "backends": [{"url": "http://x:1", "max_loras": 2}],
+            "adapters": adapters,
+        }
+    )
+
+
+def test_the_reserve_is_kept_only_for_a_base_model_a_best_tier_tenant_may_use() -> None:
+    lows = {"lows": {"path": "/l", "base_model": "tiny", "tenants": ["l"]}}
+    pool = build_scheduling(_config(lows), ProxyMetrics()).pool
+    assert pool.adapter_policy.reserve_bases == frozenset()  # nobody of the best tier to serve
+    shared = {**lows, "both": {"path": "/b", "base_model": "tiny", "shared": True}}
+    pool = build_scheduling(_config(shared), ProxyMetrics()).pool
+    assert pool.adapter_policy.reserve_bases == frozenset({"tiny"})
