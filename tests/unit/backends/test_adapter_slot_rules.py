@@ -6,6 +6,8 @@ what they hold back."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from proxy.backends.adapter_rules import AdapterPolicy, SlotRules, begin, fit
 from proxy.backends.adapter_slots import AdapterSlots, LoadPlan, SlotUser
 from proxy.config.backends import Backend
@@ -133,7 +135,7 @@ def test_the_policy_keeps_a_reserve_only_where_it_can_serve_the_best_tier() -> N
     assert policy.rules(big, "tiny") == SlotRules(8, False, 1, 4, 300.0)
 
 
-def _config(adapters: dict[str, dict[str, object]]) -> Config:
+def _config(adapters: dict[str, Any]) -> Config:
     tier = {"weight": 1, "max_queue": 1, "queue_timeout_s": 1, "request_timeout_s": 1}
     return Config.model_validate(
         {
