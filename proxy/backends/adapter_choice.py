@@ -1,13 +1,14 @@
 """Which backends may take a request for an adapter of the catalogue (``adapters:``): those
 that hold it and have a slot for it, else those where the proxy can load it, as the slot rules
 allow for the request's tier and tenant (``proxy.backends.adapter_rules``). The chooser policy
-picks among them as for any request."""
+picks among them as for any request. A request that finds no slot anywhere is noted on the
+backends it waits for, for the rest of the dispatch pass (``AdapterSlots.waiting``)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from proxy.backends.adapter_rules import AdapterPolicy, begin, fit
+from proxy.backends.adapter_rules import AdapterPolicy, begin, fit, waits_for_slot
 from proxy.backends.adapter_slots import LoadPlan, SlotUser
 from proxy.backends.backend import BackendState
 
@@ -28,6 +29,7 @@ def adapter_able(
         return None
     has: set[str] = set()
     load: set[str] = set()
+    refused: list[BackendState] = []
     for state in states:
         rules = policy.rules(state.cfg, base)
         if rules is None or not state.serves(base):
@@ -37,6 +39,11 @@ def adapter_able(
             has.add(state.cfg.url)
         elif found == "load":
             load.add(state.cfg.url)
+        elif waits_for_slot(state.adapters, model, user, rules, now):
+            refused.append(state)
+    if not has and not load:  # no slot anywhere: it waits for one of these
+        for state in refused:
+            state.adapters.waiting.add((user.tenant, user.best))
     return has, load
 
 

@@ -17,6 +17,11 @@ request that needs them comes:
   room by giving up one of its own idle adapters (or one nobody wants any more), never one
   another tenant wants: cycling through many adapters then churns only its own slots. Alone
   on an engine a tenant may use every slot (nothing is held back for nobody).
+- **No queue-jumping by joining.** While a request of another tenant waits for a slot on the
+  engine (it found none anywhere in this dispatch pass), a request does not join an adapter
+  that already runs there (a worse-tier one waits for any such request, a best-tier one only
+  for a best-tier one): else a tenant whose requests overlap on one adapter would hold its slot
+  for ever, and the waiting one would wait past its queue timeout, not for one generation.
 """
 
 from __future__ import annotations
@@ -91,6 +96,8 @@ def fit(
     """Whether ``user``'s request for ``adapter`` may start here now: "has" (held, or being
     loaded), "load" (a slot is free or an idle one can be given up), None (it waits)."""
     running = slots.running()
+    if adapter in running and _behind(slots, user):
+        return None
     if adapter not in running and len(running) >= rules.max_loras:
         return None
     worse = slots.worse_running()
@@ -107,6 +114,22 @@ def fit(
     if len(slots.held) < rules.max_loras or victim(slots, user, rules, now) is not None:
         return "load"
     return None
+
+
+def _behind(slots: AdapterSlots, user: SlotUser) -> bool:
+    """Another tenant's request waits here for a slot, of the best tier or ``user``'s worse."""
+    return any(t != user.tenant and (best or not user.best) for t, best in slots.waiting)
+
+
+def waits_for_slot(
+    slots: AdapterSlots, adapter: str, user: SlotUser, rules: SlotRules, now: float
+) -> bool:
+    """``fit`` refused the request here for a slot another tenant's requests hold: not for its
+    own tenant's share, nor because the adapter cannot be loaded here."""
+    if adapter in slots.running() or not (rules.may_load or adapter in slots.held):
+        return False
+    cap = tenant_cap(slots, user.tenant, rules, now)
+    return cap is None or len(slots.running_of(user.tenant)) < cap
 
 
 def begin(

@@ -47,6 +47,9 @@ class AdapterSlots:
     # tenant -> name -> its requests in flight; name -> requests of worse tiers in flight.
     by_tenant: dict[str, dict[str, int]] = field(default_factory=dict)
     worse: dict[str, int] = field(default_factory=dict)
+    # (tenant, of the best tier) of the requests that found no slot anywhere in this dispatch
+    # pass and wait for one here (cleared at each pass: nothing stale when they leave).
+    waiting: set[tuple[str, bool]] = field(default_factory=set)
 
     def running(self) -> set[str]:
         return {name for name, count in self.inflight.items() if count > 0}

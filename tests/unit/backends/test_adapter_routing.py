@@ -167,3 +167,24 @@ async def test_an_engine_listing_more_adapters_than_slots_runs_max_loras_at_once
     assert state.adapters.running() == {"lora-a", "lora-b"}
     waiters[0].result().release()
     assert waiters[2].done() and not waiters[3].done()
+
+
+async def test_a_tenant_whose_requests_overlap_on_one_adapter_lets_a_waiting_one_in() -> None:
+    """A tenant that keeps a request in flight on its adapter at every moment would hold an
+    engine's slot for ever if its next requests joined the running adapter ahead of another
+    tenant's request waiting for the slot; they wait behind it instead, so the waiting one
+    starts once the requests already in flight end."""
+    clock = FakeClock()
+    d = _dispatcher(clock, _lora_backend("x", max_loras=1))
+    running = [d.enqueue(_req("lora-a", clock)) for _ in range(2)]
+    waiting = d.enqueue(_req("lora-b", clock))
+    joins = []
+    for _ in range(4):  # one ends, another comes: always one of its requests in flight
+        clock.advance(1.0)
+        running.pop(0).result().release()
+        joins.append(d.enqueue(_req("lora-a", clock)))
+        running.extend(j for j in joins[-1:] if j.done())
+        if waiting.done():
+            break
+    assert waiting.done()  # after the two in flight when it came, not after every later one
+    assert len(joins) == 2 and not any(j.done() for j in joins)
