@@ -157,3 +157,15 @@ def test_the_reserve_is_kept_only_for_a_base_model_a_best_tier_tenant_may_use() 
     shared = {**lows, "both": {"path": "/b", "base_model": "tiny", "shared": True}}
     pool = build_scheduling(_config(shared), ProxyMetrics()).pool
     assert pool.adapter_policy.reserve_bases == frozenset({"tiny"})
+
+
+def test_a_join_waits_behind_another_tenants_request_for_a_slot() -> None:
+    slots = AdapterSlots()
+    _run(slots, "low-1", LOW, 0.0)
+    slots.waiting.add((OTHER.tenant, False))  # found no slot anywhere this dispatch pass
+    assert fit(slots, "low-1", LOW, RULES, 1.0) is None  # would hold the slot past it
+    assert fit(slots, "low-1", OTHER, RULES, 1.0) == "has"  # its own tenant: no
+    _run(slots, "high-1", HIGH, 1.0)
+    assert fit(slots, "high-1", SlotUser("another-high"), RULES, 1.0) == "has"  # worse waits
+    slots.waiting.add(("another-high", True))
+    assert fit(slots, "high-1", HIGH, RULES, 1.0) is None  # behind the best tier's request
