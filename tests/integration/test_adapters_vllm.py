@@ -3,7 +3,8 @@
 than the base model; another tenant gets the 404 of a model that does not exist and never sees
 it listed; an adapter the engine does not hold is served once the proxy loaded it; with three
 adapters and two slots no request waits in vLLM for a slot (its queue-time histogram); and the KV events of an adapter's blocks predict the
-``cached_tokens`` of the next turn, per adapter and salt."""
+``cached_tokens`` of the next turn, per adapter and salt; a high-tier request for an adapter
+finishes before the low tier's long generations that hold the other slots."""
 
 from __future__ import annotations
 
