@@ -1,35 +1,67 @@
 """Which backends may take a request for an adapter of the catalogue (``adapters:``): those
-that hold it and have a slot for it, else those where the proxy can load it. The chooser
-policy picks among them as for any request."""
+that hold it and have a slot for it, else those where the proxy can load it, as the slot rules
+allow for the request's tier and tenant (``proxy.backends.adapter_rules``). The chooser policy
+picks among them as for any request. A request that finds no slot anywhere is noted on the
+backends it waits for, for the rest of the dispatch pass (``AdapterSlots.waiting``)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+from proxy.backends.adapter_rules import AdapterPolicy, begin, fit, waits_for_slot
+from proxy.backends.adapter_slots import LoadPlan, SlotUser
 from proxy.backends.backend import BackendState
 
 
 def adapter_able(
-    states: Iterable[BackendState], adapters: Mapping[str, str], model: str | None
+    states: Iterable[BackendState],
+    adapters: Mapping[str, str],
+    model: str | None,
+    policy: AdapterPolicy,
+    user: SlotUser,
+    now: float,
 ) -> tuple[set[str], set[str]] | None:
     """For an adapter of the catalogue (``adapters``: name -> base model): the urls of the
-    backends that may take it now, those that hold it and those that can load it; None for
-    any other model."""
+    backends that may take ``user``'s request for it now, those that hold it and those that
+    can load it; None for any other model."""
     base = adapters.get(model) if model is not None else None
     if base is None or model is None:
         return None
     has: set[str] = set()
     load: set[str] = set()
+    refused: list[BackendState] = []
     for state in states:
-        max_loras = state.cfg.max_loras
-        if max_loras is None or not state.serves(base):
+        rules = policy.rules(state.cfg, base)
+        if rules is None or not state.serves(base):
             continue
-        fit = state.adapters.fit(model, max_loras, state.cfg.load_adapters)
-        if fit == "has":
+        found = fit(state.adapters, model, user, rules, now)
+        if found == "has":
             has.add(state.cfg.url)
-        elif fit == "load":
+        elif found == "load":
             load.add(state.cfg.url)
+        elif waits_for_slot(state.adapters, model, user, rules, now):
+            refused.append(state)
+    if not has and not load:  # no slot anywhere: it waits for one of these
+        for state in refused:
+            state.adapters.waiting.add((user.tenant, user.best))
     return has, load
+
+
+def adapter_begin(
+    state: BackendState,
+    adapters: Mapping[str, str],
+    model: str | None,
+    policy: AdapterPolicy,
+    user: SlotUser,
+    now: float,
+) -> LoadPlan | None:
+    """Count ``user``'s request for ``model`` in on ``state`` when it is an adapter there; the
+    load it must do first, if any."""
+    base = adapters.get(model) if model is not None else None
+    rules = policy.rules(state.cfg, base) if base is not None else None
+    if model is None or rules is None:
+        return None
+    return begin(state.adapters, model, user, rules, now)
 
 
 def serves_adapter(states: Iterable[BackendState], adapters: Mapping[str, str], model: str) -> bool:

@@ -6,7 +6,9 @@ A backend with ``max_loras`` M never gets a request whose adapter would make mor
 distinct adapters in flight there: vLLM would hold it in its own "deferred" list, out of the
 proxy's sight; here it waits in the proxy's queue, in its tier's order. The proxy also keeps at
 most M adapters registered on an engine it loads into, unloading the least recently used idle
-one to make room, so that every adapter it holds fits vLLM's adapter cache at once.
+one to make room, so that every adapter it holds fits vLLM's adapter cache at once. Who may
+open a slot, and which idle adapter a request gives up, is ``proxy.backends.adapter_rules``'s
+call (tiers and tenants); this module keeps the counts it decides from.
 """
 
 from __future__ import annotations
@@ -15,6 +17,14 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 Fit = Literal["has", "load"]
+
+
+@dataclass(frozen=True)
+class SlotUser:
+    """Who a request for an adapter is for: its tenant, and whether its tier is the best."""
+
+    tenant: str = ""
+    best: bool = True
 
 
 @dataclass(frozen=True)
@@ -32,9 +42,38 @@ class AdapterSlots:
     loading: set[str] = field(default_factory=set)  # held, but the proxy's load is under way
     unloading: set[str] = field(default_factory=set)  # given up: never routed to, never re-listed
     inflight: dict[str, int] = field(default_factory=dict)  # name -> requests in flight
+    # name -> the tenant whose request began on it last (held names only; none: listed only).
+    owner: dict[str, str] = field(default_factory=dict)
+    # tenant -> name -> its requests in flight; name -> requests of worse tiers in flight.
+    by_tenant: dict[str, dict[str, int]] = field(default_factory=dict)
+    worse: dict[str, int] = field(default_factory=dict)
+    # (tenant, of the best tier) of the requests that found no slot anywhere in this dispatch
+    # pass and wait for one here (cleared at each pass: nothing stale when they leave).
+    waiting: set[tuple[str, bool]] = field(default_factory=set)
 
     def running(self) -> set[str]:
         return {name for name, count in self.inflight.items() if count > 0}
+
+    def running_of(self, tenant: str) -> set[str]:
+        return set(self.by_tenant.get(tenant, ()))
+
+    def worse_running(self) -> set[str]:
+        return set(self.worse)
+
+    def claims(self, now: float, claim_s: float) -> dict[str, str]:
+        """Held adapters still wanted by the tenant that used them last (name -> tenant):
+        running, or used within ``claim_s``."""
+        running = self.running()
+        return {
+            name: tenant
+            for name, tenant in self.owner.items()
+            if name in self.held and (name in running or self.held[name] >= now - claim_s)
+        }
+
+    def idle(self) -> list[tuple[float, str]]:
+        """(last used, name) of the adapters held here with nothing in flight, not loading."""
+        running = self.running()
+        return [(t, n) for n, t in self.held.items() if n not in running and n not in self.loading]
 
     def listed(self, names: frozenset[str], now: float) -> None:
         """The adapters its ``/v1/models`` lists now (those the proxy is loading stay)."""
@@ -42,34 +81,22 @@ class AdapterSlots:
         for name in names - self.unloading:
             keep.setdefault(name, now)
         self.held = keep
+        self.owner = {n: t for n, t in self.owner.items() if n in keep}
 
-    def victim(self) -> str | None:
-        """The least recently used adapter held here with nothing in flight, not loading."""
-        running = self.running()
-        idle = [(t, n) for n, t in self.held.items() if n not in running and n not in self.loading]
-        return min(idle)[1] if idle else None
-
-    def fit(self, adapter: str, max_loras: int, may_load: bool) -> Fit | None:
-        """Whether a request for ``adapter`` may start here now: "has" (held, or being
-        loaded), "load" (a slot is free or an idle one can be given up), None (it waits)."""
-        running = self.running()
-        if adapter not in running and len(running) >= max_loras:
-            return None
-        if adapter in self.held:
-            return "has"
-        if not may_load:
-            return None
-        if len(self.held) < max_loras or self.victim() is not None:
-            return "load"
-        return None
-
-    def begin(self, adapter: str, max_loras: int, now: float) -> LoadPlan | None:
-        """Count a request for ``adapter`` in; the load it must do first (None: held)."""
+    def begin(
+        self, adapter: str, user: SlotUser, unload: str | None, now: float
+    ) -> LoadPlan | None:
+        """Count a request of ``user`` for ``adapter`` in; the load it must do first (None:
+        held), giving up ``unload`` (the rules' pick) when the slots are full."""
         self.inflight[adapter] = self.inflight.get(adapter, 0) + 1
+        mine = self.by_tenant.setdefault(user.tenant, {})
+        mine[adapter] = mine.get(adapter, 0) + 1
+        if not user.best:
+            self.worse[adapter] = self.worse.get(adapter, 0) + 1
+        self.owner[adapter] = user.tenant
         if adapter in self.held:
             self.held[adapter] = now
             return None
-        unload = self.victim() if len(self.held) >= max_loras else None
         if unload is not None:
             del self.held[unload]
             self.unloading.add(unload)
@@ -77,13 +104,16 @@ class AdapterSlots:
         self.loading.add(adapter)
         return LoadPlan(adapter, unload)
 
-    def end(self, adapter: str, now: float) -> None:
-        """A request for ``adapter`` left."""
-        count = self.inflight.get(adapter, 0) - 1
-        if count > 0:
-            self.inflight[adapter] = count
-        else:
-            self.inflight.pop(adapter, None)
+    def end(self, adapter: str, user: SlotUser, now: float) -> None:
+        """A request of ``user`` for ``adapter`` left."""
+        _count_out(self.inflight, adapter)
+        mine = self.by_tenant.get(user.tenant)
+        if mine is not None:
+            _count_out(mine, adapter)
+            if not mine:
+                del self.by_tenant[user.tenant]
+        if not user.best:
+            _count_out(self.worse, adapter)
         if adapter in self.held:
             self.held[adapter] = now
 
@@ -111,3 +141,11 @@ class AdapterSlots:
         if plan.unload is not None and plan.unload in self.unloading:
             self.unloading.discard(plan.unload)
             self.held.setdefault(plan.unload, float("-inf"))
+
+
+def _count_out(counts: dict[str, int], name: str) -> None:
+    count = counts.get(name, 0) - 1
+    if count > 0:
+        counts[name] = count
+    else:
+        counts.pop(name, None)

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 
-from proxy.backends.adapter_choice import adapter_able, serves_adapter
-from proxy.backends.adapter_slots import LoadPlan
+from proxy.backends.adapter_choice import adapter_able, adapter_begin, serves_adapter
+from proxy.backends.adapter_rules import AdapterPolicy
+from proxy.backends.adapter_slots import LoadPlan, SlotUser
 from proxy.backends.backend import BackendState
 from proxy.backends.health import OutlierDetection
 from proxy.config.backends import Backend, BackendHealth
@@ -51,8 +52,10 @@ class BackendPool:
         # Told when a backend shared with other replicas runs out of granted room (False) or
         # frees a slot (True): proxy.replicas.room asks for room or gives it back then.
         self.on_shared_room: Callable[[bool], None] | None = None
-        # The `adapters:` catalogue: adapter name -> its base model (set by the builder).
+        # The `adapters:` catalogue: adapter name -> its base model, and how tiers and tenants
+        # share adapter slots (both set by the builder).
         self.adapters: Mapping[str, str] = {}
+        self.adapter_policy = AdapterPolicy()
         self.reconfigure(backends, health)
 
     def reconfigure(
@@ -176,7 +179,10 @@ class BackendPool:
         full: list[BackendState] = []
         failed = request.failed_on if request is not None else frozenset()
         avoid = self._passed_over(failed, model, now)
-        able = self._adapter_able(model)
+        user = SlotUser(request.tenant if request is not None else "", best)
+        able = adapter_able(
+            self.states.values(), self.adapters, model, self.adapter_policy, user, now
+        )
         for state in self.states.values():
             if state.cfg.url in avoid:
                 continue
@@ -197,9 +203,6 @@ class BackendPool:
         if not candidates:
             return None
         return self.chooser.pick(candidates, request, now=now, full=full)
-
-    def _adapter_able(self, model: str | None) -> tuple[set[str], set[str]] | None:
-        return adapter_able(self.states.values(), self.adapters, model)
 
     def serves_adapter(self, model: str) -> bool:
         return serves_adapter(self.states.values(), self.adapters, model)
@@ -293,10 +296,10 @@ class BackendPool:
         self.chooser.served(state, request)
         if request is not None and request.prompt_blocks is not None:
             request.predicted_blocks = state.cached_blocks(request.prompt_blocks)
-        model = request.model if request is not None else None
-        if model is not None and model in self.adapters and state.cfg.max_loras is not None:
-            return state.adapters.begin(model, state.cfg.max_loras, now)
-        return None
+        if request is None:
+            return None
+        user = SlotUser(request.tenant, best)
+        return adapter_begin(state, self.adapters, request.model, self.adapter_policy, user, now)
 
     def release(
         self,
@@ -313,7 +316,7 @@ class BackendPool:
         if request is not None:
             self.chooser.ended(state, request, ran)
             if request.model is not None and request.model in state.adapters.inflight:
-                state.adapters.end(request.model, now)
+                state.adapters.end(request.model, SlotUser(request.tenant, best), now)
         state.best_inflight -= best
         # Any request leaving brings the backend one nearer its room: one fewer over it.
         state.reserve_inflight = max(0, state.reserve_inflight - 1)

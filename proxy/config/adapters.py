@@ -72,6 +72,17 @@ def adapter_allowed(adapter: Adapter, tenant: Tenant) -> bool:
     return adapter.shared or tenant.name in adapter.tenants or tenant.tier in adapter.tiers
 
 
+def adapters_of_tiers(
+    adapters: Mapping[str, Adapter], tenants: Collection[Tenant], tiers: Collection[str]
+) -> frozenset[str]:
+    """The adapters some tenant of ``tiers`` may use (a shared one, one open to its tier, one
+    naming it), whatever its model patterns: where a slot may be kept for those tiers."""
+    of_tiers = [t for t in tenants if t.tier in tiers]
+    return frozenset(
+        name for name, a in adapters.items() if any(adapter_allowed(a, t) for t in of_tiers)
+    )
+
+
 def _matches(model: str, patterns: list[str] | None) -> bool:
     return patterns is None or any(fnmatch.fnmatchcase(model, p) for p in patterns)
 

@@ -36,6 +36,45 @@ class Limits(Strict):
     )
 
 
+class AdapterSlotKnobs(Strict):
+    """`scheduling.adapter_slots`: how an engine's LoRA adapter slots (its `max_loras`) are
+    shared among tiers and tenants (docs/adapters.md). vLLM cannot preempt an adapter: a slot
+    given to a long generation is gone until it ends, so these hold slots back before the
+    request that would need them arrives."""
+
+    best_tier_reserve: int = Field(
+        1,
+        ge=0,
+        le=64,
+        description="Slots of each engine's `max_loras` that worse tiers never open: their"
+        " requests run at most `max_loras` minus this many distinct adapters there (more"
+        " requests for an adapter they already run are let in), so a best-tier request for"
+        " another adapter never waits behind worse tiers' generations. Kept only for a base"
+        " model some best-tier tenant may use an adapter of, and never the engine's last slot"
+        " (an engine with `max_loras: 1` keeps none). 0: slots go to the first request of any"
+        " tier.",
+    )
+    tenant_share: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="The share of an engine's `max_loras` one tenant may take while another"
+        " tenant wants a slot there (has a request running there, or used an adapter there in"
+        " the last `claim_s`): at most max(1, share x max_loras) distinct adapters of its"
+        " requests run there at once, and once it holds that many it makes room for another"
+        " of its adapters by giving up one of its own idle adapters, not another tenant's."
+        " Alone on an engine a tenant may use every slot. 1: no bound.",
+    )
+    claim_s: float = Field(
+        300.0,
+        gt=0,
+        description="How long after its last request an adapter still counts as wanted by"
+        " the tenant that used it last (a tenant past its share may not give it up);"
+        " afterwards it is anyone's to give up, least recently used first.",
+        json_schema_extra=TUNING,
+    )
+
+
 class Scheduling(Strict):
     """Inside a tenant, short requests go first, with aging (the `short_first` order); the
     best tier's reserve past a backend's room."""
@@ -76,6 +115,10 @@ class Scheduling(Strict):
         " best tier in the proxy's queue. The vLLM plugin preempts a worse-tier request for"
         " each (docs/plugin.md), so vLLM never runs more than the room; without the plugin the"
         " request waits in vLLM's queue instead. 0: the room is a hard cap for every tier.",
+    )
+    adapter_slots: AdapterSlotKnobs = Field(
+        default_factory=AdapterSlotKnobs,
+        description="How LoRA adapter slots are shared among tiers and tenants.",
     )
 
 

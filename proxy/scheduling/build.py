@@ -8,7 +8,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from proxy.backends.adapter_rules import policy_for
 from proxy.backends.pool import BackendPool
+from proxy.config.adapters import adapters_of_tiers
 from proxy.config.schema import Config
 from proxy.policies import registry
 from proxy.policies.backends import BackendChooser
@@ -93,7 +95,6 @@ class Scheduling:
             config.adaptive_room,
             miss_budget=slo_miss_budget(config),
         )
-        self.pool.adapters = {name: a.base_model for name, a in config.adapters.items()}
         self.config = config
 
 
@@ -122,15 +123,18 @@ def build_scheduling(
         miss_budget=slo_miss_budget(config),
     )
     set_best_tier_reserve(pool, config)
-    pool.adapters = {name: a.base_model for name, a in config.adapters.items()}
     return Scheduling(queue, pool, Dispatcher(queue, pool, metrics, clock), config)
 
 
 def set_best_tier_reserve(pool: BackendPool, config: Config) -> None:
-    """The tiers of the lowest ``priority`` take the reserve past a backend's room."""
+    """The tiers of the lowest ``priority`` take the reserve past a backend's room, and the
+    reserve of adapter slots where one of their tenants may use an adapter; the catalogue."""
     best = min((t.priority for t in config.tiers.values()), default=0)
     pool.best_tiers = frozenset(n for n, t in config.tiers.items() if t.priority == best)
     pool.best_tier_reserve = config.scheduling.best_tier_reserve
+    pool.adapters = {name: a.base_model for name, a in config.adapters.items()}
+    best_usable = adapters_of_tiers(config.adapters, config.tenants, pool.best_tiers)
+    pool.adapter_policy = policy_for(config.scheduling.adapter_slots, pool.adapters, best_usable)
 
 
 def default_queue_policies(

@@ -3,7 +3,8 @@
 than the base model; another tenant gets the 404 of a model that does not exist and never sees
 it listed; an adapter the engine does not hold is served once the proxy loaded it; with three
 adapters and two slots no request waits in vLLM for a slot (its queue-time histogram); and the KV events of an adapter's blocks predict the
-``cached_tokens`` of the next turn, per adapter and salt."""
+``cached_tokens`` of the next turn, per adapter and salt; a high-tier request for an adapter
+finishes before the low tier's long generations that hold the other slots."""
 
 from __future__ import annotations
 
@@ -262,3 +263,32 @@ async def test_a_failed_load_is_refused_clearly_and_counted(
         assert failures._value.get() == 1
         status, body = await _complete(session, base, "normal", "lora-c")  # the engine serves on
         assert status == 200, body
+
+
+async def test_a_high_tier_adapter_does_not_wait_behind_low_tier_generations(
+    engine: EngineProcess, adapter_dirs: dict[str, Path]
+) -> None:
+    """The red team's run on this engine: a 2-token high-tier request for a third adapter,
+    sent while the low tier runs two 250-token generations on the two other adapters, waited
+    until one of them ended (18 s). With the best tier's reserve of adapter slots the low
+    tier's second adapter waits in the proxy's queue and the high request finishes first."""
+    await _unload_everything(engine)
+    async with proxy(engine, adapter_dirs) as (base, state, session):
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+
+        async def timed(tier: str, model: str, max_tokens: int) -> float:
+            status, body = await _complete(
+                session, base, tier, model, max_tokens=max_tokens, ignore_eos=True
+            )
+            assert status == 200, body
+            return loop.time() - began
+
+        lows = [asyncio.create_task(timed("low", n, 250)) for n in ("lora-b", "lora-c")]
+        running = state.pool.all()[0].adapters.running
+        await until(lambda: bool(running()), 60, "a low generation", state)
+        sent = loop.time() - began
+        high = await timed("high", "lora-a", 2)
+        ends = await asyncio.gather(*lows)
+        print(f"high sent {sent:.2f} s, done {high:.2f} s; low ends {ends}")  # figures, with -s
+        assert high < min(ends), (high, ends)  # in steps: before either low generation ended

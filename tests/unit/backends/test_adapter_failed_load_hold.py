@@ -11,10 +11,14 @@ import pytest
 from aiohttp import web
 
 from proxy.backends.adapter_loader import FAILED_LOAD_HOLD_S, AdapterLoader, AdapterLoadFailed
+from proxy.backends.adapter_rules import SlotRules, begin
+from proxy.backends.adapter_slots import SlotUser
 from proxy.backends.backend import BackendState
 from proxy.bench.inproc import serve_app
 from proxy.config.adapters import Adapter
 from proxy.config.backends import Backend
+
+USER = SlotUser("tenant")
 
 
 async def test_a_failed_load_is_held_back_and_unloads_nobody_meanwhile() -> None:
@@ -42,15 +46,17 @@ async def test_a_failed_load_is_held_back_and_unloads_nobody_meanwhile() -> None
     async with serve_app(app) as url, aiohttp.ClientSession() as session:
         state = BackendState(Backend(url=url, max_inflight=4, max_loras=1, load_adapters=True))
         loader = AdapterLoader(lambda: session, lambda: catalogue, clock=lambda: now[0])
-        await loader.ready(state, "theirs", state.adapters.begin("theirs", 1, now[0]))
-        state.adapters.end("theirs", now[0])  # idle: the one slot's possible victim
+        await loader.ready(
+            state, "theirs", begin(state.adapters, "theirs", USER, SlotRules(1), now[0])
+        )
+        state.adapters.end("theirs", USER, now[0])  # idle: the one slot's possible victim
 
         async def ask_for_broken() -> None:
-            plan = state.adapters.begin("broken", 1, now[0])
+            plan = begin(state.adapters, "broken", USER, SlotRules(1), now[0])
             try:
                 await loader.ready(state, "broken", plan)
             finally:
-                state.adapters.end("broken", now[0])
+                state.adapters.end("broken", USER, now[0])
 
         with pytest.raises(AdapterLoadFailed, match="HTTP 400"):
             await ask_for_broken()  # gave up `theirs` for it: the slot was needed

@@ -12,11 +12,14 @@ import pytest
 from aiohttp import web
 
 from proxy.backends.adapter_loader import AdapterLoader, AdapterLoadFailed
-from proxy.backends.adapter_slots import LoadPlan
+from proxy.backends.adapter_rules import SlotRules, begin
+from proxy.backends.adapter_slots import LoadPlan, SlotUser
 from proxy.backends.backend import BackendState
 from proxy.bench.inproc import serve_app
 from proxy.config.adapters import Adapter
 from proxy.config.backends import Backend
+
+USER = SlotUser("tenant")
 
 CATALOGUE = {n: Adapter(path=f"/adapters/{n}", base_model="tiny") for n in ("lora-a", "lora-b")}
 
@@ -34,10 +37,11 @@ async def test_stop_fails_the_waiters_gives_the_slot_back_and_refuses_new_loads(
     async with serve_app(app, handler_cancellation=True) as url, aiohttp.ClientSession() as s:
         state = BackendState(Backend(url=url, max_inflight=4, max_loras=2, load_adapters=True))
         loader = AdapterLoader(lambda: s, lambda: CATALOGUE)
-        plan = state.adapters.begin("lora-a", 2, now=0.0)
+        plan = begin(state.adapters, "lora-a", USER, SlotRules(2), 0.0)
         assert plan == LoadPlan("lora-a")
         first = asyncio.create_task(loader.ready(state, "lora-a", plan))
-        state.adapters.begin("lora-a", 2, now=0.0)  # a second request for it: it waits
+        # A second request for it: it waits.
+        begin(state.adapters, "lora-a", USER, SlotRules(2), 0.0)
         second = asyncio.create_task(loader.ready(state, "lora-a", None))
         async with asyncio.timeout(10):
             await began.wait()
@@ -48,7 +52,7 @@ async def test_stop_fails_the_waiters_gives_the_slot_back_and_refuses_new_loads(
             with pytest.raises(AdapterLoadFailed, match="stopping"):
                 await waiter
         assert "lora-a" not in state.adapters.held and not state.adapters.loading
-        late = state.adapters.begin("lora-b", 2, now=1.0)
+        late = begin(state.adapters, "lora-b", USER, SlotRules(2), 1.0)
         assert late is not None
         with pytest.raises(AdapterLoadFailed, match="stopping"):
             await loader.ready(state, "lora-b", late)

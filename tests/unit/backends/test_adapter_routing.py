@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import asyncio
 
-from proxy.backends.adapter_slots import AdapterSlots, LoadPlan
+from proxy.backends.adapter_rules import SlotRules, begin, fit
+from proxy.backends.adapter_slots import AdapterSlots, LoadPlan, SlotUser
 from proxy.backends.pool import BackendPool
 from proxy.config.backends import Backend, BackendHealth
 from proxy.policies.backends import LeastUtilised
@@ -17,6 +18,8 @@ from proxy.scheduling.dispatch import Dispatcher, Lease
 from proxy.scheduling.queue import AdmissionQueue
 from proxy.telemetry.metrics import ProxyMetrics
 from tests.helpers.clock import FakeClock
+
+USER = SlotUser("tenant")
 
 ADAPTERS = {f"lora-{c}": "tiny" for c in "abcdef"}
 
@@ -54,10 +57,10 @@ def _req(model: str, clock: FakeClock) -> QueuedRequest:
 def test_slots_give_up_the_least_recently_used_idle_adapter() -> None:
     slots = AdapterSlots()
     slots.listed(frozenset({"a", "b"}), now=0.0)
-    assert slots.begin("a", 2, now=1.0) is None  # held: nothing to load
-    slots.end("a", now=2.0)  # a used last at 2, b at 0
-    assert slots.fit("c", 2, may_load=True) == "load"
-    assert slots.begin("c", 2, now=3.0) == LoadPlan("c", unload="b")
+    assert begin(slots, "a", USER, SlotRules(2), 1.0) is None  # held: nothing to load
+    slots.end("a", USER, 2.0)  # a used last at 2, b at 0
+    assert fit(slots, "c", USER, SlotRules(2, True), 0.0) == "load"
+    assert begin(slots, "c", USER, SlotRules(2), 3.0) == LoadPlan("c", unload="b")
     assert "c" in slots.loading and "b" not in slots.held
     # A later /v1/models that still lists b (its unload not done yet) does not bring it back.
     slots.listed(frozenset({"a", "b"}), now=4.0)
@@ -69,21 +72,22 @@ def test_slots_give_up_the_least_recently_used_idle_adapter() -> None:
 def test_nothing_to_give_up_while_every_held_adapter_runs() -> None:
     slots = AdapterSlots()
     for name in ("a", "b"):
-        assert slots.begin(name, 2, now=0.0) == LoadPlan(name)
+        assert begin(slots, name, USER, SlotRules(2), 0.0) == LoadPlan(name)
         slots.load_done(name, ok=True)
-    assert slots.fit("c", 2, may_load=True) is None  # two distinct in flight: the slots
-    assert slots.fit("a", 2, may_load=True) == "has"
-    slots.end("b", now=1.0)
-    assert slots.fit("c", 2, may_load=True) == "load"
-    assert slots.fit("c", 2, may_load=False) is None  # runtime loading not allowed
+    # Two distinct in flight: the slots.
+    assert fit(slots, "c", USER, SlotRules(2, True), 0.0) is None
+    assert fit(slots, "a", USER, SlotRules(2, True), 0.0) == "has"
+    slots.end("b", USER, 1.0)
+    assert fit(slots, "c", USER, SlotRules(2, True), 0.0) == "load"
+    assert fit(slots, "c", USER, SlotRules(2, False), 0.0) is None  # runtime loading not allowed
 
 
 def test_a_cancelled_plan_leaves_the_engine_as_it_was() -> None:
     slots = AdapterSlots()
     slots.listed(frozenset({"a", "b"}), now=0.0)
-    plan = slots.begin("c", 2, now=1.0)
+    plan = begin(slots, "c", USER, SlotRules(2), 1.0)
     assert plan is not None
-    slots.end("c", now=1.0)
+    slots.end("c", USER, 1.0)
     slots.cancel(plan)
     assert set(slots.held) == {"a", "b"} and not slots.loading and not slots.unloading
 
@@ -93,7 +97,7 @@ def test_an_adapter_the_engine_says_it_lacks_is_loaded_again_unless_its_load_run
     slots.listed(frozenset({"a"}), now=0.0)
     slots.gone("a")  # a 404 from the engine: restarted, or another replica unloaded it
     assert "a" not in slots.held
-    assert slots.begin("a", 2, now=1.0) == LoadPlan("a")  # the next request loads it
+    assert begin(slots, "a", USER, SlotRules(2), 1.0) == LoadPlan("a")  # the next request loads it
     slots.gone("a")  # a 404 sent before this load: the load under way decides
     assert "a" in slots.held and "a" in slots.loading
 
@@ -163,3 +167,24 @@ async def test_an_engine_listing_more_adapters_than_slots_runs_max_loras_at_once
     assert state.adapters.running() == {"lora-a", "lora-b"}
     waiters[0].result().release()
     assert waiters[2].done() and not waiters[3].done()
+
+
+async def test_a_tenant_whose_requests_overlap_on_one_adapter_lets_a_waiting_one_in() -> None:
+    """A tenant that keeps a request in flight on its adapter at every moment would hold an
+    engine's slot for ever if its next requests joined the running adapter ahead of another
+    tenant's request waiting for the slot; they wait behind it instead, so the waiting one
+    starts once the requests already in flight end."""
+    clock = FakeClock()
+    d = _dispatcher(clock, _lora_backend("x", max_loras=1))
+    running = [d.enqueue(_req("lora-a", clock)) for _ in range(2)]
+    waiting = d.enqueue(_req("lora-b", clock))
+    joins = []
+    for _ in range(4):  # one ends, another comes: always one of its requests in flight
+        clock.advance(1.0)
+        running.pop(0).result().release()
+        joins.append(d.enqueue(_req("lora-a", clock)))
+        running.extend(j for j in joins[-1:] if j.done())
+        if waiting.done():
+            break
+    assert waiting.done()  # after the two in flight when it came, not after every later one
+    assert len(joins) == 2 and not any(j.done() for j in joins)

@@ -1,0 +1,149 @@
+"""Who may open one of an engine's LoRA adapter slots, and which idle adapter a request gives
+up for its own (``scheduling.adapter_slots``, docs/adapters.md). Pure logic on a backend's
+``AdapterSlots``; the time is passed in.
+
+vLLM cannot preempt an adapter: a slot given to a long generation stays taken until it ends,
+and tiers that order the proxy's queue cannot take it back. So slots are held back before the
+request that needs them comes:
+
+- **The best tier's reserve.** Worse tiers' requests run at most ``max_loras - reserve``
+  distinct adapters on an engine; a best-tier request may open any slot. A worse-tier request
+  for an adapter worse tiers already run there takes no new slot and is let in; one that joins
+  an adapter only the best tier runs is counted (else worse tiers could keep a best-tier slot
+  busy past its own requests).
+- **A tenant's share.** While another tenant wants a slot on the engine (has a request running
+  there, or used an adapter there within ``claim_s``), one tenant's requests run at most
+  ``cap`` distinct adapters there, and a tenant that already holds ``cap`` adapters there makes
+  room by giving up one of its own idle adapters (or one nobody wants any more), never one
+  another tenant wants: cycling through many adapters then churns only its own slots. Alone
+  on an engine a tenant may use every slot (nothing is held back for nobody).
+- **No queue-jumping by joining.** While a request of another tenant waits for a slot on the
+  engine (it found none anywhere in this dispatch pass), a request does not join an adapter
+  that already runs there (a worse-tier one waits for any such request, a best-tier one only
+  for a best-tier one): else a tenant whose requests overlap on one adapter would hold its slot
+  for ever, and the waiting one would wait past its queue timeout, not for one generation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from proxy.backends.adapter_slots import AdapterSlots, Fit, LoadPlan, SlotUser
+from proxy.config.backends import Backend
+from proxy.config.scheduling import AdapterSlotKnobs
+
+
+@dataclass(frozen=True)
+class SlotRules:
+    """One engine's slot rules for one adapter's requests."""
+
+    max_loras: int
+    may_load: bool = True
+    reserve: int = 0  # slots worse tiers never open (already below max_loras)
+    tenant_cap: int | None = None  # distinct adapters of one tenant; None: no bound
+    claim_s: float = 300.0
+
+
+@dataclass
+class AdapterPolicy:
+    """The knobs, and the base models some best-tier tenant may use an adapter of (only there
+    is a reserve kept: elsewhere no best-tier request could ever use it)."""
+
+    knobs: AdapterSlotKnobs = field(default_factory=AdapterSlotKnobs)
+    reserve_bases: frozenset[str] = frozenset()
+
+    def rules(self, cfg: Backend, base: str) -> SlotRules | None:
+        """The rules on backend ``cfg`` for an adapter of ``base``; None: it runs no adapter."""
+        if cfg.max_loras is None:
+            return None
+        m = cfg.max_loras
+        reserve = min(self.knobs.best_tier_reserve, m - 1) if base in self.reserve_bases else 0
+        share = self.knobs.tenant_share
+        cap = None if share >= 1 else max(1, math.floor(share * m))
+        return SlotRules(m, cfg.load_adapters, reserve, cap, self.knobs.claim_s)
+
+
+def _others_want(slots: AdapterSlots, tenant: str, rules: SlotRules, now: float) -> bool:
+    if any(t != tenant for t in slots.by_tenant):
+        return True
+    return any(t != tenant for t in slots.claims(now, rules.claim_s).values())
+
+
+def tenant_cap(slots: AdapterSlots, tenant: str, rules: SlotRules, now: float) -> int | None:
+    """The most distinct adapters ``tenant`` may use on this engine now (None: no bound)."""
+    if rules.tenant_cap is None or not _others_want(slots, tenant, rules, now):
+        return None
+    return rules.tenant_cap
+
+
+def victim(slots: AdapterSlots, user: SlotUser, rules: SlotRules, now: float) -> str | None:
+    """The idle adapter a load for ``user`` gives up: the least recently used one; for a tenant
+    that holds its share already, only among its own and those nobody wants any more."""
+    idle = slots.idle()
+    cap = tenant_cap(slots, user.tenant, rules, now)
+    if cap is not None:
+        claims = slots.claims(now, rules.claim_s)
+        if sum(1 for t in claims.values() if t == user.tenant) >= cap:
+            idle = [(t, n) for t, n in idle if claims.get(n, user.tenant) == user.tenant]
+    return min(idle)[1] if idle else None
+
+
+def fit(
+    slots: AdapterSlots, adapter: str, user: SlotUser, rules: SlotRules, now: float
+) -> Fit | None:
+    """Whether ``user``'s request for ``adapter`` may start here now: "has" (held, or being
+    loaded), "load" (a slot is free or an idle one can be given up), None (it waits)."""
+    running = slots.running()
+    if adapter in running and _behind(slots, user):
+        return None
+    if adapter not in running and len(running) >= rules.max_loras:
+        return None
+    worse = slots.worse_running()
+    if not user.best and adapter not in worse and len(worse) >= rules.max_loras - rules.reserve:
+        return None  # the best tier's reserve
+    mine = slots.running_of(user.tenant)
+    cap = tenant_cap(slots, user.tenant, rules, now)
+    if cap is not None and adapter not in mine and len(mine) >= cap:
+        return None  # the tenant's share
+    if adapter in slots.held:
+        return "has"
+    if not rules.may_load:
+        return None
+    if len(slots.held) < rules.max_loras or victim(slots, user, rules, now) is not None:
+        return "load"
+    return None
+
+
+def _behind(slots: AdapterSlots, user: SlotUser) -> bool:
+    """Another tenant's request waits here for a slot, of the best tier or ``user``'s worse."""
+    return any(t != user.tenant and (best or not user.best) for t, best in slots.waiting)
+
+
+def waits_for_slot(
+    slots: AdapterSlots, adapter: str, user: SlotUser, rules: SlotRules, now: float
+) -> bool:
+    """``fit`` refused the request here for a slot another tenant's requests hold: not for its
+    own tenant's share, nor because the adapter cannot be loaded here."""
+    if adapter in slots.running() or not (rules.may_load or adapter in slots.held):
+        return False
+    cap = tenant_cap(slots, user.tenant, rules, now)
+    return cap is None or len(slots.running_of(user.tenant)) < cap
+
+
+def begin(
+    slots: AdapterSlots, adapter: str, user: SlotUser, rules: SlotRules, now: float
+) -> LoadPlan | None:
+    """Count the request in (``fit`` said it may start); the load plan it must carry out."""
+    full = adapter not in slots.held and len(slots.held) >= rules.max_loras
+    unload = victim(slots, user, rules, now) if full else None
+    return slots.begin(adapter, user, unload, now)
+
+
+def policy_for(
+    knobs: AdapterSlotKnobs, bases: Mapping[str, str], best_usable: frozenset[str]
+) -> AdapterPolicy:
+    """The policy from the knobs, the catalogue (adapter -> base) and the adapters some
+    best-tier tenant may use."""
+    return AdapterPolicy(knobs, frozenset(bases[n] for n in best_usable if n in bases))

@@ -1,0 +1,118 @@
+"""Adapter slots shared by tier and tenant through the whole request path (the proxy in
+process, one fake engine with `max_loras: 2` that loads and unloads adapters): a low tier's
+long generations on two adapters leave a slot for a high-tier request for a third one, which
+is answered while they still run; a tenant cycling through shared adapters never makes another
+tenant's adapter load again (scheduling.adapter_slots, proxy.backends.adapter_rules)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from proxy.bench.fake_vllm import FakeVLLM
+from proxy.bench.inproc import auth, make_config, running_proxy, serve_app, until
+
+
+def _engine(release: asyncio.Event, events: list[str], loads: list[str]) -> web.Application:
+    """A fake engine whose generations of more than 100 tokens run until ``release``; the
+    order in which generations end goes to ``events``, each adapter load to ``loads``."""
+
+    async def script(request: web.Request, n: int) -> web.StreamResponse | None:
+        body = await request.json()
+        if body["max_tokens"] > 100:
+            await release.wait()
+        events.append(body["model"])
+        return None
+
+    async def load(request: web.Request) -> web.Response:
+        loads.append((await request.json())["lora_name"])
+        return web.Response(text="Success")
+
+    async def unload(request: web.Request) -> web.Response:
+        return web.Response(text="Success")
+
+    app = FakeVLLM(script=script).app()
+    app.router.add_post("/v1/load_lora_adapter", load)
+    app.router.add_post("/v1/unload_lora_adapter", unload)
+    return app
+
+
+def _config(url: str, adapters: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    backend = {"url": url, "max_inflight": 8, "max_loras": 2, "load_adapters": True}
+    # No /v1/models probe during the test: the fake lists no adapter, which would drop the
+    # proxy's own count of what it loaded.
+    return make_config([backend], adapters=adapters, backend_health={"models_interval_s": 3600})
+
+
+async def _complete(
+    client: aiohttp.ClientSession, base: str, tier: str, model: str, max_tokens: int
+) -> int:
+    body = {"model": model, "prompt": "hi", "max_tokens": max_tokens}
+    async with client.post(f"{base}/v1/completions", json=body, headers=auth(tier)) as resp:
+        await resp.read()
+        return resp.status
+
+
+async def test_a_high_tier_adapter_is_answered_while_low_tier_generations_hold_the_slots() -> None:
+    """The red team's run: a 2-token high-tier request behind two 250-token low-tier ones on
+    the engine's two slots waited until one ended (18 s on CPU vLLM)."""
+    release = asyncio.Event()
+    events: list[str] = []
+    loads: list[str] = []
+    adapters = {
+        name: {"path": f"/adapters/{name}", "base_model": "tiny", "tenants": [tenant]}
+        for name, tenant in (
+            ("low-1", "tenant-low"),
+            ("low-2", "tenant-low"),
+            ("high-1", "tenant-high"),
+        )
+    }
+    async with (
+        serve_app(_engine(release, events, loads), handler_cancellation=True) as url,
+        running_proxy(_config(url, adapters)) as (base, state),
+        aiohttp.ClientSession() as client,
+    ):
+        lows = [
+            asyncio.create_task(_complete(client, base, "low", name, 250))
+            for name in ("low-1", "low-2")
+        ]
+        running = state.pool.all()[0].adapters.running
+        await until(lambda: bool(running()), 30, "a low generation", state)
+        high = asyncio.create_task(_complete(client, base, "high", "high-1", 2))
+        # The high request is answered, or waits in the proxy's queue: then the lows end.
+        await until(
+            lambda: high.done() or state.queue.depth("high") > 0, 30, "the high request", state
+        )
+        release.set()
+        assert await high == 200
+        assert await asyncio.gather(*lows) == [200, 200]
+        # Answered before either low generation ended, not after one of them.
+        assert events[0] == "high-1", events
+        assert sorted(loads) == ["high-1", "low-1", "low-2"]
+
+
+async def test_a_tenant_cycling_shared_adapters_leaves_another_tenants_adapter_loaded() -> None:
+    """The red team's run: a tenant cycling three shared adapters with 1-token requests made
+    another tenant's adapter load again on 9 of its 10 requests."""
+    release = asyncio.Event()
+    events: list[str] = []
+    loads: list[str] = []
+    adapters: dict[str, dict[str, Any]] = {
+        name: {"path": f"/adapters/{name}", "base_model": "tiny", "shared": True}
+        for name in ("s1", "s2", "s3")
+    }
+    adapters["theirs"] = {"path": "/adapters/t", "base_model": "tiny", "tenants": ["tenant-low"]}
+    async with (
+        serve_app(_engine(release, events, loads), handler_cancellation=True) as url,
+        running_proxy(_config(url, adapters)) as (base, state),
+        aiohttp.ClientSession() as client,
+    ):
+        for _ in range(10):
+            for name in ("s1", "s2", "s3"):
+                assert await _complete(client, base, "normal", name, 1) == 200
+            assert await _complete(client, base, "low", "theirs", 1) == 200
+        assert loads.count("theirs") == 1, loads  # loaded once, never given up for the cycler
+        assert "theirs" in state.pool.all()[0].adapters.held
