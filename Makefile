@@ -134,7 +134,7 @@ test-all: model lint redis-server tmux haproxy prometheus compat-tools
 # runs (Debian's docker.io, docker-compose and debootstrap installed when missing, as root), the
 # images built offline (docker/base.sh, docker/wheelhouse.sh; Docker's cache makes a second run
 # quick), the CPU stack (docker/test/compose.cpu.yml) brought up, driven and taken down, and the
-# daemon's changes to the host undone. Not in `make test` (its time goal) nor yet in `.ci/run` (issue 33).
+# daemon's changes to the host undone. Not in `make test` (its time goal); `.ci/run` runs it after test-all.
 compose-test: model
 	$(BIN)/pytest -m compose -p no:cacheprovider tests/compose
 
