@@ -37,6 +37,11 @@ def replica_config(upstream: str, redis_url: str | None, **tenant_limits: Any) -
     if redis_url is not None:
         extra["shared_state"] = {
             "url": redis_url,
+            # A busy machine must not time out a live Redis (a call past these is decided
+            # by local limits: no 429 at all in one loaded full run); a killed one refuses
+            # at once.
+            "call_timeout_s": 2.0,
+            "pool_wait_s": 2.0,
             "lease_ttl_s": 1.0,
             "probe_interval_s": 0.1,
         }

@@ -40,8 +40,9 @@ async def replicas(redis_server: RedisServer) -> AsyncIterator[Callable[..., Any
         for _ in range(n):
             # Exact sharing is what these tests check: a call that a busy machine's Redis
             # answers late must not fall back to local limits (79 of 200 admitted once, with
-            # the default 0.25 s); the tests of stalls set their own timeout.
-            settings = {"call_timeout_s": 5.0, **cfg}
+            # the default 0.25 s; 152 of 200 once when 200 calls waited past the pool's
+            # default 0.25 s for a connection); the tests of stalls set their own timeout.
+            settings = {"call_timeout_s": 5.0, "pool_wait_s": 5.0, **cfg}
             store = SharedStore(SharedState(url=redis_server.url, **settings), CollectorRegistry())
             reg = SharedLimitRegistry(store)
             reg.configure([t], time.monotonic())
