@@ -19,8 +19,7 @@ request that needs them comes:
   on an engine a tenant may use every slot (nothing is held back for nobody).
 - **No queue-jumping by joining.** While a request of another tenant waits for a slot on the
   engine (it found none anywhere in this dispatch pass), a request does not join an adapter
-  that already runs there (a worse-tier one waits for any such request, a best-tier one only
-  for a best-tier one): else a tenant whose requests overlap on one adapter would hold its slot
+  that already runs there, whatever the tiers: else a tenant whose requests overlap on one adapter would hold its slot
   for ever, and the waiting one would wait past its queue timeout, not for one generation.
 """
 
@@ -117,8 +116,10 @@ def fit(
 
 
 def _behind(slots: AdapterSlots, user: SlotUser) -> bool:
-    """Another tenant's request waits here for a slot, of the best tier or ``user``'s worse."""
-    return any(t != user.tenant and (best or not user.best) for t, best in slots.waiting)
+    """Another tenant's request waits here for a slot, of any tier: were best-tier requests let
+    join while a worse one waits, two best-tier tenants keeping their adapters busy would
+    starve every worse tier's adapters (red team: a low request's 503 after its 60 s)."""
+    return any(t != user.tenant for t, _best in slots.waiting)
 
 
 def waits_for_slot(

@@ -166,6 +166,9 @@ def test_a_join_waits_behind_another_tenants_request_for_a_slot() -> None:
     assert fit(slots, "low-1", LOW, RULES, 1.0) is None  # would hold the slot past it
     assert fit(slots, "low-1", OTHER, RULES, 1.0) == "has"  # its own tenant: no
     _run(slots, "high-1", HIGH, 1.0)
-    assert fit(slots, "high-1", SlotUser("another-high"), RULES, 1.0) == "has"  # worse waits
+    # A worse tenant waits: best-tier joins wait too (else they starve the worse tiers).
+    assert fit(slots, "high-1", SlotUser("another-high"), RULES, 1.0) is None
+    slots.waiting.clear()
+    assert fit(slots, "high-1", SlotUser("another-high"), RULES, 1.0) == "has"
     slots.waiting.add(("another-high", True))
     assert fit(slots, "high-1", HIGH, RULES, 1.0) is None  # behind the best tier's request
