@@ -19,8 +19,9 @@ request that needs them comes:
   on an engine a tenant may use every slot (nothing is held back for nobody).
 - **No queue-jumping by joining.** While a request of another tenant waits for a slot on the
   engine (it found none anywhere in this dispatch pass), a request does not join an adapter
-  that already runs there, whatever the tiers: else a tenant whose requests overlap on one adapter would hold its slot
-  for ever, and the waiting one would wait past its queue timeout, not for one generation.
+  that already runs there, whatever the tiers: else a tenant whose requests overlap on one
+  adapter would hold its slot for ever, and the waiting one would wait past its queue
+  timeout, not for one generation.
 """
 
 from __future__ import annotations
