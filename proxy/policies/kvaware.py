@@ -35,7 +35,11 @@ nothing cached while another can take the request (unless it holds half the prom
 Cost model: the prefill each backend was sent and its KV events do not show done yet
 (``proxy.policies.kvwork``: a request decoding counts a few tokens, however long its answer),
 in tokens, weighs against the prefill its cache saves (``work_weight`` for the best tier,
-worse tiers less), in the score and in the hold.
+worse tiers less), in the score and in the hold. KV memory: room in slots is not room in the
+cache; the blocks the requests in flight on a backend hold (their prompts, each shared block
+once, and their answers: ``proxy.policies.kvfit``) and the request's own, past the backend's
+cache (vLLM's ``num_gpu_blocks``, scraped), are KV memory vLLM gets by preempting a request or
+evicting others' prefixes: each such token costs ``OVERFLOW_WEIGHT`` of a token saved.
 
 The score's terms and the picker are in ``proxy.policies.kvterms``, the hold rule in
 ``proxy.policies.kvhold``; this module keeps what the chooser remembers between picks.
@@ -48,6 +52,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from proxy.policies.backends import B, Candidate, Rotation, free_share
+from proxy.policies.kvfit import KvInFlight
 from proxy.policies.kvgroups import PrefixGroups
 from proxy.policies.kvhold import HomeHold
 from proxy.policies.kvmemory import PlacementMemory
@@ -99,6 +104,8 @@ class KvAware:
         self._notes: dict[QueuedRequest, tuple[tuple[int, ...], int, str | None]] = {}
         self._hold = HomeHold(self.holds, hold_share)  # who waits for which home
         self._rooms: dict[str, float] = {}  # backend url -> its room, when last a candidate
+        self._kv_blocks: dict[str, float] = {}  # backend url -> its KV cache, when last scraped
+        self._fit = KvInFlight(block_size)  # per backend, the KV blocks in flight there
         self._groups = PrefixGroups(pending_blocks)  # shared prefixes, their new branches' home
         self._sent = DecayingCounts(balance_s, clock)  # backend url -> prompt blocks sent lately
         self._requests = DecayingCounts(balance_s, clock)  # backend url -> requests sent lately
@@ -155,6 +162,8 @@ class KvAware:
         group = self._groups.home(blocks[home_run - 1]) if blocks and home_run else None
         for c in candidates:
             self._rooms[c.state.cfg.url] = c.state.max_room
+            if c.load is not None and c.load.kv_blocks:
+                self._kv_blocks[c.state.cfg.url] = c.load.kv_blocks
         shares = self._sent.shares(at_least=self.balance_min)
         prompt = self._prompt_tokens(request, blocks)
         work = {c.state.cfg.url: self._work.of(c.state) for c in candidates}
@@ -174,8 +183,27 @@ class KvAware:
             work_weight=self.work_weights.get(request.tier, 0.0) if request is not None else 0.0,
             work=work,
             least_work=least_work,
+            overflow=self._overflow(candidates, request, blocks),
         )
         return scene, home_run
+
+    def _overflow(
+        self,
+        candidates: Sequence[Candidate[B]],
+        request: QueuedRequest | None,
+        blocks: Sequence[int] | None,
+    ) -> dict[str, float]:
+        """Per candidate, the tokens of KV memory the request would need past its cache beside
+        what is in flight there, less the least any candidate would (0s left out)."""
+        if request is None:
+            return {}
+        out, size = request.expected_output, self.block_size
+        over = {
+            url: size * self._fit.overflow(url, blocks or (), out, self._kv_blocks.get(url))
+            for url in (c.state.cfg.url for c in candidates)
+        }
+        least = min(over.values(), default=0.0)
+        return {url: o - least for url, o in over.items() if o > least}
 
     def _prompt_tokens(self, request: QueuedRequest | None, blocks: Sequence[int] | None) -> int:
         """The prompt's real length: its full blocks and a partial one (at least 1)."""
@@ -207,6 +235,7 @@ class KvAware:
             saved = self.cached_tokens(state, blocks) if blocks else 0
             prefill = self._prompt_tokens(request, blocks) - saved
             self._work.sent(request, state.cfg.url, prefill, blocks or (), saved // self.block_size)
+            self._fit.sent(request, state.cfg.url, blocks or (), request.expected_output)
         if request is None or not blocks:
             return
         now, url = self.clock(), state.cfg.url
@@ -224,6 +253,7 @@ class KvAware:
         if request is None:
             return
         self._work.ended(request)
+        self._fit.ended(request)
         note = self._notes.pop(request, None)
         if self.memory.ended(request, ran=ran) is not None and note is not None:
             self._groups.note(*note)

@@ -1,12 +1,13 @@
 """``backends: kv_aware``'s scoring terms, each a small function of one candidate and the
 ``Scene`` of the pick, and the one picker that ranks what they score.
 
-A backend's score is ``CACHE_WEIGHT * cached_prefix + tier weight * room - queue_cost``, where
-``room`` is ``free_share`` plus ``home_affinity`` and ``queue_cost`` the tokens queued there
-past the least queued anywhere (``proxy.policies.kvwork``) over the prompt's; ``leaves_home``
-(the balance rule) counts a busy over-share backend's cache as nothing. Scores that tie fall
-back, in order, to the room, the cached prefix, ``balance`` (the smaller share of the prompt
-blocks sent lately) and the rotation's age (docs in ``proxy.policies.kvaware``).
+A backend's score is ``CACHE_WEIGHT * cached_prefix + tier weight * room - queue_cost -
+kv_overflow``, where ``room`` is ``free_share`` plus ``home_affinity``, ``queue_cost`` the tokens
+queued there past the least queued anywhere (``proxy.policies.kvwork``) over the prompt's, and
+``kv_overflow`` the KV memory the request would need there past the cache (``kvfit``);
+``leaves_home`` (the balance rule) counts a busy over-share backend's cache as nothing. Scores
+that tie fall back, in order, to the room, the cached prefix, ``balance`` (the smaller share of
+the prompt blocks sent lately) and the rotation's age (docs in ``proxy.policies.kvaware``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ CACHE_WEIGHT = 1.0  # the cached prefix's weight; the room's is the tier's laten
 # The spread rule leaves a crowded home only for prompts it holds less of than this share: a
 # conversation under way stays with its history (above 1: the rule moves every prompt).
 SPREAD_KEEPS = 0.5
+# A token of KV memory a request would need past a backend's cache (beside the requests in
+# flight there: vLLM preempts one, or the cached prefixes of others go) against a token of
+# prefill saved: 0.25 held best across the family (docs/policies.md).
+OVERFLOW_WEIGHT = 0.25
 
 # (score, room, cached tokens, -share lately, rotation age), compared in that order.
 Key = tuple[int, int, int, int, int]
@@ -45,6 +50,9 @@ class Scene:
     work_weight: float = 0.0  # the tier's weight of a token queued ahead against one saved
     work: Mapping[str, float] = field(default_factory=dict)  # url -> tokens queued there
     least_work: float = 0.0  # the least of ``work`` among the candidates
+    # url -> the KV tokens the request would need past its cache beside what is in flight
+    # there, less the least of any candidate (``proxy.policies.kvfit``)
+    overflow: Mapping[str, float] = field(default_factory=dict)
 
     def home_stays(self) -> bool:
         """Whether the prompt keeps to its home (else the balance or the spread rule lets it
@@ -94,6 +102,14 @@ def queue_cost(state: BackendView, scene: Scene) -> float:
     return scene.work_weight * max(0.0, extra) / scene.prompt
 
 
+def kv_overflow(state: BackendView, scene: Scene) -> float:
+    """The KV memory the request would overfill on the backend beside the requests in flight
+    there (past the least of any candidate), as a share of its prompt and weighed by
+    ``OVERFLOW_WEIGHT``: room in slots is not room in KV memory, and a backend whose cache its
+    requests in flight already fill preempts (and recomputes whole) whichever came last."""
+    return OVERFLOW_WEIGHT * scene.overflow.get(state.cfg.url, 0.0) / scene.prompt
+
+
 def balance(state: BackendView, scene: Scene) -> float:
     """The less a backend was sent lately, the better (a tie-break)."""
     return -scene.shares.get(state.cfg.url, 0.0)
@@ -115,6 +131,7 @@ def score(c: Candidate[B], saved: int, age: int, scene: Scene) -> Scored[B]:
         room += home_affinity(c.state, scene)
     total = CACHE_WEIGHT * cached_prefix(saved, scene.prompt) + scene.weight * room
     total -= queue_cost(c.state, scene)
+    total -= kv_overflow(c.state, scene)
     rank = round(balance(c.state, scene) / TIE)
     return Scored(c.state, (round(total / TIE), round(room / TIE), saved, rank, age))
 

@@ -76,6 +76,7 @@ class ScrapedLoad:
     kv_usage: float  # 0..1
     at: float  # monotonic time of the scrape
     preemptions: float | None = None  # vLLM's counter since it started; None: not exported
+    kv_blocks: float | None = None  # its KV cache in blocks (cache_config_info); None: unknown
 
 
 class BackendView(Protocol):

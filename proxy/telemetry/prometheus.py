@@ -19,6 +19,7 @@ VLLM_RUNNING = "vllm:num_requests_running"
 VLLM_WAITING = "vllm:num_requests_waiting"
 VLLM_KV_USAGE = "vllm:kv_cache_usage_perc"
 VLLM_PREEMPTIONS = "vllm:num_preemptions_total"
+VLLM_CACHE_INFO = "vllm:cache_config_info"  # labels: the engine's cache config (num_gpu_blocks)
 PROXY_QUEUE_DEPTH = "tierproxy_queue_depth"
 
 # {labels} after the name; label values may hold spaces, braces and escaped quotes.
@@ -102,6 +103,7 @@ class _Counts:
     kv_usage: float = 0.0
     kv_samples: int = 0
     preemptions: float = 0.0
+    kv_blocks: float | None = None  # the smallest engine's cache, in blocks
     seen: set[str] = field(default_factory=set)
 
 
@@ -135,8 +137,11 @@ def parse_vllm_load(text: str, now: float) -> ScrapedLoad | None:
     """Read the three gauges we steer by from vLLM's Prometheus text (summed over engines;
     KV usage averaged). None when the text holds none of them (not a vLLM server)."""
     counts = _Counts()
-    wanted = "\n".join(_lines_of(text, _WANTED))
-    for sample in samples(wanted, "vllm:", _WANTED.__contains__):
+    wanted = "\n".join(_lines_of(text, [*_WANTED, VLLM_CACHE_INFO]))
+    for sample in samples(wanted, "vllm:", lambda n: n in _WANTED or n == VLLM_CACHE_INFO):
+        if sample.name == VLLM_CACHE_INFO:
+            counts.kv_blocks = _min_blocks(counts.kv_blocks, sample.labels.get("num_gpu_blocks"))
+            continue
         attr = _WANTED[sample.name]
         counts.seen.add(attr)
         if attr == "kv_usage":
@@ -154,4 +159,17 @@ def parse_vllm_load(text: str, now: float) -> ScrapedLoad | None:
         kv_usage=kv,
         at=now,
         preemptions=preemptions,
+        kv_blocks=counts.kv_blocks,
     )
+
+
+def _min_blocks(known: float | None, label: str | None) -> float | None:
+    """The smaller of ``known`` and the ``num_gpu_blocks`` label (a request runs on one engine:
+    the smallest cache bounds it); "None" or junk: as before."""
+    try:
+        blocks = float(label) if label else 0.0
+    except ValueError:
+        return known
+    if blocks <= 0:
+        return known
+    return blocks if known is None else min(known, blocks)

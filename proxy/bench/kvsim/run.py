@@ -292,7 +292,11 @@ class _Sim:
             cache = engine.cache
             usage = 1.0 - cache.free / cache.capacity
             self.pool.states[url].load = ScrapedLoad(
-                len(engine.waiting), len(engine.running), usage, self.now
+                len(engine.waiting),
+                len(engine.running),
+                usage,
+                self.now,
+                kv_blocks=cache.capacity,  # vLLM's cache_config_info says its num_gpu_blocks
             )
         busy = any(not e.idle for e in self.result.engines.values())
         if self.now < self.stop_at or (busy and self.now < self.stop_at + DRAIN_S):

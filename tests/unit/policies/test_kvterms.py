@@ -11,11 +11,13 @@ from proxy.config.backends import Backend
 from proxy.policies.backends import Candidate
 from proxy.policies.kvhold import HomeHold
 from proxy.policies.kvterms import (
+    OVERFLOW_WEIGHT,
     Scene,
     Scored,
     balance,
     cached_prefix,
     home_affinity,
+    kv_overflow,
     leaves_home,
     pick_best,
     score,
@@ -109,6 +111,17 @@ def test_score_sums_cache_and_weighted_room_and_a_leaving_home_counts_no_cache()
     moving = replace(SCENE, over={B_URL}, roomiest=0.75, may_move=True, home=B_URL)
     assert score(busy, 90, 0, moving).key[2] == 0  # its cache no longer counts
     assert score(busy, 90, 0, moving).key == score(busy, 0, 0, moving).key
+
+
+def test_kv_overflow_weighs_the_kv_memory_past_a_cache_against_the_prefill_saved() -> None:
+    scene = replace(SCENE, overflow={A: 40.0})  # 40 tokens past A's cache, the prompt 100
+    assert kv_overflow(_view(A), scene) == pytest.approx(OVERFLOW_WEIGHT * 0.4)
+    assert kv_overflow(_view(B_URL), scene) == 0.0
+    # The same cache and room: the backend it would overfill scores lower by that much.
+    full, roomy = _candidate(_view(A)), _candidate(_view(B_URL))
+    assert score(roomy, 50, 0, scene).key > score(full, 50, 0, scene).key
+    # A cache that saves more than the overflow costs still wins.
+    assert score(full, 90, 0, scene).key > score(roomy, 50, 0, scene).key
 
 
 def test_pick_best_takes_the_highest_key_and_the_first_of_equal_ones() -> None:

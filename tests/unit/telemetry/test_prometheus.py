@@ -26,6 +26,16 @@ def test_parse_vllm_metrics_text() -> None:
     assert parse_vllm_load("process_cpu_seconds_total 1.0\n", 0.0) is None
 
 
+def test_the_engines_kv_cache_size_comes_from_its_cache_config_info() -> None:
+    info = 'vllm:cache_config_info{block_size="16",engine="%s",num_gpu_blocks="%s"} 1.0\n'
+    text = VLLM_TEXT + info % ("0", "4096") + info % ("1", "2048")
+    load = parse_vllm_load(text, now=5.0)
+    assert load is not None and load.kv_blocks == 2048.0  # the smaller engine bounds a request
+    unset = parse_vllm_load(VLLM_TEXT + info % ("0", "None"), now=5.0)
+    assert unset is not None and unset.kv_blocks is None
+    assert parse_vllm_load(info % ("0", "64"), now=5.0) is None  # no load gauge: not a load
+
+
 def test_a_metric_whose_name_extends_a_wanted_one_is_not_it() -> None:
     # vllm:num_requests_waiting_by_reason starts with vllm:num_requests_waiting.
     assert prometheus.total(VLLM_TEXT, prometheus.VLLM_WAITING) == 4.0

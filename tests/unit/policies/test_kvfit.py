@@ -1,0 +1,72 @@
+"""``kv_aware``'s count of the KV memory requests in flight hold on each backend
+(``proxy.policies.kvfit``) and what it changes in the chooser's picks."""
+
+from __future__ import annotations
+
+from proxy.policies.backends import Candidate
+from proxy.policies.kvfit import KvInFlight
+from proxy.policies.types import ScrapedLoad
+from tests.unit.policies.test_kvaware import FakeBackend, _backends, _candidates, _chooser, _req
+
+A, B = "http://a:80", "http://b:80"
+BLOCK = 32
+
+
+def test_requests_in_flight_hold_their_prompt_blocks_once_and_their_answers_blocks() -> None:
+    fit = KvInFlight(BLOCK)
+    assert fit.extra_blocks(0) == 1 and fit.extra_blocks(33) == 3  # a partial block, the answer
+    fit.sent("r1", A, range(10), output_tokens=64)
+    fit.sent("r2", A, [*range(5), 100, 101], output_tokens=32)  # shares 5 blocks with r1
+    assert fit.held(A) == 12 + (1 + 2) + (1 + 1)
+    assert fit.adds(A, [*range(10), 200], 0) == 1 + 1  # only its block not in flight there
+    assert fit.held(B) == 0
+    fit.sent("r1", B, range(10), output_tokens=64)  # sent again elsewhere: counted there only
+    assert fit.held(A) == 7 + 2 and fit.held(B) == 13
+    fit.ended("r2")
+    fit.ended("r2")  # twice: once only
+    assert fit.held(A) == 0
+    fit.ended("r1")
+    assert fit.held(B) == 0
+
+
+def test_the_overflow_is_what_the_request_needs_past_the_cache_beside_what_is_in_flight() -> None:
+    fit = KvInFlight(BLOCK)
+    assert fit.overflow(A, range(100), 0, capacity=50) == 0.0  # alone: nothing to preempt
+    fit.sent("r1", A, range(40), output_tokens=0)  # 41 blocks held
+    assert fit.overflow(A, range(100, 110), 0, capacity=50) == 41 + 11 - 50
+    assert fit.overflow(A, range(20), 0, capacity=50) == 0.0  # its prefix is in flight there
+    assert fit.overflow(A, range(100, 110), 0, capacity=None) == 0.0  # size unknown: it fits
+    assert fit.fits(A, range(100, 108), 0, capacity=50)
+    assert not fit.fits(A, range(100, 109), 0, capacity=50)
+
+
+def _loaded(backends: list[FakeBackend], kv_blocks: float | None) -> list[Candidate[FakeBackend]]:
+    load = ScrapedLoad(waiting=0, running=0, kv_usage=0.0, at=0.0, kv_blocks=kv_blocks)
+    return [Candidate(c.state, c.room, load) for c in _candidates(backends)]
+
+
+def _pick_beside_a_long_turn(kv_blocks: float | None, end_it: bool = False) -> FakeBackend:
+    """Backend a runs a 54-block turn, b a 5-block one (both prefilled, decoding: the same
+    work ahead); the next request, 60 blocks, has its first 8 cached on a only."""
+    a, b = _backends(2)
+    chooser = _chooser()
+    long_turn, short_turn = _req("high", range(54)), _req("high", range(200, 205))
+    a.cached, b.cached = {*range(54), *range(100, 108)}, set(range(200, 205))
+    for backend, req in ((a, long_turn), (b, short_turn)):
+        chooser.served(backend, req)
+        backend.inflight = 1
+    if end_it:
+        chooser.ended(a, long_turn, ran=True)  # its blocks are free again
+    picked = chooser.pick(_loaded([a, b], kv_blocks), _req("high", range(100, 160)))
+    assert picked is not None
+    return a if picked is a else b
+
+
+def test_the_chooser_sends_a_request_where_the_requests_in_flight_leave_kv_memory_for_it() -> None:
+    # Past a's 64 blocks by 54 beside the long turn (b's by 5): worth more than 8 cached blocks.
+    assert _pick_beside_a_long_turn(64).cfg.url == "http://b1:80"
+    # Unknown cache sizes (no cache_config_info scraped): slots alone, the cached prefix wins.
+    assert _pick_beside_a_long_turn(None).cfg.url == "http://b0:80"
+    # A big enough cache, or the long turn over: it fits, the cached prefix wins.
+    assert _pick_beside_a_long_turn(512).cfg.url == "http://b0:80"
+    assert _pick_beside_a_long_turn(64, end_it=True).cfg.url == "http://b0:80"
