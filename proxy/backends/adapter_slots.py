@@ -57,16 +57,18 @@ class AdapterSlots:
     waiting: set[tuple[str, bool]] = field(default_factory=set)
     # Shared with other replicas: the adapters this replica may run here (None: it counts
     # alone, no shared state or Redis down), those its requests wait to claim (seen anew at
-    # each dispatch pass), and those other replicas claimed here at the last look (never
-    # given up here: another replica may be running them).
+    # each dispatch pass), and those other replicas claimed here at the last look (given up
+    # here last: another replica may be running them).
     claimed: set[str] | None = None
     wanted: set[str] = field(default_factory=set)
+    fresh: set[str] = field(default_factory=set)  # claimed since the last pass: kept till it
     elsewhere: frozenset[str] = frozenset()
 
     def new_pass(self) -> None:
         """A dispatch pass begins: who waits for a slot or a claim here is seen anew."""
         self.waiting.clear()
         self.wanted.clear()
+        self.fresh.clear()
 
     def may_run(self, adapter: str) -> bool:
         """Shared with other replicas: ``adapter`` is claimed here (else it is noted as wanted
@@ -96,10 +98,9 @@ class AdapterSlots:
         }
 
     def idle(self) -> list[tuple[float, str]]:
-        """(last used, name) of the adapters held here with nothing in flight, not loading,
-        and claimed by no other replica."""
-        busy = self.running() | self.loading | self.elsewhere
-        return [(t, n) for n, t in self.held.items() if n not in busy]
+        """(last used, name) of the adapters held here with nothing in flight, not loading."""
+        running = self.running()
+        return [(t, n) for n, t in self.held.items() if n not in running and n not in self.loading]
 
     def listed(self, names: frozenset[str], now: float) -> None:
         """The adapters its ``/v1/models`` lists now (those the proxy is loading stay)."""

@@ -50,6 +50,7 @@ class SharedAdapterSlots:
         self._contended_until = 0.0  # another replica lacked a slot: keep no idle claim
         self._wanted_at = -1e9  # when we last said we lack a slot
         self._beat_at: dict[str, float] = {}  # backend url -> when its heartbeat is due
+        self._replicas: dict[str, int] = {}  # backend url -> replicas claiming there
         # backend url -> (the wants refused at the last call, when to ask again at the latest)
         self._refused: dict[str, tuple[frozenset[str], float]] = {}
         self._loop = OwnedTask("tierproxy-adapter-claims")
@@ -81,6 +82,12 @@ class SharedAdapterSlots:
 
     def _contended(self) -> bool:
         return time.monotonic() < self._contended_until
+
+    def _fair(self, state: BackendState) -> int:
+        """The engine's slots divided among the replicas claiming there and the one that
+        lacks a slot (at least two)."""
+        replicas = max(2, self._replicas.get(state.cfg.url, 1))
+        return -(-(state.cfg.max_loras or 1) // replicas)
 
     # -- the loop ------------------------------------------------------------------------
     async def _run(self) -> None:
@@ -114,27 +121,37 @@ class SharedAdapterSlots:
         now = time.monotonic()
         first = slots.claimed is None
         claimed: set[str] = set() if slots.claimed is None else slots.claimed
-        keep = sorted(slots.running() | slots.loading)
+        # In flight, or granted since the last dispatch pass (its request has not had a pass to
+        # start in yet: given back now, two wanted adapters would take each other's slot for
+        # ever, neither ever dispatched).
+        keep = sorted(slots.running() | slots.loading | (slots.fresh & claimed))
         want = sorted(slots.wanted - claimed - set(keep))
         idle = sorted(claimed - set(keep))
         refused, retry_at = self._refused.get(url, (frozenset(), 0.0))
         if want and set(want) <= refused and now < retry_at:
             want = []  # nothing new since the refusal: wait for a message or the retry time
-        if self._contended() and not want:
-            idle = []  # another replica lacks a slot: give back what runs nothing here
+        if self._contended():
+            # Another replica lacks a slot: claim no new one past the fair share (else a
+            # replica with a standing backlog hands each slot it frees to itself), and give
+            # back what runs nothing here.
+            want = want[: max(0, self._fair(state) - len(keep))]
+            idle = idle if want else []
         beat_at = self._beat_at.get(url, 0.0) if claimed else now + 3600.0
         sent = set(keep) | set(idle)
         if not (first or want or now >= beat_at or sent != claimed):
             return max(0.01, min(beat_at, retry_at if refused else beat_at) - now)
-        # Until the answer only what runs here is surely ours (a want may take an idle slot).
-        slots.claimed = set(keep)
-        mine, others, retry_s = await self._call(
+        # Until the answer only what runs here is surely ours, and the idle claims unless a
+        # want may take their slot.
+        slots.claimed = set(keep) if want else sent
+        mine, others, retry_s, replicas = await self._call(
             state, keep, want, idle, freed=bool(claimed - sent)
         )
         slots.claimed = mine
         slots.elsewhere = frozenset(others)
+        self._replicas[url] = replicas
         self._beat_at[url] = now + self.store.cfg.lease_ttl_s / 3
-        if mine - set(keep):
+        if mine - claimed:
+            slots.fresh |= mine - claimed
             self.kick()
         if set(want) - mine:  # refused: nothing frees before a message or a heartbeat expiry
             self._refused[url] = (frozenset(want), now + retry_s + 0.01)
@@ -145,9 +162,9 @@ class SharedAdapterSlots:
 
     async def _call(
         self, state: BackendState, keep: list[str], want: list[str], idle: list[str], *, freed: bool
-    ) -> tuple[set[str], set[str], float]:
+    ) -> tuple[set[str], set[str], float, int]:
         ask = json.dumps({"keep": keep, "want": want, "idle": idle})
-        mine, others, retry_s, _ = await self.store.run(
+        mine, others, retry_s, replicas = await self.store.run(
             ADAPTER_CLAIM,
             self._keys(state),
             [
@@ -159,7 +176,7 @@ class SharedAdapterSlots:
                 ask,
             ],
         )
-        return set(json.loads(mine)), set(json.loads(others)), float(retry_s)
+        return set(json.loads(mine)), set(json.loads(others)), float(retry_s), int(replicas)
 
     async def _say_wanted(self) -> None:
         """Tell the other replicas we lack a slot (once per heartbeat period at most)."""
