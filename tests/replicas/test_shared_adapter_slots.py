@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
+from proxy.backends.backend import BackendState
 from proxy.backends.pool import BackendPool
 from proxy.bench.inproc import until
 from proxy.bench.redis_server import RedisServer
@@ -48,7 +49,7 @@ class Replica:
     claim_calls: list[int] = field(default_factory=lambda: [0])
 
     @property
-    def state(self) -> Any:
+    def state(self) -> BackendState:
         return self.dispatcher.pool.all()[0]
 
     def running(self) -> set[str]:
@@ -87,13 +88,7 @@ async def replicas(redis_server: RedisServer) -> AsyncIterator[Callable[..., Any
             dispatcher = Dispatcher(queue, pool, ProxyMetrics())
             claims = SharedAdapterSlots(store, pool, replica=name, kick=dispatcher.kick)
             replica = Replica(dispatcher, claims)
-            run = store.run
-
-            async def counted(script: Any, *args: Any, _r: Replica = replica) -> Any:
-                _r.claim_calls[0] += script is ADAPTER_CLAIM
-                return await run(script, *args)
-
-            store.run = counted  # type: ignore[method-assign]
+            store.run = _counted(store, replica.claim_calls)  # type: ignore[method-assign]
             dispatcher.start()
             if shared:
                 claims.start()
@@ -105,6 +100,17 @@ async def replicas(redis_server: RedisServer) -> AsyncIterator[Callable[..., Any
         await replica.dispatcher.stop()
         await replica.claims.stop()
         await replica.claims.store.close()
+
+
+def _counted(store: SharedStore, calls: list[int]) -> Callable[..., Any]:
+    """``store.run``, counting the claim scripts (the round trips the claims cost)."""
+    run = store.run
+
+    async def counted(script: Any, *args: Any) -> Any:
+        calls[0] += script is ADAPTER_CLAIM
+        return await run(script, *args)
+
+    return counted
 
 
 async def _hammer(a: Replica, b: Replica, seconds: float) -> tuple[int, int, int]:
