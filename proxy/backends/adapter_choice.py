@@ -2,7 +2,9 @@
 that hold it and have a slot for it, else those where the proxy can load it, as the slot rules
 allow for the request's tier and tenant (``proxy.backends.adapter_rules``). The chooser policy
 picks among them as for any request. A request that finds no slot anywhere is noted on the
-backends it waits for, for the rest of the dispatch pass (``AdapterSlots.waiting``)."""
+backends it waits for, for the rest of the dispatch pass (``AdapterSlots.waiting``). With
+shared state, a backend whose rules let the request in but where this replica has not claimed
+the adapter notes it as wanted (``AdapterSlots.may_run``) and is not a candidate yet."""
 
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ def adapter_able(
         if rules is None or not state.serves(base):
             continue
         found = fit(state.adapters, model, user, rules, now)
+        if found is not None and not state.adapters.may_run(model):
+            continue  # it waits for this replica's claim (proxy.replicas.adapter_claims)
         if found == "has":
             has.add(state.cfg.url)
         elif found == "load":

@@ -79,15 +79,17 @@ def tenant_cap(slots: AdapterSlots, tenant: str, rules: SlotRules, now: float) -
 
 
 def victim(slots: AdapterSlots, user: SlotUser, rules: SlotRules, now: float) -> str | None:
-    """The idle adapter a load for ``user`` gives up: the least recently used one; for a tenant
-    that holds its share already, only among its own and those nobody wants any more."""
+    """The idle adapter a load for ``user`` gives up: the least recently used one (of those
+    no other replica claims, if any); for a tenant that holds its share already, only among
+    its own and those nobody wants any more."""
     idle = slots.idle()
     cap = tenant_cap(slots, user.tenant, rules, now)
     if cap is not None:
         claims = slots.claims(now, rules.claim_s)
         if sum(1 for t in claims.values() if t == user.tenant) >= cap:
             idle = [(t, n) for t, n in idle if claims.get(n, user.tenant) == user.tenant]
-    return min(idle)[1] if idle else None
+    # One another replica claims (it may be running it) only when there is no other.
+    return min(idle, key=lambda tn: (tn[1] in slots.elsewhere, tn))[1] if idle else None
 
 
 def fit(

@@ -9,6 +9,11 @@ most M adapters registered on an engine it loads into, unloading the least recen
 one to make room, so that every adapter it holds fits vLLM's adapter cache at once. Who may
 open a slot, and which idle adapter a request gives up, is ``proxy.backends.adapter_rules``'s
 call (tiers and tenants); this module keeps the counts it decides from.
+
+With ``shared_state:`` the bound holds across replicas too: ``claimed`` is the set of adapters
+this replica may run on the engine, taken from Redis (``proxy.replicas.adapter_claims``) so
+that all live replicas' claims together name at most M distinct adapters; a request for an
+adapter not claimed here waits (``wanted``) until the claim is granted.
 """
 
 from __future__ import annotations
@@ -50,6 +55,28 @@ class AdapterSlots:
     # (tenant, of the best tier) of the requests that found no slot anywhere in this dispatch
     # pass and wait for one here (cleared at each pass: nothing stale when they leave).
     waiting: set[tuple[str, bool]] = field(default_factory=set)
+    # Shared with other replicas: the adapters this replica may run here (None: it counts
+    # alone, no shared state or Redis down), those its requests wait to claim (seen anew at
+    # each dispatch pass), and those other replicas claimed here at the last look (given up
+    # here last: another replica may be running them).
+    claimed: set[str] | None = None
+    wanted: set[str] = field(default_factory=set)
+    fresh: set[str] = field(default_factory=set)  # claimed since the last pass: kept till it
+    elsewhere: frozenset[str] = frozenset()
+
+    def new_pass(self) -> None:
+        """A dispatch pass begins: who waits for a slot or a claim here is seen anew."""
+        self.waiting.clear()
+        self.wanted.clear()
+        self.fresh.clear()
+
+    def may_run(self, adapter: str) -> bool:
+        """Shared with other replicas: ``adapter`` is claimed here (else it is noted as wanted
+        and its request waits). Counting alone: always."""
+        if self.claimed is None or adapter in self.claimed:
+            return True
+        self.wanted.add(adapter)
+        return False
 
     def running(self) -> set[str]:
         return {name for name, count in self.inflight.items() if count > 0}

@@ -49,9 +49,10 @@ class BackendPool:
         self.best_tier_reserve = 0
         self.best_tiers: frozenset[str] = frozenset()
         self.states: dict[str, BackendState] = {}
-        # Told when a backend shared with other replicas runs out of granted room (False) or
-        # frees a slot (True): proxy.replicas.room asks for room or gives it back then.
+        # Shared state: proxy.replicas.room is told when a backend runs out of granted room
+        # (False) or frees a slot (True), proxy.replicas.adapter_claims when a claim may change.
         self.on_shared_room: Callable[[bool], None] | None = None
+        self.on_adapter_claims: Callable[[], None] | None = None
         # The `adapters:` catalogue: adapter name -> its base model, and how tiers and tenants
         # share adapter slots (both set by the builder).
         self.adapters: Mapping[str, str] = {}
@@ -183,6 +184,8 @@ class BackendPool:
         able = adapter_able(
             self.states.values(), self.adapters, model, self.adapter_policy, user, now
         )
+        if able is not None and not (able[0] or able[1]) and self.on_adapter_claims is not None:
+            self.on_adapter_claims()  # proxy.replicas.adapter_claims claims what is wanted
         for state in self.states.values():
             if state.cfg.url in avoid:
                 continue
@@ -317,6 +320,8 @@ class BackendPool:
             self.chooser.ended(state, request, ran)
             if request.model is not None and request.model in state.adapters.inflight:
                 state.adapters.end(request.model, SlotUser(request.tenant, best), now)
+                if state.adapters.claimed is not None and self.on_adapter_claims is not None:
+                    self.on_adapter_claims()  # its claim may go back to other replicas
         state.best_inflight -= best
         # Any request leaving brings the backend one nearer its room: one fewer over it.
         state.reserve_inflight = max(0, state.reserve_inflight - 1)

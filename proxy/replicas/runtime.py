@@ -8,6 +8,7 @@ from redis.exceptions import RedisError
 
 from proxy.backends.pool import BackendPool
 from proxy.config.shared_state import SharedState
+from proxy.replicas.adapter_claims import SharedAdapterSlots
 from proxy.replicas.client import SharedStore
 from proxy.replicas.drain import SharedDrain
 from proxy.replicas.fairness import FairnessSync
@@ -40,6 +41,7 @@ class SharedRuntime:
             best_tier_waiting=self.best_tier_waiting,
             kick=kick,
         )
+        self.adapters = SharedAdapterSlots(self.store, pool, replica=self.limits.replica, kick=kick)
         self.drain = SharedDrain(self.store, pool)
 
     def best_tier_waiting(self) -> bool:
@@ -58,10 +60,12 @@ class SharedRuntime:
         self.limits.start()
         self.fairness.start()
         self.room.start()
+        self.adapters.start()
         self.drain.start()
 
     async def stop(self) -> None:
         await self.drain.stop()
+        await self.adapters.stop()
         await self.room.stop()
         await self.fairness.stop()
         await self.limits.stop()

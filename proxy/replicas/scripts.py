@@ -240,3 +240,69 @@ redis.call('PUBLISH', ARGV[4], ARGV[5])
 return left
 """
 )
+
+# LoRA adapter slots of one engine claimed by several replicas (proxy.replicas.adapter_claims):
+# KEYS[1] a hash replica -> JSON list of the adapters it claims there, KEYS[2] a sorted set
+# replica -> heartbeat expiry (a replica that stops renewing loses its claims at the next call
+# of any replica once it expired). ARGV: replica, ttl, max_loras, channel ('': no message),
+# backend url, JSON {keep, want, idle}: ``keep`` (in flight there: always kept, even past
+# max_loras after Redis came back), then ``want`` and ``idle`` in that order, each kept while
+# the distinct adapters claimed by all live replicas stay within max_loras; one another replica
+# claims takes no new slot. The entry is SET to the result (never merged: a call whose answer
+# was lost is overwritten by the next). Returns {JSON of the adapters claimed, JSON of those
+# the others claim, seconds until another claiming replica's heartbeat expires, replicas}.
+ADAPTER_CLAIM = Script(
+    """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local replica, ttl, cap = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+for _, r in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now)) do
+  redis.call('HDEL', KEYS[1], r)
+  redis.call('ZREM', KEYS[2], r)
+end
+local others, other_list, n = {}, {}, 0
+local entries = redis.call('HGETALL', KEYS[1])
+for i = 1, #entries, 2 do
+  if entries[i] ~= replica then
+    for _, name in ipairs(cjson.decode(entries[i + 1])) do
+      if not others[name] then
+        others[name] = true
+        n = n + 1
+        table.insert(other_list, name)
+      end
+    end
+  end
+end
+local ask = cjson.decode(ARGV[6])
+local mine, list = {}, {}
+local function take(name, always)
+  if mine[name] then return end
+  if not (always or others[name] or n < cap) then return end
+  mine[name] = true
+  table.insert(list, name)
+  if not others[name] then n = n + 1 end
+end
+for _, name in ipairs(ask.keep) do take(name, true) end
+for _, name in ipairs(ask.want) do take(name, false) end
+for _, name in ipairs(ask.idle) do take(name, false) end
+if #list > 0 then
+  redis.call('HSET', KEYS[1], replica, cjson.encode(list))
+  redis.call('ZADD', KEYS[2], now + ttl, replica)
+else
+  redis.call('HDEL', KEYS[1], replica)
+  redis.call('ZREM', KEYS[2], replica)
+end
+redis.call('PEXPIRE', KEYS[1], math.ceil(ttl * 1000) + 1000)
+redis.call('PEXPIRE', KEYS[2], math.ceil(ttl * 1000) + 1000)
+if ARGV[4] ~= '' then redis.call('PUBLISH', ARGV[4], 'freed ' .. ARGV[5]) end
+local retry = ttl
+local first = redis.call('ZRANGE', KEYS[2], 0, 1, 'WITHSCORES')
+for i = 1, #first, 2 do
+  if first[i] ~= replica then
+    retry = math.max(0, tonumber(first[i + 1]) - now)
+    break
+  end
+end
+return {cjson.encode(list), cjson.encode(other_list), tostring(retry), redis.call('ZCARD', KEYS[2])}
+"""
+)

@@ -194,7 +194,7 @@ class Dispatcher:
         dispatched = 0
         self._held_back = False
         for state in self.pool.states.values():  # who waits for an adapter slot: seen anew
-            state.adapters.waiting.clear()
+            state.adapters.new_pass()
         # No pop while no backend has a free slot: every head would be refused, one by one.
         while len(self.queue) and self._room_for_some(now):
             popped = self.queue.pop(lambda r: self._choose(r, now) is not None)
