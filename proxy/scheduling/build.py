@@ -127,9 +127,13 @@ def build_scheduling(
 
 
 def set_best_tier_reserve(pool: BackendPool, config: Config) -> None:
-    """The tiers of the lowest ``priority`` take the reserve past a backend's room, and the
-    reserve of adapter slots where one of their tenants may use an adapter; the catalogue."""
-    best = min((t.priority for t in config.tiers.values()), default=0)
+    """The tiers of the lowest ``priority`` among those with tenants take the reserve past a
+    backend's room, and the reserve of adapter slots where one of their tenants may use an
+    adapter; the catalogue. (A tier nobody is in never holds the reserve: it would keep it
+    from every tenant — red team, a tenantless `premium` tier.)"""
+    used = {t.tier for t in config.tenants}
+    ranked = [t.priority for n, t in config.tiers.items() if n in used]
+    best = min(ranked or [t.priority for t in config.tiers.values()], default=0)
     pool.best_tiers = frozenset(n for n, t in config.tiers.items() if t.priority == best)
     pool.best_tier_reserve = config.scheduling.best_tier_reserve
     pool.adapters = {name: a.base_model for name, a in config.adapters.items()}

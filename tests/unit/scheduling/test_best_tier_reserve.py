@@ -119,3 +119,12 @@ def test_the_best_tiers_and_the_reserve_come_from_the_config() -> None:
     scheduling.reconfigure(parse_config_dict(data))
     assert scheduling.pool.best_tiers == {"high", "normal"}
     assert scheduling.pool.best_tier_reserve == 0
+
+
+def test_a_tier_nobody_is_in_never_holds_the_reserve() -> None:
+    """A tenantless tier above every other (a `premium` tier kept for later) would keep the
+    reserve from every tenant: the best tier is the best one with tenants."""
+    data = make_config([{"url": "http://b:1", "max_inflight": 2}])
+    data["tiers"]["premium"] = {**data["tiers"]["high"], "priority": -5}
+    scheduling = build_scheduling(parse_config_dict(data), ProxyMetrics())
+    assert scheduling.pool.best_tiers == {"high"}
