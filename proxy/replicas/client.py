@@ -18,6 +18,7 @@ rolling upgrade never read each other's keys (docs/scale-out.md).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import time
@@ -218,6 +219,28 @@ class SharedStore:
                 undo(call.result())
             except Exception:  # a callback: nothing above it would log the failure
                 log.exception("giving back an orphaned shared-state reservation failed")
+
+    async def listen(self, channel: str, heard: Callable[[Any], None], what: str) -> None:
+        """Call ``heard`` with each message published on ``channel``, for ever: subscribed
+        again (after ``probe_interval_s``) whenever the connection fails; every wait bounded."""
+        while True:
+            pubsub = self.redis.pubsub()
+            try:
+                async with asyncio.timeout(self.cfg.call_timeout_s * 4):
+                    await pubsub.subscribe(channel)
+                while True:
+                    message = await pubsub.get_message(
+                        ignore_subscribe_messages=True, timeout=self.cfg.lease_ttl_s
+                    )
+                    if message is not None:
+                        heard(message.get("data"))
+            except (RedisError, OSError, TimeoutError) as exc:
+                log.debug("%s: %s; subscribing again", what, exc)
+                await asyncio.sleep(self.cfg.probe_interval_s)
+            finally:
+                with contextlib.suppress(RedisError, OSError, TimeoutError):
+                    async with asyncio.timeout(self.cfg.call_timeout_s):
+                        await pubsub.aclose()  # type: ignore[no-untyped-call]
 
     def mark_down(self, exc: BaseException) -> None:
         if not self.up:

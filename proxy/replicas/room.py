@@ -29,8 +29,6 @@ import logging
 import time
 from collections.abc import Callable
 
-from redis.exceptions import RedisError
-
 from proxy.backends.backend import BackendState
 from proxy.backends.pool import BackendPool
 from proxy.replicas.client import SharedStateDown, SharedStore
@@ -239,24 +237,7 @@ class SharedBackendRoom:
     # -- messages ------------------------------------------------------------------------
     async def _listen(self) -> None:
         """Wake the loop whenever another replica frees room."""
-        while True:
-            pubsub = self.store.redis.pubsub()
-            try:
-                async with asyncio.timeout(self.store.cfg.call_timeout_s * 4):
-                    await pubsub.subscribe(self.channel)
-                while True:
-                    message = await pubsub.get_message(
-                        ignore_subscribe_messages=True, timeout=self.store.cfg.lease_ttl_s
-                    )
-                    if message is not None:
-                        self._heard(message.get("data"))
-            except (RedisError, OSError, TimeoutError) as exc:
-                log.debug("room messages: %s; subscribing again", exc)
-                await asyncio.sleep(self.store.cfg.probe_interval_s)
-            finally:
-                with contextlib.suppress(RedisError, OSError, TimeoutError):
-                    async with asyncio.timeout(self.store.cfg.call_timeout_s):
-                        await pubsub.aclose()  # type: ignore[no-untyped-call]
+        await self.store.listen(self.channel, self._heard, "room messages")
 
 
 def _room(state: BackendState) -> int:
