@@ -40,9 +40,14 @@ def _chat(max_tokens: int, stream: bool = False) -> dict[str, Any]:
 
 
 async def _call(
-    s: aiohttp.ClientSession, base: str, body: dict[str, Any], tier: str = "normal"
+    s: aiohttp.ClientSession,
+    base: str,
+    body: dict[str, Any],
+    tier: str = "normal",
+    streaming: list[int] | None = None,
 ) -> dict[str, Any]:
-    """One request's definitive answer: status, completion tokens, and how a stream ended."""
+    """One request's definitive answer: status, completion tokens, and how a stream ended.
+    ``streaming`` counts the streams that have had their first event (they run on an engine)."""
     out: dict[str, Any] = {"tokens": None, "ended": None}
     async with s.post(f"{base}/v1/chat/completions", json=body, headers=auth(tier)) as r:
         out["status"] = r.status
@@ -51,7 +56,11 @@ async def _call(
         if not body.get("stream"):
             out["tokens"] = orjson.loads(await r.read())["usage"]["completion_tokens"]
             return out
-        data = [d async for d in sse.data_of(r)]
+        data: list[bytes] = []
+        async for d in sse.data_of(r):
+            if not data and streaming is not None:
+                streaming.append(1)
+            data.append(d)
     out["ended"] = "done" if data and data[-1] == sse.DONE else "cut"
     for d in data:
         if b'"usage"' in d and b'"choices":[]' in d:
@@ -125,6 +134,10 @@ async def test_killed_backend_loses_nothing_and_comes_back(engines: EngineFarm) 
         results = await asyncio.gather(*(_call(s, base, _chat(8)) for _ in range(20)))
         assert all(r["status"] == 200 for r in results)
         assert victim.dispatched_total > before
+    # The engine restarted here is stopped: the next test's gets a fresh one from the farm. One
+    # started in this test served the next test's streams cut short (CI, and 5 of 5 runs of
+    # this module's tests in order: no event reached the proxy from it).
+    await asyncio.to_thread(b.stop)
 
 
 async def test_hung_backend_is_ejected_by_probe_timeout(engines: EngineFarm) -> None:
@@ -191,9 +204,19 @@ async def test_admin_drain_lets_inflight_finish_and_sends_no_new_work(engines: E
     )
     admin = {"Authorization": "Bearer admin-secret"}
     async with running_proxy(cfg) as (base, state), aiohttp.ClientSession(timeout=TIMEOUT) as s:
-        running = [asyncio.create_task(_call(s, base, _chat(DRAINED_TOKENS))) for _ in range(4)]
+        # Streams, counted once their first token came: then they run on an engine (a request
+        # that has not begun could still be retried elsewhere, which is not what is tested).
+        streaming: list[int] = []
+        running = [
+            asyncio.create_task(_call(s, base, _chat(DRAINED_TOKENS, True), streaming=streaming))
+            for _ in range(4)
+        ]
         victim = state.pool.states[b.spec.url]
-        await until(lambda: victim.inflight == 2, what="two requests on the backend to drain")
+        await until(
+            lambda: victim.inflight == 2 and len(streaming) == 4,
+            what="four streams begun, two of them on the backend to drain",
+            state=state,
+        )
         async with s.post(
             f"{base}/admin/backends/drain", json={"url": b.spec.url}, headers=auth("high")
         ) as r:
@@ -202,16 +225,18 @@ async def test_admin_drain_lets_inflight_finish_and_sends_no_new_work(engines: E
             f"{base}/admin/backends/drain", json={"url": b.spec.url}, headers=admin
         ) as r:
             view = await r.json()
-            assert r.status == 200 and view["draining"] is True and view["inflight"] == 2
+            assert r.status == 200 and view["draining"] is True, view
+            assert view["inflight"] == 2, (view, [t.result() for t in running if t.done()])
         sent = victim.dispatched_total
         more = await asyncio.gather(*(_call(s, base, _chat(4)) for _ in range(6)))
         assert [r["status"] for r in more] == [200] * 6
         assert victim.dispatched_total == sent
         # The drained backend's in-flight requests completed in full.
+        drained = await asyncio.gather(*running)
         assert all(
-            r["status"] == 200 and r["tokens"] == DRAINED_TOKENS
-            for r in await asyncio.gather(*running)
-        )
+            r["status"] == 200 and r["tokens"] == DRAINED_TOKENS and r["ended"] == "done"
+            for r in drained
+        ), drained
         async with s.get(f"{base}/admin/backends", headers=admin) as r:
             listed = {v["url"]: v for v in (await r.json())["backends"]}
         assert listed[b.spec.url]["inflight"] == 0 and not listed[b.spec.url]["available"]
