@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 from proxy.backends.adapter_choice import adapter_able, adapter_begin, serves_adapter
 from proxy.backends.adapter_rules import AdapterPolicy
-from proxy.backends.adapter_slots import LoadPlan, SlotUser
+from proxy.backends.adapter_slots import LoadPlan
 from proxy.backends.backend import BackendState
 from proxy.backends.cheap_calls import give_back_cheap, take_cheap
 from proxy.backends.health import OutlierDetection
@@ -181,10 +181,10 @@ class BackendPool:
         full: list[BackendState] = []
         failed = request.failed_on if request is not None else frozenset()
         avoid = self._passed_over(failed, model, now)
-        user = SlotUser(request.tenant if request is not None else "", best)
-        able = adapter_able(
-            self.states.values(), self.adapters, model, self.adapter_policy, user, now
-        )
+        tenant, tier = (request.tenant, request.tier) if request is not None else ("", "")
+        user = self.adapter_policy.user(tenant, tier, best)
+        policy = self.adapter_policy
+        able = adapter_able(self.states.values(), self.adapters, model, policy, user, now)
         if able is not None and not (able[0] or able[1]) and self.on_adapter_claims is not None:
             self.on_adapter_claims()  # proxy.replicas.adapter_claims claims what is wanted
         for state in self.states.values():
@@ -287,7 +287,7 @@ class BackendPool:
             request.predicted_blocks = state.cached_blocks(request.prompt_blocks)
         if request is None:
             return None
-        user = SlotUser(request.tenant, best)
+        user = self.adapter_policy.user(request.tenant, request.tier, best)
         return adapter_begin(state, self.adapters, request.model, self.adapter_policy, user, now)
 
     def release(
@@ -305,7 +305,8 @@ class BackendPool:
         if request is not None:
             self.chooser.ended(state, request, ran)
             if request.model is not None and request.model in state.adapters.inflight:
-                state.adapters.end(request.model, SlotUser(request.tenant, best), now)
+                user = self.adapter_policy.user(request.tenant, request.tier, best)
+                state.adapters.end(request.model, user, now)
                 if state.adapters.claimed is not None and self.on_adapter_claims is not None:
                     self.on_adapter_claims()  # its claim may go back to other replicas
         state.best_inflight -= best

@@ -138,7 +138,9 @@ def set_best_tier_reserve(pool: BackendPool, config: Config) -> None:
     pool.best_tier_reserve = config.scheduling.best_tier_reserve
     pool.adapters = {name: a.base_model for name, a in config.adapters.items()}
     best_usable = adapters_of_tiers(config.adapters, config.tenants, pool.best_tiers)
-    pool.adapter_policy = policy_for(config.scheduling.adapter_slots, pool.adapters, best_usable)
+    ranks = {name: t.priority for name, t in config.tiers.items()}
+    knobs = config.scheduling.adapter_slots
+    pool.adapter_policy = policy_for(knobs, pool.adapters, best_usable, ranks)
 
 
 def default_queue_policies(

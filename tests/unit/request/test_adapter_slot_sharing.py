@@ -116,3 +116,32 @@ async def test_a_tenant_cycling_shared_adapters_leaves_another_tenants_adapter_l
             assert await _complete(client, base, "low", "theirs", 1) == 200
         assert loads.count("theirs") == 1, loads  # loaded once, never given up for the cycler
         assert "theirs" in state.pool.all()[0].adapters.held
+
+
+async def test_a_low_tenants_idle_adapter_never_holds_the_high_tier_to_one_slot() -> None:
+    """The red team's run (F2): after one 2-token low-tier request, a high-tier tenant
+    alternating two adapters was held to one slot by that idle adapter's claim: its second
+    adapter waited behind its first's generations (91 of 100 of them 503 at 20 s)."""
+    release = asyncio.Event()
+    events: list[str] = []
+    loads: list[str] = []
+    adapters = {
+        name: {"path": f"/adapters/{name}", "base_model": "tiny", "tenants": [tenant]}
+        for name, tenant in (("a1", "tenant-high"), ("a2", "tenant-high"), ("l", "tenant-low"))
+    }
+    async with (
+        serve_app(_engine(release, events, loads), handler_cancellation=True) as url,
+        running_proxy(_config(url, adapters)) as (base, state),
+        aiohttp.ClientSession() as client,
+    ):
+        assert await _complete(client, base, "low", "l", 2) == 200  # now idle, claimed
+        long = asyncio.create_task(_complete(client, base, "high", "a1", 250))
+        running = state.pool.all()[0].adapters.running
+        await until(lambda: "a1" in running(), 30, "the long a1 generation", state)
+        # The second adapter is answered while the first one's generation still runs.
+        assert await _complete(client, base, "high", "a2", 2) == 200
+        assert not long.done()
+        release.set()
+        assert await long == 200
+        assert events == ["l", "a2", "a1"], events
+        assert loads == ["l", "a1", "a2"], loads
