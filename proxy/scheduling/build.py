@@ -88,12 +88,17 @@ class Scheduling:
                 new.backends,
             )
             self.pool.chooser = backend_chooser(config, self.dispatcher.clock)
+        adapters = set(self.pool.adapters)  # the catalogue the queued requests came under
         set_best_tier_reserve(self.pool, config)
         self.pool.reconfigure(
             config.backends,
             config.backend_health,
             config.adaptive_room,
             miss_budget=slo_miss_budget(config),
+        )
+        adapters |= set(self.pool.adapters)
+        self.dispatcher.refuse_unservable(
+            lambda r: r.model not in adapters or self.pool.serves_adapter(r.model)
         )
         self.config = config
 
