@@ -11,12 +11,15 @@ request that needs them comes:
   for an adapter worse tiers already run there takes no new slot and is let in; one that joins
   an adapter only the best tier runs is counted (else worse tiers could keep a best-tier slot
   busy past its own requests).
-- **A tenant's share.** While another tenant wants a slot on the engine (has a request running
-  there, or used an adapter there within ``claim_s``), one tenant's requests run at most
-  ``cap`` distinct adapters there, and a tenant that already holds ``cap`` adapters there makes
-  room by giving up one of its own idle adapters (or one nobody wants any more), never one
-  another tenant wants: cycling through many adapters then churns only its own slots. Alone
-  on an engine a tenant may use every slot (nothing is held back for nobody).
+- **A tenant's share.** Each tenant that used a held adapter claims it (running, or used
+  within ``claim_s``), each on its own. While another tenant wants a slot on the engine (runs
+  a request there, or claims an adapter there and is of a tier as good or better), one
+  tenant's requests run at most ``cap`` distinct adapters there, and a tenant that claims
+  ``cap`` adapters there already makes room by giving up one of its own idle adapters (or one
+  nobody claims), else one only worse tiers claim, never one its tier or a better one claims:
+  cycling through many adapters then churns only its own slots, and a worse tier's idle
+  adapter never keeps a better tier waiting. Alone on an engine a tenant may use every slot
+  (nothing is held back for nobody).
 - **No queue-jumping by joining.** While a request of another tenant waits for a slot on the
   engine (it found none anywhere in this dispatch pass), a request does not join an adapter
   that already runs there, whatever the tiers: else a tenant whose requests overlap on one
