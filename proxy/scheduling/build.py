@@ -97,9 +97,11 @@ class Scheduling:
             miss_budget=slo_miss_budget(config),
         )
         adapters |= set(self.pool.adapters)
-        self.dispatcher.refuse_unservable(
+        refused = self.dispatcher.refuse_unservable(
             lambda r: r.model not in adapters or self.pool.serves_adapter(r.model)
         )
+        if refused:
+            log.warning("%d queued adapter requests answered 404: no backend serves them", refused)
         self.config = config
 
 
