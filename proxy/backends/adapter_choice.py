@@ -69,11 +69,13 @@ def adapter_begin(
 
 
 def serves_adapter(states: Iterable[BackendState], adapters: Mapping[str, str], model: str) -> bool:
-    """Some backend could ever serve this adapter: its base model, LoRA on, and the adapter
-    either held there or loadable."""
+    """Some backend could ever serve this adapter: one the configuration still names (not
+    one a reload removed, draining), its base model, LoRA on, and the adapter either held
+    there or loadable."""
     base = adapters.get(model)
     return base is not None and any(
-        s.cfg.max_loras is not None
+        not s.removed
+        and s.cfg.max_loras is not None
         and s.serves(base)
         and (s.cfg.load_adapters or model in s.adapters.held)
         for s in states

@@ -24,6 +24,7 @@ log = logging.getLogger("tierproxy.adapters")
 # vLLM answers a load of an adapter it already lists with 400 ("... has already been loaded").
 _ALREADY = "already been loaded"
 _STOPPING = "the proxy is stopping"
+_TOO_LATE = "still loading when the request's queue timeout ran out"
 # A load that failed is not tried again on that backend for this long (the same path: a reload
 # that fixes the path tries at once). Without it every request for a broken adapter gave up an
 # idle adapter of another tenant to make room for a load that fails again.
@@ -66,9 +67,18 @@ class AdapterLoader:
     # (backend url, adapter, path) -> when its load last failed.
     _failed_at: dict[tuple[str, str, str], float] = field(default_factory=dict)
 
-    async def ready(self, state: BackendState, adapter: str, plan: LoadPlan | None) -> None:
+    async def ready(
+        self,
+        state: BackendState,
+        adapter: str,
+        plan: LoadPlan | None,
+        deadline: float | None = None,
+    ) -> None:
         """Returns once ``adapter`` is loaded on ``state`` (at once when it was held already);
-        AdapterLoadFailed when the load this request made or waits for failed."""
+        AdapterLoadFailed when the load this request made or waits for failed, or was not done
+        by ``deadline`` (on the loader's clock: the end of the request's queue time, which a
+        load never stretches; the load itself goes on, within its own timeout, for the
+        requests after it)."""
         key = (state.cfg.url, adapter)
         if plan is not None:
             if self._stopped:  # shutting down: nothing new starts
@@ -87,8 +97,12 @@ class AdapterLoader:
             if found is None:
                 return
             task = found
+        wait_s = None if deadline is None else max(0.0, deadline - self.clock())
         try:
-            failure = await asyncio.shield(task)
+            async with asyncio.timeout(wait_s):
+                failure = await asyncio.shield(task)
+        except TimeoutError:
+            raise AdapterLoadFailed(adapter, state.label, _TOO_LATE) from None
         except asyncio.CancelledError:
             # The load was stopped under this waiter (shutdown), not the waiter itself.
             if task.cancelled() and not _being_cancelled():

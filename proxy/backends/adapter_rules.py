@@ -11,12 +11,15 @@ request that needs them comes:
   for an adapter worse tiers already run there takes no new slot and is let in; one that joins
   an adapter only the best tier runs is counted (else worse tiers could keep a best-tier slot
   busy past its own requests).
-- **A tenant's share.** While another tenant wants a slot on the engine (has a request running
-  there, or used an adapter there within ``claim_s``), one tenant's requests run at most
-  ``cap`` distinct adapters there, and a tenant that already holds ``cap`` adapters there makes
-  room by giving up one of its own idle adapters (or one nobody wants any more), never one
-  another tenant wants: cycling through many adapters then churns only its own slots. Alone
-  on an engine a tenant may use every slot (nothing is held back for nobody).
+- **A tenant's share.** Each tenant that used a held adapter claims it (running, or used
+  within ``claim_s``), each on its own. While another tenant wants a slot on the engine (runs
+  a request there, or claims an adapter there and is of a tier as good or better), one
+  tenant's requests run at most ``cap`` distinct adapters there, and a tenant that claims
+  ``cap`` adapters there already makes room by giving up one of its own idle adapters (or one
+  nobody claims), else one only worse tiers claim, never one its tier or a better one claims:
+  cycling through many adapters then churns only its own slots, and a worse tier's idle
+  adapter never keeps a better tier waiting. Alone on an engine a tenant may use every slot
+  (nothing is held back for nobody).
 - **No queue-jumping by joining.** While a request of another tenant waits for a slot on the
   engine (it found none anywhere in this dispatch pass), a request does not join an adapter
   that already runs there, whatever the tiers: else a tenant whose requests overlap on one
@@ -43,7 +46,7 @@ class SlotRules:
     may_load: bool = True
     reserve: int = 0  # slots worse tiers never open (already below max_loras)
     tenant_cap: int | None = None  # distinct adapters of one tenant; None: no bound
-    claim_s: float = 300.0
+    claim_s: float = 5.0
 
 
 @dataclass
@@ -53,6 +56,11 @@ class AdapterPolicy:
 
     knobs: AdapterSlotKnobs = field(default_factory=AdapterSlotKnobs)
     reserve_bases: frozenset[str] = frozenset()
+    ranks: Mapping[str, int] = field(default_factory=dict)  # tier -> its priority
+
+    def user(self, tenant: str, tier: str, best: bool) -> SlotUser:
+        """Who a request of ``tenant`` in ``tier`` is for the slot rules."""
+        return SlotUser(tenant, best, self.ranks.get(tier, 0))
 
     def rules(self, cfg: Backend, base: str) -> SlotRules | None:
         """The rules on backend ``cfg`` for an adapter of ``base``; None: it runs no adapter."""
@@ -65,31 +73,49 @@ class AdapterPolicy:
         return SlotRules(m, cfg.load_adapters, reserve, cap, self.knobs.claim_s)
 
 
-def _others_want(slots: AdapterSlots, tenant: str, rules: SlotRules, now: float) -> bool:
-    if any(t != tenant for t in slots.by_tenant):
+def _others_want(slots: AdapterSlots, user: SlotUser, rules: SlotRules, now: float) -> bool:
+    """Another tenant wants a slot here: it runs a request here, or claims an idle adapter
+    and is of a tier as good as ``user``'s or better (a worse tier's idle claim never keeps a
+    better tier's request waiting: red team F2)."""
+    if any(t != user.tenant for t in slots.by_tenant):
         return True
-    return any(t != tenant for t in slots.claims(now, rules.claim_s).values())
+    return any(
+        t != user.tenant and rank <= user.rank
+        for by in slots.claims(now, rules.claim_s).values()
+        for t, rank in by.items()
+    )
 
 
-def tenant_cap(slots: AdapterSlots, tenant: str, rules: SlotRules, now: float) -> int | None:
-    """The most distinct adapters ``tenant`` may use on this engine now (None: no bound)."""
-    if rules.tenant_cap is None or not _others_want(slots, tenant, rules, now):
+def tenant_cap(slots: AdapterSlots, user: SlotUser, rules: SlotRules, now: float) -> int | None:
+    """The most distinct adapters ``user``'s tenant may use on this engine now (None: no
+    bound)."""
+    if rules.tenant_cap is None or not _others_want(slots, user, rules, now):
         return None
     return rules.tenant_cap
 
 
 def victim(slots: AdapterSlots, user: SlotUser, rules: SlotRules, now: float) -> str | None:
     """The idle adapter a load for ``user`` gives up: the least recently used one (of those
-    no other replica claims, if any); for a tenant that holds its share already, only among
-    its own and those nobody wants any more."""
+    no other replica claims, if any). A tenant that claims its share here already, while other
+    tenants claim adapters here too, gives up one of its own or one nobody claims; failing
+    that, one only worse tiers claim (their idle claims never keep it waiting); never one a
+    tenant of its tier or a better one claims. A tenant's claim is its own: touching another
+    tenant's shared adapter makes it no less theirs (red team F5)."""
     idle = slots.idle()
-    cap = tenant_cap(slots, user.tenant, rules, now)
-    if cap is not None:
+    if rules.tenant_cap is not None:
         claims = slots.claims(now, rules.claim_s)
-        if sum(1 for t in claims.values() if t == user.tenant) >= cap:
-            idle = [(t, n) for t, n in idle if claims.get(n, user.tenant) == user.tenant]
+        others = {n: by for n, by in claims.items() if any(t != user.tenant for t in by)}
+        mine = sum(1 for by in claims.values() if user.tenant in by)
+        if others and mine >= rules.tenant_cap:
+            free = [(t, n) for t, n in idle if n not in others]
+            idle = free or [(t, n) for t, n in idle if not _binding(others[n], user)]
     # One another replica claims (it may be running it) only when there is no other.
     return min(idle, key=lambda tn: (tn[1] in slots.elsewhere, tn))[1] if idle else None
+
+
+def _binding(claimants: Mapping[str, int], user: SlotUser) -> bool:
+    """Some other tenant of ``user``'s tier or a better one claims the adapter."""
+    return any(t != user.tenant and rank <= user.rank for t, rank in claimants.items())
 
 
 def fit(
@@ -106,7 +132,7 @@ def fit(
     if not user.best and adapter not in worse and len(worse) >= rules.max_loras - rules.reserve:
         return None  # the best tier's reserve
     mine = slots.running_of(user.tenant)
-    cap = tenant_cap(slots, user.tenant, rules, now)
+    cap = tenant_cap(slots, user, rules, now)
     if cap is not None and adapter not in mine and len(mine) >= cap:
         return None  # the tenant's share
     if adapter in slots.held:
@@ -132,7 +158,7 @@ def waits_for_slot(
     own tenant's share, nor because the adapter cannot be loaded here."""
     if adapter in slots.running() or not (rules.may_load or adapter in slots.held):
         return False
-    cap = tenant_cap(slots, user.tenant, rules, now)
+    cap = tenant_cap(slots, user, rules, now)
     return cap is None or len(slots.running_of(user.tenant)) < cap
 
 
@@ -146,8 +172,12 @@ def begin(
 
 
 def policy_for(
-    knobs: AdapterSlotKnobs, bases: Mapping[str, str], best_usable: frozenset[str]
+    knobs: AdapterSlotKnobs,
+    bases: Mapping[str, str],
+    best_usable: frozenset[str],
+    ranks: Mapping[str, int],
 ) -> AdapterPolicy:
-    """The policy from the knobs, the catalogue (adapter -> base) and the adapters some
-    best-tier tenant may use."""
-    return AdapterPolicy(knobs, frozenset(bases[n] for n in best_usable if n in bases))
+    """The policy from the knobs, the catalogue (adapter -> base), the adapters some best-tier
+    tenant may use and each tier's rank (its priority)."""
+    reserve_bases = frozenset(bases[n] for n in best_usable if n in bases)
+    return AdapterPolicy(knobs, reserve_bases, dict(ranks))

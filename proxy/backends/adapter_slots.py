@@ -26,10 +26,12 @@ Fit = Literal["has", "load"]
 
 @dataclass(frozen=True)
 class SlotUser:
-    """Who a request for an adapter is for: its tenant, and whether its tier is the best."""
+    """Who a request for an adapter is for: its tenant, whether its tier is the best, and its
+    tier's rank (its ``priority``: lower is better)."""
 
     tenant: str = ""
     best: bool = True
+    rank: int = 0
 
 
 @dataclass(frozen=True)
@@ -47,8 +49,11 @@ class AdapterSlots:
     loading: set[str] = field(default_factory=set)  # held, but the proxy's load is under way
     unloading: set[str] = field(default_factory=set)  # given up: never routed to, never re-listed
     inflight: dict[str, int] = field(default_factory=dict)  # name -> requests in flight
-    # name -> the tenant whose request began on it last (held names only; none: listed only).
-    owner: dict[str, str] = field(default_factory=dict)
+    # name -> tenant -> (when its requests last used it, its tier's rank): every tenant that
+    # used a held adapter, each its own claim (held names only; none: listed only). One map per
+    # tenant, not one last user: a tenant touching another's shared adapter once must not take
+    # over its claim (red team F5).
+    users: dict[str, dict[str, tuple[float, int]]] = field(default_factory=dict)
     # tenant -> name -> its requests in flight; name -> requests of worse tiers in flight.
     by_tenant: dict[str, dict[str, int]] = field(default_factory=dict)
     worse: dict[str, int] = field(default_factory=dict)
@@ -87,15 +92,17 @@ class AdapterSlots:
     def worse_running(self) -> set[str]:
         return set(self.worse)
 
-    def claims(self, now: float, claim_s: float) -> dict[str, str]:
-        """Held adapters still wanted by the tenant that used them last (name -> tenant):
-        running, or used within ``claim_s``."""
-        running = self.running()
-        return {
-            name: tenant
-            for name, tenant in self.owner.items()
-            if name in self.held and (name in running or self.held[name] >= now - claim_s)
-        }
+    def claims(self, now: float, claim_s: float) -> dict[str, dict[str, int]]:
+        """Held adapters still wanted (name -> tenant -> its tier's rank): by each tenant that
+        runs a request on it, or used it within ``claim_s``."""
+        found: dict[str, dict[str, int]] = {}
+        for name, by in self.users.items():
+            for tenant, (at, rank) in list(by.items()):
+                if at >= now - claim_s or name in self.by_tenant.get(tenant, ()):
+                    found.setdefault(name, {})[tenant] = rank
+                else:  # lapsed: forgotten (else every tenant that ever used it stays here)
+                    del by[tenant]
+        return found
 
     def idle(self) -> list[tuple[float, str]]:
         """(last used, name) of the adapters held here with nothing in flight, not loading."""
@@ -108,7 +115,7 @@ class AdapterSlots:
         for name in names - self.unloading:
             keep.setdefault(name, now)
         self.held = keep
-        self.owner = {n: t for n, t in self.owner.items() if n in keep}
+        self.users = {n: by for n, by in self.users.items() if n in keep}
 
     def begin(
         self, adapter: str, user: SlotUser, unload: str | None, now: float
@@ -120,12 +127,13 @@ class AdapterSlots:
         mine[adapter] = mine.get(adapter, 0) + 1
         if not user.best:
             self.worse[adapter] = self.worse.get(adapter, 0) + 1
-        self.owner[adapter] = user.tenant
+        self._used(adapter, user, now)
         if adapter in self.held:
             self.held[adapter] = now
             return None
         if unload is not None:
             del self.held[unload]
+            self.users.pop(unload, None)
             self.unloading.add(unload)
         self.held[adapter] = now
         self.loading.add(adapter)
@@ -143,11 +151,16 @@ class AdapterSlots:
             _count_out(self.worse, adapter)
         if adapter in self.held:
             self.held[adapter] = now
+            self._used(adapter, user, now)
+
+    def _used(self, adapter: str, user: SlotUser, now: float) -> None:
+        self.users.setdefault(adapter, {})[user.tenant] = (now, user.rank)
 
     def load_done(self, adapter: str, ok: bool) -> None:
         self.loading.discard(adapter)
         if not ok:
             self.held.pop(adapter, None)
+            self.users.pop(adapter, None)
 
     def unload_done(self, adapter: str) -> None:
         self.unloading.discard(adapter)
@@ -159,6 +172,7 @@ class AdapterSlots:
         it was counted as held."""
         if adapter in self.loading:
             return False
+        self.users.pop(adapter, None)
         return self.held.pop(adapter, None) is not None
 
     def cancel(self, plan: LoadPlan) -> None:

@@ -16,8 +16,9 @@ from collections.abc import Callable, Iterable, Mapping
 
 from proxy.backends.adapter_choice import adapter_able, adapter_begin, serves_adapter
 from proxy.backends.adapter_rules import AdapterPolicy
-from proxy.backends.adapter_slots import LoadPlan, SlotUser
+from proxy.backends.adapter_slots import LoadPlan
 from proxy.backends.backend import BackendState
+from proxy.backends.cheap_calls import give_back_cheap, take_cheap
 from proxy.backends.health import OutlierDetection
 from proxy.config.backends import Backend, BackendHealth
 from proxy.config.slo import AdaptiveRoom
@@ -180,10 +181,10 @@ class BackendPool:
         full: list[BackendState] = []
         failed = request.failed_on if request is not None else frozenset()
         avoid = self._passed_over(failed, model, now)
-        user = SlotUser(request.tenant if request is not None else "", best)
-        able = adapter_able(
-            self.states.values(), self.adapters, model, self.adapter_policy, user, now
-        )
+        tenant, tier = (request.tenant, request.tier) if request is not None else ("", "")
+        user = self.adapter_policy.user(tenant, tier, best)
+        policy = self.adapter_policy
+        able = adapter_able(self.states.values(), self.adapters, model, policy, user, now)
         if able is not None and not (able[0] or able[1]) and self.on_adapter_claims is not None:
             self.on_adapter_claims()  # proxy.replicas.adapter_claims claims what is wanted
         for state in self.states.values():
@@ -253,29 +254,14 @@ class BackendPool:
         failed_on: frozenset[str] = frozenset(),
     ) -> BackendState | None:
         """For a tokenizer call: the available backend serving the model with the fewest such
-        calls below its own small cap and below the tenant's share of it (half: one tenant's
-        slow calls never take every slot), passing over those it failed on as ``acquire``
-        does; None when there is none. The generation room is neither checked nor taken:
-        vLLM tokenizes in its API server, not in the engine."""
-        best: BackendState | None = None
+        calls below its own small cap and below the tenant's share of it
+        (``proxy.backends.cheap_calls``), passing over those it failed on as ``acquire`` does;
+        None when there is none. The generation room is neither checked nor taken."""
         avoid = self._passed_over(failed_on, model, now)
-        for state in self.states.values():
-            if state.cfg.url in avoid or not (state.available(now) and state.serves(model)):
-                continue
-            if state.cheap_inflight >= state.cfg.max_cheap_inflight:
-                continue
-            if state.cheap_by_tenant.of(tenant) >= state.cheap_tenant_share:
-                continue
-            if best is None or state.cheap_inflight < best.cheap_inflight:
-                best = state
-        if best is not None:
-            best.cheap_inflight += 1
-            best.cheap_by_tenant.take(tenant)
-        return best
+        return take_cheap(self.states.values(), model, now, tenant, avoid)
 
     def release_cheap(self, state: BackendState, tenant: str = "") -> None:
-        state.cheap_inflight = max(0, state.cheap_inflight - 1)
-        state.cheap_by_tenant.give_back(tenant)
+        give_back_cheap(state, tenant)
 
     # -- bookkeeping ---------------------------------------------------------------------
     def acquire(
@@ -301,7 +287,7 @@ class BackendPool:
             request.predicted_blocks = state.cached_blocks(request.prompt_blocks)
         if request is None:
             return None
-        user = SlotUser(request.tenant, best)
+        user = self.adapter_policy.user(request.tenant, request.tier, best)
         return adapter_begin(state, self.adapters, request.model, self.adapter_policy, user, now)
 
     def release(
@@ -319,7 +305,8 @@ class BackendPool:
         if request is not None:
             self.chooser.ended(state, request, ran)
             if request.model is not None and request.model in state.adapters.inflight:
-                state.adapters.end(request.model, SlotUser(request.tenant, best), now)
+                user = self.adapter_policy.user(request.tenant, request.tier, best)
+                state.adapters.end(request.model, user, now)
                 if state.adapters.claimed is not None and self.on_adapter_claims is not None:
                     self.on_adapter_claims()  # its claim may go back to other replicas
         state.best_inflight -= best

@@ -66,11 +66,14 @@ class AdapterSlotKnobs(Strict):
         " Alone on an engine a tenant may use every slot. 1: no bound.",
     )
     claim_s: float = Field(
-        300.0,
+        5.0,
         gt=0,
-        description="How long after its last request an adapter still counts as wanted by"
-        " the tenant that used it last (a tenant past its share may not give it up);"
-        " afterwards it is anyone's to give up, least recently used first.",
+        description="How long after its last request on an adapter a tenant still claims it:"
+        " another tenant at its share may not give it up, and a tenant of the same tier or"
+        " a worse one counts it as wanted (holding itself to its share). A worse tier's idle"
+        " claim never keeps a better tier waiting. Short on purpose: it only spares a tenant"
+        " that comes back within it a reload caused by another tenant's cycling (one load per"
+        " gap at most otherwise), and keeps a peer tier's request waiting at most this long.",
         json_schema_extra=TUNING,
     )
 

@@ -56,8 +56,11 @@ class AdapterGate:
         if model not in lease.backend.adapters.inflight:
             return  # not an adapter the pool counted
         plan, lease.adapter_plan = lease.adapter_plan, None  # this request carries it out
+        # A load never keeps a request past its tier's queue timeout (red team F8: a hung
+        # load held them for the backend's adapter_load_timeout_s whatever their tier's).
+        deadline = lease.request.deadline_s if lease.request is not None else None
         try:
-            await self.loader.ready(lease.backend, model, plan)
+            await self.loader.ready(lease.backend, model, plan, deadline)
         except AdapterLoadFailed as exc:
             lease.release(ran=False)
             raise adapter_load_failed(exc.adapter, exc.reason) from None

@@ -22,6 +22,7 @@ from proxy.api.errors import (
     ProxyError,
     config_changed,
     memory_full,
+    model_not_found,
     queue_full,
     queue_timeout,
     refused_early,
@@ -52,7 +53,7 @@ from proxy.request.tenant_limits import pass_tenant_limits, settle_tenant_limits
 from proxy.request.traced import upstream_spans
 from proxy.request.uploads import TenantUploads, UploadRefused, closing
 from proxy.request.upstream import upstream_call
-from proxy.scheduling.dispatch import CheapLease, Dispatcher, Lease, QueueTimeoutError
+from proxy.scheduling.dispatch import CheapLease, Dispatcher, Lease, QueueTimeoutError, Unservable
 from proxy.scheduling.early_refusal import EarlyRefusal
 from proxy.scheduling.limits import TenantLimits
 from proxy.scheduling.queue import AdmissionQueue, QueueFull, UnknownTier
@@ -263,6 +264,8 @@ class RequestPipeline:
             raise queue_full(adm.tier, self.retry_after(adm.tier), displaced=True) from None
         except QueueTimeoutError as exc:
             raise queue_timeout(adm.tier, exc.waited_s, self.retry_after(adm.tier)) from None
+        except Unservable:  # a reload left no backend for its adapter: as for a new request
+            raise model_not_found(queued.model) from None
         except TimeoutError:
             self.dispatcher.withdraw(queued)
             raise queue_timeout(adm.tier, waited_at_most, self.retry_after(adm.tier)) from None

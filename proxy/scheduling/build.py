@@ -88,6 +88,7 @@ class Scheduling:
                 new.backends,
             )
             self.pool.chooser = backend_chooser(config, self.dispatcher.clock)
+        adapters = set(self.pool.adapters)  # the catalogue the queued requests came under
         set_best_tier_reserve(self.pool, config)
         self.pool.reconfigure(
             config.backends,
@@ -95,6 +96,12 @@ class Scheduling:
             config.adaptive_room,
             miss_budget=slo_miss_budget(config),
         )
+        adapters |= set(self.pool.adapters)
+        refused = self.dispatcher.refuse_unservable(
+            lambda r: r.model not in adapters or self.pool.serves_adapter(r.model)
+        )
+        if refused:
+            log.warning("%d queued adapter requests answered 404: no backend serves them", refused)
         self.config = config
 
 
@@ -138,7 +145,9 @@ def set_best_tier_reserve(pool: BackendPool, config: Config) -> None:
     pool.best_tier_reserve = config.scheduling.best_tier_reserve
     pool.adapters = {name: a.base_model for name, a in config.adapters.items()}
     best_usable = adapters_of_tiers(config.adapters, config.tenants, pool.best_tiers)
-    pool.adapter_policy = policy_for(config.scheduling.adapter_slots, pool.adapters, best_usable)
+    ranks = {name: t.priority for name, t in config.tiers.items()}
+    knobs = config.scheduling.adapter_slots
+    pool.adapter_policy = policy_for(knobs, pool.adapters, best_usable, ranks)
 
 
 def default_queue_policies(

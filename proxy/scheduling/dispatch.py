@@ -33,6 +33,10 @@ class QueueTimeoutError(Exception):
         self.waited_s = waited_s
 
 
+class Unservable(Exception):
+    """No backend can serve the queued request's model any more (a reload took them away)."""
+
+
 @dataclass
 class Lease:
     """A slot on a backend; released exactly once."""
@@ -156,6 +160,19 @@ class Dispatcher:
             and not waiter.exception()
         ):
             waiter.result().release(ran=False)  # never sent
+
+    def refuse_unservable(self, servable: Callable[[QueuedRequest], bool]) -> int:
+        """Take every queued request that no backend can serve any more out of the queue (a
+        reload left none for its adapter): its client is answered at once, not at its queue
+        timeout. How many."""
+        gone = [req for req in self.queue.queued() if not servable(req)]
+        for req in gone:
+            self.queue.remove(req)
+            self.pool.chooser.left(req)
+            self.metrics.queue_depth.labels(req.tier).set(self.queue.depth(req.tier))
+            if req.waiter is not None and not req.waiter.done():
+                req.waiter.set_exception(Unservable(req.model))
+        return len(gone)
 
     async def _run(self) -> None:
         while True:

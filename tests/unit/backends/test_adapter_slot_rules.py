@@ -73,10 +73,11 @@ def test_another_tenant_running_a_shared_adapter_wants_a_slot_too() -> None:
     slots = AdapterSlots()
     rules = SlotRules(max_loras=3, tenant_cap=1)
     _run(slots, "shared", OTHER, 0.0)
-    _run(slots, "shared", CYCLER, 1.0)  # it used it last: the other tenant claims nothing
+    _run(slots, "shared", CYCLER, 1.0)  # used last by the cycler: both claim it still
     assert fit(slots, "b", CYCLER, rules, 2.0) is None
     slots.end("shared", OTHER, 3.0)
-    assert fit(slots, "b", CYCLER, rules, 4.0) == "load"  # alone now
+    assert fit(slots, "b", CYCLER, rules, 4.0) is None  # the other's claim: used at 3.0
+    assert fit(slots, "b", CYCLER, rules, 3.0 + rules.claim_s + 1) == "load"  # alone now
 
 
 def test_a_tenant_alone_uses_every_slot() -> None:
@@ -125,14 +126,14 @@ def test_the_policy_keeps_a_reserve_only_where_it_can_serve_the_best_tier() -> N
     two = Backend(url="http://x:1", max_loras=2, load_adapters=True)
     one = Backend(url="http://y:1", max_loras=1)
     policy = AdapterPolicy(AdapterSlotKnobs(), reserve_bases=frozenset({"tiny"}))
-    assert policy.rules(two, "tiny") == SlotRules(2, True, 1, 1, 300.0)
-    assert policy.rules(two, "other-base") == SlotRules(2, True, 0, 1, 300.0)
-    assert policy.rules(one, "tiny") == SlotRules(1, False, 0, 1, 300.0)  # never its last slot
+    assert policy.rules(two, "tiny") == SlotRules(2, True, 1, 1, 5.0)
+    assert policy.rules(two, "other-base") == SlotRules(2, True, 0, 1, 5.0)
+    assert policy.rules(one, "tiny") == SlotRules(1, False, 0, 1, 5.0)  # never its last slot
     whole = AdapterPolicy(AdapterSlotKnobs(best_tier_reserve=0, tenant_share=1.0))
-    assert whole.rules(two, "tiny") == SlotRules(2, True, 0, None, 300.0)
+    assert whole.rules(two, "tiny") == SlotRules(2, True, 0, None, 5.0)
     assert policy.rules(Backend(url="http://z:1"), "tiny") is None  # no LoRA there
     big = Backend(url="http://w:1", max_loras=8)
-    assert policy.rules(big, "tiny") == SlotRules(8, False, 1, 4, 300.0)
+    assert policy.rules(big, "tiny") == SlotRules(8, False, 1, 4, 5.0)
 
 
 def _config(adapters: dict[str, Any]) -> Config:

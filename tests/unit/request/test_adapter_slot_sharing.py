@@ -13,7 +13,8 @@ import aiohttp
 from aiohttp import web
 
 from proxy.bench.fake_vllm import FakeVLLM
-from proxy.bench.inproc import auth, make_config, running_proxy, serve_app, until
+from proxy.bench.inproc import KEYS, auth, make_config, running_proxy, serve_app, until
+from proxy.config.tenants import hash_key
 
 
 def _engine(release: asyncio.Event, events: list[str], loads: list[str]) -> web.Application:
@@ -116,3 +117,65 @@ async def test_a_tenant_cycling_shared_adapters_leaves_another_tenants_adapter_l
             assert await _complete(client, base, "low", "theirs", 1) == 200
         assert loads.count("theirs") == 1, loads  # loaded once, never given up for the cycler
         assert "theirs" in state.pool.all()[0].adapters.held
+
+
+async def test_a_low_tenants_idle_adapter_never_holds_the_high_tier_to_one_slot() -> None:
+    """The red team's run (F2): after one 2-token low-tier request, a high-tier tenant
+    alternating two adapters was held to one slot by that idle adapter's claim: its second
+    adapter waited behind its first's generations (91 of 100 of them 503 at 20 s)."""
+    release = asyncio.Event()
+    events: list[str] = []
+    loads: list[str] = []
+    adapters = {
+        name: {"path": f"/adapters/{name}", "base_model": "tiny", "tenants": [tenant]}
+        for name, tenant in (("a1", "tenant-high"), ("a2", "tenant-high"), ("l", "tenant-low"))
+    }
+    async with (
+        serve_app(_engine(release, events, loads), handler_cancellation=True) as url,
+        running_proxy(_config(url, adapters)) as (base, state),
+        aiohttp.ClientSession() as client,
+    ):
+        assert await _complete(client, base, "low", "l", 2) == 200  # now idle, claimed
+        long = asyncio.create_task(_complete(client, base, "high", "a1", 250))
+        running = state.pool.all()[0].adapters.running
+        await until(lambda: "a1" in running(), 30, "the long a1 generation", state)
+        # The second adapter is answered while the first one's generation still runs.
+        assert await _complete(client, base, "high", "a2", 2) == 200
+        assert not long.done()
+        release.set()
+        assert await long == 200
+        assert events == ["l", "a2", "a1"], events
+        assert loads == ["l", "a1", "a2"], loads
+
+
+async def test_touching_another_tenants_shared_adapter_does_not_make_it_reload() -> None:
+    """The red team's run (F5): a 1-token request by the cycling tenant on another tenant's
+    shared adapter made it the adapter's last user, and the cycler then gave it up in its
+    cycle (the other tenant's adapter reloaded every cycle). Both tenants of one tier here."""
+    release = asyncio.Event()
+    events: list[str] = []
+    loads: list[str] = []
+    adapters: dict[str, dict[str, Any]] = {
+        name: {"path": f"/adapters/{name}", "base_model": "tiny", "shared": True}
+        for name in ("s1", "s2", "s3", "theirs")
+    }
+    tenants = [
+        {"name": name, "tier": "normal", "keys": [{"sha256": hash_key(KEYS[key])}]}
+        for name, key in (("cycler", "normal"), ("owner", "low"))
+    ]
+    config = _config("", adapters)
+    async with (
+        serve_app(_engine(release, events, loads), handler_cancellation=True) as url,
+        aiohttp.ClientSession() as client,
+    ):
+        config["backends"][0]["url"] = url
+        config["tenants"] = tenants
+        async with running_proxy(config) as (base, _state):
+            # `owner` (the low key) uses its shared adapter after each of the cycler's cycles;
+            # the cycler touches it with one 1-token request before each.
+            assert await _complete(client, base, "low", "theirs", 1) == 200
+            for _ in range(10):
+                for name in ("theirs", "s1", "s2", "s3"):
+                    assert await _complete(client, base, "normal", name, 1) == 200
+                assert await _complete(client, base, "low", "theirs", 1) == 200
+        assert loads.count("theirs") == 1, loads
