@@ -20,11 +20,15 @@ from proxy.replicas.client import SharedStateDown, SharedStore
 from proxy.replicas.quotas import RECORD_TTL_S, SharedQuotaBook
 from proxy.scheduling.quotas import QuotaAsk
 from tests.helpers.clock import FakeClock
+from tests.helpers.replicas import LIVE_REDIS
 from tests.helpers.shared_store import warm
 
 DAY = {"tokens_per_day": 1000.0}
-NOON = datetime(2026, 12, 1, 12, tzinfo=UTC).timestamp()
-KEY = "tierproxy:v2:quota:{%s}:tokens_per_day:2026-12-01"
+# Next year's: Redis expires the counters by the real clock at the period's end (plus a grace),
+# so a fixed date would expire at once once the real date passed it.
+YEAR = datetime.now(UTC).year + 1
+NOON = datetime(YEAR, 12, 1, 12, tzinfo=UTC).timestamp()
+KEY = "tierproxy:v2:quota:{%s}:tokens_per_day:" + f"{YEAR}-12-01"
 
 
 def ask(tokens: float, tenant: str = "acme") -> QuotaAsk:
@@ -33,7 +37,9 @@ def ask(tokens: float, tenant: str = "acme") -> QuotaAsk:
 
 @pytest.fixture
 async def book(redis_server: RedisServer) -> AsyncIterator[SharedQuotaBook]:
-    store = SharedStore(SharedState(url=redis_server.url, on_failure="refuse"), CollectorRegistry())
+    store = SharedStore(
+        SharedState(url=redis_server.url, on_failure="refuse", **LIVE_REDIS), CollectorRegistry()
+    )
     await warm(store)
     made = SharedQuotaBook(store, clock=FakeClock(NOON))
     yield made
@@ -154,7 +160,9 @@ async def test_a_ledger_of_the_wrong_type_is_reset(book: SharedQuotaBook) -> Non
 async def test_local_charges_reach_a_bad_counter_once_it_is_fixed(
     redis_server: RedisServer,
 ) -> None:
-    store = SharedStore(SharedState(url=redis_server.url), CollectorRegistry())  # local
+    store = SharedStore(
+        SharedState(url=redis_server.url, **LIVE_REDIS), CollectorRegistry()
+    )  # local
     book = SharedQuotaBook(store, clock=FakeClock(NOON))
     try:
         await store.redis.hset(KEY % "acme", "used", "5")

@@ -19,7 +19,7 @@ from proxy.ops.process import free_port, http_ok
 from proxy.policies.backends import LeastUtilised
 from proxy.replicas.client import SharedStore
 from proxy.replicas.drain import SharedDrain
-from tests.helpers.replicas import owner, post, replica_config
+from tests.helpers.replicas import LIVE_REDIS, owner, post, replica_config
 
 ADMIN_KEY = "admin-key-for-drain"
 
@@ -34,7 +34,7 @@ async def test_a_drain_published_by_one_replica_is_applied_and_taken_back_by_ano
     redis_server: RedisServer,
 ) -> None:
     urls = ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
-    cfg = SharedState(url=redis_server.url)
+    cfg = SharedState(url=redis_server.url, **LIVE_REDIS)
     stores = [SharedStore(cfg), SharedStore(cfg)]
     pools = [_pool(urls), _pool(urls)]
     a, b = (SharedDrain(s, p) for s, p in zip(stores, pools, strict=True))

@@ -18,6 +18,7 @@ from proxy.policies.tenants import VirtualTokenCounter
 from proxy.policies.types import QueuedRequest
 from proxy.replicas.client import SharedStore
 from proxy.replicas.fairness import FairnessSync
+from tests.helpers.replicas import LIVE_REDIS
 
 COST = 100.0  # weighted tokens of every request
 
@@ -35,7 +36,10 @@ def jain(values: list[float]) -> float:
 
 @pytest.fixture
 async def stores(redis_server: RedisServer) -> AsyncIterator[list[SharedStore]]:
-    made = [SharedStore(SharedState(url=redis_server.url), CollectorRegistry()) for _ in range(2)]
+    made = [
+        SharedStore(SharedState(url=redis_server.url, **LIVE_REDIS), CollectorRegistry())
+        for _ in range(2)
+    ]
     yield made
     for store in made:
         await store.close()

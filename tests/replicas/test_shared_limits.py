@@ -20,6 +20,7 @@ from proxy.config.tenants import Tenant
 from proxy.replicas.client import SharedStore
 from proxy.replicas.limits import SharedLimitRegistry
 from proxy.scheduling.limits import LimitVerdict
+from tests.helpers.replicas import LIVE_REDIS
 from tests.helpers.shared_store import warm
 from tests.helpers.timing import polls_until
 
@@ -209,7 +210,9 @@ async def test_tpm_debt_is_capped_at_one_minute_as_the_local_limiter_does(
 async def test_a_bucket_of_the_wrong_type_is_reset_for_its_tenant(
     redis_server: RedisServer, bad: str
 ) -> None:
-    store = SharedStore(SharedState(url=redis_server.url, on_failure="refuse"), CollectorRegistry())
+    store = SharedStore(
+        SharedState(url=redis_server.url, on_failure="refuse", **LIVE_REDIS), CollectorRegistry()
+    )
     registry = SharedLimitRegistry(store)
     registry.configure([tenant(requests_per_minute=60)], 0.0)
     key = "tierproxy:v2:limit:{acme}:rpm"

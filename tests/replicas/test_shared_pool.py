@@ -55,7 +55,8 @@ async def test_a_burst_past_the_pool_leaves_a_healthy_redis_up(store: Any) -> No
 
 
 async def test_calls_that_time_out_on_their_own_still_mark_redis_down(store: Any) -> None:
-    s = await store(max_connections=4, call_timeout_s=0.1, pool_wait_s=0.1)
+    # A connection is free at once (one call at a time): a long pool wait cannot be what fails.
+    s = await store(max_connections=4, call_timeout_s=0.1, pool_wait_s=5.0)
     for _ in range(3):  # each has a connection at once, and Redis is slower than the timeout
         with pytest.raises(SharedStateDown) as raised:
             await s.call(slow_call(0.5))

@@ -20,12 +20,20 @@ from proxy.replicas.client import SharedStateBusy, SharedStore
 from proxy.replicas.quotas import SharedQuotaBook
 from proxy.scheduling.quotas import QuotaAsk
 from tests.helpers.clock import FakeClock
+from tests.helpers.replicas import LIVE_REDIS
 from tests.helpers.shared_store import warm
 
 DAY = {"tokens_per_day": 1000.0}
 
 
-def at(text: str) -> float:
+# Next year's dates: Redis expires the counters by the real clock at the period's end (plus a
+# grace), so a fixed date would expire at once once the real date passed it.
+YEAR = datetime.now(UTC).year + 1
+
+
+def at(month_day_time: str, years_on: int = 0) -> float:
+    """``"12-01T12:00:00"`` of next year (and ``years_on`` more), UTC."""
+    text = f"{YEAR + years_on}-{month_day_time}"
     return datetime.fromisoformat(text).replace(tzinfo=UTC).timestamp()
 
 
@@ -39,7 +47,9 @@ async def books(redis_server: RedisServer) -> AsyncIterator[Callable[..., Any]]:
 
     async def make(n: int, **cfg: Any) -> list[SharedQuotaBook]:
         for _ in range(n):
-            store = SharedStore(SharedState(url=redis_server.url, **cfg), CollectorRegistry())
+            store = SharedStore(
+                SharedState(url=redis_server.url, **{**LIVE_REDIS, **cfg}), CollectorRegistry()
+            )
             await warm(store)
             made.append(SharedQuotaBook(store))
         return made[-n:]
@@ -58,7 +68,7 @@ async def test_a_quota_is_global_across_replicas_and_resets_at_midnight(
     books: Callable[..., Any],
 ) -> None:
     a, b = await books(2)
-    wall = FakeClock(at("2026-12-01T22:00:00"))
+    wall = FakeClock(at("12-01T22:00:00"))
     first = await a.reserve(ask(600), wall())
     assert first.allowed and first.hold is not None and first.hold.shared
     refused = await b.reserve(ask(500), wall())  # the other replica sees the 600
@@ -76,25 +86,25 @@ async def test_keys_expire_a_day_after_their_period(
     books: Callable[..., Any], redis_server: RedisServer
 ) -> None:
     (a,) = await books(1)
-    wall = FakeClock(at("2026-12-31T23:00:00"))
+    wall = FakeClock(at("12-31T23:00:00"))
     limits = {"tokens_per_day": 1000.0, "tokens_per_month": 5000.0, "budget_per_month": 9.0}
     assert (await a.reserve(ask(10, limits, cost=0.5), wall())).allowed
     redis = a.store.redis
     keys = sorted(k.decode() for k in await redis.keys("tierproxy:v2:quota:*:20*"))
     assert keys == [
-        "tierproxy:v2:quota:{acme}:budget_per_month:2026-12",
-        "tierproxy:v2:quota:{acme}:tokens_per_day:2026-12-31",
-        "tierproxy:v2:quota:{acme}:tokens_per_month:2026-12",
+        f"tierproxy:v2:quota:{{acme}}:budget_per_month:{YEAR}-12",
+        f"tierproxy:v2:quota:{{acme}}:tokens_per_day:{YEAR}-12-31",
+        f"tierproxy:v2:quota:{{acme}}:tokens_per_month:{YEAR}-12",
     ]
-    for key in keys:  # each ends with 2027-01-01 00:00 UTC, plus a day's grace
+    for key in keys:  # each ends with the new year, 00:00 UTC, plus a day's grace
         expires_at = await redis.pexpiretime(key)
-        assert expires_at == int((at("2027-01-01T00:00:00") + 86400) * 1000)
+        assert expires_at == int((at("01-01T00:00:00", years_on=1) + 86400) * 1000)
     assert float(await redis.get(keys[0])) == pytest.approx(0.5)
 
 
 async def test_a_month_boundary_settles_into_the_old_month(books: Callable[..., Any]) -> None:
     a, b = await books(2)
-    wall = FakeClock(at("2026-12-31T23:59:30"))
+    wall = FakeClock(at("12-31T23:59:30"))
     month = {"tokens_per_month": 1000.0}
     late = await a.reserve(ask(900, month), wall())
     assert late.hold is not None
@@ -102,8 +112,8 @@ async def test_a_month_boundary_settles_into_the_old_month(books: Callable[..., 
     a.settle(late.hold, 50.0, None)
     await settled(a)
     redis = a.store.redis
-    assert float(await redis.get("tierproxy:v2:quota:{acme}:tokens_per_month:2026-12")) == 50
-    assert await redis.get("tierproxy:v2:quota:{acme}:tokens_per_month:2027-01") is None
+    assert float(await redis.get(f"tierproxy:v2:quota:{{acme}}:tokens_per_month:{YEAR}-12")) == 50
+    assert await redis.get(f"tierproxy:v2:quota:{{acme}}:tokens_per_month:{YEAR + 1}-01") is None
     assert (await b.reserve(ask(1000, month), wall())).allowed  # January is whole
 
 
@@ -112,7 +122,7 @@ async def test_redis_down_goes_on_from_the_last_counts_and_catches_up(
 ) -> None:
     # 2 s calls: a killed Redis refuses at once, a live one on a busy machine is not timed out.
     (a,) = await books(1, call_timeout_s=2.0, probe_interval_s=0.05)
-    wall = FakeClock(at("2026-12-01T12:00:00"))
+    wall = FakeClock(at("12-01T12:00:00"))
     first = await a.reserve(ask(700), wall())
     assert first.hold is not None
     redis_server.kill()
@@ -129,7 +139,7 @@ async def test_redis_down_goes_on_from_the_last_counts_and_catches_up(
     await settled(a)
     # A Redis that lost its data learns the net of what this replica charged while it was
     # away: 200 reserved + 50 past it - 100 the shared request gave back.
-    key = "tierproxy:v2:quota:{acme}:tokens_per_day:2026-12-01"
+    key = f"tierproxy:v2:quota:{{acme}}:tokens_per_day:{YEAR}-12-01"
     assert float(await a.store.redis.get(key)) == 150
     assert a.usage("acme", DAY, wall())["tokens_per_day"]["used"] == 850
 
@@ -138,7 +148,7 @@ async def test_an_outage_that_kept_redis_data_ends_with_the_days_real_use(
     books: Callable[..., Any],
 ) -> None:
     a, b = await books(2, probe_interval_s=0.05)
-    wall = FakeClock(at("2026-12-01T12:00:00"))
+    wall = FakeClock(at("12-01T12:00:00"))
     first = await a.reserve(ask(700), wall())
     assert first.hold is not None
     a.store.mark_down(ConnectionError("cut off"))  # this replica alone loses Redis
@@ -159,7 +169,7 @@ async def test_refuse_answers_503_while_redis_is_down(
     (a,) = await books(1, on_failure="refuse")
     redis_server.kill()
     with pytest.raises(ProxyError) as refused:
-        await a.reserve(ask(1), FakeClock(at("2026-12-01T12:00:00"))())
+        await a.reserve(ask(1), FakeClock(at("12-01T12:00:00"))())
     assert refused.value.status == 503 and refused.value.code == "shared_state_unavailable"
 
 
@@ -167,7 +177,7 @@ async def test_a_busy_pool_decides_locally_and_redis_learns_it_later(
     books: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     (a,) = await books(1)
-    wall = FakeClock(at("2026-12-01T12:00:00"))
+    wall = FakeClock(at("12-01T12:00:00"))
 
     async def busy(*_: Any) -> Any:
         raise SharedStateBusy("no connection free")
@@ -180,5 +190,5 @@ async def test_a_busy_pool_decides_locally_and_redis_learns_it_later(
     # Redis never went down, so nothing calls on_up: the next call that reaches it catches up.
     assert (await a.reserve(ask(50), wall())).allowed
     await settled(a)
-    key = "tierproxy:v2:quota:{acme}:tokens_per_day:2026-12-01"
+    key = f"tierproxy:v2:quota:{{acme}}:tokens_per_day:{YEAR}-12-01"
     assert float(await a.store.redis.get(key)) == 150

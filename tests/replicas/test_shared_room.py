@@ -24,7 +24,7 @@ from proxy.config.shared_state import SharedState
 from proxy.policies.backends import LeastUtilised
 from proxy.replicas.client import SharedStore
 from proxy.replicas.room import SharedBackendRoom
-from tests.helpers.replicas import post, replica_config, start_replicas
+from tests.helpers.replicas import LIVE_REDIS, post, replica_config, start_replicas
 from tests.helpers.shared_store import warm
 from tests.helpers.timing import polls_until
 
@@ -80,7 +80,9 @@ async def replicas(redis_server: RedisServer) -> AsyncIterator[Callable[..., Any
     async def make(room: int = 4, **cfg: Any) -> tuple[Replica, Replica]:
         out = []
         for name in ("a", "b"):
-            store = SharedStore(SharedState(url=redis_server.url, **cfg), CollectorRegistry())
+            store = SharedStore(
+                SharedState(url=redis_server.url, **{**LIVE_REDIS, **cfg}), CollectorRegistry()
+            )
             await warm(store)
             replica = Replica(store, name, room)
             replica.room.start()
