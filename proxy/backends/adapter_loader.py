@@ -50,6 +50,7 @@ class AdapterEvents:
     loaded: Callable[[str, str, float], None] = lambda backend, adapter, seconds: None
     unloaded: Callable[[str, str], None] = lambda backend, adapter: None
     failed: Callable[[str, str, str], None] = lambda backend, adapter, reason: None
+    unload_failed: Callable[[str, str, str], None] = lambda backend, adapter, reason: None
 
 
 @dataclass
@@ -154,12 +155,20 @@ class AdapterLoader:
     async def _carry_out(self, state: BackendState, plan: LoadPlan) -> str | None:
         slots, label = state.adapters, state.label
         if plan.unload is not None:
-            status, _ = await self._post(state, "unload", {"lora_name": plan.unload})
-            slots.unload_done(plan.unload)
-            if status in (200, 404):  # 404: it was gone already
-                self.events.unloaded(label, plan.unload)
-            else:
-                log.warning("unloading adapter %s from %s: %s", plan.unload, label, status)
+            status, text = await self._post(state, "unload", {"lora_name": plan.unload})
+            done = status in (200, 404)  # 404: it was gone already
+            slots.unload_done(plan.unload, ok=done)
+            if not done:  # still counted as held: loading now could pass max_loras
+                slots.load_done(plan.load, ok=False)
+                why = f"HTTP {status}" if status else text
+                self.events.unload_failed(label, plan.unload, why)
+                log.warning(
+                    "unloading adapter %s from %s failed: %s %s (%s not loaded)",
+                    *(plan.unload, label, why, text[:200], plan.load),
+                )
+                # The other adapter is not named: it may be another tenant's.
+                return f"no adapter slot was freed on the backend: the unload {why}"
+            self.events.unloaded(label, plan.unload)
         adapter = self.catalogue().get(plan.load)
         if adapter is None:  # a reload removed it since dispatch
             slots.load_done(plan.load, ok=False)
