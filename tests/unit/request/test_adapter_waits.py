@@ -95,3 +95,29 @@ async def test_a_reload_leaving_no_backend_for_an_adapter_answers_its_queued_req
             assert body["error"]["code"] == "model_not_found"
             release.set()
             assert (await long)[0] == 200
+
+
+async def test_a_reload_revoking_a_tenants_access_answers_its_queued_requests() -> None:
+    """Red team F3 of round g: a queued request was served, and billed, 12.8 s after a reload
+    took its tenant's access to the adapter away."""
+    release, loading = asyncio.Event(), asyncio.Event()
+    cfg = _config("", max_loras=2, load_adapters=True)
+    cfg["tiers"]["high"]["queue_timeout_s"] = 600
+    async with (
+        serve_app(_engine(release, loading), handler_cancellation=True) as url,
+        aiohttp.ClientSession() as client,
+    ):
+        cfg["backends"][0]["url"] = url
+        async with running_proxy(cfg) as (base, state):
+            long = asyncio.create_task(_post(client, base, "tiny", 250))  # the one slot
+            await until(lambda: state.pool.all()[0].inflight == 1, 30, "the long one", state)
+            queued = asyncio.create_task(_post(client, base, "lora-a", 2))
+            await until(lambda: state.queue.depth("high") == 1, 30, "the queued one", state)
+            cfg["adapters"]["lora-a"] = {**ADAPTERS["lora-a"], "shared": False, "tiers": ["low"]}
+            state.apply(parse_config(yaml.safe_dump(cfg), "reloaded"))
+            status, body = await queued  # at once: the long generation still runs
+            assert not long.done()
+            assert status == 404, body
+            assert body["error"]["code"] == "model_not_found"
+            release.set()
+            assert (await long)[0] == 200
