@@ -192,13 +192,15 @@ def queue_timeout(tier: str, waited_s: float, retry_after_s: float) -> ProxyErro
     )
 
 
-def adapter_load_failed(adapter: str, reason: str) -> ProxyError:
+def adapter_load_failed(adapter: str, reason: str, retry_after_s: float = 1.0) -> ProxyError:
+    """``retry_after_s``: the rest of a failed load's hold, when the load is held back."""
     return ProxyError(
         503,
         f"The adapter `{adapter}` could not be loaded ({reason}); retry later.",
         type="server_error",
         code="adapter_load_failed",
         param="model",
+        retry_after_s=retry_after_s,
     )
 
 

@@ -70,6 +70,11 @@ async def test_a_hung_load_answers_its_request_at_the_tiers_queue_timeout() -> N
         assert body["error"]["code"] == "adapter_load_failed"
         assert "queue timeout" in body["error"]["message"]
         assert "lora-a" in state.pool.all()[0].adapters.loading  # kept for the next request
+        # The next one waits for that load, to its own queue timeout: a 503 with Retry-After,
+        # as docs/routes.md promises for every 503 (red team F4 of round g: it had none).
+        body = {"model": "lora-a", "prompt": "hi", "max_tokens": 2}
+        async with client.post(f"{base}/v1/completions", json=body, headers=auth("high")) as r:
+            assert r.status == 503 and r.headers["Retry-After"] == "1"
 
 
 async def test_a_reload_leaving_no_backend_for_an_adapter_answers_its_queued_requests() -> None:
