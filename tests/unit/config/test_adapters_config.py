@@ -190,3 +190,15 @@ def test_an_adapter_without_a_price_is_billed_at_its_base_models() -> None:
     for name, adapter in example.adapters.items():  # none of the example's is free
         assert price_of(example.prices, name) is not None, name
         assert price_of(example.pricing, adapter.base_model) is not None
+
+
+def test_the_404_cuts_a_long_name_and_suggests_only_servable_adapters() -> None:
+    config = _config(
+        served={"path": "/s", "base_model": "tiny", "shared": True},
+        orphan={"path": "/o", "base_model": "llama", "shared": True},  # no backend runs llama
+    )
+    err = _refusal(config, "x" * 100_000, 0)
+    assert err is not None and err.status == 404
+    assert len(err.message) < 400 and f"`{'x' * 256}...`" in err.message
+    hint = err.message.split("Valid aliases:")[1]
+    assert "served" in hint and "orphan" not in hint  # on main: both named
