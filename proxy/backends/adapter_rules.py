@@ -182,7 +182,8 @@ def waits_for_slot(
     slots: AdapterSlots, adapter: str, user: SlotUser, rules: SlotRules, now: float
 ) -> bool:
     """``fit`` refused the request here for a slot another tenant's requests hold: not for its
-    own tenant's share, nor because the adapter cannot be loaded here."""
+    own tenant's share, nor because the adapter cannot be loaded here, nor because better
+    tiers claim every slot (it waits for a claim to lapse, not for a generation to end)."""
     if adapter in slots.running() or not (rules.may_load or adapter in slots.held):
         return False
     if protected(slots, user, rules, now):
