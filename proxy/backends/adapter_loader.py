@@ -171,8 +171,8 @@ class AdapterLoader:
                 why = f"HTTP {status}" if status else text
                 self.events.unload_failed(label, plan.unload, why)
                 log.warning(
-                    "unloading adapter %s from %s failed: %s %s (%s not loaded)",
-                    *(plan.unload, label, why, text[:200], plan.load),
+                    "unloading adapter %s from %s failed: %s%s (%s not loaded)",
+                    *(plan.unload, label, why, f" {text[:200]}" if status else "", plan.load),
                 )
                 # The other adapter is not named: it may be another tenant's.
                 return f"no adapter slot was freed on the backend: the unload {why}"
