@@ -79,11 +79,13 @@ def too_large(limit: int) -> ProxyError:
 
 
 def model_not_found(model: str | None, served: list[str] | None = None) -> ProxyError:
-    """vLLM's message, with its list of the names that are served."""
+    """vLLM's message, with its list of the names that are served; a name past 256
+    characters is cut short (a client's megabyte of name is not echoed back whole)."""
     hint = f" Valid aliases: {', '.join(served)}." if served else ""
+    shown = model if model is None or len(model) <= 256 else f"{model[:256]}..."
     return ProxyError(
         404,
-        f"The model `{model}` does not exist.{hint}",
+        f"The model `{shown}` does not exist.{hint}",
         param="model",
         code="model_not_found",
     )
@@ -192,13 +194,15 @@ def queue_timeout(tier: str, waited_s: float, retry_after_s: float) -> ProxyErro
     )
 
 
-def adapter_load_failed(adapter: str, reason: str) -> ProxyError:
+def adapter_load_failed(adapter: str, reason: str, retry_after_s: float = 1.0) -> ProxyError:
+    """``retry_after_s``: the rest of a failed load's hold, when the load is held back."""
     return ProxyError(
         503,
         f"The adapter `{adapter}` could not be loaded ({reason}); retry later.",
         type="server_error",
         code="adapter_load_failed",
         param="model",
+        retry_after_s=retry_after_s,
     )
 
 

@@ -37,10 +37,13 @@ def _being_cancelled() -> bool:
 
 
 class AdapterLoadFailed(Exception):
-    def __init__(self, adapter: str, backend: str, reason: str) -> None:
+    """``retry_after_s``: when a retry may do better (the rest of a failed load's hold)."""
+
+    def __init__(self, adapter: str, backend: str, reason: str, retry_after_s: float = 1.0):
         super().__init__(f"adapter {adapter!r} could not be loaded on {backend}: {reason}")
         self.adapter = adapter
         self.reason = reason
+        self.retry_after_s = retry_after_s
 
 
 @dataclass
@@ -50,6 +53,7 @@ class AdapterEvents:
     loaded: Callable[[str, str, float], None] = lambda backend, adapter, seconds: None
     unloaded: Callable[[str, str], None] = lambda backend, adapter: None
     failed: Callable[[str, str, str], None] = lambda backend, adapter, reason: None
+    unload_failed: Callable[[str, str, str], None] = lambda backend, adapter, reason: None
 
 
 @dataclass
@@ -87,7 +91,7 @@ class AdapterLoader:
             held_back = self._recently_failed(state, adapter)
             if held_back is not None:  # nothing given up for a load that would fail again
                 state.adapters.cancel(plan)
-                raise AdapterLoadFailed(adapter, state.label, held_back)
+                raise AdapterLoadFailed(adapter, state.label, *held_back)
             task = asyncio.create_task(self._run(state, plan), name=f"load {adapter}")
             self._loads[key] = task
             self._tasks.add(task)
@@ -109,13 +113,17 @@ class AdapterLoader:
                 raise AdapterLoadFailed(adapter, state.label, _STOPPING) from None
             raise
         if failure is not None:
-            raise AdapterLoadFailed(adapter, state.label, failure)
+            held = self._recently_failed(state, adapter)  # held back from now on: how long
+            retry_s = held[1] if held is not None else 1.0
+            raise AdapterLoadFailed(adapter, state.label, failure, retry_s)
 
     def _path_key(self, state: BackendState, adapter: str) -> tuple[str, str, str] | None:
         found = self.catalogue().get(adapter)
         return None if found is None else (state.cfg.url, adapter, found.path)
 
-    def _recently_failed(self, state: BackendState, adapter: str) -> str | None:
+    def _recently_failed(self, state: BackendState, adapter: str) -> tuple[str, float] | None:
+        """Why a load of ``adapter`` is held back here, and for how much longer; None: it
+        is not."""
         key = self._path_key(state, adapter)
         if key is None or key not in self._failed_at:
             return None
@@ -124,7 +132,8 @@ class AdapterLoader:
             del self._failed_at[key]
             return None
         hold = FAILED_LOAD_HOLD_S
-        return f"its last load here failed {ago:.0f} s ago; tried again {hold:.0f} s after it"
+        why = f"its last load here failed {ago:.0f} s ago; tried again {hold:.0f} s after it"
+        return why, hold - ago
 
     async def stop(self) -> None:
         """Cancel every load under way and wait for them (their slots put back as before the
@@ -154,12 +163,20 @@ class AdapterLoader:
     async def _carry_out(self, state: BackendState, plan: LoadPlan) -> str | None:
         slots, label = state.adapters, state.label
         if plan.unload is not None:
-            status, _ = await self._post(state, "unload", {"lora_name": plan.unload})
-            slots.unload_done(plan.unload)
-            if status in (200, 404):  # 404: it was gone already
-                self.events.unloaded(label, plan.unload)
-            else:
-                log.warning("unloading adapter %s from %s: %s", plan.unload, label, status)
+            status, text = await self._post(state, "unload", {"lora_name": plan.unload})
+            done = status in (200, 404)  # 404: it was gone already
+            slots.unload_done(plan.unload, ok=done)
+            if not done:  # still counted as held: loading now could pass max_loras
+                slots.load_done(plan.load, ok=False)
+                why = f"HTTP {status}" if status else text
+                self.events.unload_failed(label, plan.unload, why)
+                log.warning(
+                    "unloading adapter %s from %s failed: %s%s (%s not loaded)",
+                    *(plan.unload, label, why, f" {text[:200]}" if status else "", plan.load),
+                )
+                # The other adapter is not named: it may be another tenant's.
+                return f"no adapter slot was freed on the backend: the unload {why}"
+            self.events.unloaded(label, plan.unload)
         adapter = self.catalogue().get(plan.load)
         if adapter is None:  # a reload removed it since dispatch
             slots.load_done(plan.load, ok=False)

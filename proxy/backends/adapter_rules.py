@@ -14,12 +14,13 @@ request that needs them comes:
 - **A tenant's share.** Each tenant that used a held adapter claims it (running, or used
   within ``claim_s``), each on its own. While another tenant wants a slot on the engine (runs
   a request there, or claims an adapter there and is of a tier as good or better), one
-  tenant's requests run at most ``cap`` distinct adapters there, and a tenant that claims
-  ``cap`` adapters there already makes room by giving up one of its own idle adapters (or one
-  nobody claims), else one only worse tiers claim, never one its tier or a better one claims:
-  cycling through many adapters then churns only its own slots, and a worse tier's idle
-  adapter never keeps a better tier waiting. Alone on an engine a tenant may use every slot
-  (nothing is held back for nobody).
+  tenant's requests run at most ``cap`` distinct adapters there. Alone on an engine a tenant
+  may use every slot (nothing is held back for nobody).
+- **Which idle adapter goes.** Never one another tenant of a better tier claims: a worse
+  tier's request waits for a slot or for that claim to lapse. Then one nobody claims, the
+  requester's own, one only worse tiers claim (a worse tier's idle adapter never keeps a
+  better tier waiting), and last a peer's of its own tier, only while the requester is below
+  its share: cycling through many adapters churns only its own slots.
 - **No queue-jumping by joining.** While a request of another tenant waits for a slot on the
   engine (it found none anywhere in this dispatch pass), a request does not join an adapter
   that already runs there, whatever the tiers: else a tenant whose requests overlap on one
@@ -95,27 +96,53 @@ def tenant_cap(slots: AdapterSlots, user: SlotUser, rules: SlotRules, now: float
 
 
 def victim(slots: AdapterSlots, user: SlotUser, rules: SlotRules, now: float) -> str | None:
-    """The idle adapter a load for ``user`` gives up: the least recently used one (of those
-    no other replica claims, if any). A tenant that claims its share here already, while other
-    tenants claim adapters here too, gives up one of its own or one nobody claims; failing
-    that, one only worse tiers claim (their idle claims never keep it waiting); never one a
-    tenant of its tier or a better one claims. A tenant's claim is its own: touching another
-    tenant's shared adapter makes it no less theirs (red team F5)."""
-    idle = slots.idle()
+    """The idle adapter a load for ``user`` gives up; None: none it may. Never one another
+    tenant of a better tier claims (a worse tier's request waits for a slot or for that claim
+    to lapse: red team F1, one low request every 5 s made two best-tier tenants reload in
+    turn). Of the rest: one nobody claims, then one only ``user``'s tenant claims, then one
+    only worse tiers claim (their idle claims never keep it waiting), then one a peer of its
+    tier claims, unless it claims its share here already while others claim adapters here
+    too; the least recently used first, and one another replica claims (it may be running
+    it) only when there is no other. A tenant's claim is its own: touching another tenant's
+    shared adapter makes it no less theirs (red team F5 of the last round)."""
+    claims = slots.claims(now, rules.claim_s)
+    over = False
     if rules.tenant_cap is not None:
-        claims = slots.claims(now, rules.claim_s)
-        others = {n: by for n, by in claims.items() if any(t != user.tenant for t in by)}
         mine = sum(1 for by in claims.values() if user.tenant in by)
-        if others and mine >= rules.tenant_cap:
-            free = [(t, n) for t, n in idle if n not in others]
-            idle = free or [(t, n) for t, n in idle if not _binding(others[n], user)]
-    # One another replica claims (it may be running it) only when there is no other.
-    return min(idle, key=lambda tn: (tn[1] in slots.elsewhere, tn))[1] if idle else None
+        over = mine >= rules.tenant_cap
+    ranked = []
+    for at, name in slots.idle():
+        order = _order(claims.get(name, {}), user, over)
+        if order is not None:
+            ranked.append((name in slots.elsewhere, order, at, name))
+    return min(ranked)[3] if ranked else None
 
 
-def _binding(claimants: Mapping[str, int], user: SlotUser) -> bool:
-    """Some other tenant of ``user``'s tier or a better one claims the adapter."""
-    return any(t != user.tenant and rank <= user.rank for t, rank in claimants.items())
+def _order(claimants: Mapping[str, int], user: SlotUser, over: bool) -> int | None:
+    """How readily ``user`` gives up an idle adapter so claimed (lower first); None: never."""
+    others = [rank for t, rank in claimants.items() if t != user.tenant]
+    if any(rank < user.rank for rank in others):
+        return None  # a better tier's
+    if not claimants:
+        return 0
+    if not others:
+        return 1  # its own
+    if all(rank > user.rank for rank in others):
+        return 2  # only worse tiers'
+    return None if over else 3  # a peer's: only while it is below its share
+
+
+def protected(slots: AdapterSlots, user: SlotUser, rules: SlotRules, now: float) -> bool:
+    """Every slot here is taken by an adapter another tenant of a better tier claims (running
+    or idle): ``user``'s request cannot get one until such a claim lapses, so it does not
+    wait here for generations to end (and holds back no join)."""
+    claims = slots.claims(now, rules.claim_s)
+    taken = sum(
+        1
+        for name in slots.held
+        if any(t != user.tenant and r < user.rank for t, r in claims.get(name, {}).items())
+    )
+    return taken >= rules.max_loras
 
 
 def fit(
@@ -155,8 +182,11 @@ def waits_for_slot(
     slots: AdapterSlots, adapter: str, user: SlotUser, rules: SlotRules, now: float
 ) -> bool:
     """``fit`` refused the request here for a slot another tenant's requests hold: not for its
-    own tenant's share, nor because the adapter cannot be loaded here."""
+    own tenant's share, nor because the adapter cannot be loaded here, nor because better
+    tiers claim every slot (it waits for a claim to lapse, not for a generation to end)."""
     if adapter in slots.running() or not (rules.may_load or adapter in slots.held):
+        return False
+    if protected(slots, user, rules, now):
         return False
     cap = tenant_cap(slots, user, rules, now)
     return cap is None or len(slots.running_of(user.tenant)) < cap

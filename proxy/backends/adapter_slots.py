@@ -47,7 +47,8 @@ class LoadPlan:
 class AdapterSlots:
     held: dict[str, float] = field(default_factory=dict)  # name -> last used (monotonic)
     loading: set[str] = field(default_factory=set)  # held, but the proxy's load is under way
-    unloading: set[str] = field(default_factory=set)  # given up: never routed to, never re-listed
+    # given up (name -> when last used): never routed to, never re-listed while the unload runs
+    unloading: dict[str, float] = field(default_factory=dict)
     inflight: dict[str, int] = field(default_factory=dict)  # name -> requests in flight
     # name -> tenant -> (when its requests last used it, its tier's rank): every tenant that
     # used a held adapter, each its own claim (held names only; none: listed only). One map per
@@ -112,7 +113,7 @@ class AdapterSlots:
     def listed(self, names: frozenset[str], now: float) -> None:
         """The adapters its ``/v1/models`` lists now (those the proxy is loading stay)."""
         keep = {n: t for n, t in self.held.items() if n in names or n in self.loading}
-        for name in names - self.unloading:
+        for name in names - self.unloading.keys():
             keep.setdefault(name, now)
         self.held = keep
         self.users = {n: by for n, by in self.users.items() if n in keep}
@@ -132,9 +133,8 @@ class AdapterSlots:
             self.held[adapter] = now
             return None
         if unload is not None:
-            del self.held[unload]
+            self.unloading[unload] = self.held.pop(unload)
             self.users.pop(unload, None)
-            self.unloading.add(unload)
         self.held[adapter] = now
         self.loading.add(adapter)
         return LoadPlan(adapter, unload)
@@ -162,8 +162,15 @@ class AdapterSlots:
             self.held.pop(adapter, None)
             self.users.pop(adapter, None)
 
-    def unload_done(self, adapter: str) -> None:
-        self.unloading.discard(adapter)
+    def unload_done(self, adapter: str, ok: bool = True) -> None:
+        """The unload of ``adapter`` ended; not ``ok`` (refused, timed out, no answer): it is
+        counted as held again, as used when it was given up, so that the engine is never
+        counted below what it may hold (red team F2 of round g: a timed-out unload counted
+        as done let a third adapter onto a two-slot engine); the next ``/v1/models`` or a
+        later unload says otherwise."""
+        last = self.unloading.pop(adapter, None)
+        if not ok and last is not None:
+            self.held.setdefault(adapter, last)
 
     def gone(self, adapter: str) -> bool:
         """The engine said it does not know ``adapter`` (404): no longer held there, so that
@@ -180,7 +187,7 @@ class AdapterSlots:
         nor unloaded (the adapter it would have given up is held again, as the oldest)."""
         self.load_done(plan.load, ok=False)
         if plan.unload is not None and plan.unload in self.unloading:
-            self.unloading.discard(plan.unload)
+            self.unloading.pop(plan.unload)
             self.held.setdefault(plan.unload, float("-inf"))
 
 

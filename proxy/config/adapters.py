@@ -10,7 +10,7 @@ from collections.abc import Callable, Collection, Mapping
 from pydantic import Field
 
 from proxy.config.base import Strict
-from proxy.config.quotas import Price
+from proxy.config.quotas import Price, price_of
 from proxy.config.tenants import Tenant
 
 # The shape of a tenant's cache salt (proxy.ticket.derive_cache_salt: 43 base64url characters).
@@ -48,7 +48,8 @@ class Adapter(Strict):
     price: Price | None = Field(
         None,
         description="Price per million tokens of its requests, in place of `pricing:`'s for its"
-        " name; null: `pricing:` decides (its name or a glob, else free).",
+        " name; null: `pricing:` decides (its name or a glob), else its base model's price"
+        " (free only where neither is priced).",
     )
 
 
@@ -112,10 +113,20 @@ def model_visible(
 def adapter_prices(
     adapters: Mapping[str, Adapter], pricing: Mapping[str, Price]
 ) -> dict[str, Price]:
-    """``pricing`` with each priced adapter's own price under its exact name (an exact name
-    comes before the globs: proxy.config.quotas.price_of)."""
+    """``pricing`` with each adapter's price under its exact name (an exact name comes before
+    the globs: proxy.config.quotas.price_of): its own ``price``, else what ``pricing:`` names
+    for it (its name or a glob), else its base model's price. An adapter runs its base model
+    on the same engines: never free where the base model is priced (red team F5 of round g:
+    the example's shared adapter was billed `cost: null`)."""
     merged = dict(pricing)
-    merged.update({name: a.price for name, a in adapters.items() if a.price is not None})
+    for name, adapter in adapters.items():
+        price = adapter.price
+        if price is None:
+            price = price_of(pricing, name)
+        if price is None:
+            price = price_of(pricing, adapter.base_model)
+        if price is not None:
+            merged[name] = price
     return merged
 
 

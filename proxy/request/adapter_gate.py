@@ -63,7 +63,7 @@ class AdapterGate:
             await self.loader.ready(lease.backend, model, plan, deadline)
         except AdapterLoadFailed as exc:
             lease.release(ran=False)
-            raise adapter_load_failed(exc.adapter, exc.reason) from None
+            raise adapter_load_failed(exc.adapter, exc.reason, exc.retry_after_s) from None
         except asyncio.CancelledError:  # the client left while it waited for the load
             lease.release(ran=False)
             raise

@@ -35,7 +35,9 @@ def check_model(
     known = pool.serves_adapter(model) if model is not None and adapter else pool.model_known(model)
     strays = pool.engine_adapters()  # served by an engine, not in the catalogue: nobody's
     if not known or (model and not model_visible(model, patterns, adapters, tenant, strays)):
-        names = pool.known_models() | set(adapters)
+        # Adapters only where a request for one would be served (its base model on a backend
+        # that runs adapters), as /v1/models lists them.
+        names = pool.known_models() | {a for a in adapters if pool.serves_adapter(a)}
         visible = (m for m in names if model_visible(m, patterns, adapters, tenant, strays))
         raise model_not_found(model, sorted(visible))
 

@@ -10,8 +10,9 @@ from dataclasses import dataclass
 
 from proxy.backends.adapter_rules import policy_for
 from proxy.backends.pool import BackendPool
-from proxy.config.adapters import adapters_of_tiers
+from proxy.config.adapters import adapters_of_tiers, model_visible
 from proxy.config.schema import Config
+from proxy.config.tenants import allowed_models
 from proxy.policies import registry
 from proxy.policies.backends import BackendChooser
 from proxy.policies.displacement import LargestShare
@@ -98,11 +99,29 @@ class Scheduling:
         )
         adapters |= set(self.pool.adapters)
         refused = self.dispatcher.refuse_unservable(
-            lambda r: r.model not in adapters or self.pool.serves_adapter(r.model)
+            lambda r: (
+                r.model not in adapters
+                or (self.pool.serves_adapter(r.model) and self._may_use(config, r.tenant, r.model))
+            )
         )
         if refused:
-            log.warning("%d queued adapter requests answered 404: no backend serves them", refused)
+            log.warning(
+                "%d queued adapter requests answered 404: no backend serves them, or their"
+                " tenant may no longer use them",
+                refused,
+            )
         self.config = config
+
+    def _may_use(self, config: Config, tenant_name: str, model: str) -> bool:
+        """Whether the tenant may still use ``model`` under the reloaded ``config`` (the check
+        a new request meets, proxy.request.tenancy: red team F3 of round g, a queued request
+        was served and billed 12.8 s after a reload revoked its tenant's access)."""
+        tenant = next((t for t in config.tenants if t.name == tenant_name), None)
+        if tenant is None or tenant.tier not in config.tiers:
+            return False
+        patterns = allowed_models(tenant, config.tiers[tenant.tier])
+        strays = self.pool.engine_adapters()
+        return model_visible(model, patterns, config.adapters, tenant, strays)
 
 
 def chooser_inputs(config: Config) -> tuple[object, ...]:

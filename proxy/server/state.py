@@ -102,7 +102,7 @@ class ProxyState:
         self.pipeline.adapters.loader = AdapterLoader(
             self.upstream_session,
             lambda: self.loaded.config.adapters,
-            AdapterEvents(events.loaded, events.unloaded, events.failed),
+            AdapterEvents(events.loaded, events.unloaded, events.failed, events.unload_failed),
             clock,
         )
         self.live = LiveStatus(

@@ -42,6 +42,13 @@ class AdapterMetrics:
             ["backend", "adapter"],
             registry=r,
         )
+        self.unload_failures = Counter(
+            "tierproxy_adapter_unload_failures",
+            "Adapter unloads that failed (refused, timed out, no answer): the adapter stays"
+            " counted as held, and the load that needed its slot is not made",
+            ["backend", "adapter"],
+            registry=r,
+        )
         self.load_seconds = Histogram(
             "tierproxy_adapter_load_seconds",
             "Duration of a successful adapter load on a backend",
@@ -59,6 +66,9 @@ class AdapterMetrics:
 
     def failed(self, backend: str, adapter: str, reason: str) -> None:
         self.load_failures.labels(backend, adapter).inc()
+
+    def unload_failed(self, backend: str, adapter: str, reason: str) -> None:
+        self.unload_failures.labels(backend, adapter).inc()
 
     def finished(self, adapter: str, outcome: str, prompt: int, output: int) -> None:
         self.requests.labels(adapter, outcome).inc()

@@ -10,6 +10,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from proxy.api.errors import adapter_load_failed
 from proxy.backends.adapter_loader import FAILED_LOAD_HOLD_S, AdapterLoader, AdapterLoadFailed
 from proxy.backends.adapter_rules import SlotRules, begin
 from proxy.backends.adapter_slots import SlotUser
@@ -58,14 +59,17 @@ async def test_a_failed_load_is_held_back_and_unloads_nobody_meanwhile() -> None
             finally:
                 state.adapters.end("broken", USER, now[0])
 
-        with pytest.raises(AdapterLoadFailed, match="HTTP 400"):
+        with pytest.raises(AdapterLoadFailed, match="HTTP 400") as failed:
             await ask_for_broken()  # gave up `theirs` for it: the slot was needed
+        # Retry-After: the whole hold (red team F4 of round g: the 503 had none at all).
+        assert failed.value.retry_after_s == FAILED_LOAD_HOLD_S
         state.adapters.listed(frozenset({"theirs"}), now[0])  # as if `theirs` were still there
         calls.clear()
-        for _ in range(3):
+        for i in range(1, 4):
             now[0] += 5.0
-            with pytest.raises(AdapterLoadFailed, match=r"failed \d+ s ago"):
+            with pytest.raises(AdapterLoadFailed, match=r"failed \d+ s ago") as held:
                 await ask_for_broken()
+            assert held.value.retry_after_s == FAILED_LOAD_HOLD_S - 5.0 * i  # what is left
         assert calls == []  # no load tried, nothing unloaded
         assert "theirs" in state.adapters.held
 
@@ -78,3 +82,10 @@ async def test_a_failed_load_is_held_back_and_unloads_nobody_meanwhile() -> None
         state.adapters.listed(frozenset(), now[0])
         await ask_for_broken()  # tried at once, though its last load failed a moment ago
         assert "broken" in state.adapters.held
+
+
+def test_the_503_says_when_to_retry() -> None:
+    refused = adapter_load_failed("broken", "its last load here failed 12 s ago", 17.4)
+    assert refused.status == 503
+    assert refused.headers()["Retry-After"] == "18"
+    assert adapter_load_failed("a", "still loading").headers()["Retry-After"] == "1"

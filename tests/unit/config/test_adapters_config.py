@@ -5,6 +5,7 @@ to some models is not opened to every shared adapter (red team 2026-12-02, findi
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,7 +15,8 @@ from proxy.api.errors import ProxyError
 from proxy.backends.pool import BackendPool
 from proxy.config.adapters import adapter_cards
 from proxy.config.backends import BackendHealth
-from proxy.config.quotas import price_of
+from proxy.config.loader import load_config
+from proxy.config.quotas import Price, price_of
 from proxy.config.schema import Config
 from proxy.policies.backends import LeastUtilised
 from proxy.request.tenancy import check_model
@@ -171,3 +173,32 @@ def test_an_adapter_price_comes_before_the_pricing_globs() -> None:
     unpriced = price_of(config.prices, "unpriced")
     assert priced is not None and (priced.input, priced.output) == (3, 4)
     assert unpriced is not None and unpriced.input == 9  # pricing's "*"
+
+
+def test_an_adapter_without_a_price_is_billed_at_its_base_models() -> None:
+    """Red team F5 of round g: configs/example.yaml's shared adapter had no price while its
+    base model had one, and its requests were recorded `cost: null` (free)."""
+    config = _config(shared_one={"path": "/s", "base_model": "tiny", "shared": True})
+    config = config.model_copy(
+        update={
+            "pricing": {"tiny": Price(input=0.15, output=0.6), "other-*": Price(input=1, output=1)}
+        }
+    )
+    price = price_of(config.prices, "shared_one")
+    assert price is not None and (price.input, price.output) == (0.15, 0.6)
+    example = load_config(Path(__file__).parents[3] / "configs" / "example.yaml").config
+    for name, adapter in example.adapters.items():  # none of the example's is free
+        assert price_of(example.prices, name) is not None, name
+        assert price_of(example.pricing, adapter.base_model) is not None
+
+
+def test_the_404_cuts_a_long_name_and_suggests_only_servable_adapters() -> None:
+    config = _config(
+        served={"path": "/s", "base_model": "tiny", "shared": True},
+        orphan={"path": "/o", "base_model": "llama", "shared": True},  # no backend runs llama
+    )
+    err = _refusal(config, "x" * 100_000, 0)
+    assert err is not None and err.status == 404
+    assert len(err.message) < 400 and f"`{'x' * 256}...`" in err.message
+    hint = err.message.split("Valid aliases:")[1]
+    assert "served" in hint and "orphan" not in hint  # on main: both named

@@ -179,3 +179,47 @@ async def test_touching_another_tenants_shared_adapter_does_not_make_it_reload()
                     assert await _complete(client, base, "normal", name, 1) == 200
                 assert await _complete(client, base, "low", "theirs", 1) == 200
         assert loads.count("theirs") == 1, loads
+
+
+async def test_a_low_request_gives_up_no_best_tier_tenants_claimed_adapter() -> None:
+    """The red team's run (F1 of round g): two best-tier tenants each on its own adapter, one
+    low-tier 1-token request every 5 s: each low request gave up one of their idle adapters,
+    and the returning tenant gave up its peer's. Now the low request waits (here to its 1 s
+    queue timeout: the best tier never pauses for `claim_s`) and nothing reloads."""
+    release = asyncio.Event()
+    events: list[str] = []
+    loads: list[str] = []
+    adapters = {
+        name: {"path": f"/adapters/{name}", "base_model": "tiny", "tenants": [tenant]}
+        for name, tenant in (("ad-a", "hi1"), ("ad-b", "hi2"), ("ad-d", "lo1"))
+    }
+    tenants = [
+        {"name": name, "tier": tier, "keys": [{"sha256": hash_key(KEYS[key])}]}
+        for name, tier, key in (
+            ("hi1", "high", "high"),
+            ("hi2", "high", "normal"),
+            ("lo1", "low", "low"),
+        )
+    ]
+    config = _config("", adapters)
+    config["tenants"] = tenants
+    config["tiers"]["low"]["queue_timeout_s"] = 1.0
+    async with (
+        serve_app(_engine(release, events, loads), handler_cancellation=True) as url,
+        aiohttp.ClientSession() as client,
+    ):
+        config["backends"][0]["url"] = url
+        async with running_proxy(config) as (base, state):
+            assert await _complete(client, base, "high", "ad-a", 1) == 200
+            assert await _complete(client, base, "normal", "ad-b", 1) == 200
+            low = asyncio.create_task(_complete(client, base, "low", "ad-d", 1))
+            queued = lambda: low.done() or state.queue.depth("low") == 1  # noqa: E731
+            await until(queued, 30, "the low request", state)
+            rounds = 0
+            while rounds < 3 or not low.done():  # the best tier never pauses for claim_s
+                rounds += 1
+                assert await _complete(client, base, "high", "ad-a", 1) == 200
+                assert await _complete(client, base, "normal", "ad-b", 1) == 200
+                await asyncio.sleep(0.05)
+        assert loads == ["ad-a", "ad-b"], loads  # on main: ad-d, then ad-a and ad-b again
+        assert (await low) == 503  # its queue timeout; on main: 200, served at once

@@ -70,6 +70,11 @@ async def test_a_hung_load_answers_its_request_at_the_tiers_queue_timeout() -> N
         assert body["error"]["code"] == "adapter_load_failed"
         assert "queue timeout" in body["error"]["message"]
         assert "lora-a" in state.pool.all()[0].adapters.loading  # kept for the next request
+        # The next one waits for that load, to its own queue timeout: a 503 with Retry-After,
+        # as docs/routes.md promises for every 503 (red team F4 of round g: it had none).
+        body = {"model": "lora-a", "prompt": "hi", "max_tokens": 2}
+        async with client.post(f"{base}/v1/completions", json=body, headers=auth("high")) as r:
+            assert r.status == 503 and r.headers["Retry-After"] == "1"
 
 
 async def test_a_reload_leaving_no_backend_for_an_adapter_answers_its_queued_requests() -> None:
@@ -88,6 +93,32 @@ async def test_a_reload_leaving_no_backend_for_an_adapter_answers_its_queued_req
             queued = asyncio.create_task(_post(client, base, "lora-a", 2))
             await until(lambda: state.queue.depth("high") == 1, 30, "the queued one", state)
             del cfg["backends"][0]["max_loras"]  # no backend runs adapters any more
+            state.apply(parse_config(yaml.safe_dump(cfg), "reloaded"))
+            status, body = await queued  # at once: the long generation still runs
+            assert not long.done()
+            assert status == 404, body
+            assert body["error"]["code"] == "model_not_found"
+            release.set()
+            assert (await long)[0] == 200
+
+
+async def test_a_reload_revoking_a_tenants_access_answers_its_queued_requests() -> None:
+    """Red team F3 of round g: a queued request was served, and billed, 12.8 s after a reload
+    took its tenant's access to the adapter away."""
+    release, loading = asyncio.Event(), asyncio.Event()
+    cfg = _config("", max_loras=2, load_adapters=True)
+    cfg["tiers"]["high"]["queue_timeout_s"] = 600
+    async with (
+        serve_app(_engine(release, loading), handler_cancellation=True) as url,
+        aiohttp.ClientSession() as client,
+    ):
+        cfg["backends"][0]["url"] = url
+        async with running_proxy(cfg) as (base, state):
+            long = asyncio.create_task(_post(client, base, "tiny", 250))  # the one slot
+            await until(lambda: state.pool.all()[0].inflight == 1, 30, "the long one", state)
+            queued = asyncio.create_task(_post(client, base, "lora-a", 2))
+            await until(lambda: state.queue.depth("high") == 1, 30, "the queued one", state)
+            cfg["adapters"]["lora-a"] = {**ADAPTERS["lora-a"], "shared": False, "tiers": ["low"]}
             state.apply(parse_config(yaml.safe_dump(cfg), "reloaded"))
             status, body = await queued  # at once: the long generation still runs
             assert not long.done()
