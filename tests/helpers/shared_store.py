@@ -5,6 +5,8 @@ proxy itself serves on when warm fails (``proxy.replicas.runtime``)."""
 
 from __future__ import annotations
 
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
 from proxy.replicas.client import SharedStore
 
 
@@ -13,6 +15,6 @@ async def warm(store: SharedStore, attempts: int = 8) -> None:
         try:
             await store.warm()
             return
-        except TimeoutError:
+        except (TimeoutError, RedisTimeoutError):  # the pool's bound, or a connect's own
             if attempt == attempts - 1:
                 raise

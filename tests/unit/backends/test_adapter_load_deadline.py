@@ -51,8 +51,8 @@ async def test_a_request_stops_waiting_for_a_hung_load_at_its_deadline() -> None
         # The queue timeout ends 0.05 s from now: the request fails then, not after 30 s.
         with pytest.raises(AdapterLoadFailed, match="queue timeout"):
             await loader.ready(state, "lora-a", plan, deadline=now[0] + 0.05)
-        assert began.is_set()
         assert "lora-a" in state.adapters.loading  # the load goes on, for the next request
+        await asyncio.wait_for(began.wait(), 30)  # it reaches the engine (late on a busy machine)
         assert not failed
         # One whose queue time is already out does not wait at all.
         begin(state.adapters, "lora-a", USER, SlotRules(2), now[0])
