@@ -10,7 +10,6 @@ import asyncio
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from proxy.backends.adapter_loader import AdapterEvents, AdapterLoader, AdapterLoadFailed
 from proxy.backends.adapter_rules import SlotRules, begin
@@ -19,20 +18,10 @@ from proxy.backends.backend import BackendState
 from proxy.bench.inproc import serve_app
 from proxy.config.adapters import Adapter
 from proxy.config.backends import Backend
+from tests.helpers.hanging_loads import hanging_load_engine
 
 USER = SlotUser("tenant")
 CATALOGUE = {"lora-a": Adapter(path="/adapters/lora-a", base_model="tiny")}
-
-
-def _hanging_engine(began: asyncio.Event) -> web.Application:
-    async def hanging_load(request: web.Request) -> web.Response:
-        began.set()
-        await asyncio.sleep(3600)
-        return web.Response()
-
-    app = web.Application()
-    app.router.add_post("/v1/load_lora_adapter", hanging_load)
-    return app
 
 
 async def test_a_request_stops_waiting_for_a_hung_load_at_its_deadline() -> None:
@@ -41,7 +30,7 @@ async def test_a_request_stops_waiting_for_a_hung_load_at_its_deadline() -> None
     now = [100.0]
     events = AdapterEvents(failed=lambda *args: failed.append(args))
     async with (
-        serve_app(_hanging_engine(began), handler_cancellation=True) as url,
+        serve_app(hanging_load_engine(began), handler_cancellation=True) as url,
         aiohttp.ClientSession() as session,
     ):
         cfg = Backend(url=url, max_inflight=4, max_loras=2, load_adapters=True)
@@ -66,7 +55,7 @@ async def test_a_hung_load_is_given_up_at_its_timeout_and_counted_as_failed() ->
     failed: list[tuple[str, str, str]] = []
     events = AdapterEvents(failed=lambda *args: failed.append(args))
     async with (
-        serve_app(_hanging_engine(began), handler_cancellation=True) as url,
+        serve_app(hanging_load_engine(began), handler_cancellation=True) as url,
         aiohttp.ClientSession() as session,
     ):
         cfg = Backend(

@@ -9,7 +9,6 @@ import asyncio
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from proxy.backends.adapter_loader import AdapterLoader, AdapterLoadFailed
 from proxy.backends.adapter_rules import SlotRules, begin
@@ -18,6 +17,7 @@ from proxy.backends.backend import BackendState
 from proxy.bench.inproc import serve_app
 from proxy.config.adapters import Adapter
 from proxy.config.backends import Backend
+from tests.helpers.hanging_loads import hanging_load_engine
 
 USER = SlotUser("tenant")
 
@@ -26,15 +26,10 @@ CATALOGUE = {n: Adapter(path=f"/adapters/{n}", base_model="tiny") for n in ("lor
 
 async def test_stop_fails_the_waiters_gives_the_slot_back_and_refuses_new_loads() -> None:
     began = asyncio.Event()
-
-    async def hanging_load(request: web.Request) -> web.Response:
-        began.set()
-        await asyncio.sleep(3600)
-        return web.Response()
-
-    app = web.Application()
-    app.router.add_post("/v1/load_lora_adapter", hanging_load)
-    async with serve_app(app, handler_cancellation=True) as url, aiohttp.ClientSession() as s:
+    async with (
+        serve_app(hanging_load_engine(began), handler_cancellation=True) as url,
+        aiohttp.ClientSession() as s,
+    ):
         state = BackendState(Backend(url=url, max_inflight=4, max_loras=2, load_adapters=True))
         loader = AdapterLoader(lambda: s, lambda: CATALOGUE)
         plan = begin(state.adapters, "lora-a", USER, SlotRules(2), 0.0)
