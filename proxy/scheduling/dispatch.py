@@ -122,13 +122,8 @@ class Dispatcher:
             self._refuse_early(req, limits.queue_timeout_s)
         displaced = self.queue.push(req, self.clock(), force=force)
         if displaced is not None:
-            self.pool.chooser.left(displaced)
-            self.metrics.queue_wait.labels(displaced.tier).observe(
-                self.clock() - displaced.arrival_s
-            )
-            if displaced.waiter is not None and not displaced.waiter.done():
-                depth = self.queue.depth(displaced.tier)
-                displaced.waiter.set_exception(QueueFull(displaced.tier, depth, displaced=True))
+            depth = self.queue.depth(displaced.tier)
+            self._left_queue(displaced, QueueFull(displaced.tier, depth, displaced=True))
         self.dispatch_ready()
         self.metrics.queue_depth.labels(req.tier).set(self.queue.depth(req.tier))
         waiter: asyncio.Future[Lease] = req.waiter
@@ -148,9 +143,7 @@ class Dispatcher:
     def withdraw(self, req: QueuedRequest) -> None:
         """The handler gave up on a request (client left): out of the queue, slot back."""
         if self.queue.remove(req):
-            self.pool.chooser.left(req)
-            self.metrics.queue_depth.labels(req.tier).set(self.queue.depth(req.tier))
-            self.metrics.queue_wait.labels(req.tier).observe(self.clock() - req.arrival_s)
+            self._left_queue(req, None)
             return
         waiter = req.waiter
         if (
@@ -168,11 +161,17 @@ class Dispatcher:
         gone = [req for req in self.queue.queued() if not servable(req)]
         for req in gone:
             self.queue.remove(req)
-            self.pool.chooser.left(req)
-            self.metrics.queue_depth.labels(req.tier).set(self.queue.depth(req.tier))
-            if req.waiter is not None and not req.waiter.done():
-                req.waiter.set_exception(Unservable(req.model))
+            self._left_queue(req, Unservable(req.model))
         return len(gone)
+
+    def _left_queue(self, req: QueuedRequest, error: Exception | None) -> None:
+        """``req`` is out of the queue without a lease: the chooser told, its wait and its
+        tier's depth recorded, its handler (if it still waits) answered ``error``."""
+        self.pool.chooser.left(req)
+        self.metrics.queue_wait.labels(req.tier).observe(self.clock() - req.arrival_s)
+        self.metrics.queue_depth.labels(req.tier).set(self.queue.depth(req.tier))
+        if error is not None and req.waiter is not None and not req.waiter.done():
+            req.waiter.set_exception(error)
 
     async def _run(self) -> None:
         while True:
@@ -203,11 +202,7 @@ class Dispatcher:
         now = self.clock()
         touched: set[str] = set()
         for req in self.queue.expire(now):
-            self.pool.chooser.left(req)
-            touched.add(req.tier)
-            self.metrics.queue_wait.labels(req.tier).observe(now - req.arrival_s)
-            if req.waiter is not None and not req.waiter.done():
-                req.waiter.set_exception(QueueTimeoutError(now - req.arrival_s))
+            self._left_queue(req, QueueTimeoutError(now - req.arrival_s))
         dispatched = 0
         self._held_back = False
         for state in self.pool.states.values():  # who waits for an adapter slot: seen anew
