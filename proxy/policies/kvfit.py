@@ -5,8 +5,8 @@ three slots of eight and 470 blocks of a 234-block cache, and vLLM preempts (and
 recomputes whole) whichever it admitted last. A request in flight holds its prompt's blocks
 and the blocks of the answer it may write (``max_tokens``) until it ends; requests under one
 prefix share its blocks, so each backend counts the distinct prompt blocks in flight there once.
-A request *fits* a backend when what is in flight there and what it adds stay within the
-backend's cache (vLLM's ``num_gpu_blocks``, as its ``cache_config_info`` says; unknown: it fits).
+What a request needs past a backend's cache beside what is in flight there is its overflow
+(the cache: vLLM's ``num_gpu_blocks``, as its ``cache_config_info`` says; unknown: none).
 """
 
 from __future__ import annotations
@@ -75,12 +75,3 @@ class KvInFlight:
         if capacity is None or url not in self._extra:
             return 0.0
         return max(0.0, self.held(url) + self.adds(url, blocks, output_tokens) - capacity)
-
-    def fits(
-        self, url: str, blocks: Sequence[int], output_tokens: int, capacity: float | None
-    ) -> bool:
-        """Whether the request fits ``url``'s KV memory beside what is in flight there (a
-        backend alone with it always does: nothing else to preempt)."""
-        if capacity is None or url not in self._extra:
-            return True
-        return self.held(url) + self.adds(url, blocks, output_tokens) <= capacity

@@ -36,8 +36,8 @@ def test_the_overflow_is_what_the_request_needs_past_the_cache_beside_what_is_in
     assert fit.overflow(A, range(100, 110), 0, capacity=50) == 41 + 11 - 50
     assert fit.overflow(A, range(20), 0, capacity=50) == 0.0  # its prefix is in flight there
     assert fit.overflow(A, range(100, 110), 0, capacity=None) == 0.0  # size unknown: it fits
-    assert fit.fits(A, range(100, 108), 0, capacity=50)
-    assert not fit.fits(A, range(100, 109), 0, capacity=50)
+    assert fit.overflow(A, range(100, 108), 0, capacity=50) == 0.0  # 41 + 9: just fits
+    assert fit.overflow(A, range(100, 109), 0, capacity=50) == 1.0
 
 
 def _loaded(backends: list[FakeBackend], kv_blocks: float | None) -> list[Candidate[FakeBackend]]:
