@@ -86,8 +86,8 @@ async def test_the_tenant_whose_prompts_hit_the_cache_is_served_more_by_the_frac
     # fresh ones did not: the two send the same token volume, at very different work.
     assert all(u["prompt_tokens_details"]["cached_tokens"] >= 448 for u in reuse), reuse
     assert all(not (u.get("prompt_tokens_details") or {}).get("cached_tokens") for u in fresh)
-    lengths = [u["prompt_tokens"] for _, u in done]  # a random head tokenizes to ±1 token
-    assert max(lengths) - min(lengths) <= 2, lengths
+    lengths = [u["prompt_tokens"] for _, u in done]  # a random hex head: a few tokens either way
+    assert max(lengths) - min(lengths) <= 0.01 * min(lengths), lengths
     # Equal charges while both are backlogged: served in inverse proportion to each one's.
     cr, cf = charge(reuse[0]), charge(fresh[0])
     first = [t for t, _ in done[:WINDOW]]

@@ -1,9 +1,13 @@
 """Global fairness end to end: two real proxy processes share one Redis and meter one null
 upstream of 4 slots (each request holds a slot 80 ms). A heavy tenant sends through both
 replicas, a light one through replica A only, each far over capacity (both always backlogged).
-With shared counters A sees the heavy tenant's service on B and gives its slots to the light
-one: one share each (Jain >= 0.95). Without sharing them, A splits its half evenly and the light
-tenant gets a quarter (Jain 0.8): the baseline."""
+
+Fairness decides whom each replica serves with the slots it gets, not how the backend's slots
+split between the replicas (on a busy machine a starved process gets fewer). So the tests count
+per replica, in a steady window after the start: with shared counters A sees the heavy tenant's
+service on B and gives its slots to the light one, which gets min(A's service, half of all);
+without them A splits its own slots evenly and the light tenant gets half of A's (the baseline).
+"""
 
 from __future__ import annotations
 
@@ -23,13 +27,14 @@ from tests.helpers.replicas import start_replicas
 KEYS = {"heavy": "key-heavy", "light": "key-light"}
 
 
-def jain(values: list[float]) -> float:
-    return sum(values) ** 2 / (len(values) * sum(v * v for v in values))
+WARM_S = 1.5  # replicas started, counters merged once or twice: left out of the counts
+WINDOW_S = 4.0
 
 
-async def served_shares(
-    redis_server: RedisServer, tmp_path: Path, *, share_fairness: bool, seconds: float = 4.0
+async def served_in_window(
+    redis_server: RedisServer, tmp_path: Path, *, share_fairness: bool
 ) -> dict[str, int]:
+    """Requests served in the window, by "tenant@replica" (the body's user field)."""
     null = FakeVLLM(model="null", usage=(4, 4), delay_s=0.08)
     async with null.serve() as url:
         tenants = [
@@ -43,14 +48,14 @@ async def served_shares(
             [{"url": url, "max_inflight": 4}], tenants=tenants, shared_state=shared
         )
         a, b = await start_replicas(2, config, tmp_path)
-        stop_at = time.monotonic() + seconds
+        stop_at = time.monotonic() + WARM_S + WINDOW_S
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
 
-                async def client(base: str, tenant: str) -> None:
+                async def client(base: str, tenant: str, replica: str) -> None:
                     body = {
                         "model": "null",
-                        "user": tenant,
+                        "user": f"{tenant}@{replica}",
                         "messages": [{"role": "user", "content": "x"}],
                     }
                     headers = {"Authorization": f"Bearer {KEYS[tenant]}"}
@@ -61,27 +66,40 @@ async def served_shares(
                             await r.read()
                             assert r.status == 200, r.status
 
-                await asyncio.gather(
-                    *(client(a.url, "heavy") for _ in range(6)),
-                    *(client(b.url, "heavy") for _ in range(6)),
-                    *(client(a.url, "light") for _ in range(6)),
+                async def window() -> dict[str, int]:
+                    await asyncio.sleep(WARM_S)
+                    before = dict(null.served_by_user)
+                    await asyncio.sleep(WINDOW_S)
+                    after = dict(null.served_by_user)
+                    return {k: after[k] - before.get(k, 0) for k in after}
+
+                counted, *_ = await asyncio.gather(
+                    window(),
+                    *(client(a.url, "heavy", "a") for _ in range(6)),
+                    *(client(b.url, "heavy", "b") for _ in range(6)),
+                    *(client(a.url, "light", "a") for _ in range(6)),
                 )
         finally:
             a.stop()
             b.stop()
         assert null.max_active <= 4
-        return dict(null.served_by_user)
+        return {k: counted.get(k, 0) for k in ("heavy@a", "heavy@b", "light@a")}
 
 
 async def test_a_tenant_on_two_replicas_gets_one_share(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:
-    served = await served_shares(redis_server, tmp_path, share_fairness=True)
-    assert jain([served["heavy"], served["light"]]) >= 0.95, served
+    served = await served_in_window(redis_server, tmp_path, share_fairness=True)
+    print(served)
+    on_a = served["heavy@a"] + served["light@a"]
+    fair = min(on_a, sum(served.values()) / 2)  # one share each, as far as A's slots reach
+    assert served["light@a"] >= 0.9 * fair, served
 
 
 async def test_without_shared_counters_it_gets_two(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:
-    served = await served_shares(redis_server, tmp_path, share_fairness=False)
-    assert jain([served["heavy"], served["light"]]) < 0.9, served
+    served = await served_in_window(redis_server, tmp_path, share_fairness=False)
+    print(served)
+    on_a = served["heavy@a"] + served["light@a"]
+    assert served["light@a"] <= 0.65 * on_a, served  # A splits its own slots evenly
