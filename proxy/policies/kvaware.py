@@ -16,6 +16,10 @@ chooser remembers where it sent each prompt's blocks and counts them as cached t
 request runs and for ``pending_s`` after it was sent (``proxy.policies.kvmemory``: only what
 the engine ran is kept, in a share per tenant).
 
+A prompt that no backend holds half of (cached, or sent to its home: ``kvterms.placed_as_new``)
+is placed as new, by room and balance: a short prefix it shares with other tenants saves it
+little once, while where it starts is where its conversations live.
+
 Four rules keep each prefix in one place (each backend holding a copy would halve what both
 caches hold) and the load even. Home: a prompt's home is the backend its deepest known block
 was last sent to, or, for a new branch of a shared prefix (a tenant's new conversation under
@@ -50,13 +54,14 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 
 from proxy.policies.backends import B, Candidate, Rotation, free_share
 from proxy.policies.kvfit import KvInFlight
 from proxy.policies.kvgroups import PrefixGroups
 from proxy.policies.kvhold import HomeHold
 from proxy.policies.kvmemory import PlacementMemory
-from proxy.policies.kvterms import Scene, pick_best, score, serves_home
+from proxy.policies.kvterms import Scene, pick_best, placed_as_new, score, serves_home
 from proxy.policies.kvwork import WorkAhead
 from proxy.policies.types import BackendView, QueuedRequest
 
@@ -132,6 +137,10 @@ class KvAware:
         self._expire(now)
         scene, home_run = self._scene(candidates, request, blocks, full)
         saved = [self.cached_tokens(c.state, blocks) if blocks else 0 for c in candidates]
+        known = max(*saved, home_run * self.block_size, 0)  # cached anywhere, or sent home
+        if request is not None and placed_as_new(known, scene):
+            saved = [0] * len(saved)  # no home: placed by room and balance
+            scene, home_run = replace(scene, home=None, home_cover=0.0), 0
         best = pick_best(
             score(c, s, self._rotation.age(c.state), scene)
             for c, s in zip(candidates, saved, strict=True)

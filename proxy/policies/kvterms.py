@@ -24,6 +24,12 @@ CACHE_WEIGHT = 1.0  # the cached prefix's weight; the room's is the tier's laten
 # The spread rule leaves a crowded home only for prompts it holds less of than this share: a
 # conversation under way stays with its history (above 1: the rule moves every prompt).
 SPREAD_KEEPS = 0.5
+# A prompt that no backend holds at least this share of (cached, or sent there lately) is placed
+# as a new prefix: by room, then balance, as ``prefix_affinity`` places one. The short prefix it
+# shares (a preamble under a tenant's own system prompt) saves it little once, while where it
+# starts is where its conversations live: counted, it packed a group's tenants onto the engine
+# of their preamble, past its cache, while others idled (``s94040``: 3.58x the prefill).
+NEW_PLACEMENT_BELOW = 0.5
 # A token of KV memory a request would need past a backend's cache (beside the requests in
 # flight there: vLLM preempts one, or the cached prefixes of others go) against a token of
 # prefill saved: 0.25 held best across the family (docs/policies.md).
@@ -65,6 +71,12 @@ class Scene:
         if url not in self.crowded:
             return False
         return url != self.home or self.home_cover < SPREAD_KEEPS
+
+
+def placed_as_new(known: int, scene: Scene) -> bool:
+    """Whether a prompt of which ``known`` tokens at most are cached on one backend (or were
+    sent to its home) is a new placement (``NEW_PLACEMENT_BELOW``)."""
+    return known < NEW_PLACEMENT_BELOW * scene.prompt
 
 
 def cached_prefix(saved_tokens: int, prompt: int) -> float:

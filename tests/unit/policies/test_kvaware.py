@@ -432,13 +432,37 @@ def test_a_backend_past_its_share_of_the_requests_lately_is_left_by_new_conversa
     for conv in history:
         assert _place(chooser, [hot], _req("normal", conv)) is hot
     hot.cached = {*preamble, *history[0]}
-    # A new conversation under the preamble (2 of its 7 blocks there): the other backend.
+    # A new conversation under the preamble (2 of its 7 blocks there) is placed as new: the
+    # other backend (the spread rule would send it there too).
     new = _req("normal", [*preamble, 9000, 9001, 9002, 9003, 9004])
     assert chooser.pick(_candidates(backends), new) is cool
     # The first conversation's next turn (6 of 7 blocks there): home, past its share or not.
     turn = _req("normal", [*history[0], 105])
     assert chooser.pick(_candidates(backends), turn) is hot
-    # Alone, it is still taken; and shares fade (30 s): after a quiet minute it is home again.
+    # Alone, it is still taken.
     assert chooser.pick(_candidates([hot]), new) is hot
-    clock.advance(120)
-    assert chooser.pick(_candidates(backends), new) is hot
+
+
+def test_a_prompt_no_backend_holds_half_of_is_placed_by_room_not_by_its_short_shared_prefix() -> (
+    None
+):
+    # Issue 32, s94040: four tenants under one short preamble, each with its own long system
+    # prompt, all followed the preamble onto one engine (a few hundred tokens saved once) and
+    # overfilled its cache for the whole run while others idled.
+    busy, idle = backends = _backends()
+    chooser = _chooser()
+    preamble = [1, 2]
+    first = [*preamble, 10, 11, 12, 13, 14, 15]  # tenant A: the preamble, its system prompt
+    assert _place(chooser, [busy], _req("low", first)) is busy
+    busy.inflight = 1
+    # Tenant B under the same preamble (2 of its 9 blocks sent there): placed as new, on the
+    # idle backend, even for the worst tier, which follows any larger share onto a busier one.
+    assert (
+        chooser.pick(_candidates(backends), _req("low", [*preamble, 20, 21, 22, 23, 24, 25]))
+        is idle
+    )
+    # A's next conversation (8 of its 10 blocks sent there): its home.
+    assert chooser.pick(_candidates(backends), _req("low", [*first, 30])) is busy
+    # What the index shows counts as what was sent: half the prompt cached on the busy backend.
+    busy.cached = {*preamble, 40, 41}
+    assert chooser.pick(_candidates(backends), _req("low", [*preamble, 40, 41, 42, 43])) is busy

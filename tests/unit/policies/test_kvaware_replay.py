@@ -1,8 +1,9 @@
 """``KvAware.pick`` as scoring terms makes the same decisions as the one function it was: a few
 hundred random states replayed through both choosers in lockstep, the old function copied here
 as the reference (main at 3153c1d, ``proxy/policies/kvaware.py``), with issue 32's home bonus
-in proportion to the share of the prompt the home holds and its spread rule (the choosers are
-built with ``max_share`` 1.0 here: no backend is ever past it, as in the old pick)."""
+in proportion to the share of the prompt the home holds, its spread rule (the choosers are
+built with ``max_share`` 1.0 here: no backend is ever past it, as in the old pick) and its new
+placement (a prompt no backend holds half of has no home)."""
 
 from __future__ import annotations
 
@@ -78,6 +79,12 @@ def old_pick(
     group = self._groups.home(blocks[home_run - 1]) if blocks and home_run else None
     branch = group is not None
     home = group or home
+    # Since issue 32's new placement: a prompt that no backend holds half of (cached there, or
+    # sent to its home) has no home and counts nothing cached.
+    cached = [self.cached_tokens(c.state, blocks) if blocks else 0 for c in candidates]
+    placed_as_new = request is not None and max(*cached, home_run * self.block_size, 0) < prompt / 2
+    if placed_as_new:
+        home, home_run = None, 0
     for c in candidates:
         self._rooms[c.state.cfg.url] = c.state.max_room
     shares = self._sent.shares(at_least=self.balance_min)
@@ -90,7 +97,7 @@ def old_pick(
     for c in candidates:
         url = c.state.cfg.url
         share = shares.get(url, 0.0)
-        saved = self.cached_tokens(c.state, blocks) if blocks else 0
+        saved = 0 if placed_as_new or not blocks else self.cached_tokens(c.state, blocks)
         best_saved = max(best_saved, saved)
         room = free_share(c)
         # Taking more than its share lately, and busier than another now.
