@@ -73,11 +73,13 @@ async def served_in_window(
                     after = dict(null.served_by_user)
                     return {k: after[k] - before.get(k, 0) for k in after}
 
-                counted, *_ = await asyncio.gather(
+                counted, _ = await asyncio.gather(
                     window(),
-                    *(client(a.url, "heavy", "a") for _ in range(6)),
-                    *(client(b.url, "heavy", "b") for _ in range(6)),
-                    *(client(a.url, "light", "a") for _ in range(6)),
+                    asyncio.gather(
+                        *(client(a.url, "heavy", "a") for _ in range(6)),
+                        *(client(b.url, "heavy", "b") for _ in range(6)),
+                        *(client(a.url, "light", "a") for _ in range(6)),
+                    ),
                 )
         finally:
             a.stop()
