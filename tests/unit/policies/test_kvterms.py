@@ -20,6 +20,7 @@ from proxy.policies.kvterms import (
     kv_overflow,
     leaves_home,
     pick_best,
+    placed_as_new,
     score,
     serves_home,
 )
@@ -68,6 +69,13 @@ def test_cached_prefix_is_the_share_of_the_prompt_saved_at_most_all() -> None:
     assert cached_prefix(0, 100) == 0.0
     assert cached_prefix(25, 100) == 0.25
     assert cached_prefix(300, 100) == 1.0
+
+
+def test_a_prompt_is_placed_as_new_while_no_backend_holds_half_of_it() -> None:
+    assert placed_as_new(0, SCENE)  # SCENE's prompt: 100 tokens
+    assert placed_as_new(49, SCENE)
+    assert not placed_as_new(50, SCENE)  # half: its home, or where half of it is cached
+    assert not placed_as_new(100, SCENE)
 
 
 def test_home_affinity_is_home_slots_of_the_home_s_room_and_nothing_elsewhere() -> None:
