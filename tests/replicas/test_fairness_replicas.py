@@ -92,7 +92,6 @@ async def test_a_tenant_on_two_replicas_gets_one_share(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:
     served = await served_in_window(redis_server, tmp_path, share_fairness=True)
-    print(served)
     on_a = served["heavy@a"] + served["light@a"]
     fair = min(on_a, sum(served.values()) / 2)  # one share each, as far as A's slots reach
     assert served["light@a"] >= 0.9 * fair, served
@@ -102,6 +101,5 @@ async def test_without_shared_counters_it_gets_two(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:
     served = await served_in_window(redis_server, tmp_path, share_fairness=False)
-    print(served)
     on_a = served["heavy@a"] + served["light@a"]
     assert served["light@a"] <= 0.65 * on_a, served  # A splits its own slots evenly
