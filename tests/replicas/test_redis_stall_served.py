@@ -18,12 +18,12 @@ from proxy.bench.hostile.kit import exchange, json_request
 from proxy.bench.hostile.served import NullBackend
 from proxy.bench.inproc import KEYS
 from proxy.bench.redis_server import RedisServer
-from tests.helpers.redis_server import stall
+from tests.helpers.redis_server import stall, until_stalled
 from tests.helpers.replicas import TENANT
 
 BODY = {"model": "null", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 400}
 USED = 8  # the backend reports 4 + 4 tokens an answer
-STALL_MS = 1500
+STALL_MS = 2500  # long enough past the detection for 24 requests on a busy machine
 REQUESTS = 24
 
 
@@ -63,7 +63,7 @@ async def test_a_stall_past_the_call_timeout_leaves_the_counter_at_what_was_used
     try:
         assert (await exchange(proxy.host, proxy.port, request)).status == 200  # scripts loaded
         stalled = asyncio.create_task(stall(redis, STALL_MS / 1000))
-        await asyncio.sleep(0.05)
+        await until_stalled(redis_server.url)
         answers = await asyncio.gather(
             *(exchange(proxy.host, proxy.port, request) for _ in range(REQUESTS))
         )
