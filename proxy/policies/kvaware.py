@@ -13,8 +13,9 @@ longest cached prefix, then the backend chosen longest ago (never config order).
 Between a dispatch and the KV events of its prefill, the index does not yet show the prompt: a
 burst of one conversation's turns, or of one tenant's system prompt, would scatter. So the
 chooser remembers where it sent each prompt's blocks and counts them as cached there while the
-request runs and for ``pending_s`` after it was sent (``proxy.policies.kvmemory``: only what
-the engine ran is kept, in a share per tenant).
+request runs (up to ``pending_s``), and after it ran for ``pending_s`` after it was sent only
+while the backend's index is cold: a warm index has its events, and those of any eviction
+since (``proxy.policies.kvmemory``: only what the engine ran is kept, in a share per tenant).
 
 A prompt that no backend holds half of (cached, or sent to its home: ``kvterms.placed_as_new``)
 is placed as new, by room and balance: a short prefix it shares with other tenants saves it
@@ -117,12 +118,16 @@ class KvAware:
         self._rehomed_at = -math.inf  # when the balance rule last moved a prefix's home
 
     def cached_tokens(self, state: BackendView, blocks: Sequence[int]) -> int:
-        """The longest prefix of ``blocks`` cached on ``state`` or sent there lately, in tokens
-        (0: none, or the index is cold)."""
+        """The longest prefix of ``blocks`` cached on ``state`` as its index shows, or sent there
+        by a request still in flight (its KV events may not be in yet), in tokens. A block sent
+        by a request that ran and ended counts only while the index is cold: a warm one heard
+        its events, and the evictions since (counted anyway, a conversation under cache
+        pressure kept following a history its home had evicted, and queued behind it)."""
         if not blocks:
             return 0
-        indexed = state.cached_blocks(blocks) or 0
-        return max(indexed, self.memory.pending_run(state.cfg.url, blocks)) * self.block_size
+        indexed = state.cached_blocks(blocks)
+        pending = self.memory.pending_run(state.cfg.url, blocks, kept=indexed is None)
+        return max(indexed or 0, pending) * self.block_size
 
     def pick(
         self,

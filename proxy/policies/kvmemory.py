@@ -3,11 +3,13 @@
 A prompt's blocks are *in flight* from the moment the chooser sends them (``sent``) until the
 request ends (``ended``). Meanwhile their deepest block's backend is the prompt's home, and for
 ``pending_s`` they count as cached there (the engine's KV events lag its prefill). When the
-request ends having run, its blocks are *kept*: each (backend, block) still counts as cached
-until ``pending_s`` after it was sent, and each block's last backend stays its home until the
-memory's room runs out. When it ends without running (the engine refused it with a 4xx, the
-connection failed, its handler left before it was sent) its flight is dropped and nothing of
-it stays: a flood of prompts the engine never ran erases no placement.
+request ends having run, its blocks are *kept*: each block's last backend stays its home until
+the memory's room runs out, and each (backend, block) counts as cached until ``pending_s``
+after it was sent only where the backend's index is cold (``pending_run(kept=True)``): a warm
+index has heard the events of a request that ran, and of the evictions since. When it ends
+without running (the engine refused it with a 4xx, the connection failed, its handler left
+before it was sent) its flight is dropped and nothing of it stays: a flood of prompts the
+engine never ran erases no placement.
 
 The room (``capacity`` kept (backend, block) pairs) is shared between tenants, max-min fair:
 past it, the tenant keeping the most loses its least recently sent pair. A tenant keeping
@@ -78,15 +80,16 @@ class PlacementMemory:
 
     # -- what the chooser reads ------------------------------------------------------------
 
-    def pending_run(self, url: str, blocks: Sequence[int]) -> int:
+    def pending_run(self, url: str, blocks: Sequence[int], *, kept: bool = True) -> int:
         """How many leading ``blocks`` were sent to ``url`` within ``pending_s``, in flight or
-        kept (block hashes are chained: a block sent means every one before it was too)."""
+        (``kept``) kept (block hashes are chained: a block sent means every one before it was
+        too)."""
         horizon = self.clock() - self.pending_s
         for i in range(len(blocks) - 1, -1, -1):
             block = blocks[i]
             if any(u == url and at >= horizon for u, at in self._flying.get(block, ())):
                 return i + 1
-            at = self._sent_at.get((url, block))
+            at = self._sent_at.get((url, block)) if kept else None
             if at is not None and at >= horizon:
                 return i + 1
         return 0

@@ -132,19 +132,46 @@ def test_a_prompt_just_sent_counts_as_cached_there_until_its_events_could_have_a
     backends = _backends()
     chooser = KvAware(block_size=BLOCK, latency_weights=WEIGHTS, pending_s=5.0, clock=clock)
     system = [11, 12, 13, 14, 15, 16, 17, 18]  # 8 of the next prompt's 10 blocks
-    first = _place(chooser, backends, _req("normal", system))
+    sent = _req("normal", system)
+    first = chooser.pick(_candidates(backends), sent)
+    assert first is not None
+    chooser.served(first, sent)  # in flight: its KV events not in yet
     first.inflight += 1  # the pool counts it in
     other = backends[1 - backends.index(first)]
     # Busier now, and its index does not show the prompt yet: it still follows the prompt.
     assert chooser.pick(_candidates(backends), _req("normal", [*system, 19])) is first
     assert chooser.cached_tokens(first, [*system, 19]) == 8 * BLOCK
     assert chooser.cached_tokens(other, system) == 0
-    clock.advance(5.1)  # the index is the truth again: still empty. Its home's bonus (1.5
-    # slots, times the 8 of 10 blocks it holds: 1.2) keeps it there at one more in flight; at
-    # three more the least busy wins.
+    chooser.ended(first, sent, ran=True)  # it ran: the index heard its events (and shows
+    # nothing: evicted since), so the index is the truth again. Its home's bonus (1.5 slots,
+    # times the 8 of 10 blocks it was sent: 1.2) keeps it there at one more in flight; at three
+    # more the least busy wins.
     assert chooser.pick(_candidates(backends), _req("normal", [*system, 19])) is first
     first.inflight += 2
     assert chooser.pick(_candidates(backends), _req("normal", [*system, 19])) is other
+
+
+def test_a_prompt_that_ran_counts_as_cached_only_where_the_index_is_cold() -> None:
+    """Once a request ran and ended, a warm index has heard its blocks stored and any eviction
+    since: the memory's word no longer counts. A cold index hears nothing: the memory's does."""
+    clock = FakeClock()
+    warm, cold = _backends()
+    chooser = KvAware(block_size=BLOCK, latency_weights=WEIGHTS, pending_s=5.0, clock=clock)
+    prompt = [21, 22, 23, 24]
+    for backend in (warm, cold):
+        req = _req("normal", prompt)
+        chooser.served(backend, req)
+        assert chooser.cached_tokens(backend, prompt) == 4 * BLOCK  # in flight: counted
+        chooser.ended(backend, req, ran=True)
+    warm.cached = {21, 22}  # stored, then its last two blocks evicted
+    cold.cached = None
+    clock.advance(1.0)
+    assert chooser.cached_tokens(warm, prompt) == 2 * BLOCK
+    assert chooser.cached_tokens(cold, prompt) == 4 * BLOCK
+    clock.advance(4.1)  # past pending_s: the cold index's backend holds nothing known
+    assert chooser.cached_tokens(cold, prompt) == 0
+    # Its home is still where it was sent (the memory keeps that whatever the index says).
+    assert chooser.memory.home(prompt) == (cold.cfg.url, 4)
 
 
 def test_latency_weights_step_geometrically_from_the_best_tier_to_the_worst() -> None:
@@ -376,6 +403,7 @@ def test_the_balance_rule_moves_one_prefixs_home_at_a_time() -> None:
     hot.inflight = 3
     first = _place(chooser, backends, _req("normal", [*tenants[0], 2000]))
     assert first is cool  # hot took 100 % lately and is busier: the new branch moves...
+    cool.cached = set(tenants[0])  # (it ran there: its index heard the blocks stored)
     # ... and the first tenant's home with it; the second tenant's home stays for now.
     assert chooser.pick(_candidates(backends), _req("normal", [*tenants[1], 2001])) is hot
     cool.inflight = 3  # equally busy: the moved home keeps its new branches

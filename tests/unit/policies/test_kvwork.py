@@ -133,8 +133,8 @@ def test_a_best_tier_turn_leaves_a_home_with_more_work_queued_than_its_cache_sav
     home.inflight -= 1
     assert chooser.pick(_candidates(backends), req) is home
     # A worst-tier turn weighs queued work by its room weight (1/16 of the best's): it
-    # follows its cache behind the same queue.
-    _load(chooser, home, 4096)
+    # follows its cache behind 2,048 tokens queued (128 weighed, against 256 saved).
+    _load(chooser, home, 2048)
     assert chooser.pick(_candidates(backends), _req("low", turn)) is home
 
 
