@@ -3,21 +3,52 @@
 from __future__ import annotations
 
 import asyncio
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from redis.asyncio import Redis
 
+from proxy.bench.redis_server import RedisServer
 
-async def stall(redis: Redis, seconds: float) -> None:
+
+class Stall:
     """Redis stops answering anyone for ``seconds`` (as in a snapshot's fork or a slow fsync),
-    then runs what it received meanwhile. (``CLIENT PAUSE`` would not do: it drops the commands
-    of a client that gives up and closes its connection.)"""
-    await redis.execute_command("DEBUG", "SLEEP", seconds)  # type: ignore[no-untyped-call]
+    then runs what it received meanwhile (``DEBUG SLEEP``; ``CLIENT PAUSE`` would not do: it
+    drops the commands of a client that gives up and closes its connection).
+
+    The command leaves on a connection opened beforehand, written synchronously: it is on
+    Redis's socket before the test's next line runs. Sent from a task of the test's loop, it
+    waited for that task's turn and its connection's handshake, and on a busy machine reached
+    Redis after the requests it was meant to stall (CI, twice)."""
+
+    def __init__(self, server: RedisServer, seconds: float) -> None:
+        self.seconds = seconds
+        self._sock = socket.create_connection(("127.0.0.1", server.port), timeout=30.0)
+        arg = str(seconds).encode()
+        self._sock.sendall(b"*3\r\n$5\r\nDEBUG\r\n$5\r\nSLEEP\r\n$%d\r\n%s\r\n" % (len(arg), arg))
+
+    async def over(self) -> None:
+        """Returns once Redis has answered the sleep: it runs again."""
+        reply = await asyncio.to_thread(self._sock.recv, 64)
+        assert reply.startswith(b"+OK"), reply
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+@contextmanager
+def stalled(server: RedisServer, seconds: float) -> Iterator[Stall]:
+    stall = Stall(server, seconds)
+    try:
+        yield stall
+    finally:
+        stall.close()
 
 
 async def until_stalled(url: str, patience_s: float = 0.1, tries: int = 100) -> None:
     """Returns once Redis has stopped answering: a PING on a connection of its own goes without
-    an answer for ``patience_s``. A test that starts its stall and then merely sleeps races the
-    command's way to Redis on a busy machine (CI once saw every request served before it)."""
+    an answer for ``patience_s`` (the proof that the stall began, not a wait for it)."""
     probe = Redis.from_url(url)
     try:
         for _ in range(tries):

@@ -18,12 +18,12 @@ from proxy.bench.hostile.kit import exchange, json_request
 from proxy.bench.hostile.served import NullBackend
 from proxy.bench.inproc import KEYS
 from proxy.bench.redis_server import RedisServer
-from tests.helpers.redis_server import stall, until_stalled
+from tests.helpers.redis_server import stalled, until_stalled
 from tests.helpers.replicas import TENANT
 
 BODY = {"model": "null", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 400}
 USED = 8  # the backend reports 4 + 4 tokens an answer
-STALL_MS = 2500  # long enough past the detection for 24 requests on a busy machine
+STALL_MS = 4000  # 24 requests all inside it, on a busy machine too
 REQUESTS = 24
 
 
@@ -62,17 +62,17 @@ async def test_a_stall_past_the_call_timeout_leaves_the_counter_at_what_was_used
     redis = Redis.from_url(redis_server.url)
     try:
         assert (await exchange(proxy.host, proxy.port, request)).status == 200  # scripts loaded
-        stalled = asyncio.create_task(stall(redis, STALL_MS / 1000))
-        await until_stalled(redis_server.url)
-        answers = await asyncio.gather(
-            *(exchange(proxy.host, proxy.port, request) for _ in range(REQUESTS))
-        )
-        served = 1 + sum(1 for a in answers if a.status == 200)
-        statuses = sorted({a.status for a in answers})
-        # Every reservation in the stall outlived the proxy's patience: each was decided without
-        # Redis (503 with refuse, the local ledger with local), and its script ran later.
-        assert statuses == ([503] if on_failure == "refuse" else [200]), statuses
-        await stalled  # Redis resumes and runs what it was sent
+        with stalled(redis_server, STALL_MS / 1000) as stall:
+            await until_stalled(redis_server.url)
+            answers = await asyncio.gather(
+                *(exchange(proxy.host, proxy.port, request) for _ in range(REQUESTS))
+            )
+            served = 1 + sum(1 for a in answers if a.status == 200)
+            statuses = sorted({a.status for a in answers})
+            # Every reservation in the stall outlived the proxy's patience: each was decided
+            # without Redis (503 with refuse, the local ledger with local); its script ran later.
+            assert statuses == ([503] if on_failure == "refuse" else [200]), statuses
+            await stall.over()  # Redis resumes and runs what it was sent
         # Once Redis answers again, another request: the proxy is back on shared state.
         for _ in range(100):
             answer = await exchange(proxy.host, proxy.port, request)
