@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from redis.asyncio import Redis
+from redis.connection import Connection
 
 from proxy.bench.redis_server import RedisServer
 
@@ -17,24 +17,22 @@ class Stall:
     then runs what it received meanwhile (``DEBUG SLEEP``; ``CLIENT PAUSE`` would not do: it
     drops the commands of a client that gives up and closes its connection).
 
-    The command leaves on a connection opened beforehand, written synchronously: it is on
-    Redis's socket before the test's next line runs. Sent from a task of the test's loop, it
+    The command leaves on a blocking connection, written before the constructor returns: it is
+    on Redis's socket before the test's next line runs. Sent from a task of the test's loop, it
     waited for that task's turn and its connection's handshake, and on a busy machine reached
     Redis after the requests it was meant to stall (CI, twice)."""
 
     def __init__(self, server: RedisServer, seconds: float) -> None:
-        self.seconds = seconds
-        self._sock = socket.create_connection(("127.0.0.1", server.port), timeout=30.0)
-        arg = str(seconds).encode()
-        self._sock.sendall(b"*3\r\n$5\r\nDEBUG\r\n$5\r\nSLEEP\r\n$%d\r\n%s\r\n" % (len(arg), arg))
+        conn = Connection(host="127.0.0.1", port=server.port, socket_timeout=30.0)  # type: ignore[no-untyped-call]
+        self._conn = conn
+        conn.send_command("DEBUG", "SLEEP", seconds)  # type: ignore[no-untyped-call]
 
     async def over(self) -> None:
         """Returns once Redis has answered the sleep: it runs again."""
-        reply = await asyncio.to_thread(self._sock.recv, 64)
-        assert reply.startswith(b"+OK"), reply
+        assert await asyncio.to_thread(self._conn.read_response) in (b"OK", "OK")
 
     def close(self) -> None:
-        self._sock.close()
+        self._conn.disconnect()  # type: ignore[no-untyped-call]
 
 
 @contextmanager
