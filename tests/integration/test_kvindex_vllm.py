@@ -110,10 +110,21 @@ def _conversation(turns: int = 1) -> list[dict[str, str]]:
     return [*messages, {"role": "user", "content": "and now? " * 3}]
 
 
-async def _warm(client: Client) -> None:
+async def _warm(client: Client, probes: int = 10) -> None:
+    """Until the index is warm. Warm comes with the first batch the subscriber hears, and a
+    subscriber that has just (re)connected may miss the batches of a request sent meanwhile (its
+    subscription reaches the engine's publisher after them: ZMQ drops what a PUB sends before
+    it knows the SUB): a small probe prompt is sent whenever nothing made it warm for a while,
+    as the next request of any workload would. Counts probes, not seconds."""
     index = client.predictions.backend.kv_index
     assert index is not None
-    await until(index.warm, 10, "a warm index")
+    for _ in range(probes):
+        for _ in range(30):  # polls ~3 s (a replay takes one round trip to the engine)
+            if index.warm():
+                return
+            await asyncio.sleep(0.1)
+        await client.complete("low", f"probe {secrets.token_hex(6)} " + "warm " * 40)
+    assert index.warm(), f"no warm index after {probes} probe prompts"
 
 
 @pytest.mark.parametrize("local", [True, False], ids=["local-tokenizer", "vllm-tokenize"])
