@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from proxy.bench.kvsim.family import find_shape, load_family
-from proxy.bench.kvsim.report import figures, verdict
+from proxy.bench.kvsim.report import best_tier, figures, verdict
 from proxy.bench.kvsim.run import simulate
 from proxy.bench.scenario import ScenarioError
 
@@ -55,6 +55,8 @@ def test_a_simulated_run_is_deterministic_and_counts_what_the_engines_did() -> N
     assert a.requests > 0 and a.failed == 0
     assert 0 < a.computed <= a.prompt and 0 <= a.floor_share <= a.share
     assert sum(a.engine_share) == pytest.approx(1.0)
+    # Every request that succeeded had a first token, counted under its tier (the p99's sample).
+    assert set(a.ttft_n) == set(a.ttft_p99) and sum(a.ttft_n.values()) == a.requests
 
 
 def test_the_verdict_judges_kv_aware_against_the_better_baseline() -> None:
@@ -66,3 +68,5 @@ def test_the_verdict_judges_kv_aware_against_the_better_baseline() -> None:
     v = verdict("x", runs)
     better = min(runs["least_utilised"].share, runs["prefix_affinity"].share)
     assert v.ratio == pytest.approx(runs["kv_aware"].share / better)
+    tier = best_tier(runs["kv_aware"])
+    assert tier is not None and v.tail_n == runs["kv_aware"].ttft_n[tier] > 0
