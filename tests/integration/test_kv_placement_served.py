@@ -1,0 +1,261 @@
+"""Red team of ``backends: kv_aware``'s placement promises against `tierproxy serve` (a
+subprocess) in front of two real CPU vLLMs (prefix caching, KV events, blocks of 32).
+
+Where a request went is read from the engines themselves: each engine's own
+``vllm:request_success_total`` and the answer's ``usage.prompt_tokens_details.cached_tokens``
+(an engine that never saw a tenant's salt reports 0). Nothing is timed: counts only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from proxy.bench.hostile.served import ADMIN_KEY, ServedProxy, admin_sections
+from proxy.bench.inproc import KEYS, make_config
+from proxy.tools.engine import EngineProcess
+from tests.helpers.enginefarm import EngineFarm
+from tests.helpers.engines import KV_EVENTS, EngineSetting
+
+# A second engine like KV_EVENTS (its own ports, its own cache).
+KV_EVENTS_B = EngineSetting(
+    "prefix-cache-b", plugin=True, kv_events=True, env=KV_EVENTS.env
+)
+pytestmark = [pytest.mark.integration, pytest.mark.engines(KV_EVENTS, KV_EVENTS_B)]
+BLOCK = 32
+CHAT = "/v1/chat/completions"
+TIMEOUT = aiohttp.ClientTimeout(total=120)
+
+
+@pytest.fixture(scope="module")
+def pair(engines: EngineFarm) -> tuple[EngineProcess, EngineProcess]:
+    return engines.get(KV_EVENTS), engines.get(KV_EVENTS_B)
+
+
+def _config(a: EngineProcess, b: EngineProcess, **extra: Any) -> dict[str, Any]:
+    backends = [{"url": e.spec.url, "max_inflight": 4} for e in (a, b)]
+    return make_config(
+        backends,
+        kv_cache={"enabled": True, "tokenizer": a.spec.model, "block_size": BLOCK},
+        policies={"backends": "kv_aware"},
+        **admin_sections(),
+        **extra,
+    )
+
+
+async def _served(session: aiohttp.ClientSession, engine: EngineProcess) -> float:
+    """The engine's own count of requests it finished."""
+    async with session.get(engine.spec.url + "/metrics") as resp:
+        text = await resp.text()
+    return sum(
+        float(m.group(1))
+        for m in re.finditer(r"^vllm:request_success_total\{[^}]*\} (\S+)$", text, re.M)
+    )
+
+
+async def _metrics(session: aiohttp.ClientSession, proxy: ServedProxy) -> str:
+    async with session.get(proxy.admin_url + "/metrics") as resp:
+        return await resp.text()
+
+
+async def _ready(session: aiohttp.ClientSession, proxy: ServedProxy) -> None:
+    """Both backends' indexes trusted (``tierproxy_kv_index_trust`` >= 1), counted in polls."""
+    for _ in range(300):
+        text = await _metrics(session, proxy)
+        trust = re.findall(r"^tierproxy_kv_index_trust\{[^}]*\} (\S+)$", text, re.M)
+        if len(trust) == 2 and all(float(t) >= 1 for t in trust):
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"indexes never trusted: {trust}")
+
+
+class Client:
+    def __init__(self, session: aiohttp.ClientSession, proxy: ServedProxy) -> None:
+        self.session, self.proxy = session, proxy
+
+    async def post(self, tier: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        headers = {"Authorization": f"Bearer {KEYS[tier]}"}
+        async with self.session.post(self.proxy.url + CHAT, json=body, headers=headers) as r:
+            return r.status, await r.json(content_type=None)
+
+    async def chat(self, tier: str, messages: list[dict[str, str]], **extra: Any) -> int:
+        """vLLM's cached prompt tokens of one chat turn that must succeed."""
+        body = {"model": "tiny", "messages": messages, "max_tokens": 1, **extra}
+        status, answer = await self.post(tier, body)
+        assert status == 200, answer
+        return int(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    @asynccontextmanager
+    async def running(self, tier: str, messages: list[dict[str, str]]) -> AsyncIterator[None]:
+        """A long generation of ``messages``, streaming: inside, its first chunk has arrived
+        (it runs on an engine); on leaving, the client closes it."""
+        body = {"model": "tiny", "messages": messages, "max_tokens": 1600, "ignore_eos": True}
+        body["stream"] = True
+        headers = {"Authorization": f"Bearer {KEYS[tier]}"}
+        async with self.session.post(self.proxy.url + CHAT, json=body, headers=headers) as r:
+            assert r.status == 200, await r.text()
+            await r.content.readline()
+            yield
+
+
+def _system(tag: str) -> str:
+    """A system prompt of ~300 tokens no other shares (its tag first)."""
+    return f"{tag} " + " ".join(f"rule{i % 97}" for i in range(150))
+
+
+def _conversation(system: str, n: int) -> list[dict[str, str]]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": f"q{n}?"}]
+
+
+async def test_requests_the_engine_refused_do_not_move_another_tenants_prefix_home(
+    pair: tuple[EngineProcess, EngineProcess], tmp_path: Path
+) -> None:
+    """Promise 1: a request the engine refuses (400) leaves every tenant's placement as it was.
+
+    The victim (tenant-normal) has a system prompt cached on one engine (its home) and starts
+    its conversations there. The attacker (tenant-low) sends prompts vLLM refuses with a 400
+    (a negative temperature), all to that engine (its own prompt's home): they never run, yet
+    they count as "prompt blocks sent lately" there, so the balance rule judges the victim's
+    home over its share and its next new conversation starts on the other engine, recomputing
+    the system prompt (vLLM reports 0 cached tokens), and the prefix's home moves there."""
+    a, b = pair
+    with ServedProxy(_config(a, b), tmp_path).start() as proxy:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+            client = Client(session, proxy)
+            await _ready(session, proxy)
+            system = _system(f"victim-{secrets.token_hex(4)}")
+            counts = [await _served(session, e) for e in pair]
+            for n in range(3):
+                await client.chat("normal", _conversation(system, n))
+            after = [await _served(session, e) for e in pair]
+            deltas = [x - y for x, y in zip(after, counts, strict=True)]
+            assert sorted(deltas) == [0, 3], f"the victim's conversations scattered: {deltas}"
+            home = pair[deltas.index(3)]
+            # The attacker's own prompt, placed on the victim's home (tries: its first
+            # placement goes by room and balance; an attacker can try until one lands there).
+            mine: list[dict[str, str]] | None = None
+            for _ in range(6):
+                prompt = _conversation(_system(f"attacker-{secrets.token_hex(4)}"), 0)
+                before = await _served(session, home)
+                await client.chat("low", prompt)
+                if await _served(session, home) > before:
+                    mine = prompt
+                    break
+            assert mine is not None, "no attacker prompt landed on the victim's home"
+            # The flood: 40 requests vLLM refuses before any work (temperature -1).
+            answers = await asyncio.gather(
+                *(
+                    client.post("low", {"model": "tiny", "messages": mine, "max_tokens": 1,
+                                        "temperature": -1})  # fmt: skip
+                    for _ in range(40)
+                )
+            )
+            assert all(status == 400 for status, _ in answers), answers[:2]
+            # The victim goes on: one of its conversations generating at home, a new one
+            # under the same system prompt starts. Its home holds the system prompt.
+            async with client.running("normal", _conversation(system, 1)):
+                cached = await client.chat("normal", _conversation(system, 9))
+            assert cached >= 8 * BLOCK, (
+                f"the victim's new conversation found {cached} tokens cached: moved off its"
+                " system prompt's engine by requests that never ran"
+            )
+
+
+async def _turns(client: Client, system: str, turns: int) -> list[int]:
+    """One conversation's turns, each the whole history so far plus a question: per turn, the
+    history tokens the engine had to compute again (the previous turn's full blocks it did not
+    find cached). A conversation that stays on its engine loses none."""
+    messages = [{"role": "system", "content": system}]
+    lost: list[int] = []
+    previous = 0
+    for n in range(turns):
+        messages.append({"role": "user", "content": f"question {n} " + "why " * 20})
+        body = {"model": "tiny", "messages": messages, "max_tokens": 1}
+        status, answer = await client.post("normal", body)
+        assert status == 200, answer
+        usage = answer["usage"]
+        lost.append(max(0, previous - int(usage["prompt_tokens_details"]["cached_tokens"])))
+        previous = (usage["prompt_tokens"] - 1) // BLOCK * BLOCK  # its full blocks, as cached
+        messages.append({"role": "assistant", "content": f"answer {n}"})
+    return lost
+
+
+async def test_one_tenants_burst_cannot_take_the_remote_tokenize_budget_from_others(
+    pair: tuple[EngineProcess, EngineProcess], tmp_path: Path
+) -> None:
+    """Promise 2 (and 1): without a local tokenizer (the default) each request's blocks come
+    from a backend's /tokenize, at most ``max_remote_tokenize`` (16) calls in flight for the
+    whole process, first come first served; past it a request gets no blocks and is placed by
+    load alone. One tenant keeping 24 long prompts in flight (past the model's context: vLLM
+    refuses every one with a 400, no engine work) holds that budget, and another tenant's
+    conversation turns go without blocks: off the engine that holds their history."""
+    a, b = pair
+    config = _config(a, b)
+    config["kv_cache"]["tokenizer"] = None  # vLLM's /tokenize: the default
+    with ServedProxy(config, tmp_path).start() as proxy:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+            client = Client(session, proxy)
+            await _ready(session, proxy)
+            quiet = await _turns(client, _system(f"calm-{secrets.token_hex(4)}"), 6)
+            assert not any(quiet[1:]), f"a conversation lost its history unattacked: {quiet}"
+            stop = asyncio.Event()
+            refused: list[int] = []
+
+            async def flood() -> None:
+                text = "lorem ipsum dolor sit amet " * 8000  # ~48k tokens: past the context
+                while not stop.is_set():
+                    body = {"model": "tiny", "max_tokens": 1,
+                            "messages": [{"role": "user", "content": f"{secrets.token_hex(4)} {text}"}]}  # fmt: skip
+                    status, _ = await client.post("low", body)
+                    refused.append(status)
+
+            workers = [asyncio.create_task(flood()) for _ in range(24)]
+            try:
+                while len(refused) < 24:  # every worker's first request answered: in full swing
+                    await asyncio.sleep(0.05)
+                attacked = await _turns(client, _system(f"victim-{secrets.token_hex(4)}"), 6)
+            finally:
+                stop.set()
+                await asyncio.gather(*workers)
+            assert refused and all(s == 400 for s in refused), sorted(set(refused))
+            assert not any(attacked[1:]), (
+                f"history tokens computed again per turn under another tenant's burst: {attacked}"
+            )
+
+
+async def _inflight(session: aiohttp.ClientSession, proxy: ServedProxy) -> list[int]:
+    headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    async with session.get(proxy.admin_url + "/admin/backends", headers=headers) as resp:
+        return [int(b["inflight"]) for b in (await resp.json())["backends"]]
+
+
+async def test_requests_without_prompt_blocks_in_flight_together_all_succeed_and_free_slots(
+    pair: tuple[EngineProcess, EngineProcess], tmp_path: Path
+) -> None:
+    """Promises 4 and 5: a request whose prompt has no blocks (``chat_template_kwargs`` or ``tools``, an image, a
+    prompt past the context, the /tokenize budget spent: placed by load) is served like any
+    other. ``KvInFlight`` keeps an empty per-backend counter for it and drops that counter when
+    another flight there ends; the next such request to end there raised ``KeyError`` in the
+    chooser's ``ended``: a 500 for an answer the engine computed, and (raised before the pool
+    counts it out) its slot never freed, until every backend looks full to every tenant."""
+    a, b = pair
+    with ServedProxy(_config(a, b), tmp_path).start() as proxy:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+            client = Client(session, proxy)
+            await _ready(session, proxy)
+            async def plain(n: int) -> int:
+                body = {"model": "tiny", "max_tokens": 24, "ignore_eos": True, "chat_template_kwargs": {},
+                        "messages": [{"role": "user", "content": f"hello {n}"}]}  # fmt: skip
+                return (await client.post("low", body))[0]
+
+            statuses = await asyncio.gather(*(plain(n) for n in range(16)))
+            inflight = await _inflight(session, proxy)
+            assert statuses.count(200) == 16 and inflight == [0, 0], (sorted(statuses), inflight)
