@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 
 from proxy.bench.hostile.served import ADMIN_KEY, ServedProxy, admin_sections
@@ -26,9 +27,7 @@ from tests.helpers.enginefarm import EngineFarm
 from tests.helpers.engines import KV_EVENTS, EngineSetting
 
 # A second engine like KV_EVENTS (its own ports, its own cache).
-KV_EVENTS_B = EngineSetting(
-    "prefix-cache-b", plugin=True, kv_events=True, env=KV_EVENTS.env
-)
+KV_EVENTS_B = EngineSetting("prefix-cache-b", plugin=True, kv_events=True, env=KV_EVENTS.env)
 pytestmark = [pytest.mark.integration, pytest.mark.engines(KV_EVENTS, KV_EVENTS_B)]
 BLOCK = 32
 CHAT = "/v1/chat/completions"
@@ -115,9 +114,26 @@ def _conversation(system: str, n: int) -> list[dict[str, str]]:
     return [{"role": "system", "content": system}, {"role": "user", "content": f"q{n}?"}]
 
 
+async def test_unattacked_a_tenants_new_conversation_starts_on_its_system_prompts_engine(
+    pair: tuple[EngineProcess, EngineProcess], tmp_path: Path
+) -> None:
+    """The control of the test below: the same scene without the refused flood."""
+    assert await _new_conversation_after_refused_flood(pair, tmp_path, refused=0) >= 8 * BLOCK
+
+
 async def test_requests_the_engine_refused_do_not_move_another_tenants_prefix_home(
     pair: tuple[EngineProcess, EngineProcess], tmp_path: Path
 ) -> None:
+    cached = await _new_conversation_after_refused_flood(pair, tmp_path, refused=40)
+    assert cached >= 8 * BLOCK, (
+        f"the victim's new conversation found {cached} tokens cached: moved off its"
+        " system prompt's engine by requests that never ran"
+    )
+
+
+async def _new_conversation_after_refused_flood(
+    pair: tuple[EngineProcess, EngineProcess], tmp_path: Path, refused: int
+) -> int:
     """Promise 1: a request the engine refuses (400) leaves every tenant's placement as it was.
 
     The victim (tenant-normal) has a system prompt cached on one engine (its home) and starts
@@ -150,23 +166,14 @@ async def test_requests_the_engine_refused_do_not_move_another_tenants_prefix_ho
                     mine = prompt
                     break
             assert mine is not None, "no attacker prompt landed on the victim's home"
-            # The flood: 40 requests vLLM refuses before any work (temperature -1).
-            answers = await asyncio.gather(
-                *(
-                    client.post("low", {"model": "tiny", "messages": mine, "max_tokens": 1,
-                                        "temperature": -1})  # fmt: skip
-                    for _ in range(40)
-                )
-            )
+            # The flood: requests vLLM refuses before any work (temperature -1).
+            bad = {"model": "tiny", "messages": mine, "max_tokens": 1, "temperature": -1}
+            answers = await asyncio.gather(*(client.post("low", bad) for _ in range(refused)))
             assert all(status == 400 for status, _ in answers), answers[:2]
             # The victim goes on: one of its conversations generating at home, a new one
             # under the same system prompt starts. Its home holds the system prompt.
             async with client.running("normal", _conversation(system, 1)):
-                cached = await client.chat("normal", _conversation(system, 9))
-            assert cached >= 8 * BLOCK, (
-                f"the victim's new conversation found {cached} tokens cached: moved off its"
-                " system prompt's engine by requests that never ran"
-            )
+                return await client.chat("normal", _conversation(system, 9))
 
 
 async def _turns(client: Client, system: str, turns: int) -> list[int]:
@@ -200,6 +207,8 @@ async def test_one_tenants_burst_cannot_take_the_remote_tokenize_budget_from_oth
     a, b = pair
     config = _config(a, b)
     config["kv_cache"]["tokenizer"] = None  # vLLM's /tokenize: the default
+    usage_log = tmp_path / "usage.jsonl"
+    config["usage_log"] = {"path": str(usage_log)}
     with ServedProxy(config, tmp_path).start() as proxy:
         async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
             client = Client(session, proxy)
@@ -226,9 +235,13 @@ async def test_one_tenants_burst_cannot_take_the_remote_tokenize_budget_from_oth
                 stop.set()
                 await asyncio.gather(*workers)
             assert refused and all(s == 400 for s in refused), sorted(set(refused))
-            assert not any(attacked[1:]), (
-                f"history tokens computed again per turn under another tenant's burst: {attacked}"
-            )
+        # The index's prediction per victim turn: null where the turn had no blocks.
+        lines = [orjson.loads(line) for line in usage_log.read_bytes().splitlines()]
+        predicted = [u.get("predicted_cached_tokens") for u in lines if u.get("tenant") == "tenant-normal"]  # fmt: skip
+        assert not any(attacked[1:]), (
+            f"history tokens computed again per turn under another tenant's burst: {attacked};"
+            f" predicted cached tokens per turn (null: no blocks): {predicted}"
+        )
 
 
 async def _inflight(session: aiohttp.ClientSession, proxy: ServedProxy) -> list[int]:
@@ -251,6 +264,7 @@ async def test_requests_without_prompt_blocks_in_flight_together_all_succeed_and
         async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
             client = Client(session, proxy)
             await _ready(session, proxy)
+
             async def plain(n: int) -> int:
                 body = {"model": "tiny", "max_tokens": 24, "ignore_eos": True, "chat_template_kwargs": {},
                         "messages": [{"role": "user", "content": f"hello {n}"}]}  # fmt: skip
