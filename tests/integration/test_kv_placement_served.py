@@ -273,3 +273,129 @@ async def test_requests_without_prompt_blocks_in_flight_together_all_succeed_and
             statuses = await asyncio.gather(*(plain(n) for n in range(16)))
             inflight = await _inflight(session, proxy)
             assert statuses.count(200) == 16 and inflight == [0, 0], (sorted(statuses), inflight)
+
+
+def _hostile_bodies() -> list[tuple[str, dict[str, Any]]]:
+    """Odd prompt shapes and fields a client may set, each on its route."""
+    comp, chat = "/v1/completions", CHAT
+    user = [{"role": "user", "content": "hello"}]
+    long_text = "x" * 300_000
+    return [
+        (comp, {"prompt": [5, 6, 7] * 300}),
+        (comp, {"prompt": [-1, 5]}),
+        (comp, {"prompt": [2**40, 5]}),
+        (comp, {"prompt": [True, False, 7]}),
+        (comp, {"prompt": [[5, 6, 7], [8, 9, 10]]}),
+        (comp, {"prompt": ["alpha", "beta"]}),
+        (comp, {"prompt": ""}),
+        (comp, {"prompt": []}),
+        (comp, {"prompt": "hi", "echo": True, "logprobs": 2}),
+        (comp, {"prompt": "hello " * 100, "truncate_prompt_tokens": 5}),
+        (comp, {"prompt": "hello " * 100, "add_special_tokens": False}),
+        (comp, {"prompt": "hello", "prompt_embeds": "AAAA"}),
+        (comp, {"prompt": "hello", "n": 3, "best_of": 3}),
+        (comp, {"prompt": "hello", "prompt_logprobs": 1}),
+        (chat, {"messages": []}),
+        (chat, {"messages": [{"role": "user"}]}),
+        (chat, {"messages": [{"role": "user", "content": None}]}),
+        (
+            chat,
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                    }
+                ]
+            },
+        ),
+        (
+            chat,
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "image_url",
+                                "image_url": {"url": "data:image/png;base64,AAAA"},
+                            }
+                        ],
+                    }
+                ]
+            },
+        ),
+        (chat, {"messages": [{"role": "\u202e\U0001f642", "content": "\u0000\ud7ff\ufeff"}]}),
+        (chat, {"messages": [{"role": "user", "content": "hi", "name": "{{ 7*7 }}"}]}),
+        (chat, {"messages": [{"role": "user", "content": long_text}]}),
+        (chat, {"messages": [{"role": "user", "content": "m"}] * 3000}),
+        (chat, {"messages": [{"role": "user", "content": {"nested": ["x"]}}]}),
+        (chat, {"messages": user, "n": 4}),
+        (chat, {"messages": user, "n": 2, "stream": True}),
+        (chat, {"messages": user, "cache_salt": "x"}),
+        (chat, {"messages": user, "cache_salt": ["x"]}),
+        (chat, {"messages": user, "chat_template": "{{ 'x' * 99999999 }}"}),
+        (chat, {"messages": user, "chat_template_kwargs": {"add_generation_prompt": False}}),
+        (
+            chat,
+            {
+                "messages": [*user, {"role": "assistant", "content": "ok"}],
+                "continue_final_message": True,
+                "add_generation_prompt": False,
+            },
+        ),
+        (chat, {"messages": user, "documents": [{"title": "t", "text": "d"}]}),
+        (chat, {"messages": user, "mm_processor_kwargs": {"x": 1}}),
+        (
+            chat,
+            {
+                "messages": user,
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": "none",
+            },
+        ),
+        (chat, {"messages": user, "kv_transfer_params": {"do_remote_prefill": True}}),
+        (chat, {"messages": user, "max_tokens": 0}),
+        (chat, {"messages": user, "max_tokens": 10**12}),
+    ]
+
+
+@pytest.mark.parametrize("local", [True, False], ids=["local-tokenizer", "vllm-tokenize"])
+async def test_hostile_prompt_shapes_get_an_answer_and_never_fail_another_tenant(
+    pair: tuple[EngineProcess, EngineProcess], tmp_path: Path, local: bool
+) -> None:
+    """Promise 4: each odd prompt shape or field gets a 200 or an OpenAI-shaped 4xx, never a
+    5xx, while another tenant's requests, sent at the same time, all succeed; every slot comes
+    back."""
+    a, b = pair
+    config = _config(a, b)
+    if not local:
+        config["kv_cache"]["tokenizer"] = None
+    with ServedProxy(config, tmp_path).start() as proxy:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+            client = Client(session, proxy)
+            await _ready(session, proxy)
+            headers = {"Authorization": f"Bearer {KEYS['low']}"}
+
+            async def odd(path: str, body: dict[str, Any]) -> tuple[str, int, bytes]:
+                full = {"model": "tiny", "max_tokens": 2, **body}
+                async with session.post(proxy.url + path, json=full, headers=headers) as r:
+                    return f"{path} {sorted(body)}", r.status, await r.read()
+
+            async def calm(n: int) -> int:
+                return await client.chat("high", _conversation(_system("calm"), n))
+
+            odd_answers, calm_answers = await asyncio.gather(
+                asyncio.gather(*(odd(p, body) for p, body in _hostile_bodies())),
+                asyncio.gather(*(calm(n) for n in range(12))),
+            )
+            bad = []
+            for name, status, raw in odd_answers:
+                if status == 200:
+                    continue
+                error = orjson.loads(raw).get("error") if raw.startswith(b"{") else None
+                if status >= 500 or not isinstance(error, dict) or "message" not in error:
+                    bad.append((name, status, raw[:200]))
+            assert not bad, bad
+            assert len(calm_answers) == 12
+            assert await _inflight(session, proxy) == [0, 0]
