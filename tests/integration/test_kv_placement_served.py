@@ -131,8 +131,18 @@ async def test_requests_the_engine_refused_do_not_move_another_tenants_prefix_ho
     )
 
 
+async def test_another_tenants_repeated_prompt_does_not_move_a_tenants_prefix_home(
+    pair: tuple[EngineProcess, EngineProcess], tmp_path: Path
+) -> None:
+    """Promise 2, the same scene with the attacker's 40 requests run (one prompt of its own,
+    repeated: it fills no cache). The balance rule counts every tenant's prompt blocks sent
+    lately alike, so one tenant's traffic on an engine moves another tenant's prefix home."""
+    cached = await _new_conversation_after_refused_flood(pair, tmp_path, refused=40, ran=True)
+    assert cached >= 8 * BLOCK, f"moved off its system prompt's engine: {cached} cached"
+
+
 async def _new_conversation_after_refused_flood(
-    pair: tuple[EngineProcess, EngineProcess], tmp_path: Path, refused: int
+    pair: tuple[EngineProcess, EngineProcess], tmp_path: Path, refused: int, *, ran: bool = False
 ) -> int:
     """Promise 1: a request the engine refuses (400) leaves every tenant's placement as it was.
 
@@ -168,8 +178,10 @@ async def _new_conversation_after_refused_flood(
             assert mine is not None, "no attacker prompt landed on the victim's home"
             # The flood: requests vLLM refuses before any work (temperature -1).
             bad = {"model": "tiny", "messages": mine, "max_tokens": 1, "temperature": -1}
+            if ran:  # ``ran``: the same flood, run (its own prompt again: no new cache)
+                del bad["temperature"]
             answers = await asyncio.gather(*(client.post("low", bad) for _ in range(refused)))
-            assert all(status == 400 for status, _ in answers), answers[:2]
+            assert all(status == (200 if ran else 400) for status, _ in answers), answers[:2]
             # The victim goes on: one of its conversations generating at home, a new one
             # under the same system prompt starts. Its home holds the system prompt.
             async with client.running("normal", _conversation(system, 1)):
@@ -398,4 +410,54 @@ async def test_hostile_prompt_shapes_get_an_answer_and_never_fail_another_tenant
                     bad.append((name, status, raw[:200]))
             assert not bad, bad
             assert len(calm_answers) == 12
+            assert await _inflight(session, proxy) == [0, 0]
+
+
+async def _running(session: aiohttp.ClientSession, pair: tuple[EngineProcess, ...]) -> float:
+    """Requests the engines run or queue now, by their own gauges."""
+    total = 0.0
+    for engine in pair:
+        async with session.get(engine.spec.url + "/metrics") as resp:
+            text = await resp.text()
+        for m in re.finditer(r"^vllm:num_requests_(?:running|waiting)\{[^}]*\} (\S+)$", text, re.M):
+            total += float(m.group(1))
+    return total
+
+
+async def _until_engines(
+    session: aiohttp.ClientSession, pair: tuple[EngineProcess, ...], busy: bool
+) -> bool:
+    for _ in range(200):  # polls
+        if (await _running(session, pair) > 0) == busy:
+            return True
+        await asyncio.sleep(0.1)
+    return False
+
+
+async def test_a_client_that_leaves_leaves_nothing_running_upstream(
+    pair: tuple[EngineProcess, EngineProcess], tmp_path: Path
+) -> None:
+    """Promise 5: a stream cut after its first chunk, and a non-streaming request whose client
+    leaves while the engine generates, are aborted on the engine; every slot comes back."""
+    a, b = pair
+    with ServedProxy(_config(a, b), tmp_path).start() as proxy:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+            client = Client(session, proxy)
+            await _ready(session, proxy)
+            assert await _until_engines(session, pair, busy=False)
+            async with client.running("normal", _conversation(_system("cut"), 0)):
+                assert await _running(session, pair) >= 1
+            assert await _until_engines(session, pair, busy=False), "the stream still runs"
+            body = {"model": "tiny", "max_tokens": 1600, "ignore_eos": True,
+                    "messages": _conversation(_system("left"), 0)}  # fmt: skip
+            task = asyncio.create_task(client.post("low", body))
+            assert await _until_engines(session, pair, busy=True)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert await _until_engines(session, pair, busy=False), "the request still runs"
+            for _ in range(50):
+                if await _inflight(session, proxy) == [0, 0]:
+                    break
+                await asyncio.sleep(0.1)
             assert await _inflight(session, proxy) == [0, 0]
