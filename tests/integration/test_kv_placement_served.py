@@ -461,3 +461,64 @@ async def test_a_client_that_leaves_leaves_nothing_running_upstream(
                     break
                 await asyncio.sleep(0.1)
             assert await _inflight(session, proxy) == [0, 0]
+
+
+async def test_a_proxy_started_beside_busy_engines_trusts_them_and_never_overpredicts(
+    pair: tuple[EngineProcess, EngineProcess], tmp_path: Path
+) -> None:
+    """Promise 3: a proxy started beside engines that served traffic before it (through an
+    earlier proxy, now gone) reads a trusted index of each within polls of its start, and
+    never predicts more cached tokens than the engine reports, for prompts cached before it
+    started and after."""
+    predicted, reported, trust = await _restarted_proxy_predictions(pair, tmp_path)
+    over = [(p, r) for p, r in zip(predicted, reported, strict=True) if p is not None and p > r]
+    assert not over, f"predicted more cached than vLLM reported: {over}"
+    assert all(p is not None for p in predicted), predicted
+    assert trust and all(t >= 1 for t in trust), trust
+
+
+async def test_a_proxy_started_beside_engines_knows_what_they_cached_before_it(
+    pair: tuple[EngineProcess, EngineProcess], tmp_path: Path
+) -> None:
+    """Promise 3 / docs/kv-cache.md: an engine whose whole history is still in its replay
+    buffer (far fewer than 10,000 batches here) gives a new proxy an exact index. The replay
+    is asked only when the engine publishes its next batch: until then the trusted (1) index
+    holds nothing (``tierproxy_kv_index_blocks`` 0), every conversation already cached is
+    predicted 0 and placed as new; an engine that stores nothing new (only cache hits, or
+    idle) is never replayed."""
+    predicted, reported, _ = await _restarted_proxy_predictions(pair, tmp_path)
+    first = list(zip(predicted[:6], reported[:6], strict=True))
+    assert all(p == r for p, r in first), f"(predicted, vLLM's cached) per prompt: {first}"
+
+
+async def _restarted_proxy_predictions(
+    pair: tuple[EngineProcess, EngineProcess], tmp_path: Path
+) -> tuple[list[int | None], list[int], list[float]]:
+    """Six prompts sent through a first proxy; then, through a second one started after it
+    stopped (its indexes trusted), those six again, then four new prompts twice. Per request of
+    the second proxy: the index's prediction (the usage log's; None: no blocks) and vLLM's
+    cached tokens; and the second proxy's trust per backend at the end."""
+    a, b = pair
+    before = [_conversation(_system(f"early-{secrets.token_hex(4)}"), n) for n in range(6)]
+    with ServedProxy(_config(a, b), tmp_path / "first").start() as proxy:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+            client = Client(session, proxy)
+            for messages in before:
+                await client.chat("normal", messages)
+    config = _config(a, b)
+    usage_log = tmp_path / "usage.jsonl"
+    config["usage_log"] = {"path": str(usage_log)}
+    with ServedProxy(config, tmp_path / "second").start() as proxy:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+            client = Client(session, proxy)
+            await _ready(session, proxy)
+            reported = [await client.chat("normal", m) for m in before]
+            after = [_conversation(_system(f"late-{secrets.token_hex(4)}"), n) for n in range(4)]
+            for messages in after + after:
+                reported.append(await client.chat("normal", messages))
+            metrics = await _metrics(session, proxy)
+    lines = [orjson.loads(line) for line in usage_log.read_bytes().splitlines()]
+    predicted = [u.get("predicted_cached_tokens") for u in lines if u.get("tenant") == "tenant-normal"]  # fmt: skip
+    assert len(predicted) == len(reported)
+    trust = re.findall(r"^tierproxy_kv_index_trust\{[^}]*\} (\S+)$", metrics, re.M)
+    return predicted, reported, [float(t) for t in trust]
