@@ -522,3 +522,35 @@ async def _restarted_proxy_predictions(
     assert len(predicted) == len(reported)
     trust = re.findall(r"^tierproxy_kv_index_trust\{[^}]*\} (\S+)$", metrics, re.M)
     return predicted, reported, [float(t) for t in trust]
+
+
+async def _kept(session: aiohttp.ClientSession, proxy: ServedProxy) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    async with session.get(proxy.admin_url + "/admin/status", headers=headers) as resp:
+        placement = (await resp.json())["kv_placement"]
+    return dict(placement["tenants"])
+
+
+async def test_streams_the_engine_refused_inside_the_stream_leave_no_placement(
+    pair: tuple[EngineProcess, EngineProcess], tmp_path: Path
+) -> None:
+    """Promise 1: vLLM refuses some requests only once it streams (HTTP 200, then an error
+    event of code 400 and [DONE]: ``top_logprobs`` past its ``max_logprobs``, a token id out
+    of vocabulary). The engine did no work, yet the relay calls it a backend error, counted as
+    run: the chooser keeps the prompts' blocks as placement (``kv_placement`` on
+    /admin/status), homes them where they were sent, and notes their prefixes."""
+    a, b = pair
+    with ServedProxy(_config(a, b), tmp_path).start() as proxy:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+            await _ready(session, proxy)
+            before = await _kept(session, proxy)
+            headers = {"Authorization": f"Bearer {KEYS['low']}"}
+            events = []
+            for n in range(4):
+                body = {"model": "tiny", "max_tokens": 2, "stream": True, "logprobs": True,
+                        "top_logprobs": 100, "messages": _conversation(_system(f"r{n}"), n)}  # fmt: skip
+                async with session.post(proxy.url + CHAT, json=body, headers=headers) as r:
+                    events.append((r.status, await r.read()))
+            assert all(s == 200 and b'"code": 400' in raw for s, raw in events), events[0]
+            after = await _kept(session, proxy)
+            assert after == before, f"refused streams kept as placement: {before} -> {after}"
