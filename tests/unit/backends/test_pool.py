@@ -207,9 +207,9 @@ def test_a_chooser_that_raises_at_a_requests_end_still_frees_its_slot() -> None:
     # until every backend looked full to every tenant.
     pool = BackendPool([Backend(url="http://b0:80", max_inflight=1)], HEALTH, _RaisingChooser())
     request = QueuedRequest("t", "tenant", prompt_tokens=10, expected_output=1, arrival_s=0.0)
-    state = pool.choose(request, 10, 0.0)
+    state = pool.choose(None, 10, 0.0, request=request)
     assert state is not None
     pool.acquire(state, 10, request=request)
     with pytest.raises(KeyError):
         pool.release(state, 10, request=request)
-    assert state.inflight == 0 and pool.choose(request, 10, 0.0) is state
+    assert state.inflight == 0 and pool.choose(None, 10, 0.0, request=request) is state
