@@ -210,6 +210,22 @@ async def _turns(client: Client, system: str, turns: int) -> list[int]:
 async def test_one_tenants_burst_cannot_take_the_remote_tokenize_budget_from_others(
     pair: tuple[EngineProcess, EngineProcess], tmp_path: Path
 ) -> None:
+    await _burst_of_prompts_past_the_context(pair, tmp_path, local=False)
+
+
+async def test_one_tenants_prompts_past_the_context_do_not_move_another_tenants_turns(
+    pair: tuple[EngineProcess, EngineProcess], tmp_path: Path
+) -> None:
+    """Promise 1, with the local tokenizer (no /tokenize call): the same burst. Each prompt
+    past the context has no blocks, so the chooser counts its prefill as its prompt's upper
+    bound (its bytes: ~200k tokens) queued on its engine until vLLM's 400 comes back; against
+    that "work", the victim's turn leaves the engine that holds its history."""
+    await _burst_of_prompts_past_the_context(pair, tmp_path, local=True)
+
+
+async def _burst_of_prompts_past_the_context(
+    pair: tuple[EngineProcess, EngineProcess], tmp_path: Path, *, local: bool
+) -> None:
     """Promise 2 (and 1): without a local tokenizer (the default) each request's blocks come
     from a backend's /tokenize, at most ``max_remote_tokenize`` (16) calls in flight for the
     whole process, first come first served; past it a request gets no blocks and is placed by
@@ -218,7 +234,8 @@ async def test_one_tenants_burst_cannot_take_the_remote_tokenize_budget_from_oth
     conversation turns go without blocks: off the engine that holds their history."""
     a, b = pair
     config = _config(a, b)
-    config["kv_cache"]["tokenizer"] = None  # vLLM's /tokenize: the default
+    if not local:
+        config["kv_cache"]["tokenizer"] = None  # vLLM's /tokenize: the default
     usage_log = tmp_path / "usage.jsonl"
     config["usage_log"] = {"path": str(usage_log)}
     with ServedProxy(config, tmp_path).start() as proxy:
