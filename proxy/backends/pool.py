@@ -302,22 +302,24 @@ class BackendPool:
     ) -> None:
         """Count a request out of ``state``; ``ran`` False: the engine did no work for it
         (the chooser keeps no trace of it: ``BackendChooser.ended``)."""
-        if request is not None:
-            self.chooser.ended(state, request, ran)
-            if request.model is not None and request.model in state.adapters.inflight:
+        try:  # a chooser that raises must not keep the slot (every backend full at last)
+            if request is not None:
+                self.chooser.ended(state, request, ran)
+        finally:
+            if request is not None and request.model in state.adapters.inflight:
                 user = self.adapter_policy.user(request.tenant, request.tier, best)
                 state.adapters.end(request.model, user, now)
                 if state.adapters.claimed is not None and self.on_adapter_claims is not None:
                     self.on_adapter_claims()  # its claim may go back to other replicas
-        state.best_inflight -= best
-        # Any request leaving brings the backend one nearer its room: one fewer over it.
-        state.reserve_inflight = max(0, state.reserve_inflight - 1)
-        state.inflight -= 1
-        state.tokens_inflight = max(0.0, state.tokens_inflight - tokens)
-        if state.granted is not None and self.on_shared_room is not None:
-            self.on_shared_room(True)
-        if state.removed and state.inflight == 0 and self.states.get(state.cfg.url) is state:
-            del self.states[state.cfg.url]
+            state.best_inflight -= best
+            # Any request leaving brings the backend one nearer its room: one fewer over it.
+            state.reserve_inflight = max(0, state.reserve_inflight - 1)
+            state.inflight -= 1
+            state.tokens_inflight = max(0.0, state.tokens_inflight - tokens)
+            if state.granted is not None and self.on_shared_room is not None:
+                self.on_shared_room(True)
+            if state.removed and state.inflight == 0 and self.states.get(state.cfg.url) is state:
+                del self.states[state.cfg.url]
 
     def drain(self, url: str, draining: bool = True) -> BackendState | None:
         """Admin drain: stop new work to a backend and let in-flight work finish."""

@@ -47,8 +47,9 @@ class KvCache(Strict):
     max_remote_tokenize: int = Field(
         16,
         ge=0,
-        description="Without `tokenizer`: /tokenize calls in flight at most (per process); a"
-        " request past it gets no blocks rather than wait. 0: never.",
+        description="Without `tokenizer`: /tokenize calls in flight at most (per process), a"
+        " tenant at most half of them; a request past it gets no blocks rather than wait."
+        " 0: never.",
         json_schema_extra=TUNING,
     )
     max_blocks: int = Field(

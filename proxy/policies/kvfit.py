@@ -46,13 +46,16 @@ class KvInFlight:
         flight = self._flights.pop(key, None)
         if flight is None:
             return
-        held = self._blocks[flight.url]
-        held.subtract(flight.blocks)
-        for block in flight.blocks:
-            if held[block] <= 0:
-                del held[block]
-        if not held:
-            del self._blocks[flight.url]
+        # .get: a flight of no blocks shares its backend's counter, which the end of another
+        # flight there may have dropped once empty (a KeyError here was a 500 and a lost slot).
+        held = self._blocks.get(flight.url)
+        if held is not None:
+            held.subtract(flight.blocks)
+            for block in flight.blocks:
+                if held[block] <= 0:
+                    del held[block]
+            if not held:
+                del self._blocks[flight.url]
         self._extra[flight.url] -= flight.extra
         if self._extra[flight.url] <= 0:
             del self._extra[flight.url]

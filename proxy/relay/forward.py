@@ -134,6 +134,7 @@ async def _relay_stream(
     result.usage = scan.usage
     if scan.error_event and result.outcome == Outcome.OK:
         result.outcome = Outcome.BACKEND_ERROR  # vLLM's error event, then [DONE]
+    result.refused_in_stream = scan.refused  # the chooser keeps no trace of it
     if result.outcome not in (Outcome.CLIENT_GONE, Outcome.CLIENT_STALLED):
         if held := scan.take_held():  # cut short: its held terminal chunks before the end
             delivered.chunks(held)

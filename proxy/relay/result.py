@@ -53,11 +53,13 @@ class RelayResult:
     # rest of the answer, else its reservation (proxy.request.admitted.Admitted.billed_usage).
     oversize: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    refused_in_stream: bool = False  # a stream whose first event was a 4xx error
 
     @property
     def engine_ran(self) -> bool:
-        """False where the backend refused the request (a 4xx): its engine did no work."""
-        return self.outcome is not Outcome.CLIENT_ERROR
+        """False where the backend refused the request (a 4xx, also as a stream's first
+        event): its engine did no work."""
+        return self.outcome is not Outcome.CLIENT_ERROR and not self.refused_in_stream
 
 
 # RelayResult.extra: when the upstream call that answered began (the pipeline stamps it).

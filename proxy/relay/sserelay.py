@@ -112,6 +112,13 @@ def is_error_event(event: bytes) -> bool:
     return isinstance(parsed, dict) and ("error" in parsed or parsed.get("object") == "error")
 
 
+def _client_code(event: bytes) -> bool:
+    parsed = _json_of(event)
+    error = parsed.get("error") if isinstance(parsed, dict) else None
+    code = error.get("code") if isinstance(error, dict) else None
+    return isinstance(code, int) and 400 <= code < 500
+
+
 def with_fingerprint(event: bytes, fingerprint: bytes) -> bytes:
     """A terminal chunk with vLLM's ``"system_fingerprint":...`` as its last field (where
     vLLM's serialisation puts it when nothing follows ``choices``)."""
@@ -132,6 +139,10 @@ class SseRelay:
         self.started = False  # a complete event has arrived (the first token, for TTFT)
         self.saw_done = False
         self.error_event = False
+        # Its first event an error of a 4xx code: the engine refused it once streaming (vLLM
+        # checks some fields only then: HTTP 200, the error, [DONE]), having done no work.
+        self.refused = False
+        self._events = 0
         self.usage: dict[str, Any] | None = None
         self._pending = b""  # the start of an unfinished event
         self._held: list[bytes] = []  # terminal chunks waiting for the usage chunk
@@ -195,7 +206,10 @@ class SseRelay:
             or (self.strip_usage and _FINISH_MARK in block)
             or len(block) > self.max_event_bytes
         )
-        return self._by_event(block) if slow else block
+        if not slow:
+            self._events += bool(block.strip())
+            return block
+        return self._by_event(block)
 
     def _by_event(self, block: bytes) -> bytes:
         out: list[bytes] = []
@@ -205,6 +219,7 @@ class SseRelay:
             first = min((at for m in marks if (at := block.find(m)) >= 0), default=len(block))
             start = _last_event_end(block[:first])
             out.append(block[:start])
+            self._events += bool(block[:start].strip())
             block = block[start:]
         for event in split_events(block):
             if len(event) > self.max_event_bytes:
@@ -220,6 +235,8 @@ class SseRelay:
                     continue
             elif is_error_event(event):
                 self.error_event = True
+                self.refused = not self._events and _client_code(event)
+            self._events += 1
             if self.strip_usage and _FINISH_MARK in event:
                 self._hold(event, out)
             else:

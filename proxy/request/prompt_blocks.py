@@ -308,7 +308,8 @@ class PromptBlocks:
         tokens = given_tokens(parsed)
         if kv.tokenizer is None or tokens is not None:
             if tokens is None and via is not None:
-                tokens = await self.remote.tokens(parsed, kv, via.pool, via.session(), via.clock())
+                session, now = via.session(), via.clock()
+                tokens = await self.remote.tokens(parsed, kv, via.pool, session, now, tenant)
             if inline:
                 return _blocks(tokens, kv.block_size, salt, context)
             work = partial(_blocks, tokens, kv.block_size, salt, context)

@@ -1,10 +1,10 @@
 """The prompt's tokens from a backend's own ``POST /tokenize``, where no local tokenizer is
 configured (``kv_cache.tokenizer`` null): vLLM renders the chat template and tokenizes exactly
 as it will for the request. Costs a round trip before the request is queued, so it is bounded:
-at most ``kv_cache.max_remote_tokenize`` calls in flight per process (past it, no blocks: the
-chooser falls back to load, nobody waits), each within ``kv_cache.tokenize_timeout_s``, its
-answer read up to a cap. A backend that requires the plugin's ticket on every route refuses
-these calls (403): no blocks either.
+at most ``kv_cache.max_remote_tokenize`` calls in flight per process, half of them per tenant
+(past it, no blocks: the chooser falls back to load, nobody waits), each within
+``kv_cache.tokenize_timeout_s``, its answer read up to a cap. A backend that requires the
+plugin's ticket on every route refuses these calls (403): no blocks either.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from proxy.backends.counts import TenantCounts
 from proxy.backends.pool import BackendPool
 from proxy.backends.probes import ProbeFailed, read_capped
 from proxy.config.kv_cache import KvCache
@@ -36,10 +37,13 @@ def tokenize_body(parsed: ParsedRequest) -> dict[str, Any] | None:
 
 
 class RemoteTokenizer:
-    """Round-robin over the available backends that serve the model."""
+    """Round-robin over the available backends that serve the model. One tenant holds at most
+    half of ``max_remote_tokenize`` (at least one): a tenant's burst of long prompts held all
+    16 calls and the other tenants' turns went without blocks, off their caches (red team)."""
 
     def __init__(self) -> None:
         self.inflight = 0  # a count, not a semaphore: never waited on
+        self.by_tenant = TenantCounts()
         self._turn = 0
 
     async def tokens(
@@ -49,12 +53,13 @@ class RemoteTokenizer:
         pool: BackendPool,
         session: aiohttp.ClientSession,
         now: float,
+        tenant: str = "",
     ) -> list[int] | None:
         body = tokenize_body(parsed)
         if body is None or self.inflight >= kv.max_remote_tokenize:
             return None
         backends = [s for s in pool.all() if s.available(now) and s.serves(parsed.model)]
-        if not backends:
+        if not backends or not self.by_tenant.take(tenant, max(1, kv.max_remote_tokenize // 2)):
             return None
         self._turn += 1
         url = backends[self._turn % len(backends)].cfg.url + "/tokenize"
@@ -72,5 +77,6 @@ class RemoteTokenizer:
             return None
         finally:
             self.inflight -= 1
+            self.by_tenant.give_back(tenant)
         # Out-of-range ids (a bad backend's) would fail the hashing: no blocks, like a client's.
         return tokens if token_ids_ok(tokens) else None

@@ -195,3 +195,21 @@ def test_failing_probes_note_when_they_began() -> None:
     assert b.probe_failing_since == 1.0 and not b.healthy
     pool.probe_result(b, True, 3.0)
     assert b.probe_failing_since is None
+
+
+class _RaisingChooser(LeastUtilised):
+    def ended(self, state: object, request: object, ran: bool) -> None:
+        raise KeyError("a chooser bug")
+
+
+def test_a_chooser_that_raises_at_a_requests_end_still_frees_its_slot() -> None:
+    # kvfit's KeyError (test_kvfit) left every request it hit counted in: one slot lost each,
+    # until every backend looked full to every tenant.
+    pool = BackendPool([Backend(url="http://b0:80", max_inflight=1)], HEALTH, _RaisingChooser())
+    request = QueuedRequest("t", "tenant", prompt_tokens=10, expected_output=1, arrival_s=0.0)
+    state = pool.choose(None, 10, 0.0, request=request)
+    assert state is not None
+    pool.acquire(state, 10, request=request)
+    with pytest.raises(KeyError):
+        pool.release(state, 10, request=request)
+    assert state.inflight == 0 and pool.choose(None, 10, 0.0, request=request) is state

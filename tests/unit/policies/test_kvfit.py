@@ -70,3 +70,16 @@ def test_the_chooser_sends_a_request_where_the_requests_in_flight_leave_kv_memor
     # A big enough cache, or the long turn over: it fits, the cached prefix wins.
     assert _pick_beside_a_long_turn(512).cfg.url == "http://b0:80"
     assert _pick_beside_a_long_turn(64, end_it=True).cfg.url == "http://b0:80"
+
+
+def test_requests_without_prompt_blocks_end_in_any_order() -> None:
+    # A request with no blocks (tools, an image, past the context) left an empty counter that
+    # the next end there dropped: the one after raised KeyError (a 500, its slot never freed).
+    fit = KvInFlight(BLOCK)
+    fit.sent("with", A, range(3), output_tokens=0)
+    fit.sent("none1", A, (), output_tokens=0)
+    fit.sent("none2", A, (), output_tokens=0)
+    fit.ended("with")
+    fit.ended("none1")
+    fit.ended("none2")
+    assert fit.held(A) == 0 and fit.overflow(A, range(3), 0, capacity=1) == 0.0

@@ -155,3 +155,17 @@ def test_a_stream_cut_short_gives_its_held_chunks_back_first() -> None:
     assert relay.feed(_choice(0, "stop") + _choice(1)) == _choice(1)
     assert relay.take_held() == _choice(0, "stop") and relay.take_held() == b""
     assert relay.finish() == b""
+
+
+def test_a_4xx_error_as_the_first_event_is_a_refusal_one_after_tokens_is_not() -> None:
+    # vLLM validates some fields only once it streams (top_logprobs past max_logprobs, a token
+    # id out of vocabulary): HTTP 200, this error, [DONE]. No engine work: the chooser must
+    # not keep it as placement (test_kv_placement_served).
+    refusal = b"data: " + orjson.dumps({"error": {"message": "no", "code": 400}}) + b"\n\n"
+    _, refused = relay_in_cuts(refusal + DONE, 7, strip=True)
+    assert refused.error_event and refused.refused
+    _, later = relay_in_cuts(TOKENS[0] + refusal + DONE, 7, strip=True)
+    assert later.error_event and not later.refused
+    crash = b"data: " + orjson.dumps({"error": {"message": "boom", "code": 500}}) + b"\n\n"
+    _, failed = relay_in_cuts(crash + DONE, 7, strip=True)
+    assert failed.error_event and not failed.refused

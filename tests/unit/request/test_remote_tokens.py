@@ -120,3 +120,31 @@ async def test_the_pipeline_tokenizes_only_requests_that_may_run(clock: FakeCloc
     async with served_rig(clock, backend) as r:
         assert (await r.chat()).status == 200
         assert [x.path for x in backend.received] == ["/v1/chat/completions"]
+
+
+async def test_one_tenant_holds_at_most_half_of_the_calls_in_flight() -> None:
+    # A tenant's burst of long prompts held every call; the others' requests got no blocks
+    # and left their caches (tests/integration/test_kv_placement_served.py).
+    fake = Backend1()
+    fake.gate.clear()
+    app = web.Application()
+    app.router.add_post("/tokenize", fake.tokenize)
+    remote = RemoteTokenizer()
+    request = parsed({"messages": [{"role": "user", "content": "hi"}]})
+    async with serve_app(app) as url, aiohttp.ClientSession() as session:
+        pool = BackendPool([Backend(url=url)], BackendHealth(), LeastUtilised())
+        kv = KvCache(tokenize_timeout_s=5.0, max_remote_tokenize=4)
+        held = [
+            asyncio.create_task(remote.tokens(request, kv, pool, session, 0.0, "flood"))
+            for _ in range(2)
+        ]
+        while remote.inflight < 2:
+            await asyncio.sleep(0)
+        assert await remote.tokens(request, kv, pool, session, 0.0, "flood") is None
+        other = asyncio.create_task(remote.tokens(request, kv, pool, session, 0.0, "calm"))
+        while remote.inflight < 3:
+            await asyncio.sleep(0)
+        fake.gate.set()
+        assert await other == [5, 6, 7]
+        assert [await h for h in held] == [[5, 6, 7]] * 2
+        assert remote.inflight == 0 and not remote.by_tenant.held

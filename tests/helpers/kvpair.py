@@ -1,0 +1,112 @@
+"""The kit of the kv_aware red-team tests against `tierproxy serve` and two real CPU vLLMs
+(tests/integration/test_kv_placement_served.py, test_kv_served_edges.py): the second engine's
+setting, the proxy's config, and what the tests read of the engines and the proxy."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiohttp
+
+from proxy.bench.hostile.served import ADMIN_KEY, ServedProxy, admin_sections
+from proxy.bench.inproc import KEYS, make_config
+from proxy.tools.engine import EngineProcess
+from tests.helpers.engines import KV_EVENTS, EngineSetting
+
+# A second engine like KV_EVENTS (its own ports, its own cache).
+KV_EVENTS_B = EngineSetting("prefix-cache-b", plugin=True, kv_events=True, env=KV_EVENTS.env)
+BLOCK = 32
+CHAT = "/v1/chat/completions"
+TIMEOUT = aiohttp.ClientTimeout(total=120)
+
+
+def kv_pair_config(a: EngineProcess, b: EngineProcess, **extra: Any) -> dict[str, Any]:
+    backends = [{"url": e.spec.url, "max_inflight": 4} for e in (a, b)]
+    return make_config(
+        backends,
+        kv_cache={"enabled": True, "tokenizer": a.spec.model, "block_size": BLOCK},
+        policies={"backends": "kv_aware"},
+        **admin_sections(),
+        **extra,
+    )
+
+
+async def served_count(session: aiohttp.ClientSession, engine: EngineProcess) -> float:
+    """The engine's own count of requests it finished."""
+    async with session.get(engine.spec.url + "/metrics") as resp:
+        text = await resp.text()
+    return sum(
+        float(m.group(1))
+        for m in re.finditer(r"^vllm:request_success_total\{[^}]*\} (\S+)$", text, re.M)
+    )
+
+
+async def proxy_metrics(session: aiohttp.ClientSession, proxy: ServedProxy) -> str:
+    async with session.get(proxy.admin_url + "/metrics") as resp:
+        return await resp.text()
+
+
+async def until_trusted(session: aiohttp.ClientSession, proxy: ServedProxy) -> None:
+    """Both backends' indexes trusted (``tierproxy_kv_index_trust`` >= 1), counted in polls."""
+    for _ in range(300):
+        text = await proxy_metrics(session, proxy)
+        trust = re.findall(r"^tierproxy_kv_index_trust\{[^}]*\} (\S+)$", text, re.M)
+        if len(trust) == 2 and all(float(t) >= 1 for t in trust):
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"indexes never trusted: {trust}")
+
+
+class Client:
+    def __init__(self, session: aiohttp.ClientSession, proxy: ServedProxy) -> None:
+        self.session, self.proxy = session, proxy
+
+    async def post(self, tier: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        headers = {"Authorization": f"Bearer {KEYS[tier]}"}
+        async with self.session.post(self.proxy.url + CHAT, json=body, headers=headers) as r:
+            return r.status, await r.json(content_type=None)
+
+    async def chat(self, tier: str, messages: list[dict[str, str]], **extra: Any) -> int:
+        """vLLM's cached prompt tokens of one chat turn that must succeed."""
+        body = {"model": "tiny", "messages": messages, "max_tokens": 1, **extra}
+        status, answer = await self.post(tier, body)
+        assert status == 200, answer
+        return int(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    @asynccontextmanager
+    async def running(self, tier: str, messages: list[dict[str, str]]) -> AsyncIterator[None]:
+        """A long generation of ``messages``, streaming: inside, its first chunk has arrived
+        (it runs on an engine); on leaving, the client closes it."""
+        body = {"model": "tiny", "messages": messages, "max_tokens": 1600, "ignore_eos": True}
+        body["stream"] = True
+        headers = {"Authorization": f"Bearer {KEYS[tier]}"}
+        async with self.session.post(self.proxy.url + CHAT, json=body, headers=headers) as r:
+            assert r.status == 200, await r.text()
+            await r.content.readline()
+            yield
+
+
+def system_prompt(tag: str) -> str:
+    """A system prompt of ~300 tokens no other shares (its tag first)."""
+    return f"{tag} " + " ".join(f"rule{i % 97}" for i in range(150))
+
+
+def conversation(system: str, n: int) -> list[dict[str, str]]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": f"q{n}?"}]
+
+
+async def inflight(session: aiohttp.ClientSession, proxy: ServedProxy) -> list[int]:
+    headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    async with session.get(proxy.admin_url + "/admin/backends", headers=headers) as resp:
+        return [int(b["inflight"]) for b in (await resp.json())["backends"]]
+
+
+async def kept_placement(session: aiohttp.ClientSession, proxy: ServedProxy) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    async with session.get(proxy.admin_url + "/admin/status", headers=headers) as resp:
+        placement = (await resp.json())["kv_placement"]
+    return dict(placement["tenants"])
