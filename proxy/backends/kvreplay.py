@@ -24,14 +24,15 @@ async def replay(
     ctx: zmq.asyncio.Context,
     endpoint: str,
     start: int,
-    until: int,
+    until: int | None,
     timeout_s: float,
     max_msg_bytes: int,
 ) -> list[tuple[int, EventBatch]] | None:
-    """Batches ``start`` .. ``until - 1``, in order, or None: the publisher no longer holds
-    them all, did not answer within ``timeout_s``, sent something else or too much, or the gap
-    is longer than any replay buffer (not asked). Memory: the batches kept, never the range."""
-    if not 0 <= start < until or until - start > MAX_REPLAY_GAP:
+    """Batches ``start`` .. ``until - 1`` (None: every one it holds from ``start``), in order,
+    or None: the publisher no longer holds them all (from ``start``), did not answer within
+    ``timeout_s``, sent something else or too much, or the gap is longer than any replay
+    buffer (not asked). Memory: the batches kept, never the range."""
+    if until is not None and (not 0 <= start < until or until - start > MAX_REPLAY_GAP):
         return None
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -51,10 +52,10 @@ async def replay(
                     return None
                 if seq == _END:
                     break
-                if seq >= until:  # later ones come live
+                if until is not None and seq >= until:  # later ones come live
                     continue
                 size += len(frames[-1])
-                if seq != expected or size > REPLAY_MAX_BYTES:
+                if seq != expected or size > REPLAY_MAX_BYTES or len(got) >= MAX_REPLAY_GAP:
                     return None  # not what a replay buffer holds: in order, none skipped
                 got.append((seq, decode_batch(frames[-1])))
                 expected += 1
@@ -62,4 +63,4 @@ async def replay(
         return None
     finally:
         sock.close(linger=0)
-    return got if expected == until else None
+    return got if until is None or expected == until else None

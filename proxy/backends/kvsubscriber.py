@@ -40,6 +40,7 @@ from proxy.backends.kvreplay import replay
 from proxy.backends.kvsources import event_endpoints
 from proxy.backends.pool import BackendPool
 from proxy.backends.probes import ProbeFailed, probe_get
+from proxy.backends.throttled_log import Throttled
 from proxy.config.kv_cache import KvCache
 from proxy.telemetry.kvmetrics import KvIndexMetrics
 
@@ -47,26 +48,11 @@ log = logging.getLogger("tierproxy.kvevents")
 
 _SOURCES_CAP_BYTES = 64 * 1024
 _ERROR_PAUSE_S = 1.0  # before a subscriber that failed opens its connection again
-_LOG_EVERY_S = 60.0  # one error line per backend and kind at most, with a count of the rest
-
-
-class _Throttled:
-    """A log line at most every ``_LOG_EVERY_S`` (a hostile backend cannot flood the log)."""
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self.clock = clock
-        self._next = 0.0
-        self._quiet = 0
-
-    def __call__(self, level: int, msg: str, *args: object, exc: bool = False) -> None:
-        now = self.clock()
-        if now < self._next:
-            self._quiet += 1
-            return
-        self._next = now + _LOG_EVERY_S
-        quiet, self._quiet = self._quiet, 0
-        suffix = f" ({quiet} more since the last line)" if quiet else ""
-        log.log(level, msg + suffix, *args, exc_info=exc)
+# A new connection that hears no batch this long asks the engine's history from its replay
+# socket (``_replay_history``): an idle engine sends none. A busy one does at once, and its
+# first batch asks the replay only of an engine young enough (``EventFeed.missing_from``): a
+# long-running engine asked from batch 0 would send its whole buffer (10,000 batches).
+HISTORY_WAIT_S = 1.0
 
 
 class KvSubscriber:
@@ -95,8 +81,12 @@ class KvSubscriber:
         self.replay_endpoint: str | None = None  # vLLM's replay socket, where it has one
         self._logged_missing = False
         self._refused_logged: set[str] = set()
-        self._log_error = _Throttled()
+        self._log_error = Throttled(log)
         self.reported_evicted = 0  # of index.stats.evicted, already in the metric
+        # The last batch the replay at connection time applied: live ones up to it are its
+        # duplicates (published while it was read). None: no such replay pending.
+        self.replayed_upto: int | None = None
+        self._history_at: float | None = None  # when a new, silent connection asks history
 
     @property
     def label(self) -> str:
@@ -152,6 +142,7 @@ class KvSubscriber:
         monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sub.connect(endpoint)
         self.endpoint = endpoint
+        self.replayed_upto = self._history_at = None
         self.feed.reconnected()
         return sub, monitor
 
@@ -206,8 +197,17 @@ class KvSubscriber:
         poller.register(sub, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
         dropped = False
+        loop = asyncio.get_running_loop()
         while True:
-            ready = dict(await poller.poll(timeout_s * 1000))
+            wait = timeout_s
+            if self._history_at is not None:
+                wait = max(0.0, min(wait, self._history_at - loop.time()))
+            ready = dict(await poller.poll(wait * 1000))
+            if not ready and self._history_at is not None and loop.time() >= self._history_at:
+                self._history_at = None
+                await self._replay_history()  # exact now, where the engine's buffer allows
+                self._report_trust()
+                continue
             if not ready:
                 if dropped:  # ZMQ does not reconnect after a message past MAXMSGSIZE
                     self.endpoint = None  # the socket is opened afresh
@@ -216,6 +216,7 @@ class KvSubscriber:
                 event = parse_monitor_message(await monitor.recv_multipart())
                 if event["event"] == zmq.EVENT_CONNECTED:
                     self.feed.connected()  # partial from here, trusted at once
+                    self._history_at = loop.time() + HISTORY_WAIT_S
                     self._report_trust()
                 elif event["event"] == zmq.EVENT_DISCONNECTED:
                     # What the old connection delivered first, then the drop: never a stale
@@ -223,12 +224,14 @@ class KvSubscriber:
                     while await sub.poll(0):
                         await self.on_message(await sub.recv_multipart())
                     log.info("backend %s: KV-event connection dropped", self.label)
+                    self.replayed_upto = self._history_at = None
                     self.feed.reconnected()
                     self._report_trust()
                     dropped = True
                     continue
             if sub in ready:
                 dropped = False
+                self._history_at = None  # its first batch asks the replay where it may
                 await self.on_message(await sub.recv_multipart())
 
     async def on_message(self, frames: list[bytes]) -> None:
@@ -238,6 +241,10 @@ class KvSubscriber:
         if len(frames) < 3:
             return
         seq = sequence_number(frames[-2])
+        if self.replayed_upto is not None and seq is not None:
+            if 0 < seq <= self.replayed_upto:
+                return  # published while the replay was read: applied from it
+            self.replayed_upto = None
         try:
             if seq is None:
                 raise ValueError(f"a sequence-number frame of {len(frames[-2])} bytes")
@@ -266,6 +273,30 @@ class KvSubscriber:
         for _ in self.feed.steps(applied, batch):
             await asyncio.sleep(0)  # a big batch lets the event loop run between slices
         self._count(applied)
+
+    async def _replay_history(self) -> None:
+        """A new connection heard nothing (``HISTORY_WAIT_S``): the engine's batches from its
+        first, where its replay buffer holds them all, applied: exact, with what it stored
+        before this proxy joined (an idle engine sends no batch that would ask it). Else
+        partial: it only lacks older blocks."""
+        if self.replay_endpoint is None:
+            return
+        timeout = self.pool.health.probe_timeout_s
+        max_bytes = self.settings().max_batch_bytes
+        history = await replay(self.ctx, self.replay_endpoint, 0, None, timeout, max_bytes)
+        if not history:
+            return
+        try:
+            for seq, batch in history:
+                await self._apply(seq, batch)
+        except Exception as exc:  # as a live batch that fails: dropped, partial from here
+            msg = "backend %s: KV-event history not applied (%s): index dropped"
+            self._log_error(logging.WARNING, msg, self.label, type(exc).__name__)
+            self.feed.last_seq = None
+            self.index.lost_sync()
+            return
+        self.replayed_upto = history[-1][0]
+        self.metrics.replayed.labels(self.label).inc(len(history))
 
     async def _replay(self, start: int, until: int) -> None:
         """Batches ``start`` .. ``until - 1`` from vLLM's replay socket, applied in order when

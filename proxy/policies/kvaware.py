@@ -55,13 +55,14 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from proxy.policies.backends import B, Candidate, Rotation, free_share
 from proxy.policies.kvfit import KvInFlight
 from proxy.policies.kvgroups import PrefixGroups
 from proxy.policies.kvhold import HomeHold
 from proxy.policies.kvmemory import PlacementMemory
+from proxy.policies.kvrecent import DecayingCounts
 from proxy.policies.kvterms import Scene, pick_best, placed_as_new, score, serves_home
 from proxy.policies.kvwork import WorkAhead
 from proxy.policies.types import BackendView, QueuedRequest
@@ -116,6 +117,7 @@ class KvAware:
         self._sent = DecayingCounts(balance_s, clock)  # backend url -> prompt blocks sent lately
         self._requests = DecayingCounts(balance_s, clock)  # backend url -> requests sent lately
         self._rehomed_at = -math.inf  # when the balance rule last moved a prefix's home
+        self._counted: dict[QueuedRequest, _Sent] = {}  # in flight: what its sending counted
 
     def cached_tokens(self, state: BackendView, blocks: Sequence[int]) -> int:
         """The longest prefix of ``blocks`` cached on ``state`` as its index shows, or sent there
@@ -239,25 +241,31 @@ class KvAware:
 
     def served(self, state: BackendView, request: QueuedRequest | None) -> None:
         self._rotation.chose(state)
-        # Weighed by the prompt's blocks: four tenants' long conversations fill a cache that a
-        # flood of short prompts, however many, does not.
+        url, now = state.cfg.url, self.clock()
         blocks = request.prompt_blocks if request is not None else None
-        self._sent.add(state.cfg.url, float(max(1, len(blocks or ()))))
-        self._requests.add(state.cfg.url)
-        if request is not None:
-            self._hold.drop(request)
-            saved = self.cached_tokens(state, blocks) if blocks else 0
-            prefill = self._prompt_tokens(request, blocks) - saved
-            self._work.sent(request, state.cfg.url, prefill, blocks or (), saved // self.block_size)
-            self._fit.sent(request, state.cfg.url, blocks or (), request.expected_output)
-        if request is None or not blocks:
+        saved = self.cached_tokens(state, blocks) if blocks else 0
+        # Weighed by the blocks the prompt fills there (not those cached): four tenants' long
+        # conversations fill a cache that a flood of short prompts, however many, does not, nor
+        # one prompt repeated (another tenant's, it moved a prefix's home: red team).
+        filled = float(max(0, len(blocks) - saved // self.block_size) if blocks else 1)
+        self._sent.add(url, filled)
+        self._requests.add(url)
+        if request is None:
             return
-        now, url = self.clock(), state.cfg.url
+        self._hold.drop(request)
+        prefill = 0 if request.past_context else self._prompt_tokens(request, blocks) - saved
+        self._work.sent(request, url, prefill, blocks or (), saved // self.block_size)
+        self._fit.sent(request, url, blocks or (), request.expected_output)
+        sent = _Sent(url, now, filled)
+        self._counted[request] = sent
+        if not blocks:
+            return
         holder, known = self._home(blocks)
         group = self._groups.home(blocks[known - 1]) if known else None
         over = self._over_share(self._sent.shares(at_least=self.balance_min))
         if group is not None and group != url and group in over:
             self._groups.rehome(blocks[known - 1], url)  # the balance rule moved it
+            sent.rehomed = (blocks[known - 1], group, self._rehomed_at)
             self._rehomed_at = now
         self._notes[request] = (blocks, known, holder)  # noted once it ran
         self.memory.sent(request, request.tenant, url, blocks)
@@ -268,9 +276,23 @@ class KvAware:
             return
         self._work.ended(request)
         self._fit.ended(request)
+        sent = self._counted.pop(request, None)
+        if sent is not None and not ran:
+            self._unsend(sent)
         note = self._notes.pop(request, None)
         if self.memory.ended(request, ran=ran) is not None and note is not None:
             self._groups.note(*note)
+
+    def _unsend(self, sent: _Sent) -> None:
+        """A request the engine did not run: out of the shares lately, and the prefix home it
+        moved moved back (what never ran moves no tenant's placement)."""
+        self._sent.remove(sent.url, sent.filled, sent.at)
+        self._requests.remove(sent.url, 1.0, sent.at)
+        if sent.rehomed is not None:
+            block, before, rehomed_at = sent.rehomed
+            if self._groups.home(block) == sent.url:
+                self._groups.rehome(block, before)
+                self._rehomed_at = rehomed_at
 
     def _crowded(self, n: int) -> frozenset[str]:
         """The backends past ``max_share`` of the requests sent lately (none while one
@@ -293,39 +315,14 @@ class KvAware:
         self._hold.expire(now)
 
 
-class DecayingCounts:
-    """Weights per key that decay exponentially (time constant ``tau_s``), and how many adds
-    made them: what each backend was sent lately (in prompt blocks: the cache it fills), as
-    shares of the whole."""
+@dataclass(slots=True)
+class _Sent:
+    """What sending one request counted, undone if the engine does not run it."""
 
-    def __init__(self, tau_s: float, clock: Callable[[], float]) -> None:
-        self.tau_s = tau_s
-        self.clock = clock
-        self._weights: dict[str, float] = {}
-        self._adds = 0.0
-        self._at = clock()
-
-    def add(self, key: str, weight: float = 1.0) -> None:
-        self._decay()
-        self._weights[key] = self._weights.get(key, 0.0) + weight
-        self._adds += 1.0
-
-    def shares(self, at_least: float = 0.0) -> dict[str, float]:
-        """Each key's share of the (decayed) total weight; none while fewer than ``at_least``
-        adds (decayed alike) made it."""
-        self._decay()
-        total = sum(self._weights.values())
-        if total <= 0 or self._adds < at_least:
-            return {}
-        return {k: v / total for k, v in self._weights.items()}
-
-    def _decay(self) -> None:
-        now = self.clock()
-        if now > self._at:
-            factor = math.exp(-(now - self._at) / self.tau_s)
-            self._weights = {k: v * factor for k, v in self._weights.items() if v * factor > 1e-3}
-            self._adds *= factor
-            self._at = now
+    url: str
+    at: float
+    filled: float  # its weight in the shares lately
+    rehomed: tuple[int, str, float] | None = None  # (branch point, its home before, when moved)
 
 
 def latency_weights(priorities: Mapping[str, int], best: float, worst: float) -> dict[str, float]:

@@ -21,15 +21,12 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from datetime import datetime
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 import jinja2
-from jinja2.ext import loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from proxy.backends.counts import TenantCounts
@@ -38,6 +35,7 @@ from proxy.config.kv_cache import KvCache, kv_cache_on
 from proxy.config.schema import Config
 from proxy.policies.blockhash import BlockKeys, chain_hashes
 from proxy.request.billing import model_context
+from proxy.request.chat_template import SPECIAL_TOKENS, template_env, token_text
 from proxy.request.inbound import ParsedRequest
 from proxy.request.kv_prompt import ChatPrompt, IdsPrompt, TextPrompt
 from proxy.request.remote_tokens import RemoteTokenizer
@@ -58,41 +56,6 @@ log = logging.getLogger("tierproxy.prompt_blocks")
 TOKENIZER_THREADS = 2
 PER_TENANT_OFF_LOOP = 1
 
-_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token")
-
-
-def _raise(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(
-    x: object,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    return json.dumps(
-        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _template_env() -> ImmutableSandboxedEnvironment:
-    """transformers' chat-template environment (``_compile_jinja_template``)."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env
-
-
-def _token_text(value: object) -> str | None:
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
-
 
 class ModelTokenizer:
     """The served model's tokenizer and chat template, loaded from its directory."""
@@ -101,7 +64,7 @@ class ModelTokenizer:
         self.tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
         config_path = directory / "tokenizer_config.json"
         config: dict[str, Any] = json.loads(config_path.read_text()) if config_path.exists() else {}
-        self.special = {k: t for k in _SPECIAL_TOKENS if (t := _token_text(config.get(k)))}
+        self.special = {k: t for k in SPECIAL_TOKENS if (t := token_text(config.get(k)))}
         source = config.get("chat_template")
         if isinstance(source, list):  # named templates: vLLM uses "default"
             named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
@@ -109,7 +72,7 @@ class ModelTokenizer:
         template_file = directory / "chat_template.jinja"
         if template_file.exists():
             source = template_file.read_text()
-        self.template = _template_env().from_string(source) if isinstance(source, str) else None
+        self.template = template_env().from_string(source) if isinstance(source, str) else None
         self.prefixes = PrefixTokenCache(self.tokenizer)  # a conversation's earlier turns
 
     def chat_tokens(self, messages: Sequence[dict[str, str]]) -> list[int]:
@@ -181,7 +144,7 @@ def prompt_block_hashes(
 ) -> tuple[int, ...] | None:
     """The blocks vLLM can serve from its cache: the full blocks of all but the last token
     (it computes at least one token of every prompt), so that a backend holding ``n`` of them
-    saves exactly ``n * block_size`` tokens of prefill."""
+    saves exactly ``n * block_size`` tokens of prefill. Raises ``PastContext``."""
     return _blocks(prompt_tokens(model, parsed), block_size, salt, context)
 
 
@@ -205,14 +168,20 @@ class Upstreams(Protocol):
     session: Callable[[], aiohttp.ClientSession]
 
 
+class PastContext(Exception):
+    """The prompt leaves no room for one output token in the model's context: vLLM refuses it
+    before any work (nothing for the chooser to remember, no prefill to count)."""
+
+
 def _blocks(
     tokens: list[int] | None, block_size: int, salt: str | BlockKeys, context: int | None = None
 ) -> tuple[int, ...] | None:
-    """``prompt_block_hashes`` of tokens already known; None, unhashed, for a prompt that
-    leaves no room for one output token in the model's ``context`` (vLLM refuses it: no work,
-    nothing for the chooser to remember)."""
-    if not tokens or (context is not None and len(tokens) >= context):
+    """``prompt_block_hashes`` of tokens already known (None: none are); raises
+    ``PastContext`` for a prompt past the model's ``context``."""
+    if not tokens:
         return None
+    if context is not None and len(tokens) >= context:
+        raise PastContext
     return chain_hashes(tokens[:-1], block_size, salt)
 
 
@@ -324,6 +293,8 @@ class PromptBlocks:
             return await self._on_thread(tenant, hashes, priority, kv.tokenize_timeout_s)
         except jinja2.exceptions.TemplateError:
             return None  # vLLM would refuse it too (its template raised)
+        except PastContext:
+            raise
         except Exception as exc:  # a template bug this request reaches: placed by load
             if not self._template_failed:
                 self._template_failed = True
@@ -337,13 +308,16 @@ class PromptBlocks:
         chooser; None while kv_cache is off) on its first attempt: computed once it may run,
         before it is queued."""
         if adm.attempts == 0:
-            adm.queued.prompt_blocks = await self.compute(
-                adm.config,
-                adm.parsed,
-                BlockKeys(adm.cache_salt, adm.adapter),
-                via,
-                adm.tenant.name,
-                adm.config.tiers[adm.tier].priority,
-                model_context(adm.billed.model, (s.model_cards for s in via.pool.all())),
-            )
+            try:
+                adm.queued.prompt_blocks = await self.compute(
+                    adm.config,
+                    adm.parsed,
+                    BlockKeys(adm.cache_salt, adm.adapter),
+                    via,
+                    adm.tenant.name,
+                    adm.config.tiers[adm.tier].priority,
+                    model_context(adm.billed.model, (s.model_cards for s in via.pool.all())),
+                )
+            except PastContext:
+                adm.queued.past_context = True
         return adm

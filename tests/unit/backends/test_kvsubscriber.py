@@ -18,6 +18,7 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
+from proxy.backends import kvsubscriber
 from proxy.backends.kvindex import Trust
 from proxy.backends.kvsubscriber import KvSubscriber
 from proxy.backends.kvwatcher import KvEventWatcher
@@ -44,6 +45,7 @@ class Publisher:
         self.sock.bind(f"tcp://127.0.0.1:{port}")
         self.seq = 0
         self.buffer = []
+        self.asked: list[int] = []  # the replay's start of each request to the replay socket
 
     async def subscribed(self) -> None:
         async with asyncio.timeout(10):
@@ -66,6 +68,7 @@ class Publisher:
         while True:
             client, _, start = await router.recv_multipart()
             first = int.from_bytes(start, "big")
+            self.asked.append(first)
             for seq, payload in self.buffer:
                 if seq >= first:
                     await router.send_multipart([client, b"", b"", seq.to_bytes(8, "big"), payload])
@@ -165,6 +168,14 @@ async def test_the_endpoint_comes_from_kv_event_sources(ctx: zmq.asyncio.Context
             publisher.close()
 
 
+@pytest.fixture
+def no_history(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new connection's history is asked only after an hour of silence: these tests' own
+    batches decide every replay (on a busy machine the first may take over a second)."""
+    monkeypatch.setattr(kvsubscriber, "HISTORY_WAIT_S", 3600.0)
+
+
+@pytest.mark.usefixtures("no_history")
 async def test_a_gap_is_filled_from_the_replay_socket(ctx: zmq.asyncio.Context) -> None:
     port, replay_port = free_port(), free_port()
     backend = Backend(
@@ -210,6 +221,67 @@ async def test_a_gap_is_filled_from_the_replay_socket(ctx: zmq.asyncio.Context) 
                 == 2
             )
             assert metrics.registry.get_sample_value("tierproxy_kv_event_gaps_total", labels) == 1
+        finally:
+            await watcher.stop()
+            serving.cancel()
+            publisher.close()
+            router.close(linger=0)
+
+
+@pytest.mark.parametrize("young", [True, False], ids=["young", "past-its-buffer"])
+async def test_a_new_connection_replays_the_engines_history_before_any_batch(
+    ctx: zmq.asyncio.Context, young: bool
+) -> None:
+    """A proxy joining an idle engine whose replay buffer holds its every batch (a young
+    engine; a proxy restarted beside it) is exact within ``HISTORY_WAIT_S``, with what was
+    stored before it joined: it does not wait for the engine's next batch (an idle one, or one
+    serving cache hits, sends none). Where the buffer no longer starts at batch 0, the index
+    stays partial (only older blocks missing). Asked once, from 0."""
+    port, replay_port = free_port(), free_port()
+    backend = Backend(
+        url="http://127.0.0.1:9",
+        kv_events=f"tcp://127.0.0.1:{port}",
+        kv_events_replay=f"tcp://127.0.0.1:{replay_port}",
+    )
+    pool = BackendPool([backend], BackendHealth(), LeastUtilised())
+    state = pool.all()[0]
+    publisher = Publisher(ctx, port)
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(f"tcp://127.0.0.1:{replay_port}")
+    serving = asyncio.create_task(publisher.serve_replay(router))
+    for first in (0, 10, 20):  # stored before the proxy joined
+        await publisher.send(stored([first + 1], list(range(first, first + 4))), lost=True)
+    if not young:
+        publisher.buffer.pop(0)  # past its buffer: batch 0 is gone
+    metrics = ProxyMetrics()
+    async with aiohttp.ClientSession() as session:
+        watcher = KvEventWatcher(
+            pool, lambda: KvCache(block_size=B, resync_s=0), session, metrics.kv
+        )
+        await watcher.sync()
+        try:
+            await publisher.subscribed()
+            prompts = [chain_hashes(list(range(f, f + 5)), B) for f in (0, 10, 20)]
+            index = state.kv_index
+            assert index is not None
+            if young:
+                await until(lambda: index.trust() == Trust.EXACT, 10, "exact from history")
+                assert [state.cached_blocks(p) for p in prompts] == [1, 1, 1]
+                labels = {"backend": backend.label}
+                replayed = "tierproxy_kv_events_replayed_batches_total"
+                assert metrics.registry.get_sample_value(replayed, labels) == 3
+            else:
+                await until(lambda: publisher.asked == [0], 10, "the history asked")
+                await asyncio.sleep(0.1)  # its (refused) answer read: nothing applied
+                assert index.trust() == Trust.PARTIAL
+                assert [state.cached_blocks(p) for p in prompts] == [0, 0, 0]
+            # The next live batch follows in order (no gap, no second replay).
+            await publisher.send(stored([31], list(range(30, 34))))
+            fresh = chain_hashes(list(range(30, 35)), B)
+            await until(lambda: state.cached_blocks(fresh) == 1, 10, "the live batch")
+            assert index.trust() == (Trust.EXACT if young else Trust.PARTIAL)
+            assert publisher.asked[0] == 0
         finally:
             await watcher.stop()
             serving.cancel()
@@ -289,6 +361,7 @@ async def test_a_subscriber_that_ended_is_started_again(
             await watcher.stop()
 
 
+@pytest.mark.usefixtures("no_history")
 async def test_a_jump_in_sequence_numbers_asks_no_replay(ctx: zmq.asyncio.Context) -> None:
     """A backend's sequence numbers jumping by 2**62 once made the proxy build the whole range
     (MemoryError: subscriber dead); an engine up for long, heard first on a new connection, was

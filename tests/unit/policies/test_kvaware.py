@@ -11,7 +11,8 @@ import pytest
 from proxy.backends.pool import BackendPool
 from proxy.config.backends import Backend, BackendHealth
 from proxy.policies.backends import Candidate, LeastUtilised, PrefixAffinity
-from proxy.policies.kvaware import DecayingCounts, KvAware, latency_weights
+from proxy.policies.kvaware import KvAware, latency_weights
+from proxy.policies.kvrecent import DecayingCounts
 from proxy.policies.types import QueuedRequest, ScrapedLoad
 from tests.helpers.clock import FakeClock
 
@@ -494,3 +495,77 @@ def test_a_prompt_no_backend_holds_half_of_is_placed_by_room_not_by_its_short_sh
     # What the index shows counts as what was sent: half the prompt cached on the busy backend.
     busy.cached = {*preamble, 40, 41}
     assert chooser.pick(_candidates(backends), _req("low", [*preamble, 40, 41, 42, 43])) is busy
+
+
+def _refused_flood_then_new_conversation(ran: bool, repeat_cached: bool = False) -> FakeBackend:
+    """A victim's system prompt lives on ``home``; another tenant's 40 requests go there and
+    end (``ran``: the engine ran them; else it refused them, a 400); the home is busier now.
+    Where does the victim's next new conversation go?"""
+    clock = FakeClock()
+    home, other = backends = _backends()
+    chooser = KvAware(
+        block_size=BLOCK, latency_weights=WEIGHTS, clock=clock, max_share=1.0, balance_min=4
+    )
+    system = [1, 2, 3, 4, 5, 6]
+    for conv in range(3):
+        assert _place(chooser, [home], _req("normal", [*system, 100 + conv])) is home
+    for conv in range(3):
+        _place(chooser, [other], _req("normal", [50, 51, 52, 53, 54, 55, 200 + conv]))
+    home.cached = set(system)
+    mine = [900, 901, 902, 903, 904, 905, 906, 907]
+    if repeat_cached:
+        home.cached |= set(mine)  # the attacker's one prompt, cached there: it fills nothing
+    for _ in range(40):
+        req = _req("low", mine)
+        req.tenant = "attacker"
+        chooser.served(home, req)
+        chooser.ended(home, req, ran=ran)
+    home.inflight = 3
+    picked = chooser.pick(_candidates(backends), _req("normal", [*system, 300]))
+    assert picked is not None
+    return picked
+
+
+def test_requests_the_engine_did_not_run_leave_every_tenants_placement_as_it_was() -> None:
+    home = _refused_flood_then_new_conversation(ran=False)
+    assert home.cfg.url == "http://b0:80"
+    # The control: the same 40 run, each filling eight new blocks there, and the home took
+    # more than its share lately: the balance rule lets the new conversation start elsewhere.
+    assert _refused_flood_then_new_conversation(ran=True).cfg.url == "http://b1:80"
+    # One prompt of another tenant's repeated, cached at home: it fills nothing there.
+    repeated = _refused_flood_then_new_conversation(ran=True, repeat_cached=True)
+    assert repeated.cfg.url == "http://b0:80"
+
+
+def test_a_refused_request_that_moved_a_prefix_home_moves_it_back() -> None:
+    clock = FakeClock()
+    hot, cool = backends = _backends()
+    chooser = KvAware(block_size=BLOCK, latency_weights=WEIGHTS, clock=clock, max_share=1.0)
+    system = [1, 2]
+    for conv in range(20):
+        _place(chooser, [hot], _req("normal", [*system, 1000 + conv]))
+    hot.cached = set(system)
+    hot.inflight = 3
+    moved = _req("normal", [*system, 2000])
+    assert chooser.pick(_candidates(backends), moved) is cool  # the balance rule moves it
+    chooser.served(cool, moved)
+    chooser.ended(cool, moved, ran=False)  # ... but cool refused it: nothing moved
+    hot.inflight = 0
+    cool.cached = set(system)
+    assert chooser.pick(_candidates(backends), _req("normal", [*system, 2001])) is hot
+
+
+def test_a_prompt_past_the_context_counts_no_prefill_queued() -> None:
+    a, b = backends = _backends()
+    chooser = _chooser()
+    a.cached = {1, 2, 3, 4}
+    for _ in range(8):  # a burst of prompts vLLM will refuse (their bytes say ~200k tokens)
+        huge = _req("low", None, prompt=200_000)
+        huge.past_context = True
+        chooser.served(a, huge)
+    # Another tenant's turn still goes to its cache; without the flag it would not.
+    turn = _req("high", [1, 2, 3, 4, 5])
+    assert chooser.pick(_candidates(backends), turn) is a
+    for _ in range(8):
+        chooser.served(a, _req("low", None, prompt=200_000))
+    assert chooser.pick(_candidates(backends), turn) is b
