@@ -46,7 +46,9 @@ once, and their answers: ``proxy.policies.kvfit``) and the request's own, past t
 cache (vLLM's ``num_gpu_blocks``, scraped), are KV memory vLLM gets by preempting a request or
 evicting others' prefixes: each such token costs ``OVERFLOW_WEIGHT`` of a token saved.
 
-The score's terms and the picker are in ``proxy.policies.kvterms``, the hold rule in
+A prompt whose blocks are unknown (its tokens not had in time) goes where its prefix last ran
+(``proxy.policies.kvprefix``), by room otherwise. The score's terms and the picker are in
+``proxy.policies.kvterms``, the hold rule in
 ``proxy.policies.kvhold``; this module keeps what the chooser remembers between picks.
 """
 
@@ -62,6 +64,7 @@ from proxy.policies.kvfit import KvInFlight
 from proxy.policies.kvgroups import PrefixGroups
 from proxy.policies.kvhold import HomeHold
 from proxy.policies.kvmemory import PlacementMemory
+from proxy.policies.kvprefix import PrefixHomes
 from proxy.policies.kvrecent import DecayingCounts
 from proxy.policies.kvterms import Scene, pick_best, placed_as_new, score, serves_home
 from proxy.policies.kvwork import WorkAhead
@@ -118,6 +121,7 @@ class KvAware:
         self._requests = DecayingCounts(balance_s, clock)  # backend url -> requests sent lately
         self._rehomed_at = -math.inf  # when the balance rule last moved a prefix's home
         self._counted: dict[QueuedRequest, _Sent] = {}  # in flight: what its sending counted
+        self._prefix_homes = PrefixHomes()  # for a prompt whose blocks are unknown
 
     def cached_tokens(self, state: BackendView, blocks: Sequence[int]) -> int:
         """The longest prefix of ``blocks`` cached on ``state`` as its index shows, or sent there
@@ -148,6 +152,10 @@ class KvAware:
         if request is not None and placed_as_new(known, scene):
             saved = [0] * len(saved)  # no home: placed by room and balance
             scene, home_run = replace(scene, home=None, home_cover=0.0), 0
+        if request is not None and not blocks:  # unknown blocks: where its prefix last ran
+            prefix_home = self._prefix_homes.home(request.tenant, request.prefix_hash)
+            if prefix_home is not None:
+                scene = replace(scene, home=prefix_home, home_cover=1.0)
         best = pick_best(
             score(c, s, self._rotation.age(c.state), scene)
             for c, s in zip(candidates, saved, strict=True)
@@ -253,7 +261,7 @@ class KvAware:
         if request is None:
             return
         self._hold.drop(request)
-        prefill = 0 if request.past_context else self._prompt_tokens(request, blocks) - saved
+        prefill = self._prompt_tokens(request, blocks) - saved
         self._work.sent(request, url, prefill, blocks or (), saved // self.block_size)
         self._fit.sent(request, url, blocks or (), request.expected_output)
         sent = _Sent(url, now, filled)
@@ -279,6 +287,8 @@ class KvAware:
         sent = self._counted.pop(request, None)
         if sent is not None and not ran:
             self._unsend(sent)
+        elif ran:
+            self._prefix_homes.ran(request.tenant, request.prefix_hash, state.cfg.url)
         note = self._notes.pop(request, None)
         if self.memory.ended(request, ran=ran) is not None and note is not None:
             self._groups.note(*note)

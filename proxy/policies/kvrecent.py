@@ -21,11 +21,15 @@ class DecayingCounts:
 
     def add(self, key: str, weight: float = 1.0) -> None:
         self._decay()
+        if weight <= 0:
+            return  # nothing to judge by (a prompt it had all cached): not a share, nor a vote
         self._weights[key] = self._weights.get(key, 0.0) + weight
         self._adds += 1.0
 
     def remove(self, key: str, weight: float, added_at: float) -> None:
         """Undo an ``add`` of ``weight`` made at ``added_at`` (what is left of it)."""
+        if weight <= 0:
+            return
         self._decay()
         left = math.exp(-max(0.0, self._at - added_at) / self.tau_s)
         if key in self._weights:

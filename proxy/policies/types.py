@@ -50,9 +50,6 @@ class QueuedRequest:
     # None: not computed (kv_cache off, no tokenizer, a prompt not surely rendered as vLLM
     # does). For ``BackendView.cached_blocks``.
     prompt_blocks: tuple[int, ...] | None = None
-    # Its prompt counted, and it leaves no room for one output token in the model's context:
-    # vLLM refuses it before any work (no prefill queued for the kv_aware chooser).
-    past_context: bool = False
     # Of those, how many the index of the backend it was sent to held then (set by the pool at
     # dispatch; None: no blocks, or a cold index): logged beside vLLM's cached_tokens.
     predicted_blocks: int | None = None

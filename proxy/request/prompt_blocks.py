@@ -29,6 +29,7 @@ import aiohttp
 import jinja2
 from tokenizers import Tokenizer
 
+from proxy.api.errors import bad_request
 from proxy.backends.counts import TenantCounts
 from proxy.backends.pool import BackendPool
 from proxy.config.kv_cache import KvCache, kv_cache_on
@@ -169,8 +170,13 @@ class Upstreams(Protocol):
 
 
 class PastContext(Exception):
-    """The prompt leaves no room for one output token in the model's context: vLLM refuses it
-    before any work (nothing for the chooser to remember, no prefill to count)."""
+    """The prompt leaves no room for one output token in the model's context: vLLM would
+    refuse it before any work. The proxy refuses it itself (``PromptBlocks.given``): a flood of
+    them held backend slots and the engines' tokenizing, and moved others' turns (red team)."""
+
+    def __init__(self, tokens: int, context: int) -> None:
+        super().__init__(f"{tokens} tokens past a context of {context}")
+        self.tokens, self.context = tokens, context
 
 
 def _blocks(
@@ -181,7 +187,7 @@ def _blocks(
     if not tokens:
         return None
     if context is not None and len(tokens) >= context:
-        raise PastContext
+        raise PastContext(len(tokens), context)
     return chain_hashes(tokens[:-1], block_size, salt)
 
 
@@ -306,8 +312,13 @@ class PromptBlocks:
     async def given(self, adm: Admitted, via: Upstreams) -> Admitted:
         """``adm``, its queue entry given its prompt's KV-cache blocks (for the kv_aware
         chooser; None while kv_cache is off) on its first attempt: computed once it may run,
-        before it is queued."""
+        before it is queued. Its prompt's estimate is capped at the model's context (no engine
+        prefills more: a flood of megabyte prompts counted as queued work moved other tenants'
+        turns); one counted past it is refused as vLLM would."""
         if adm.attempts == 0:
+            context = model_context(adm.billed.model, (s.model_cards for s in via.pool.all()))
+            if context is not None:
+                adm.queued.prompt_tokens = min(adm.queued.prompt_tokens, context)
             try:
                 adm.queued.prompt_blocks = await self.compute(
                     adm.config,
@@ -316,8 +327,13 @@ class PromptBlocks:
                     via,
                     adm.tenant.name,
                     adm.config.tiers[adm.tier].priority,
-                    model_context(adm.billed.model, (s.model_cards for s in via.pool.all())),
+                    context,
                 )
-            except PastContext:
-                adm.queued.past_context = True
+            except PastContext as exc:  # vLLM's 400, without a slot or its tokenizing
+                raise bad_request(
+                    f"This model's maximum context length is {exc.context} tokens. However,"
+                    f" your request has {exc.tokens} input tokens. Please reduce the length of"
+                    " the input.",
+                    code="context_length_exceeded",
+                ) from None
         return adm

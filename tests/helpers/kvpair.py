@@ -50,12 +50,13 @@ async def proxy_metrics(session: aiohttp.ClientSession, proxy: ServedProxy) -> s
         return await resp.text()
 
 
-async def until_trusted(session: aiohttp.ClientSession, proxy: ServedProxy) -> None:
-    """Both backends' indexes trusted (``tierproxy_kv_index_trust`` >= 1), counted in polls."""
+async def until_trusted(session: aiohttp.ClientSession, proxy: ServedProxy, level: int = 1) -> None:
+    """Both backends' indexes trusted (``tierproxy_kv_index_trust`` >= ``level``: 1 partial,
+    2 exact), counted in polls."""
     for _ in range(300):
         text = await proxy_metrics(session, proxy)
         trust = re.findall(r"^tierproxy_kv_index_trust\{[^}]*\} (\S+)$", text, re.M)
-        if len(trust) == 2 and all(float(t) >= 1 for t in trust):
+        if len(trust) == 2 and all(float(t) >= level for t in trust):
             return
         await asyncio.sleep(0.1)
     raise AssertionError(f"indexes never trusted: {trust}")

@@ -134,6 +134,14 @@ async def _turns(client: Client, system: str, turns: int) -> list[int]:
     return lost
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="known limit, docs/kv-cache.md: without kv_cache.tokenizer a prompt's tokens come"
+    " from the engines' /tokenize, which one tenant's flood of long prompts slows for all (the"
+    " victim's calls time out: its turns get no blocks; those that cannot be counted past the"
+    " context reach the engines and hold their slots). With the tokenizer configured (the test"
+    " below) the promise holds.",
+)
 async def test_one_tenants_burst_cannot_take_the_remote_tokenize_budget_from_others(
     pair: tuple[EngineProcess, EngineProcess], tmp_path: Path
 ) -> None:

@@ -260,18 +260,17 @@ async def test_a_proxy_started_beside_engines_knows_what_they_cached_before_it(
     pair: tuple[EngineProcess, EngineProcess], tmp_path: Path
 ) -> None:
     """Promise 3 / docs/kv-cache.md: an engine whose whole history is still in its replay
-    buffer (far fewer than 10,000 batches here) gives a new proxy an exact index. The replay
-    is asked only when the engine publishes its next batch: until then the trusted (1) index
-    holds nothing (``tierproxy_kv_index_blocks`` 0), every conversation already cached is
-    predicted 0 and placed as new; an engine that stores nothing new (only cache hits, or
-    idle) is never replayed."""
-    predicted, reported, _ = await _restarted_proxy_predictions(pair, tmp_path)
+    buffer (far fewer than 10,000 batches here) gives a new proxy an exact index, said as
+    trust 2 on its /metrics. The replay was asked only when the engine published its next
+    batch: an idle engine (or one serving cache hits) never was, and every conversation it
+    held was predicted 0 and placed as new. Now a silent new connection asks it."""
+    predicted, reported, _ = await _restarted_proxy_predictions(pair, tmp_path, exact=True)
     first = list(zip(predicted[:6], reported[:6], strict=True))
     assert all(p == r for p, r in first), f"(predicted, vLLM's cached) per prompt: {first}"
 
 
 async def _restarted_proxy_predictions(
-    pair: tuple[EngineProcess, EngineProcess], tmp_path: Path
+    pair: tuple[EngineProcess, EngineProcess], tmp_path: Path, *, exact: bool = False
 ) -> tuple[list[int | None], list[int], list[float]]:
     """Six prompts sent through a first proxy; then, through a second one started after it
     stopped (its indexes trusted), those six again, then four new prompts twice. Per request of
@@ -290,7 +289,7 @@ async def _restarted_proxy_predictions(
     with ServedProxy(config, tmp_path / "second").start() as proxy:
         async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
             client = Client(session, proxy)
-            await until_trusted(session, proxy)
+            await until_trusted(session, proxy, level=2 if exact else 1)
             reported = [await client.chat("normal", m) for m in before]
             after = [
                 conversation(system_prompt(f"late-{secrets.token_hex(4)}"), n) for n in range(4)

@@ -555,17 +555,42 @@ def test_a_refused_request_that_moved_a_prefix_home_moves_it_back() -> None:
     assert chooser.pick(_candidates(backends), _req("normal", [*system, 2001])) is hot
 
 
-def test_a_prompt_past_the_context_counts_no_prefill_queued() -> None:
+def test_recent_shares_take_no_vote_of_a_cached_prompt_and_undo_an_add() -> None:
+    clock = FakeClock()
+    counts = DecayingCounts(30.0, clock)
+    counts.add("a", 10.0)
+    for _ in range(40):
+        counts.add("b", 0.0)  # prompts b had all cached: they fill nothing there
+    assert counts.shares(at_least=2) == {}  # one add that weighed: too few to judge
+    counts.add("b", 10.0)
+    added_at = clock()
+    clock.advance(30.0)
+    counts.add("a", 10.0)
+    counts.remove("b", 10.0, added_at)  # b's request did not run: as if never sent
+    assert counts.shares(at_least=1) == pytest.approx({"a": 1.0, "b": 0.0})
+
+
+def test_a_prompt_whose_blocks_are_unknown_goes_where_its_prefix_last_ran() -> None:
     a, b = backends = _backends()
     chooser = _chooser()
-    a.cached = {1, 2, 3, 4}
-    for _ in range(8):  # a burst of prompts vLLM will refuse (their bytes say ~200k tokens)
-        huge = _req("low", None, prompt=200_000)
-        huge.past_context = True
-        chooser.served(a, huge)
-    # Another tenant's turn still goes to its cache; without the flag it would not.
-    turn = _req("high", [1, 2, 3, 4, 5])
-    assert chooser.pick(_candidates(backends), turn) is a
-    for _ in range(8):
-        chooser.served(a, _req("low", None, prompt=200_000))
-    assert chooser.pick(_candidates(backends), turn) is b
+    turn = _req("normal", [1, 2, 3])
+    turn.prefix_hash = 77
+    assert _place(chooser, [b], turn) is b  # it ran on b
+    blind = _req("normal", None, prompt=200)  # its tokens not had in time: no blocks
+    blind.prefix_hash = 77
+    a.inflight = b.inflight = 1
+    assert chooser.pick(_candidates(backends), blind) is b
+    # Another tenant's same prefix hash (salted apart in practice) has no home of it; nor
+    # does a prefix whose request the engine refused.
+    other = _req("normal", None, prompt=200)
+    other.prefix_hash, other.tenant = 77, "u"
+    refused = _req("normal", [9], prompt=200)
+    refused.prefix_hash = 88
+    chooser.served(a, refused)
+    chooser.ended(a, refused, ran=False)
+    blind_refused = _req("normal", None, prompt=200)
+    blind_refused.prefix_hash = 88
+    b.inflight = 2  # a has more room: by room, both go to a
+    assert chooser.pick(_candidates(backends), other) is a
+    assert chooser.pick(_candidates(backends), blind_refused) is a
+    assert chooser.pick(_candidates(backends), blind) is b  # its prefix's home still

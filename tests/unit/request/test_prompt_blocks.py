@@ -269,8 +269,8 @@ async def test_a_prompt_past_the_models_context_is_not_hashed(model: ModelTokeni
     fits, too_long = (parsed({"prompt": list(range(n))}, "completions") for n in (2047, 2048))
     blocks = PromptBlocks()
     config = _config(enabled=True, tokenizer=str(MODEL), inline_bytes=100_000)
-    # Said as such: the pipeline marks the request (``QueuedRequest.past_context``), and the
-    # kv_aware chooser counts no prefill queued for it (a burst of them moved others' turns).
+    # Said as such: the pipeline refuses it with vLLM's 400 before it takes a backend's slot
+    # (a burst of them moved other tenants' turns: red team).
     assert await blocks.compute(config, fits, "s", context=2048)
     with pytest.raises(PastContext):
         await blocks.compute(config, too_long, "s", context=2048)
