@@ -31,7 +31,7 @@ request whose home is full waits for it, up to its tier's hold
 home would save at least ``hold_share`` of its prompt more than any backend with room, and
 fewer wait for that home than it has slots; the dispatcher passes it over meanwhile and gives
 the free slot to the next request. Balance: when a prefix's home took more than its share of
-the prompt blocks sent lately (``balance_margin`` over ``1/n``, fading over ``balance_s``)
+the prompt blocks filled lately (``balance_margin`` over ``1/n``, fading over ``balance_s``)
 and is busier now, a new branch of it may start where there is room, and the prefix's home moves
 there: one prefix per ``balance_s``, since the shares lag the move. Conversations under way
 stay with their history. Spread: a backend past ``max_share`` of the requests sent lately counts
@@ -117,7 +117,7 @@ class KvAware:
         self._kv_blocks: dict[str, float] = {}  # backend url -> its KV cache, when last scraped
         self._fit = KvInFlight(block_size)  # per backend, the KV blocks in flight there
         self._groups = PrefixGroups(pending_blocks)  # shared prefixes, their new branches' home
-        self._sent = DecayingCounts(balance_s, clock)  # backend url -> prompt blocks sent lately
+        self._sent = DecayingCounts(balance_s, clock)  # backend url -> prompt blocks filled lately
         self._requests = DecayingCounts(balance_s, clock)  # backend url -> requests sent lately
         self._rehomed_at = -math.inf  # when the balance rule last moved a prefix's home
         self._counted: dict[QueuedRequest, _Sent] = {}  # in flight: what its sending counted
