@@ -236,7 +236,7 @@ async def test_a_new_connection_replays_the_engines_history_before_any_batch(
     engine; a proxy restarted beside it) is exact within ``HISTORY_WAIT_S``, with what was
     stored before it joined: it does not wait for the engine's next batch (an idle one, or one
     serving cache hits, sends none). Where the buffer no longer starts at batch 0, the index
-    stays partial (only older blocks missing). Asked once, from 0."""
+    stays partial (only older blocks missing). The history is asked from batch 0."""
     port, replay_port = free_port(), free_port()
     backend = Backend(
         url="http://127.0.0.1:9",
