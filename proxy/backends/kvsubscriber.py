@@ -85,7 +85,7 @@ class KvSubscriber:
         self.reported_evicted = 0  # of index.stats.evicted, already in the metric
         # The last batch the replay at connection time applied: live ones up to it are its
         # duplicates (published while it was read). None: no such replay pending.
-        self.replayed_upto: int | None = None
+        self._replayed_upto: int | None = None
         self._history_at: float | None = None  # when a new, silent connection asks history
 
     @property
@@ -142,7 +142,7 @@ class KvSubscriber:
         monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sub.connect(endpoint)
         self.endpoint = endpoint
-        self.replayed_upto = self._history_at = None
+        self._replayed_upto = self._history_at = None
         self.feed.reconnected()
         return sub, monitor
 
@@ -224,7 +224,7 @@ class KvSubscriber:
                     while await sub.poll(0):
                         await self.on_message(await sub.recv_multipart())
                     log.info("backend %s: KV-event connection dropped", self.label)
-                    self.replayed_upto = self._history_at = None
+                    self._replayed_upto = self._history_at = None
                     self.feed.reconnected()
                     self._report_trust()
                     dropped = True
@@ -241,10 +241,10 @@ class KvSubscriber:
         if len(frames) < 3:
             return
         seq = sequence_number(frames[-2])
-        if self.replayed_upto is not None and seq is not None:
-            if 0 < seq <= self.replayed_upto:
+        if self._replayed_upto is not None and seq is not None:
+            if 0 < seq <= self._replayed_upto:
                 return  # published while the replay was read: applied from it
-            self.replayed_upto = None
+            self._replayed_upto = None
         try:
             if seq is None:
                 raise ValueError(f"a sequence-number frame of {len(frames[-2])} bytes")
@@ -295,7 +295,7 @@ class KvSubscriber:
             self.feed.last_seq = None
             self.index.lost_sync()
             return
-        self.replayed_upto = history[-1][0]
+        self._replayed_upto = history[-1][0]
         self.metrics.replayed.labels(self.label).inc(len(history))
 
     async def _replay(self, start: int, until: int) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
@@ -168,6 +169,41 @@ async def test_the_endpoint_comes_from_kv_event_sources(ctx: zmq.asyncio.Context
             publisher.close()
 
 
+@asynccontextmanager
+async def _replaying_engine(
+    ctx: zmq.asyncio.Context,
+) -> AsyncIterator[tuple[Backend, BackendPool, Publisher, aiohttp.ClientSession]]:
+    """One backend whose publisher has a replay socket (vLLM's ``replay_endpoint``), and a
+    session for its watcher."""
+    port, replay_port = free_port(), free_port()
+    backend = Backend(
+        url="http://127.0.0.1:9",
+        kv_events=f"tcp://127.0.0.1:{port}",
+        kv_events_replay=f"tcp://127.0.0.1:{replay_port}",
+    )
+    pool = BackendPool([backend], BackendHealth(), LeastUtilised())
+    publisher = Publisher(ctx, port)
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(f"tcp://127.0.0.1:{replay_port}")
+    serving = asyncio.create_task(publisher.serve_replay(router))
+    try:
+        async with aiohttp.ClientSession() as session:
+            yield backend, pool, publisher, session
+    finally:
+        serving.cancel()
+        publisher.close()
+        router.close(linger=0)
+
+
+async def _watch_one(
+    pool: BackendPool, kv: KvCache, session: aiohttp.ClientSession, metrics: ProxyMetrics
+) -> KvEventWatcher:
+    watcher = KvEventWatcher(pool, lambda: kv, session, metrics.kv)
+    await watcher.sync()
+    return watcher
+
+
 @pytest.fixture
 def no_history(monkeypatch: pytest.MonkeyPatch) -> None:
     """A new connection's history is asked only after an hour of silence: these tests' own
@@ -177,25 +213,10 @@ def no_history(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.usefixtures("no_history")
 async def test_a_gap_is_filled_from_the_replay_socket(ctx: zmq.asyncio.Context) -> None:
-    port, replay_port = free_port(), free_port()
-    backend = Backend(
-        url="http://127.0.0.1:9",
-        kv_events=f"tcp://127.0.0.1:{port}",
-        kv_events_replay=f"tcp://127.0.0.1:{replay_port}",
-    )
-    pool = BackendPool([backend], BackendHealth(), LeastUtilised())
-    state = pool.all()[0]
-    publisher = Publisher(ctx, port)
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    router.bind(f"tcp://127.0.0.1:{replay_port}")
-    serving = asyncio.create_task(publisher.serve_replay(router))
-    metrics = ProxyMetrics()
-    async with aiohttp.ClientSession() as session:
-        watcher = KvEventWatcher(
-            pool, lambda: KvCache(block_size=B, resync_s=3600), session, metrics.kv
-        )
-        await watcher.sync()
+    async with _replaying_engine(ctx) as (backend, pool, publisher, session):
+        state = pool.all()[0]
+        metrics = ProxyMetrics()
+        watcher = await _watch_one(pool, KvCache(block_size=B, resync_s=3600), session, metrics)
         try:
             await publisher.subscribed()
             # Batches 0 and 1 never reach the subscriber; 2 does: 0 and 1 come from the replay
@@ -223,9 +244,6 @@ async def test_a_gap_is_filled_from_the_replay_socket(ctx: zmq.asyncio.Context) 
             assert metrics.registry.get_sample_value("tierproxy_kv_event_gaps_total", labels) == 1
         finally:
             await watcher.stop()
-            serving.cancel()
-            publisher.close()
-            router.close(linger=0)
 
 
 @pytest.mark.parametrize("young", [True, False], ids=["young", "past-its-buffer"])
@@ -237,29 +255,14 @@ async def test_a_new_connection_replays_the_engines_history_before_any_batch(
     stored before it joined: it does not wait for the engine's next batch (an idle one, or one
     serving cache hits, sends none). Where the buffer no longer starts at batch 0, the index
     stays partial (only older blocks missing). The history is asked from batch 0."""
-    port, replay_port = free_port(), free_port()
-    backend = Backend(
-        url="http://127.0.0.1:9",
-        kv_events=f"tcp://127.0.0.1:{port}",
-        kv_events_replay=f"tcp://127.0.0.1:{replay_port}",
-    )
-    pool = BackendPool([backend], BackendHealth(), LeastUtilised())
-    state = pool.all()[0]
-    publisher = Publisher(ctx, port)
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    router.bind(f"tcp://127.0.0.1:{replay_port}")
-    serving = asyncio.create_task(publisher.serve_replay(router))
-    for first in (0, 10, 20):  # stored before the proxy joined
-        await publisher.send(stored([first + 1], list(range(first, first + 4))), lost=True)
-    if not young:
-        publisher.buffer.pop(0)  # past its buffer: batch 0 is gone
-    metrics = ProxyMetrics()
-    async with aiohttp.ClientSession() as session:
-        watcher = KvEventWatcher(
-            pool, lambda: KvCache(block_size=B, resync_s=0), session, metrics.kv
-        )
-        await watcher.sync()
+    async with _replaying_engine(ctx) as (backend, pool, publisher, session):
+        state = pool.all()[0]
+        for first in (0, 10, 20):  # stored before the proxy joined
+            await publisher.send(stored([first + 1], list(range(first, first + 4))), lost=True)
+        if not young:
+            publisher.buffer.pop(0)  # past its buffer: batch 0 is gone
+        metrics = ProxyMetrics()
+        watcher = await _watch_one(pool, KvCache(block_size=B, resync_s=0), session, metrics)
         try:
             await publisher.subscribed()
             prompts = [chain_hashes(list(range(f, f + 5)), B) for f in (0, 10, 20)]
@@ -276,7 +279,8 @@ async def test_a_new_connection_replays_the_engines_history_before_any_batch(
                 await asyncio.sleep(0.1)  # its (refused) answer read: nothing applied
                 assert index.trust() == Trust.PARTIAL
                 assert [state.cached_blocks(p) for p in prompts] == [0, 0, 0]
-            # The next live batch follows in order (no gap, no second replay).
+            # The next live batch: in order after the history; past its buffer, a gap whose
+            # replay is refused again (partial still).
             await publisher.send(stored([31], list(range(30, 34))))
             fresh = chain_hashes(list(range(30, 35)), B)
             await until(lambda: state.cached_blocks(fresh) == 1, 10, "the live batch")
@@ -284,9 +288,6 @@ async def test_a_new_connection_replays_the_engines_history_before_any_batch(
             assert publisher.asked[0] == 0
         finally:
             await watcher.stop()
-            serving.cancel()
-            publisher.close()
-            router.close(linger=0)
 
 
 def _one_backend(port: int, **kw: Any) -> BackendPool:

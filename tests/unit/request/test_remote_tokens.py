@@ -5,6 +5,8 @@ a refused or odd answer) that give no tokens rather than a wait or a guess."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
@@ -63,14 +65,22 @@ class Backend1:
         return web.json_response(self.answer, status=self.status)
 
 
-async def test_tokens_from_the_backend_within_bounds() -> None:
-    fake = Backend1()
+@asynccontextmanager
+async def _tokenizing(fake: Backend1) -> AsyncIterator[tuple[BackendPool, aiohttp.ClientSession]]:
+    """A pool of one backend whose /tokenize is ``fake``'s, and a session to reach it."""
     app = web.Application()
     app.router.add_post("/tokenize", fake.tokenize)
-    remote = RemoteTokenizer()
-    request = parsed({"messages": [{"role": "user", "content": "hi"}]})
     async with serve_app(app) as url, aiohttp.ClientSession() as session:
-        pool = BackendPool([Backend(url=url)], BackendHealth(), LeastUtilised())
+        yield BackendPool([Backend(url=url)], BackendHealth(), LeastUtilised()), session
+
+
+HI = parsed({"messages": [{"role": "user", "content": "hi"}]})
+
+
+async def test_tokens_from_the_backend_within_bounds() -> None:
+    fake = Backend1()
+    remote, request = RemoteTokenizer(), HI
+    async with _tokenizing(fake) as (pool, session):
         kv = KvCache(tokenize_timeout_s=5.0, max_remote_tokenize=1)
         assert await remote.tokens(request, kv, pool, session, 0.0) == [5, 6, 7]
         assert fake.bodies[-1]["messages"] == [{"role": "user", "content": "hi"}]
@@ -127,12 +137,8 @@ async def test_one_tenant_holds_at_most_half_of_the_calls_in_flight() -> None:
     # and left their caches (tests/integration/test_kv_placement_served.py).
     fake = Backend1()
     fake.gate.clear()
-    app = web.Application()
-    app.router.add_post("/tokenize", fake.tokenize)
-    remote = RemoteTokenizer()
-    request = parsed({"messages": [{"role": "user", "content": "hi"}]})
-    async with serve_app(app) as url, aiohttp.ClientSession() as session:
-        pool = BackendPool([Backend(url=url)], BackendHealth(), LeastUtilised())
+    remote, request = RemoteTokenizer(), HI
+    async with _tokenizing(fake) as (pool, session):
         kv = KvCache(tokenize_timeout_s=5.0, max_remote_tokenize=4)
         held = [
             asyncio.create_task(remote.tokens(request, kv, pool, session, 0.0, "flood"))
