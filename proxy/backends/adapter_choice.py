@@ -2,7 +2,9 @@
 that hold it and have a slot for it, else those where the proxy can load it, as the slot rules
 allow for the request's tier and tenant (``proxy.backends.adapter_rules``). The chooser policy
 picks among them as for any request. A request that finds no slot anywhere is noted on the
-backends it waits for, for the rest of the dispatch pass (``AdapterSlots.waiting``). With
+backends it waits for, for the rest of the dispatch pass (``AdapterSlots.waiting``); one that
+waits only to spare an adapter a waiting request wants is not (it holds back no join), and its
+patience's end is noted for the dispatcher (``AdapterSlots.patience_ends``). With
 shared state, a backend whose rules let the request in but where this replica has not claimed
 the adapter notes it as wanted (``AdapterSlots.may_run``) and is not a candidate yet."""
 
@@ -43,6 +45,8 @@ def adapter_able(
             has.add(state.cfg.url)
         elif found == "load":
             load.add(state.cfg.url)
+        elif fit(state.adapters, model, user, rules, now, patient=False) == "load":
+            state.adapters.patient(user.patient_until)  # not a wait for a slot: no join held
         elif waits_for_slot(state.adapters, model, user, rules, now):
             refused.append(state)
     if not has and not load:  # no slot anywhere: it waits for one of these

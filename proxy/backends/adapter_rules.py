@@ -21,6 +21,11 @@ request that needs them comes:
   requester's own, one only worse tiers claim (a worse tier's idle adapter never keeps a
   better tier waiting), and last a peer's of its own tier, only while the requester is below
   its share: cycling through many adapters churns only its own slots.
+- **Wanted adapters stay.** An idle adapter that the queue's next request of some tenant
+  wants is given up last. A request that could only give up such an adapter, of a waiting
+  request of its tier or a better one, waits for it instead, at most ``locality_wait_s`` from
+  its arrival: the other request then runs on the held adapter, rather than one load now and
+  a reload for the other (adapters thrashing through the slots in the queue's order).
 - **No queue-jumping by joining.** While a request of another tenant waits for a slot on the
   engine (it found none anywhere in this dispatch pass), a request does not join an adapter
   that already runs there, whatever the tiers: else a tenant whose requests overlap on one
@@ -59,9 +64,11 @@ class AdapterPolicy:
     reserve_bases: frozenset[str] = frozenset()
     ranks: Mapping[str, int] = field(default_factory=dict)  # tier -> its priority
 
-    def user(self, tenant: str, tier: str, best: bool) -> SlotUser:
-        """Who a request of ``tenant`` in ``tier`` is for the slot rules."""
-        return SlotUser(tenant, best, self.ranks.get(tier, 0))
+    def user(self, tenant: str, tier: str, best: bool, arrived: float | None = None) -> SlotUser:
+        """Who a request of ``tenant`` in ``tier`` (queued at ``arrived``) is for the slot
+        rules."""
+        patient = -math.inf if arrived is None else arrived + self.knobs.locality_wait_s
+        return SlotUser(tenant, best, self.ranks.get(tier, 0), patient)
 
     def rules(self, cfg: Backend, base: str) -> SlotRules | None:
         """The rules on backend ``cfg`` for an adapter of ``base``; None: it runs no adapter."""
@@ -114,8 +121,23 @@ def victim(slots: AdapterSlots, user: SlotUser, rules: SlotRules, now: float) ->
     for at, name in slots.idle():
         order = _order(claims.get(name, {}), user, over)
         if order is not None:
-            ranked.append((name in slots.elsewhere, order, at, name))
-    return min(ranked)[3] if ranked else None
+            wanted = slots.demand(name) is not None
+            ranked.append((name in slots.elsewhere, wanted, order, at, name))
+    return min(ranked)[4] if ranked else None
+
+
+def defers(slots: AdapterSlots, user: SlotUser, rules: SlotRules, now: float) -> bool:
+    """A load for ``user`` here would give up an idle adapter that the queue's next request
+    of a tenant of its tier or a better one wants, and ``user``'s request is still within its
+    patience: it waits, so that the other runs on the adapter held (rules: "Wanted adapters
+    stay")."""
+    if now >= user.patient_until:
+        return False
+    gives_up = victim(slots, user, rules, now)
+    if gives_up is None:
+        return False
+    rank = slots.demand(gives_up)
+    return rank is not None and rank <= user.rank
 
 
 def _order(claimants: Mapping[str, int], user: SlotUser, over: bool) -> int | None:
@@ -146,10 +168,17 @@ def protected(slots: AdapterSlots, user: SlotUser, rules: SlotRules, now: float)
 
 
 def fit(
-    slots: AdapterSlots, adapter: str, user: SlotUser, rules: SlotRules, now: float
+    slots: AdapterSlots,
+    adapter: str,
+    user: SlotUser,
+    rules: SlotRules,
+    now: float,
+    *,
+    patient: bool = True,
 ) -> Fit | None:
     """Whether ``user``'s request for ``adapter`` may start here now: "has" (held, or being
-    loaded), "load" (a slot is free or an idle one can be given up), None (it waits)."""
+    loaded), "load" (a slot is free or an idle one can be given up), None (it waits).
+    ``patient`` False: as if its patience had ended (``defers``)."""
     running = slots.running()
     if adapter in running and _behind(slots, user):
         return None
@@ -166,7 +195,11 @@ def fit(
         return "has"
     if not rules.may_load:
         return None
-    if len(slots.held) < rules.max_loras or victim(slots, user, rules, now) is not None:
+    if len(slots.held) < rules.max_loras:
+        return "load"
+    if victim(slots, user, rules, now) is not None and not (
+        patient and defers(slots, user, rules, now)
+    ):
         return "load"
     return None
 

@@ -18,6 +18,7 @@ adapter not claimed here waits (``wanted``) until the claim is granted.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -26,12 +27,18 @@ Fit = Literal["has", "load"]
 
 @dataclass(frozen=True)
 class SlotUser:
-    """Who a request for an adapter is for: its tenant, whether its tier is the best, and its
-    tier's rank (its ``priority``: lower is better)."""
+    """Who a request for an adapter is for: its tenant, whether its tier is the best, its
+    tier's rank (its ``priority``: lower is better), and until when it would rather wait than
+    give up an idle adapter that a waiting request of its tier or a better one wants."""
 
     tenant: str = ""
     best: bool = True
     rank: int = 0
+    patient_until: float = float("-inf")
+
+
+def _no_demand(adapter: str) -> int | None:
+    return None
 
 
 @dataclass(frozen=True)
@@ -69,12 +76,26 @@ class AdapterSlots:
     wanted: set[str] = field(default_factory=set)
     fresh: set[str] = field(default_factory=set)  # claimed since the last pass: kept till it
     elsewhere: frozenset[str] = frozenset()
+    # The best tier rank among the queue's next requests (each tenant's head) that want an
+    # adapter (None: none does), given by the dispatcher at each pass; and the earliest end of
+    # a request's patience with such an adapter in this pass (when to look again).
+    demand: Callable[[str], int | None] = _no_demand
+    patience_ends: float | None = None
 
-    def new_pass(self) -> None:
-        """A dispatch pass begins: who waits for a slot or a claim here is seen anew."""
+    def new_pass(self, demand: Callable[[str], int | None] | None = None) -> None:
+        """A dispatch pass begins: who waits for a slot or a claim here is seen anew, and
+        (``demand``) which adapters the queue's next requests want."""
         self.waiting.clear()
         self.wanted.clear()
         self.fresh.clear()
+        self.patience_ends = None
+        if demand is not None:
+            self.demand = demand
+
+    def patient(self, until: float) -> None:
+        """A request in this pass waits, until ``until``, rather than give up a wanted adapter."""
+        if self.patience_ends is None or until < self.patience_ends:
+            self.patience_ends = until
 
     def may_run(self, adapter: str) -> bool:
         """Shared with other replicas: ``adapter`` is claimed here (else it is noted as wanted

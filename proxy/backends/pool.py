@@ -182,7 +182,8 @@ class BackendPool:
         failed = request.failed_on if request is not None else frozenset()
         avoid = self._passed_over(failed, model, now)
         tenant, tier = (request.tenant, request.tier) if request is not None else ("", "")
-        user = self.adapter_policy.user(tenant, tier, best)
+        arrived = request.arrival_s if request is not None else None
+        user = self.adapter_policy.user(tenant, tier, best, arrived)
         policy = self.adapter_policy
         able = adapter_able(self.states.values(), self.adapters, model, policy, user, now)
         if able is not None and not (able[0] or able[1]) and self.on_adapter_claims is not None:

@@ -76,6 +76,18 @@ class AdapterSlotKnobs(Strict):
         " gap at most otherwise), and keeps a peer tier's request waiting at most this long.",
         json_schema_extra=TUNING,
     )
+    locality_wait_s: float = Field(
+        1.0,
+        ge=0,
+        le=60,
+        description="How long, from its arrival, a request for an adapter that is not loaded"
+        " waits rather than unload an idle adapter that another tenant's next queued request"
+        " (of its tier or a better one) wants: that request runs on the adapter held instead"
+        " of one load now and a reload for it. Usually the other request goes in the same"
+        " dispatch pass and nobody waits; the bound only matters when it cannot run yet."
+        " 0: adapters are given up in the queue's order.",
+        json_schema_extra=TUNING,
+    )
 
 
 class Scheduling(Strict):

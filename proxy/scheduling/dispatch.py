@@ -193,6 +193,10 @@ class Dispatcher:
             # loop; else the hold's end does.
             ends += _HOLD_SLACK_S
             timeout = ends if timeout is None else min(timeout, ends)
+        patience = self._patience_end()
+        if patience is not None:  # a request spared a wanted adapter: it may load it then
+            ends = max(0.0, patience - self.clock()) + _HOLD_SLACK_S
+            timeout = ends if timeout is None else min(timeout, ends)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout):
                 await self._wake.wait()
@@ -206,7 +210,7 @@ class Dispatcher:
         dispatched = 0
         self._held_back = False
         for state in self.pool.states.values():  # who waits for an adapter slot: seen anew
-            state.adapters.new_pass()
+            state.adapters.new_pass(self._adapter_demand)
         # No pop while no backend has a free slot: every head would be refused, one by one.
         while len(self.queue) and self._room_for_some(now):
             popped = self.queue.pop(lambda r: self._choose(r, now) is not None)
@@ -237,6 +241,16 @@ class Dispatcher:
         for tier in touched:
             self.metrics.queue_depth.labels(tier).set(self.queue.depth(tier))
         return dispatched
+
+    def _adapter_demand(self, adapter: str) -> int | None:
+        """The best tier rank among the tenants whose next queued request wants ``adapter``."""
+        ranks = self.pool.adapter_policy.ranks
+        return min((ranks.get(t, 0) for t in self.queue.tiers_wanting(adapter)), default=None)
+
+    def _patience_end(self) -> float | None:
+        """When the first request that waits to spare a wanted adapter stops waiting."""
+        ends = [s.adapters.patience_ends for s in self.pool.states.values()]
+        return min((e for e in ends if e is not None), default=None)
 
     def _room_for_some(self, now: float) -> bool:
         """Some backend has a free slot, or a best-tier request waits and some reserve is free."""

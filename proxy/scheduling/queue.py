@@ -11,7 +11,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 from proxy.policies.backlog import TenantBacklog
@@ -20,6 +20,7 @@ from proxy.policies.order import RequestOrder
 from proxy.policies.tenants import TenantFairness
 from proxy.policies.tiers import TierSelector
 from proxy.policies.types import QueuedRequest, State, TierLimits
+from proxy.scheduling.queue_heads import HeadModels
 
 
 @dataclass
@@ -173,6 +174,10 @@ class AdmissionQueue:
         held = tenants.get(tenant)
         return (held.depth if held is not None else 0), len(tenants)
 
+    def tiers_wanting(self, model: str) -> Collection[str]:
+        """The tiers in which some tenant's next request is for ``model``."""
+        return self._heads.tiers_wanting(model)
+
     def next_deadline(self) -> float | None:
         deadlines = self._deadlines
         while deadlines and deadlines[0][2].state is not State.QUEUED:
@@ -254,6 +259,7 @@ class AdmissionQueue:
         policies.tiers.set_tiers(self._limits)
         self._tenants: dict[str, dict[str, _TenantQueue]] = {t: {} for t in self._limits}
         self._tier_depth: dict[str, int] = {t: 0 for t in self._limits}
+        self._heads = HeadModels()
         self._deadlines = []
 
     def _insert(self, req: QueuedRequest) -> None:
@@ -319,5 +325,7 @@ class AdmissionQueue:
 
     def _changed(self, tier: str, tenant: str, tenant_queue: _TenantQueue | None) -> None:
         backlog = tenant_queue.backlog() if tenant_queue is not None else None
+        head = tenant_queue.head() if tenant_queue is not None else None
+        self._heads.set(tier, tenant, head.model if head is not None else None)
         self._policies.tenants.backlog_changed(tier, tenant, backlog)
         self._policies.displacement.backlog_changed(tier, tenant, backlog)
