@@ -9,7 +9,10 @@ Each tenant (two per tier) runs a closed loop of ``--clients`` streaming request
 ``--max-tokens`` output tokens for ``--duration`` seconds. Printed per mode: adapter loads by
 the proxy, requests that waited over ``--deferred-s`` inside vLLM's scheduler (its queue-time
 histogram: an adapter with no free slot is "deferred" there), TTFT p50/p95 per tier, output
-tokens/s. ``--plot`` draws docs/img/adapters-bench.png's figure (``proxy.bench.adapterplots``);
+tokens/s. ``--modes aware-strict,aware`` compares adapter-aware routing with strict tier order
+for slots (``due_share: 1``) and without; ``aware-no-wait`` has ``locality_wait_s: 0``
+(docs/adapters.md). ``--plot`` draws docs/img/adapters-bench.png's figure
+(``proxy.bench.adapterplots``);
 ``--replot RESULTS.json`` redraws it from a stored ``--out`` without starting engines.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/adapters_bench.py --duration 30 \
@@ -37,6 +40,16 @@ from proxy.tools.engine import EngineProcess, local_engine
 from proxy.tools.tiny_adapters import make_tiny_adapters
 
 TIERS = ("high", "high", "normal", "normal", "low", "low")
+BLIND = "least_utilised (adapter-blind)"
+AWARE_NO_WAIT = "adapter-aware, locality_wait_s 0"  # wanted adapters given up in queue order
+AWARE_STRICT = "adapter-aware, due_share 1"  # strict tier order for adapter slots
+AWARE_KNOBS = {AWARE_NO_WAIT: {"locality_wait_s": 0}, AWARE_STRICT: {"due_share": 1}}
+MODES = {
+    "blind": BLIND,
+    "aware": "adapter-aware",
+    "aware-no-wait": AWARE_NO_WAIT,
+    "aware-strict": AWARE_STRICT,
+}
 NAMES = tuple(f"lora-{i}" for i in range(len(TIERS)))
 _BUCKET = re.compile(
     r'^vllm:request_queue_time_seconds_bucket\{[^}]*le="([^"]+)"[^}]*\} (\S+)$', re.MULTILINE
@@ -127,7 +140,7 @@ async def _client(
 async def _run(
     mode: str, urls: list[str], dirs: dict[str, Path], args: argparse.Namespace
 ) -> dict[str, Any]:
-    aware = mode == "adapter-aware"
+    aware = mode != BLIND
     backends = [
         {"url": u, "max_inflight": args.max_num_seqs}
         | ({"max_loras": 2, "load_adapters": True} if aware else {})
@@ -139,6 +152,8 @@ async def _run(
             name: {"path": str(dirs[name]), "base_model": "tiny", "tenants": [f"tenant-{i}"]}
             for i, name in enumerate(NAMES)
         }
+    if mode in AWARE_KNOBS:
+        extra["scheduling"] = {"adapter_slots": AWARE_KNOBS[mode]}
     config = make_config(backends, tenants=_tenants(), **extra)
     timeout = aiohttp.ClientTimeout(total=300)
     async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -198,6 +213,11 @@ def main() -> int:
     parser.add_argument(
         "--ready-s", type=float, default=600.0, help="each engine's start (two share a core)"
     )
+    parser.add_argument(
+        "--modes",
+        default="blind,aware",
+        help="comma-separated, of: " + ", ".join(MODES),
+    )
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("--plot", type=Path, help="draw the figure (PNG) here")
     parser.add_argument("--replot", type=Path, help="only redraw --plot from this --out file")
@@ -233,7 +253,7 @@ def main() -> int:
             e.wait_ready(timeout_s=args.ready_s)
         urls = [e.spec.url for e in engines]
         for _ in range(args.rounds):
-            for mode in ("least_utilised (adapter-blind)", "adapter-aware"):
+            for mode in (MODES[m] for m in args.modes.split(",")):
                 result = asyncio.run(_run(mode, urls, dirs, args))
                 print(json.dumps({k: v for k, v in result.items() if k != "ttfts"}), flush=True)
                 results.append(result)

@@ -52,6 +52,8 @@ def adapter_able(
     if not has and not load:  # no slot anywhere: it waits for one of these
         for state in refused:
             state.adapters.waiting.add((user.tenant, user.best))
+            if user.due:
+                state.adapters.due_waiting.add(user.tenant)
     return has, load
 
 

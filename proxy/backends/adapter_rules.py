@@ -26,6 +26,11 @@ request that needs them comes:
   request of its tier or a better one, waits for it instead, at most ``locality_wait_s`` from
   its arrival: the other request then runs on the held adapter, rather than one load now and
   a reload for the other (adapters thrashing through the slots in the queue's order).
+- **Due.** A request that has waited ``due_share`` of its tier's queue timeout is due: on the
+  engines where it waits for a slot, nobody joins a running adapter or starts an idle one
+  ahead of it, and it may give up any idle adapter, one a better tier claims included. Without
+  it, better tiers that keep every slot of an engine busy would hold a worse tier's adapter
+  requests to their queue timeout, whatever the tiers' weights.
 - **No queue-jumping by joining.** While a request of another tenant waits for a slot on the
   engine (it found none anywhere in this dispatch pass), a request does not join an adapter
   that already runs there, whatever the tiers: else a tenant whose requests overlap on one
@@ -64,11 +69,25 @@ class AdapterPolicy:
     reserve_bases: frozenset[str] = frozenset()
     ranks: Mapping[str, int] = field(default_factory=dict)  # tier -> its priority
 
-    def user(self, tenant: str, tier: str, best: bool, arrived: float | None = None) -> SlotUser:
-        """Who a request of ``tenant`` in ``tier`` (queued at ``arrived``) is for the slot
-        rules."""
-        patient = -math.inf if arrived is None else arrived + self.knobs.locality_wait_s
-        return SlotUser(tenant, best, self.ranks.get(tier, 0), patient)
+    def user(
+        self,
+        tenant: str,
+        tier: str,
+        best: bool,
+        wait: tuple[float, float, float] | None = None,
+    ) -> SlotUser:
+        """Who a request of ``tenant`` in ``tier`` is for the slot rules; ``wait``: when it
+        was queued, its queue deadline, and now."""
+        if wait is None:
+            return SlotUser(tenant, best, self.ranks.get(tier, 0))
+        arrived, deadline, now = wait
+        patient = arrived + self.knobs.locality_wait_s
+        due = self.due(arrived, deadline, now)
+        return SlotUser(tenant, best, self.ranks.get(tier, 0), patient, due)
+
+    def due(self, arrived: float, deadline: float, now: float) -> bool:
+        """A request queued at ``arrived`` with that queue deadline is due now."""
+        return now >= arrived + self.knobs.due_share * (deadline - arrived)
 
     def rules(self, cfg: Backend, base: str) -> SlotRules | None:
         """The rules on backend ``cfg`` for an adapter of ``base``; None: it runs no adapter."""
@@ -120,6 +139,8 @@ def victim(slots: AdapterSlots, user: SlotUser, rules: SlotRules, now: float) ->
     ranked = []
     for at, name in slots.idle():
         order = _order(claims.get(name, {}), user, over)
+        if order is None and user.due:
+            order = 4  # a due request gives up any idle adapter, a better tier's last
         if order is not None:
             wanted = slots.demand(name) is not None
             ranked.append((name in slots.elsewhere, wanted, order, at, name))
@@ -158,6 +179,8 @@ def protected(slots: AdapterSlots, user: SlotUser, rules: SlotRules, now: float)
     """Every slot here is taken by an adapter another tenant of a better tier claims (running
     or idle): ``user``'s request cannot get one until such a claim lapses, so it does not
     wait here for generations to end (and holds back no join)."""
+    if user.due:
+        return False  # it gives up a better tier's idle adapter once one is idle
     claims = slots.claims(now, rules.claim_s)
     taken = sum(
         1
@@ -182,6 +205,8 @@ def fit(
     running = slots.running()
     if adapter in running and _behind(slots, user):
         return None
+    if adapter in slots.held and adapter not in running and _due_behind(slots, user):
+        return None  # an idle adapter is the slot a due request waits for
     if adapter not in running and len(running) >= rules.max_loras:
         return None
     worse = slots.worse_running()
@@ -211,6 +236,11 @@ def _behind(slots: AdapterSlots, user: SlotUser) -> bool:
     return any(t != user.tenant for t, _best in slots.waiting)
 
 
+def _due_behind(slots: AdapterSlots, user: SlotUser) -> bool:
+    """Another tenant's due request waits here for a slot."""
+    return any(t != user.tenant for t in slots.due_waiting)
+
+
 def waits_for_slot(
     slots: AdapterSlots, adapter: str, user: SlotUser, rules: SlotRules, now: float
 ) -> bool:
@@ -231,6 +261,10 @@ def begin(
     """Count the request in (``fit`` said it may start); the load plan it must carry out."""
     full = adapter not in slots.held and len(slots.held) >= rules.max_loras
     unload = victim(slots, user, rules, now) if full else None
+    if full and unload is None and (idle := slots.idle()):
+        # ``fit`` saw one it may give up; should a caller's view differ, the engine still
+        # never holds more than max_loras (the least recently used idle one goes).
+        unload = min(idle)[1]
     return slots.begin(adapter, user, unload, now)
 
 

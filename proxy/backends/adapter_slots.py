@@ -35,6 +35,7 @@ class SlotUser:
     best: bool = True
     rank: int = 0
     patient_until: float = float("-inf")
+    due: bool = False  # it waited its tier's share of its queue timeout (rules: "Due")
 
 
 def _no_demand(adapter: str) -> int | None:
@@ -68,6 +69,7 @@ class AdapterSlots:
     # (tenant, of the best tier) of the requests that found no slot anywhere in this dispatch
     # pass and wait for one here (cleared at each pass: nothing stale when they leave).
     waiting: set[tuple[str, bool]] = field(default_factory=set)
+    due_waiting: set[str] = field(default_factory=set)  # the tenants of due ones among them
     # Shared with other replicas: the adapters this replica may run here (None: it counts
     # alone, no shared state or Redis down), those its requests wait to claim (seen anew at
     # each dispatch pass), and those other replicas claimed here at the last look (given up
@@ -86,6 +88,7 @@ class AdapterSlots:
         """A dispatch pass begins: who waits for a slot or a claim here is seen anew, and
         (``demand``) which adapters the queue's next requests want."""
         self.waiting.clear()
+        self.due_waiting.clear()
         self.wanted.clear()
         self.fresh.clear()
         self.patience_ends = None

@@ -182,8 +182,8 @@ class BackendPool:
         failed = request.failed_on if request is not None else frozenset()
         avoid = self._passed_over(failed, model, now)
         tenant, tier = (request.tenant, request.tier) if request is not None else ("", "")
-        arrived = request.arrival_s if request is not None else None
-        user = self.adapter_policy.user(tenant, tier, best, arrived)
+        wait = (request.arrival_s, request.deadline_s, now) if request is not None else None
+        user = self.adapter_policy.user(tenant, tier, best, wait)
         policy = self.adapter_policy
         able = adapter_able(self.states.values(), self.adapters, model, policy, user, now)
         if able is not None and not (able[0] or able[1]) and self.on_adapter_claims is not None:
@@ -208,6 +208,14 @@ class BackendPool:
         if not candidates:
             return None
         return self.chooser.pick(candidates, request, now=now, full=full)
+
+    def note_adapter_wait(self, request: QueuedRequest, best: bool, now: float) -> None:
+        """Note on the backends where ``request`` waits for an adapter slot that it does."""
+        wait = (request.arrival_s, request.deadline_s, now)
+        user = self.adapter_policy.user(request.tenant, request.tier, best, wait)
+        adapter_able(
+            self.states.values(), self.adapters, request.model, self.adapter_policy, user, now
+        )
 
     def serves_adapter(self, model: str) -> bool:
         return serves_adapter(self.states.values(), self.adapters, model)
@@ -288,7 +296,8 @@ class BackendPool:
             request.predicted_blocks = state.cached_blocks(request.prompt_blocks)
         if request is None:
             return None
-        user = self.adapter_policy.user(request.tenant, request.tier, best)
+        wait = (request.arrival_s, request.deadline_s, now)  # as when it was chosen
+        user = self.adapter_policy.user(request.tenant, request.tier, best, wait)
         return adapter_begin(state, self.adapters, request.model, self.adapter_policy, user, now)
 
     def release(

@@ -88,6 +88,16 @@ class AdapterSlotKnobs(Strict):
         " 0: adapters are given up in the queue's order.",
         json_schema_extra=TUNING,
     )
+    due_share: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="The share of its tier's `queue_timeout_s` after which a request waiting"
+        " for an adapter slot is due: on the engines where it waits, nobody joins or starts"
+        " an adapter ahead of it, and it may unload any idle adapter, one a better tier"
+        " claims included. So better tiers that keep every slot busy hold a worse tier's"
+        " adapter request this long, not to its timeout (a 503). 1: strict tier order.",
+    )
 
 
 class Scheduling(Strict):

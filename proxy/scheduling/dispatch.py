@@ -211,6 +211,7 @@ class Dispatcher:
         self._held_back = False
         for state in self.pool.states.values():  # who waits for an adapter slot: seen anew
             state.adapters.new_pass(self._adapter_demand)
+        self._note_due(now)
         # No pop while no backend has a free slot: every head would be refused, one by one.
         while len(self.queue) and self._room_for_some(now):
             popped = self.queue.pop(lambda r: self._choose(r, now) is not None)
@@ -241,6 +242,17 @@ class Dispatcher:
         for tier in touched:
             self.metrics.queue_depth.labels(tier).set(self.queue.depth(tier))
         return dispatched
+
+    def _note_due(self, now: float) -> None:
+        """Due adapter requests are offered first, so that the engines where they wait for a
+        slot know it before anyone else's request of this pass joins or starts an adapter
+        there (proxy.backends.adapter_rules, "Due")."""
+        if not self.pool.adapters:
+            return
+        policy, best_tiers = self.pool.adapter_policy, self.pool.best_tiers
+        for req in list(self.queue.heads()):
+            if req.model in self.pool.adapters and policy.due(req.arrival_s, req.deadline_s, now):
+                self.pool.note_adapter_wait(req, req.tier in best_tiers, now)
 
     def _adapter_demand(self, adapter: str) -> int | None:
         """The best tier rank among the tenants whose next queued request wants ``adapter``."""

@@ -244,6 +244,12 @@ class AdmissionQueue:
         """Replace the estimate charged at dispatch by what the request really used."""
         self.fairness.charge(req.tenant, actual_weighted_tokens - req.cost, req.tenant_weight)
 
+    def heads(self) -> Iterable[QueuedRequest]:
+        """Each backlogged tenant's next request in each tier."""
+        for by_tenant in self._tenants.values():
+            for tenant_queue in by_tenant.values():
+                yield tenant_queue.head()
+
     def queued(self, tier: str | None = None) -> Iterable[QueuedRequest]:
         for t, by_tenant in self._tenants.items():
             if tier is not None and t != tier:
