@@ -45,6 +45,8 @@ def adapter_able(
             has.add(state.cfg.url)
         elif found == "load":
             load.add(state.cfg.url)
+            if user.due:  # the slot it may take is its own: nobody restarts an idle one there
+                state.adapters.due_waiting.add(user.tenant)
         elif fit(state.adapters, model, user, rules, now, patient=False) == "load":
             state.adapters.patient(user.patient_until)  # not a wait for a slot: no join held
         elif waits_for_slot(state.adapters, model, user, rules, now):

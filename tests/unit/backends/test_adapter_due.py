@@ -44,7 +44,7 @@ def test_a_due_request_may_unload_a_better_tiers_idle_adapter() -> None:
 
 
 def _dispatcher(clock: FakeClock, due_share: float) -> Dispatcher:
-    tiers = {"high": TierLimits(10, 100, 60.0, priority=0), "low": TierLimits(1, 100, 10.0, 10)}
+    tiers = {"high": TierLimits(1000, 100, 60.0, priority=0), "low": TierLimits(1, 100, 10.0, 10)}
     queue = AdmissionQueue(tiers, default_queue_policies(aging_s=30, reference_tokens=8192))
     backend = Backend(url="http://x:1", max_inflight=8, max_loras=2, load_adapters=True)
     pool = BackendPool([backend], BackendHealth(), LeastUtilised())
@@ -77,7 +77,7 @@ def _loaded(waiter: asyncio.Future[Lease]) -> int:
 
 def _busy_high_tiers_and_one_low_request(due_share: float) -> tuple[float | None, int]:
     """Two high-tier tenants keep one request each in flight on their own adapter at every
-    moment (each request runs 2 s, the next comes as it ends); a low-tier request for a third
+    moment (each request runs 2 s, the next is queued just before it ends); a low-tier request for a third
     adapter comes at 0.5 s (queue timeout 10 s). When it started (None: it timed out), and the
     high tenants' adapter loads after their first two."""
     clock = FakeClock()
@@ -95,9 +95,10 @@ def _busy_high_tiers_and_one_low_request(due_share: float) -> tuple[float | None
         if tick % 2 == 0:  # every second a request ends, each tenant's in turn (2 s each)
             tenant = ("h1", "h2")[(tick // 2) % 2]
             done = running[tenant].result()
-            done.release()
             model = {"h1": "lora-a", "h2": "lora-b"}[tenant]
+            # Its next request is queued before this one ends (a client with two in flight).
             running[tenant] = d.enqueue(_req("high", tenant, model, clock))
+            done.release()
         d.dispatch_ready()
         if low.done() and started is None and low.exception() is None:
             started = clock() - t0
