@@ -141,17 +141,17 @@ async def _run(
     mode: str, urls: list[str], dirs: dict[str, Path], args: argparse.Namespace
 ) -> dict[str, Any]:
     aware = mode != BLIND
-    backends = [
-        {"url": u, "max_inflight": args.max_num_seqs}
-        | ({"max_loras": 2, "load_adapters": True} if aware else {})
-        for u in urls
-    ]
-    extra: dict[str, Any] = {}
-    if aware:
-        extra["adapters"] = {
+    # Blind: the engines hold every adapter and the proxy counts no slot (max_loras far above
+    # the engines' 2, nothing loaded by it), so least_utilised sends any adapter anywhere. The
+    # catalogue is there in both modes: an adapter it does not name is nobody's.
+    slots = {"max_loras": 2, "load_adapters": True} if aware else {"max_loras": 64}
+    backends = [{"url": u, "max_inflight": args.max_num_seqs} | slots for u in urls]
+    extra: dict[str, Any] = {
+        "adapters": {
             name: {"path": str(dirs[name]), "base_model": "tiny", "tenants": [f"tenant-{i}"]}
             for i, name in enumerate(NAMES)
         }
+    }
     if mode in AWARE_KNOBS:
         extra["scheduling"] = {"adapter_slots": AWARE_KNOBS[mode]}
     config = make_config(backends, tenants=_tenants(), **extra)
