@@ -210,8 +210,8 @@ class KvAwareKnobs(Strict):
         65_536,
         ge=1,
         description="How many (backend, block) pairs the chooser remembers of where it sent"
-        " prompts that ran (their homes), shared between tenants: past it, the tenant keeping"
-        " the most loses its oldest.",
+        " prompts that ran (their homes), and how many shared prefixes' homes, each shared"
+        " between tenants: past it, the tenant keeping the most loses its oldest.",
         json_schema_extra=TUNING,
     )
 

@@ -111,12 +111,13 @@ class KvAware:
         # Where prompts' blocks were sent: in flight, then kept once the engine ran them.
         self.memory = PlacementMemory(pending_blocks, pending_s, clock)
         # A request in flight -> its prefix-group note, made once it ran (``PrefixGroups``).
-        self._notes: dict[QueuedRequest, tuple[tuple[int, ...], int, str | None]] = {}
+        self._notes: dict[QueuedRequest, tuple[str, tuple[int, ...], int, str | None]] = {}
         self._hold = HomeHold(self.holds, hold_share)  # who waits for which home
         self._rooms: dict[str, float] = {}  # backend url -> its room, when last a candidate
         self._kv_blocks: dict[str, float] = {}  # backend url -> its KV cache, when last scraped
         self._fit = KvInFlight(block_size)  # per backend, the KV blocks in flight there
-        self._groups = PrefixGroups(pending_blocks)  # shared prefixes, their new branches' home
+        # Shared prefixes, their new branches' home: a share per tenant of pending_blocks.
+        self._groups = PrefixGroups(pending_blocks)
         self._sent = DecayingCounts(balance_s, clock)  # backend url -> prompt blocks filled lately
         self._requests = DecayingCounts(balance_s, clock)  # backend url -> requests sent lately
         self._rehomed_at = -math.inf  # when the balance rule last moved a prefix's home
@@ -275,7 +276,7 @@ class KvAware:
             self._groups.rehome(blocks[known - 1], url)  # the balance rule moved it
             sent.rehomed = (blocks[known - 1], group, self._rehomed_at)
             self._rehomed_at = now
-        self._notes[request] = (blocks, known, holder)  # noted once it ran
+        self._notes[request] = (request.tenant, blocks, known, holder)  # noted once it ran
         self.memory.sent(request, request.tenant, url, blocks)
 
     def ended(self, state: BackendView, request: QueuedRequest | None, ran: bool) -> None:
