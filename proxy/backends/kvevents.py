@@ -131,6 +131,16 @@ class EventFeed:
         """The connection is up: the (empty) index hears every batch from here: partial."""
         self.index.joined()
 
+    def history_empty(self) -> None:
+        """The engine's replay, asked from its first batch on a new connection before any
+        batch came, holds none: it never published one (vLLM publishes a batch only of a step
+        with events, and its buffer, once it holds one, is never empty again: 0.32's
+        ZmqEventPublisher), so it has stored nothing, and the (empty) index is exact. Its next
+        batch is its first (sequence 0); a later one is a gap from 0, replayed."""
+        if self.last_seq is None:
+            self.index.synced_from_start()
+            self.last_seq = -1
+
     def missing_from(self, seq: int) -> int | None:
         """The first batch missed before ``seq`` that a replay could bring; None: none, or
         more than the engine's replay buffer holds (never asked: the index is dropped). On a

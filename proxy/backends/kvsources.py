@@ -57,6 +57,9 @@ def event_endpoints(
     endpoint = with_host(config.get("endpoint"), backend_url, out)
     if endpoint is None:
         return None
+    steps = config.get("buffer_steps")
+    if isinstance(steps, int) and steps < 1:
+        return endpoint, None  # a replay that keeps nothing: its empty answer tells nothing
     return endpoint, with_host(config.get("replay_endpoint"), backend_url, out)
 
 

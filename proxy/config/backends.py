@@ -151,8 +151,10 @@ class Backend(Strict):
     kv_events_replay: str | None = Field(
         None,
         description="With `kv_events`: the ZMQ endpoint of that publisher's replay socket (vLLM's"
-        " `replay_endpoint`), which batches missed in a gap are asked from. null: none (from"
-        " `/kv_event_sources` otherwise).",
+        " `replay_endpoint`), which batches missed in a gap, and a new connection's history,"
+        " are asked from; its buffer must keep batches (vLLM's `buffer_steps`, 10,000 by"
+        " default): a history with none says the engine never stored a block (the index is"
+        " exact at once). null: none (from `/kv_event_sources` otherwise).",
         json_schema_extra=TUNING,
     )
     max_loras: int | None = Field(

@@ -11,7 +11,7 @@ import pytest
 
 from proxy.backends.backend import BackendState
 from proxy.backends.kvevents import MAX_REPLAY_GAP, SLICE_BLOCKS, EventFeed, Sync, decode_batch
-from proxy.backends.kvindex import KvIndex
+from proxy.backends.kvindex import KvIndex, Trust
 from proxy.backends.kvsources import event_endpoint, event_endpoints
 from proxy.config.backends import Backend
 from proxy.policies.blockhash import chain_hashes
@@ -260,6 +260,42 @@ def test_the_replay_endpoint_comes_with_the_publishers() -> None:
     odd = {**config, "replay_endpoint": "ipc:///run/other.sock"}
     assert event_endpoints({"0": odd}, "http://h:1", refused) == ("tcp://h:5557", None)
     assert refused == ["ipc:///run/other.sock"]
+    # A replay buffer that keeps nothing (``buffer_steps: 0``): an empty history from it would
+    # say nothing of what the engine stored, so it is not used.
+    keeps_none = {"0": {**config, "buffer_steps": 0}}
+    assert event_endpoints(keeps_none, "http://h:1") == ("tcp://h:5557", None)
+    assert event_endpoints({"0": {**config, "buffer_steps": 10_000}}, "http://h:1") == (
+        "tcp://h:5557",
+        "tcp://h:5558",
+    )
+
+
+def test_an_empty_history_makes_a_new_connections_index_exact_and_the_next_batch_its_first() -> (
+    None
+):
+    clock = FakeClock()
+    idx = index(clock, resync_s=30.0)
+    feed = EventFeed(idx, clock)
+    feed.reconnected()
+    feed.connected()
+    assert idx.trust() == Trust.COLD  # partial, but within resync_s
+    feed.history_empty()  # the engine never published a batch: it stored nothing
+    assert idx.trust() == Trust.EXACT
+    assert feed.apply(0, decode_batch(batch(stored([1], None, tokens(4))))).sync == Sync.IN_ORDER
+    assert idx.trust() == Trust.EXACT and idx.leading(chain_hashes(tokens(5), B)) == 1
+    # Were its first batches missed meanwhile, they are a gap from 0, asked of the replay.
+    other = EventFeed(index(clock), clock)
+    other.reconnected()
+    other.connected()
+    other.history_empty()
+    assert other.missing_from(0) is None and other.missing_from(3) == 0
+    # Once a batch was heard on the connection, an empty answer changes nothing.
+    late = EventFeed(index(clock, resync_s=0.0), clock)
+    late.reconnected()
+    late.connected()
+    late.apply(7, decode_batch(batch(stored([1], None, tokens(4)))))
+    late.history_empty()
+    assert late.index.trust() == Trust.PARTIAL and late.last_seq == 7
 
 
 def test_what_a_replay_must_bring() -> None:

@@ -246,46 +246,52 @@ async def test_a_gap_is_filled_from_the_replay_socket(ctx: zmq.asyncio.Context) 
             await watcher.stop()
 
 
-@pytest.mark.parametrize("young", [True, False], ids=["young", "past-its-buffer"])
+@pytest.mark.parametrize("history", ["young", "past-its-buffer", "none"])
 async def test_a_new_connection_replays_the_engines_history_before_any_batch(
-    ctx: zmq.asyncio.Context, young: bool
+    ctx: zmq.asyncio.Context, history: str
 ) -> None:
     """A proxy joining an idle engine whose replay buffer holds its every batch (a young
     engine; a proxy restarted beside it) is exact within ``HISTORY_WAIT_S``, with what was
     stored before it joined: it does not wait for the engine's next batch (an idle one, or one
-    serving cache hits, sends none). Where the buffer no longer starts at batch 0, the index
-    stays partial (only older blocks missing). The history is asked from batch 0."""
+    serving cache hits, sends none). So is one joining an engine that never published a batch
+    (its replay holds none: it stored nothing). Where the buffer no longer starts at batch 0,
+    the index stays partial (only older blocks missing). The history is asked from batch 0."""
+    exact = history != "past-its-buffer"
     async with _replaying_engine(ctx) as (backend, pool, publisher, session):
         state = pool.all()[0]
-        for first in (0, 10, 20):  # stored before the proxy joined
+        before = (0, 10, 20) if history != "none" else ()
+        for first in before:  # stored before the proxy joined
             await publisher.send(stored([first + 1], list(range(first, first + 4))), lost=True)
-        if not young:
-            publisher.buffer.pop(0)  # past its buffer: batch 0 is gone
+        if history == "past-its-buffer":
+            publisher.buffer.pop(0)  # batch 0 is gone
         metrics = ProxyMetrics()
+        # No resync window: only the history makes the index exact.
         watcher = await _watch_one(pool, KvCache(block_size=B, resync_s=0), session, metrics)
         try:
             await publisher.subscribed()
-            prompts = [chain_hashes(list(range(f, f + 5)), B) for f in (0, 10, 20)]
+            prompts = [chain_hashes(list(range(f, f + 5)), B) for f in before]
             index = state.kv_index
             assert index is not None
-            if young:
+            if exact:
                 await until(lambda: index.trust() == Trust.EXACT, 10, "exact from history")
-                assert [state.cached_blocks(p) for p in prompts] == [1, 1, 1]
+                assert [state.cached_blocks(p) for p in prompts] == [1] * len(before)
                 labels = {"backend": backend.label}
                 replayed = "tierproxy_kv_events_replayed_batches_total"
-                assert metrics.registry.get_sample_value(replayed, labels) == 3
+                assert metrics.registry.get_sample_value(replayed, labels) == (len(before) or None)
+                trust = metrics.registry.get_sample_value("tierproxy_kv_index_trust", labels)
+                assert trust == Trust.EXACT
             else:
                 await until(lambda: publisher.asked == [0], 10, "the history asked")
                 await asyncio.sleep(0.1)  # its (refused) answer read: nothing applied
                 assert index.trust() == Trust.PARTIAL
                 assert [state.cached_blocks(p) for p in prompts] == [0, 0, 0]
-            # The next live batch: in order after the history; past its buffer, a gap whose
-            # replay is refused again (partial still).
+            # The next live batch: in order after the history (the engine's first, where it
+            # had none); past its buffer, a gap whose replay is refused again (partial still).
             await publisher.send(stored([31], list(range(30, 34))))
             fresh = chain_hashes(list(range(30, 35)), B)
             await until(lambda: state.cached_blocks(fresh) == 1, 10, "the live batch")
-            assert index.trust() == (Trust.EXACT if young else Trust.PARTIAL)
-            assert publisher.asked[0] == 0
+            assert index.trust() == (Trust.EXACT if exact else Trust.PARTIAL)
+            assert publisher.asked == ([0] if exact else [0, 0])  # in order: nothing asked
         finally:
             await watcher.stop()
 
