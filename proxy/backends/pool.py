@@ -307,11 +307,12 @@ class BackendPool:
         *,
         best: bool = False,
         request: QueuedRequest | None = None,
-        ran: bool = True,
+        ran: bool | None = True,
         now: float = 0.0,
     ) -> None:
         """Count a request out of ``state``; ``ran`` False: the engine did no work for it
-        (the chooser keeps no trace of it: ``BackendChooser.ended``)."""
+        (the chooser keeps no trace of it: ``BackendChooser.ended``); None: its client left
+        before the engine answered."""
         try:  # a chooser that raises must not keep the slot (every backend full at last)
             if request is not None:
                 self.chooser.ended(state, request, ran)

@@ -46,10 +46,11 @@ class BackendChooser(Protocol):
     def served(self, state: BackendView, request: QueuedRequest | None) -> None:
         """``request`` (None: nothing known of it) was sent to ``state``."""
 
-    def ended(self, state: BackendView, request: QueuedRequest | None, ran: bool) -> None:
+    def ended(self, state: BackendView, request: QueuedRequest | None, ran: bool | None) -> None:
         """``request``, sent to ``state`` (``served``), ended. ``ran`` False: the engine did
         no work for it (it answered a 4xx, the connection failed before it was sent, its
-        handler left first): what ``served`` kept of it goes, and leaves no trace."""
+        handler left first): what ``served`` kept of it goes, and leaves no trace. None: its
+        client left before the engine answered (it may have waited in vLLM's own queue)."""
 
     def next_hold_end(self, now: float) -> float | None:
         """Seconds until the first request ``pick`` holds back for a full backend may go
@@ -134,7 +135,7 @@ class NeverHolds:
     def left(self, request: QueuedRequest) -> None:
         pass
 
-    def ended(self, state: BackendView, request: QueuedRequest | None, ran: bool) -> None:
+    def ended(self, state: BackendView, request: QueuedRequest | None, ran: bool | None) -> None:
         pass  # what it remembers is shaped at dispatch (kv_aware keeps only what ran)
 
 

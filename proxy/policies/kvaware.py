@@ -63,6 +63,7 @@ from proxy.policies.backends import B, Candidate, Rotation, free_share
 from proxy.policies.kvfit import KvInFlight
 from proxy.policies.kvgroups import PrefixGroups
 from proxy.policies.kvhold import HomeHold
+from proxy.policies.kvleft import LeftUnanswered
 from proxy.policies.kvmemory import PlacementMemory
 from proxy.policies.kvprefix import PrefixHomes
 from proxy.policies.kvrecent import DecayingCounts
@@ -123,6 +124,7 @@ class KvAware:
         self._rehomed_at = -math.inf  # when the balance rule last moved a prefix's home
         self._counted: dict[QueuedRequest, _Sent] = {}  # in flight: what its sending counted
         self._prefix_homes = PrefixHomes()  # for a prompt whose blocks are unknown
+        self._left = LeftUnanswered(pending_s)  # client gone before the engine answered
 
     def cached_tokens(self, state: BackendView, blocks: Sequence[int]) -> int:
         """The longest prefix of ``blocks`` cached on ``state`` as its index shows, or sent there
@@ -265,7 +267,7 @@ class KvAware:
         prefill = self._prompt_tokens(request, blocks) - saved
         self._work.sent(request, url, prefill, blocks or (), saved // self.block_size)
         self._fit.sent(request, url, blocks or (), request.expected_output)
-        sent = _Sent(url, now, filled)
+        sent = _Sent(url, now, filled, state.cached_blocks(blocks) if blocks else None)
         self._counted[request] = sent
         if not blocks:
             return
@@ -279,12 +281,19 @@ class KvAware:
         self._notes[request] = (request.tenant, blocks, known, holder)  # noted once it ran
         self.memory.sent(request, request.tenant, url, blocks)
 
-    def ended(self, state: BackendView, request: QueuedRequest | None, ran: bool) -> None:
+    def ended(self, state: BackendView, request: QueuedRequest | None, ran: bool | None) -> None:
         # Only what the engine ran shapes the memory (a 4xx, a failed connection: no trace).
+        # None: the client left unanswered; in flight until the index tells (``kvleft``).
         if request is None:
             return
         self._work.ended(request)
         self._fit.ended(request)
+        shown = sent.shown if (sent := self._counted.get(request)) is not None else None
+        if ran is None and self._left.add(request, state, shown, self.clock()):
+            return
+        self._ended(state, request, ran is not False)
+
+    def _ended(self, state: BackendView, request: QueuedRequest, ran: bool) -> None:
         sent = self._counted.pop(request, None)
         if sent is not None and not ran:
             self._unsend(sent)
@@ -324,6 +333,8 @@ class KvAware:
     def _expire(self, now: float) -> None:
         """``now``: the pool's clock, that of the requests' arrivals and holds."""
         self._hold.expire(now)
+        for request, state, ran in self._left.settle(self.clock()):
+            self._ended(state, request, ran)
 
 
 @dataclass(slots=True)
@@ -333,15 +344,5 @@ class _Sent:
     url: str
     at: float
     filled: float  # its weight in the shares lately
+    shown: int | None = None  # its prompt's leading blocks the index showed then (None: cold)
     rehomed: tuple[int, str, float] | None = None  # (branch point, its home before, when moved)
-
-
-def latency_weights(priorities: Mapping[str, int], best: float, worst: float) -> dict[str, float]:
-    """Each tier's weight of room against cache, from ``best`` (the best priority) to
-    ``worst`` (the worst), geometrically between; one priority alone gets ``best``."""
-    ranks = sorted(set(priorities.values()))
-    span = len(ranks) - 1
-    return {
-        tier: best * (worst / best) ** (ranks.index(p) / span) if span else best
-        for tier, p in priorities.items()
-    }

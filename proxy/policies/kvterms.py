@@ -162,3 +162,14 @@ def serves_home(scene: Scene, full: Sequence[BackendView]) -> bool:
     ejected nor draining, but has no free slot), and not one the balance rule lets it leave."""
     home = scene.home
     return bool(home) and scene.home_stays() and any(b.cfg.url == home for b in full)
+
+
+def latency_weights(priorities: Mapping[str, int], best: float, worst: float) -> dict[str, float]:
+    """Each tier's weight of room against cache, from ``best`` (the best priority) to
+    ``worst`` (the worst), geometrically between; one priority alone gets ``best``."""
+    ranks = sorted(set(priorities.values()))
+    span = len(ranks) - 1
+    return {
+        tier: best * (worst / best) ** (ranks.index(p) / span) if span else best
+        for tier, p in priorities.items()
+    }

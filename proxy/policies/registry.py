@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, TypeVar
 
 from proxy.policies.backends import BackendChooser, LeastUtilised, PrefixAffinity
 from proxy.policies.displacement import Displacement, LargestShare, NoDisplacement
-from proxy.policies.kvaware import KvAware, latency_weights
+from proxy.policies.kvaware import KvAware
+from proxy.policies.kvterms import latency_weights
 from proxy.policies.order import Fcfs, RequestOrder, ShortFirst
 from proxy.policies.tenants import EarliestDeadlineFirst, TenantFairness, VirtualTokenCounter
 from proxy.policies.tiers import StrictPriorityTierSelector, StrideTierSelector, TierSelector

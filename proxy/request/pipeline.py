@@ -284,11 +284,14 @@ class RequestPipeline:
         """Relay the request to the leased backend; None: it failed before anything reached
         the client (retry); 503/502 once attempts run out, or a second backend that ran it broke."""
         adm.attempts += 1
-        ran = True  # unless known otherwise (the client left: it may have run)
+        ran: bool | None = True  # unless known otherwise
         try:
             result = await self.relay_once(request, adm, lease)
             ran = result.engine_ran
             return result
+        except asyncio.CancelledError:
+            ran = None  # the client left before the engine answered: the chooser tells
+            raise
         except UpstreamUnavailable as exc:
             ran = exc.maybe_ran
             retry_elsewhere(exc, adm, lease, self.pool, self.metrics, self.clock())

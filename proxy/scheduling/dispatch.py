@@ -51,9 +51,10 @@ class Lease:
     request: QueuedRequest | None = None  # what the chooser was told it served
     adapter_plan: LoadPlan | None = None  # the adapter load it must do before it is sent
 
-    def release(self, *, ran: bool = True) -> None:
+    def release(self, *, ran: bool | None = True) -> None:
         """``ran`` False: the engine did no work for it (a 4xx, a failed connection, never
-        sent): the chooser keeps no trace of it."""
+        sent): the chooser keeps no trace of it. None: its client left before the engine
+        answered (it may have waited in vLLM's own queue): the chooser tells."""
         if not self.released:
             self.released = True
             if self.adapter_plan is not None:  # its load never began (the loader clears it)
@@ -77,7 +78,7 @@ class CheapLease:
     tenant: str = ""
     released: bool = False
 
-    def release(self, *, ran: bool = True) -> None:
+    def release(self, *, ran: bool | None = True) -> None:
         if not self.released:
             self.released = True
             self.pool.release_cheap(self.backend, self.tenant)

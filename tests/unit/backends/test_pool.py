@@ -198,7 +198,7 @@ def test_failing_probes_note_when_they_began() -> None:
 
 
 class _RaisingChooser(LeastUtilised):
-    def ended(self, state: object, request: object, ran: bool) -> None:
+    def ended(self, state: object, request: object, ran: bool | None) -> None:
         raise KeyError("a chooser bug")
 
 

@@ -11,8 +11,9 @@ import pytest
 from proxy.backends.pool import BackendPool
 from proxy.config.backends import Backend, BackendHealth
 from proxy.policies.backends import Candidate, LeastUtilised, PrefixAffinity
-from proxy.policies.kvaware import KvAware, latency_weights
+from proxy.policies.kvaware import KvAware
 from proxy.policies.kvrecent import DecayingCounts
+from proxy.policies.kvterms import latency_weights
 from proxy.policies.types import QueuedRequest, ScrapedLoad
 from tests.helpers.clock import FakeClock
 

@@ -15,7 +15,8 @@ import pytest
 
 from proxy.config.backends import Backend
 from proxy.policies.backends import TIE, B, Candidate, free_share
-from proxy.policies.kvaware import KvAware, latency_weights
+from proxy.policies.kvaware import KvAware
+from proxy.policies.kvterms import latency_weights
 from proxy.policies.types import QueuedRequest, ScrapedLoad
 from tests.helpers.clock import FakeClock
 

@@ -7,8 +7,9 @@ from collections.abc import Sequence
 
 from proxy.config.backends import Backend
 from proxy.policies.backends import Candidate
-from proxy.policies.kvaware import KvAware, latency_weights
+from proxy.policies.kvaware import KvAware
 from proxy.policies.kvgroups import PrefixGroups, TenantLru
+from proxy.policies.kvterms import latency_weights
 from proxy.policies.types import QueuedRequest
 from tests.helpers.clock import FakeClock
 from tests.unit.policies.test_kvaware import FakeBackend
