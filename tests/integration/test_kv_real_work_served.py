@@ -1,0 +1,241 @@
+"""kv_aware's placement, shaped only by real work, against `tierproxy serve` (a subprocess) in
+front of two real CPU vLLMs (prefix caching, KV events, blocks of 32): one tenant's flood of
+branch points, many times the chooser's room (``kv_aware.memory_blocks``, made small), does not
+evict another tenant's system prompt's home (proxy.policies.kvgroups); a request whose client
+left while it waited in vLLM's own queue leaves no placement, one that left while the engine
+ran it does (proxy.policies.kvleft). Where a request went is read from the engines' own
+counters and the proxy's /admin/status; nothing is timed. The in-process twins:
+tests/unit/policies/test_kvgroups.py, test_kvleft.py."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import secrets
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from proxy.bench.hostile.served import ADMIN_KEY, ServedProxy
+from proxy.bench.inproc import KEYS
+from proxy.tools.engine import EngineProcess
+from tests.helpers.enginefarm import EngineFarm
+from tests.helpers.engines import KV_EVENTS
+from tests.helpers.kvpair import (
+    BLOCK,
+    KV_EVENTS_B,
+    TIMEOUT,
+    Client,
+    conversation,
+    kv_pair_config,
+    served_count,
+    system_prompt,
+    until_trusted,
+)
+
+RUNNING, WAITING = "vllm:num_requests_running", "vllm:num_requests_waiting"
+PROMPTED = "vllm:prompt_tokens_total"  # counted with a request's first token: its prefill done
+pytestmark = [pytest.mark.integration, pytest.mark.engines(KV_EVENTS, KV_EVENTS_B)]
+MEMORY = 64  # the chooser's room: the victim keeps under half of it (its share)
+# The flood's branch points: 120, past the room with a margin for prompts whose blocks could
+# not be had in time (the tokenizer threads' turn: placed by load, not noted).
+TRUNKS, POINTS = 6, 20
+
+
+@pytest.fixture(scope="module")
+def pair(engines: EngineFarm) -> tuple[EngineProcess, EngineProcess]:
+    return engines.get(KV_EVENTS), engines.get(KV_EVENTS_B)
+
+
+def _conversation(system: str, n: int) -> list[dict[str, str]]:
+    """A new conversation under ``system`` (8 full blocks of the tiny model's tokens): its
+    question fills two blocks more of its own."""
+    question = f"q{n}: " + " ".join(f"w{n}x{i}" for i in range(10))
+    return [{"role": "system", "content": system}, {"role": "user", "content": question}]
+
+
+async def _drain(session: aiohttp.ClientSession, admin: str, url: str, drain: bool) -> None:
+    headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    body = {"url": url, "drain": drain}
+    async with session.post(admin + "/admin/backends/drain", json=body, headers=headers) as r:
+        assert r.status == 200, await r.text()
+
+
+async def _complete(session: aiohttp.ClientSession, base: str, ids: list[int]) -> None:
+    body = {"model": "tiny", "prompt": ids, "max_tokens": 1}
+    headers = {"Authorization": f"Bearer {KEYS['low']}"}
+    async with session.post(base + "/v1/completions", json=body, headers=headers) as r:
+        assert r.status == 200, await r.text()
+
+
+def _ids(n: int) -> list[int]:
+    """``n`` token ids of a prompt no other shares."""
+    return [100 + secrets.randbelow(400) for _ in range(n)]
+
+
+async def _flood(session: aiohttp.ClientSession, base: str) -> None:
+    """Another tenant's work that ran, ``TRUNKS * POINTS`` branch points: each trunk of
+    ``POINTS`` blocks, then after each of its first k blocks (deepest first) two prompts that
+    go on two ways, a block each."""
+    for _ in range(TRUNKS):
+        trunk = _ids(POINTS * BLOCK + 1)
+        await _complete(session, base, trunk)
+        for k in range(POINTS, 0, -1):
+            for _ in range(2):
+                await _complete(session, base, trunk[: k * BLOCK] + _ids(BLOCK + 1))
+
+
+async def _flood_predictions(usage_log: Path, n: int) -> list[int | None]:
+    """The index's prediction for each of the flood's ``n`` requests (None: no blocks), once
+    the usage log has them all (written as each ends)."""
+    for _ in range(100):  # polls
+        lines = [orjson.loads(line) for line in usage_log.read_bytes().splitlines()]
+        flood = [u.get("predicted_cached_tokens") for u in lines if u.get("tenant") == "tenant-low"]  # fmt: skip
+        if len(flood) >= n:
+            return flood
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{len(flood)} of the flood's {n} usage records")
+
+
+async def test_one_tenants_flood_of_branch_points_does_not_move_another_tenants_new_conversations(
+    pair: tuple[EngineProcess, EngineProcess], tmp_path: Path
+) -> None:
+    """The victim (tenant-normal) has a system prompt whose home is one engine (its first
+    conversations ran there); while that engine was drained one conversation ran on the other,
+    so the prompt's blocks were last sent there. Its next new conversation goes home all the
+    same (the branch point's home) after the flood; with one LRU for every tenant's branch
+    points (main before this test) the flood evicted that home, and it followed the last turn
+    instead."""
+    config = kv_pair_config(*pair)
+    config["policies"]["kv_aware"] = {"memory_blocks": MEMORY}
+    usage_log = tmp_path / "usage.jsonl"
+    config["usage_log"] = {"path": str(usage_log)}
+    with ServedProxy(config, tmp_path).start() as proxy:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+            client = Client(session, proxy)
+            await until_trusted(session, proxy)
+
+            async def counts() -> list[float]:
+                return [await served_count(session, e) for e in pair]
+
+            async def where(n: int) -> int:
+                """The engine the victim's conversation ``n`` ran on."""
+                before = await counts()
+                await client.chat("normal", _conversation(system, n))
+                deltas = [x - y for x, y in zip(await counts(), before, strict=True)]
+                assert sorted(deltas) == [0, 1], deltas
+                return deltas.index(1)
+
+            system = f"victim-{secrets.token_hex(4)} " + " ".join(f"rule{i % 97}" for i in range(50))  # fmt: skip
+            home = await where(0)
+            assert [await where(n) for n in (1, 2)] == [home, home]  # a branch point at home
+            await _drain(session, proxy.admin_url, pair[home].spec.url, True)
+            away = await where(3)
+            assert away != home
+            await _drain(session, proxy.admin_url, pair[home].spec.url, False)
+            # (No control here: a conversation run at home would make it the holder again.)
+            await _flood(session, proxy.url)
+            # The flood's prompts had their blocks (the index's prediction logged): noted.
+            flood = await _flood_predictions(usage_log, TRUNKS * (2 * POINTS + 1))
+            assert sum(p is not None for p in flood) > 2 * MEMORY + TRUNKS, flood
+            assert await where(4) == home, (
+                "the victim's new conversation followed its last turn: its system prompt's"
+                " home was evicted by another tenant's branch points"
+            )
+
+
+async def _engine(session: aiohttp.ClientSession, engine: EngineProcess, name: str) -> float:
+    """The engine's own metric ``name`` (vllm:num_requests_waiting, ...), all labels."""
+    async with session.get(engine.spec.url + "/metrics") as resp:
+        text = await resp.text()
+    pattern = rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$"
+    return sum(float(m.group(1)) for m in re.finditer(pattern, text, re.M))
+
+
+async def _until_engine(
+    session: aiohttp.ClientSession, engine: EngineProcess, name: str, want: Callable[[float], bool]
+) -> None:
+    for _ in range(300):  # polls
+        if want(await _engine(session, engine, name)):
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"the engine's {name} never as wanted")
+
+
+async def _settled(client: Client, session: aiohttp.ClientSession, proxy: ServedProxy) -> None:
+    """Until no request is in flight in the chooser's memory (one whose client left stays in
+    flight until told): each look is a pick (another tenant's short prompt), which settles."""
+    for n in range(400):  # polls (the chooser tells within pending_s, 10 s)
+        placement = await _placement(session, proxy)
+        if placement["in_flight"] == 0:
+            return
+        await client.chat("normal", [{"role": "user", "content": f"tick {n}"}])
+        await asyncio.sleep(0.05)
+    raise AssertionError("a request whose client left is still in flight")
+
+
+async def _placement(session: aiohttp.ClientSession, proxy: ServedProxy) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    async with session.get(proxy.admin_url + "/admin/status", headers=headers) as resp:
+        placement: dict[str, Any] = (await resp.json())["kv_placement"]
+    return placement
+
+
+async def test_a_request_whose_client_left_while_queued_in_vllm_leaves_no_placement(
+    pair: tuple[EngineProcess, EngineProcess], tmp_path: Path
+) -> None:
+    """Promise B: one engine (the other drained) runs four long streams of the best tier, its
+    ``--max-num-seqs``; the proxy (eight slots there) sends tenant-low's request, which waits
+    in vLLM's own queue (its gauge; a worse tier preempts nothing), and the client leaves: vLLM
+    aborts it, nothing computed. The proxy learns that only from the engine's KV events (none
+    of its prompt stored): once the chooser tells, tenant-low keeps no placement. The control:
+    the same tenant's request whose client leaves while the engine decodes it (its prefill
+    counted by the engine, stored) is kept."""
+    engine, other = pair
+    config = kv_pair_config(*pair)
+    for backend in config["backends"]:
+        backend["max_inflight"] = 8  # past the engine's four: vLLM queues the rest
+    with ServedProxy(config, tmp_path).start() as proxy:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+            client = Client(session, proxy)
+            await until_trusted(session, proxy)
+            await _drain(session, proxy.admin_url, other.spec.url, True)
+
+            async def leave(messages: list[dict[str, str]], *, queued: bool) -> None:
+                """tenant-low's long generation, left once the engine shows it queued (in
+                its waiting gauge) or prefilled (its prompt tokens counted)."""
+                body = {"model": "tiny", "messages": messages, "max_tokens": 1600, "ignore_eos": True}  # fmt: skip
+                prompted = await _engine(session, engine, PROMPTED)
+                task = asyncio.create_task(client.post("low", body))
+                if queued:
+                    await _until_engine(session, engine, WAITING, lambda n: n >= 1)
+                else:
+                    await _until_engine(session, engine, PROMPTED, lambda n: n >= prompted + 300)
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+            async with contextlib.AsyncExitStack() as streams:
+                for n in range(4):
+                    system = system_prompt(f"busy-{secrets.token_hex(4)}")
+                    await streams.enter_async_context(
+                        client.running("high", conversation(system, n))
+                    )
+                await _until_engine(session, engine, RUNNING, lambda n: n >= 4)
+                queued = conversation(system_prompt(f"queued-{secrets.token_hex(4)}"), 0)
+                await leave(queued, queued=True)
+                await _until_engine(session, engine, WAITING, lambda n: n == 0)  # aborted
+            await _settled(client, session, proxy)
+            tenants = (await _placement(session, proxy))["tenants"]
+            assert "tenant-low" not in tenants, tenants
+            # The control: left while the engine decodes it (no stream: no byte came).
+            await _until_engine(session, engine, RUNNING, lambda n: n == 0)
+            await leave(conversation(system_prompt(f"ran-{secrets.token_hex(4)}"), 0), queued=False)
+            await _settled(client, session, proxy)
+            tenants = (await _placement(session, proxy))["tenants"]
+            assert sum(tenants["tenant-low"].values()) >= 8, tenants
