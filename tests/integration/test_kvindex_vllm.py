@@ -20,6 +20,7 @@ import aiohttp
 import pytest
 
 from proxy.backends.backend import BackendState
+from proxy.backends.kvindex import Trust
 from proxy.bench.inproc import auth, make_config, running_proxy, until
 from proxy.policies.types import QueuedRequest
 from proxy.server.state import ProxyState
@@ -190,14 +191,19 @@ async def test_index_recovers_after_reconnect_and_engine_restart(engine: EngineP
         hit = await client.chat("high", fresh)
         assert hit[0] == hit[1] > 0, hit
 
-        # The engine restarts: its cache is empty and so is the index, warm from the new
-        # engine's first batch; nothing from before is predicted, new prompts are exactly.
+        # The engine restarts: its cache is empty and so is the index, exact before any
+        # request: the new engine's replay holds no batch (it never published one: it stored
+        # nothing); nothing from before is predicted, new prompts are exactly.
         engine.stop()
         await until(lambda: not backend.kv_index or not backend.kv_index.warm(), 20, "cold")
         engine.start()
         await _wait_ready(engine)
-        assert await client.chat("high", fresh) == (None, 0)
-        await _warm(client)  # the new engine's batches from 0
+
+        def exact() -> bool:
+            return backend.kv_index is not None and backend.kv_index.trust() == Trust.EXACT
+
+        await until(exact, 30, "exact from the new engine's empty history")
+        assert await client.chat("high", fresh) == (0, 0)
         again = await client.chat("high", fresh)
         assert again[0] == again[1] > 0, again
         assert await client.chat("high", before) == (0, 0)
