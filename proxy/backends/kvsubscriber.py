@@ -277,9 +277,8 @@ class KvSubscriber:
     async def _replay_history(self) -> None:
         """A new connection heard nothing (``HISTORY_WAIT_S``): the engine's batches from its
         first, where its replay buffer holds them all, applied: exact, with what it stored
-        before this proxy joined (an idle engine sends no batch that would ask it); none at
-        all, exact too (it never stored a block: ``EventFeed.history_empty``). Else partial: it
-        only lacks older blocks."""
+        before this proxy joined (an idle engine sends no batch that would ask it); none at all,
+        exact too (``EventFeed.history_empty``). Else partial: it only lacks older blocks."""
         if self.replay_endpoint is None:
             return
         timeout = self.pool.health.probe_timeout_s
