@@ -3,9 +3,8 @@
 authenticate → parse → quotas → tenant limits → queue → dispatch → forward → account → log
 
 ``RequestPipeline.handle`` reads top to bottom as that list (the flat ``HandleRequest`` of the
-Gateway API Inference Extension). Every collaborator is injected — the clock, the sleep of the
-tenant-limit wait, the relay, the limits, the queue, the dispatcher, the pool, the metrics — so
-the whole path runs in unit tests against an in-process upstream with a fake clock.
+Gateway API Inference Extension). Every collaborator is injected (clock, limit-wait sleep, relay,
+limits, queue, dispatcher, pool, metrics): the whole path runs in unit tests with a fake clock.
 """
 
 from __future__ import annotations
@@ -284,13 +283,13 @@ class RequestPipeline:
         """Relay the request to the leased backend; None: it failed before anything reached
         the client (retry); 503/502 once attempts run out, or a second backend that ran it broke."""
         adm.attempts += 1
-        ran: bool | None = True  # unless known otherwise
+        ran: bool | None = True  # unless known otherwise; None: the client left (the chooser tells)
         try:
             result = await self.relay_once(request, adm, lease)
             ran = result.engine_ran
             return result
         except asyncio.CancelledError:
-            ran = None  # the client left before the engine answered: the chooser tells
+            ran = None
             raise
         except UpstreamUnavailable as exc:
             ran = exc.maybe_ran

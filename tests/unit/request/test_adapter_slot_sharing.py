@@ -10,6 +10,7 @@ import asyncio
 from typing import Any
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from proxy.bench.fake_vllm import FakeVLLM
@@ -181,11 +182,16 @@ async def test_touching_another_tenants_shared_adapter_does_not_make_it_reload()
         assert loads.count("theirs") == 1, loads
 
 
-async def test_a_low_request_gives_up_no_best_tier_tenants_claimed_adapter() -> None:
+@pytest.mark.parametrize("due_share", [1.0, 0.5])
+async def test_a_low_request_gives_up_no_best_tier_tenants_claimed_adapter(
+    due_share: float,
+) -> None:
     """The red team's run (F1 of round g): two best-tier tenants each on its own adapter, one
     low-tier 1-token request every 5 s: each low request gave up one of their idle adapters,
-    and the returning tenant gave up its peer's. Now the low request waits (here to its 1 s
-    queue timeout: the best tier never pauses for `claim_s`) and nothing reloads."""
+    and the returning tenant gave up its peer's. Now the low request waits: with strict tier
+    order (``due_share: 1``) to its 1 s queue timeout (the best tier never pauses for
+    `claim_s`) and nothing reloads; by default until it is due (half its timeout), then it
+    takes one best-tier adapter's slot, which is loaded again once."""
     release = asyncio.Event()
     events: list[str] = []
     loads: list[str] = []
@@ -204,6 +210,7 @@ async def test_a_low_request_gives_up_no_best_tier_tenants_claimed_adapter() -> 
     config = _config("", adapters)
     config["tenants"] = tenants
     config["tiers"]["low"]["queue_timeout_s"] = 1.0
+    config.setdefault("scheduling", {})["adapter_slots"] = {"due_share": due_share}
     async with (
         serve_app(_engine(release, events, loads), handler_cancellation=True) as url,
         aiohttp.ClientSession() as client,
@@ -221,5 +228,13 @@ async def test_a_low_request_gives_up_no_best_tier_tenants_claimed_adapter() -> 
                 assert await _complete(client, base, "high", "ad-a", 1) == 200
                 assert await _complete(client, base, "normal", "ad-b", 1) == 200
                 await asyncio.sleep(0.05)
-        assert loads == ["ad-a", "ad-b"], loads  # on main: ad-d, then ad-a and ad-b again
-        assert (await low) == 503  # its queue timeout; on main: 200, served at once
+            # One more round once the low request has its answer: both back on their slots.
+            assert await _complete(client, base, "high", "ad-a", 1) == 200
+            assert await _complete(client, base, "normal", "ad-b", 1) == 200
+        if due_share == 1.0:
+            assert loads == ["ad-a", "ad-b"], loads  # on main: ad-d, then ad-a and ad-b again
+            assert (await low) == 503  # its queue timeout; on main: 200, served at once
+        else:
+            assert (await low) == 200
+            assert loads[:3] == ["ad-a", "ad-b", "ad-d"], loads
+            assert len(loads) == 4 and loads[3] in ("ad-a", "ad-b"), loads  # one reload
