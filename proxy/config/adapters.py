@@ -114,17 +114,27 @@ def adapter_prices(
     adapters: Mapping[str, Adapter], pricing: Mapping[str, Price]
 ) -> dict[str, Price]:
     """``pricing`` with each adapter's price under its exact name (an exact name comes before
-    the globs: proxy.config.quotas.price_of): its own ``price``, else what ``pricing:`` names
-    for it (its name or a glob), else its base model's price. An adapter runs its base model
-    on the same engines: never free where the base model is priced (red team F5 of round g:
-    the example's shared adapter was billed `cost: null`)."""
+    the globs: proxy.config.quotas.price_of): its own ``price``, else its name in
+    ``pricing:``, else a glob that matches its name but not its base model's (`lora-*`), else
+    its base model's price. An adapter runs its base model on the same engines: never free
+    where the base model is priced (red team F5 of round g: the example's shared adapter was
+    billed `cost: null`; red team R5: a catch-all `"*": 0` matched the adapter before the base
+    model's own price)."""
     merged = dict(pricing)
     for name, adapter in adapters.items():
-        price = adapter.price
+        base = adapter.base_model
+        price = adapter.price if adapter.price is not None else pricing.get(name)
         if price is None:
-            price = price_of(pricing, name)
+            price = next(
+                (
+                    p
+                    for pattern, p in pricing.items()
+                    if fnmatch.fnmatchcase(name, pattern) and not fnmatch.fnmatchcase(base, pattern)
+                ),
+                None,
+            )
         if price is None:
-            price = price_of(pricing, adapter.base_model)
+            price = price_of(pricing, base)
         if price is not None:
             merged[name] = price
     return merged

@@ -172,7 +172,30 @@ def test_an_adapter_price_comes_before_the_pricing_globs() -> None:
     priced = price_of(config.prices, "priced")
     unpriced = price_of(config.prices, "unpriced")
     assert priced is not None and (priced.input, priced.output) == (3, 4)
-    assert unpriced is not None and unpriced.input == 9  # pricing's "*"
+    # A catch-all matches its base model too: the base model's own price comes first.
+    assert unpriced is not None and unpriced.input == 1
+
+
+def test_a_catch_all_price_never_makes_an_adapter_cheaper_than_its_base_model() -> None:
+    """Red team R5: with `tiny` priced and `"*": 0`, an unpriced adapter of tiny was free,
+    the priced base model run for nothing. A glob for adapters alone (`lora-*`) still holds."""
+    config = _config(
+        lora_x={"path": "/x", "base_model": "tiny", "shared": True},
+        other={"path": "/o", "base_model": "tiny", "shared": True},
+    )
+    config = config.model_copy(
+        update={
+            "pricing": {
+                "tiny": Price(input=1, output=2),
+                "lora_*": Price(input=5, output=5),
+                "*": Price(input=0, output=0),
+            }
+        }
+    )
+    other = price_of(config.prices, "other")
+    lora = price_of(config.prices, "lora_x")
+    assert other is not None and (other.input, other.output) == (1, 2)
+    assert lora is not None and lora.input == 5
 
 
 def test_an_adapter_without_a_price_is_billed_at_its_base_models() -> None:
