@@ -1,5 +1,4 @@
 """The path of a generation request, one named step per method, in request order:
-
 authenticate → parse → quotas → tenant limits → queue → dispatch → forward → account → log
 
 ``RequestPipeline.handle`` reads top to bottom as that list (the flat ``HandleRequest`` of the
@@ -47,7 +46,7 @@ from proxy.request.leases import direct_lease
 from proxy.request.prompt_blocks import PromptBlocks
 from proxy.request.quota_gate import QuotaGate
 from proxy.request.route_table import ROWS, Relay
-from proxy.request.tenancy import tenant_gate
+from proxy.request.tenancy import still_may_use, tenant_gate
 from proxy.request.tenant_limits import pass_tenant_limits, settle_tenant_limits
 from proxy.request.traced import upstream_spans
 from proxy.request.uploads import TenantUploads, UploadRefused, closing
@@ -237,6 +236,7 @@ class RequestPipeline:
 
     def enqueue(self, adm: Admitted) -> asyncio.Future[Lease]:
         """Into the tier's queue; a retry goes back at its old place, past the cap."""
+        still_may_use(self.pool, self.config().config, adm)  # a reload may have revoked it
         try:
             if adm.spans is not None:  # the tier's depth before it: its place at entry
                 depth = self.queue.depth(adm.tier)

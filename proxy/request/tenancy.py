@@ -11,6 +11,7 @@ from proxy.backends.pool import BackendPool
 from proxy.config.adapters import Adapter, model_visible
 from proxy.config.schema import Config
 from proxy.config.tenants import Tenant, Tier, allowed_models, cache_scope
+from proxy.request.admitted import Admitted
 from proxy.request.inbound import ParsedRequest
 from proxy.request.route_table import ROWS
 from proxy.request.stored import no_stored_responses
@@ -68,3 +69,16 @@ def tenant_gate(
     if ROWS[parsed.endpoint].stored_responses_refused:
         no_stored_responses(parsed.body)  # 400, or store: false
     return "" if BY_ENDPOINT[parsed.endpoint].cheap else cache_salt(secret, tenant, tier)
+
+
+def still_may_use(pool: BackendPool, current: Config, adm: Admitted) -> None:
+    """Check the request's model again when it enters the queue, against the configuration in
+    force now when a reload came since it was admitted: a request that waited for its tenant's
+    limit, or goes round again after a failure, is refused 404 for an adapter the reload took
+    from its tenant or removed, as a new request would be, rather than served (red team R1:
+    served and billed, a removed adapter sent as a base model under its name)."""
+    if current is adm.config or adm.parsed.model is None:
+        return
+    tenant = next((t for t in current.tenants if t.name == adm.tenant.name), adm.tenant)
+    tier = current.tiers.get(tenant.tier) or adm.config.tiers[adm.tenant.tier]
+    check_model(pool, adm.parsed.model, tenant, tier, current.adapters)
