@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+import types
+from typing import Any, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 from pydantic.fields import FieldInfo
 
 # `Field(..., json_schema_extra=TUNING)`: a controller's or an implementation's internal that an
@@ -23,3 +24,21 @@ class Strict(BaseModel):
     leave it out)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_yes_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        """YAML's yes/no/true/false is not a number: pydantic would take it as 1 or 0
+        (red team R4: `max_loras: yes` was one adapter slot, `max_inflight: yes` a room of 1)."""
+        if isinstance(value, bool) and info.field_name is not None:
+            kinds = _kinds(cls.model_fields[info.field_name].annotation)
+            if bool not in kinds and kinds & {int, float}:
+                raise ValueError("a number is needed here, not yes/no or true/false")
+        return value
+
+
+def _kinds(annotation: Any) -> set[Any]:
+    """The types a field's annotation admits (the members of a union, else itself)."""
+    if get_origin(annotation) in (Union, types.UnionType):
+        return set(get_args(annotation))
+    return {annotation}

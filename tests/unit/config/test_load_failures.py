@@ -111,3 +111,16 @@ def test_a_key_written_twice_is_a_problem_on_its_line(anchored: bool) -> None:
     assert f"line {_line_of(text, 'acme-sql') + 1}" in problems[0]
     merged = "base: &b {a: 1, b: 2}\nover: {<<: *b, b: 3}\n"  # a merge key overridden: fine
     assert safe_load(merged)["over"] == {"a": 1, "b": 3}
+
+
+@pytest.mark.parametrize("written", ["yes", "true", "no"])
+def test_a_yes_or_no_for_a_number_is_a_problem_on_its_line(written: str) -> None:
+    """Red team R4: `max_loras: yes` was taken as one adapter slot, `max_inflight: yes` as a
+    room of 1 (pydantic reads a YAML boolean as 1 or 0 for a number)."""
+    text = yaml.safe_dump(make_config([{"url": "http://127.0.0.1:9"}])).replace(
+        "- url: http://127.0.0.1:9", f"- url: http://127.0.0.1:9\n  max_inflight: {written}"
+    )
+    problems = _problems(text)
+    line = _line_of(text, "max_inflight:")
+    assert len(problems) == 1 and problems[0].startswith(f"backends.0.max_inflight (line {line})")
+    assert "not yes/no or true/false" in problems[0]
