@@ -68,8 +68,10 @@ class AdapterLoader:
     # Every load task not yet ended, whatever its key: what stop() cancels.
     _tasks: set[asyncio.Task[str | None]] = field(default_factory=set)
     _stopped: bool = False
-    # (backend url, adapter, path) -> when its load last failed.
+    # (backend url, adapter, path) -> when its load last failed; (backend url, tenant) -> when
+    # a load that tenant asked for last failed there.
     _failed_at: dict[tuple[str, str, str], float] = field(default_factory=dict)
+    _tenant_failed_at: dict[tuple[str, str], float] = field(default_factory=dict)
 
     async def ready(
         self,
@@ -88,7 +90,7 @@ class AdapterLoader:
             if self._stopped:  # shutting down: nothing new starts
                 state.adapters.cancel(plan)
                 raise AdapterLoadFailed(adapter, state.label, _STOPPING)
-            held_back = self._recently_failed(state, adapter)
+            held_back = self._recently_failed(state, adapter) or self._tenant_held(state, plan)
             if held_back is not None:  # nothing given up for a load that would fail again
                 state.adapters.cancel(plan)
                 raise AdapterLoadFailed(adapter, state.label, *held_back)
@@ -134,6 +136,21 @@ class AdapterLoader:
         hold = FAILED_LOAD_HOLD_S
         why = f"its last load here failed {ago:.0f} s ago; tried again {hold:.0f} s after it"
         return why, hold - ago
+
+    def _tenant_held(self, state: BackendState, plan: LoadPlan) -> tuple[str, float] | None:
+        """A load that would give up another tenant's adapter, for a tenant whose load failed
+        here within the hold: held back too, so that a tenant's broken adapters, each a new
+        name, cost other tenants at most one unload per backend per hold (red team R3: each
+        of three broken adapters unloaded a peer's adapter, reloaded at its next request)."""
+        at = self._tenant_failed_at.get((state.cfg.url, plan.tenant))
+        if at is None or not plan.others:
+            return None
+        ago = self.clock() - at
+        if ago >= FAILED_LOAD_HOLD_S:
+            del self._tenant_failed_at[(state.cfg.url, plan.tenant)]
+            return None
+        why = f"a load of this tenant's failed here {ago:.0f} s ago: none may unload another's"
+        return why, FAILED_LOAD_HOLD_S - ago
 
     async def stop(self) -> None:
         """Cancel every load under way and wait for them (their slots put back as before the
@@ -193,6 +210,7 @@ class AdapterLoader:
         reason = f"HTTP {status}" if status else text
         if not _being_cancelled():
             self._failed_at[(state.cfg.url, plan.load, adapter.path)] = self.clock()
+            self._tenant_failed_at[(state.cfg.url, plan.tenant)] = self.clock()
         self.events.failed(label, plan.load, reason)
         log.warning("loading adapter %s on %s failed: %s %s", plan.load, label, reason, text[:200])
         return reason

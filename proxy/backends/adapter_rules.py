@@ -265,7 +265,9 @@ def begin(
         # ``fit`` saw one it may give up; should a caller's view differ, the engine still
         # never holds more than max_loras (the least recently used idle one goes).
         unload = min(idle)[1]
-    return slots.begin(adapter, user, unload, now)
+    claimants = slots.claims(now, rules.claim_s).get(unload, {}) if unload is not None else {}
+    others = any(t != user.tenant for t in claimants)
+    return slots.begin(adapter, user, unload, now, others)
 
 
 def policy_for(

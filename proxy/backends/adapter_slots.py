@@ -45,10 +45,13 @@ def _no_demand(adapter: str) -> int | None:
 @dataclass(frozen=True)
 class LoadPlan:
     """What the request that took the slot must do before it is forwarded: load ``load``,
-    after unloading ``unload`` (None: nothing to unload)."""
+    after unloading ``unload`` (None: nothing to unload); for ``tenant``, and whether the
+    adapter it gives up is one another tenant claims (``others``)."""
 
     load: str
     unload: str | None = None
+    tenant: str = field(default="", compare=False)
+    others: bool = field(default=False, compare=False)
 
 
 @dataclass
@@ -143,7 +146,7 @@ class AdapterSlots:
         self.users = {n: by for n, by in self.users.items() if n in keep}
 
     def begin(
-        self, adapter: str, user: SlotUser, unload: str | None, now: float
+        self, adapter: str, user: SlotUser, unload: str | None, now: float, others: bool = False
     ) -> LoadPlan | None:
         """Count a request of ``user`` for ``adapter`` in; the load it must do first (None:
         held), giving up ``unload`` (the rules' pick) when the slots are full."""
@@ -161,7 +164,7 @@ class AdapterSlots:
             self.users.pop(unload, None)
         self.held[adapter] = now
         self.loading.add(adapter)
-        return LoadPlan(adapter, unload)
+        return LoadPlan(adapter, unload, user.tenant, others)
 
     def end(self, adapter: str, user: SlotUser, now: float) -> None:
         """A request of ``user`` for ``adapter`` left."""

@@ -89,3 +89,57 @@ def test_the_503_says_when_to_retry() -> None:
     assert refused.status == 503
     assert refused.headers()["Retry-After"] == "18"
     assert adapter_load_failed("a", "still loading").headers()["Retry-After"] == "1"
+
+
+async def test_a_tenants_other_broken_adapters_unload_no_other_tenants_adapter() -> None:
+    """Red team R3: a tenant asking for three broken adapters in turn (each a new name, so
+    each its own hold) unloaded another tenant's idle adapter for each. After its first failed
+    load on a backend, its loads there that would give up another tenant's adapter are held
+    back for the hold; one that takes a free slot, or gives up its own, is not."""
+    calls: list[tuple[str, str]] = []
+
+    async def load(request: web.Request) -> web.Response:
+        body = await request.json()
+        calls.append(("load", body["lora_name"]))
+        if body["lora_path"].startswith("/missing"):
+            return web.json_response({"error": {"message": "no such path"}}, status=400)
+        return web.Response(text="Success")
+
+    async def unload(request: web.Request) -> web.Response:
+        calls.append(("unload", (await request.json())["lora_name"]))
+        return web.Response(text="Success")
+
+    app = web.Application()
+    app.router.add_post("/v1/load_lora_adapter", load)
+    app.router.add_post("/v1/unload_lora_adapter", unload)
+    catalogue = {"theirs": Adapter(path="/theirs", base_model="tiny")} | {
+        f"broken-{i}": Adapter(path=f"/missing-{i}", base_model="tiny") for i in range(3)
+    }
+    peer, low = SlotUser("peer", best=False, rank=10), SlotUser("low", best=False, rank=10)
+    rules = SlotRules(1, claim_s=5.0)
+    now = [100.0]
+    async with serve_app(app) as url, aiohttp.ClientSession() as session:
+        state = BackendState(Backend(url=url, max_inflight=4, max_loras=1, load_adapters=True))
+        loader = AdapterLoader(lambda: session, lambda: catalogue, clock=lambda: now[0])
+
+        async def run(name: str, user: SlotUser) -> None:
+            plan = begin(state.adapters, name, user, rules, now[0])
+            try:
+                await loader.ready(state, name, plan)
+            finally:
+                state.adapters.end(name, user, now[0])
+
+        failures = []
+        for i in range(3):
+            await run("theirs", peer)  # the peer's claim kept fresh
+            now[0] += 1.0
+            with pytest.raises(AdapterLoadFailed) as failed:
+                await run(f"broken-{i}", low)
+            failures.append(failed.value.reason)
+        assert calls.count(("unload", "theirs")) == 1  # on main: 3, one per broken adapter
+        assert calls.count(("load", "theirs")) == 2  # the first load, and one reload
+        assert "HTTP 400" in failures[0] and "none may unload another's" in failures[1]
+        now[0] += FAILED_LOAD_HOLD_S  # the hold is over
+        await run("theirs", peer)
+        with pytest.raises(AdapterLoadFailed, match="HTTP 400"):
+            await run("broken-2", low)
