@@ -238,4 +238,6 @@ async def test_a_low_request_gives_up_no_best_tier_tenants_claimed_adapter(
         else:
             assert (await low) == 200
             assert loads[:3] == ["ad-a", "ad-b", "ad-d"], loads
-            assert len(loads) == 4 and loads[3] in ("ad-a", "ad-b"), loads  # one reload
+            # One best-tier reload, or two when the low generation still ran as the evicted
+            # tenant came back (its peer's idle adapter the only one to give up; CI, busy).
+            assert set(loads[3:]) <= {"ad-a", "ad-b"} and 1 <= len(loads[3:]) <= 2, loads
