@@ -18,6 +18,15 @@ def is_tuning(field: FieldInfo) -> bool:
     return isinstance(extra, dict) and extra.get("tuning") is True
 
 
+class Misplaced(ValueError):
+    """A problem a check across sections finds, and where in the file it is (the loader names
+    that line rather than the top of the file: red team R2)."""
+
+    def __init__(self, loc: tuple[str | int, ...], message: str) -> None:
+        super().__init__(message)
+        self.loc = loc
+
+
 class Strict(BaseModel):
     """Every config section: unknown fields are errors, values are frozen, numbers finite (YAML's
     ``.inf`` reads as "unlimited" but passes every ``gt=0``; no limit or price is infinite:

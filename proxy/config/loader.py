@@ -16,6 +16,7 @@ from pydantic import (
     ValidationError,
 )
 
+from proxy.config.base import Misplaced
 from proxy.config.config_file import read_config_bytes
 from proxy.config.deprecated import flat_policy_warnings
 from proxy.config.schema import Config, LoadedConfig
@@ -141,6 +142,12 @@ _TENANTS = TypeAdapter(list[Tenant])
 _Errors = list[tuple[tuple[int | str, ...], str]]
 
 
+def _where(err: Any) -> tuple[int | str, ...]:
+    """An error's place: pydantic's, else the one a cross-check gave (``Misplaced``)."""
+    cause = (err.get("ctx") or {}).get("error")
+    return tuple(err["loc"]) or (cause.loc if isinstance(cause, Misplaced) else ())
+
+
 def _validate(data: dict[str, Any]) -> tuple[Config | None, _Errors]:
     """The config, or None and every error (location, message)."""
     raw = data.get("tenants")
@@ -160,7 +167,7 @@ def _validate(data: dict[str, Any]) -> tuple[Config | None, _Errors]:
     try:
         config = Config.model_validate(data)
     except ValidationError as exc:
-        return None, errors + [(tuple(err["loc"]), err["msg"]) for err in exc.errors()]
+        return None, errors + [(_where(err), err["msg"]) for err in exc.errors()]
     return (None, errors) if errors else (config, errors)
 
 

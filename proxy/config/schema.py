@@ -12,7 +12,7 @@ from pydantic import (
 
 from proxy.config.adapters import Adapter, adapter_name_ok, adapter_prices
 from proxy.config.backends import Backend, BackendHealth
-from proxy.config.base import TUNING, Strict
+from proxy.config.base import TUNING, Misplaced, Strict
 from proxy.config.kv_cache import KvCache
 from proxy.config.quotas import Price
 from proxy.config.scheduling import Limits, Policies, Scheduling
@@ -109,37 +109,48 @@ class Config(Strict):
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
         names: set[str] = set()
-        for tenant in self.tenants:
+        for i, tenant in enumerate(self.tenants):
             if tenant.tier not in self.tiers:
-                raise ValueError(
+                raise Misplaced(
+                    ("tenants", i, "tier"),
                     f"tenant {tenant.name!r} names unknown tier {tenant.tier!r}"
-                    f" (tiers: {', '.join(self.tiers)})"
+                    f" (tiers: {', '.join(self.tiers)})",
                 )
             if tenant.name in names:
-                raise ValueError(f"tenant name {tenant.name!r} appears twice")
+                raise Misplaced(
+                    ("tenants", i, "name"), f"tenant name {tenant.name!r} appears twice"
+                )
             names.add(tenant.name)
         base_models = {a.base_model for a in self.adapters.values()}
         for adapter_name, adapter in self.adapters.items():
-            adapter_name_ok(adapter_name)
+            at = ("adapters", adapter_name)
+            try:
+                adapter_name_ok(adapter_name)
+            except ValueError as exc:
+                raise Misplaced(at, str(exc)) from None
             if adapter_name in base_models:
                 # vLLM refuses to load it, and its catalogue entry would hide the base model
                 # from every other tenant (its 404 as for a private adapter).
-                raise ValueError(
+                raise Misplaced(
+                    at,
                     f"adapter {adapter_name!r} has the name of a base model: adapters and"
-                    " served models share one name space"
+                    " served models share one name space",
                 )
-            for who in adapter.tenants:
+            for j, who in enumerate(adapter.tenants):
                 if who not in names:
-                    raise ValueError(f"adapter {adapter_name!r} names unknown tenant {who!r}")
-            for tier in adapter.tiers:
+                    problem = f"adapter {adapter_name!r} names unknown tenant {who!r}"
+                    raise Misplaced((*at, "tenants", j), problem)
+            for j, tier in enumerate(adapter.tiers):
                 if tier not in self.tiers:
-                    raise ValueError(f"adapter {adapter_name!r} names unknown tier {tier!r}")
+                    problem = f"adapter {adapter_name!r} names unknown tier {tier!r}"
+                    raise Misplaced((*at, "tiers", j), problem)
         admin = self.admin_listen
         if admin is not None and admin.port != 0 and admin.port == self.listen.port:
-            raise ValueError("admin_listen must use another port than listen")
+            raise Misplaced(("admin_listen",), "admin_listen must use another port than listen")
         urls = [b.url for b in self.backends]
-        if len(set(urls)) != len(urls):
-            raise ValueError("a backend url appears twice")
+        for j, url in enumerate(urls):
+            if url in urls[:j]:
+                raise Misplaced(("backends", j, "url"), "a backend url appears twice")
         return self
 
     @property

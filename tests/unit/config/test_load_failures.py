@@ -124,3 +124,18 @@ def test_a_yes_or_no_for_a_number_is_a_problem_on_its_line(written: str) -> None
     line = _line_of(text, "max_inflight:")
     assert len(problems) == 1 and problems[0].startswith(f"backends.0.max_inflight (line {line})")
     assert "not yes/no or true/false" in problems[0]
+
+
+def test_a_cross_check_names_the_line_of_what_it_refuses() -> None:
+    """Red team R2: an adapter naming a tenant the file does not define was refused at
+    "(top level) (line 1)", and so were an unknown tier and a backend url written twice."""
+    tenants = [{"name": "acme", "tier": "high", "keys": [{"sha256": DIGEST}]}]
+    adapters = {"acme-sql": {"path": "/a", "base_model": "tiny", "tenants": ["acme", "acmee"]}}
+    backends = [{"url": "http://127.0.0.1:9"}, {"url": "http://127.0.0.1:9"}]
+    text = yaml.safe_dump(make_config(backends[:1], tenants=tenants, adapters=adapters))
+    [problem] = _problems(text)
+    assert problem.startswith(f"adapters.acme-sql.tenants.1 (line {_line_of(text, 'acmee')})")
+    text = yaml.safe_dump(make_config(backends, tenants=tenants))
+    [problem] = _problems(text)
+    second = [i for i, t in enumerate(text.splitlines(), 1) if "127.0.0.1:9" in t][1]
+    assert problem == f"backends.1.url (line {second}): Value error, a backend url appears twice"
