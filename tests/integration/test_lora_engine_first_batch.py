@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from proxy.bench.inproc import SECRET
+from proxy.ticket import DEFAULT_SECRET_ENV
 from proxy.tools.engine import EngineProcess, local_engine
 from proxy.tools.tiny_adapters import lora_engine_settings
 
@@ -33,6 +35,7 @@ def _complete(url: str) -> int:
 
 def test_a_base_model_request_first_leaves_a_fresh_lora_engine_serving(tmp_path: Path) -> None:
     args, env = lora_engine_settings(2, True, True)
+    env = {**env, DEFAULT_SECRET_ENV: SECRET.decode()}  # the plugin's, as `tierproxy up` sets
     engine = EngineProcess(local_engine(extra_args=args, env=env), tmp_path / "vllm.log")
     engine.start()
     try:
