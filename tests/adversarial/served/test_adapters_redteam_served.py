@@ -283,7 +283,9 @@ async def test_r3_broken_adapters_do_not_make_another_tenants_adapter_reload(
             assert status == 503 and b"adapter_load_failed" in answer, (status, answer[:200])
             assert (await client.complete("peer", "good-c"))[0] == 200
         failed = await client.metric("tierproxy_adapter_load_failures_total")
-        assert failed == len(BROKEN)
+        # The first broken load is tried; the others, which would unload the peer's adapter,
+        # are held back for the tenant's failed load (503 at once, no load tried).
+        assert failed == 1
         loads = {
             name: await client.metric("tierproxy_adapter_loads_total", adapter=name)
             for name in ("good-a", "good-c")
@@ -329,8 +331,8 @@ async def test_r5_an_adapter_costs_at_least_its_base_model_under_a_catch_all_pri
     pricing = {"tiny": {"input": 1.0, "output": 2.0}, "*": free}
     config = _config(clean_engine, adapter_dirs, tmp_path, pricing=pricing)
     async with served(config, tmp_path) as (_proxy, client):
-        # The adapter first: on a fresh --enable-lora CPU engine a base-model batch before
-        # any LoRA batch kills vLLM's worker (SIGILL, exit -4; the report's E1).
+        # The adapter first, as the report had it (E1: a base-model batch first killed a fresh
+        # bfloat16 LoRA engine; LoRA engines run float32 now, test_lora_engine_first_batch).
         assert (await client.complete("normal", "good-b", max_tokens=4))[0] == 200
         assert (await client.complete("normal", "tiny", max_tokens=4))[0] == 200
         deadline = time.monotonic() + 20
