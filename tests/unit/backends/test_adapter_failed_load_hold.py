@@ -22,13 +22,14 @@ from proxy.config.backends import Backend
 USER = SlotUser("tenant")
 
 
-async def test_a_failed_load_is_held_back_and_unloads_nobody_meanwhile() -> None:
-    calls: list[tuple[str, str]] = []
+def _engine(calls: list[tuple[str, str]]) -> web.Application:
+    """vLLM's load and unload routes, noted in ``calls``: a path under /missing is vLLM's 400
+    for a path it cannot read, any other loads."""
 
     async def load(request: web.Request) -> web.Response:
         body = await request.json()
         calls.append(("load", body["lora_name"]))
-        if body["lora_path"] == "/missing":
+        if body["lora_path"].startswith("/missing"):
             return web.json_response({"error": {"message": "no such path"}}, status=400)
         return web.Response(text="Success")
 
@@ -39,6 +40,12 @@ async def test_a_failed_load_is_held_back_and_unloads_nobody_meanwhile() -> None
     app = web.Application()
     app.router.add_post("/v1/load_lora_adapter", load)
     app.router.add_post("/v1/unload_lora_adapter", unload)
+    return app
+
+
+async def test_a_failed_load_is_held_back_and_unloads_nobody_meanwhile() -> None:
+    calls: list[tuple[str, str]] = []
+    app = _engine(calls)
     catalogue = {
         "theirs": Adapter(path="/theirs", base_model="tiny"),
         "broken": Adapter(path="/missing", base_model="tiny"),
@@ -97,21 +104,7 @@ async def test_a_tenants_other_broken_adapters_unload_no_other_tenants_adapter()
     load on a backend, its loads there that would give up another tenant's adapter are held
     back for the hold; one that takes a free slot, or gives up its own, is not."""
     calls: list[tuple[str, str]] = []
-
-    async def load(request: web.Request) -> web.Response:
-        body = await request.json()
-        calls.append(("load", body["lora_name"]))
-        if body["lora_path"].startswith("/missing"):
-            return web.json_response({"error": {"message": "no such path"}}, status=400)
-        return web.Response(text="Success")
-
-    async def unload(request: web.Request) -> web.Response:
-        calls.append(("unload", (await request.json())["lora_name"]))
-        return web.Response(text="Success")
-
-    app = web.Application()
-    app.router.add_post("/v1/load_lora_adapter", load)
-    app.router.add_post("/v1/unload_lora_adapter", unload)
+    app = _engine(calls)
     catalogue = {"theirs": Adapter(path="/theirs", base_model="tiny")} | {
         f"broken-{i}": Adapter(path=f"/missing-{i}", base_model="tiny") for i in range(3)
     }
