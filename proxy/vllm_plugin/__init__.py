@@ -8,7 +8,8 @@ prometheus_client) and of the proxy only its side of the contract, ``proxy.ticke
 processes as soon as this package is installed beside it. It therefore changes nothing by
 itself: a server uses the plugin only when started with ``proxy.ticket.PLUGIN_FLAGS`` (the
 two classes above and ``--scheduling-policy priority``), so other vLLM servers in the same
-environment stay stock.
+environment stay stock. One exception, which changes no computation: on x86-64 Linux it asks the
+kernel for the AMX tile permission vLLM's CPU attention uses without asking (``cpu_tiles``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import logging
 
 from proxy.ticket import PLUGIN_FLAGS
+from proxy.vllm_plugin.cpu_tiles import allow_amx_tiles
 
 logger = logging.getLogger("vllm.tierproxy")
 
@@ -24,9 +26,11 @@ _registered = False
 
 
 def register() -> None:
-    """vLLM's general-plugin hook: idempotent, cheap, no side effects beyond one debug line."""
+    """vLLM's general-plugin hook: idempotent, cheap; beyond one debug line it only asks for the
+    AMX tile permission (a fresh CPU engine died of SIGILL without it: ``cpu_tiles``)."""
     global _registered
     if _registered:
         return
     _registered = True
+    allow_amx_tiles()
     logger.debug("tierproxy plugin installed; enable it with: %s", " ".join(PLUGIN_FLAGS))

@@ -332,7 +332,7 @@ async def test_r5_an_adapter_costs_at_least_its_base_model_under_a_catch_all_pri
     config = _config(clean_engine, adapter_dirs, tmp_path, pricing=pricing)
     async with served(config, tmp_path) as (_proxy, client):
         # The adapter first, as the report had it (E1: a base-model batch first killed a fresh
-        # bfloat16 LoRA engine; LoRA engines run float32 now, test_lora_engine_first_batch).
+        # bfloat16 LoRA engine; LoRA engines run float32 now, test_engine_first_batch).
         assert (await client.complete("normal", "good-b", max_tokens=4))[0] == 200
         assert (await client.complete("normal", "tiny", max_tokens=4))[0] == 200
         deadline = time.monotonic() + 20
