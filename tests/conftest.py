@@ -66,7 +66,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if not any(needs):
         return
     weights = [len(unit) for unit in units]
-    items[:] = [item for i in order(needs, weights, MAX_LIVE_ENGINES) for item in units[i]]
+    quiet = [any(item.get_closest_marker("quiet_engines") for item in unit) for unit in units]
+    run = order(needs, weights, MAX_LIVE_ENGINES, quiet)
+    items[:] = [item for i in run for item in units[i]]
 
 
 def _farm(config: pytest.Config) -> EngineFarm:

@@ -4,10 +4,10 @@ The farm follows the run's plan (each test's settings, in run order: tests/helpe
 Before each test it stops the engines no later test uses, and starts the next settings the plan
 needs (at most ``capacity`` live, and only with memory for one more): their ~25 s starts
 overlap the tests before them. Before a test that uses engines, what it needs starts (all at
-once) and every start under way is waited for; a start runs on any core and moves onto the
-engine cores once ready (proxy.tools.engine.EngineProcess), so it may run beside a test that
-uses engines — except one marked ``quiet_engines`` (it measures its engines: nothing starts
-beside them). Each start is recorded: its setting, whether it started ahead, seconds from
+once) and is waited for; a start runs on any core and moves onto the engine cores once ready
+(proxy.tools.engine.EngineProcess), so it may run beside a test that uses engines — except one
+marked ``quiet_engines`` (it measures its engines: every start under way is waited for, and
+nothing starts beside it). Each start is recorded: its setting, whether it started ahead, seconds from
 start to ready, seconds a test waited for it.
 """
 
@@ -92,15 +92,17 @@ class EngineFarm:
             self._stop(setting)
         self._note_ready()
         if self.plan[position]:
-            # What this test needs and is not live starts now, all at once; then every start
-            # still under way is waited for: a start shares the engine cores with the engines
-            # this test measures (a plugin test lost its tokens to one).
+            # What this test needs and is not live starts now, all at once, and is waited for.
+            # Before a quiet test every other start under way is waited for too: a start shares
+            # the engine cores with the engines it measures (a plugin test lost its tokens to
+            # one). Others run beside starts: waiting for each cost the suite ~200 s of 500.
             for setting in sorted(self.plan[position] - self.live.keys(), key=lambda s: s.name):
                 self._make_room(self.plan[position])
                 self._start(setting, ahead=False)
-            for setting in list(self.pending):
+            quiet = self.quiet[position]
+            for setting in [s for s in self.pending if quiet or s in self.plan[position]]:
                 self._wait_ready(setting)
-            if self.quiet[position]:
+            if quiet:
                 return
         # Starts go on any core and move onto the engine cores once ready (EngineProcess): they
         # may run beside a test that uses engines, which would otherwise wait ~25 s for each.

@@ -7,8 +7,9 @@ module needing two engines, or a setting shared by modules) stay in one wave, an
 at most ``capacity`` settings. The modules that need no engine are cut into as many *fillers*,
 each sized by the starts of the wave after it. The run is filler 1, wave 1, filler 2, wave 2...:
 a wave's engines start during the filler before it, and the farm stops each engine after the
-last test that uses it. Modules stay whole and keep their own order (module fixtures set up
-once); a group of settings larger than ``capacity`` still runs, with an engine started again.
+last test that uses it. Modules stay whole (module fixtures set up once); in a wave those using
+fewer settings go first, so that the first waits for one start and the others start beside it;
+a group of settings larger than ``capacity`` still runs, with an engine started again.
 """
 
 from __future__ import annotations
@@ -26,9 +27,14 @@ class Wave(Generic[S]):
     units: tuple[int, ...]  # indices of the modules it runs, in collection order
 
 
-def waves(needs: Sequence[frozenset[S]], capacity: int) -> list[Wave[S]]:
+def waves(
+    needs: Sequence[frozenset[S]], capacity: int, quiet: Sequence[bool] = ()
+) -> list[Wave[S]]:
     """The modules with needs, packed: groups of settings used together (connected through
-    shared modules), first-fit decreasing into waves of at most ``capacity`` settings."""
+    shared modules), first-fit decreasing into waves of at most ``capacity`` settings. In a
+    wave, the modules that use fewer settings run first (the first waits for one start, the
+    others start beside it), the quiet ones (``quiet[i]``: nothing may start beside module i)
+    first among equals, while nothing else is starting."""
     parent: dict[S, S] = {}
 
     def root(s: S) -> S:
@@ -58,16 +64,30 @@ def waves(needs: Sequence[frozenset[S]], capacity: int) -> list[Wave[S]]:
             packed.append(set(group))
         else:
             home |= group
+    still = list(quiet) or [False] * len(needs)
     return [
-        Wave(frozenset(w), tuple(i for i, need in enumerate(needs) if need and need <= w))
+        Wave(
+            frozenset(w),
+            tuple(
+                sorted(
+                    (i for i, need in enumerate(needs) if need and need <= w),
+                    key=lambda i: (len(needs[i]), not still[i], i),
+                )
+            ),
+        )
         for w in packed
     ]
 
 
-def order(needs: Sequence[frozenset[S]], weights: Sequence[int], capacity: int) -> list[int]:
+def order(
+    needs: Sequence[frozenset[S]],
+    weights: Sequence[int],
+    capacity: int,
+    quiet: Sequence[bool] = (),
+) -> list[int]:
     """Indices of the modules (``needs[i]``: the settings module i uses, ``weights[i]``: its
-    test count) in the order to run them."""
-    planned = waves(needs, capacity)
+    test count, ``quiet[i]``: it measures its engines) in the order to run them."""
+    planned = waves(needs, capacity, quiet)
     free = [i for i, need in enumerate(needs) if not need]
     if not planned:
         return free

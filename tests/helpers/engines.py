@@ -61,12 +61,27 @@ class EngineSetting:
         )
 
 
-# The generative engine most tests share (--max-num-seqs 4, the default context).
-CORE = EngineSetting("core")
-# A second engine like CORE, for the tests that meter over two backends.
-PAIR_B = EngineSetting("pair-b")
-# CORE with a 16k context: the proxy-core tests hold requests of 16,000 tokens.
-LONG_CONTEXT = EngineSetting("proxy-core", extra_args=("--max-model-len", "16384"))
+# vLLM exporting its request spans (`--otlp-traces-endpoint`) over OTLP/gRPC to the tests'
+# receiver (tests/helpers/otlp.py) on a unix socket of this run: a path known before the engine
+# starts, unlike a free port. vLLM exports only the spans of requests that carry a sampled
+# traceparent (only the tracing tests send one); its batch processor sends every 100 ms rather
+# than every 5 s.
+OTLP_SOCKET = Path(tempfile.gettempdir()) / f"tierproxy-otlp-{os.getpid()}.sock"
+# The generative engine most tests share (--max-num-seqs 4): a 16k context (the proxy-core tests
+# hold requests of 16,000 tokens) and its spans exported (the tracing tests). One setting for
+# what once took three engine starts (~20 s of a core each).
+CORE = EngineSetting(
+    "core",
+    extra_args=("--max-model-len", "16384", "--otlp-traces-endpoint", f"unix://{OTLP_SOCKET}"),
+    env=EngineSetting.environ(
+        {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc", "OTEL_BSP_SCHEDULE_DELAY": "100"}
+    ),
+)
+LONG_CONTEXT = CORE
+TRACED = CORE
+# A second generative engine like CORE (same context: the same batches), for the tests that meter
+# over two backends.
+PAIR_B = EngineSetting("pair-b", extra_args=("--max-model-len", "16384"))
 # The tiny model served for pooling, no plugin: compared directly with the proxy.
 EMBED = EngineSetting("compat-embed", extra_args=POOLING_ARGS)
 # The pooling engine with the plugin requiring a ticket on every route.
@@ -98,18 +113,6 @@ _PLUGIN_ENV = EngineSetting.environ(
 )
 PLUGIN_STOCK = EngineSetting("plugin-stock", extra_args=PLUGIN_BENCH_ARGS, env=_PLUGIN_ENV)
 PLUGIN_ON = EngineSetting("plugin-on", plugin=True, extra_args=PLUGIN_BENCH_ARGS, env=_PLUGIN_ENV)
-# vLLM exporting its request spans (`--otlp-traces-endpoint`) over OTLP/gRPC to the tests'
-# receiver (tests/helpers/otlp.py) on a unix socket of this run: a path known before the engine
-# starts, unlike a free port. vLLM exports only the spans of requests that carry a sampled
-# traceparent; its batch processor sends every 100 ms rather than every 5 s.
-OTLP_SOCKET = Path(tempfile.gettempdir()) / f"tierproxy-otlp-{os.getpid()}.sock"
-TRACED = EngineSetting(
-    "traced",
-    extra_args=("--otlp-traces-endpoint", f"unix://{OTLP_SOCKET}"),
-    env=EngineSetting.environ(
-        {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc", "OTEL_BSP_SCHEDULE_DELAY": "100"}
-    ),
-)
 # LoRA on (rank 8, two adapters at once) with runtime loading, KV events and the plugin: the
 # adapter tests (tests/integration/test_adapters_vllm.py) load the tiny adapters through the
 # proxy (proxy.tools.tiny_adapters); the engine starts with none.

@@ -62,6 +62,14 @@ def test_order_runs_every_module_once_whole_with_a_filler_before_each_wave() -> 
         at += len(wave.units)
 
 
+def test_in_a_wave_modules_using_fewer_settings_run_first_the_quiet_ones_first_among_equals() -> (
+    None
+):
+    needs = [frozenset({C, B}), frozenset({C}), frozenset({P, C}), frozenset({C})]
+    assert waves(needs, capacity=3)[0].units == (1, 3, 0, 2)
+    assert waves(needs, capacity=3, quiet=[False, False, False, True])[0].units == (3, 1, 0, 2)
+
+
 def test_split_follows_the_shares_by_weight() -> None:
     assert split(list(range(8)), [1] * 8, [3, 1]) == [[0, 1, 2, 3, 4, 5], [6, 7]]
     assert split([0, 1, 2], [10, 1, 1], [1, 1]) == [[0], [1, 2]]
@@ -151,6 +159,17 @@ def test_engines_start_ahead_beside_a_test_that_uses_engines_but_not_a_quiet_one
     assert started == ["c", "b"] and launched_at == ["for its test", "for its test"]
 
 
+def test_a_test_waits_for_its_own_engines_not_for_a_start_ahead(tmp_path: Path) -> None:
+    farm = make_farm(tmp_path)
+    farm.follow([frozenset({C}), frozenset({C}), frozenset({C, B})])
+    farm.advance(0)  # c started for it and waited for; b started ahead beside it
+    assert C in farm.live and farm.pending.keys() == {B}
+    farm.advance(1)  # b still starting: this test uses only c, so it runs beside the start
+    assert farm.pending.keys() == {B}
+    farm.advance(2)
+    assert not farm.pending
+
+
 def test_in_collection_order_an_engine_starts_again(tmp_path: Path) -> None:
     """What the plan prevents: run as collected, the capacity forces a second start."""
     started, _ = run_plan(make_farm(tmp_path), the_suite())
@@ -178,9 +197,9 @@ def test_the_engines_a_test_needs_start_together_before_it_asks(tmp_path: Path) 
     farm.stop_all()
 
 
-def test_a_start_ahead_is_waited_for_before_any_test_that_uses_engines(tmp_path: Path) -> None:
+def test_every_start_ahead_is_waited_for_before_a_quiet_test(tmp_path: Path) -> None:
     farm = make_farm(tmp_path)
-    farm.follow([NONE, frozenset({C}), frozenset({B})])
+    farm.follow([NONE, frozenset({C}), frozenset({B})], [False, True, False])
     farm.advance(0)
     assert set(farm.pending) == {C, B}
     farm.advance(1)
