@@ -105,15 +105,19 @@ ENGINE_TESTS := tests/compat tests/integration
 OTHER_TESTS  := tests/unit tests/adversarial tests/replicas
 FUZZ_CASES   := TIERPROXY_FUZZ_CASES=5000 TIERPROXY_FUZZ_SERVED_CASES=5000
 ENGINE_LOG   := .tierproxy/test-engines.log
+# Each half picks its servers' ports from its own range (proxy.ops.process.free_port): a port
+# one half picked could otherwise be bound by the other's server before its own.
+ENGINE_PORTS := TIERPROXY_FREE_PORTS=10000-15999
+OTHER_PORTS  := TIERPROXY_FREE_PORTS=16000-32767
 
 # $(1): pytest's selection of the engine tests ("" for all of them); $(2): the fuzzes' cases.
 define run_suite
 	@rm -f .coverage .coverage.*
 	@mkdir -p .tierproxy
 	@echo "the tests that use engines log to $(ENGINE_LOG) (shown when done); the others here:"
-	@COVERAGE_FILE=.coverage.engines $(BIN)/pytest --cov=proxy --cov-report= $(1) \
+	@COVERAGE_FILE=.coverage.engines $(ENGINE_PORTS) $(BIN)/pytest --cov=proxy --cov-report= $(1) \
 		$(ENGINE_TESTS) > $(ENGINE_LOG) 2>&1 & engines=$$!; \
-	$(2) COVERAGE_FILE=.coverage.others nice -n 10 $(BIN)/pytest -n 3 --cov=proxy \
+	$(2) COVERAGE_FILE=.coverage.others $(OTHER_PORTS) nice -n 10 $(BIN)/pytest -n 3 --cov=proxy \
 		--cov-report= $(OTHER_TESTS); \
 	others=$$?; wait $$engines; engines_rc=$$?; \
 	echo "=================== the tests that use engines ($(ENGINE_LOG)) ==================="; \

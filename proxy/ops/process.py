@@ -179,6 +179,10 @@ def tail(path: Path, lines: int = 40) -> str:
 
 
 _PORTS_FLOOR = 10_000
+# "low-high": the ports free_port draws from, for processes on one machine that pick ports at
+# once and must not pick the same (the suite's two halves: a proxy's port taken by an engine's
+# KV-event publisher between the pick and the bind answered its health check in ZMQ).
+PORT_RANGE_ENV = "TIERPROXY_FREE_PORTS"
 
 
 def _ephemeral_floor() -> int:
@@ -188,13 +192,21 @@ def _ephemeral_floor() -> int:
         return 0
 
 
+def _port_range() -> tuple[int, int]:
+    low, _, high = os.environ.get(PORT_RANGE_ENV, "").partition("-")
+    if low.isdigit() and high.isdigit() and 0 < int(low) < int(high) < 65_536:
+        return int(low), int(high)
+    return _PORTS_FLOOR, _ephemeral_floor()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port free now, below the kernel's ephemeral range where there is room: a port the
-    kernel hands out for ``bind(0)`` is the kind it also gives every outgoing connection, so a
-    client elsewhere could take it before the server that was meant to bind it does."""
-    ceiling = _ephemeral_floor()
-    for _ in range(64) if ceiling - _PORTS_FLOOR >= 1_000 else ():
-        port = random.randrange(_PORTS_FLOOR, ceiling)
+    """A port free now, below the kernel's ephemeral range where there is room (or in
+    ``$TIERPROXY_FREE_PORTS``): a port the kernel hands out for ``bind(0)`` is the kind it also
+    gives every outgoing connection, so a client elsewhere could take it before the server that
+    was meant to bind it does."""
+    floor, ceiling = _port_range()
+    for _ in range(64) if ceiling - floor >= 1_000 else ():
+        port = random.randrange(floor, ceiling)
         with socket.socket() as s:
             try:
                 s.bind((host, port))

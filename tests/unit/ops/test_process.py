@@ -152,3 +152,12 @@ def test_free_port_stays_out_of_the_range_outgoing_connections_take() -> None:
     for port in ports:  # each one binds
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
+
+
+def test_free_port_draws_from_the_range_it_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TIERPROXY_FREE_PORTS", "20000-21999")
+    assert all(20_000 <= free_port() < 21_999 for _ in range(20))
+    monkeypatch.setenv("TIERPROXY_FREE_PORTS", "not-a-range")  # ignored: the default range
+    floor = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    if floor >= 11_000:
+        assert all(10_000 <= free_port() < floor for _ in range(20))
