@@ -53,9 +53,13 @@ def _full(state: BackendState) -> None:
     state.adapters.listed(frozenset({"a", "b"}), 1.0)
 
 
-@pytest.mark.parametrize(("status", "reason"), [(None, "timed out"), (500, "HTTP 500")])
+# The hung unload's timeout short; the answered one's long, so that a busy machine's slow answer
+# is not read as a hang (an HTTP 500 came after 0.1 s once, on the full suite).
+@pytest.mark.parametrize(
+    ("status", "reason", "timeout_s"), [(None, "timed out", 0.1), (500, "HTTP 500", 60.0)]
+)
 async def test_a_failed_unload_leaves_the_adapter_held_and_loads_nothing(
-    status: int | None, reason: str, caplog: pytest.LogCaptureFixture
+    status: int | None, reason: str, timeout_s: float, caplog: pytest.LogCaptureFixture
 ) -> None:
     loaded = {"a", "b"}
     unload_failed: list[tuple[str, str, str]] = []
@@ -65,7 +69,11 @@ async def test_a_failed_unload_leaves_the_adapter_held_and_loads_nothing(
         aiohttp.ClientSession() as session,
     ):
         cfg = Backend(
-            url=url, max_inflight=4, max_loras=2, load_adapters=True, adapter_load_timeout_s=0.1
+            url=url,
+            max_inflight=4,
+            max_loras=2,
+            load_adapters=True,
+            adapter_load_timeout_s=timeout_s,
         )
         state = BackendState(cfg)
         _full(state)
