@@ -134,8 +134,8 @@ async def _turns(client: Client, system: str, turns: int) -> list[int]:
     return lost
 
 
-@pytest.mark.xfail(
-    strict=True,
+@pytest.mark.xfail(  # not strict: how much the flood slows /tokenize depends on the machine
+    strict=False,
     reason="known limit, docs/kv-cache.md: without kv_cache.tokenizer a prompt's tokens come"
     " from the engines' /tokenize, which one tenant's flood of long prompts slows for all (the"
     " victim's calls time out: its turns get no blocks; those that cannot be counted past the"
