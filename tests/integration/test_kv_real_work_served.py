@@ -226,16 +226,24 @@ async def test_a_request_whose_client_left_while_queued_in_vllm_leaves_no_placem
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
 
-            async with contextlib.AsyncExitStack() as streams:
-                for n in range(4):
-                    system = system_prompt(f"busy-{secrets.token_hex(4)}")
-                    await streams.enter_async_context(
-                        client.running("high", conversation(system, n))
-                    )
+            async def busy(n: int) -> None:
+                system = system_prompt(f"busy-{n}-{secrets.token_hex(4)}")
+                async with client.running("high", conversation(system, n)):
+                    await asyncio.Event().wait()  # until cancelled: the client leaves
+
+            # Four at once, held open until cancelled, and seen running by the engine itself:
+            # one after another, each waiting for its first chunk, they never ran together on
+            # the full suite (make test-all: each chunk came as its stream ended).
+            streams = [asyncio.create_task(busy(n)) for n in range(4)]
+            try:
                 await _until_engine(session, engine, RUNNING, lambda n: n >= 4)
                 queued = conversation(system_prompt(f"queued-{secrets.token_hex(4)}"), 0)
                 await leave(queued, queued=True)
                 await _until_engine(session, engine, WAITING, lambda n: n == 0)  # aborted
+            finally:
+                for task in streams:
+                    task.cancel()
+                await asyncio.gather(*streams, return_exceptions=True)
             await _settled(client, session, proxy)
             tenants = (await _placement(session, proxy))["tenants"]
             assert "tenant-low" not in tenants, tenants
