@@ -53,8 +53,10 @@ async def test_many_tiny_containers_are_refused_without_freezing_the_loop(
     )
     # Before: /healthz waited 3-8 s behind one such request (the nesting and text walks), all
     # of it CPU on the one event loop. The loop's work is counted in CPU seconds, which a busy
-    # machine does not stretch as it does /healthz's wall-clock wait (1.06 s once, loaded).
-    assert cpu < 1.0, f"{cpu:.2f} CPU s for one request; /healthz {max(probes):.2f} s"
+    # machine stretches less than /healthz's wall-clock wait (1.06 s once, loaded) but still
+    # does: 0.21 s alone, 1.26 s once during make test-all (both cores busy). The bound sits
+    # under the 3 s the unfixed parse took at the least.
+    assert cpu < 2.5, f"{cpu:.2f} CPU s for one request; /healthz {max(probes):.2f} s"
     assert answer.status == 400 and is_openai_error(answer), answer.body[:300]
     assert answer.error_code() == "json_too_many_elements"
 
