@@ -7,8 +7,8 @@ overlap the tests before them. Before a test that uses engines, what it needs st
 once) and is waited for; a start runs on any core and moves onto the engine cores once ready
 (proxy.tools.engine.EngineProcess), so it may run beside a test that uses engines — except one
 marked ``quiet_engines`` (it measures its engines: every start under way is waited for, and
-nothing starts beside it). Each start is recorded: its setting, whether it started ahead, seconds from
-start to ready, seconds a test waited for it.
+nothing starts beside it). Each start is recorded: its setting, whether it started ahead,
+seconds from start to ready, seconds a test waited for it.
 """
 
 from __future__ import annotations

@@ -64,14 +64,14 @@ def waves(
             packed.append(set(group))
         else:
             home |= group
-    still = list(quiet) or [False] * len(needs)
+    is_quiet = list(quiet) or [False] * len(needs)
     return [
         Wave(
             frozenset(w),
             tuple(
                 sorted(
                     (i for i, need in enumerate(needs) if need and need <= w),
-                    key=lambda i: (len(needs[i]), not still[i], i),
+                    key=lambda i: (len(needs[i]), not is_quiet[i], i),
                 )
             ),
         )

@@ -2,9 +2,9 @@
 answering: a plain engine in bfloat16 (`tierproxy up`'s) sent a two-token prompt, and one with
 LoRA on as `tierproxy up` starts it for `adapters:` (proxy.tools.tiny_adapters) sent a base-model
 request before any adapter request. On a CPU with AMX, vLLM 0.32's attention used the tiles
-without Linux's permission and the worker died of SIGILL, every later request a 500 (red team
-E1; 2026-12-03: 4 of 4 without the plugin's ``allow_amx_tiles``). Own engines: the first batch
-must be this test's."""
+without Linux's permission and the worker died of SIGILL, every later request a 500 (the LoRA
+case: red team E1, 4 of 4; the plain case: twice on 2026-12-03, before the plugin's
+``allow_amx_tiles``). Own engines: the first batch must be this test's."""
 
 from __future__ import annotations
 
@@ -35,9 +35,10 @@ def _complete(url: str, prompt: str) -> int:
         return exc.code
 
 
-def _first_batches(args: tuple[str, ...], prompt: str, tmp_path: Path) -> list[int]:
+def _first_batches(lora: bool, prompt: str, tmp_path: Path) -> list[int]:
     env = {DEFAULT_SECRET_ENV: SECRET.decode()}  # the plugin's, as `tierproxy up` sets
-    if args:
+    args: tuple[str, ...] = ()
+    if lora:
         args, lora_env = lora_engine_settings(2, True, True)
         env |= lora_env
     engine = EngineProcess(local_engine(extra_args=args, env=env), tmp_path / "vllm.log")
@@ -50,9 +51,8 @@ def _first_batches(args: tuple[str, ...], prompt: str, tmp_path: Path) -> list[i
 
 
 def test_a_two_token_prompt_first_leaves_a_fresh_bfloat16_engine_serving(tmp_path: Path) -> None:
-    assert _first_batches((), "hi", tmp_path) == [200, 200, 200]
+    assert _first_batches(False, "hi", tmp_path) == [200, 200, 200]
 
 
 def test_a_base_model_request_first_leaves_a_fresh_lora_engine_serving(tmp_path: Path) -> None:
-    args, _ = lora_engine_settings(2, True, True)
-    assert _first_batches(args, "hello there", tmp_path) == [200, 200, 200]
+    assert _first_batches(True, "hello there", tmp_path) == [200, 200, 200]

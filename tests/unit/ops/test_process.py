@@ -13,7 +13,14 @@ from pathlib import Path
 import pytest
 
 import proxy
-from proxy.ops.process import ManagedProcess, confine_tree, free_port, process_tree, tail
+from proxy.ops.process import (
+    PORT_RANGE_ENV,
+    ManagedProcess,
+    confine_tree,
+    free_port,
+    process_tree,
+    tail,
+)
 
 # Forks a grandchild that would outlive a plain kill of its parent, prints both pids.
 FAMILY = """
@@ -155,9 +162,9 @@ def test_free_port_stays_out_of_the_range_outgoing_connections_take() -> None:
 
 
 def test_free_port_draws_from_the_range_it_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TIERPROXY_FREE_PORTS", "20000-21999")
+    monkeypatch.setenv(PORT_RANGE_ENV, "20000-21999")
     assert all(20_000 <= free_port() < 21_999 for _ in range(20))
-    monkeypatch.setenv("TIERPROXY_FREE_PORTS", "not-a-range")  # ignored: the default range
+    monkeypatch.setenv(PORT_RANGE_ENV, "not-a-range")  # ignored: the default range
     floor = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     if floor >= 11_000:
         assert all(10_000 <= free_port() < floor for _ in range(20))
