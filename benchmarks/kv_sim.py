@@ -18,13 +18,29 @@ import time
 
 from proxy.bench.kvsim.engine import COSTS, EngineCosts
 from proxy.bench.kvsim.family import Shape, find_shape, load_family
-from proxy.bench.kvsim.report import BASELINES, Figures, figures, render_summary, render_table
+from proxy.bench.kvsim.report import (
+    BASELINES,
+    Figures,
+    figures,
+    render_summary,
+    render_table,
+    replicas_for,
+)
 from proxy.bench.kvsim.run import simulate
 
 
-def run_shape(shape: Shape, policies: list[str], costs: EngineCosts) -> dict[str, Figures]:
+def run_shape(
+    shape: Shape, policies: list[str], costs: EngineCosts, replicas: int | None = None
+) -> dict[str, Figures]:
+    """Each policy's figures on ``shape``, pooled over ``replicas`` runs (None: as many as
+    its best tier's tail needs, ``replicas_for``)."""
     duration = shape.scenario.duration_s
-    return {p: figures(simulate(shape.scenario, p, costs=costs), duration) for p in policies}
+    runs = {p: [simulate(shape.scenario, p, costs=costs)] for p in policies}
+    first = {p: figures(r, duration) for p, r in runs.items()}
+    wanted = replicas_for(first) if replicas is None else replicas
+    for p, r in runs.items():
+        r += [simulate(shape.scenario, p, costs=costs, replica=i) for i in range(1, wanted)]
+    return {p: figures(r, duration) for p, r in runs.items()}
 
 
 def main() -> int:
@@ -43,12 +59,18 @@ def main() -> int:
         help="the engines' speed: quiet (one core to itself), busy (beside the test suite),"
         " or STEP,PREFILL_TOKEN,DECODE_SEQ in seconds",
     )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        help="runs pooled per shape (default: enough for 200 first tokens of the best tier,"
+        " at most 10; 1: the real client's draw alone, as kv_routing.py sends it)",
+    )
     args = parser.parse_args()
     costs = COSTS.get(args.costs) or EngineCosts(*(float(x) for x in args.costs.split(",")))
     policies = [*BASELINES, args.kv]
     if args.shape:
         shape = find_shape(args.shape)
-        runs = run_shape(shape, policies, costs)
+        runs = run_shape(shape, policies, costs, args.replicas)
         print(
             f"{shape.name}: working set {shape.working_set_blocks} blocks,"
             f" cache ratio {shape.cache_ratio:.2f}, {shape.scenario.engines} engines of"
@@ -62,7 +84,7 @@ def main() -> int:
     rows = []
     started = time.process_time()
     for shape in family:
-        rows.append((shape.name, run_shape(shape, policies, costs)))
+        rows.append((shape.name, run_shape(shape, policies, costs, args.replicas)))
         print(render_table(rows[-1:], args.kv).splitlines()[-1], file=sys.stderr)
     print(render_table(rows, args.kv))
     print()

@@ -57,13 +57,21 @@ def simulate(
     *,
     costs: EngineCosts | None = None,
     duration_s: float | None = None,
+    replica: int = 0,
 ) -> SimRun:
-    return _Sim(scenario, policy, costs or EngineCosts()).run(duration_s or scenario.duration_s)
+    """One run of ``scenario`` under ``policy``. ``replica`` 0 draws the clients' streams as
+    the real benchmark's client does (the validation compares them); another draws the same
+    shape's clients anew (lengths, think times, flood arrivals), for a larger sample."""
+    sim = _Sim(scenario, policy, costs or EngineCosts(), replica)
+    return sim.run(duration_s or scenario.duration_s)
 
 
 class _Sim:
-    def __init__(self, scenario: ConversationScenario, policy: str, costs: EngineCosts) -> None:
+    def __init__(
+        self, scenario: ConversationScenario, policy: str, costs: EngineCosts, replica: int = 0
+    ) -> None:
         self.scenario, self.policy = scenario, policy
+        self.replica = replica
         self.now = 0.0
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
@@ -112,7 +120,7 @@ class _Sim:
         self.stop_at = duration_s
         for tenant in self.scenario.tenants:
             if tenant.rate_rps > 0:
-                rng = random.Random(f"{tenant.name}/flood")
+                rng = self._stream(tenant, "flood")
                 self.at(rng.expovariate(tenant.rate_rps), partial(self._flood, tenant, rng))
             for i in range(tenant.conversations):
                 self.at(0.0, partial(self._slot, tenant, i))
@@ -123,8 +131,13 @@ class _Sim:
         return self.result
 
     # -- clients -------------------------------------------------------------------------
+    def _stream(self, tenant: ConversationTenant, name: str) -> random.Random:
+        """A client's seeded stream: the real client's (``convclient``) for replica 0."""
+        key = f"{tenant.name}/{name}"
+        return random.Random(f"{key}/replica{self.replica}" if self.replica else key)
+
     def _slot(self, tenant: ConversationTenant, index: int) -> None:
-        rng = random.Random(f"{tenant.name}/{index}")
+        rng = self._stream(tenant, str(index))
         conv = Conversation(tenant, self.scenario.engine.block_size, rng)
         self._turn(tenant, conv, rng, 1)
 

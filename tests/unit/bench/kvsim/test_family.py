@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 
 from proxy.bench.kvsim.family import find_shape, load_family
-from proxy.bench.kvsim.report import best_tier, figures, verdict
+from proxy.bench.kvsim.report import (
+    MAX_REPLICAS,
+    TAIL_SAMPLE,
+    Figures,
+    best_tier,
+    figures,
+    replicas_for,
+    verdict,
+)
 from proxy.bench.kvsim.run import simulate
 from proxy.bench.scenario import ScenarioError
 
@@ -70,3 +78,43 @@ def test_the_verdict_judges_kv_aware_against_the_better_baseline() -> None:
     assert v.ratio == pytest.approx(runs["kv_aware"].share / better)
     tier = best_tier(runs["kv_aware"])
     assert tier is not None and v.tail_n == runs["kv_aware"].ttft_n[tier] > 0
+
+
+def test_a_replica_draws_the_same_shape_s_clients_anew_and_figures_pool_them() -> None:
+    shape = find_shape(load_family()[1].name).scenario
+    first = simulate(shape, "least_utilised", duration_s=10)
+    again = simulate(shape, "least_utilised", duration_s=10)
+    other = simulate(shape, "least_utilised", duration_s=10, replica=1)
+    # Replica 0 is the real client's draw, the same every time; another replica is another.
+    assert [r.prompt for r in again.records] == [r.prompt for r in first.records]
+    assert [r.prompt for r in other.records] != [r.prompt for r in first.records]
+    one, two = figures(first, 10), figures(other, 10)
+    pooled = figures([first, other], 10)
+    assert pooled.replicas == 2
+    assert pooled.requests == one.requests + two.requests
+    assert pooled.computed == one.computed + two.computed
+    assert pooled.ttft_n == {t: one.ttft_n.get(t, 0) + two.ttft_n.get(t, 0) for t in pooled.ttft_n}
+    assert pooled.max_share == max(one.max_share, two.max_share)
+
+
+def test_replicas_grow_the_best_tier_s_sample_to_the_tail_s_size() -> None:
+    def fig(n_high: int, n_low: int = 500) -> Figures:
+        return Figures(
+            "p",
+            0,
+            0,
+            1,
+            1,
+            0,
+            0,
+            {"high": 1.0, "low": 1.0},
+            [1.0],
+            0.0,
+            0.0,
+            {"high": n_high, "low": n_low},
+        )
+
+    assert replicas_for({"a": fig(TAIL_SAMPLE), "b": fig(400)}) == 1
+    # The fewest first tokens of any policy's best tier decide, for every policy alike.
+    assert replicas_for({"a": fig(TAIL_SAMPLE), "b": fig(TAIL_SAMPLE // 2)}) == 2
+    assert replicas_for({"a": fig(3)}) == MAX_REPLICAS
