@@ -23,6 +23,15 @@ MODEL = "tiny"
 REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=300, sock_connect=10)
 
 
+def client_stream(tenant: str, name: str, replica: int = 0) -> random.Random:
+    """A client's seeded stream (a conversation slot's, or ``flood``): lengths, max_tokens,
+    think times and arrivals. Replica 0 is the benchmark's draw; another draws the same
+    shape's clients anew (the simulator's replicas, and ``kv_routing.py --fresh-draws``,
+    alike)."""
+    key = f"{tenant}/{name}"
+    return random.Random(f"{key}/replica{replica}" if replica else key)
+
+
 @dataclass
 class ChatRecord:
     tenant: str
@@ -100,10 +109,11 @@ async def _conversations(
     index: int,
     stop_at: float,
     out: list[ChatRecord],
+    replica: int = 0,
 ) -> None:
     """One conversation slot of ``tenant``: conversations one after another until ``stop_at``,
     each over the tenant's system prompt, growing turn by turn."""
-    rng = random.Random(f"{tenant.name}/{index}")
+    rng = client_stream(tenant.name, str(index), replica)
     system = tenant.system_prompt()
     for n in itertools.count():
         if time.monotonic() >= stop_at:
@@ -140,8 +150,9 @@ async def _flood(
     tenant: ConversationTenant,
     stop_at: float,
     out: list[ChatRecord],
+    replica: int = 0,
 ) -> None:
-    rng = random.Random(f"{tenant.name}/flood")
+    rng = client_stream(tenant.name, "flood", replica)
     tasks: set[asyncio.Task[None]] = set()
 
     async def one(prompt: str, max_tokens: int) -> None:
@@ -167,10 +178,14 @@ async def _flood(
 
 
 async def run_load(
-    url: str | Mapping[str, str], scenario: ConversationScenario, duration_s: float
+    url: str | Mapping[str, str],
+    scenario: ConversationScenario,
+    duration_s: float,
+    replica: int = 0,
 ) -> list[ChatRecord]:
     """Every tenant's load for ``duration_s`` (requests in flight then are awaited). ``url``:
-    the proxy, or each tenant's own engine by name (pinned, the proxy bypassed)."""
+    the proxy, or each tenant's own engine by name (pinned, the proxy bypassed); ``replica``:
+    the clients' draw (``client_stream``)."""
     out: list[ChatRecord] = []
     stop_at = time.monotonic() + duration_s
     connector = aiohttp.TCPConnector(limit=0)
@@ -179,8 +194,8 @@ async def run_load(
         for tenant in scenario.tenants:
             target = url if isinstance(url, str) else url[tenant.name]
             if tenant.rate_rps > 0:
-                jobs.append(_flood(session, target, tenant, stop_at, out))
+                jobs.append(_flood(session, target, tenant, stop_at, out, replica))
             for i in range(tenant.conversations):
-                jobs.append(_conversations(session, target, tenant, i, stop_at, out))
+                jobs.append(_conversations(session, target, tenant, i, stop_at, out, replica))
         await asyncio.gather(*jobs)
     return out

@@ -220,6 +220,11 @@ def figures(
     )
 
 
+def run_dir_name(policy: str, round_: int) -> str:
+    """The folder of one run's proxy config, logs and ``records.json``."""
+    return f"{policy.replace('/', '-')}-{round_}"
+
+
 def run_policy(
     scenario: ConversationScenario,
     urls: list[str],
@@ -228,11 +233,12 @@ def run_policy(
     out_dir: Path,
     duration_s: float,
     tokenizer: str | None = None,
+    replica: int = 0,
 ) -> RunFigures:
-    """One policy through a fresh proxy, from emptied caches."""
+    """One policy through a fresh proxy, from emptied caches; ``replica``: the clients' draw."""
     asyncio.run(reset_caches(urls))
     before = asyncio.run(_counters(urls))
-    run_dir = out_dir / f"{policy.replace('/', '-')}-{round_}"
+    run_dir = out_dir / run_dir_name(policy, round_)
     run_dir.mkdir(parents=True, exist_ok=True)
     usage_log = run_dir / "usage.jsonl"
     usage_log.unlink(missing_ok=True)
@@ -244,7 +250,7 @@ def run_policy(
     print(f"[{policy} #{round_}] proxy on {proxy.url}, {duration_s:.0f} s", file=sys.stderr)
     proxy.start()
     try:
-        records = asyncio.run(run_load(proxy.url, scenario, duration_s))
+        records = asyncio.run(run_load(proxy.url, scenario, duration_s, replica))
     finally:
         proxy.stop()  # the usage log is flushed on a clean stop
     after = asyncio.run(_counters(urls))
@@ -266,15 +272,16 @@ def run_pinned(
     round_: int,
     out_dir: Path,
     duration_s: float,
+    replica: int = 0,
 ) -> RunFigures:
     """The load sent straight to the engines, each tenant to its own (``pinned_urls``): its
     prefill figures compare; its TTFT has no proxy and no queueing in it, so it does not."""
     asyncio.run(reset_caches(urls))
     before = asyncio.run(_counters(urls))
-    run_dir = out_dir / f"pinned-{round_}"
+    run_dir = out_dir / run_dir_name("pinned", round_)
     run_dir.mkdir(parents=True, exist_ok=True)
     print(f"[pinned #{round_}] straight to the engines, {duration_s:.0f} s", file=sys.stderr)
-    records = asyncio.run(run_load(pinned_urls(scenario, urls), scenario, duration_s))
+    records = asyncio.run(run_load(pinned_urls(scenario, urls), scenario, duration_s, replica))
     after = asyncio.run(_counters(urls))
     (run_dir / "records.json").write_text(json.dumps([asdict(r) for r in records]))
     block = scenario.engine.block_size

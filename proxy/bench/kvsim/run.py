@@ -17,6 +17,7 @@ from pathlib import Path
 
 import yaml
 
+from proxy.bench.convclient import client_stream
 from proxy.bench.conversations import ConversationScenario, ConversationTenant
 from proxy.bench.kvbench import proxy_config
 from proxy.bench.kvsim.cache import PrefixCache
@@ -132,9 +133,8 @@ class _Sim:
 
     # -- clients -------------------------------------------------------------------------
     def _stream(self, tenant: ConversationTenant, name: str) -> random.Random:
-        """A client's seeded stream: the real client's (``convclient``) for replica 0."""
-        key = f"{tenant.name}/{name}"
-        return random.Random(f"{key}/replica{self.replica}" if self.replica else key)
+        """A client's seeded stream, the real client's for the same replica."""
+        return client_stream(tenant.name, name, self.replica)
 
     def _slot(self, tenant: ConversationTenant, index: int) -> None:
         rng = self._stream(tenant, str(index))
