@@ -105,7 +105,7 @@ def main() -> int:
     print(render(runs))
     print()
     print(render_lost(runs))
-    if args.rounds > 1:
+    if args.fresh_draws and args.rounds > 1:  # rounds of one draw are not a larger sample
         records = {
             (r.policy, r.round): _records(out / run_dir_name(r.policy, r.round)) for r in runs
         }

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 from proxy.bench.convclient import ChatRecord
 from proxy.bench.kvbench import RunFigures
+from proxy.bench.kvsim.report import BASELINES
 from proxy.bench.stats import percentile
 
-BASELINES = ("least_utilised", "prefix_affinity")
 TIERS = ("high", "normal", "low")
 
 
