@@ -146,3 +146,26 @@ def test_prefix_affinity_forgets_the_least_recently_used_prefix() -> None:
     pool.acquire(b, 1)  # now b is the busier one
     assert pool.choose(None, 1, 0.0, request=_p(2)) is a  # forgotten: least utilised
     assert pool.choose(None, 1, 0.0, request=_p(1)) is b
+
+
+def test_least_utilised_takes_turns_while_the_backends_tie() -> None:
+    # A near-idle pool: each request ends before the next, so every backend always scores
+    # the same. Config order sent 72-76 % of such a load to the first one (issue 32).
+    pool = _pool(LeastUtilised())
+    picks = []
+    for _ in range(6):
+        chosen = pool.choose(None, 10, 0.0)
+        assert chosen is not None
+        pool.acquire(chosen, 10)
+        pool.release(chosen, 10)
+        picks.append(chosen.cfg.url)
+    assert picks == ["http://a:1", "http://b:1"] * 3
+
+
+def test_least_utilised_prefers_room_over_its_turn() -> None:
+    pool = _pool(LeastUtilised())
+    a, b = pool.all()
+    pool.acquire(a, 10)  # a took the last turn and is busier
+    pool.acquire(b, 10)
+    pool.acquire(b, 10)  # b's turn, but it is busier now
+    assert pool.choose(None, 10, 0.0) is a
