@@ -8,6 +8,7 @@ summary.
     python benchmarks/kv_sim.py --shape s32007      # one shape, every figure
     python benchmarks/kv_sim.py --seed 77 --shapes 3  # shapes drawn by another seed
     python benchmarks/kv_sim.py --shape s91001 --costs busy  # engines as slow as beside the suite
+    python benchmarks/kv_sim.py --samples 2         # each shape on two independent draws
 """
 
 from __future__ import annotations
@@ -17,30 +18,15 @@ import sys
 import time
 
 from proxy.bench.kvsim.engine import COSTS, EngineCosts
-from proxy.bench.kvsim.family import Shape, find_shape, load_family
+from proxy.bench.kvsim.family import find_shape, load_family
 from proxy.bench.kvsim.report import (
     BASELINES,
     Figures,
-    figures,
+    render_agreement,
     render_summary,
     render_table,
-    replicas_for,
 )
-from proxy.bench.kvsim.run import simulate
-
-
-def run_shape(
-    shape: Shape, policies: list[str], costs: EngineCosts, replicas: int | None = None
-) -> dict[str, Figures]:
-    """Each policy's figures on ``shape``, pooled over ``replicas`` runs (None: as many as
-    its best tier's tail needs, ``replicas_for``)."""
-    duration = shape.scenario.duration_s
-    runs = {p: [simulate(shape.scenario, p, costs=costs)] for p in policies}
-    first = {p: figures(r, duration) for p, r in runs.items()}
-    wanted = replicas_for(first) if replicas is None else replicas
-    for p, r in runs.items():
-        r += [simulate(shape.scenario, p, costs=costs, replica=i) for i in range(1, wanted)]
-    return {p: figures(r, duration) for p, r in runs.items()}
+from proxy.bench.kvsim.samples import run_samples
 
 
 def main() -> int:
@@ -60,6 +46,13 @@ def main() -> int:
         " or STEP,PREFILL_TOKEN,DECODE_SEQ in seconds",
     )
     parser.add_argument(
+        "--samples",
+        type=int,
+        default=1,
+        help="independent samples per shape, each judged alone, then all pooled: how often"
+        " a shape's verdict is the same on another draw of its clients",
+    )
+    parser.add_argument(
         "--replicas",
         type=int,
         help="runs pooled per shape (default: enough for 200 first tokens of the best tier,"
@@ -70,7 +63,9 @@ def main() -> int:
     policies = [*BASELINES, args.kv]
     if args.shape:
         shape = find_shape(args.shape)
-        runs = run_shape(shape, policies, costs, args.replicas)
+        runs = run_samples(
+            shape.scenario, policies, costs, replicas=args.replicas, samples=args.samples
+        )[-1]
         print(
             f"{shape.name}: working set {shape.working_set_blocks} blocks,"
             f" cache ratio {shape.cache_ratio:.2f}, {shape.scenario.engines} engines of"
@@ -82,12 +77,25 @@ def main() -> int:
         return 0
     family = load_family(seed=args.seed)[: args.shapes]
     rows = []
+    per_sample: list[list[tuple[str, dict[str, Figures]]]] = [[] for _ in range(args.samples)]
     started = time.process_time()
     for shape in family:
-        rows.append((shape.name, run_shape(shape, policies, costs, args.replicas)))
+        *each, pooled = run_samples(
+            shape.scenario, policies, costs, replicas=args.replicas, samples=args.samples
+        )
+        for j, runs in enumerate(each):
+            per_sample[j].append((shape.name, runs))
+            line = render_table(per_sample[j][-1:], args.kv).splitlines()[-1]
+            print(f"sample {j + 1}: {line}", file=sys.stderr)
+        rows.append((shape.name, pooled))
         print(render_table(rows[-1:], args.kv).splitlines()[-1], file=sys.stderr)
     print(render_table(rows, args.kv))
     print()
+    if args.samples > 1:
+        for j, sample in enumerate(per_sample):
+            print(f"sample {j + 1} alone: " + render_summary(sample, args.kv).splitlines()[0])
+        print(render_agreement(per_sample, args.kv))
+        print("all samples pooled:")
     print(render_summary(rows, args.kv))
     cpu = time.process_time() - started
     print(f"({len(rows)} shapes x {len(policies)} policies, {cpu:.0f} s CPU)")
