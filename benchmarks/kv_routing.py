@@ -81,7 +81,7 @@ def main() -> int:
             for policy in policies:
                 if policy == "pinned":
                     runs.append(run_pinned(scenario, urls, round_, out, duration, replica))
-                    print(render(runs[-1:]), file=sys.stderr)
+                    print(render(runs, last_only=True), file=sys.stderr)
                     continue
                 # The index and the prompts' blocks run for kv_aware only (as a user would).
                 wants_kv = policy.startswith("kv_aware") or policy.endswith("+kv")
@@ -89,7 +89,7 @@ def main() -> int:
                 runs.append(
                     run_policy(scenario, urls, policy, round_, out, duration, tokenizer, replica)
                 )
-                print(render(runs[-1:]), file=sys.stderr)
+                print(render(runs, last_only=True), file=sys.stderr)
     finally:
         for e in engines:
             e.stop()

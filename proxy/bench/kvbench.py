@@ -288,21 +288,25 @@ def run_pinned(
     return figures("pinned", round_, records, before, after, [], duration_s, block)
 
 
-def render(runs: list[RunFigures], baseline: str = "least_utilised") -> str:
+def render(
+    runs: list[RunFigures], baseline: str = "least_utilised", *, last_only: bool = False
+) -> str:
     """A markdown table. Prefill computed is also given as a share of the prompt tokens, and
     that share against the baseline's in the same round: the load is closed-loop, so a
-    faster policy sends more requests (more prompt tokens) in the same time."""
+    faster policy sends more requests (more prompt tokens) in the same time. ``last_only``:
+    the last run's row alone, against its round's baseline among ``runs`` (as runs end)."""
     base = {
         r.round: r.prefill_computed / r.prompt_tokens
         for r in runs
         if r.policy == baseline and r.prompt_tokens
     }
-    tiers = list(dict.fromkeys(t for r in runs for t in r.ttft_ms))
+    shown = runs[-1:] if last_only else runs
+    tiers = list(dict.fromkeys(t for r in shown for t in r.ttft_ms))
     head = ["policy", "round", "requests (failed)", "prefill computed", f"share x {baseline}"]
     head += ["hit rate"] + [f"TTFT {t} p50/p99 ms" for t in tiers]
     head += ["output tok/s", "engine share", "index exact"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in runs:
+    for r in shown:
         share = r.prefill_computed / r.prompt_tokens if r.prompt_tokens else float("nan")
         ratio = share / base[r.round] if base.get(r.round) else float("nan")
         cells = [
