@@ -42,10 +42,21 @@ class OutlierDetection:
             state.failures, state.failing_since = 0, None
             state.ejected_until = 0.0
             state.reinstated_at = now
-        elif ok and state.failures and now >= state.ejected_until:
+        elif ok and self._ejection_over(state, now):
             state.failures, state.failing_since = 0, None
             state.reinstated_at = now
         elif not ok:
             if state.healthy:
                 state.reinstated_at = None
             state.healthy = False
+
+    @staticmethod
+    def _ejection_over(state: BackendState, now: float) -> bool:
+        """Whether the backend's requests failed, it was ejected for it, and the ejection
+        ended: a good probe then brings it back. A good probe before any ejection says nothing
+        of its requests (a wedged engine answers /health): it left the count of failures in a
+        row at one whenever other backends' requests came between, and the backend was never
+        ejected (red team)."""
+        if not state.failures or state.failing_since is None:
+            return False
+        return state.failing_since < state.ejected_until <= now

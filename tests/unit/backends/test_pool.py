@@ -95,6 +95,23 @@ def test_passive_ejection_backoff_and_ramp_on_return() -> None:
     assert pool.room(bad, 10.0) == pytest.approx(8.0)
 
 
+def test_a_good_probe_between_request_failures_does_not_forgive_them() -> None:
+    # A wedged engine answers /health: a good probe between its failed requests (another
+    # backend's came between them) set its count back to zero, and it was never ejected.
+    pool = _pool(8, 8)
+    bad, _good = pool.all()
+    pool.record_failure(bad, now=0.0)
+    pool.probe_result(bad, True, 1.0)
+    pool.record_failure(bad, now=2.0)
+    assert not bad.available(2.5)  # two in a row: ejected
+    pool.probe_result(bad, True, 3.0)  # during the ejection: nothing changes
+    assert not bad.available(3.5) and bad.failures == 2
+    pool.probe_result(bad, True, 4.5)  # after it: back, its count forgiven
+    assert bad.available(4.5) and bad.failures == 0 and bad.reinstated_at == 4.5
+    pool.record_failure(bad, now=5.0)
+    assert bad.available(5.5)  # one failure again: not ejected at once
+
+
 def test_active_probe_down_and_up() -> None:
     pool = _pool(4)
     b = pool.all()[0]

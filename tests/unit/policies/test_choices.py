@@ -169,3 +169,38 @@ def test_least_utilised_prefers_room_over_its_turn() -> None:
     pool.acquire(b, 10)
     pool.acquire(b, 10)  # b's turn, but it is busier now
     assert pool.choose(None, 10, 0.0) is a
+
+
+@pytest.mark.parametrize("rooms", [(8, 9), (16, 64), (19, 20)])
+def test_a_light_load_takes_turns_over_idle_backends_whatever_their_room(
+    rooms: tuple[int, int],
+) -> None:
+    # Learned rooms differ by noise (19 against 20 after one tenant's burst): scored after
+    # taking the request, the larger one always won, and took every request of a light load.
+    backends = [
+        Backend(url=f"http://{n}:1", max_inflight=r) for n, r in zip("ab", rooms, strict=True)
+    ]
+    pool = BackendPool(backends, BackendHealth(), LeastUtilised())
+    picks = []
+    for _ in range(6):
+        chosen = pool.choose(None, 10, 0.0)
+        assert chosen is not None
+        pool.acquire(chosen, 10)
+        pool.release(chosen, 10)
+        picks.append(chosen.cfg.url)
+    assert picks.count("http://a:1") == picks.count("http://b:1") == 3
+
+
+def test_under_load_the_larger_room_takes_more() -> None:
+    small, large = (
+        Backend(url="http://a:1", max_inflight=2),
+        Backend(url="http://b:1", max_inflight=8),
+    )
+    pool = BackendPool([small, large], BackendHealth(), LeastUtilised())
+    taken = {"http://a:1": 0, "http://b:1": 0}
+    for _ in range(10):  # nothing ends: in proportion to room
+        chosen = pool.choose(None, 10, 0.0)
+        assert chosen is not None
+        pool.acquire(chosen, 10)
+        taken[chosen.cfg.url] += 1
+    assert taken == {"http://a:1": 2, "http://b:1": 8}
