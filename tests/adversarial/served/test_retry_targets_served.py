@@ -51,8 +51,9 @@ from proxy.bench.inproc import KEYS, make_config
 
 @pytest.fixture
 def served_over(tmp_path: Path) -> Iterator[Any]:
-    """Served proxies in front of the given backends (config order: the first is tried first
-    while all are idle, ``least_utilised`` breaking ties by order); stopped at teardown."""
+    """Served proxies in front of the given backends (the first request goes to the first
+    backend, all idle; ``least_utilised`` breaks later ties by rotation); stopped at
+    teardown."""
     with ServedFleet(tmp_path) as fleet:
 
         def start(backends: list[dict[str, Any]], **sections: Any) -> ServedProxy:
