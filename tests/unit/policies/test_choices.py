@@ -148,20 +148,6 @@ def test_prefix_affinity_forgets_the_least_recently_used_prefix() -> None:
     assert pool.choose(None, 1, 0.0, request=_p(1)) is b
 
 
-def test_least_utilised_takes_turns_while_the_backends_tie() -> None:
-    # A near-idle pool: each request ends before the next, so every backend always scores
-    # the same. Config order sent 72-76 % of such a load to the first one (issue 32).
-    pool = _pool(LeastUtilised())
-    picks = []
-    for _ in range(6):
-        chosen = pool.choose(None, 10, 0.0)
-        assert chosen is not None
-        pool.acquire(chosen, 10)
-        pool.release(chosen, 10)
-        picks.append(chosen.cfg.url)
-    assert picks == ["http://a:1", "http://b:1"] * 3
-
-
 def test_least_utilised_prefers_room_over_its_turn() -> None:
     pool = _pool(LeastUtilised())
     a, b = pool.all()
@@ -171,12 +157,13 @@ def test_least_utilised_prefers_room_over_its_turn() -> None:
     assert pool.choose(None, 10, 0.0) is a
 
 
-@pytest.mark.parametrize("rooms", [(8, 9), (16, 64), (19, 20)])
+@pytest.mark.parametrize("rooms", [(4, 4), (8, 9), (16, 64), (19, 20)])
 def test_a_light_load_takes_turns_over_idle_backends_whatever_their_room(
     rooms: tuple[int, int],
 ) -> None:
-    # Learned rooms differ by noise (19 against 20 after one tenant's burst): scored after
-    # taking the request, the larger one always won, and took every request of a light load.
+    # Each request ends before the next. Equal rooms tie: config order sent 72-76 % of such a
+    # load to the first backend (issue 32). Learned rooms differ by noise (19 against 20 after
+    # one tenant's burst): scored after taking the request, the larger took every request.
     backends = [
         Backend(url=f"http://{n}:1", max_inflight=r) for n, r in zip("ab", rooms, strict=True)
     ]
@@ -188,7 +175,7 @@ def test_a_light_load_takes_turns_over_idle_backends_whatever_their_room(
         pool.acquire(chosen, 10)
         pool.release(chosen, 10)
         picks.append(chosen.cfg.url)
-    assert picks.count("http://a:1") == picks.count("http://b:1") == 3
+    assert picks == ["http://a:1", "http://b:1"] * 3
 
 
 def test_under_load_the_larger_room_takes_more() -> None:
