@@ -82,12 +82,10 @@ def slot_room(state: BackendView, now: float, health: BackendHealth) -> float:
     return max(0.0, cap - state.inflight)
 
 
-def least_utilised(
-    candidates: Sequence[Candidate[B]], rotation: Rotation | None = None
-) -> B | None:
+def least_utilised(candidates: Sequence[Candidate[B]], rotation: Rotation) -> B | None:
     """The backend that stays least utilised after taking the request (so work spreads in
     proportion to each backend's room); ties toward free KV cache, then to the backend
-    ``rotation`` chose longest ago (config order without one). An idle backend scores as if
+    ``rotation`` chose longest ago. An idle backend scores as if
     all its room were free: idle backends tie whatever their room, and a light load takes
     turns over them (a learned room of 20 against 19 sent every request of a light load to
     the backend with 20: red team)."""
@@ -95,7 +93,7 @@ def least_utilised(
     best_key = (0.0, 0)
     for c in candidates:
         share = _idle_share(c) if c.state.inflight == 0 else free_share(c)
-        key = (round(share / TIE) * TIE, rotation.age(c.state) if rotation else 0)
+        key = (round(share / TIE) * TIE, rotation.age(c.state))
         if best is None or key > best_key:
             best, best_key = c.state, key
     return best

@@ -26,8 +26,9 @@ def run_samples(
     duration = duration_s or scenario.duration_s
 
     first = {p: [simulate(scenario, p, costs=costs, duration_s=duration)] for p in policies}
-    n = replicas_for({p: figures(r, duration) for p, r in first.items()})
-    n = n if replicas is None else replicas
+    if replicas is None:
+        replicas = replicas_for({p: figures(r, duration) for p, r in first.items()})
+    n = replicas
     runs = {
         p: r
         + [

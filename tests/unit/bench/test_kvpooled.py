@@ -68,10 +68,7 @@ def test_round_one_draws_as_the_benchmark_always_has_and_others_anew() -> None:
 
 
 def test_a_run_printed_as_it_ends_is_against_its_round_s_baseline() -> None:
-    def run(policy: str, round_: int, computed: float) -> RunFigures:
-        return RunFigures(policy, round_, 10, 0, 1000.0, computed, 0.5, 1.0, {}, [1.0], 0, None)
-
-    runs = [run("least_utilised", 1, 800.0), run("kv_aware", 1, 400.0)]
+    runs = [_run("least_utilised", 1, 800.0, [1.0]), _run("kv_aware", 1, 400.0, [1.0])]
     row = render(runs, last_only=True).splitlines()
     assert len(row) == 3 and "`kv_aware`" in row[-1]
     assert "| 0.50 |" in row[-1]  # 40 % against least_utilised's 80 %, not nan
