@@ -18,6 +18,7 @@ from proxy.bench.stats import (
     jain_index,
     latency_spread,
     makespan,
+    p99_excess_p_value,
     percentile,
     summarize,
 )
@@ -266,3 +267,33 @@ def _empty_group() -> dict[str, object]:
         "throughput_rps": 0.0,
         "output_tokens_per_s": 0.0,
     }
+
+
+def test_a_p99_excess_is_called_real_only_when_the_sample_cannot_make_it() -> None:
+    rng = np.random.default_rng(7)
+    one, two = rng.exponential(100.0, 400).tolist(), rng.exponential(100.0, 400).tolist()
+    # One distribution, two draws: whichever p99 is higher, the test does not call it real.
+    high, low = (one, two) if percentile(one, 99) > percentile(two, 99) else (two, one)
+    assert percentile(high, 99) > percentile(low, 99)
+    assert p99_excess_p_value([high], [low], rounds=400) > 0.05
+    # A tail half again as slow, on as many values, is called real.
+    slower = [1.5 * v for v in one]
+    assert p99_excess_p_value([slower], [two], rounds=400) < 0.05
+    # Not worse at all: nothing to call; nothing measured: nothing either.
+    assert p99_excess_p_value([low], [high], rounds=400) > 0.5
+    assert p99_excess_p_value([[]], [two]) == 1.0
+
+
+def test_runs_are_compared_pair_by_pair_so_a_burst_in_every_run_counts_each_time() -> None:
+    # Each run: 20 quick first tokens and one start-up burst, 627 ms against 418. Pooled, the
+    # burst is a handful of values; run by run it is worse every time.
+    quick = [30.0 + i for i in range(20)]
+    mine, other = [[*quick, 627.0]] * 6, [[*quick, 418.0]] * 6
+    assert p99_excess_p_value(mine, other) == 1 / 2**6
+    # Worse in three runs and better in three, by as much: no difference to call.
+    mixed = [[*quick, 627.0]] * 3 + [[*quick, 279.0]] * 3
+    assert p99_excess_p_value(mixed, other) > 0.3
+    # Two runs cannot show it, however consistent.
+    assert p99_excess_p_value(mine[:2], other[:2]) == 0.25
+    with pytest.raises(ValueError, match="pair by pair"):
+        p99_excess_p_value(mine, other[:2])

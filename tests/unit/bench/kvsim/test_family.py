@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from proxy.bench.kvsim.family import find_shape, load_family
 from proxy.bench.kvsim.report import (
     MAX_REPLICAS,
+    TAIL_ALPHA,
     TAIL_SAMPLE,
     Figures,
     best_tier,
@@ -16,6 +18,7 @@ from proxy.bench.kvsim.report import (
 )
 from proxy.bench.kvsim.run import simulate
 from proxy.bench.scenario import ScenarioError
+from proxy.bench.stats import percentile
 
 
 def test_the_family_has_at_least_50_shapes_each_deterministic_by_seed() -> None:
@@ -118,3 +121,35 @@ def test_replicas_grow_the_best_tier_s_sample_to_the_tail_s_size() -> None:
     # The fewest first tokens of any policy's best tier decide, for every policy alike.
     assert replicas_for({"a": fig(TAIL_SAMPLE), "b": fig(TAIL_SAMPLE // 2)}) == 2
     assert replicas_for({"a": fig(3)}) == MAX_REPLICAS
+
+
+def test_a_tail_worse_only_within_its_sample_s_noise_is_told_apart_from_a_real_one() -> None:
+    def fig(policy: str, ttfts: list[float], share: float = 0.5) -> Figures:
+        values = tuple(sorted(ttfts))  # one run
+        return Figures(
+            policy,
+            len(values),
+            0,
+            100,
+            int(100 * share),
+            0,
+            0,
+            {"high": percentile(values, 99)},
+            [0.5, 0.5],
+            0.5,
+            0.1,
+            {"high": len(values)},
+            ttft_ms={"high": (values,)},
+        )
+
+    rng = np.random.default_rng(3)
+    one, two = rng.exponential(100.0, 300).tolist(), rng.exponential(100.0, 300).tolist()
+    # Two draws of one distribution: the higher p99 is kv_aware's, by the draw alone.
+    near, base = sorted((one, two), key=lambda v: percentile(v, 99), reverse=True)
+    far = [2.0 * v for v in near]
+    for kv, real in ((near, False), (far, True)):
+        runs = {"least_utilised": fig("lu", base), "prefix_affinity": fig("pa", base, 0.6)}
+        v = verdict("x", {**runs, "kv_aware": fig("kv", kv, 0.4)})
+        assert v.ttft_ratio > 1.0 and not v.passes  # the strict bar fails on both
+        assert (v.tail_p < TAIL_ALPHA) is real
+        assert v.passes_in_noise is not real
