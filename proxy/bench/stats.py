@@ -239,6 +239,10 @@ def latency_spread(ttft_by_tenant: Mapping[str, Sequence[float]]) -> LatencySpre
     )
 
 
+# Runs compared pair by pair from this many: n pairs cannot show a p-value under 1 / 2**n.
+MIN_PAIRS = 5
+
+
 def p99_excess_p_value(
     mine: Sequence[Sequence[float]],
     other: Sequence[Sequence[float]],
@@ -248,12 +252,11 @@ def p99_excess_p_value(
     """How often ``mine``'s p99 would exceed ``other``'s by as much as it does if the two
     policies were alike (a one-sided permutation test of the p99 ratio): under 0.05, the
     difference is the policies', not the draw's. Each argument is one or more runs' values,
-    run i of both drawn alike (the same clients). Of two or more runs, the runs are compared
-    pair by pair (the sum of their p99s' log ratios, each pair's sign flipped): what happens
-    at the same instant of every run (a start-up burst) counts as often as it recurs; n runs
-    cannot show a p-value under 1 / 2**n. Of one run, single values swap sides: they are not
-    independent (a burst slows many at once), so that test calls a difference real more
-    readily than it should."""
+    run i of both drawn alike (the same clients). Of ``MIN_PAIRS`` runs or more, the runs are
+    compared pair by pair (the sum of their p99s' log ratios, each pair's sign flipped): what
+    happens at the same instant of every run (a start-up burst) counts as often as it recurs.
+    Of fewer, single values swap sides: they are not independent (a burst slows many at
+    once), so that test calls a difference real more readily than it should."""
     if len(mine) != len(other):
         raise ValueError("runs are compared pair by pair")
     if not any(mine) or not any(other):
@@ -263,8 +266,8 @@ def p99_excess_p_value(
         return percentile(a, 99) / max(percentile(b, 99), 1e-12)
 
     rng = random.Random(seed)
-    if len(mine) == 1:
-        ones, others = mine[0], other[0]
+    if len(mine) < MIN_PAIRS:
+        ones, others = [v for run in mine for v in run], [v for run in other for v in run]
         observed = ratio(ones, others) - 1e-12
         pooled = [*ones, *others]
         trials = []

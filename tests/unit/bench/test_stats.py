@@ -293,7 +293,8 @@ def test_runs_are_compared_pair_by_pair_so_a_burst_in_every_run_counts_each_time
     # Worse in three runs and better in three, by as much: no difference to call.
     mixed = [[*quick, 627.0]] * 3 + [[*quick, 279.0]] * 3
     assert p99_excess_p_value(mixed, other) > 0.3
-    # Two runs cannot show it, however consistent.
-    assert p99_excess_p_value(mine[:2], other[:2]) == 0.25
+    # Under five runs, the values swap sides one by one: two bursts among 42 values cannot
+    # show it, however consistent.
+    assert p99_excess_p_value(mine[:2], other[:2]) > 0.05
     with pytest.raises(ValueError, match="pair by pair"):
         p99_excess_p_value(mine, other[:2])
