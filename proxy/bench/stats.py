@@ -239,6 +239,17 @@ def latency_spread(ttft_by_tenant: Mapping[str, Sequence[float]]) -> LatencySpre
     )
 
 
+def ttft_ms_by_tier(firsts: Iterable[tuple[str, float | None]]) -> dict[str, tuple[float, ...]]:
+    """Each tier's times to first token (``(tier, seconds)``; None: no first token) in ms,
+    sorted, tiers in the order they first come."""
+    out: dict[str, list[float]] = {}
+    for tier, ttft in firsts:
+        values = out.setdefault(tier, [])
+        if ttft is not None:
+            values.append(1000 * ttft)
+    return {tier: tuple(sorted(values)) for tier, values in out.items() if values}
+
+
 # Runs compared pair by pair from this many: n pairs cannot show a p-value under 1 / 2**n.
 MIN_PAIRS = 5
 

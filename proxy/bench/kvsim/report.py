@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from proxy.bench.kvsim.run import SimRun
-from proxy.bench.stats import p99_excess_p_value, percentile
+from proxy.bench.stats import p99_excess_p_value, percentile, ttft_ms_by_tier
 
 BASELINES = ("least_utilised", "prefix_affinity")
 # The best tier's first tokens wanted for its p99: with two in the tail, one slow request does
@@ -63,21 +63,12 @@ def figures(runs: SimRun | Sequence[SimRun], duration_s: float) -> Figures:
         ([e.counts.requests for e in run.engines.values()] for run in runs),
         key=lambda counts: max(counts) / max(1, sum(counts)),
     )
-    ttft: dict[str, float] = {}
-    counts: dict[str, int] = {}
-    every: dict[str, tuple[tuple[float, ...], ...]] = {}
-    for tier in dict.fromkeys(r.tier for r in records):
-        per_run = tuple(
-            tuple(
-                sorted(1000 * r.ttft for r in run.records if r.tier == tier and r.ttft is not None)
-            )
-            for run in runs
-        )
-        values = sorted(v for run in per_run for v in run)
-        if values:
-            ttft[tier] = percentile(values, 99)
-            counts[tier] = len(values)
-            every[tier] = per_run
+    per_run = [ttft_ms_by_tier((r.tier, r.ttft) for r in run.records) for run in runs]
+    every = {
+        tier: tuple(one.get(tier, ()) for one in per_run)
+        for tier in dict.fromkeys(t for one in per_run for t in one)
+    }
+    pooled = {tier: sorted(v for run in values for v in run) for tier, values in every.items()}
     sent = sum(run.sent for run in runs)
     return Figures(
         policy=runs[0].policy,
@@ -87,11 +78,11 @@ def figures(runs: SimRun | Sequence[SimRun], duration_s: float) -> Figures:
         computed=sum(e.counts.prompt - e.counts.hits for e in engines),
         recomputed=sum(e.counts.recomputed for e in engines),
         preemptions=sum(e.counts.preemptions for e in engines),
-        ttft_p99=ttft,
+        ttft_p99={tier: percentile(values, 99) for tier, values in pooled.items()},
         engine_share=[s / max(1, sum(served)) for s in served],
         busy=sum(e.counts.busy_s for e in engines) / (len(engines) * duration_s),
         floor_share=sum(run.floor for run in runs) / sent if sent else 0.0,
-        ttft_n=counts,
+        ttft_n={tier: len(values) for tier, values in pooled.items()},
         replicas=len(runs),
         ttft_ms=every,
     )

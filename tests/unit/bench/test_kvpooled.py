@@ -72,3 +72,15 @@ def test_a_run_printed_as_it_ends_is_against_its_round_s_baseline() -> None:
     row = render(runs, last_only=True).splitlines()
     assert len(row) == 3 and "`kv_aware`" in row[-1]
     assert "| 0.50 |" in row[-1]  # 40 % against least_utilised's 80 %, not nan
+
+
+def test_a_worse_tail_says_whether_the_draw_alone_could_make_it() -> None:
+    runs = [_run(p, 1, c, [0.5, 0.5]) for p, c in (("least_utilised", 500), ("kv_aware", 200))]
+    quick = [float(10 + i % 50) for i in range(200)]
+    for kv_tail, said in (([70.0, 72.0, 75.0], "within the draw's noise"), ([900.0] * 12, "real")):
+        records = {
+            ("least_utilised", 1): _records("high", [*quick, 55.0, 59.0]),
+            ("kv_aware", 1): _records("high", [*quick[: 202 - len(kv_tail)], *kv_tail]),
+        }
+        text = render_pooled(pool(runs, records))
+        assert "TTFT p99 x" in text and said in text
