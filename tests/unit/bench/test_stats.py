@@ -18,7 +18,8 @@ from proxy.bench.stats import (
     jain_index,
     latency_spread,
     makespan,
-    p99_excess_p_value,
+    p99_excess_over_better,
+    p99_excess_test,
     percentile,
     summarize,
 )
@@ -269,19 +270,25 @@ def _empty_group() -> dict[str, object]:
     }
 
 
+def _p(mine: list[list[float]], other: list[list[float]], rounds: int = 2000) -> float:
+    return p99_excess_test(mine, other, rounds=rounds).p
+
+
 def test_a_p99_excess_is_called_real_only_when_the_sample_cannot_make_it() -> None:
     rng = np.random.default_rng(7)
     one, two = rng.exponential(100.0, 400).tolist(), rng.exponential(100.0, 400).tolist()
     # One distribution, two draws: whichever p99 is higher, the test does not call it real.
     high, low = (one, two) if percentile(one, 99) > percentile(two, 99) else (two, one)
     assert percentile(high, 99) > percentile(low, 99)
-    assert p99_excess_p_value([high], [low], rounds=400) > 0.05
+    assert _p([high], [low], rounds=400) > 0.05
     # A tail half again as slow, on as many values, is called real.
     slower = [1.5 * v for v in one]
-    assert p99_excess_p_value([slower], [two], rounds=400) < 0.05
+    assert _p([slower], [two], rounds=400) < 0.05
     # Not worse at all: nothing to call; nothing measured: nothing either.
-    assert p99_excess_p_value([low], [high], rounds=400) > 0.5
-    assert p99_excess_p_value([[]], [two]) == 1.0
+    assert _p([low], [high], rounds=400) > 0.5
+    assert _p([[]], [two]) == 1.0
+    # However far apart, a sampled test never says 0: the observed draw is one of them.
+    assert _p([[1000.0] * 50 + [1.0] * 950], [[1.0] * 1000], rounds=200) == 1 / 201
 
 
 def test_runs_are_compared_pair_by_pair_so_a_burst_in_every_run_counts_each_time() -> None:
@@ -289,12 +296,24 @@ def test_runs_are_compared_pair_by_pair_so_a_burst_in_every_run_counts_each_time
     # burst is a handful of values; run by run it is worse every time.
     quick = [30.0 + i for i in range(20)]
     mine, other = [[*quick, 627.0]] * 6, [[*quick, 418.0]] * 6
-    assert p99_excess_p_value(mine, other) == 1 / 2**6
+    test = p99_excess_test(mine, other)
+    assert test.paired and test.p == 1 / 2**6  # every sign pattern, the observed one too
     # Worse in three runs and better in three, by as much: no difference to call.
     mixed = [[*quick, 627.0]] * 3 + [[*quick, 279.0]] * 3
-    assert p99_excess_p_value(mixed, other) > 0.3
-    # Under five runs, the values swap sides one by one: two bursts among 42 values cannot
-    # show it, however consistent.
-    assert p99_excess_p_value(mine[:2], other[:2]) > 0.05
+    assert _p(mixed, other) > 0.3
+    # Under five runs with values on both sides, the values swap sides one by one (two
+    # bursts among 42 values cannot show it, however consistent); a run with no first token
+    # on one side is not a pair.
+    assert _p(mine[:2], other[:2]) > 0.05
+    assert not p99_excess_test([*mine[:4], []], [*other[:4], [1.0]]).paired
     with pytest.raises(ValueError, match="pair by pair"):
-        p99_excess_p_value(mine, other[:2])
+        p99_excess_test(mine, other[:2])
+
+
+def test_worse_than_the_better_of_two_is_tested_against_each_and_corrected_for_the_choice() -> None:
+    quick = [30.0 + i for i in range(20)]
+    mine = [[*quick, 627.0]] * 6
+    slow, fast = [[*quick, 700.0]] * 6, [[*quick, 418.0]] * 6
+    # Worse than the fast one only: its p-value, doubled for having two to choose from.
+    assert p99_excess_over_better(mine, [slow, fast]).p == 2 / 2**6
+    assert p99_excess_over_better(mine, [slow, slow]).p == 1.0  # worse than neither
