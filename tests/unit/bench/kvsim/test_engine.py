@@ -103,3 +103,23 @@ def test_the_newest_running_request_is_preempted_when_blocks_run_out_and_recompu
     assert engine.idle and "b done" in log[-1]
     # b came back with its prompt and its two tokens to compute again; its hits uncounted
     assert engine.counts.recomputed == 9 and engine.counts.hits == 0
+
+
+def test_a_prompt_admitted_behind_another_in_its_step_hits_the_blocks_that_step_computes() -> None:
+    # vLLM caches a request's full blocks when it schedules them (allocate_slots), not when
+    # the step ends: two requests of one 1,500-token prompt sent together to vLLM 0.32 (CPU,
+    # 512-token budget) gave the second 1,408 tokens of hits, more than the 1,024 its first
+    # two steps had computed, and its first token one step after the first's.
+    engine = _engine(blocks=128, budget=20)
+    log: list[str] = []
+    prompt = tuple(range(1, 9))  # 8 full blocks of 4 tokens, then 2 more tokens
+    engine.add(_request(34, 1, prompt, log, "a"))
+    engine.add(_request(34, 1, prompt, log, "b"))
+    first = engine.schedule()  # a: 20 tokens (blocks 1-5); the budget is spent: b waits
+    assert list(first.values()) == [20]
+    engine.finish_step(first, 1.0)
+    second = engine.schedule()  # a: its last 14 (blocks 6-8, cached as scheduled), then b
+    assert list(second.values()) == [14, 2]  # b hits all 8 blocks: its last 2 tokens only
+    engine.finish_step(second, 2.0)
+    assert "a first 2" in log and "b first 2" in log
+    assert engine.counts.hits == 32
