@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import re
 import secrets
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from tests.helpers.enginefarm import EngineFarm
 from tests.helpers.engines import KV_EVENTS
 from tests.helpers.kvpair import (
     BLOCK,
+    CHAT,
     KV_EVENTS_B,
     TIMEOUT,
     Client,
@@ -193,20 +195,41 @@ async def _placement(session: aiohttp.ClientSession, proxy: ServedProxy) -> dict
     return placement
 
 
+async def _stream_to_end(client: Client, tier: str, messages: list[dict[str, str]]) -> None:
+    """One long generation of ``messages``, streamed and read to its end."""
+    body = {"model": "tiny", "messages": messages, "max_tokens": 1600, "ignore_eos": True}
+    body["stream"] = True
+    headers = {"Authorization": f"Bearer {KEYS[tier]}"}
+    async with client.session.post(client.proxy.url + CHAT, json=body, headers=headers) as r:
+        assert r.status == 200, await r.text()
+        async for _ in r.content.iter_any():
+            pass
+
+
+# High-tier streams kept going, one after another each, against the engine's four sequences:
+# four run and six wait in vLLM's own queue, where the plugin orders them before tenant-low's.
+# When four end together (they started together), four of the six take their places and two
+# still wait while the four ended send again: a low-tier request never reaches a slot.
+BUSY = 10
+
+
 async def test_a_request_whose_client_left_while_queued_in_vllm_leaves_no_placement(
     pair: tuple[EngineProcess, EngineProcess], tmp_path: Path
 ) -> None:
-    """Promise B: one engine (the other drained) runs four long streams of the best tier, its
-    ``--max-num-seqs``; the proxy (eight slots there) sends tenant-low's request, which waits
-    in vLLM's own queue (its gauge; a worse tier preempts nothing), and the client leaves: vLLM
-    aborts it, nothing computed. The proxy learns that only from the engine's KV events (none
-    of its prompt stored): once the chooser tells, tenant-low keeps no placement. The control:
-    the same tenant's request whose client leaves while the engine decodes it (its prefill
-    counted by the engine, stored) is kept."""
+    """Promise B: one engine (the other drained) runs tenant-high's streams past its
+    ``--max-num-seqs``, without end; the proxy (room for them all) sends tenant-low's request,
+    which waits in vLLM's own queue behind them (the engine's waiting gauge counts one more
+    than the streams can hold) for as long as they go, and the client leaves: vLLM aborts it,
+    nothing computed. The proxy learns that only from the engine's KV events (none of its
+    prompt stored): once the chooser tells, tenant-low keeps no placement. The control: the
+    same tenant's request whose client leaves while the engine decodes it (its prefill counted
+    by the engine, stored) is kept."""
     engine, other = pair
     config = kv_pair_config(*pair)
     for backend in config["backends"]:
-        backend["max_inflight"] = 8  # past the engine's four: vLLM queues the rest
+        # Past the engine's four, with room left however far vLLM's queue (the streams' six,
+        # tenant-low's one) shrinks it (max_backend_waiting): vLLM queues the rest.
+        backend["max_inflight"] = 2 * BUSY
     with ServedProxy(config, tmp_path).start() as proxy:
         async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
             client = Client(session, proxy)
@@ -214,13 +237,14 @@ async def test_a_request_whose_client_left_while_queued_in_vllm_leaves_no_placem
             await _drain(session, proxy.admin_url, other.spec.url, True)
 
             async def leave(messages: list[dict[str, str]], *, queued: bool) -> None:
-                """tenant-low's long generation, left once the engine shows it queued (in
-                its waiting gauge) or prefilled (its prompt tokens counted)."""
+                """tenant-low's long generation, left once the engine shows it queued (its
+                waiting gauge past what the streams can hold) or prefilled (its prompt tokens
+                counted)."""
                 body = {"model": "tiny", "messages": messages, "max_tokens": 1600, "ignore_eos": True}  # fmt: skip
                 prompted = await _engine(session, engine, PROMPTED)
                 task = asyncio.create_task(client.post("low", body))
                 if queued:
-                    await _until_engine(session, engine, WAITING, lambda n: n >= 1)
+                    await _until_engine(session, engine, WAITING, lambda n: n > BUSY - 4)
                 else:
                     await _until_engine(session, engine, PROMPTED, lambda n: n >= prompted + 300)
                 task.cancel()
@@ -228,26 +252,33 @@ async def test_a_request_whose_client_left_while_queued_in_vllm_leaves_no_placem
                     await task
 
             async def busy(n: int) -> None:
-                system = system_prompt(f"busy-{n}-{secrets.token_hex(4)}")
-                async with client.running("high", conversation(system, n)):
-                    await asyncio.Event().wait()  # until cancelled: the client leaves
+                for turn in itertools.count():  # until cancelled: the client leaves
+                    system = system_prompt(f"busy-{n}-{turn}-{secrets.token_hex(4)}")
+                    await _stream_to_end(client, "high", conversation(system, n))
 
-            # Four at once, held open until cancelled; tenant-low's request follows as soon as
-            # the proxy has sent them (its own count, read at once), not once the engine's
-            # gauge shows them running: on the full suite (make test-all) the engine ran the
-            # four 1,600-token streams in 2.9 s, and its /metrics, served by the same busy API
-            # process, showed them running only as they ended.
-            streams = [asyncio.create_task(busy(n)) for n in range(4)]
+            # The streams go on until cancelled, so tenant-low's request waits in vLLM's queue
+            # for as long as the test needs, however late the engine's /metrics answers: on the
+            # full suite (make test-all) the engine ran four 1,600-token streams in 2.9 s, and
+            # its /metrics, served by the same busy API process, showed them only as they ended.
+            streams = [asyncio.create_task(busy(n)) for n in range(BUSY)]
             try:
                 for _ in range(300):  # polls
-                    if (await inflight(session, proxy))[0] >= 4:
+                    if (await inflight(session, proxy))[0] >= BUSY:
                         break
                     await asyncio.sleep(0.02)
                 else:
-                    raise AssertionError("the proxy never sent the four busy streams")
+                    raise AssertionError("the proxy never sent the busy streams")
                 queued = conversation(system_prompt(f"queued-{secrets.token_hex(4)}"), 0)
                 await leave(queued, queued=True)
-                await _until_engine(session, engine, WAITING, lambda n: n == 0)  # aborted
+                # Aborted before the streams stop: the proxy let it go (its count), then the
+                # engine's queue holds no more than the streams can hold.
+                for _ in range(300):  # polls
+                    if (await inflight(session, proxy))[0] <= BUSY:
+                        break
+                    await asyncio.sleep(0.02)
+                else:
+                    raise AssertionError("the proxy kept the request whose client left")
+                await _until_engine(session, engine, WAITING, lambda n: n <= BUSY - 4)
             finally:
                 for task in streams:
                     task.cancel()
