@@ -94,3 +94,28 @@ class PrefixCache:
             if self._refs[h] == 0:
                 self._free_cached[h] = None
         held.clear()
+
+
+class PooledLRU:
+    """One LRU cache of ``capacity`` blocks standing for all the engines' caches together: what
+    a placement that held nothing twice and moved nothing would hit (the family's reference for
+    where the cache, not the placement, bounds the hits)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._blocks: OrderedDict[int, None] = OrderedDict()  # evicted from the front
+
+    def hit_then_note(self, blocks: Sequence[int], hashes: Sequence[int]) -> int:
+        """How many of ``blocks`` (a prompt's, its head first) it holds as a prefix; then the
+        prompt's ``hashes`` noted, the head last: as vLLM frees a request's blocks tail first,
+        a chain is evicted from its end."""
+        held = self._blocks
+        known = 0
+        while known < len(blocks) and blocks[known] in held:
+            known += 1
+        for h in reversed(hashes):
+            held[h] = None
+            held.move_to_end(h)
+        while len(held) > self.capacity:
+            held.popitem(last=False)
+        return known

@@ -20,7 +20,7 @@ import yaml
 from proxy.bench.convclient import client_stream
 from proxy.bench.conversations import ConversationScenario, ConversationTenant
 from proxy.bench.kvbench import proxy_config
-from proxy.bench.kvsim.cache import PrefixCache
+from proxy.bench.kvsim.cache import PooledLRU, PrefixCache
 from proxy.bench.kvsim.engine import EngineCosts, EngineRequest, SimEngine
 from proxy.bench.kvsim.stand_ins import Record, SimIndex, Waiter, note
 from proxy.bench.kvsim.workload import Conversation, Prompt, flood_prompt
@@ -45,6 +45,9 @@ class SimRun:
     # The floor: what one unbounded cache would compute of the prompts sent (each prompt less
     # its longest prefix sent before), and those prompts' tokens.
     floor: int = 0
+    # What one LRU cache the size of all the engines' caches together would compute: the
+    # placement's ideal (nothing held twice, nothing moved), the shape's capacity kept.
+    pooled_floor: int = 0
     sent: int = 0
 
 
@@ -112,6 +115,7 @@ class _Sim:
                 self.pool.states[url].kv_index = index
         self._output_ids = itertools.count(1)
         self._seen: set[int] = set()
+        self._pooled = PooledLRU((shape.kv_blocks - 1) * scenario.engines)
 
     # -- the clock -----------------------------------------------------------------------
     def at(self, t: float, fn: Callable[[], None]) -> None:
@@ -213,7 +217,10 @@ class _Sim:
         while known < len(prompt.blocks) and prompt.blocks[known] in seen:
             known += 1
         seen.update(prompt.hashes)
-        self.result.floor += prompt.length - known * self.scenario.engine.block_size
+        block = self.scenario.engine.block_size
+        self.result.floor += prompt.length - known * block
+        pooled = self._pooled.hit_then_note(prompt.blocks, prompt.hashes)
+        self.result.pooled_floor += prompt.length - pooled * block
         self.result.sent += prompt.length
 
     def _dispatch(self) -> None:

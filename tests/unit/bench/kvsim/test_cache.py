@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from proxy.bench.kvsim.cache import PrefixCache
+from proxy.bench.kvsim.cache import PooledLRU, PrefixCache
 
 
 def _cache(blocks: int) -> tuple[PrefixCache, list[int], list[int]]:
@@ -76,3 +76,14 @@ def test_a_hit_on_a_free_block_counts_against_the_free_queue() -> None:
     # 2 touched free blocks + 2 new > 3 free: refused, nothing taken
     assert not cache.allocate(b, [1, 2], 2) and cache.free == 3
     assert cache.allocate(b, [1, 2], 1) and cache.free == 0
+
+
+def test_the_pooled_reference_hits_a_prefix_and_evicts_a_chain_from_its_tail() -> None:
+    pooled = PooledLRU(3)
+    assert pooled.hit_then_note([1, 2], [1, 2, 3]) == 0  # cold
+    assert pooled.hit_then_note([1, 2, 9], [1, 2, 9]) == 2  # a prefix, then a miss
+    # Four distinct blocks noted into three: the first chain's tail (3) went, its head stayed.
+    assert pooled.hit_then_note([1, 2, 3], [1, 2, 3]) == 2
+    # Another chain of three takes the whole room: the older one goes, its head last.
+    assert pooled.hit_then_note([5, 6, 7], [5, 6, 7]) == 0
+    assert pooled.hit_then_note([1], [1]) == 0 and pooled.hit_then_note([5, 6], [5, 6]) == 2
