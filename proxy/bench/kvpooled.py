@@ -31,7 +31,7 @@ class Pooled:
     ttft_n: dict[str, int]  # tier -> first tokens pooled
     max_engine_share: float  # of the round whose busiest engine took the most
     # tier -> each round's first tokens in ms: what the tail's noise is judged on
-    ttft_ms: dict[str, tuple[tuple[float, ...], ...]] = field(default_factory=dict)
+    ttft_ms: dict[str, tuple[tuple[float, ...], ...]] = field(default_factory=dict, repr=False)
 
     @property
     def share(self) -> float:

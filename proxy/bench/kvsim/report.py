@@ -46,7 +46,7 @@ class Figures:
     ttft_n: dict[str, int] = field(default_factory=dict)
     replicas: int = 1  # runs of the shape pooled (its clients drawn anew in each)
     # tier -> each run's first tokens' TTFT in ms, sorted: what the tail's noise is judged on
-    ttft_ms: dict[str, tuple[tuple[float, ...], ...]] = field(default_factory=dict)
+    ttft_ms: dict[str, tuple[tuple[float, ...], ...]] = field(default_factory=dict, repr=False)
     # What one LRU cache the size of all the engines' caches would compute, over the prompts
     # sent: the best a placement could do with the shape's capacity (run.SimRun.pooled_floor)
     pooled_floor_share: float = 0.0
