@@ -16,6 +16,13 @@ import zmq.asyncio
 from proxy.backends.kvevents import MAX_REPLAY_GAP, EventBatch, decode_batch, sequence_number
 
 _END = -1
+
+
+class ReplayUnanswered(Exception):
+    """The replay socket sent nothing within the timeout (an engine too busy to answer in
+    time, or none listening yet): unlike a refusal, asking again may bring the batches."""
+
+
 # What one replay may bring in all: vLLM's batches are KBs each, its buffer 10,000 of them.
 REPLAY_MAX_BYTES = 64 * 1024 * 1024
 
@@ -29,9 +36,10 @@ async def replay(
     max_msg_bytes: int,
 ) -> list[tuple[int, EventBatch]] | None:
     """Batches ``start`` .. ``until - 1`` (None: every one it holds from ``start``), in order,
-    or None: the publisher no longer holds them all (from ``start``), did not answer within
-    ``timeout_s``, sent something else or too much, or the gap is longer than any replay
-    buffer (not asked). Memory: the batches kept, never the range."""
+    or None: the publisher no longer holds them all (from ``start``), sent something else or
+    too much, or the gap is longer than any replay buffer (not asked). Raises
+    ``ReplayUnanswered`` where it did not answer within ``timeout_s``. Memory: the batches
+    kept, never the range."""
     if until is not None and (not 0 <= start < until or until - start > MAX_REPLAY_GAP):
         return None
     sock = ctx.socket(zmq.DEALER)
@@ -59,7 +67,9 @@ async def replay(
                     return None  # not what a replay buffer holds: in order, none skipped
                 got.append((seq, decode_batch(frames[-1])))
                 expected += 1
-    except (TimeoutError, ValueError, zmq.ZMQError):  # msgspec.DecodeError is a ValueError
+    except TimeoutError:
+        raise ReplayUnanswered(f"no answer within {timeout_s:g} s") from None
+    except (ValueError, zmq.ZMQError):  # msgspec.DecodeError is a ValueError
         return None
     finally:
         sock.close(linger=0)

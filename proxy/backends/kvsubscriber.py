@@ -36,7 +36,7 @@ from proxy.backends.kvevents import (
     sequence_number,
 )
 from proxy.backends.kvindex import KvIndex
-from proxy.backends.kvreplay import replay
+from proxy.backends.kvreplay import ReplayUnanswered, replay
 from proxy.backends.kvsources import event_endpoints
 from proxy.backends.pool import BackendPool
 from proxy.backends.probes import ProbeFailed, probe_get
@@ -53,6 +53,9 @@ _ERROR_PAUSE_S = 1.0  # before a subscriber that failed opens its connection aga
 # first batch asks the replay only of an engine young enough (``EventFeed.missing_from``): a
 # long-running engine asked from batch 0 would send its whole buffer (10,000 batches).
 HISTORY_WAIT_S = 1.0
+# A history the engine did not answer in time (a busy machine) is asked again, each wait twice
+# the last, this many times in all: else the index stayed partial until the engine restarted.
+HISTORY_TRIES = 4
 
 
 class KvSubscriber:
@@ -86,6 +89,7 @@ class KvSubscriber:
         # The last batch the replay at connection time applied: live ones up to it are its
         # duplicates (published while it was read). None: no such replay pending.
         self._replayed_upto: int | None = None
+        self._history_tries = 0  # asks of this connection's history left unanswered
         self._history_at: float | None = None  # when a new, silent connection asks history
 
     @property
@@ -217,6 +221,7 @@ class KvSubscriber:
                 if event["event"] == zmq.EVENT_CONNECTED:
                     self.feed.connected()  # partial from here, trusted at once
                     self._history_at = loop.time() + HISTORY_WAIT_S
+                    self._history_tries = 0
                     self._report_trust()
                 elif event["event"] == zmq.EVENT_DISCONNECTED:
                     # What the old connection delivered first, then the drop: never a stale
@@ -283,7 +288,17 @@ class KvSubscriber:
             return
         timeout = self.pool.health.probe_timeout_s
         max_bytes = self.settings().max_batch_bytes
-        history = await replay(self.ctx, self.replay_endpoint, 0, None, timeout, max_bytes)
+        try:
+            history = await replay(self.ctx, self.replay_endpoint, 0, None, timeout, max_bytes)
+        except ReplayUnanswered as exc:
+            self._history_tries += 1
+            again = self._history_tries < HISTORY_TRIES
+            if again:  # unless a live batch comes first (it asks its own replay)
+                wait = HISTORY_WAIT_S * 2**self._history_tries
+                self._history_at = asyncio.get_running_loop().time() + wait
+            log.info("backend %s: KV-event history not replayed (%s)%s", self.label, exc,
+                     "; asked again" if again else "; the index stays partial")  # fmt: skip
+            return
         if history is None:
             return
         if not history:
@@ -307,7 +322,10 @@ class KvSubscriber:
         assert self.replay_endpoint is not None
         timeout = self.pool.health.probe_timeout_s
         max_bytes = self.settings().max_batch_bytes
-        missed = await replay(self.ctx, self.replay_endpoint, start, until, timeout, max_bytes)
+        try:
+            missed = await replay(self.ctx, self.replay_endpoint, start, until, timeout, max_bytes)
+        except ReplayUnanswered:
+            missed = None  # the gap drops the index: a live batch does not wait
         if missed is None:
             log.info("backend %s: KV events %d-%d not replayed", self.label, start, until - 1)
             return

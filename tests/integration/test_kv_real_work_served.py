@@ -24,6 +24,7 @@ import pytest
 
 from proxy.bench.hostile.served import ADMIN_KEY, ServedProxy
 from proxy.bench.inproc import KEYS
+from proxy.config.tenants import hash_key
 from proxy.tools.engine import EngineProcess
 from tests.helpers.enginefarm import EngineFarm
 from tests.helpers.engines import KV_EVENTS
@@ -211,24 +212,41 @@ async def _stream_to_end(client: Client, tier: str, messages: list[dict[str, str
 # When four end together (they started together), four of the six take their places and two
 # still wait while the four ended send again: a low-tier request never reaches a slot.
 BUSY = 10
+# The queued case's tries, each a low-tier tenant of its own (name -> key).
+QUEUED = {f"tenant-queued-{n}": f"key-queued-{n}" for n in range(3)}
+
+
+async def _answer(
+    session: aiohttp.ClientSession, url: str, headers: dict[str, str], body: dict[str, Any]
+) -> int:
+    async with session.post(url, json=body, headers=headers) as r:
+        await r.read()
+        return r.status
 
 
 async def test_a_request_whose_client_left_while_queued_in_vllm_leaves_no_placement(
     pair: tuple[EngineProcess, EngineProcess], tmp_path: Path
 ) -> None:
     """Promise B: one engine (the other drained) runs tenant-high's streams past its
-    ``--max-num-seqs``, without end; the proxy (room for them all) sends tenant-low's request,
-    which waits in vLLM's own queue behind them (the engine's waiting gauge counts one more
-    than the streams can hold) for as long as they go, and the client leaves: vLLM aborts it,
-    nothing computed. The proxy learns that only from the engine's KV events (none of its
-    prompt stored): once the chooser tells, tenant-low keeps no placement. The control: the
-    same tenant's request whose client leaves while the engine decodes it (its prefill counted
-    by the engine, stored) is kept."""
+    ``--max-num-seqs``, without end; the proxy (room for them all) sends a low-tier tenant's
+    request, which waits in vLLM's own queue behind them (the engine's waiting gauge counts one
+    more than the streams can hold) for as long as they go, and the client leaves: vLLM aborts
+    it, nothing computed. The proxy learns that only from the engine's KV events (none of its
+    prompt stored): once the chooser tells, that tenant keeps no placement. A try the engine
+    answered first, or never showed queued (a starved machine: the proxy retried streams that
+    lost their connection, and the request took a slot), is void: the next is another
+    tenant's. The control: tenant-low's request whose client leaves while the engine decodes
+    it (its prefill counted by the engine, stored) is kept."""
     engine, other = pair
-    config = kv_pair_config(*pair)
+    # Each try of the queued case is another low-tier tenant's (a try the engine ran anyway
+    # leaves its tenant a placement); tenant-low itself is the control's.
+    tenants = [{"name": f"tenant-{t}", "tier": t, "keys": [{"sha256": hash_key(k)}]} for t, k in KEYS.items()]  # fmt: skip
+    tenants += [{"name": name, "tier": "low", "keys": [{"sha256": hash_key(key)}]} for name, key in QUEUED.items()]  # fmt: skip
+    # A connect timeout past a starved loop's: the streams must not lose the engine to it.
+    config = kv_pair_config(*pair, tenants=tenants, backend_health={"connect_timeout_s": 30})
     for backend in config["backends"]:
         # Past the engine's four, with room left however far vLLM's queue (the streams' six,
-        # tenant-low's one) shrinks it (max_backend_waiting): vLLM queues the rest.
+        # the queued request) shrinks it (max_backend_waiting): vLLM queues the rest.
         backend["max_inflight"] = 2 * BUSY
     with ServedProxy(config, tmp_path).start() as proxy:
         async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
@@ -236,28 +254,38 @@ async def test_a_request_whose_client_left_while_queued_in_vllm_leaves_no_placem
             await until_trusted(session, proxy)
             await _drain(session, proxy.admin_url, other.spec.url, True)
 
-            async def leave(messages: list[dict[str, str]], *, queued: bool) -> None:
-                """tenant-low's long generation, left once the engine shows it queued (its
-                waiting gauge past what the streams can hold) or prefilled (its prompt tokens
-                counted)."""
+            async def leave(messages: list[dict[str, str]], *, queued: bool, key: str = KEYS["low"]) -> bool:  # fmt: skip
+                """A low-tier tenant's long generation, left once the engine shows it queued
+                (its waiting gauge past what the streams can hold) or prefilled (its prompt
+                tokens counted). False: the engine answered it first, or never showed it
+                queued (the streams lost their slots to a starved machine: the try is void)."""
                 body = {"model": "tiny", "messages": messages, "max_tokens": 1600, "ignore_eos": True}  # fmt: skip
+                headers = {"Authorization": f"Bearer {key}"}
                 prompted = await _engine(session, engine, PROMPTED)
-                task = asyncio.create_task(client.post("low", body))
-                if queued:
-                    await _until_engine(session, engine, WAITING, lambda n: n > BUSY - 4)
-                else:
-                    await _until_engine(session, engine, PROMPTED, lambda n: n >= prompted + 300)
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+                task = asyncio.create_task(_answer(session, proxy.url + CHAT, headers, body))
+                try:
+                    for _ in range(300):  # polls
+                        if task.done():
+                            return False
+                        if queued:
+                            if await _engine(session, engine, WAITING) > BUSY - 4:
+                                return True
+                        elif await _engine(session, engine, PROMPTED) >= prompted + 300:
+                            return True
+                        await asyncio.sleep(0.1)
+                    return False
+                finally:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
 
             async def busy(n: int) -> None:
                 for turn in itertools.count():  # until cancelled: the client leaves
                     system = system_prompt(f"busy-{n}-{turn}-{secrets.token_hex(4)}")
                     await _stream_to_end(client, "high", conversation(system, n))
 
-            # The streams go on until cancelled, so tenant-low's request waits in vLLM's queue
-            # for as long as the test needs, however late the engine's /metrics answers: on the
+            # The streams go on until cancelled, so the queued request waits in vLLM's queue for
+            # as long as the test needs, however late the engine's /metrics answers: on the
             # full suite (make test-all) the engine ran four 1,600-token streams in 2.9 s, and
             # its /metrics, served by the same busy API process, showed them only as they ended.
             streams = [asyncio.create_task(busy(n)) for n in range(BUSY)]
@@ -268,8 +296,14 @@ async def test_a_request_whose_client_left_while_queued_in_vllm_leaves_no_placem
                     await asyncio.sleep(0.02)
                 else:
                     raise AssertionError("the proxy never sent the busy streams")
-                queued = conversation(system_prompt(f"queued-{secrets.token_hex(4)}"), 0)
-                await leave(queued, queued=True)
+                left_queued = None
+                for name, key in QUEUED.items():
+                    queued = conversation(system_prompt(f"queued-{secrets.token_hex(4)}"), 0)
+                    if await leave(queued, queued=True, key=key):
+                        left_queued = name
+                        break
+                if left_queued is None:
+                    raise AssertionError(f"the engine never showed a request queued in {len(QUEUED)} tries")  # fmt: skip
                 # Aborted before the streams stop: the proxy let it go (its count), then the
                 # engine's queue holds no more than the streams can hold.
                 for _ in range(300):  # polls
@@ -284,11 +318,12 @@ async def test_a_request_whose_client_left_while_queued_in_vllm_leaves_no_placem
                     task.cancel()
                 await asyncio.gather(*streams, return_exceptions=True)
             await _settled(client, session, proxy)
-            tenants = (await _placement(session, proxy))["tenants"]
-            assert "tenant-low" not in tenants, tenants
+            tenants_kept = (await _placement(session, proxy))["tenants"]
+            assert left_queued not in tenants_kept, tenants_kept
             # The control: left while the engine decodes it (no stream: no byte came).
             await _until_engine(session, engine, RUNNING, lambda n: n == 0)
-            await leave(conversation(system_prompt(f"ran-{secrets.token_hex(4)}"), 0), queued=False)
+            ran = conversation(system_prompt(f"ran-{secrets.token_hex(4)}"), 0)
+            assert await leave(ran, queued=False), "the engine never prefilled the control"
             await _settled(client, session, proxy)
-            tenants = (await _placement(session, proxy))["tenants"]
-            assert sum(tenants["tenant-low"].values()) >= 8, tenants
+            tenants_kept = (await _placement(session, proxy))["tenants"]
+            assert sum(tenants_kept["tenant-low"].values()) >= 8, tenants_kept

@@ -47,6 +47,7 @@ class Publisher:
         self.seq = 0
         self.buffer = []
         self.asked: list[int] = []  # the replay's start of each request to the replay socket
+        self.unanswered = 0  # the next asks of the replay socket left without an answer
 
     async def subscribed(self) -> None:
         async with asyncio.timeout(10):
@@ -70,6 +71,9 @@ class Publisher:
             client, _, start = await router.recv_multipart()
             first = int.from_bytes(start, "big")
             self.asked.append(first)
+            if self.unanswered > 0:  # an engine too busy to answer in time
+                self.unanswered -= 1
+                continue
             for seq, payload in self.buffer:
                 if seq >= first:
                     await router.send_multipart([client, b"", b"", seq.to_bytes(8, "big"), payload])
@@ -171,7 +175,7 @@ async def test_the_endpoint_comes_from_kv_event_sources(ctx: zmq.asyncio.Context
 
 @asynccontextmanager
 async def _replaying_engine(
-    ctx: zmq.asyncio.Context,
+    ctx: zmq.asyncio.Context, health: BackendHealth | None = None
 ) -> AsyncIterator[tuple[Backend, BackendPool, Publisher, aiohttp.ClientSession]]:
     """One backend whose publisher has a replay socket (vLLM's ``replay_endpoint``), and a
     session for its watcher."""
@@ -181,7 +185,7 @@ async def _replaying_engine(
         kv_events=f"tcp://127.0.0.1:{port}",
         kv_events_replay=f"tcp://127.0.0.1:{replay_port}",
     )
-    pool = BackendPool([backend], BackendHealth(), LeastUtilised())
+    pool = BackendPool([backend], health or BackendHealth(), LeastUtilised())
     publisher = Publisher(ctx, port)
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
@@ -292,6 +296,30 @@ async def test_a_new_connection_replays_the_engines_history_before_any_batch(
             await until(lambda: state.cached_blocks(fresh) == 1, 10, "the live batch")
             assert index.trust() == (Trust.EXACT if exact else Trust.PARTIAL)
             assert publisher.asked == ([0] if exact else [0, 0])  # in order: nothing asked
+        finally:
+            await watcher.stop()
+
+
+async def test_a_history_the_engine_did_not_answer_in_time_is_asked_again(
+    ctx: zmq.asyncio.Context, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A busy engine that lets the first ask of its history time out: the subscriber asks
+    again, later, and the index is exact with what was stored before it joined (it stayed
+    partial until the engine restarted). A refusal is not asked again (the test above)."""
+    monkeypatch.setattr(kvsubscriber, "HISTORY_WAIT_S", 0.05)
+    async with _replaying_engine(ctx, BackendHealth(probe_timeout_s=0.2)) as engine:
+        _, pool, publisher, session = engine
+        state = pool.all()[0]
+        await publisher.send(stored([1], list(range(4))), lost=True)  # before the proxy joined
+        publisher.unanswered = 2
+        watcher = await _watch_one(pool, KvCache(block_size=B, resync_s=0), session, ProxyMetrics())  # fmt: skip
+        try:
+            await publisher.subscribed()
+            index = state.kv_index
+            assert index is not None
+            await until(lambda: index.trust() == Trust.EXACT, 10, "exact from the third ask")
+            assert publisher.asked == [0, 0, 0]
+            assert state.cached_blocks(chain_hashes(list(range(5)), B)) == 1
         finally:
             await watcher.stop()
 
