@@ -172,11 +172,14 @@ class KvAwareKnobs(Strict):
     """`policies.kv_aware`: free room against cached prefill, and the hold for a busy cache."""
 
     room_weight_best: float = Field(
-        1.0,
+        0.5,
         gt=0,
         description="How much the best tier weighs a backend's free room against the share of"
         " its prompt cached there (1.0: a fully cached prompt is worth a whole idle backend);"
-        " higher sends it to idle backends sooner.",
+        " higher sends it to idle backends sooner. 0.5 held best across the family of"
+        " workloads of docs/benchmarks.md (1.0: with every engine busy, a turn left its"
+        " cache for a moment's free slot, and the prefill it computed again was load every"
+        " request waited behind).",
     )
     room_weight_worst: float = Field(
         0.1,
