@@ -11,6 +11,7 @@ feed its index from another backend's publisher. Such endpoints go in the config
 
 from __future__ import annotations
 
+import logging
 from urllib.parse import urlsplit
 
 _WILDCARD_HOSTS = ("*", "0.0.0.0", "[::]", "::")
@@ -66,3 +67,33 @@ def event_endpoints(
 def event_endpoint(sources: object, backend_url: str) -> str | None:
     found = event_endpoints(sources, backend_url)
     return found[0] if found is not None else None
+
+
+class SourcesWarnings:
+    """What one backend's ``/kv_event_sources`` answers refused or lacked, each warned once
+    (16 refused endpoints at most: the answer is the backend's to choose)."""
+
+    def __init__(self, log: logging.Logger) -> None:
+        self._log = log
+        self._missing_warned = False
+        self._refused_warned: set[str] = set()
+
+    def refused(self, label: str, endpoints: list[str]) -> None:
+        for endpoint in endpoints:
+            if endpoint not in self._refused_warned and len(self._refused_warned) < 16:
+                self._refused_warned.add(endpoint)
+                self._log.warning(
+                    "backend %s: its /kv_event_sources names %r, not a tcp:// endpoint on its"
+                    " own host: refused (name it in the backend's config, kv_events, to use it)",
+                    label,
+                    endpoint,
+                )
+
+    def missing(self, label: str) -> None:
+        if not self._missing_warned:
+            self._missing_warned = True
+            self._log.warning(
+                "backend %s: no ZMQ KV-event publisher of a single data-parallel rank in its"
+                " /kv_event_sources: its prefix cache is not indexed (docs/kv-cache.md)",
+                label,
+            )

@@ -37,7 +37,7 @@ from proxy.backends.kvevents import (
 )
 from proxy.backends.kvindex import KvIndex
 from proxy.backends.kvreplay import ReplayUnanswered, replay
-from proxy.backends.kvsources import event_endpoints
+from proxy.backends.kvsources import SourcesWarnings, event_endpoints
 from proxy.backends.pool import BackendPool
 from proxy.backends.probes import ProbeFailed, probe_get
 from proxy.backends.throttled_log import Throttled
@@ -53,9 +53,7 @@ _ERROR_PAUSE_S = 1.0  # before a subscriber that failed opens its connection aga
 # first batch asks the replay only of an engine young enough (``EventFeed.missing_from``): a
 # long-running engine asked from batch 0 would send its whole buffer (10,000 batches).
 HISTORY_WAIT_S = 1.0
-# A history the engine did not answer in time (a busy machine) is asked again, each wait twice
-# the last, this many times in all: else the index stayed partial until the engine restarted.
-HISTORY_TRIES = 4
+HISTORY_TRIES = 4  # asks of an unanswered history (a busy engine), each wait twice the last
 
 
 class KvSubscriber:
@@ -82,8 +80,7 @@ class KvSubscriber:
         self.ctx = ctx
         self.endpoint: str | None = None
         self.replay_endpoint: str | None = None  # vLLM's replay socket, where it has one
-        self._logged_missing = False
-        self._refused_logged: set[str] = set()
+        self._sources_warnings = SourcesWarnings(log)
         self._log_error = Throttled(log)
         self.reported_evicted = 0  # of index.stats.evicted, already in the metric
         # The last batch the replay at connection time applied: live ones up to it are its
@@ -171,23 +168,9 @@ class KvSubscriber:
             return self.endpoint
         refused: list[str] = []
         found = event_endpoints(sources, self.url, refused)
-        for endpoint in refused:
-            if endpoint not in self._refused_logged and len(self._refused_logged) < 16:
-                self._refused_logged.add(endpoint)
-                log.warning(
-                    "backend %s: its /kv_event_sources names %r, not a tcp:// endpoint on its"
-                    " own host: refused (name it in the backend's config, kv_events, to use it)",
-                    self.label,
-                    endpoint,
-                )
+        self._sources_warnings.refused(self.label, refused)
         if found is None:
-            if not self._logged_missing:
-                self._logged_missing = True
-                log.warning(
-                    "backend %s: no ZMQ KV-event publisher of a single data-parallel rank in its"
-                    " /kv_event_sources: its prefix cache is not indexed (docs/kv-cache.md)",
-                    self.label,
-                )
+            self._sources_warnings.missing(self.label)
             return self.endpoint
         endpoint, self.replay_endpoint = found
         return endpoint
@@ -292,12 +275,11 @@ class KvSubscriber:
             history = await replay(self.ctx, self.replay_endpoint, 0, None, timeout, max_bytes)
         except ReplayUnanswered as exc:
             self._history_tries += 1
-            again = self._history_tries < HISTORY_TRIES
-            if again:  # unless a live batch comes first (it asks its own replay)
+            if again := self._history_tries < HISTORY_TRIES:  # unless a live batch comes first
                 wait = HISTORY_WAIT_S * 2**self._history_tries
                 self._history_at = asyncio.get_running_loop().time() + wait
-            log.info("backend %s: KV-event history not replayed (%s)%s", self.label, exc,
-                     "; asked again" if again else "; the index stays partial")  # fmt: skip
+            then = "asked again" if again else "the index stays partial"
+            log.info("backend %s: KV-event history not replayed (%s); %s", self.label, exc, then)
             return
         if history is None:
             return

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import re
 import secrets
 from collections.abc import Callable
@@ -196,21 +195,22 @@ async def _placement(session: aiohttp.ClientSession, proxy: ServedProxy) -> dict
     return placement
 
 
-async def _stream_to_end(client: Client, tier: str, messages: list[dict[str, str]]) -> None:
-    """One long generation of ``messages``, streamed and read to its end."""
-    body = {"model": "tiny", "messages": messages, "max_tokens": 1600, "ignore_eos": True}
-    body["stream"] = True
-    headers = {"Authorization": f"Bearer {KEYS[tier]}"}
-    async with client.session.post(client.proxy.url + CHAT, json=body, headers=headers) as r:
-        assert r.status == 200, await r.text()
-        async for _ in r.content.iter_any():
-            pass
+async def _engine_queue(session: aiohttp.ClientSession, engine: EngineProcess) -> tuple[float, float]:  # fmt: skip
+    """The engine's (running, waiting) from one scrape: the same step's counts."""
+    async with session.get(engine.spec.url + "/metrics") as resp:
+        text = await resp.text()
+
+    def gauge(name: str) -> float:
+        pattern = rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$"
+        return sum(float(m.group(1)) for m in re.finditer(pattern, text, re.M))
+
+    return gauge(RUNNING), gauge(WAITING)
 
 
-# High-tier streams kept going, one after another each, against the engine's four sequences:
-# four run and six wait in vLLM's own queue, where the plugin orders them before tenant-low's.
-# When four end together (they started together), four of the six take their places and two
-# still wait while the four ended send again: a low-tier request never reaches a slot.
+# Tenant-high's long generations, sent once each (none sent again) against the engine's four
+# sequences: four run, six wait in vLLM's queue, where the plugin orders them before any
+# low-tier request. While one scrape counts all ten and the low-tier request (eleven), none has
+# ended, so no slot ever came free: that request has only waited.
 BUSY = 10
 # The queued case's tries, each a low-tier tenant of its own (name -> key).
 QUEUED = {f"tenant-queued-{n}": f"key-queued-{n}" for n in range(3)}
@@ -227,14 +227,13 @@ async def _answer(
 async def test_a_request_whose_client_left_while_queued_in_vllm_leaves_no_placement(
     pair: tuple[EngineProcess, EngineProcess], tmp_path: Path
 ) -> None:
-    """Promise B: one engine (the other drained) runs tenant-high's streams past its
-    ``--max-num-seqs``, without end; the proxy (room for them all) sends a low-tier tenant's
-    request, which waits in vLLM's own queue behind them (the engine's waiting gauge counts one
-    more than the streams can hold) for as long as they go, and the client leaves: vLLM aborts
-    it, nothing computed. The proxy learns that only from the engine's KV events (none of its
-    prompt stored): once the chooser tells, that tenant keeps no placement. A try the engine
-    answered first, or never showed queued (a starved machine: the proxy retried streams that
-    lost their connection, and the request took a slot), is void: the next is another
+    """Promise B: one engine (the other drained) holds tenant-high's ten long generations,
+    past its ``--max-num-seqs`` (four); the proxy (room for them all) sends a low-tier tenant's
+    request, which waits in vLLM's own queue behind them (one scrape counts eleven: none has
+    ended, so no slot came free), and the client leaves: vLLM aborts it, nothing computed.
+    The proxy learns that only from the engine's KV events (none of its prompt stored): once
+    the chooser tells, that tenant keeps no placement. A try where a generation ended first,
+    or the engine answered the request (a starved machine), is void: the next is another
     tenant's. The control: tenant-low's request whose client leaves while the engine decodes
     it (its prefill counted by the engine, stored) is kept."""
     engine, other = pair
@@ -254,11 +253,13 @@ async def test_a_request_whose_client_left_while_queued_in_vllm_leaves_no_placem
             await until_trusted(session, proxy)
             await _drain(session, proxy.admin_url, other.spec.url, True)
 
-            async def leave(messages: list[dict[str, str]], *, queued: bool, key: str = KEYS["low"]) -> bool:  # fmt: skip
+            async def leave(
+                messages: list[dict[str, str]], *, queued: bool, key: str = KEYS["low"]
+            ) -> bool:
                 """A low-tier tenant's long generation, left once the engine shows it queued
-                (its waiting gauge past what the streams can hold) or prefilled (its prompt
-                tokens counted). False: the engine answered it first, or never showed it
-                queued (the streams lost their slots to a starved machine: the try is void)."""
+                (one scrape counting it beside all of tenant-high's generations) or prefilled
+                (its prompt tokens counted). False: neither came first (a generation ended, or
+                the engine answered it): the try is void."""
                 body = {"model": "tiny", "messages": messages, "max_tokens": 1600, "ignore_eos": True}  # fmt: skip
                 headers = {"Authorization": f"Bearer {key}"}
                 prompted = await _engine(session, engine, PROMPTED)
@@ -268,55 +269,54 @@ async def test_a_request_whose_client_left_while_queued_in_vllm_leaves_no_placem
                         if task.done():
                             return False
                         if queued:
-                            if await _engine(session, engine, WAITING) > BUSY - 4:
+                            running, waiting = await _engine_queue(session, engine)
+                            if running + waiting < BUSY:
+                                return False  # one ended: a slot came free
+                            if running + waiting > BUSY:
                                 return True
                         elif await _engine(session, engine, PROMPTED) >= prompted + 300:
                             return True
-                        await asyncio.sleep(0.1)
+                        await asyncio.sleep(0.05)
                     return False
                 finally:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await task
 
-            async def busy(n: int) -> None:
-                for turn in itertools.count():  # until cancelled: the client leaves
-                    system = system_prompt(f"busy-{n}-{turn}-{secrets.token_hex(4)}")
-                    await _stream_to_end(client, "high", conversation(system, n))
+            async def generate(n: int) -> None:
+                system = system_prompt(f"busy-{n}-{secrets.token_hex(4)}")
+                status, answer = await client.post("high", {"model": "tiny", "messages": conversation(system, n), "max_tokens": 1600, "ignore_eos": True})  # fmt: skip
+                assert status == 200, answer
 
-            # The streams go on until cancelled, so the queued request waits in vLLM's queue for
-            # as long as the test needs, however late the engine's /metrics answers: on the
-            # full suite (make test-all) the engine ran four 1,600-token streams in 2.9 s, and
-            # its /metrics, served by the same busy API process, showed them only as they ended.
-            streams = [asyncio.create_task(busy(n)) for n in range(BUSY)]
-            try:
-                for _ in range(300):  # polls
-                    if (await inflight(session, proxy))[0] >= BUSY:
-                        break
-                    await asyncio.sleep(0.02)
-                else:
-                    raise AssertionError("the proxy never sent the busy streams")
-                left_queued = None
-                for name, key in QUEUED.items():
+            left_queued = None
+            for name, key in QUEUED.items():
+                busy = [asyncio.create_task(generate(n)) for n in range(BUSY)]
+                try:
+                    for _ in range(600):  # polls: all of them in the engine, none ended
+                        if sum(await _engine_queue(session, engine)) >= BUSY:
+                            break
+                        await asyncio.sleep(0.05)
                     queued = conversation(system_prompt(f"queued-{secrets.token_hex(4)}"), 0)
                     if await leave(queued, queued=True, key=key):
                         left_queued = name
-                        break
-                if left_queued is None:
-                    raise AssertionError(f"the engine never showed a request queued in {len(QUEUED)} tries")  # fmt: skip
-                # Aborted before the streams stop: the proxy let it go (its count), then the
-                # engine's queue holds no more than the streams can hold.
-                for _ in range(300):  # polls
-                    if (await inflight(session, proxy))[0] <= BUSY:
-                        break
-                    await asyncio.sleep(0.02)
-                else:
-                    raise AssertionError("the proxy kept the request whose client left")
-                await _until_engine(session, engine, WAITING, lambda n: n <= BUSY - 4)
-            finally:
-                for task in streams:
-                    task.cancel()
-                await asyncio.gather(*streams, return_exceptions=True)
+                        # Aborted while they run: the proxy let it go (its count), and the
+                        # engine's queue holds no more than tenant-high's.
+                        for _ in range(300):  # polls
+                            if (await inflight(session, proxy))[0] <= BUSY:
+                                break
+                            await asyncio.sleep(0.02)
+                        else:
+                            raise AssertionError("the proxy kept the request whose client left")
+                        await _until_engine(session, engine, WAITING, lambda n: n <= BUSY - 4)
+                finally:
+                    for task in busy:
+                        task.cancel()
+                    await asyncio.gather(*busy, return_exceptions=True)
+                await _until_engine(session, engine, RUNNING, lambda n: n == 0)
+                if left_queued is not None:
+                    break
+            if left_queued is None:
+                raise AssertionError(f"the engine never showed a request queued in {len(QUEUED)} tries")  # fmt: skip
             await _settled(client, session, proxy)
             tenants_kept = (await _placement(session, proxy))["tenants"]
             assert left_queued not in tenants_kept, tenants_kept
