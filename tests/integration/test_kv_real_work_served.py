@@ -195,23 +195,28 @@ async def _placement(session: aiohttp.ClientSession, proxy: ServedProxy) -> dict
     return placement
 
 
-async def _engine_queue(session: aiohttp.ClientSession, engine: EngineProcess) -> tuple[float, float]:  # fmt: skip
-    """The engine's (running, waiting) from one scrape: the same step's counts."""
+async def _engine_queue(
+    session: aiohttp.ClientSession, engine: EngineProcess
+) -> tuple[float, float, float]:
+    """The engine's requests running, waiting and finished, from one scrape."""
     async with session.get(engine.spec.url + "/metrics") as resp:
         text = await resp.text()
 
-    def gauge(name: str) -> float:
+    def total(name: str) -> float:
         pattern = rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$"
         return sum(float(m.group(1)) for m in re.finditer(pattern, text, re.M))
 
-    return gauge(RUNNING), gauge(WAITING)
+    return total(RUNNING), total(WAITING), total("vllm:request_success_total")
 
 
-# Tenant-high's long generations, sent once each (none sent again) against the engine's four
-# sequences: four run, six wait in vLLM's queue, where the plugin orders them before any
-# low-tier request. While one scrape counts all ten and the low-tier request (eleven), none has
-# ended, so no slot ever came free: that request has only waited.
-BUSY = 10
+# Tenant-high's long generations, sent once each (none sent again), against the engine's four
+# sequences; the plugin orders every one of them before a low-tier request. That request can
+# take a slot only once fewer than four of them are left unfinished. So it has only waited where
+# one scrape shows it in the engine (running + waiting + finished since the try began: all of
+# them and one more) while at most HELD_FROM - 4 have finished, HELD_FROM having been in the
+# engine before it was sent: at least four left at every moment since.
+BUSY = 16
+HELD_FROM = 8
 # The queued case's tries, each a low-tier tenant of its own (name -> key).
 QUEUED = {f"tenant-queued-{n}": f"key-queued-{n}" for n in range(3)}
 
@@ -227,15 +232,16 @@ async def _answer(
 async def test_a_request_whose_client_left_while_queued_in_vllm_leaves_no_placement(
     pair: tuple[EngineProcess, EngineProcess], tmp_path: Path
 ) -> None:
-    """Promise B: one engine (the other drained) holds tenant-high's ten long generations,
-    past its ``--max-num-seqs`` (four); the proxy (room for them all) sends a low-tier tenant's
-    request, which waits in vLLM's own queue behind them (one scrape counts eleven: none has
-    ended, so no slot came free), and the client leaves: vLLM aborts it, nothing computed.
-    The proxy learns that only from the engine's KV events (none of its prompt stored): once
-    the chooser tells, that tenant keeps no placement. A try where a generation ended first,
-    or the engine answered the request (a starved machine), is void: the next is another
-    tenant's. The control: tenant-low's request whose client leaves while the engine decodes
-    it (its prefill counted by the engine, stored) is kept."""
+    """Promise B: one engine (the other drained) holds tenant-high's sixteen long
+    generations, past its ``--max-num-seqs`` (four); the proxy (room for them all) sends a
+    low-tier tenant's request, which waits in vLLM's own queue behind them (one scrape counts
+    it beside all sixteen, at least four of them unfinished since it was sent: no slot was
+    ever its), and the client leaves: vLLM aborts it, nothing computed. The proxy learns that
+    only from the engine's KV events (none of its prompt stored): once the chooser tells, that
+    tenant keeps no placement. A try that cannot show it so (too many finished first, the
+    engine answered it: a starved machine) is void: the next is another tenant's. The control:
+    tenant-low's request whose client leaves while the engine decodes it (its prefill counted
+    by the engine, stored) is kept."""
     engine, other = pair
     # Each try of the queued case is another low-tier tenant's (a try the engine ran anyway
     # leaves its tenant a placement); tenant-low itself is the control's.
@@ -269,10 +275,10 @@ async def test_a_request_whose_client_left_while_queued_in_vllm_leaves_no_placem
                         if task.done():
                             return False
                         if queued:
-                            running, waiting = await _engine_queue(session, engine)
-                            if running + waiting < BUSY:
-                                return False  # one ended: a slot came free
-                            if running + waiting > BUSY:
+                            running, waiting, done = await _engine_queue(session, engine)
+                            if done - finished_before > HELD_FROM - 4:
+                                return False  # it may have had a slot
+                            if running + waiting + done - finished_before > BUSY:
                                 return True
                         elif await _engine(session, engine, PROMPTED) >= prompted + 300:
                             return True
@@ -290,10 +296,12 @@ async def test_a_request_whose_client_left_while_queued_in_vllm_leaves_no_placem
 
             left_queued = None
             for name, key in QUEUED.items():
+                finished_before = (await _engine_queue(session, engine))[2]
                 busy = [asyncio.create_task(generate(n)) for n in range(BUSY)]
                 try:
-                    for _ in range(600):  # polls: all of them in the engine, none ended
-                        if sum(await _engine_queue(session, engine)) >= BUSY:
+                    for _ in range(600):  # polls: HELD_FROM of them in the engine
+                        running, waiting, _ = await _engine_queue(session, engine)
+                        if running + waiting >= HELD_FROM:
                             break
                         await asyncio.sleep(0.05)
                     queued = conversation(system_prompt(f"queued-{secrets.token_hex(4)}"), 0)
