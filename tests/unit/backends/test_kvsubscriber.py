@@ -307,7 +307,9 @@ async def test_a_history_the_engine_did_not_answer_in_time_is_asked_again(
     again, later, and the index is exact with what was stored before it joined (it stayed
     partial until the engine restarted). A refusal is not asked again (the test above)."""
     monkeypatch.setattr(kvsubscriber, "HISTORY_WAIT_S", 0.05)
-    async with _replaying_engine(ctx, BackendHealth(probe_timeout_s=0.2)) as engine:
+    # Each unanswered ask costs the probe timeout; 0.2 s let an answered ask time out too on a
+    # loaded machine (make test-all), and a fourth that did left the index partial.
+    async with _replaying_engine(ctx, BackendHealth(probe_timeout_s=1.0)) as engine:
         _, pool, publisher, session = engine
         state = pool.all()[0]
         await publisher.send(stored([1], list(range(4))), lost=True)  # before the proxy joined
@@ -318,7 +320,7 @@ async def test_a_history_the_engine_did_not_answer_in_time_is_asked_again(
             index = state.kv_index
             assert index is not None
             await until(lambda: index.trust() == Trust.EXACT, 10, "exact from the third ask")
-            assert publisher.asked == [0, 0, 0]
+            assert len(publisher.asked) >= 3 and set(publisher.asked) == {0}  # the history, again
             assert state.cached_blocks(chain_hashes(list(range(5)), B)) == 1
         finally:
             await watcher.stop()
