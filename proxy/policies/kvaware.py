@@ -35,7 +35,7 @@ the prompt blocks filled lately (``balance_margin`` over ``1/n``, fading over ``
 and is busier now, a new branch of it may start where there is room, and the prefix's home moves
 there: one prefix per ``balance_s``, since the shares lag the move. Conversations under way
 stay with their history. Spread: a backend past ``max_share`` of the requests sent lately counts
-nothing cached while another can take the request (unless half the prompt is its history there).
+nothing cached while another can take the request (unless it holds half the prompt or more).
 
 Cost model: the prefill each backend was sent and its KV events do not show done yet
 (``proxy.policies.kvwork``: a request decoding counts a few tokens, however long its answer),
@@ -207,7 +207,6 @@ class KvAware:
             roomiest=max((free_share(c) for c in candidates), default=0.0),
             may_move=group is not None and self.clock() - self._rehomed_at >= self.balance_s,
             crowded=self._crowded(len(candidates)),
-            branch=group is not None,
             work_weight=self.work_weights.get(request.tier, 0.0) if request is not None else 0.0,
             work=work,
             least_work=least_work,

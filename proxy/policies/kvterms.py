@@ -22,9 +22,7 @@ from proxy.policies.types import BackendView
 CACHE_WEIGHT = 1.0  # the cached prefix's weight; the room's is the tier's latency weight
 
 # The spread rule leaves a crowded home only for prompts it holds less of than this share: a
-# conversation under way stays with its history (above 1: the rule moves every prompt). A new
-# branch of a shared prefix (a tenant's new conversation under its system prompt) goes whatever
-# the share: it loses that prefix once, not a history (spared, s98003 kept 67 % on one engine).
+# conversation under way stays with its history (above 1: the rule moves every prompt).
 SPREAD_KEEPS = 0.5
 # A prompt that no backend holds at least this share of (cached, or sent there lately) is placed
 # as a new prefix: by room, then balance, as ``prefix_affinity`` places one. The short prefix it
@@ -55,7 +53,6 @@ class Scene:
     roomiest: float  # the most free_share among the candidates
     may_move: bool  # the balance rule may move a shared prefix's home now
     crowded: frozenset[str] = frozenset()  # backends past their cap of the requests lately
-    branch: bool = False  # home is a shared prefix's, the prompt a new branch of it
     work_weight: float = 0.0  # the tier's weight of a token queued ahead against one saved
     work: Mapping[str, float] = field(default_factory=dict)  # url -> tokens queued there
     least_work: float = 0.0  # the least of ``work`` among the candidates
@@ -70,10 +67,10 @@ class Scene:
 
     def spreads(self, url: str | None) -> bool:
         """Whether the spread rule sends this prompt off ``url`` (crowded, and not the home of
-        most of the prompt's own history: a new branch of a shared prefix has none)."""
+        most of the prompt)."""
         if url not in self.crowded:
             return False
-        return url != self.home or self.branch or self.home_cover < SPREAD_KEEPS
+        return url != self.home or self.home_cover < SPREAD_KEEPS
 
 
 def placed_as_new(known: int, scene: Scene) -> bool:

@@ -473,31 +473,6 @@ def test_a_backend_past_its_share_of_the_requests_lately_is_left_by_new_conversa
     assert chooser.pick(_candidates([hot]), new) is hot
 
 
-def test_a_new_conversation_under_a_long_system_prompt_leaves_a_crowded_home() -> None:
-    # The spread rule spares a conversation under way (its history is at home), not a tenant's
-    # new conversation because its system prompt is most of its first prompt: spared, three
-    # tenants' conversations stayed on one of two engines (s98003: 66-67 % of the requests,
-    # every new conversation sent where its system prompt was; s32032: 100 %).
-    clock = FakeClock()
-    hot, cool = backends = _backends()
-    chooser = KvAware(block_size=BLOCK, latency_weights=WEIGHTS, hold_s=1.0, clock=clock)
-    system = [21, 22, 23, 24, 25, 26, 27, 28]
-    history = [[*system, 100 * conv, 100 * conv + 1] for conv in range(1, 21)]
-    for conv in history:
-        assert _place(chooser, [hot], _req("normal", conv)) is hot
-    hot.cached = {b for conv in history for b in conv}
-    # A new conversation: 8 of its 9 blocks under the system prompt's home, which took every
-    # request lately: placed elsewhere (it loses the system prompt once, not a history).
-    new = _req("normal", [*system, 9000])
-    assert chooser.pick(_candidates(backends), new) is cool
-    # A conversation's next turn stays with its history.
-    assert chooser.pick(_candidates(backends), _req("normal", [*history[0], 105])) is hot
-    # Not crowded (the requests lately spread), the new conversation goes home.
-    for _ in range(20):
-        chooser.served(cool, None)
-    assert chooser.pick(_candidates(backends), new) is hot
-
-
 def test_a_prompt_no_backend_holds_half_of_is_placed_by_room_not_by_its_short_shared_prefix() -> (
     None
 ):

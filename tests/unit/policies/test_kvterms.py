@@ -181,9 +181,5 @@ def test_the_spread_rule_leaves_a_crowded_home_only_for_prompts_it_holds_little_
     assert not crowded.spreads(B_URL)  # not crowded
     assert replace(crowded, home_cover=0.25).spreads(A)  # a short shared preamble: it goes
     assert replace(crowded, home=B_URL).spreads(A)  # not its home: counts nothing cached
-    # A new branch of a shared prefix (a tenant's new conversation): it goes, however much of
-    # its prompt the prefix is.
-    assert replace(crowded, branch=True).spreads(A)
-    assert not replace(crowded, branch=True, crowded=frozenset()).spreads(A)
     assert crowded.home_stays()
     assert replace(crowded, home_cover=0.25).home_stays() is False
