@@ -160,10 +160,21 @@ async def test_one_tenants_flood_of_branch_points_does_not_move_another_tenants_
 
 async def _engine(session: aiohttp.ClientSession, engine: EngineProcess, name: str) -> float:
     """The engine's own metric ``name`` (vllm:num_requests_waiting, ...), all labels."""
+    return (await _engine_scrape(session, engine, name))[0]
+
+
+async def _engine_scrape(
+    session: aiohttp.ClientSession, engine: EngineProcess, *names: str
+) -> tuple[float, ...]:
+    """The engine's metrics ``names``, each summed over its labels, from one scrape."""
     async with session.get(engine.spec.url + "/metrics") as resp:
         text = await resp.text()
-    pattern = rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$"
-    return sum(float(m.group(1)) for m in re.finditer(pattern, text, re.M))
+
+    def total(name: str) -> float:
+        pattern = rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$"
+        return sum(float(m.group(1)) for m in re.finditer(pattern, text, re.M))
+
+    return tuple(total(name) for name in names)
 
 
 async def _until_engine(
@@ -199,14 +210,10 @@ async def _engine_queue(
     session: aiohttp.ClientSession, engine: EngineProcess
 ) -> tuple[float, float, float]:
     """The engine's requests running, waiting and finished, from one scrape."""
-    async with session.get(engine.spec.url + "/metrics") as resp:
-        text = await resp.text()
-
-    def total(name: str) -> float:
-        pattern = rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$"
-        return sum(float(m.group(1)) for m in re.finditer(pattern, text, re.M))
-
-    return total(RUNNING), total(WAITING), total("vllm:request_success_total")
+    running, waiting, done = await _engine_scrape(
+        session, engine, RUNNING, WAITING, "vllm:request_success_total"
+    )
+    return running, waiting, done
 
 
 # Tenant-high's long generations, sent once each (none sent again), against the engine's four
