@@ -35,7 +35,9 @@ the prompt blocks filled lately (``balance_margin`` over ``1/n``, fading over ``
 and is busier now, a new branch of it may start where there is room, and the prefix's home moves
 there: one prefix per ``balance_s``, since the shares lag the move. Conversations under way
 stay with their history. Spread: a backend past ``max_share`` of the requests sent lately counts
-nothing cached while another can take the request (unless it holds half the prompt or more).
+nothing cached while another can take the request (unless it holds half the prompt or more;
+a tenant's new conversation leaves it anyway where the tenant's own requests lately could
+account for the crowd: another tenant's flood alone never moves it).
 
 Cost model: the prefill each backend was sent and its KV events do not show done yet
 (``proxy.policies.kvwork``: a request decoding counts a few tokens, however long its answer),
@@ -121,6 +123,7 @@ class KvAware:
         self._groups = PrefixGroups(pending_blocks)
         self._sent = DecayingCounts(balance_s, clock)  # backend url -> prompt blocks filled lately
         self._requests = DecayingCounts(balance_s, clock)  # backend url -> requests sent lately
+        self._tenants: dict[str, DecayingCounts] = {}  # tenant -> its own, per backend url
         self._rehomed_at = -math.inf  # when the balance rule last moved a prefix's home
         self._counted: dict[QueuedRequest, _Sent] = {}  # in flight: what its sending counted
         self._prefix_homes = PrefixHomes()  # for a prompt whose blocks are unknown
@@ -196,6 +199,7 @@ class KvAware:
         work = {c.state.cfg.url: self._work.of(c.state) for c in candidates}
         least_work = min(work.values(), default=0.0)
         work.update((b.cfg.url, self._work.of(b)) for b in full)
+        crowded = self._crowded(len(candidates))
         scene = Scene(
             prompt=prompt,
             weight=self.latency_weights.get(request.tier, 1.0) if request is not None else 1.0,
@@ -206,7 +210,9 @@ class KvAware:
             over=self._over_share(shares),
             roomiest=max((free_share(c) for c in candidates), default=0.0),
             may_move=group is not None and self.clock() - self._rehomed_at >= self.balance_s,
-            crowded=self._crowded(len(candidates)),
+            crowded=crowded,
+            branch=self._branches(blocks, home_run),
+            own_crowded=self._own_crowded(request.tenant, crowded) if request else frozenset(),
             work_weight=self.work_weights.get(request.tier, 0.0) if request is not None else 0.0,
             work=work,
             least_work=least_work,
@@ -263,11 +269,14 @@ class KvAware:
         self._requests.add(url)
         if request is None:
             return
+        self._tenant_requests(request.tenant).add(url)
         self._hold.drop(request)
         prefill = self._prompt_tokens(request, blocks) - saved
         self._work.sent(request, url, prefill, blocks or (), saved // self.block_size)
         self._fit.sent(request, url, blocks or (), request.expected_output)
-        sent = _Sent(url, now, filled, state.cached_blocks(blocks) if blocks else None)
+        sent = _Sent(
+            url, now, filled, request.tenant, state.cached_blocks(blocks) if blocks else None
+        )
         self._counted[request] = sent
         if not blocks:
             return
@@ -308,6 +317,7 @@ class KvAware:
         moved moved back (what never ran moves no tenant's placement)."""
         self._sent.remove(sent.url, sent.filled, sent.at)
         self._requests.remove(sent.url, 1.0, sent.at)
+        self._tenant_requests(sent.tenant).remove(sent.url, 1.0, sent.at)
         if sent.rehomed is not None:
             block, before, rehomed_at = sent.rehomed
             if self._groups.home(block) == sent.url:
@@ -321,6 +331,34 @@ class KvAware:
             return frozenset()
         shares = self._requests.shares(at_least=self.balance_min)
         return frozenset(url for url, share in shares.items() if share > self.max_share)
+
+    def _branches(self, blocks: Sequence[int] | None, home_run: int) -> bool:
+        """Whether the prompt starts a new branch past the first ``home_run`` of its ``blocks``
+        (a tenant's new conversation under its system prompt: ``PrefixGroups.branches``)."""
+        if not blocks or not 0 < home_run < len(blocks):
+            return False
+        return self._groups.branches(blocks[home_run - 1], blocks[home_run])
+
+    def _tenant_requests(self, tenant: str) -> DecayingCounts:
+        counts = self._tenants.get(tenant)
+        if counts is None:
+            counts = self._tenants[tenant] = DecayingCounts(self.balance_s, self.clock)
+        return counts
+
+    def _own_crowded(self, tenant: str, crowded: frozenset[str]) -> frozenset[str]:
+        """Of the ``crowded`` backends, those where ``tenant``'s own requests lately are at least
+        the backend's excess over ``max_share``: the spread rule moves a tenant's new
+        conversation off a crowded home only when its own traffic could account for the crowd,
+        never for another tenant's flood alone."""
+        counts = self._tenants.get(tenant)
+        if counts is None or not crowded:
+            return frozenset()
+        total = self._requests.total()
+        return frozenset(
+            url
+            for url in crowded
+            if counts.weight(url) >= self._requests.weight(url) - self.max_share * total
+        )
 
     def _over_share(self, shares: Mapping[str, float]) -> set[str]:
         """The backends that took more than their share lately (of every backend seen)."""
@@ -344,5 +382,6 @@ class _Sent:
     url: str
     at: float
     filled: float  # its weight in the shares lately
+    tenant: str
     shown: int | None = None  # its prompt's leading blocks the index showed then (None: cold)
     rehomed: tuple[int, str, float] | None = None  # (branch point, its home before, when moved)

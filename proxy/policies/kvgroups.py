@@ -33,6 +33,15 @@ class PrefixGroups:
         """The home of ``block`` if it is a branch point; None otherwise."""
         return self._home.get(block)
 
+    def branches(self, point: int, child: int) -> bool:
+        """Whether a prompt going on past ``point`` with ``child`` starts a new branch there:
+        ``point`` is a branch point, or a prompt that ran went on past it otherwise (a
+        tenant's second conversation under its system prompt, before it made a branch point)."""
+        if self._home.get(point) is not None:
+            return True
+        first = self._child.get(point)
+        return first is not None and first != child
+
     def note(self, tenant: str, blocks: Sequence[int], known: int, holder: str | None) -> None:
         """A prompt of ``tenant``'s, of ``blocks``, ran; the first ``known`` were sent before,
         the deepest of them last to ``holder``."""

@@ -45,6 +45,16 @@ class DecayingCounts:
             return {}
         return {k: v / total for k, v in self._weights.items()}
 
+    def weight(self, key: str) -> float:
+        """``key``'s (decayed) weight."""
+        self._decay()
+        return self._weights.get(key, 0.0)
+
+    def total(self) -> float:
+        """The (decayed) weight of every key."""
+        self._decay()
+        return sum(self._weights.values())
+
     def _decay(self) -> None:
         now = self.clock()
         if now > self._at:

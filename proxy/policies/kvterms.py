@@ -22,7 +22,9 @@ from proxy.policies.types import BackendView
 CACHE_WEIGHT = 1.0  # the cached prefix's weight; the room's is the tier's latency weight
 
 # The spread rule leaves a crowded home only for prompts it holds less of than this share: a
-# conversation under way stays with its history (above 1: the rule moves every prompt).
+# conversation under way stays with its history (above 1: the rule moves every prompt). A new
+# branch of a shared prefix (a tenant's new conversation) leaves anyway where its own tenant
+# crowds the home (``Scene.own_crowded``): it loses that prefix once, not a history.
 SPREAD_KEEPS = 0.5
 # A prompt that no backend holds at least this share of (cached, or sent there lately) is placed
 # as a new prefix: by room, then balance, as ``prefix_affinity`` places one. The short prefix it
@@ -53,6 +55,9 @@ class Scene:
     roomiest: float  # the most free_share among the candidates
     may_move: bool  # the balance rule may move a shared prefix's home now
     crowded: frozenset[str] = frozenset()  # backends past their cap of the requests lately
+    branch: bool = False  # home is a shared prefix's, the prompt a new branch of it
+    # crowded backends where the requesting tenant's own requests lately are past the excess
+    own_crowded: frozenset[str] = frozenset()
     work_weight: float = 0.0  # the tier's weight of a token queued ahead against one saved
     work: Mapping[str, float] = field(default_factory=dict)  # url -> tokens queued there
     least_work: float = 0.0  # the least of ``work`` among the candidates
@@ -67,10 +72,12 @@ class Scene:
 
     def spreads(self, url: str | None) -> bool:
         """Whether the spread rule sends this prompt off ``url`` (crowded, and not the home of
-        most of the prompt)."""
+        most of the prompt, or the home of a new branch whose own tenant crowds it)."""
         if url not in self.crowded:
             return False
-        return url != self.home or self.home_cover < SPREAD_KEEPS
+        if url != self.home or self.home_cover < SPREAD_KEEPS:
+            return True
+        return self.branch and url in self.own_crowded
 
 
 def placed_as_new(known: int, scene: Scene) -> bool:

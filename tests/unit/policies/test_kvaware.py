@@ -3,6 +3,7 @@ balanced first placement of ``prefix_affinity``."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -473,6 +474,48 @@ def test_a_backend_past_its_share_of_the_requests_lately_is_left_by_new_conversa
     assert chooser.pick(_candidates([hot]), new) is hot
 
 
+def _crowded_home_then_new_conversation(victims: int, others: int) -> FakeBackend:
+    """A victim's system prompt lives on ``home``, where its ``victims`` conversations and
+    another tenant's ``others`` requests (one prompt repeated, cached: it fills nothing) went
+    lately; both backends are idle. Where does the victim's next new conversation go (its
+    system prompt is three quarters of its first prompt)?"""
+    home, _ = backends = _backends()
+    chooser = _chooser()
+    system = [1, 2, 3, 4, 5, 6]
+    for conv in range(victims):
+        req = _req("normal", [*system, 100 + conv])
+        req.tenant = "victim"
+        assert _place(chooser, [home], req) is home
+    home.cached = set(system)
+    mine = [900, 901, 902, 903, 904, 905, 906, 907]
+    home.cached |= set(mine)
+    for _ in range(others):
+        req = _req("low", mine)
+        req.tenant = "other"
+        chooser.served(home, req)
+        chooser.ended(home, req, ran=True)
+    new = _req("normal", [*system, 300])
+    new.tenant = "victim"
+    picked = chooser.pick(_candidates(backends), new)
+    assert picked is not None
+    return picked
+
+
+def test_a_tenant_that_crowds_its_home_starts_new_conversations_elsewhere() -> None:
+    # Spread, issue 32 s98003: three tenants under long system prompts lived on one of two
+    # engines (66 % of the requests), each new conversation kept by its system prompt. A new
+    # conversation loses that prefix once, not a history: it leaves a home its tenant crowds.
+    assert _crowded_home_then_new_conversation(victims=20, others=0).cfg.url == "http://b1:80"
+    # Another tenant's flood crowds the home as much: the victim's own three conversations
+    # cannot account for it, and its new one stays with its system prompt (the isolation
+    # promise, tests/integration/test_kv_placement_served.py).
+    assert _crowded_home_then_new_conversation(victims=3, others=40).cfg.url == "http://b0:80"
+    # With as many of its own as the home's excess over its cap (24 of 64, where 0.64 of 64 is
+    # 41), the victim's own traffic could account for the crowd: it leaves; with 20, it stays.
+    assert _crowded_home_then_new_conversation(victims=24, others=40).cfg.url == "http://b1:80"
+    assert _crowded_home_then_new_conversation(victims=20, others=40).cfg.url == "http://b0:80"
+
+
 def test_a_prompt_no_backend_holds_half_of_is_placed_by_room_not_by_its_short_shared_prefix() -> (
     None
 ):
@@ -569,6 +612,8 @@ def test_recent_shares_take_no_vote_of_a_cached_prompt_and_undo_an_add() -> None
     counts.add("a", 10.0)
     counts.remove("b", 10.0, added_at)  # b's request did not run: as if never sent
     assert counts.shares(at_least=1) == pytest.approx({"a": 1.0, "b": 0.0})
+    assert counts.weight("a") == pytest.approx(10.0 + 10.0 / math.e)
+    assert counts.total() == pytest.approx(counts.weight("a") + counts.weight("b"))
 
 
 def test_a_prompt_whose_blocks_are_unknown_goes_where_its_prefix_last_ran() -> None:

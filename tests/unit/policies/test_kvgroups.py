@@ -62,6 +62,18 @@ def test_a_branch_point_comes_of_two_next_blocks_that_ran_and_is_kept_while_in_u
     assert groups.home(3) == A and groups.home(50) is None and groups.home(60) == B
 
 
+def test_a_prompt_going_on_otherwise_past_a_point_that_ran_starts_a_branch() -> None:
+    # A tenant's second conversation is a new branch before its third makes a branch point:
+    # the spread rule moves new branches, and a tenant of a few conversations has no third.
+    groups = PrefixGroups(4)
+    assert not groups.branches(3, 20)  # nothing ran past 3
+    groups.note("t", [1, 2, 3, 10], 3, A)
+    assert groups.branches(3, 20) and groups.home(3) is None
+    assert not groups.branches(3, 10)  # the same conversation's next turn
+    groups.note("t", [1, 2, 3, 20], 3, A)
+    assert groups.branches(3, 30) and groups.branches(3, 10)  # a branch point: any child
+
+
 def _chooser(clock: FakeClock, memory: int) -> KvAware:
     # The spread and balance rules apart: where the flood runs does not move the victim.
     return KvAware(

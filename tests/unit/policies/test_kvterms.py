@@ -183,3 +183,11 @@ def test_the_spread_rule_leaves_a_crowded_home_only_for_prompts_it_holds_little_
     assert replace(crowded, home=B_URL).spreads(A)  # not its home: counts nothing cached
     assert crowded.home_stays()
     assert replace(crowded, home_cover=0.25).home_stays() is False
+
+
+def test_the_spread_rule_moves_a_new_branch_off_a_home_its_own_tenant_crowds() -> None:
+    branch = replace(SCENE, crowded=frozenset({A}), home=A, branch=True)
+    assert branch.spreads(A) is False  # crowded by others' traffic: it keeps its system prompt
+    assert replace(branch, own_crowded=frozenset({A})).spreads(A)  # its own crowd: it goes
+    own = replace(branch, own_crowded=frozenset({A}), branch=False)
+    assert own.spreads(A) is False  # a conversation under way stays with its history
