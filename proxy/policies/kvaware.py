@@ -69,6 +69,7 @@ from proxy.policies.kvleft import LeftUnanswered
 from proxy.policies.kvmemory import PlacementMemory
 from proxy.policies.kvprefix import PrefixHomes
 from proxy.policies.kvrecent import DecayingCounts
+from proxy.policies.kvspread import RequestShares
 from proxy.policies.kvterms import Scene, pick_best, placed_as_new, score, serves_home
 from proxy.policies.kvwork import WorkAhead
 from proxy.policies.types import BackendView, QueuedRequest
@@ -122,8 +123,8 @@ class KvAware:
         # Shared prefixes, their new branches' home: a share per tenant of pending_blocks.
         self._groups = PrefixGroups(pending_blocks)
         self._sent = DecayingCounts(balance_s, clock)  # backend url -> prompt blocks filled lately
-        self._requests = DecayingCounts(balance_s, clock)  # backend url -> requests sent lately
-        self._tenants: dict[str, DecayingCounts] = {}  # tenant -> its own, per backend url
+        # backend url -> requests sent lately, in all and per tenant (the spread rule)
+        self._requests = RequestShares(max_share, balance_s, balance_min, clock)
         self._rehomed_at = -math.inf  # when the balance rule last moved a prefix's home
         self._counted: dict[QueuedRequest, _Sent] = {}  # in flight: what its sending counted
         self._prefix_homes = PrefixHomes()  # for a prompt whose blocks are unknown
@@ -199,7 +200,7 @@ class KvAware:
         work = {c.state.cfg.url: self._work.of(c.state) for c in candidates}
         least_work = min(work.values(), default=0.0)
         work.update((b.cfg.url, self._work.of(b)) for b in full)
-        crowded = self._crowded(len(candidates))
+        crowded = self._requests.crowded(len(candidates))
         scene = Scene(
             prompt=prompt,
             weight=self.latency_weights.get(request.tier, 1.0) if request is not None else 1.0,
@@ -211,8 +212,8 @@ class KvAware:
             roomiest=max((free_share(c) for c in candidates), default=0.0),
             may_move=group is not None and self.clock() - self._rehomed_at >= self.balance_s,
             crowded=crowded,
-            branch=self._branches(blocks, home_run),
-            own_crowded=self._own_crowded(request.tenant, crowded) if request else frozenset(),
+            branch=self._groups.branches(blocks or (), home_run),
+            own_crowded=self._requests.own_crowded(request.tenant if request else None, crowded),
             work_weight=self.work_weights.get(request.tier, 0.0) if request is not None else 0.0,
             work=work,
             least_work=least_work,
@@ -266,10 +267,9 @@ class KvAware:
         # one prompt repeated (another tenant's, it moved a prefix's home: red team).
         filled = float(max(0, len(blocks) - saved // self.block_size) if blocks else 1)
         self._sent.add(url, filled)
-        self._requests.add(url)
+        self._requests.sent(url, request.tenant if request is not None else None)
         if request is None:
             return
-        self._tenant_requests(request.tenant).add(url)
         self._hold.drop(request)
         prefill = self._prompt_tokens(request, blocks) - saved
         self._work.sent(request, url, prefill, blocks or (), saved // self.block_size)
@@ -316,49 +316,12 @@ class KvAware:
         """A request the engine did not run: out of the shares lately, and the prefix home it
         moved moved back (what never ran moves no tenant's placement)."""
         self._sent.remove(sent.url, sent.filled, sent.at)
-        self._requests.remove(sent.url, 1.0, sent.at)
-        self._tenant_requests(sent.tenant).remove(sent.url, 1.0, sent.at)
+        self._requests.unsent(sent.url, sent.tenant, sent.at)
         if sent.rehomed is not None:
             block, before, rehomed_at = sent.rehomed
             if self._groups.home(block) == sent.url:
                 self._groups.rehome(block, before)
                 self._rehomed_at = rehomed_at
-
-    def _crowded(self, n: int) -> frozenset[str]:
-        """The backends past ``max_share`` of the requests sent lately (none while one
-        backend alone can take the request)."""
-        if n < 2:
-            return frozenset()
-        shares = self._requests.shares(at_least=self.balance_min)
-        return frozenset(url for url, share in shares.items() if share > self.max_share)
-
-    def _branches(self, blocks: Sequence[int] | None, home_run: int) -> bool:
-        """Whether the prompt starts a new branch past the first ``home_run`` of its ``blocks``
-        (a tenant's new conversation under its system prompt: ``PrefixGroups.branches``)."""
-        if not blocks or not 0 < home_run < len(blocks):
-            return False
-        return self._groups.branches(blocks[home_run - 1], blocks[home_run])
-
-    def _tenant_requests(self, tenant: str) -> DecayingCounts:
-        counts = self._tenants.get(tenant)
-        if counts is None:
-            counts = self._tenants[tenant] = DecayingCounts(self.balance_s, self.clock)
-        return counts
-
-    def _own_crowded(self, tenant: str, crowded: frozenset[str]) -> frozenset[str]:
-        """Of the ``crowded`` backends, those where ``tenant``'s own requests lately are at least
-        the backend's excess over ``max_share``: the spread rule moves a tenant's new
-        conversation off a crowded home only when its own traffic could account for the crowd,
-        never for another tenant's flood alone."""
-        counts = self._tenants.get(tenant)
-        if counts is None or not crowded:
-            return frozenset()
-        total = self._requests.total()
-        return frozenset(
-            url
-            for url in crowded
-            if counts.weight(url) >= self._requests.weight(url) - self.max_share * total
-        )
 
     def _over_share(self, shares: Mapping[str, float]) -> set[str]:
         """The backends that took more than their share lately (of every backend seen)."""

@@ -33,14 +33,17 @@ class PrefixGroups:
         """The home of ``block`` if it is a branch point; None otherwise."""
         return self._home.get(block)
 
-    def branches(self, point: int, child: int) -> bool:
-        """Whether a prompt going on past ``point`` with ``child`` starts a new branch there:
-        ``point`` is a branch point, or a prompt that ran went on past it otherwise (a
-        tenant's second conversation under its system prompt, before it made a branch point)."""
+    def branches(self, blocks: Sequence[int], run: int) -> bool:
+        """Whether a prompt of ``blocks`` starts a new branch past its first ``run``: that block
+        is a branch point, or a prompt that ran went on past it otherwise (a tenant's second
+        conversation under its system prompt, before a third made it a branch point)."""
+        if not 0 < run < len(blocks):
+            return False
+        point = blocks[run - 1]
         if self._home.get(point) is not None:
             return True
         first = self._child.get(point)
-        return first is not None and first != child
+        return first is not None and first != blocks[run]
 
     def note(self, tenant: str, blocks: Sequence[int], known: int, holder: str | None) -> None:
         """A prompt of ``tenant``'s, of ``blocks``, ran; the first ``known`` were sent before,

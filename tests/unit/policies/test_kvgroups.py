@@ -66,12 +66,13 @@ def test_a_prompt_going_on_otherwise_past_a_point_that_ran_starts_a_branch() -> 
     # A tenant's second conversation is a new branch before its third makes a branch point:
     # the spread rule moves new branches, and a tenant of a few conversations has no third.
     groups = PrefixGroups(4)
-    assert not groups.branches(3, 20)  # nothing ran past 3
+    assert not groups.branches([1, 2, 3, 20], 3)  # nothing ran past 3
     groups.note("t", [1, 2, 3, 10], 3, A)
-    assert groups.branches(3, 20) and groups.home(3) is None
-    assert not groups.branches(3, 10)  # the same conversation's next turn
+    assert groups.branches([1, 2, 3, 20], 3) and groups.home(3) is None
+    assert not groups.branches([1, 2, 3, 10, 11], 3)  # the same conversation's next turn
+    assert not groups.branches([1, 2, 3], 3) and not groups.branches([1, 2], 0)  # nothing past
     groups.note("t", [1, 2, 3, 20], 3, A)
-    assert groups.branches(3, 30) and groups.branches(3, 10)  # a branch point: any child
+    assert groups.branches([1, 2, 3, 30], 3) and groups.branches([1, 2, 3, 10], 3)  # any child
 
 
 def _chooser(clock: FakeClock, memory: int) -> KvAware:
