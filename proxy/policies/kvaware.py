@@ -35,9 +35,10 @@ the prompt blocks filled lately (``balance_margin`` over ``1/n``, fading over ``
 and is busier now, a new branch of it may start where there is room, and the prefix's home moves
 there: one prefix per ``balance_s``, since the shares lag the move. Conversations under way
 stay with their history. Spread: a backend past ``max_share`` of the requests sent lately counts
-nothing cached while another can take the request (unless it holds half the prompt or more;
-a tenant's new conversation leaves it anyway where the tenant's own requests lately could
-account for the crowd: another tenant's flood alone never moves it).
+nothing cached while another can take the request (unless it holds half the prompt or more),
+and so does, for a tenant's new conversation, a home past ``max_share`` of the prompt blocks
+filled lately where the tenant's own fill the excess (``kvspread``: others' cached repeats and
+refused requests fill nothing).
 
 Cost model: the prefill each backend was sent and its KV events do not show done yet
 (``proxy.policies.kvwork``: a request decoding counts a few tokens, however long its answer),
@@ -68,8 +69,7 @@ from proxy.policies.kvhold import HomeHold
 from proxy.policies.kvleft import LeftUnanswered
 from proxy.policies.kvmemory import PlacementMemory
 from proxy.policies.kvprefix import PrefixHomes
-from proxy.policies.kvrecent import DecayingCounts
-from proxy.policies.kvspread import RequestShares
+from proxy.policies.kvspread import RecentShares
 from proxy.policies.kvterms import Scene, pick_best, placed_as_new, score, serves_home
 from proxy.policies.kvwork import WorkAhead
 from proxy.policies.types import BackendView, QueuedRequest
@@ -122,9 +122,10 @@ class KvAware:
         self._fit = KvInFlight(block_size)  # per backend, the KV blocks in flight there
         # Shared prefixes, their new branches' home: a share per tenant of pending_blocks.
         self._groups = PrefixGroups(pending_blocks)
-        self._sent = DecayingCounts(balance_s, clock)  # backend url -> prompt blocks filled lately
+        # backend url -> prompt blocks filled lately, in all and per tenant (balance, spread)
+        self._filled = RecentShares(max_share, balance_s, balance_min, clock)
         # backend url -> requests sent lately, in all and per tenant (the spread rule)
-        self._requests = RequestShares(max_share, balance_s, balance_min, clock)
+        self._requests = RecentShares(max_share, balance_s, balance_min, clock)
         self._rehomed_at = -math.inf  # when the balance rule last moved a prefix's home
         self._counted: dict[QueuedRequest, _Sent] = {}  # in flight: what its sending counted
         self._prefix_homes = PrefixHomes()  # for a prompt whose blocks are unknown
@@ -195,12 +196,12 @@ class KvAware:
             self._rooms[c.state.cfg.url] = c.state.max_room
             if c.load is not None and c.load.kv_blocks:
                 self._kv_blocks[c.state.cfg.url] = c.load.kv_blocks
-        shares = self._sent.shares(at_least=self.balance_min)
+        shares = self._filled.shares()
         prompt = self._prompt_tokens(request, blocks)
+        tenant = request.tenant if request is not None else None
         work = {c.state.cfg.url: self._work.of(c.state) for c in candidates}
         least_work = min(work.values(), default=0.0)
         work.update((b.cfg.url, self._work.of(b)) for b in full)
-        crowded = self._requests.crowded(len(candidates))
         scene = Scene(
             prompt=prompt,
             weight=self.latency_weights.get(request.tier, 1.0) if request is not None else 1.0,
@@ -211,9 +212,9 @@ class KvAware:
             over=self._over_share(shares),
             roomiest=max((free_share(c) for c in candidates), default=0.0),
             may_move=group is not None and self.clock() - self._rehomed_at >= self.balance_s,
-            crowded=crowded,
+            crowded=self._requests.crowded(len(candidates)),
             branch=self._groups.branches(blocks or (), home_run),
-            own_crowded=self._requests.own_crowded(request.tenant if request else None, crowded),
+            own_crowded=self._filled.own_crowded(tenant, len(candidates)),
             work_weight=self.work_weights.get(request.tier, 0.0) if request is not None else 0.0,
             work=work,
             least_work=least_work,
@@ -263,11 +264,10 @@ class KvAware:
         blocks = request.prompt_blocks if request is not None else None
         saved = self.cached_tokens(state, blocks) if blocks else 0
         # Weighed by the blocks the prompt fills there (not those cached): four tenants' long
-        # conversations fill a cache that a flood of short prompts, however many, does not, nor
-        # one prompt repeated (another tenant's, it moved a prefix's home: red team).
+        # conversations fill a cache that a flood of short prompts, or one repeated, does not.
         filled = float(max(0, len(blocks) - saved // self.block_size) if blocks else 1)
-        self._sent.add(url, filled)
-        self._requests.sent(url, request.tenant if request is not None else None)
+        self._filled.sent(url, request.tenant if request is not None else None, filled)
+        self._requests.sent(url, None)
         if request is None:
             return
         self._hold.drop(request)
@@ -282,7 +282,7 @@ class KvAware:
             return
         holder, known = self._home(blocks)
         group = self._groups.home(blocks[known - 1]) if known else None
-        over = self._over_share(self._sent.shares(at_least=self.balance_min))
+        over = self._over_share(self._filled.shares())
         if group is not None and group != url and group in over:
             self._groups.rehome(blocks[known - 1], url)  # the balance rule moved it
             sent.rehomed = (blocks[known - 1], group, self._rehomed_at)
@@ -315,8 +315,8 @@ class KvAware:
     def _unsend(self, sent: _Sent) -> None:
         """A request the engine did not run: out of the shares lately, and the prefix home it
         moved moved back (what never ran moves no tenant's placement)."""
-        self._sent.remove(sent.url, sent.filled, sent.at)
-        self._requests.unsent(sent.url, sent.tenant, sent.at)
+        self._filled.unsent(sent.url, sent.tenant, sent.at, sent.filled)
+        self._requests.unsent(sent.url, None, sent.at)
         if sent.rehomed is not None:
             block, before, rehomed_at = sent.rehomed
             if self._groups.home(block) == sent.url:

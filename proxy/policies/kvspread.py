@@ -1,19 +1,19 @@
-"""``backends: kv_aware``'s spread rule: which backends took more than ``max_share`` of the
-requests sent lately, and which of those a tenant's own requests crowd (docs in
-``proxy.policies.kvaware``)."""
+"""What each backend was sent lately, in all and per tenant, for ``backends: kv_aware``'s
+balance and spread rules: which backends took more than ``max_share`` of it, and which of those
+a tenant's own work crowds (docs in ``proxy.policies.kvaware``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from proxy.policies.kvrecent import DecayingCounts
 
 SWEEP_EVERY = 1024  # sends between sweeps of the tenants whose counts have faded
 
 
-class RequestShares:
-    """Requests sent lately per backend, in all and per tenant (weights that decay over
-    ``tau_s``; shares judged once ``at_least`` requests were sent lately)."""
+class RecentShares:
+    """Weights sent lately per backend (requests, or the prompt blocks they filled), in all and
+    per tenant, decaying over ``tau_s``; shares judged once ``at_least`` adds made them."""
 
     def __init__(
         self, max_share: float, tau_s: float, at_least: float, clock: Callable[[], float]
@@ -22,40 +22,41 @@ class RequestShares:
         self.tau_s = tau_s
         self.at_least = at_least
         self.clock = clock
-        self._all = DecayingCounts(tau_s, clock)  # backend url -> requests sent lately
+        self._all = DecayingCounts(tau_s, clock)  # backend url -> weight sent lately
         self._tenants: dict[str, DecayingCounts] = {}  # tenant -> its own, per backend url
         self._sends = 0
 
-    def sent(self, url: str, tenant: str | None) -> None:
-        self._all.add(url)
+    def sent(self, url: str, tenant: str | None, weight: float = 1.0) -> None:
+        self._all.add(url, weight)
         if tenant is not None:
-            self._of(tenant).add(url)
+            self._of(tenant).add(url, weight)
         self._sends += 1
         if self._sends % SWEEP_EVERY == 0:  # bounded by the tenants active lately
             faded = [t for t, counts in self._tenants.items() if counts.total() <= 0]
             for tenant in faded:
                 del self._tenants[tenant]
 
-    def unsent(self, url: str, tenant: str | None, at: float) -> None:
+    def unsent(self, url: str, tenant: str | None, at: float, weight: float = 1.0) -> None:
         """Undo a ``sent`` made at ``at`` (a request the engine did not run)."""
-        self._all.remove(url, 1.0, at)
+        self._all.remove(url, weight, at)
         if tenant is not None and (counts := self._tenants.get(tenant)) is not None:
-            counts.remove(url, 1.0, at)
+            counts.remove(url, weight, at)
+
+    def shares(self, at_least: float | None = None) -> dict[str, float]:
+        """Each backend's share of the weight sent lately (none while fewer than ``at_least``
+        sends made it: by default, the ``at_least`` it was made with)."""
+        return self._all.shares(at_least=self.at_least if at_least is None else at_least)
 
     def crowded(self, n: int) -> frozenset[str]:
-        """The backends past ``max_share`` of the requests sent lately (none while one backend
+        """The backends past ``max_share`` of the weight sent lately (none while one backend
         alone, of ``n``, can take the request)."""
-        if n < 2:
-            return frozenset()
-        shares = self._all.shares(at_least=self.at_least)
-        return frozenset(url for url, share in shares.items() if share > self.max_share)
+        return _past(self.shares(), self.max_share) if n >= 2 else frozenset()
 
-    def own_crowded(self, tenant: str | None, crowded: frozenset[str]) -> frozenset[str]:
-        """Of the ``crowded`` backends, those where ``tenant``'s own requests lately are at
-        least the backend's excess over ``max_share``: the spread rule moves a tenant's new
-        conversation off a crowded home only when its own traffic could account for the
-        crowd, never for another tenant's flood alone."""
+    def own_crowded(self, tenant: str | None, n: int) -> frozenset[str]:
+        """Of the ``crowded`` backends, those where ``tenant``'s own weight lately is at least
+        the backend's excess over ``max_share``: its own work could account for the crowd."""
         counts = self._tenants.get(tenant) if tenant is not None else None
+        crowded = self.crowded(n)
         if counts is None or not crowded:
             return frozenset()
         total = self._all.total()
@@ -74,3 +75,7 @@ class RequestShares:
         if counts is None:
             counts = self._tenants[tenant] = DecayingCounts(self.tau_s, self.clock)
         return counts
+
+
+def _past(shares: Mapping[str, float], cap: float) -> frozenset[str]:
+    return frozenset(url for url, share in shares.items() if share > cap)

@@ -23,8 +23,8 @@ CACHE_WEIGHT = 1.0  # the cached prefix's weight; the room's is the tier's laten
 
 # The spread rule leaves a crowded home only for prompts it holds less of than this share: a
 # conversation under way stays with its history (above 1: the rule moves every prompt). A new
-# branch of a shared prefix (a tenant's new conversation) leaves anyway where its own tenant
-# crowds the home (``Scene.own_crowded``): it loses that prefix once, not a history.
+# branch of a shared prefix (a tenant's new conversation) leaves a home its own tenant's work
+# crowds (``Scene.own_crowded``) whatever the share: it loses that prefix once, not a history.
 SPREAD_KEEPS = 0.5
 # A prompt that no backend holds at least this share of (cached, or sent there lately) is placed
 # as a new prefix: by room, then balance, as ``prefix_affinity`` places one. The short prefix it
@@ -56,7 +56,8 @@ class Scene:
     may_move: bool  # the balance rule may move a shared prefix's home now
     crowded: frozenset[str] = frozenset()  # backends past their cap of the requests lately
     branch: bool = False  # home is a shared prefix's, the prompt a new branch of it
-    # crowded backends where the requesting tenant's own requests lately are past the excess
+    # backends past their cap of the prompt blocks filled lately whose excess the requesting
+    # tenant's own blocks cover (``kvspread.RecentShares.own_crowded``)
     own_crowded: frozenset[str] = frozenset()
     work_weight: float = 0.0  # the tier's weight of a token queued ahead against one saved
     work: Mapping[str, float] = field(default_factory=dict)  # url -> tokens queued there
@@ -77,7 +78,7 @@ class Scene:
             return False
         if url != self.home or self.home_cover < SPREAD_KEEPS:
             return True
-        return self.branch and url in self.own_crowded
+        return self.branch and url in self.own_crowded  # a new branch its own tenant crowds
 
 
 def placed_as_new(known: int, scene: Scene) -> bool:

@@ -88,7 +88,7 @@ def old_pick(
         home, home_run = None, 0
     for c in candidates:
         self._rooms[c.state.cfg.url] = c.state.max_room
-    shares = self._sent.shares(at_least=self.balance_min)
+    shares = self._filled.shares()
     over = self._over_share(shares)
     roomiest = max((free_share(c) for c in candidates), default=0.0)
     may_move = branch and self.clock() - self._rehomed_at >= self.balance_s

@@ -1,45 +1,53 @@
-"""kv_aware's spread shares (proxy.policies.kvspread): which backends are crowded, which of those
-a tenant's own requests crowd, and a memory bounded by the tenants active lately. An injected
+"""kv_aware's recent shares (proxy.policies.kvspread): which backends are crowded, which of those
+a tenant's own work crowds, and a memory bounded by the tenants active lately. An injected
 clock, no sleep."""
 
 from __future__ import annotations
 
-from proxy.policies.kvspread import SWEEP_EVERY, RequestShares
+import pytest
+
+from proxy.policies.kvspread import SWEEP_EVERY, RecentShares
 from tests.helpers.clock import FakeClock
 
 A, B = "http://a:80", "http://b:80"
 
 
-def test_a_crowded_backend_is_the_tenants_own_only_where_its_requests_cover_the_excess() -> None:
+def test_a_crowded_backend_is_the_tenants_own_only_where_its_weight_covers_the_excess() -> None:
     clock = FakeClock()
-    shares = RequestShares(max_share=0.64, tau_s=30.0, at_least=16, clock=clock)
+    shares = RecentShares(max_share=0.64, tau_s=30.0, at_least=16, clock=clock)
     for _ in range(10):
-        shares.sent(A, "victim")
-    assert shares.crowded(2) == frozenset()  # ten requests: too few to judge
-    for _ in range(30):
-        shares.sent(A, "flood")
-    for _ in range(10):
-        shares.sent(B, "other")
-    # A: 40 of 50 (80 %), 8 past 64 %: the victim's 10 there could account for it.
-    assert shares.crowded(2) == {A} and shares.crowded(1) == frozenset()
-    assert shares.own_crowded("victim", frozenset({A})) == {A}
-    assert shares.own_crowded("other", frozenset({A})) == frozenset()
-    assert shares.own_crowded(None, frozenset({A})) == frozenset()
+        shares.sent(A, "victim", 8.0)
     for _ in range(40):
-        shares.sent(A, "flood")
-    # A: 80 of 90, 22 past 64 %: the flood's, not the victim's 10.
-    assert shares.own_crowded("victim", frozenset({A})) == frozenset()
-    assert shares.own_crowded("flood", frozenset({A})) == {A}
+        shares.sent(A, "flood", 0.0)  # a prompt cached whole fills nothing: no vote
+    assert shares.crowded(2) == frozenset()  # ten sends that weighed: too few to judge
+    for _ in range(30):
+        shares.sent(A, "flood", 1.0)
+    for _ in range(10):
+        shares.sent(B, "other", 8.0)
+    # A: 110 of 190 (58 %): not crowded.
+    assert shares.crowded(2) == frozenset() and shares.own_crowded("victim", 2) == frozenset()
+    for _ in range(40):
+        shares.sent(A, "flood", 1.0)
+    # A: 150 of 230 (65 %), 2.8 past 64 %: the victim's 80 there could account for it.
+    assert shares.crowded(2) == {A} and shares.crowded(1) == frozenset()
+    assert shares.own_crowded("victim", 2) == {A} and shares.own_crowded("victim", 1) == set()
+    assert shares.own_crowded("other", 2) == frozenset()
+    assert shares.own_crowded(None, 2) == frozenset()
+    for _ in range(300):
+        shares.sent(A, "flood", 1.0)
+    # A: 450 of 530, 111 past 64 %: the flood's work, more than the victim's 80.
+    assert shares.own_crowded("victim", 2) == frozenset()
+    assert shares.own_crowded("flood", 2) == {A}
     at = clock()
     clock.advance(1.0)
-    for _ in range(70):
-        shares.unsent(A, "flood", at)  # the flood never ran: as if never sent
-    assert shares.own_crowded("victim", frozenset({A})) == {A}
+    for _ in range(370):
+        shares.unsent(A, "flood", at, 1.0)  # the flood never ran: as if never sent
+    assert shares.shares()[A] == pytest.approx(0.5) and shares.crowded(2) == frozenset()
 
 
-def test_tenants_whose_requests_faded_are_forgotten() -> None:
+def test_tenants_whose_counts_faded_are_forgotten() -> None:
     clock = FakeClock()
-    shares = RequestShares(max_share=0.64, tau_s=1.0, at_least=16, clock=clock)
+    shares = RecentShares(max_share=0.64, tau_s=1.0, at_least=16, clock=clock)
     for n in range(SWEEP_EVERY - 1):
         shares.sent(A, f"tenant-{n}")  # one request each, of many tenant names
     assert shares.tenants() == SWEEP_EVERY - 1
