@@ -124,7 +124,7 @@ class KvAware:
         self._groups = PrefixGroups(pending_blocks)
         # backend url -> prompt blocks filled lately, in all and per tenant (balance, spread)
         self._filled = RecentShares(max_share, balance_s, balance_min, clock)
-        # backend url -> requests sent lately, in all and per tenant (the spread rule)
+        # backend url -> requests sent lately, in all (the spread rule; no tenant's own)
         self._requests = RecentShares(max_share, balance_s, balance_min, clock)
         self._rehomed_at = -math.inf  # when the balance rule last moved a prefix's home
         self._counted: dict[QueuedRequest, _Sent] = {}  # in flight: what its sending counted

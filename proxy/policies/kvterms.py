@@ -55,7 +55,7 @@ class Scene:
     roomiest: float  # the most free_share among the candidates
     may_move: bool  # the balance rule may move a shared prefix's home now
     crowded: frozenset[str] = frozenset()  # backends past their cap of the requests lately
-    branch: bool = False  # home is a shared prefix's, the prompt a new branch of it
+    branch: bool = False  # the prompt goes on past its home's run otherwise than one that ran
     # backends past their cap of the prompt blocks filled lately whose excess the requesting
     # tenant's own blocks cover (``kvspread.RecentShares.own_crowded``)
     own_crowded: frozenset[str] = frozenset()
