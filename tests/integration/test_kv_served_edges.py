@@ -192,49 +192,67 @@ async def test_hostile_prompt_shapes_get_an_answer_and_never_fail_another_tenant
             assert await inflight(session, proxy) == [0, 0]
 
 
-async def _running(session: aiohttp.ClientSession, pair: tuple[EngineProcess, ...]) -> float:
-    """Requests the engines run or queue now, by their own gauges."""
+async def _gauges(
+    session: aiohttp.ClientSession, pair: tuple[EngineProcess, ...], names: str
+) -> float:
+    """The engines' own series matching ``names`` (a regex), summed over both."""
     total = 0.0
     for engine in pair:
         async with session.get(engine.spec.url + "/metrics") as resp:
             text = await resp.text()
-        for m in re.finditer(r"^vllm:num_requests_(?:running|waiting)\{[^}]*\} (\S+)$", text, re.M):
+        for m in re.finditer(rf"^vllm:(?:{names})\{{[^}}]*\}} (\S+)$", text, re.M):
             total += float(m.group(1))
     return total
 
 
-async def _until_engines(
-    session: aiohttp.ClientSession, pair: tuple[EngineProcess, ...], busy: bool
+async def _until_engines_idle(
+    session: aiohttp.ClientSession, pair: tuple[EngineProcess, ...]
 ) -> bool:
     for _ in range(200):  # polls
-        if (await _running(session, pair) > 0) == busy:
+        if await _gauges(session, pair, "num_requests_running|num_requests_waiting") == 0:
             return True
         await asyncio.sleep(0.1)
     return False
+
+
+LONG = 1600  # tokens: ~2 s of the tiny model's decoding on an idle core
 
 
 async def test_a_client_that_leaves_leaves_nothing_running_upstream(
     pair: tuple[EngineProcess, EngineProcess], tmp_path: Path
 ) -> None:
     """Promise 5: a stream cut after its first chunk, and a non-streaming request whose client
-    leaves while the engine generates, are aborted on the engine; every slot comes back."""
+    leaves while the engine generates, are aborted on the engine (it generates fewer tokens
+    than asked, by its own counter); every slot comes back. Counted, not sampled: a gauge read
+    while the stream runs raced its end on a busy machine."""
     a, b = pair
+    generated = "generation_tokens_total"
     with ServedProxy(kv_pair_config(a, b), tmp_path).start() as proxy:
         async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
             client = Client(session, proxy)
             await until_trusted(session, proxy)
-            assert await _until_engines(session, pair, busy=False)
+            assert await _until_engines_idle(session, pair)
+            before = await _gauges(session, pair, generated)
             async with client.running("normal", conversation(system_prompt("cut"), 0)):
-                assert await _running(session, pair) >= 1
-            assert await _until_engines(session, pair, busy=False), "the stream still runs"
-            body = {"model": "tiny", "max_tokens": 1600, "ignore_eos": True,
+                pass  # its first chunk came: the client leaves
+            assert await _until_engines_idle(session, pair), "the stream still runs"
+            cut = await _gauges(session, pair, generated) - before
+            assert 0 < cut < LONG, f"the engine generated {cut} of the cut stream's {LONG}"
+
+            before += cut
+            body = {"model": "tiny", "max_tokens": LONG, "ignore_eos": True,
                     "messages": conversation(system_prompt("left"), 0)}  # fmt: skip
             task = asyncio.create_task(client.post("low", body))
-            assert await _until_engines(session, pair, busy=True)
+            for _ in range(200):  # polls: until the engine has generated some of it
+                if await _gauges(session, pair, generated) > before:
+                    break
+                await asyncio.sleep(0.05)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            assert await _until_engines(session, pair, busy=False), "the request still runs"
+            assert await _until_engines_idle(session, pair), "the request still runs"
+            left = await _gauges(session, pair, generated) - before
+            assert 0 < left < LONG, f"the engine generated {left} of the left request's {LONG}"
             for _ in range(50):
                 if await inflight(session, proxy) == [0, 0]:
                     break
