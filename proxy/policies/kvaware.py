@@ -2,12 +2,13 @@
 against how busy it is, from each backend's index of vLLM's own KV-cache events.
 
 A backend's score for a request is the share of its prompt it would not have to prefill there
-(its longest cached prefix over the prompt) plus the tier's latency weight times the share of
-the backend's room left after taking it (in flight and queued, as ``least_utilised`` sees it).
-A better tier weighs room more: a high-tier request goes to an idle backend rather than queue
-behind a hot cache; a low-tier batch request follows its cache onto a busier backend. Scores
-that tie (every index cold, or nothing cached anywhere) fall back to a balanced choice: the
-most room, the longest cached prefix, the backend chosen longest ago (never config order).
+(the longest cached prefix in tokens, ``cached_blocks * block_size``, over the prompt) plus the
+tier's latency weight times the share of the backend's room left after taking it (in-flight
+work and vLLM's own queue, as ``least_utilised`` sees them). A better tier weighs room more: a
+high-tier request goes to an idle backend rather than queue behind a hot cache; a low-tier
+batch request follows its cache onto a busier backend. Scores that tie (every index cold, or
+no prefix cached anywhere) fall back to a balanced choice: the most room left, then the
+longest cached prefix, then the backend chosen longest ago (never config order).
 
 Between a dispatch and the KV events of its prefill, the index does not yet show the prompt: a
 burst of one conversation's turns, or of one tenant's system prompt, would scatter. So the
@@ -17,9 +18,8 @@ while the backend's index is cold: a warm index has its events, and those of any
 since (``proxy.policies.kvmemory``: only what the engine ran is kept, in a share per tenant).
 
 A prompt that no backend holds half of (cached, or sent to its home: ``kvterms.placed_as_new``)
-is placed as new, by room and balance: a short prefix shared with others saves it little once,
-while where it starts is where its conversations live; so is one whose known prefix is only in
-flight, beside an idle backend (conversations starting together: ``kvterms.starts_apart``).
+is placed as new, by room and balance: a short prefix it shares with other tenants saves it
+little once, while where it starts is where its conversations live.
 
 Four rules keep each prefix in one place (each backend holding a copy would halve what both
 caches hold) and the load even. Home: a prompt's home is the backend its deepest known block
@@ -41,15 +41,18 @@ filled lately where the tenant's own fill the excess (``kvspread``: others' cach
 refused requests fill nothing).
 
 Cost model: the prefill each backend was sent and its KV events do not show done yet
-(``kvwork``: a request decoding counts a few tokens, however long its answer), in tokens,
-weighs against the prefill its cache saves (``work_weight`` for the best tier, worse tiers
-less), in the score and in the hold. KV memory: the blocks the requests in flight on a backend
-hold (``kvfit``) and the request's own, past its cache (vLLM's ``num_gpu_blocks``, scraped),
-vLLM gets by preempting or evicting: each such token costs ``OVERFLOW_WEIGHT`` of one saved.
+(``proxy.policies.kvwork``: a request decoding counts a few tokens, however long its answer),
+in tokens, weighs against the prefill its cache saves (``work_weight`` for the best tier,
+worse tiers less), in the score and in the hold. KV memory: room in slots is not room in the
+cache; the blocks the requests in flight on a backend hold (their prompts, each shared block
+once, and their answers: ``proxy.policies.kvfit``) and the request's own, past the backend's
+cache (vLLM's ``num_gpu_blocks``, scraped), are KV memory vLLM gets by preempting a request or
+evicting others' prefixes: each such token costs ``OVERFLOW_WEIGHT`` of a token saved.
 
 A prompt whose blocks are unknown (its tokens not had in time) goes where its prefix last ran
-(``kvprefix``), by room otherwise. The terms and the picker are in ``kvterms``, the hold rule
-in ``kvhold``; this module keeps what the chooser remembers between picks.
+(``proxy.policies.kvprefix``), by room otherwise. The score's terms and the picker are in
+``proxy.policies.kvterms``, the hold rule in
+``proxy.policies.kvhold``; this module keeps what the chooser remembers between picks.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ from proxy.policies.kvleft import LeftUnanswered
 from proxy.policies.kvmemory import PlacementMemory
 from proxy.policies.kvprefix import PrefixHomes
 from proxy.policies.kvspread import RecentShares
-from proxy.policies.kvterms import Scene, pick_best, placed_as_new, score, serves_home, starts_apart
+from proxy.policies.kvterms import Scene, pick_best, placed_as_new, score, serves_home
 from proxy.policies.kvwork import WorkAhead
 from proxy.policies.types import BackendView, QueuedRequest
 
@@ -154,9 +157,6 @@ class KvAware:
         scene, home_run = self._scene(candidates, request, blocks, full)
         saved = [self.cached_tokens(c.state, blocks) if blocks else 0 for c in candidates]
         known = max(*saved, home_run * self.block_size, 0)  # cached anywhere, or sent home
-        sent_home = blocks[:home_run] if blocks else ()
-        if starts_apart(candidates, full, scene, sent_home, self.block_size, self.memory.ran):
-            known = 0  # a cold burst: placed as new beside an idle backend
         if request is not None and placed_as_new(known, scene):
             saved = [0] * len(saved)  # no home: placed by room and balance
             scene, home_run = replace(scene, home=None, home_cover=0.0), 0

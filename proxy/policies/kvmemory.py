@@ -106,11 +106,6 @@ class PlacementMemory:
                 return owner, i + 1
         return None, 0
 
-    def ran(self, block: int) -> bool:
-        """Whether a request whose prompt held ``block`` ran (it is kept), rather than only
-        flights holding it."""
-        return block in self._owner
-
     def kept_by_tenant(self) -> dict[str, int]:
         """Each tenant's kept pairs: its placement the chooser remembers."""
         return {tenant: len(pairs) for tenant, pairs in self._kept.items() if pairs}

@@ -12,7 +12,7 @@ the prompt blocks sent lately) and the rotation's age (docs in ``proxy.policies.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic
 
@@ -32,13 +32,6 @@ SPREAD_KEEPS = 0.5
 # starts is where its conversations live: counted, it packed a group's tenants onto the engine
 # of their preamble, past its cache, while others idled (``s94040``: 3.58x the prefill).
 NEW_PLACEMENT_BELOW = 0.5
-# A prompt whose known prefix is only in flight (sent, run by no request yet, in no index: a
-# tenant's conversations starting together) saves nothing there unless it waits for that
-# prefill. Beside an idle backend it starts there as new, paying the prefix once more: the
-# burst's prompts no longer queue behind one another, and the tenant's conversations grow on two
-# caches. Only prefixes up to this long: a longer one's prefill is the burst's wait itself, and
-# its copy costs the caches more than the spread gains (docs/policies.md, the family's figures).
-COLD_START_MAX_TOKENS = 1536
 # A token of KV memory a request would need past a backend's cache (beside the requests in
 # flight there: vLLM preempts one, or the cached prefixes of others go) against a token of
 # prefill saved: 0.25 held best across the family (docs/policies.md).
@@ -92,28 +85,6 @@ def placed_as_new(known: int, scene: Scene) -> bool:
     """Whether a prompt of which ``known`` tokens at most are cached on one backend (or were
     sent to its home) is a new placement (``NEW_PLACEMENT_BELOW``)."""
     return known < NEW_PLACEMENT_BELOW * scene.prompt
-
-
-def starts_apart(
-    candidates: Sequence[Candidate[B]],
-    full: Sequence[BackendView],
-    scene: Scene,
-    sent_home: Sequence[int],
-    block_size: int,
-    ran: Callable[[int], bool],
-) -> bool:
-    """Whether a prompt whose home was sent its blocks ``sent_home`` only in flight (no request
-    holding the last of them ``ran``, no index shows the first: of the candidates nor of the
-    backends ``full``) is placed as new beside an idle backend (``COLD_START_MAX_TOKENS``)."""
-    if scene.home is None or not 0 < len(sent_home) * block_size <= COLD_START_MAX_TOKENS:
-        return False
-    views: list[BackendView] = [*(c.state for c in candidates), *full]
-    if ran(sent_home[-1]) or any(v.cached_blocks(sent_home[:1]) for v in views):
-        return False
-    return any(
-        url != scene.home and c.state.inflight == 0 and not scene.work.get(url)
-        for c, url in ((c, c.state.cfg.url) for c in candidates)
-    )
 
 
 def cached_prefix(saved_tokens: int, prompt: int) -> float:

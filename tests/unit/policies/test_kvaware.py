@@ -14,7 +14,7 @@ from proxy.config.backends import Backend, BackendHealth
 from proxy.policies.backends import Candidate, LeastUtilised, PrefixAffinity
 from proxy.policies.kvaware import KvAware
 from proxy.policies.kvrecent import DecayingCounts
-from proxy.policies.kvterms import COLD_START_MAX_TOKENS, latency_weights
+from proxy.policies.kvterms import latency_weights
 from proxy.policies.types import QueuedRequest, ScrapedLoad
 from tests.helpers.clock import FakeClock
 
@@ -86,15 +86,6 @@ def _place(chooser: KvAware, backends: list[FakeBackend], req: QueuedRequest) ->
     return picked
 
 
-def _send(chooser: KvAware, backends: list[FakeBackend], req: QueuedRequest) -> FakeBackend:
-    """Picked and sent: in flight there (not ended)."""
-    picked = chooser.pick(_candidates(backends), req)
-    assert picked is not None
-    chooser.served(picked, req)
-    picked.inflight += 1
-    return picked
-
-
 def test_the_backend_that_holds_the_longest_prefix_wins_at_equal_load() -> None:
     a, b = backends = _backends()
     a.cached = {1, 2}
@@ -150,10 +141,8 @@ def test_a_prompt_just_sent_counts_as_cached_there_until_its_events_could_have_a
     chooser.served(first, sent)  # in flight: its KV events not in yet
     first.inflight += 1  # the pool counts it in
     other = backends[1 - backends.index(first)]
-    other.inflight = 1  # not idle (beside an idle one a prompt only in flight starts apart)
-    # Its index does not show the prompt yet: it still follows the prompt.
+    # Busier now, and its index does not show the prompt yet: it still follows the prompt.
     assert chooser.pick(_candidates(backends), _req("normal", [*system, 19])) is first
-    other.inflight = 0
     assert chooser.cached_tokens(first, [*system, 19]) == 8 * BLOCK
     assert chooser.cached_tokens(other, system) == 0
     chooser.ended(first, sent, ran=True)  # it ran: the index heard its events (and shows
@@ -163,40 +152,6 @@ def test_a_prompt_just_sent_counts_as_cached_there_until_its_events_could_have_a
     assert chooser.pick(_candidates(backends), _req("normal", [*system, 19])) is first
     first.inflight += 2
     assert chooser.pick(_candidates(backends), _req("normal", [*system, 19])) is other
-
-
-def test_conversations_starting_together_start_apart_beside_an_idle_backend() -> None:
-    """A prompt whose known prefix is only in flight (no request holding it ran, no index
-    shows it) would wait for that prefill at its home: beside an idle backend it starts there,
-    paying a short prefix once more. Once the prefix ran, is indexed, is long, or nothing is
-    idle, it follows the prefix home."""
-    clock = FakeClock()
-    system = [41, 42, 43, 44, 45, 46, 47, 48]  # 256 tokens
-    backends = _backends()
-    chooser = KvAware(block_size=BLOCK, latency_weights=WEIGHTS, pending_s=5.0, clock=clock)
-    first = _send(chooser, backends, _req("normal", [*system, 50]))
-    other = backends[1 - backends.index(first)]
-    assert _send(chooser, backends, _req("normal", [*system, 51])) is other
-    # Nothing idle now: the next follows its prefix (in flight on both; the last sent home).
-    assert chooser.pick(_candidates(backends), _req("normal", [*system, 52])) is other
-
-    # A prefix that ran (kept) is followed though another backend is idle.
-    backends = _backends()
-    chooser = KvAware(block_size=BLOCK, latency_weights=WEIGHTS, pending_s=5.0, clock=clock)
-    sent = _req("normal", [*system, 50])
-    home = chooser.pick(_candidates(backends), sent)
-    assert home is not None
-    chooser.served(home, sent)
-    chooser.ended(home, sent, ran=True)
-    home.cached = set(system)
-    assert chooser.pick(_candidates(backends), _req("normal", [*system, 51])) is home
-
-    # Past COLD_START_MAX_TOKENS a prefix in flight is followed: its prefill is the wait itself.
-    long_system = list(range(100, 100 + COLD_START_MAX_TOKENS // BLOCK + 1))
-    backends = _backends()
-    chooser = KvAware(block_size=BLOCK, latency_weights=WEIGHTS, pending_s=5.0, clock=clock)
-    first = _send(chooser, backends, _req("normal", [*long_system, 1]))
-    assert chooser.pick(_candidates(backends), _req("normal", [*long_system, 2])) is first
 
 
 def test_a_prompt_that_ran_counts_as_cached_only_where_the_index_is_cold() -> None:

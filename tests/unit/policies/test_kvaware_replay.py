@@ -3,8 +3,7 @@ hundred random states replayed through both choosers in lockstep, the old functi
 as the reference (main at 3153c1d, ``proxy/policies/kvaware.py``), with issue 32's home bonus
 in proportion to the share of the prompt the home holds, its spread rule (the choosers are
 built with ``max_share`` 1.0 here: no backend is ever past it, as in the old pick) and its new
-placement (a prompt no backend holds half of has no home). The cold-start rule is off here
-(``kvterms.COLD_START_MAX_TOKENS`` 0): the old pick followed a prefix only in flight."""
+placement (a prompt no backend holds half of has no home)."""
 
 from __future__ import annotations
 
@@ -15,7 +14,6 @@ from dataclasses import dataclass, field
 import pytest
 
 from proxy.config.backends import Backend
-from proxy.policies import kvterms
 from proxy.policies.backends import TIE, B, Candidate, free_share
 from proxy.policies.kvaware import KvAware
 from proxy.policies.kvterms import latency_weights
@@ -57,11 +55,6 @@ class FakeBackend:
                 break
             run += 1
         return run
-
-
-@pytest.fixture(autouse=True)
-def _no_cold_start(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kvterms, "COLD_START_MAX_TOKENS", 0)
 
 
 # The reference: KvAware.pick before the terms, verbatim (a method of KvAware, below).
