@@ -16,7 +16,9 @@ past it, the tenant keeping the most loses its least recently sent pair. A tenan
 no more than ``capacity / tenants`` never loses one to another: a flooding tenant evicts its own
 placement first. A share, rather than a weight by work done: work done (tokens computed) is
 known only at the end and favours long prompts, whereas a share bounds what any one tenant can
-take from another whatever it sends, with no estimate in it.
+take from another whatever it sends, with no estimate in it. Tenants of one cache group share
+blocks: a block kept on several backends stays home on the newest other when the last one's
+pair goes (one tenant's flood evicting its own pair took the other tenant's home with it).
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ class PlacementMemory:
         self._refs: dict[Pair, int] = {}  # kept pair -> how many tenants keep it
         self._sent_at: dict[Pair, float] = {}  # kept pair -> when it was last sent
         self._owner: dict[int, str] = {}  # kept block -> the backend it was last sent to
+        # kept block -> every backend a tenant keeps it on (tenants of one cache group share
+        # blocks): when the owner's last pair goes, the block's home falls to the newest other
+        self._keepers: dict[int, set[str]] = {}
         self._size = 0  # pairs kept, all tenants together
         self._by_backend: dict[str, Counter[str]] = {}  # tenant -> its kept pairs per backend
 
@@ -128,6 +133,7 @@ class PlacementMemory:
             else:
                 kept[pair] = None
                 self._refs[pair] = self._refs.get(pair, 0) + 1
+                self._keepers.setdefault(block, set()).add(flight.url)
                 self._size += 1
                 self._by_backend.setdefault(flight.tenant, Counter())[flight.url] += 1
             self._sent_at[pair] = max(flight.at, self._sent_at.get(pair, flight.at))
@@ -151,5 +157,13 @@ class PlacementMemory:
         self._refs[pair] -= 1
         if self._refs[pair] == 0:
             del self._refs[pair], self._sent_at[pair]
+            keepers = self._keepers[block]
+            keepers.discard(url)
+            if not keepers:
+                del self._keepers[block]
             if self._owner.get(block) == url:
-                del self._owner[block]
+                # Another tenant of its cache group may keep the block elsewhere: its home.
+                if keepers:
+                    self._owner[block] = max(keepers, key=lambda u: self._sent_at[(u, block)])
+                else:
+                    del self._owner[block]

@@ -103,6 +103,28 @@ def test_a_tenant_over_its_share_loses_to_one_under_it() -> None:
     assert memory.pending_run(A, list(range(20))) == 0
 
 
+def test_a_block_two_tenants_keep_stays_home_where_one_keeps_it_when_the_others_pair_goes() -> None:
+    """Tenants of one cache group share block hashes: B keeps its system prompt on A, the
+    group's other tenant on B, sent last (the block's home). The other's flood evicts its own
+    pair; the prompt's home falls back to where B keeps it, not to nothing."""
+    clock = FakeClock()
+    memory = _memory(capacity=20, clock=clock)
+    system = [1, 2, 3, 4]
+    for tenant, url in (("b", A), ("other", B)):
+        key = object()
+        memory.sent(key, tenant, url, system)
+        memory.ended(key, ran=True)
+        clock.advance(1.0)
+    assert memory.home(system) == (B, 4)
+    for n in range(10):  # the other tenant's own work, past its share of the room
+        key = object()
+        memory.sent(key, "other", B, [1000 + 2 * n, 1001 + 2 * n])
+        memory.ended(key, ran=True)
+    assert memory.placement()["b"] == {A: 4}
+    assert memory.home([1000, 1001]) == (None, 0)  # the flood lost its own oldest first
+    assert memory.home(system) == (A, 4)
+
+
 def test_the_pool_tells_kv_aware_how_each_request_ended() -> None:
     chooser = KvAware(block_size=16, latency_weights={"n": 1.0}, clock=FakeClock())
     pool = BackendPool([Backend(url=A, max_inflight=4)], BackendHealth(), chooser)
