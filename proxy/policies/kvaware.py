@@ -19,7 +19,9 @@ since (``proxy.policies.kvmemory``: only what the engine ran is kept, in a share
 
 A prompt that no backend holds half of (cached, or sent to its home: ``kvterms.placed_as_new``)
 is placed as new, by room and balance: a short prefix it shares with other tenants saves it
-little once, while where it starts is where its conversations live.
+little once, while where it starts is where its conversations live. So is a tenant's first
+prompt under a preamble only other tenants sent, while a tenant lives on its home and none on
+another backend (``kvterms.starts_apart``): two tenants' histories would share one cache.
 
 Four rules keep each prefix in one place (each backend holding a copy would halve what both
 caches hold) and the load even. Home: a prompt's home is the backend its deepest known block
@@ -62,6 +64,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from proxy.policies import kvterms
 from proxy.policies.backends import B, Candidate, Rotation, free_share
 from proxy.policies.kvfit import KvInFlight
 from proxy.policies.kvgroups import PrefixGroups
@@ -157,6 +160,13 @@ class KvAware:
         scene, home_run = self._scene(candidates, request, blocks, full)
         saved = [self.cached_tokens(c.state, blocks) if blocks else 0 for c in candidates]
         known = max(*saved, home_run * self.block_size, 0)  # cached anywhere, or sent home
+        if request is not None and blocks and home_run:  # a preamble only others sent: apart?
+            others = not self.memory.sent_by(request.tenant, blocks[home_run - 1])
+            residents = self._filled.residents(request.tenant) if others else {}
+            if others and kvterms.starts_apart(
+                scene.home, residents, (c.state.cfg.url for c in candidates)
+            ):
+                known = 0
         if request is not None and placed_as_new(known, scene):
             saved = [0] * len(saved)  # no home: placed by room and balance
             scene, home_run = replace(scene, home=None, home_cover=0.0), 0
@@ -218,27 +228,16 @@ class KvAware:
             work_weight=self.work_weights.get(request.tier, 0.0) if request is not None else 0.0,
             work=work,
             least_work=least_work,
-            overflow=self._overflow(candidates, request, blocks),
+            overflow=self._fit.excess(
+                (c.state.cfg.url for c in candidates),
+                blocks or (),
+                request.expected_output,
+                self._kv_blocks,
+            )
+            if request is not None
+            else {},
         )
         return scene, home_run
-
-    def _overflow(
-        self,
-        candidates: Sequence[Candidate[B]],
-        request: QueuedRequest | None,
-        blocks: Sequence[int] | None,
-    ) -> dict[str, float]:
-        """Per candidate, the tokens of KV memory the request would need past its cache beside
-        what is in flight there, less the least any candidate would (0s left out)."""
-        if request is None:
-            return {}
-        out, size = request.expected_output, self.block_size
-        over = {
-            url: size * self._fit.overflow(url, blocks or (), out, self._kv_blocks.get(url))
-            for url in (c.state.cfg.url for c in candidates)
-        }
-        least = min(over.values(), default=0.0)
-        return {url: o - least for url, o in over.items() if o > least}
 
     def _prompt_tokens(self, request: QueuedRequest | None, blocks: Sequence[int] | None) -> int:
         """The prompt's real length: its full blocks and a partial one (at least 1)."""

@@ -12,7 +12,7 @@ What a request needs past a backend's cache beside what is in flight there is it
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -78,3 +78,20 @@ class KvInFlight:
         if capacity is None or url not in self._extra:
             return 0.0
         return max(0.0, self.held(url) + self.adds(url, blocks, output_tokens) - capacity)
+
+    def excess(
+        self,
+        urls: Iterable[str],
+        blocks: Sequence[int],
+        output_tokens: int,
+        capacities: Mapping[str, float],
+    ) -> dict[str, float]:
+        """Per backend of ``urls``, the tokens of KV memory the request would need past its
+        cache beside what is in flight there (``overflow``), less the least any of them would
+        (0s left out)."""
+        over = {
+            url: self.block_size * self.overflow(url, blocks, output_tokens, capacities.get(url))
+            for url in urls
+        }
+        least = min(over.values(), default=0.0)
+        return {url: o - least for url, o in over.items() if o > least}

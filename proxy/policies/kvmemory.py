@@ -44,8 +44,8 @@ class PlacementMemory:
         self.pending_s = pending_s
         self.clock = clock
         self._flights: dict[Hashable, Flight] = {}  # request -> its blocks in flight
-        # Block -> (backend, when sent) of each flight holding it, the newest last.
-        self._flying: dict[int, list[tuple[str, float]]] = {}
+        # Block -> (backend, when sent, tenant) of each flight holding it, the newest last.
+        self._flying: dict[int, list[tuple[str, float, str]]] = {}
         # Each tenant's kept pairs, least recently sent first.
         self._kept: dict[str, OrderedDict[Pair, None]] = {}
         self._refs: dict[Pair, int] = {}  # kept pair -> how many tenants keep it
@@ -65,7 +65,7 @@ class PlacementMemory:
         flight = Flight(tenant, url, tuple(blocks), self.clock())
         self._flights[key] = flight
         for block in flight.blocks:
-            self._flying.setdefault(block, []).append((url, flight.at))
+            self._flying.setdefault(block, []).append((url, flight.at, tenant))
 
     def ended(self, key: Hashable, *, ran: bool) -> Flight | None:
         """The request ``key`` ended; ``ran``: the engine worked on it (else no trace stays).
@@ -75,7 +75,7 @@ class PlacementMemory:
             return None
         for block in flight.blocks:
             urls = self._flying[block]
-            urls.remove((flight.url, flight.at))
+            urls.remove((flight.url, flight.at, flight.tenant))
             if not urls:
                 del self._flying[block]
         if not ran:
@@ -92,7 +92,7 @@ class PlacementMemory:
         horizon = self.clock() - self.pending_s
         for i in range(len(blocks) - 1, -1, -1):
             block = blocks[i]
-            if any(u == url and at >= horizon for u, at in self._flying.get(block, ())):
+            if any(u == url and at >= horizon for u, at, _ in self._flying.get(block, ())):
                 return i + 1
             at = self._sent_at.get((url, block)) if kept else None
             if at is not None and at >= horizon:
@@ -110,6 +110,14 @@ class PlacementMemory:
             if owner is not None:
                 return owner, i + 1
         return None, 0
+
+    def sent_by(self, tenant: str, block: int) -> bool:
+        """Whether ``tenant`` itself sent ``block`` (in flight, or kept): else only other
+        tenants of its cache group did (a preamble they share)."""
+        kept = self._kept.get(tenant)
+        if kept is not None and any((u, block) in kept for u in self._keepers.get(block, ())):
+            return True
+        return any(t == tenant for _, _, t in self._flying.get(block, ()))
 
     def kept_by_tenant(self) -> dict[str, int]:
         """Each tenant's kept pairs: its placement the chooser remembers."""

@@ -4,10 +4,12 @@ a tenant's own work crowds (docs in ``proxy.policies.kvaware``)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Mapping
 
 from proxy.policies.kvrecent import DecayingCounts
 
+RESIDENT_SHARE = 0.5  # of a tenant's own weight lately: it lives on that backend
 SWEEP_EVERY = 1024  # sends between sweeps of the tenants whose counts have faded
 
 
@@ -65,6 +67,16 @@ class RecentShares:
             for url in crowded
             if counts.weight(url) >= self._all.weight(url) - self.max_share * total
         )
+
+    def residents(self, but: str | None) -> Counter[str]:
+        """Per backend, the tenants other than ``but`` that live there lately: sent it at least
+        ``RESIDENT_SHARE`` of their own weight (a flood spread over every backend lives
+        nowhere)."""
+        out: Counter[str] = Counter()
+        for tenant, counts in self._tenants.items():
+            if tenant != but:
+                out.update(u for u, s in counts.shares().items() if s >= RESIDENT_SHARE)
+        return out
 
     def tenants(self) -> int:
         """How many tenants' counts are kept (bounded: faded ones are swept)."""

@@ -87,6 +87,18 @@ def placed_as_new(known: int, scene: Scene) -> bool:
     return known < NEW_PLACEMENT_BELOW * scene.prompt
 
 
+def starts_apart(home: str | None, residents: Mapping[str, int], urls: Iterable[str]) -> bool:
+    """Whether a tenant's first prompt under a preamble that only other tenants of its cache
+    group sent is placed as new: while a tenant lives on the preamble's home (``residents``:
+    per backend, the other tenants living there lately) and on some candidate none does. Joined,
+    two tenants' conversations would share one cache while another cache sat unused (``s32023``
+    1.09x the prefill, ``s94002``); apart, it computes the preamble once more. Once every
+    backend has a tenant it joins: apart, it would only hold the preamble twice (``s94059``)."""
+    if home is None or not residents.get(home):
+        return False
+    return any(not residents.get(url) for url in urls)
+
+
 def cached_prefix(saved_tokens: int, prompt: int) -> float:
     """The share of the prompt a backend would not have to prefill (at most all of it)."""
     return min(1.0, saved_tokens / prompt)

@@ -648,3 +648,29 @@ def test_a_prompt_whose_blocks_are_unknown_goes_where_its_prefix_last_ran() -> N
     assert chooser.pick(_candidates(backends), other) is a
     assert chooser.pick(_candidates(backends), blind_refused) is a
     assert chooser.pick(_candidates(backends), blind) is b  # its prefix's home still
+
+
+def _tenant_req(tenant: str, blocks: Sequence[int]) -> QueuedRequest:
+    req = _req("normal", blocks)
+    req.tenant = tenant
+    return req
+
+
+def test_a_tenants_first_conversation_under_anothers_preamble_starts_where_no_tenant_lives() -> (
+    None
+):
+    # Issue 32, s32023: two tenants of one cache group followed their preamble onto one engine
+    # while three idled, and each one's history evicted the other's (1.09x the prefill).
+    home, b1, b2 = backends = _backends(3)
+    chooser = _chooser()
+    preamble = [1, 2, 3, 4, 5]
+    assert _place(chooser, [home], _tenant_req("alice", [*preamble, 10, 11])) is home
+    bobs = [*preamble, 20, 21]  # 5 of its 7 blocks sent to alice's home
+    assert chooser.pick(_candidates(backends), _tenant_req("bob", bobs)) in (b1, b2)
+    # The control: alice's own new conversation under it goes home.
+    assert chooser.pick(_candidates(backends), _tenant_req("alice", [*preamble, 12])) is home
+    # Once a tenant lives on every backend, bob joins the preamble: apart, it would only be
+    # held twice.
+    _place(chooser, [b1], _tenant_req("carol", [40, 41, 42]))
+    _place(chooser, [b2], _tenant_req("dave", [50, 51, 52]))
+    assert chooser.pick(_candidates(backends), _tenant_req("bob", bobs)) is home

@@ -138,3 +138,24 @@ def test_the_pool_tells_kv_aware_how_each_request_ended() -> None:
     pool.release(state, 10, request=ran)
     assert chooser.memory.kept_by_tenant() == {"quiet": 3}
     assert chooser.memory.home([7, 8, 9]) == (None, 0) and state.inflight == 0
+
+
+def test_whether_a_tenant_itself_sent_a_block_in_flight_or_kept_and_not_once_its_pair_went() -> (
+    None
+):
+    memory = _memory(capacity=6)
+    alice, bob = object(), object()
+    memory.sent(alice, "alice", A, [1, 2])
+    # In flight: alice sent block 2; bob, of her cache group, did not.
+    assert memory.sent_by("alice", 2) and not memory.sent_by("bob", 2)
+    memory.ended(alice, ran=True)
+    assert memory.sent_by("alice", 2) and not memory.sent_by("bob", 2)  # kept
+    memory.sent(bob, "bob", B, [1, 2, 3])
+    memory.ended(bob, ran=True)
+    assert memory.sent_by("bob", 2)  # kept on B: bob sent it too
+    flood = object()
+    memory.sent(flood, "alice", A, [7, 8, 9])  # alice's own flood evicts her oldest pairs
+    memory.ended(flood, ran=True)
+    assert not memory.sent_by("alice", 1) and not memory.sent_by("alice", 2)
+    assert memory.sent_by("bob", 1) and memory.sent_by("alice", 7)
+    assert not memory.sent_by("carol", 1)  # never seen

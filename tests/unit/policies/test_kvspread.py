@@ -54,3 +54,21 @@ def test_tenants_whose_counts_faded_are_forgotten() -> None:
     clock.advance(60.0)  # sixty time constants: every count faded
     shares.sent(B, "last")
     assert shares.tenants() == 1
+
+
+def test_a_tenant_lives_where_it_sent_half_its_weight_lately_and_a_spread_flood_lives_nowhere() -> (
+    None
+):
+    clock = FakeClock()
+    shares = RecentShares(max_share=0.64, tau_s=30.0, at_least=16, clock=clock)
+    C = "http://c:80"
+    shares.sent(A, "alice", 6.0)
+    shares.sent(B, "alice", 2.0)  # 75 % on A: alice lives on A
+    shares.sent(B, "bob", 4.0)
+    shares.sent(C, "bob", 4.0)  # half on each: bob lives on both
+    for url in (A, B, C):
+        shares.sent(url, "flood", 5.0)  # a third on each: nowhere
+    assert shares.residents(but=None) == {A: 1, B: 1, C: 1}
+    assert shares.residents(but="bob") == {A: 1}  # who asks is not counted
+    clock.advance(3_000.0)  # faded: nobody lives anywhere lately
+    assert shares.residents(but=None) == {}

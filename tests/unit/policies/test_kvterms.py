@@ -23,6 +23,7 @@ from proxy.policies.kvterms import (
     placed_as_new,
     score,
     serves_home,
+    starts_apart,
 )
 from proxy.policies.types import QueuedRequest, ScrapedLoad
 
@@ -76,6 +77,17 @@ def test_a_prompt_is_placed_as_new_while_no_backend_holds_half_of_it() -> None:
     assert placed_as_new(49, SCENE)
     assert not placed_as_new(50, SCENE)  # half: its home, or where half of it is cached
     assert not placed_as_new(100, SCENE)
+
+
+def test_a_first_prompt_under_others_preamble_starts_apart_while_a_backend_has_no_resident() -> (
+    None
+):
+    urls = (A, B_URL, "http://c:80")
+    assert starts_apart(A, {A: 1}, urls)  # a tenant lives on the preamble's home, none on b
+    assert starts_apart(A, {A: 2, B_URL: 1}, urls)  # nor on c
+    assert not starts_apart(A, {A: 1, B_URL: 3, "http://c:80": 1}, urls)  # every one lived on
+    assert not starts_apart(A, {B_URL: 1}, urls)  # nobody lives on the home (yet): it joins
+    assert not starts_apart(None, {A: 1}, urls)  # no home
 
 
 def test_home_affinity_is_home_slots_of_the_home_s_room_and_nothing_elsewhere() -> None:
