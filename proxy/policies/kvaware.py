@@ -21,7 +21,7 @@ A prompt that no backend holds half of (cached, or sent to its home: ``kvterms.p
 is placed as new, by room and balance: a short prefix it shares with other tenants saves it
 little once, while where it starts is where its conversations live. So is a tenant's first
 prompt under a preamble only other tenants sent, while a tenant lives on its home and none on
-another backend (``kvterms.starts_apart``): two tenants' histories would share one cache.
+another backend (``kvterms.starts_apart_on``): two tenants' histories would share one cache.
 
 Four rules keep each prefix in one place (each backend holding a copy would halve what both
 caches hold) and the load even. Home: a prompt's home is the backend its deepest known block
@@ -160,13 +160,14 @@ class KvAware:
         scene, home_run = self._scene(candidates, request, blocks, full)
         saved = [self.cached_tokens(c.state, blocks) if blocks else 0 for c in candidates]
         known = max(*saved, home_run * self.block_size, 0)  # cached anywhere, or sent home
-        if request is not None and blocks and home_run:  # a preamble only others sent: apart?
-            others = not self.memory.sent_by(request.tenant, blocks[home_run - 1])
+        # A preamble only others sent (and no index shows more of the prompt): apart?
+        if request is not None and blocks and max(saved, default=0) <= home_run * self.block_size:
+            others = home_run > 0 and not self.memory.sent_by(request.tenant, blocks[home_run - 1])
             residents = self._filled.residents(request.tenant) if others else {}
-            if others and kvterms.starts_apart(
-                scene.home, residents, (c.state.cfg.url for c in candidates)
-            ):
-                known = 0
+            urls = (c.state.cfg.url for c in candidates)
+            if others and (apart := kvterms.starts_apart_on(scene.home, residents, urls)):
+                candidates = [c for c in candidates if c.state.cfg.url in apart]
+                saved, known = [0] * len(candidates), 0
         if request is not None and placed_as_new(known, scene):
             saved = [0] * len(saved)  # no home: placed by room and balance
             scene, home_run = replace(scene, home=None, home_cover=0.0), 0
@@ -197,7 +198,8 @@ class KvAware:
     ) -> tuple[Scene, int]:
         """What the terms read of this pick, and how many of the prompt's leading blocks its
         home was sent."""
-        home, home_run = self._home(blocks) if blocks else (None, 0)
+        tenant = request.tenant if request is not None else None
+        home, home_run = self.memory.home(blocks, tenant) if blocks else (None, 0)
         # A new branch of a shared prefix (a tenant's new conversation) goes to the prefix's
         # home. It loses only that prefix if it starts elsewhere: off a home that took more
         # than its share, it may (one prefix moved per balance_s: the shares lag the move).
@@ -208,7 +210,6 @@ class KvAware:
                 self._kv_blocks[c.state.cfg.url] = c.load.kv_blocks
         shares = self._filled.shares()
         prompt = self._prompt_tokens(request, blocks)
-        tenant = request.tenant if request is not None else None
         work = {c.state.cfg.url: self._work.of(c.state) for c in candidates}
         least_work = min(work.values(), default=0.0)
         work.update((b.cfg.url, self._work.of(b)) for b in full)
@@ -279,7 +280,7 @@ class KvAware:
         self._counted[request] = sent
         if not blocks:
             return
-        holder, known = self._home(blocks)
+        holder, known = self.memory.home(blocks, request.tenant)
         group = self._groups.home(blocks[known - 1]) if known else None
         over = self._over_share(self._filled.shares())
         if group is not None and group != url and group in over:
@@ -326,9 +327,6 @@ class KvAware:
         """The backends that took more than their share lately (of every backend seen)."""
         fair = 1.0 / max(1, len(shares), len(self._rooms))
         return {url for url, share in shares.items() if share > fair + self.balance_margin}
-
-    def _home(self, blocks: Sequence[int]) -> tuple[str | None, int]:
-        return self.memory.home(blocks)
 
     def _expire(self, now: float) -> None:
         """``now``: the pool's clock, that of the requests' arrivals and holds."""

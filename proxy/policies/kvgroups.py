@@ -20,6 +20,8 @@ from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from typing import Generic, TypeVar
 
+from proxy.policies.kvlargest import Largest
+
 V = TypeVar("V")
 
 
@@ -87,6 +89,7 @@ class TenantLru(Generic[V]):
         self._refs: dict[Hashable, int] = {}  # key -> how many tenants keep it
         self._kept: dict[str, OrderedDict[Hashable, None]] = {}  # least recently used first
         self._size = 0
+        self._largest = Largest()  # each tenant's kept keys: who loses one past the capacity
 
     def __len__(self) -> int:
         return len(self._values)
@@ -108,6 +111,7 @@ class TenantLru(Generic[V]):
             kept.move_to_end(key)
             return
         kept[key] = None
+        self._largest.add(tenant)
         self._refs[key] += 1
         self._size += 1
         while self._size > self.capacity:
@@ -122,9 +126,11 @@ class TenantLru(Generic[V]):
         return {tenant: len(keys) for tenant, keys in self._kept.items()}
 
     def _evict_one(self) -> None:
-        tenant = max(self._kept, key=lambda t: len(self._kept[t]))
+        tenant = self._largest.largest()
+        assert tenant is not None  # called only past the capacity: someone keeps a key
         kept = self._kept[tenant]
         key, _ = kept.popitem(last=False)
+        self._largest.remove(tenant)
         if not kept:
             del self._kept[tenant]
         self._size -= 1

@@ -27,6 +27,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
+from proxy.policies.kvlargest import Largest
+
 Pair = tuple[str, int]  # (backend url, chained block hash)
 
 
@@ -55,6 +57,7 @@ class PlacementMemory:
         # blocks): when the owner's last pair goes, the block's home falls to the newest other
         self._keepers: dict[int, set[str]] = {}
         self._size = 0  # pairs kept, all tenants together
+        self._largest = Largest()  # each tenant's kept pairs: who loses one past the room
         self._by_backend: dict[str, Counter[str]] = {}  # tenant -> its kept pairs per backend
 
     # -- the request path's seam -----------------------------------------------------------
@@ -99,14 +102,21 @@ class PlacementMemory:
                 return i + 1
         return 0
 
-    def home(self, blocks: Sequence[int]) -> tuple[str | None, int]:
+    def home(self, blocks: Sequence[int], tenant: str | None = None) -> tuple[str | None, int]:
         """The backend the deepest of ``blocks`` ever sent was last sent to, and how many
-        leading blocks that is (None, 0: none was sent)."""
+        leading blocks that is (None, 0: none was sent). Where ``tenant`` itself sent that
+        block, where it last did: tenants of a cache group share a preamble's blocks, and
+        another's send of it elsewhere (a first conversation started apart) does not move this
+        tenant's home."""
         for i in range(len(blocks) - 1, -1, -1):
-            flying = self._flying.get(blocks[i])
+            block = blocks[i]
+            own = self._own_home(tenant, block) if tenant is not None else None
+            if own is not None:
+                return own, i + 1
+            flying = self._flying.get(block)
             if flying:
                 return flying[-1][0], i + 1
-            owner = self._owner.get(blocks[i])
+            owner = self._owner.get(block)
             if owner is not None:
                 return owner, i + 1
         return None, 0
@@ -114,10 +124,19 @@ class PlacementMemory:
     def sent_by(self, tenant: str, block: int) -> bool:
         """Whether ``tenant`` itself sent ``block`` (in flight, or kept): else only other
         tenants of its cache group did (a preamble they share)."""
+        return self._own_home(tenant, block) is not None
+
+    def _own_home(self, tenant: str, block: int) -> str | None:
+        """Where ``tenant`` last sent ``block``: its newest flight, else the backend it keeps it
+        on sent last; None: it never sent it, or its pair went."""
+        for url, _, t in reversed(self._flying.get(block, ())):
+            if t == tenant:
+                return url
         kept = self._kept.get(tenant)
-        if kept is not None and any((u, block) in kept for u in self._keepers.get(block, ())):
-            return True
-        return any(t == tenant for _, _, t in self._flying.get(block, ()))
+        if not kept:
+            return None
+        urls = [u for u in self._keepers.get(block, ()) if (u, block) in kept]
+        return max(urls, key=lambda u: self._sent_at[(u, block)]) if urls else None
 
     def kept_by_tenant(self) -> dict[str, int]:
         """Each tenant's kept pairs: its placement the chooser remembers."""
@@ -140,6 +159,7 @@ class PlacementMemory:
                 kept.move_to_end(pair)
             else:
                 kept[pair] = None
+                self._largest.add(flight.tenant)
                 self._refs[pair] = self._refs.get(pair, 0) + 1
                 self._keepers.setdefault(block, set()).add(flight.url)
                 self._size += 1
@@ -151,9 +171,11 @@ class PlacementMemory:
 
     def _evict_one(self) -> None:
         """The least recently sent pair of the tenant keeping the most."""
-        tenant = max(self._kept, key=lambda t: len(self._kept[t]))
+        tenant = self._largest.largest()
+        assert tenant is not None  # called only past the capacity: someone keeps a pair
         kept = self._kept[tenant]
         (url, block), _ = kept.popitem(last=False)
+        self._largest.remove(tenant)
         counts = self._by_backend[tenant]
         counts[url] -= 1
         if not counts[url]:

@@ -50,6 +50,11 @@ class DecayingCounts:
         self._decay()
         return self._weights.get(key, 0.0)
 
+    def weights(self) -> dict[str, float]:
+        """Every key's (decayed) weight."""
+        self._decay()
+        return dict(self._weights)
+
     def total(self) -> float:
         """The (decayed) weight of every key."""
         self._decay()

@@ -8,8 +8,8 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 
 from proxy.policies.kvrecent import DecayingCounts
+from proxy.policies.kvresidents import Residency
 
-RESIDENT_SHARE = 0.5  # of a tenant's own weight lately: it lives on that backend
 SWEEP_EVERY = 1024  # sends between sweeps of the tenants whose counts have faded
 
 
@@ -27,22 +27,27 @@ class RecentShares:
         self._all = DecayingCounts(tau_s, clock)  # backend url -> weight sent lately
         self._tenants: dict[str, DecayingCounts] = {}  # tenant -> its own, per backend url
         self._sends = 0
+        self._residency = Residency(tau_s, clock)  # where each tenant lives lately
 
     def sent(self, url: str, tenant: str | None, weight: float = 1.0) -> None:
         self._all.add(url, weight)
         if tenant is not None:
-            self._of(tenant).add(url, weight)
+            counts = self._of(tenant)
+            counts.add(url, weight)
+            self._residency.settle(tenant, counts.weights())
         self._sends += 1
         if self._sends % SWEEP_EVERY == 0:  # bounded by the tenants active lately
             faded = [t for t, counts in self._tenants.items() if counts.total() <= 0]
             for tenant in faded:
                 del self._tenants[tenant]
+                self._residency.leave(tenant)
 
     def unsent(self, url: str, tenant: str | None, at: float, weight: float = 1.0) -> None:
         """Undo a ``sent`` made at ``at`` (a request the engine did not run)."""
         self._all.remove(url, weight, at)
         if tenant is not None and (counts := self._tenants.get(tenant)) is not None:
             counts.remove(url, weight, at)
+            self._residency.settle(tenant, counts.weights())
 
     def shares(self, at_least: float | None = None) -> dict[str, float]:
         """Each backend's share of the weight sent lately (none while fewer than ``at_least``
@@ -69,14 +74,9 @@ class RecentShares:
         )
 
     def residents(self, but: str | None) -> Counter[str]:
-        """Per backend, the tenants other than ``but`` that live there lately: sent it at least
-        ``RESIDENT_SHARE`` of their own weight (a flood spread over every backend lives
-        nowhere)."""
-        out: Counter[str] = Counter()
-        for tenant, counts in self._tenants.items():
-            if tenant != but:
-                out.update(u for u, s in counts.shares().items() if s >= RESIDENT_SHARE)
-        return out
+        """Per backend, the tenants other than ``but`` living there lately
+        (``proxy.policies.kvresidents``)."""
+        return self._residency.residents(but)
 
     def tenants(self) -> int:
         """How many tenants' counts are kept (bounded: faded ones are swept)."""

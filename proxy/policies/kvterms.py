@@ -87,16 +87,19 @@ def placed_as_new(known: int, scene: Scene) -> bool:
     return known < NEW_PLACEMENT_BELOW * scene.prompt
 
 
-def starts_apart(home: str | None, residents: Mapping[str, int], urls: Iterable[str]) -> bool:
-    """Whether a tenant's first prompt under a preamble that only other tenants of its cache
-    group sent is placed as new: while a tenant lives on the preamble's home (``residents``:
-    per backend, the other tenants living there lately) and on some candidate none does. Joined,
-    two tenants' conversations would share one cache while another cache sat unused (``s32023``
-    1.09x the prefill, ``s94002``); apart, it computes the preamble once more. Once every
-    backend has a tenant it joins: apart, it would only hold the preamble twice (``s94059``)."""
+def starts_apart_on(
+    home: str | None, residents: Mapping[str, int], urls: Iterable[str]
+) -> frozenset[str]:
+    """Where a tenant's first prompt under a preamble that only other tenants of its cache
+    group sent starts instead of joining it: the candidates (``urls``) no tenant lives on
+    (``residents``: per backend, the other tenants living there lately), while one lives on
+    the preamble's home; empty: it joins. Joined, two tenants' conversations would share one
+    cache while another cache sat unused (``s32023``: 1.09x the prefill, ``s94002``); apart, it
+    computes the preamble once more. Once every backend has a tenant it joins: apart, it would
+    only hold the preamble twice (``s94059``)."""
     if home is None or not residents.get(home):
-        return False
-    return any(not residents.get(url) for url in urls)
+        return frozenset()
+    return frozenset(url for url in urls if not residents.get(url))
 
 
 def cached_prefix(saved_tokens: int, prompt: int) -> float:

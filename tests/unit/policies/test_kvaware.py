@@ -663,14 +663,34 @@ def test_a_tenants_first_conversation_under_anothers_preamble_starts_where_no_te
     # while three idled, and each one's history evicted the other's (1.09x the prefill).
     home, b1, b2 = backends = _backends(3)
     chooser = _chooser()
-    preamble = [1, 2, 3, 4, 5]
+    preamble = list(range(1, 9))
     assert _place(chooser, [home], _tenant_req("alice", [*preamble, 10, 11])) is home
-    bobs = [*preamble, 20, 21]  # 5 of its 7 blocks sent to alice's home
+    bobs = [*preamble, 20, 21]  # 8 of its 10 blocks sent to alice's home
     assert chooser.pick(_candidates(backends), _tenant_req("bob", bobs)) in (b1, b2)
     # The control: alice's own new conversation under it goes home.
     assert chooser.pick(_candidates(backends), _tenant_req("alice", [*preamble, 12])) is home
+    # A stranger's one tiny request does not make an idle backend lived on (red team).
+    _place(chooser, [b1], _tenant_req("stranger", [90]))
+    _place(chooser, [b2], _tenant_req("another", [91]))
+    assert chooser.pick(_candidates(backends), _tenant_req("bob", bobs)) in (b1, b2)
     # Once a tenant lives on every backend, bob joins the preamble: apart, it would only be
     # held twice.
-    _place(chooser, [b1], _tenant_req("carol", [40, 41, 42]))
-    _place(chooser, [b2], _tenant_req("dave", [50, 51, 52]))
+    _place(chooser, [b1], _tenant_req("carol", list(range(40, 50))))
+    _place(chooser, [b2], _tenant_req("dave", list(range(50, 60))))
     assert chooser.pick(_candidates(backends), _tenant_req("bob", bobs)) is home
+
+
+def test_an_apart_start_moves_neither_the_preamble_home_of_its_first_tenant_nor_a_history() -> None:
+    home, b1 = backends = _backends(2)
+    chooser = _chooser()
+    preamble = list(range(1, 11))
+    assert _place(chooser, [home], _tenant_req("alice", [*preamble, 100])) is home
+    # Bob's first conversation starts apart; its send of the preamble there does not move
+    # alice's home (red team: her next conversations followed bob's send).
+    assert _place(chooser, backends, _tenant_req("bob", [*preamble, 200])) is b1
+    assert chooser.pick(_candidates(backends), _tenant_req("alice", [*preamble, 101])) is home
+    # A history the index shows whole is not a first conversation, whatever the placement
+    # memory lost of it (its pairs evicted by the tenant's own later work: red team).
+    b1.cached = {*preamble, 300, 301, 302, 303}
+    carols = [*preamble, 300, 301, 302, 303, 304]
+    assert chooser.pick(_candidates(backends), _tenant_req("carol", carols)) is b1

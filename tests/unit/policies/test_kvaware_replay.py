@@ -73,7 +73,7 @@ def old_pick(
     if blocks:  # the prompt's real length: its full blocks and a partial one
         prompt = (len(blocks) + 1) * self.block_size
     self._expire(now)
-    home, home_run = self._home(blocks) if blocks else (None, 0)
+    home, home_run = self.memory.home(blocks) if blocks else (None, 0)
     # A new branch of a shared prefix (a tenant's new conversation) goes to the prefix's
     # home. It loses only that prefix if it starts elsewhere: off a home that took more
     # than its share, it may (one prefix moved per balance_s: the shares lag the move).
@@ -202,7 +202,7 @@ def test_the_scoring_terms_pick_as_the_old_pick_did(seed: int) -> None:
             else:
                 waiting.append(req)
             continue
-        moved += picked.cfg.url != new._home(req.prompt_blocks or ())[0]
+        moved += picked.cfg.url != new.memory.home(req.prompt_blocks or ())[0]
         new.served(picked, req)
         old.served(picked, req)
         picked.inflight += 1

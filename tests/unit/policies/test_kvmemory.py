@@ -159,3 +159,18 @@ def test_whether_a_tenant_itself_sent_a_block_in_flight_or_kept_and_not_once_its
     assert not memory.sent_by("alice", 1) and not memory.sent_by("alice", 2)
     assert memory.sent_by("bob", 1) and memory.sent_by("alice", 7)
     assert not memory.sent_by("carol", 1)  # never seen
+
+
+def test_a_tenants_home_for_a_block_it_sent_is_where_it_last_sent_it_whoever_sent_it_since() -> (
+    None
+):
+    memory = _memory()
+    alice, bob = object(), object()
+    memory.sent(alice, "alice", A, [1, 2])
+    memory.ended(alice, ran=True)
+    memory.sent(bob, "bob", B, [1, 2, 3])  # bob of her cache group, in flight elsewhere
+    assert memory.home([1, 2, 9], "alice") == (A, 2)  # hers: where she sent it
+    assert memory.home([1, 2, 9], "carol") == (B, 2)  # who never sent it: the newest send
+    assert memory.home([1, 2, 9]) == (B, 2)
+    memory.ended(bob, ran=True)
+    assert memory.home([1, 2, 9], "alice") == (A, 2) and memory.home([1, 2, 3], "alice") == (B, 3)

@@ -62,13 +62,22 @@ def test_a_tenant_lives_where_it_sent_half_its_weight_lately_and_a_spread_flood_
     clock = FakeClock()
     shares = RecentShares(max_share=0.64, tau_s=30.0, at_least=16, clock=clock)
     C = "http://c:80"
-    shares.sent(A, "alice", 6.0)
-    shares.sent(B, "alice", 2.0)  # 75 % on A: alice lives on A
-    shares.sent(B, "bob", 4.0)
-    shares.sent(C, "bob", 4.0)  # half on each: bob lives on both
+    shares.sent(A, "alice", 24.0)
+    shares.sent(B, "alice", 8.0)  # 75 % on A: alice lives on A
+    shares.sent(B, "bob", 16.0)
+    shares.sent(C, "bob", 16.0)  # half on each: bob lives on both
     for url in (A, B, C):
-        shares.sent(url, "flood", 5.0)  # a third on each: nowhere
+        shares.sent(url, "flood", 50.0)  # a third on each: nowhere
+    shares.sent(C, "stranger", 1.0)  # all of it on C, but one block: not a resident
     assert shares.residents(but=None) == {A: 1, B: 1, C: 1}
     assert shares.residents(but="bob") == {A: 1}  # who asks is not counted
-    clock.advance(3_000.0)  # faded: nobody lives anywhere lately
+    # A residency ends when the weight there fades under RESIDENT_BLOCKS: alice's 24 after
+    # 30 * ln(3) = 33.0 s; bob's 16 after 30 * ln(2) = 20.8 s.
+    clock.advance(20.5)
+    assert shares.residents(but=None) == {A: 1, B: 1, C: 1}
+    clock.advance(0.5)
+    assert shares.residents(but=None) == {A: 1}
+    clock.advance(12.0)
     assert shares.residents(but=None) == {}
+    shares.sent(B, "alice", 40.0)  # she moved: she lives on B now, not on A
+    assert shares.residents(but=None) == {B: 1}

@@ -23,7 +23,7 @@ from proxy.policies.kvterms import (
     placed_as_new,
     score,
     serves_home,
-    starts_apart,
+    starts_apart_on,
 )
 from proxy.policies.types import QueuedRequest, ScrapedLoad
 
@@ -79,15 +79,16 @@ def test_a_prompt_is_placed_as_new_while_no_backend_holds_half_of_it() -> None:
     assert not placed_as_new(100, SCENE)
 
 
-def test_a_first_prompt_under_others_preamble_starts_apart_while_a_backend_has_no_resident() -> (
+def test_a_first_prompt_under_others_preamble_starts_where_no_tenant_lives_while_one_does_home() -> (
     None
 ):
-    urls = (A, B_URL, "http://c:80")
-    assert starts_apart(A, {A: 1}, urls)  # a tenant lives on the preamble's home, none on b
-    assert starts_apart(A, {A: 2, B_URL: 1}, urls)  # nor on c
-    assert not starts_apart(A, {A: 1, B_URL: 3, "http://c:80": 1}, urls)  # every one lived on
-    assert not starts_apart(A, {B_URL: 1}, urls)  # nobody lives on the home (yet): it joins
-    assert not starts_apart(None, {A: 1}, urls)  # no home
+    C = "http://c:80"
+    urls = (A, B_URL, C)
+    assert starts_apart_on(A, {A: 1}, urls) == {B_URL, C}  # a tenant lives on the home only
+    assert starts_apart_on(A, {A: 2, B_URL: 1}, urls) == {C}
+    assert starts_apart_on(A, {A: 1, B_URL: 3, C: 1}, urls) == set()  # every one lived on
+    assert starts_apart_on(A, {B_URL: 1}, urls) == set()  # nobody lives on the home: it joins
+    assert starts_apart_on(None, {A: 1}, urls) == set()  # no home
 
 
 def test_home_affinity_is_home_slots_of_the_home_s_room_and_nothing_elsewhere() -> None:
