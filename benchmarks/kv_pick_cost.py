@@ -13,41 +13,16 @@ import random
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
+from proxy.bench.kvviews import IndexedBackend
 from proxy.config.backends import Backend
 from proxy.policies.backends import Candidate
 from proxy.policies.kvaware import KvAware
 from proxy.policies.kvterms import latency_weights
-from proxy.policies.types import QueuedRequest, ScrapedLoad
+from proxy.policies.types import QueuedRequest
 
 BLOCK = 16
 WEIGHTS = latency_weights({"high": 0, "normal": 1, "low": 2}, best=0.5, worst=0.1)
-
-
-@dataclass(eq=False)
-class View:
-    """A backend whose index holds ``cached`` (chained block hashes)."""
-
-    cfg: Backend
-    cached: set[int] = field(default_factory=set)
-    max_room: float = 8.0
-    inflight: int = 0
-    reinstated_at: float | None = None
-
-    def available(self, now: float) -> bool:
-        return True
-
-    def fresh_load(self, now: float, stale_after_s: float) -> ScrapedLoad | None:
-        return None
-
-    def cached_blocks(self, blocks: Sequence[int]) -> int | None:
-        run = 0
-        for b in blocks:
-            if b not in self.cached:
-                break
-            run += 1
-        return run
 
 
 class Clock:
@@ -68,7 +43,10 @@ def request(tenant: str, blocks: Sequence[int]) -> QueuedRequest:
 
 def measure(tenants: int, picks: int, rng: random.Random) -> dict[str, list[float]]:
     clock = Clock()
-    views = [View(Backend(url=f"http://b{i}:80")) for i in range(4)]
+    indexes: list[set[int]] = [set() for _ in range(4)]
+    views = [
+        IndexedBackend(Backend(url=f"http://b{i}:80"), cached=ix) for i, ix in enumerate(indexes)
+    ]
     chooser = KvAware(block_size=BLOCK, latency_weights=WEIGHTS, clock=clock)
     preamble = [rng.getrandbits(63) for _ in range(40)]
     for t in range(tenants):  # each tenant's first conversation, sent and run: it lives there
@@ -77,7 +55,7 @@ def measure(tenants: int, picks: int, rng: random.Random) -> dict[str, list[floa
         req = request(f"t{t}", blocks)
         chooser.served(view, req)
         chooser.ended(view, req, ran=True)
-        view.cached.update(blocks)
+        indexes[t % 3].update(blocks)
         clock.now += 0.001
     candidates = [Candidate(v, v.max_room, None) for v in views]
     out: dict[str, list[float]] = {"turn": [], "first prompt under a shared preamble": []}

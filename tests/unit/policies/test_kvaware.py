@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import pytest
 
 from proxy.backends.pool import BackendPool
+from proxy.bench.kvviews import IndexedBackend
 from proxy.config.backends import Backend, BackendHealth
 from proxy.policies.backends import Candidate, LeastUtilised, PrefixAffinity
 from proxy.policies.kvaware import KvAware
 from proxy.policies.kvrecent import DecayingCounts
 from proxy.policies.kvterms import latency_weights
-from proxy.policies.types import QueuedRequest, ScrapedLoad
+from proxy.policies.types import QueuedRequest
 from tests.helpers.clock import FakeClock
 
 HEALTH = BackendHealth()
@@ -23,35 +23,7 @@ BLOCK = 32
 WEIGHTS = latency_weights({"high": 0, "normal": 1, "low": 2}, best=4.0, worst=0.25)
 
 
-@dataclass(eq=False)
-class FakeBackend:
-    """A BackendView whose index holds ``cached`` (chained block hashes); None: cold."""
-
-    cfg: Backend
-    inflight: int = 0
-    room_cap: float = 8.0
-    cached: set[int] | None = field(default_factory=set)
-    reinstated_at: float | None = None
-
-    @property
-    def max_room(self) -> float:
-        return self.room_cap
-
-    def available(self, now: float) -> bool:
-        return True
-
-    def fresh_load(self, now: float, stale_after_s: float) -> ScrapedLoad | None:
-        return None
-
-    def cached_blocks(self, blocks: Sequence[int]) -> int | None:
-        if self.cached is None:
-            return None
-        run = 0
-        for b in blocks:
-            if b not in self.cached:
-                break
-            run += 1
-        return run
+FakeBackend = IndexedBackend
 
 
 def _backends(n: int = 2) -> list[FakeBackend]:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import pytest
 
+from proxy.bench.kvviews import IndexedBackend
 from proxy.config.backends import Backend
 from proxy.policies.backends import TIE, B, Candidate, free_share
 from proxy.policies.kvaware import KvAware
@@ -26,35 +26,7 @@ WEIGHTS = latency_weights({"high": 0, "normal": 1, "low": 2}, best=4.0, worst=0.
 PREFIXES = [tuple(range(1000 * p, 1000 * p + 4)) for p in range(3)]
 
 
-@dataclass(eq=False)
-class FakeBackend:
-    """A BackendView whose index holds ``cached`` (chained block hashes); None: cold."""
-
-    cfg: Backend
-    inflight: int = 0
-    room_cap: float = 8.0
-    cached: set[int] | None = field(default_factory=set)
-    reinstated_at: float | None = None
-
-    @property
-    def max_room(self) -> float:
-        return self.room_cap
-
-    def available(self, now: float) -> bool:
-        return True
-
-    def fresh_load(self, now: float, stale_after_s: float) -> ScrapedLoad | None:
-        return None
-
-    def cached_blocks(self, blocks: Sequence[int]) -> int | None:
-        if self.cached is None:
-            return None
-        run = 0
-        for b in blocks:
-            if b not in self.cached:
-                break
-            run += 1
-        return run
+FakeBackend = IndexedBackend
 
 
 # The reference: KvAware.pick before the terms, verbatim (a method of KvAware, below).
