@@ -45,7 +45,7 @@ class Residency:
         for url, end in homes.items():
             self._counts[url] += 1
             heapq.heappush(self._ends, (end, tenant, url))
-        if len(self._ends) > 2 * sum(len(h) for h in self._homes.values()) + 1024:
+        if len(self._ends) > 2 * sum(self._counts.values()) + 1024:  # O(backends), not tenants
             self._ends = [(e, t, u) for t, h in self._homes.items() for u, e in h.items()]
             heapq.heapify(self._ends)  # entries of residencies since replaced: bounded
 

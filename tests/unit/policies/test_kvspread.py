@@ -81,3 +81,13 @@ def test_a_tenant_lives_where_it_sent_half_its_weight_lately_and_a_spread_flood_
     assert shares.residents(but=None) == {}
     shares.sent(B, "alice", 40.0)  # she moved: she lives on B now, not on A
     assert shares.residents(but=None) == {B: 1}
+
+
+def test_where_tenants_live_stays_bounded_however_often_they_send() -> None:
+    clock = FakeClock()
+    shares = RecentShares(max_share=0.64, tau_s=30.0, at_least=16, clock=clock)
+    for i in range(30_000):
+        shares.sent(A if i % 3 else B, f"t{i % 50}", 10.0)
+        clock.advance(0.01)
+    assert len(shares._residency._ends) <= 2 * 50 + 1024 + 1
+    assert sum(shares.residents(but=None).values()) == 50
