@@ -18,11 +18,13 @@ import orjson
 import pytest
 
 from proxy.bench.hostile.served import ServedProxy
+from proxy.config.tenants import hash_key
 from proxy.tools.engine import EngineProcess
 from tests.helpers.enginefarm import EngineFarm
 from tests.helpers.engines import KV_EVENTS
 from tests.helpers.kvpair import (
     BLOCK,
+    CHAT,
     KV_EVENTS_B,
     TIMEOUT,
     Client,
@@ -206,3 +208,48 @@ async def _burst_of_prompts_past_the_context(
             f"history tokens computed again per turn under another tenant's burst: {attacked};"
             f" predicted cached tokens per turn (null: no blocks): {predicted}"
         )
+
+
+async def test_a_tenants_first_conversation_under_its_groups_preamble_starts_apart(
+    pair: tuple[EngineProcess, EngineProcess], tmp_path: Path
+) -> None:
+    """Two tenants of one cache group share a long preamble. Alice lives on one engine; bob's
+    first conversation, mostly that preamble, starts on the engine no tenant lives on (joined,
+    their histories would share one cache while the other idled: issue 32, ``s32023``), and
+    his send of the preamble there does not move alice's conversations. Read from the engines:
+    which one finished each request, and the prompt tokens it found cached."""
+    keys = {"alice": "key-alice", "bob": "key-bob"}
+    tenants = [
+        {"name": n, "tier": "normal", "cache_group": "team", "keys": [{"sha256": hash_key(k)}]}
+        for n, k in keys.items()
+    ]
+    a, b = pair
+    preamble = system_prompt(f"team-{secrets.token_hex(4)}") * 2  # ~600 tokens
+    with ServedProxy(kv_pair_config(a, b, tenants=tenants), tmp_path).start() as proxy:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+            await until_trusted(session, proxy)
+
+            async def turn(who: str, own: str, n: int) -> tuple[int, int]:
+                """(the engine that served it, the prompt tokens it found cached)"""
+                system = f"{preamble} {own}"
+                body = {"model": "tiny", "messages": conversation(system, n), "max_tokens": 1}
+                headers = {"Authorization": f"Bearer {keys[who]}"}
+                before = [await served_count(session, e) for e in pair]
+                async with session.post(proxy.url + CHAT, json=body, headers=headers) as r:
+                    answer = await r.json(content_type=None)
+                    assert r.status == 200, answer
+                after = [await served_count(session, e) for e in pair]
+                served = [i for i in (0, 1) if after[i] > before[i]]
+                assert len(served) == 1, (before, after)
+                return served[0], int(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+            alice = [await turn("alice", "You are alice's helper.", n) for n in range(3)]
+            assert len({engine for engine, _ in alice}) == 1, alice
+            home = alice[0][0]
+            assert alice[2][1] >= 16 * BLOCK  # her second and third found the preamble cached
+            engine, cached = await turn("bob", "You are bob's helper.", 0)
+            assert engine != home, "bob's first conversation joined alice's engine"
+            assert cached < 16 * BLOCK  # the other engine never saw the preamble
+            # Alice's next conversation stays home, finding her preamble and prompt cached.
+            engine, cached = await turn("alice", "You are alice's helper.", 7)
+            assert engine == home and cached >= 16 * BLOCK, (engine, cached)
