@@ -10,42 +10,51 @@ batch request follows its cache onto a busier backend. Scores that tie (every in
 no prefix cached anywhere) fall back to a balanced choice: the most room left, then the
 longest cached prefix, then the backend chosen longest ago (never config order).
 
-Between a dispatch and the KV events of its prefill, the index does not yet show the prompt (a
-burst of one conversation's turns would scatter): the chooser counts the blocks it sent as
-cached there while the request runs (up to ``pending_s``), and after only while the backend's
-index is cold (``kvmemory``: only what the engine ran is kept, in a share per tenant).
+Between a dispatch and the KV events of its prefill, the index does not yet show the prompt: a
+burst of one conversation's turns, or of one tenant's system prompt, would scatter. So the
+chooser remembers where it sent each prompt's blocks and counts them as cached there while the
+request runs (up to ``pending_s``), and after it ran for ``pending_s`` after it was sent only
+while the backend's index is cold: a warm index has its events, and those of any eviction
+since (``proxy.policies.kvmemory``: only what the engine ran is kept, in a share per tenant).
 
 A prompt that no backend holds half of (cached, or sent to its home: ``kvterms.placed_as_new``)
 is placed as new, by room and balance: a short prefix it shares with other tenants saves it
-little once, while where it starts is where its conversations live. Two prompts start among the
-backends no tenant lives on instead (``_apart``): a tenant's first under a preamble only other
-tenants sent, and a tenant's new conversation that its others side by side would overfill its
-home's cache with (``kvterms.starts_apart_on``, ``kvterms.overfills``, ``kvhabits``).
+little once, while where it starts is where its conversations live. So is a tenant's first
+prompt under a preamble only other tenants sent, while a tenant lives on its home and none on
+another backend (``kvterms.starts_apart_on``): two tenants' histories would share one cache.
 
-Four rules keep each prefix in one place (a copy on each backend halves what both caches hold)
-and the load even. Home: a prompt's home is the backend its deepest known block was last sent
-to, or, for a new branch of a shared prefix (a tenant's new conversation under its system
-prompt), that prefix's home (``kvgroups``); it scores as if it had up to ``home_slots`` more
-free slots, in proportion to the share of the prompt it holds. Hold: a request whose home is
-full waits for it, up to its tier's hold (``hold_s`` for the worst tier, less for better ones
-by their room weights), when home would save at least ``hold_share`` of its prompt more than
-any backend with room and fewer wait for it than it has slots (``kvhold``). Balance: when a
-prefix's home took more than its share of the prompt blocks filled lately (``balance_margin``
-over ``1/n``, fading over ``balance_s``) and is busier now, a new branch of it may start where
-there is room, and the prefix's home moves there (one per ``balance_s``: the shares lag the
-move). Conversations under way stay with their history. Spread: a backend past ``max_share``
-of the requests sent lately counts nothing cached while another can take the request (unless
-it holds half the prompt or more), and so does, for a tenant's new conversation, a home past
-``max_share`` of the blocks filled lately that the tenant's own fill (``kvspread``).
+Four rules keep each prefix in one place (each backend holding a copy would halve what both
+caches hold) and the load even. Home: a prompt's home is the backend its deepest known block
+was last sent to, or, for a new branch of a shared prefix (a tenant's new conversation under
+its system prompt), that prefix's home (``kvgroups``); it scores as if it had up to
+``home_slots`` more free slots, in proportion to the share of the prompt it holds. Hold: a
+request whose home is full waits for it, up to its tier's hold
+(``hold_s`` for the worst tier, less for better ones in proportion to their room weights), when
+home would save at least ``hold_share`` of its prompt more than any backend with room, and
+fewer wait for that home than it has slots; the dispatcher passes it over meanwhile and gives
+the free slot to the next request. Balance: when a prefix's home took more than its share of
+the prompt blocks filled lately (``balance_margin`` over ``1/n``, fading over ``balance_s``)
+and is busier now, a new branch of it may start where there is room, and the prefix's home moves
+there: one prefix per ``balance_s``, since the shares lag the move. Conversations under way
+stay with their history. Spread: a backend past ``max_share`` of the requests sent lately counts
+nothing cached while another can take the request (unless it holds half the prompt or more),
+and so does, for a tenant's new conversation, a home past ``max_share`` of the prompt blocks
+filled lately where the tenant's own fill the excess (``kvspread``: others' cached repeats and
+refused requests fill nothing).
 
-Cost model: the prefill each backend was sent and its KV events do not show done yet, in tokens
-(``kvwork``), weighs against the prefill its cache saves (``work_weight`` for the best tier,
-worse tiers less), in the score and in the hold; so does the KV memory the request would need
-past the backend's cache beside those in flight there (``kvfit``, ``OVERFLOW_WEIGHT``).
+Cost model: the prefill each backend was sent and its KV events do not show done yet
+(``proxy.policies.kvwork``: a request decoding counts a few tokens, however long its answer),
+in tokens, weighs against the prefill its cache saves (``work_weight`` for the best tier,
+worse tiers less), in the score and in the hold. KV memory: room in slots is not room in the
+cache; the blocks the requests in flight on a backend hold (their prompts, each shared block
+once, and their answers: ``proxy.policies.kvfit``) and the request's own, past the backend's
+cache (vLLM's ``num_gpu_blocks``, scraped), are KV memory vLLM gets by preempting a request or
+evicting others' prefixes: each such token costs ``OVERFLOW_WEIGHT`` of a token saved.
 
 A prompt whose blocks are unknown (its tokens not had in time) goes where its prefix last ran
-(``kvprefix``), by room otherwise. The score's terms and the picker are in ``kvterms``, the hold
-rule in ``kvhold``; this module keeps what the chooser remembers between picks.
+(``proxy.policies.kvprefix``), by room otherwise. The score's terms and the picker are in
+``proxy.policies.kvterms``, the hold rule in
+``proxy.policies.kvhold``; this module keeps what the chooser remembers between picks.
 """
 
 from __future__ import annotations
@@ -59,7 +68,6 @@ from proxy.policies import kvterms
 from proxy.policies.backends import B, Candidate, Rotation, free_share
 from proxy.policies.kvfit import KvInFlight
 from proxy.policies.kvgroups import PrefixGroups
-from proxy.policies.kvhabits import TenantHabits
 from proxy.policies.kvhold import HomeHold
 from proxy.policies.kvleft import LeftUnanswered
 from proxy.policies.kvmemory import PlacementMemory
@@ -96,9 +104,14 @@ class KvAware:
         # tier -> a token queued ahead against one of prefill saved: work_weight for the best.
         best = max(self.latency_weights.values(), default=1.0)
         self.work_weights = {t: work_weight * w / best for t, w in self.latency_weights.items()}
+        self.hold_share = hold_share
         self.home_slots = home_slots
         self.balance_margin = balance_margin
         self.balance_s = balance_s
+        self.balance_min = balance_min  # requests sent lately before shares are judged
+        self.pending_s = pending_s
+        self.max_share = max_share  # of the requests sent lately, past which a backend is left
+        self.pending_blocks = pending_blocks
         self.clock = clock
         self._rotation = Rotation()
         self._work = WorkAhead(block_size)  # per backend, the prefill sent there not done
@@ -112,8 +125,7 @@ class KvAware:
         self._fit = KvInFlight(block_size)  # per backend, the KV blocks in flight there
         # Shared prefixes, their new branches' home: a share per tenant of pending_blocks.
         self._groups = PrefixGroups(pending_blocks)
-        # backend url -> prompt blocks filled lately, in all and per tenant (balance, spread;
-        # shares judged once balance_min were sent; past max_share a backend is left)
+        # backend url -> prompt blocks filled lately, in all and per tenant (balance, spread)
         self._filled = RecentShares(max_share, balance_s, balance_min, clock)
         # backend url -> requests sent lately, in all (the spread rule; no tenant's own)
         self._requests = RecentShares(max_share, balance_s, balance_min, clock)
@@ -121,7 +133,6 @@ class KvAware:
         self._counted: dict[QueuedRequest, _Sent] = {}  # in flight: what its sending counted
         self._prefix_homes = PrefixHomes()  # for a prompt whose blocks are unknown
         self._left = LeftUnanswered(pending_s)  # client gone before the engine answered
-        self._habits = TenantHabits(clock)  # how long each tenant's conversations grow, how many
 
     def cached_tokens(self, state: BackendView, blocks: Sequence[int]) -> int:
         """The longest prefix of ``blocks`` cached on ``state`` as its index shows, or sent there
@@ -149,10 +160,14 @@ class KvAware:
         scene, home_run = self._scene(candidates, request, blocks, full)
         saved = [self.cached_tokens(c.state, blocks) if blocks else 0 for c in candidates]
         known = max(*saved, home_run * self.block_size, 0)  # cached anywhere, or sent home
-        urls = [c.state.cfg.url for c in candidates]
-        if apart := self._apart(request, home_run, scene, urls, max(saved, default=0)):
-            candidates = [c for c in candidates if c.state.cfg.url in apart]
-            saved, known = [0] * len(candidates), 0
+        # A preamble only others sent (and no index shows more of the prompt): apart?
+        if request is not None and blocks and max(saved, default=0) <= home_run * self.block_size:
+            others = home_run > 0 and not self.memory.sent_by(request.tenant, blocks[home_run - 1])
+            residents = self._filled.residents(request.tenant) if others else {}
+            urls = (c.state.cfg.url for c in candidates)
+            if others and (apart := kvterms.starts_apart_on(scene.home, residents, urls)):
+                candidates = [c for c in candidates if c.state.cfg.url in apart]
+                saved, known = [0] * len(candidates), 0
         if request is not None and placed_as_new(known, scene):
             saved = [0] * len(saved)  # no home: placed by room and balance
             scene, home_run = replace(scene, home=None, home_cover=0.0), 0
@@ -173,24 +188,6 @@ class KvAware:
             if gain * scene.prompt >= queued and self._holds(request, scene.home, gain, now):
                 return None  # its home is full: wait for it there (the dispatcher looks again)
         return best
-
-    def _apart(
-        self, request: QueuedRequest | None, run: int, scene: Scene, urls: list[str], cached: int
-    ) -> frozenset[str]:
-        """The backends a prompt starts on instead of joining its home (empty: it joins, as any
-        an index shows more of than its home was sent; the rules in the module's docs)."""
-        blocks = request.prompt_blocks if request is not None else None
-        if request is None or not blocks or not run or cached > run * self.block_size:
-            return frozenset()
-        tenant = request.tenant
-        if not self.memory.sent_by(tenant, blocks[run - 1]):  # a preamble others sent
-            return kvterms.starts_apart_on(scene.home, self._filled.residents(tenant), urls)
-        habits, cache = self._habits, self._kv_blocks.get(scene.home or "", math.inf)
-        if scene.branch and kvterms.overfills(
-            run, habits.side_by_side(tenant), habits.longest(tenant), cache
-        ):
-            return kvterms.starts_apart_on(scene.home, self._filled.residents(None), urls)
-        return frozenset()
 
     def _scene(
         self,
@@ -277,9 +274,10 @@ class KvAware:
         prefill = self._prompt_tokens(request, blocks) - saved
         self._work.sent(request, url, prefill, blocks or (), saved // self.block_size)
         self._fit.sent(request, url, blocks or (), request.expected_output)
-        shown = state.cached_blocks(blocks) if blocks else None
-        sent = self._counted[request] = _Sent(url, now, filled, request.tenant, shown)
-        self._habits.sent(request, request.tenant, len(blocks or ()))
+        sent = _Sent(
+            url, now, filled, request.tenant, state.cached_blocks(blocks) if blocks else None
+        )
+        self._counted[request] = sent
         if not blocks:
             return
         holder, known = self.memory.home(blocks, request.tenant)
@@ -305,7 +303,6 @@ class KvAware:
         self._ended(state, request, ran is not False)
 
     def _ended(self, state: BackendView, request: QueuedRequest, ran: bool) -> None:
-        self._habits.ended(request, ran=ran)
         sent = self._counted.pop(request, None)
         if sent is not None and not ran:
             self._unsend(sent)

@@ -102,21 +102,6 @@ def starts_apart_on(
     return frozenset(url for url in urls if not residents.get(url))
 
 
-def overfills(run: int, side_by_side: int, longest: int, cache: float) -> bool:
-    """Whether a tenant's new conversation should start apart from its others, on its home's
-    cache of ``cache`` blocks: ``run``, the blocks of the prefix they share (its system
-    prompt), ``side_by_side`` conversations of its at once, each grown to ``longest`` blocks
-    (``proxy.policies.kvhabits``). Together they would overfill the cache, by more than
-    starting apart costs: the prefix computed once more, and held on a second cache. Past the
-    cache, the conversations evict each other's history turn after turn (``s32051``). Not for
-    one conversation at a time, nor where the prefix costs more than it would save
-    (``s94031``: a 133-block system prompt against 24 blocks past the cache; ``s94048``)."""
-    if side_by_side < 2:
-        return False
-    past = run + side_by_side * max(0, longest - run) - cache
-    return past > 2 * run
-
-
 def cached_prefix(saved_tokens: int, prompt: int) -> float:
     """The share of the prompt a backend would not have to prefill (at most all of it)."""
     return min(1.0, saved_tokens / prompt)

@@ -15,7 +15,7 @@ from proxy.policies.backends import Candidate, LeastUtilised, PrefixAffinity
 from proxy.policies.kvaware import KvAware
 from proxy.policies.kvrecent import DecayingCounts
 from proxy.policies.kvterms import latency_weights
-from proxy.policies.types import QueuedRequest, ScrapedLoad
+from proxy.policies.types import QueuedRequest
 from tests.helpers.clock import FakeClock
 
 HEALTH = BackendHealth()
@@ -666,59 +666,3 @@ def test_an_apart_start_moves_neither_the_preamble_home_of_its_first_tenant_nor_
     b1.cached = {*preamble, 300, 301, 302, 303}
     carols = [*preamble, 300, 301, 302, 303, 304]
     assert chooser.pick(_candidates(backends), _tenant_req("carol", carols)) is b1
-
-
-def _sized(backends: list[FakeBackend], kv_blocks: float) -> list[Candidate[FakeBackend]]:
-    """The candidates, each with its KV cache scraped (``kv_blocks``)."""
-    load = ScrapedLoad(waiting=0, running=0, kv_usage=0.0, at=0.0, kv_blocks=kv_blocks)
-    return [Candidate(c.state, c.room, load) for c in _candidates(backends)]
-
-
-def _two_conversations_grown(cache: float, side_by_side: bool) -> tuple[KvAware, list[FakeBackend]]:
-    """Alice's two conversations under her 4-block system prompt, run side by side (or one
-    after the other) on ``home`` and grown to 30 blocks each; bob's on another backend as
-    much (no backend took most of the work lately); two backends no tenant lives on."""
-    backends = _backends(4)
-    home, bobs = backends[:2]
-    chooser = _chooser()
-    system = [1, 2, 3, 4]
-    first, second = _tenant_req("alice", [*system, 10, 11]), _tenant_req("alice", [*system, 50, 51])
-    for req in (first, second):
-        assert chooser.pick(_sized([home], cache), req) is home
-        chooser.served(home, req)
-        if not side_by_side:
-            chooser.ended(home, req, ran=True)
-    if side_by_side:
-        for req in (first, second):
-            chooser.ended(home, req, ran=True)
-    for grown in range(4, 27, 2):  # turn by turn, to 30 blocks each
-        for start in (10, 50):
-            turn = _tenant_req("alice", [*system, *range(start, start + grown)])
-            assert chooser.pick(_sized(backends, cache), turn) is home
-            chooser.served(home, turn)
-            chooser.ended(home, turn, ran=True)
-            _place(
-                chooser, [bobs], _tenant_req("bob", [7, *range(start + 100, start + 100 + grown)])
-            )
-    return chooser, backends
-
-
-def test_a_tenants_new_conversation_starts_apart_where_its_others_side_by_side_would_overfill_home() -> (
-    None
-):
-    # Issue 32, s32051: a tenant's three conversations at once, each grown past a third of its
-    # home's cache, evicted each other's history there while other engines held none of its.
-    chooser, backends = _two_conversations_grown(cache=40, side_by_side=True)
-    unlived = backends[2:]
-    new = _tenant_req("alice", [1, 2, 3, 4, 90])
-    assert chooser.pick(_sized(backends, 40), new) in unlived
-    # A cache that holds them both: it joins its system prompt at home.
-    chooser, backends = _two_conversations_grown(cache=100, side_by_side=True)
-    assert chooser.pick(_sized(backends, 100), new) is backends[0]
-    # One conversation at a time (never two in flight): its next one follows the last home.
-    chooser, backends = _two_conversations_grown(cache=40, side_by_side=False)
-    assert chooser.pick(_sized(backends, 40), new) is backends[0]
-    # A turn of a conversation under way stays with its history, however full home is.
-    chooser, backends = _two_conversations_grown(cache=40, side_by_side=True)
-    turn = _tenant_req("alice", [1, 2, 3, 4, *range(10, 36), 90])
-    assert chooser.pick(_sized(backends, 40), turn) is backends[0]

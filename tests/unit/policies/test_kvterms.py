@@ -19,7 +19,6 @@ from proxy.policies.kvterms import (
     home_affinity,
     kv_overflow,
     leaves_home,
-    overfills,
     pick_best,
     placed_as_new,
     score,
@@ -90,18 +89,6 @@ def test_a_first_prompt_under_others_preamble_starts_where_no_tenant_lives_while
     assert starts_apart_on(A, {A: 1, B_URL: 3, C: 1}, urls) == set()  # every one lived on
     assert starts_apart_on(A, {B_URL: 1}, urls) == set()  # nobody lives on the home: it joins
     assert starts_apart_on(None, {A: 1}, urls) == set()  # no home
-
-
-def test_a_tenants_conversations_side_by_side_overfill_a_cache_by_more_than_their_prefix() -> None:
-    # Two conversations under a 4-block system prompt, each grown to 30 blocks, on 40: 16
-    # blocks past the cache, against 8 (the prefix computed once more, and held twice).
-    assert overfills(run=4, side_by_side=2, longest=30, cache=40)
-    assert not overfills(run=4, side_by_side=2, longest=30, cache=100)  # they fit
-    assert not overfills(run=4, side_by_side=1, longest=300, cache=40)  # one at a time
-    # s94031: a 133-block system prompt, 24 blocks past a 235-block cache: it joins.
-    assert not overfills(run=133, side_by_side=2, longest=196, cache=235)
-    assert overfills(run=18, side_by_side=2, longest=208, cache=339)  # s95034
-    assert not overfills(run=40, side_by_side=3, longest=30, cache=50)  # a deep run (an edit)
 
 
 def test_home_affinity_is_home_slots_of_the_home_s_room_and_nothing_elsewhere() -> None:
