@@ -165,9 +165,9 @@ class KvAware:
             others = home_run > 0 and not self.memory.sent_by(request.tenant, blocks[home_run - 1])
             residents = self._filled.residents(request.tenant) if others else {}
             urls = (c.state.cfg.url for c in candidates)
-            if others and (apart := kvterms.starts_apart_on(scene.home, residents, urls)):
-                candidates = [c for c in candidates if c.state.cfg.url in apart]
-                saved, known = [0] * len(candidates), 0
+            apart = kvterms.starts_apart_on(scene.home, residents, urls) if others else None
+            if apart and (roomy := kvterms.no_worse_than_home(candidates, apart, scene)):
+                candidates, saved, known = roomy, [0] * len(roomy), 0
         if request is not None and placed_as_new(known, scene):
             saved = [0] * len(saved)  # no home: placed by room and balance
             scene, home_run = replace(scene, home=None, home_cover=0.0), 0

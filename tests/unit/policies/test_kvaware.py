@@ -666,3 +666,23 @@ def test_an_apart_start_moves_neither_the_preamble_home_of_its_first_tenant_nor_
     b1.cached = {*preamble, 300, 301, 302, 303}
     carols = [*preamble, 300, 301, 302, 303, 304]
     assert chooser.pick(_candidates(backends), _tenant_req("carol", carols)) is b1
+
+
+def test_another_tenants_busy_backend_does_not_pin_a_first_conversation_that_would_start_apart() -> (
+    None
+):
+    # Red team, 2026-12-04: mallory keeps the one backend no tenant lives on busy with a short
+    # prompt repeated (cached: it fills nothing, so she lives nowhere). Bob's first
+    # conversation under alice's preamble would start apart there, behind her 7 of 8 slots,
+    # while the preamble's home is idle: it joins the preamble instead.
+    home, lived, spare = backends = _backends(3)
+    chooser = _chooser()
+    preamble = list(range(1, 9))
+    assert _place(chooser, [home], _tenant_req("alice", [*preamble, 10, 11])) is home
+    _place(chooser, [lived], _tenant_req("carol", list(range(40, 50))))
+    bobs = _tenant_req("bob", [*preamble, 20, 21])
+    assert chooser.pick(_candidates(backends), bobs) is spare  # the control: idle, apart
+    for _ in range(7):
+        _place(chooser, [spare], _tenant_req("mallory", [60]))
+    spare.inflight = 7  # her requests decoding there
+    assert chooser.pick(_candidates(backends), bobs) is home

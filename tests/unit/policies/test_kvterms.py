@@ -19,6 +19,7 @@ from proxy.policies.kvterms import (
     home_affinity,
     kv_overflow,
     leaves_home,
+    no_worse_than_home,
     pick_best,
     placed_as_new,
     score,
@@ -89,6 +90,18 @@ def test_a_first_prompt_under_others_preamble_starts_where_no_tenant_lives_while
     assert starts_apart_on(A, {A: 1, B_URL: 3, C: 1}, urls) == set()  # every one lived on
     assert starts_apart_on(A, {B_URL: 1}, urls) == set()  # nobody lives on the home: it joins
     assert starts_apart_on(None, {A: 1}, urls) == set()  # no home
+
+
+def test_an_apart_start_keeps_only_backends_with_the_homes_room_and_no_more_kv_overflow() -> None:
+    C = "http://c:80"
+    home, busy, idle = _candidate(_view(A, 1)), _candidate(_view(B_URL, 3)), _candidate(_view(C))
+    scene = replace(SCENE, home=A)
+    apart = frozenset({B_URL, C})
+    assert no_worse_than_home([home, busy, idle], apart, scene) == [idle]
+    assert no_worse_than_home([home, busy], apart, scene) == []  # it joins its home
+    assert no_worse_than_home([busy, idle], apart, scene) == [busy, idle]  # home is full
+    spilling = replace(scene, overflow={C: 500.0})  # idle, but past its KV cache
+    assert no_worse_than_home([home, busy, idle], apart, spilling) == []
 
 
 def test_home_affinity_is_home_slots_of_the_home_s_room_and_nothing_elsewhere() -> None:
