@@ -108,12 +108,19 @@ def _idle_share(c: Candidate[B]) -> float:
 def free_share(c: Candidate[B]) -> float:
     """The share of the backend's room left after it takes one more request, a little less
     the fuller its KV cache (``least_utilised``'s score)."""
+    score = slot_share(c)
+    return score - 0.01 * c.load.kv_usage if c.load is not None else score
+
+
+def slot_share(c: Candidate[B]) -> float:
+    """The share of the backend's slots left after it takes one more request (``free_share``
+    without its KV cache's fill: a cache full of the prefixes it holds is not work queued)."""
     score = (c.room - 1.0) / c.state.max_room
     if c.state.inflight >= c.state.max_room:
         # A best-tier reserve slot: after a backend with room of its own at equal load (the
         # full one may be stuck), by half a slot, so a prefix cached there still counts.
         score -= 0.5 / c.state.max_room
-    return score - 0.01 * c.load.kv_usage if c.load is not None else score
+    return score
 
 
 # Scores closer than this are a tie (float noise of equal loads must not decide).

@@ -65,7 +65,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from proxy.policies import kvterms
-from proxy.policies.backends import B, Candidate, Rotation, free_share
+from proxy.policies.backends import B, Candidate, Rotation, slot_share
 from proxy.policies.kvfit import KvInFlight
 from proxy.policies.kvgroups import PrefixGroups
 from proxy.policies.kvhold import HomeHold
@@ -221,7 +221,7 @@ class KvAware:
             home_cover=min(1.0, home_run * self.block_size / prompt),
             shares=shares,
             over=self._over_share(shares),
-            roomiest=max((free_share(c) for c in candidates), default=0.0),
+            roomiest=max((slot_share(c) for c in candidates), default=0.0),
             may_move=group is not None and self.clock() - self._rehomed_at >= self.balance_s,
             crowded=self._requests.crowded(len(candidates)),
             branch=self._groups.branches(blocks or (), home_run),

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic
 
-from proxy.policies.backends import TIE, B, Candidate, free_share
+from proxy.policies.backends import TIE, B, Candidate, free_share, slot_share
 from proxy.policies.types import BackendView
 
 CACHE_WEIGHT = 1.0  # the cached prefix's weight; the room's is the tier's latency weight
@@ -52,7 +52,7 @@ class Scene:
     home_cover: float  # the share of the prompt its home holds (or was sent), 0..1
     shares: Mapping[str, float]  # backend url -> its share of the prompt blocks sent lately
     over: set[str]  # the backends that took more than their share lately
-    roomiest: float  # the most free_share among the candidates
+    roomiest: float  # the most slot_share among the candidates (free slots, not cache fill)
     may_move: bool  # the balance rule may move a shared prefix's home now
     crowded: frozenset[str] = frozenset()  # backends past their cap of the requests lately
     branch: bool = False  # the prompt goes on past its home's run otherwise than one that ran
@@ -135,7 +135,7 @@ def leaves_home(c: Candidate[B], scene: Scene) -> bool:
     url = c.state.cfg.url
     if scene.spreads(url):
         return True
-    return scene.may_move and url in scene.over and free_share(c) < scene.roomiest - TIE
+    return scene.may_move and url in scene.over and slot_share(c) < scene.roomiest - TIE
 
 
 def home_affinity(state: BackendView, scene: Scene) -> float:

@@ -14,7 +14,7 @@ import pytest
 
 from proxy.bench.kvviews import IndexedBackend
 from proxy.config.backends import Backend
-from proxy.policies.backends import TIE, B, Candidate, free_share
+from proxy.policies.backends import TIE, B, Candidate, free_share, slot_share
 from proxy.policies.kvaware import KvAware
 from proxy.policies.kvterms import latency_weights
 from proxy.policies.types import QueuedRequest, ScrapedLoad
@@ -62,7 +62,9 @@ def old_pick(
         self._rooms[c.state.cfg.url] = c.state.max_room
     shares = self._filled.shares()
     over = self._over_share(shares)
-    roomiest = max((free_share(c) for c in candidates), default=0.0)
+    # Busier in slots, not in cache fill (since issue 32: a home's cache full of its prefixes
+    # moved them off it).
+    roomiest = max((slot_share(c) for c in candidates), default=0.0)
     may_move = branch and self.clock() - self._rehomed_at >= self.balance_s
     best: B | None = None
     best_key = (0, 0, 0, 0, 0)
@@ -74,7 +76,7 @@ def old_pick(
         best_saved = max(best_saved, saved)
         room = free_share(c)
         # Taking more than its share lately, and busier than another now.
-        if may_move and url in over and room < roomiest - TIE:
+        if may_move and url in over and slot_share(c) < roomiest - TIE:
             saved = 0
         elif home is not None and url == home:
             # In proportion to the share of the prompt the home holds (since issue 32).
