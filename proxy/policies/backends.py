@@ -114,7 +114,8 @@ def free_share(c: Candidate[B]) -> float:
 
 def slot_share(c: Candidate[B]) -> float:
     """The share of the backend's slots left after it takes one more request (``free_share``
-    without its KV cache's fill: a cache full of the prefixes it holds is not work queued)."""
+    without the KV its requests in flight hold: where that matters, ``kvfit`` weighs the KV a
+    request would need past the cache, counting the blocks it shares with them once)."""
     score = (c.room - 1.0) / c.state.max_room
     if c.state.inflight >= c.state.max_room:
         # A best-tier reserve slot: after a backend with room of its own at equal load (the

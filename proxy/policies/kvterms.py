@@ -52,7 +52,7 @@ class Scene:
     home_cover: float  # the share of the prompt its home holds (or was sent), 0..1
     shares: Mapping[str, float]  # backend url -> its share of the prompt blocks sent lately
     over: set[str]  # the backends that took more than their share lately
-    roomiest: float  # the most slot_share among the candidates (free slots, not cache fill)
+    roomiest: float  # the most slot_share among the candidates (free slots, not KV held)
     may_move: bool  # the balance rule may move a shared prefix's home now
     crowded: frozenset[str] = frozenset()  # backends past their cap of the requests lately
     branch: bool = False  # the prompt goes on past its home's run otherwise than one that ran

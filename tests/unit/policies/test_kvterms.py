@@ -131,9 +131,9 @@ def test_leaves_home_only_when_moves_are_allowed_over_share_and_busier() -> None
     assert not leaves_home(busy, replace(scene, may_move=False))
     assert not leaves_home(busy, replace(scene, over=set()))
     assert not leaves_home(busy, replace(scene, roomiest=0.0))  # no backend has more room
-    # Busier in slots, not in cache fill: a home whose cache is fuller of the prefixes it holds,
-    # at the same slots in flight, keeps them (s95004: a tenant's 2,580-token system prompt
-    # left its engine for the flood's, whose cache was emptier).
+    # Busier in slots, not in KV held: a home whose requests in flight hold more KV, at the same
+    # slots, keeps its prefix (s95004: a tenant's new conversation left its 2,580-token system
+    # prompt's engine because its other conversation there held more KV than a flood request).
     full_cache = ScrapedLoad(waiting=0, running=0, kv_usage=0.9, at=0.0)
     home = Candidate(_view(A), 4.0, full_cache)
     assert not leaves_home(home, replace(scene, roomiest=0.75))
