@@ -21,7 +21,8 @@ A prompt that no backend holds half of (cached, or sent to its home: ``kvterms.p
 is placed as new, by room and balance: a short prefix it shares with other tenants saves it
 little once, while where it starts is where its conversations live. So is a tenant's first
 prompt under a preamble only other tenants sent, while a tenant lives on its home and none on
-another backend (``kvterms.starts_apart_on``): two tenants' histories would share one cache.
+another backend (``kvterms.starts_apart_on``), with the home's room there
+(``kvterms.no_worse_than_home``): two tenants' histories would share one cache.
 
 Four rules keep each prefix in one place (each backend holding a copy would halve what both
 caches hold) and the load even. Home: a prompt's home is the backend its deepest known block
@@ -163,9 +164,9 @@ class KvAware:
         # A preamble only others sent (and no index shows more of the prompt): apart?
         if request is not None and blocks and max(saved, default=0) <= home_run * self.block_size:
             others = home_run > 0 and not self.memory.sent_by(request.tenant, blocks[home_run - 1])
-            residents = self._filled.residents(request.tenant) if others else {}
+            residents = self._filled.residents(request.tenant) if others else {}  # {}: it joins
             urls = (c.state.cfg.url for c in candidates)
-            apart = kvterms.starts_apart_on(scene.home, residents, urls) if others else None
+            apart = kvterms.starts_apart_on(scene.home, residents, urls)
             if apart and (roomy := kvterms.no_worse_than_home(candidates, apart, scene)):
                 candidates, saved, known = roomy, [0] * len(roomy), 0
         if request is not None and placed_as_new(known, scene):

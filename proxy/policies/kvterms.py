@@ -105,19 +105,20 @@ def starts_apart_on(
 def no_worse_than_home(
     candidates: Sequence[Candidate[B]], apart: frozenset[str], scene: Scene
 ) -> list[Candidate[B]]:
-    """Of the candidates in ``apart`` (``starts_apart_on``), those with at least the room of
-    the prompt's home and no more KV overflow (``Scene.overflow``); empty: it joins its home.
+    """Of the candidates in ``apart`` (``starts_apart_on``), those with at least the free slots
+    of the prompt's home (``slot_share``, as the balance rule's "busier") and no more KV
+    overflow (``Scene.overflow``: the KV memory that matters); empty: it joins its home.
     A tenant whose requests are cached repeats fills nothing, so lives nowhere: its traffic
     alone must not pin a newcomer onto the backend it keeps busy while home has room (red
     team, 2026-12-04: 7 of 8 slots in flight there and its cache past full, home idle)."""
     home = next((c for c in candidates if c.state.cfg.url == scene.home), None)
-    room = free_share(home) if home is not None else -1.0
+    room = slot_share(home) if home is not None else -1.0
     over = scene.overflow.get(scene.home or "", 0.0)
     return [
         c
         for c in candidates
         if c.state.cfg.url in apart
-        and free_share(c) >= room - TIE
+        and slot_share(c) >= room - TIE
         and scene.overflow.get(c.state.cfg.url, 0.0) <= over
     ]
 
