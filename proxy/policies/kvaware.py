@@ -50,12 +50,12 @@ worse tiers less), in the score and in the hold. KV memory: room in slots is not
 cache; the blocks the requests in flight on a backend hold (their prompts, each shared block
 once, and their answers: ``proxy.policies.kvfit``) and the request's own, past the backend's
 cache (vLLM's ``num_gpu_blocks``, scraped), are KV memory vLLM gets by preempting a request or
-evicting others' prefixes: each such token costs ``OVERFLOW_WEIGHT`` of a token saved.
+evicting others' prefixes: each such token costs ``OVERFLOW_WEIGHT`` of a token saved, and a
+best-tier request's wait for it more (``proxy.policies.kvwait``).
 
 A prompt whose blocks are unknown (its tokens not had in time) goes where its prefix last ran
 (``proxy.policies.kvprefix``), by room otherwise. The score's terms and the picker are in
-``proxy.policies.kvterms``, the hold rule in
-``proxy.policies.kvhold``; this module keeps what the chooser remembers between picks.
+``kvterms``, the hold rule in ``kvhold``; this module keeps what the chooser remembers.
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ from proxy.policies.kvmemory import PlacementMemory
 from proxy.policies.kvprefix import PrefixHomes
 from proxy.policies.kvspread import RecentShares
 from proxy.policies.kvterms import Scene, pick_best, placed_as_new, score, serves_home
+from proxy.policies.kvwait import KvWait
 from proxy.policies.kvwork import WorkAhead
 from proxy.policies.types import BackendView, QueuedRequest
 
@@ -134,6 +135,7 @@ class KvAware:
         self._counted: dict[QueuedRequest, _Sent] = {}  # in flight: what its sending counted
         self._prefix_homes = PrefixHomes()  # for a prompt whose blocks are unknown
         self._left = LeftUnanswered(pending_s)  # client gone before the engine answered
+        self._wait = KvWait(self.latency_weights, balance_s, balance_min, clock)  # best tier's
 
     def cached_tokens(self, state: BackendView, blocks: Sequence[int]) -> int:
         """The longest prefix of ``blocks`` cached on ``state`` as its index shows, or sent there
@@ -230,16 +232,14 @@ class KvAware:
             work_weight=self.work_weights.get(request.tier, 0.0) if request is not None else 0.0,
             work=work,
             least_work=least_work,
-            overflow=self._fit.excess(
-                (c.state.cfg.url for c in candidates),
-                blocks or (),
-                request.expected_output,
-                self._kv_blocks,
-            )
-            if request is not None
-            else {},
         )
-        return scene, home_run
+        if request is None:
+            return scene, home_run
+        urls, out = [c.state.cfg.url for c in candidates], request.expected_output
+        over = self._fit.excess(urls, blocks or (), out, self._kv_blocks)
+        fits = self._fit.fits_any(urls, blocks or (), out, self._kv_blocks)
+        wait = self._wait.tokens(request.tier, fits)  # what a wait for KV memory costs it
+        return replace(scene, overflow=over, overflow_wait=wait), home_run
 
     def _prompt_tokens(self, request: QueuedRequest | None, blocks: Sequence[int] | None) -> int:
         """The prompt's real length: its full blocks and a partial one (at least 1)."""
@@ -271,13 +271,13 @@ class KvAware:
         self._requests.sent(url, None)
         if request is None:
             return
+        self._wait.sent(request.tier)
         self._hold.drop(request)
         prefill = self._prompt_tokens(request, blocks) - saved
         self._work.sent(request, url, prefill, blocks or (), saved // self.block_size)
         self._fit.sent(request, url, blocks or (), request.expected_output)
-        sent = _Sent(
-            url, now, filled, request.tenant, state.cached_blocks(blocks) if blocks else None
-        )
+        shown = state.cached_blocks(blocks) if blocks else None
+        sent = _Sent(url, now, filled, request.tenant, request.tier, shown)
         self._counted[request] = sent
         if not blocks:
             return
@@ -318,6 +318,7 @@ class KvAware:
         moved moved back (what never ran moves no tenant's placement)."""
         self._filled.unsent(sent.url, sent.tenant, sent.at, sent.filled)
         self._requests.unsent(sent.url, None, sent.at)
+        self._wait.unsent(sent.tier, sent.at)
         if sent.rehomed is not None:
             block, before, rehomed_at = sent.rehomed
             if self._groups.home(block) == sent.url:
@@ -344,5 +345,6 @@ class _Sent:
     at: float
     filled: float  # its weight in the shares lately
     tenant: str
+    tier: str
     shown: int | None = None  # its prompt's leading blocks the index showed then (None: cold)
     rehomed: tuple[int, str, float] | None = None  # (branch point, its home before, when moved)

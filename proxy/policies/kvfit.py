@@ -79,6 +79,18 @@ class KvInFlight:
             return 0.0
         return max(0.0, self.held(url) + self.adds(url, blocks, output_tokens) - capacity)
 
+    def fits_any(
+        self,
+        urls: Iterable[str],
+        blocks: Sequence[int],
+        output_tokens: int,
+        capacities: Mapping[str, float],
+    ) -> bool:
+        """Whether one of ``urls`` would take the request with no ``overflow``."""
+        return any(
+            self.overflow(url, blocks, output_tokens, capacities.get(url)) <= 0 for url in urls
+        )
+
     def excess(
         self,
         urls: Iterable[str],

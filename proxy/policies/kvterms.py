@@ -65,6 +65,8 @@ class Scene:
     # url -> the KV tokens the request would need past its cache beside what is in flight
     # there, less the least of any candidate (``proxy.policies.kvfit``)
     overflow: Mapping[str, float] = field(default_factory=dict)
+    # the tokens of prefill a wait for KV memory costs the request (``proxy.policies.kvwait``)
+    overflow_wait: float = 0.0
 
     def home_stays(self) -> bool:
         """Whether the prompt keeps to its home (else the balance or the spread rule lets it
@@ -162,8 +164,11 @@ def kv_overflow(state: BackendView, scene: Scene) -> float:
     """The KV memory the request would overfill on the backend beside the requests in flight
     there (past the least of any candidate), as a share of its prompt and weighed by
     ``OVERFLOW_WEIGHT``: room in slots is not room in KV memory, and a backend whose cache its
-    requests in flight already fill preempts (and recomputes whole) whichever came last."""
-    return OVERFLOW_WEIGHT * scene.overflow.get(state.cfg.url, 0.0) / scene.prompt
+    requests in flight already fill preempts (and recomputes whole) whichever came last, or
+    admits the request only once one of them is done (``Scene.overflow_wait``)."""
+    over = scene.overflow.get(state.cfg.url, 0.0)
+    wait = scene.overflow_wait if over > 0 else 0.0
+    return (OVERFLOW_WEIGHT * over + wait) / scene.prompt
 
 
 def balance(state: BackendView, scene: Scene) -> float:

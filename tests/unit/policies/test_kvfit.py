@@ -4,8 +4,11 @@
 from __future__ import annotations
 
 from proxy.policies.backends import Candidate
+from proxy.policies.kvaware import KvAware
 from proxy.policies.kvfit import KvInFlight
+from proxy.policies.kvterms import latency_weights
 from proxy.policies.types import ScrapedLoad
+from tests.helpers.clock import FakeClock
 from tests.unit.policies.test_kvaware import FakeBackend, _backends, _candidates, _chooser, _req
 
 A, B = "http://a:80", "http://b:80"
@@ -83,3 +86,42 @@ def test_requests_without_prompt_blocks_end_in_any_order() -> None:
     fit.ended("none1")
     fit.ended("none2")
     assert fit.held(A) == 0 and fit.overflow(A, range(3), 0, capacity=1) == 0.0
+
+
+DEFAULT_WEIGHTS = latency_weights({"high": 0, "normal": 1, "low": 2}, best=0.5, worst=0.1)
+
+
+def _turn_beside_anothers_answer(
+    tier: str, *, spare_fits: bool = True, best_tier_before: int = 0
+) -> FakeBackend:
+    """Backend a holds 24 blocks of a 40-block turn's history, and decodes another tenant's
+    30-block turn: the turn would overfill a's 64-block cache by 10 (vLLM admits it once that
+    answer is done). Backend b runs nothing (``spare_fits``) or a turn that overfills it too.
+    ``best_tier_before``: best-tier requests sent lately, elsewhere."""
+    a, b, c = _backends(3)
+    chooser = KvAware(block_size=BLOCK, latency_weights=DEFAULT_WEIGHTS, clock=FakeClock())
+    for _ in range(best_tier_before):
+        chooser.served(c, _req("high", [999]))
+    a.cached = set(range(24))
+    others = _req("normal", range(500, 530))
+    others.tenant = "other"
+    chooser.served(a, others)
+    a.inflight = 1
+    if not spare_fits:
+        chooser.served(b, _req("low", range(700, 760)))
+        b.inflight = 1
+    picked = chooser.pick(_loaded([a, b], 64), _req(tier, range(40)))
+    assert picked is not None
+    return a if picked is a else b
+
+
+def test_a_best_tier_turn_goes_where_it_is_admitted_now_not_after_anothers_answer() -> None:
+    # Issue 32, s95022: the best tier's turn waited at home for another tenant's answer to free
+    # KV memory (270 ms for 30 ms of prefill saved), while other engines had it free.
+    assert _turn_beside_anothers_answer("high").cfg.url == "http://b1:80"
+    # The worse tiers follow their history home: the prefill saved, not the wait, is theirs.
+    assert _turn_beside_anothers_answer("normal").cfg.url == "http://b0:80"
+    # Nowhere admits it now: the wait is the same everywhere, the history wins.
+    assert _turn_beside_anothers_answer("high", spare_fits=False).cfg.url == "http://b0:80"
+    # The best tier is most of the traffic: its wait is everyone's, it stays with its history.
+    assert _turn_beside_anothers_answer("high", best_tier_before=20).cfg.url == "http://b0:80"

@@ -165,6 +165,11 @@ def test_kv_overflow_weighs_the_kv_memory_past_a_cache_against_the_prefill_saved
     assert score(roomy, 50, 0, scene).key > score(full, 50, 0, scene).key
     # A cache that saves more than the overflow costs still wins.
     assert score(full, 90, 0, scene).key > score(roomy, 50, 0, scene).key
+    # The best tier's wait for that memory (``kvwait``) costs its tokens where it overflows.
+    waits = replace(scene, overflow_wait=40.0)
+    assert kv_overflow(_view(A), waits) == pytest.approx(OVERFLOW_WEIGHT * 0.4 + 0.4)
+    assert kv_overflow(_view(B_URL), waits) == 0.0
+    assert score(roomy, 50, 0, waits).key > score(full, 90, 0, waits).key
 
 
 def test_pick_best_takes_the_highest_key_and_the_first_of_equal_ones() -> None:
