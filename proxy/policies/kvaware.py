@@ -271,7 +271,7 @@ class KvAware:
         self._requests.sent(url, None)
         if request is None:
             return
-        self._wait.sent(request.tier)
+        self._wait.sent(request.tier, filled)
         self._hold.drop(request)
         prefill = self._prompt_tokens(request, blocks) - saved
         self._work.sent(request, url, prefill, blocks or (), saved // self.block_size)
@@ -318,7 +318,7 @@ class KvAware:
         moved moved back (what never ran moves no tenant's placement)."""
         self._filled.unsent(sent.url, sent.tenant, sent.at, sent.filled)
         self._requests.unsent(sent.url, None, sent.at)
-        self._wait.unsent(sent.tier, sent.at)
+        self._wait.unsent(sent.tier, sent.at, sent.filled)
         if sent.rehomed is not None:
             block, before, rehomed_at = sent.rehomed
             if self._groups.home(block) == sent.url:

@@ -97,11 +97,11 @@ def _turn_beside_anothers_answer(
     """Backend a holds 24 blocks of a 40-block turn's history, and decodes another tenant's
     30-block turn: the turn would overfill a's 64-block cache by 10 (vLLM admits it once that
     answer is done). Backend b runs nothing (``spare_fits``) or a turn that overfills it too.
-    ``best_tier_before``: best-tier requests sent lately, elsewhere."""
+    ``best_tier_before``: best-tier requests of 10 new blocks sent lately, elsewhere."""
     a, b, c = _backends(3)
     chooser = KvAware(block_size=BLOCK, latency_weights=DEFAULT_WEIGHTS, clock=FakeClock())
-    for _ in range(best_tier_before):
-        chooser.served(c, _req("high", [999]))
+    for i in range(best_tier_before):  # 10 blocks each, filled on c
+        chooser.served(c, _req("high", range(1000 + 10 * i, 1010 + 10 * i)))
     a.cached = set(range(24))
     others = _req("normal", range(500, 530))
     others.tenant = "other"
