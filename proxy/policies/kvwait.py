@@ -14,10 +14,10 @@ TTFT p99 2.8x the better baseline's).
 Only while the best tier is under ``MINORITY`` of the work sent lately (each request weighed by
 the prompt blocks it fills, as the balance rule's shares: a cached repeat or a one-line prompt
 takes no vote, so a trickle of them cannot switch the wait off for the tier's other tenants;
-red team, 2026-12-05): priority means something only for the few. Where the best tier is most of the traffic (``s32029``: two
-tenants, three conversations each, all of them the best tier present), every turn's wait is
-everyone's, and moving turns off their homes only computed their histories again (1.01 →
-1.07x the better baseline's prefill, its tail unchanged).
+red team, 2026-12-05): priority means something only for the few. Where the best tier is most
+of the traffic (``s32029``: two tenants, three conversations each, all of them the best tier
+present), every turn's wait is everyone's, and moving turns off their homes only computed
+their histories again (1.01 → 1.07x the better baseline's prefill, its tail unchanged).
 """
 
 from __future__ import annotations
