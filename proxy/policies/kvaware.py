@@ -135,7 +135,7 @@ class KvAware:
         self._counted: dict[QueuedRequest, _Sent] = {}  # in flight: what its sending counted
         self._prefix_homes = PrefixHomes()  # for a prompt whose blocks are unknown
         self._left = LeftUnanswered(pending_s)  # client gone before the engine answered
-        self._wait = KvWait(self.latency_weights, balance_s, balance_min, clock)  # best tier's
+        self._wait = KvWait(self.latency_weights, balance_s, balance_min, clock)  # kvwait
 
     def cached_tokens(self, state: BackendView, blocks: Sequence[int]) -> int:
         """The longest prefix of ``blocks`` cached on ``state`` as its index shows, or sent there

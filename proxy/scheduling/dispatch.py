@@ -215,13 +215,11 @@ class Dispatcher:
         self._note_due(now)
         # No pop while no backend has a free slot: every head would be refused, one by one.
         while len(self.queue) and self._room_for_some(now):
-            popped = self.queue.pop(lambda r: self._choose(r, now) is not None)
+            popped = self._pop_chosen(now)
             if popped is None:
                 self._held_back = True  # room, but every request waits for another backend
                 break
-            req = popped
-            backend = self._choose(req, now)
-            assert backend is not None
+            req, backend = popped
             touched.add(req.tier)
             tokens = float(req.prompt_tokens + req.expected_output)
             best = req.tier in self.pool.best_tiers
@@ -243,6 +241,23 @@ class Dispatcher:
         for tier in touched:
             self.metrics.queue_depth.labels(tier).set(self.queue.depth(tier))
         return dispatched
+
+    def _pop_chosen(self, now: float) -> tuple[QueuedRequest, BackendState] | None:
+        """The next request by policy that some backend takes, with the backend chosen for it.
+        The pick that let it out of the queue is the one used: a pick has effects (an adapter
+        wait noted, a hold begun), so a second one may differ. It once returned None there: an
+        AssertionError, a 500, and the request popped but never leased (its client waited out
+        its timeout)."""
+        chosen: list[BackendState] = []
+
+        def taken(req: QueuedRequest) -> bool:
+            backend = self._choose(req, now)
+            if backend is not None:
+                chosen.append(backend)
+            return backend is not None
+
+        req = self.queue.pop(taken)
+        return (req, chosen[-1]) if req is not None else None
 
     def _note_due(self, now: float) -> None:
         """Due adapter requests are offered first, so that the engines where they wait for a

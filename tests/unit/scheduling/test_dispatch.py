@@ -160,3 +160,40 @@ async def test_a_hold_ends_with_time_even_if_its_home_never_frees() -> None:
     lease = await asyncio.wait_for(held, 10.0)  # no kick: the task's own wake-up
     assert lease.backend is spare
     await d.stop()
+
+
+class _PicksOnce(LeastUtilised):
+    """A chooser with effects: its first pick for a request is its backend, a second None
+    (as an adapter's wait, or a hold, noted by the first pick can make it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.picked: set[int] = set()
+
+    def pick(self, candidates, request, *, now=None, full=()):  # type: ignore[no-untyped-def]
+        if request is not None and id(request) in self.picked:
+            return None
+        if request is not None:
+            self.picked.add(id(request))
+        return super().pick(candidates, request, now=now, full=full)
+
+
+async def test_the_pick_that_lets_a_request_out_of_the_queue_is_the_backend_it_gets() -> None:
+    # Found by the engine suite (adapters): the dispatcher picked again after the pop, got
+    # None, and raised: a 500 for one client, the popped request never leased (the other
+    # client waited out its 600 s timeout).
+    clock = FakeClock()
+    queue = AdmissionQueue(
+        {"low": TierLimits(1, 10, 5.0), "high": TierLimits(10, 10, 5.0)},
+        default_queue_policies(aging_s=30, reference_tokens=8192),
+    )
+    pool = BackendPool([Backend(url="http://b:1", max_inflight=1)], BackendHealth(), _PicksOnce())
+    d = Dispatcher(queue, pool, ProxyMetrics(), clock)
+    first = d.enqueue(_req("low", clock))
+    second = d.enqueue(_req("low", clock))  # queued: the one slot is taken
+    assert first.done() and not second.done()
+    first.result().release()  # dispatch_ready pops the second: one pick, used as is
+    assert second.done() and isinstance(second.result(), Lease)
+    assert len(d.queue) == 0
+    second.result().release()
+    assert pool.all()[0].inflight == 0
