@@ -236,9 +236,8 @@ class KvAware:
         if request is None:
             return scene, home_run
         urls, out = [c.state.cfg.url for c in candidates], request.expected_output
-        over = self._fit.excess(urls, blocks or (), out, self._kv_blocks)
-        fits = self._fit.fits_any(urls, blocks or (), out, self._kv_blocks)
-        wait = self._wait.tokens(request.tier, fits)  # what a wait for KV memory costs it
+        over, least = self._fit.excess(urls, blocks or (), out, self._kv_blocks)
+        wait = self._wait.tokens(request.tier, least <= 0)  # what a wait for KV memory costs
         return replace(scene, overflow=over, overflow_wait=wait), home_run
 
     def _prompt_tokens(self, request: QueuedRequest | None, blocks: Sequence[int] | None) -> int:

@@ -79,31 +79,19 @@ class KvInFlight:
             return 0.0
         return max(0.0, self.held(url) + self.adds(url, blocks, output_tokens) - capacity)
 
-    def fits_any(
-        self,
-        urls: Iterable[str],
-        blocks: Sequence[int],
-        output_tokens: int,
-        capacities: Mapping[str, float],
-    ) -> bool:
-        """Whether one of ``urls`` would take the request with no ``overflow``."""
-        return any(
-            self.overflow(url, blocks, output_tokens, capacities.get(url)) <= 0 for url in urls
-        )
-
     def excess(
         self,
         urls: Iterable[str],
         blocks: Sequence[int],
         output_tokens: int,
         capacities: Mapping[str, float],
-    ) -> dict[str, float]:
+    ) -> tuple[dict[str, float], float]:
         """Per backend of ``urls``, the tokens of KV memory the request would need past its
         cache beside what is in flight there (``overflow``), less the least any of them would
-        (0s left out)."""
+        (0s left out); and that least (0: one of them would take it now)."""
         over = {
             url: self.block_size * self.overflow(url, blocks, output_tokens, capacities.get(url))
             for url in urls
         }
         least = min(over.values(), default=0.0)
-        return {url: o - least for url, o in over.items() if o > least}
+        return {url: o - least for url, o in over.items() if o > least}, least

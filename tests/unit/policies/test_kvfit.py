@@ -41,6 +41,9 @@ def test_the_overflow_is_what_the_request_needs_past_the_cache_beside_what_is_in
     assert fit.overflow(A, range(100, 110), 0, capacity=None) == 0.0  # size unknown: it fits
     assert fit.overflow(A, range(100, 108), 0, capacity=50) == 0.0  # 41 + 9: just fits
     assert fit.overflow(A, range(100, 109), 0, capacity=50) == 1.0
+    # Relative to the least of any backend, and that least (0: one takes it now).
+    assert fit.excess([A, B], range(100, 109), 0, {A: 50, B: 50}) == ({A: 32.0}, 0.0)
+    assert fit.excess([A], range(100, 109), 0, {A: 50}) == ({}, 32.0)
 
 
 def _loaded(backends: list[FakeBackend], kv_blocks: float | None) -> list[Candidate[FakeBackend]]:
