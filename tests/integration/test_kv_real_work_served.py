@@ -222,8 +222,8 @@ async def _engine_queue(
 # one scrape shows it in the engine (running + waiting + finished since the try began: all of
 # them and one more) while at most HELD_FROM - 4 have finished, HELD_FROM having been in the
 # engine before it was sent: at least four left at every moment since.
-BUSY = 16
-HELD_FROM = 8
+BUSY = 20
+HELD_FROM = 16  # three waves of the engine's four may finish before a try is void
 # The queued case's tries, each a low-tier tenant of its own (name -> key).
 QUEUED = {f"tenant-queued-{n}": f"key-queued-{n}" for n in range(3)}
 
@@ -239,10 +239,10 @@ async def _answer(
 async def test_a_request_whose_client_left_while_queued_in_vllm_leaves_no_placement(
     pair: tuple[EngineProcess, EngineProcess], tmp_path: Path
 ) -> None:
-    """Promise B: one engine (the other drained) holds tenant-high's sixteen long
+    """Promise B: one engine (the other drained) holds tenant-high's twenty long
     generations, past its ``--max-num-seqs`` (four); the proxy (room for them all) sends a
     low-tier tenant's request, which waits in vLLM's own queue behind them (one scrape counts
-    it beside all sixteen, at least four of them unfinished since it was sent: no slot was
+    it beside all twenty, at least four of them unfinished since it was sent: no slot was
     ever its), and the client leaves: vLLM aborts it, nothing computed. The proxy learns that
     only from the engine's KV events (none of its prompt stored): once the chooser tells, that
     tenant keeps no placement. A try that cannot show it so (too many finished first, the
@@ -268,29 +268,33 @@ async def test_a_request_whose_client_left_while_queued_in_vllm_leaves_no_placem
 
             async def leave(
                 messages: list[dict[str, str]], *, queued: bool, key: str = KEYS["low"]
-            ) -> bool:
+            ) -> str | None:
                 """A low-tier tenant's long generation, left once the engine shows it queued
                 (one scrape counting it beside all of tenant-high's generations) or prefilled
-                (its prompt tokens counted). False: neither came first (a generation ended, or
-                the engine answered it): the try is void."""
+                (its prompt tokens counted): None. Otherwise why the try is void (a generation
+                ended first, the engine answered it, or it never showed)."""
                 body = {"model": "tiny", "messages": messages, "max_tokens": 1600, "ignore_eos": True}  # fmt: skip
                 headers = {"Authorization": f"Bearer {key}"}
                 prompted = await _engine(session, engine, PROMPTED)
                 task = asyncio.create_task(_answer(session, proxy.url + CHAT, headers, body))
+                seen = "no scrape"
                 try:
-                    for _ in range(300):  # polls
+                    # Bounded by the generations themselves: too many of them finish first.
+                    for _ in range(3000):  # polls
                         if task.done():
-                            return False
+                            return f"answered first ({task.result()}; last seen {seen})"
                         if queued:
                             running, waiting, done = await _engine_queue(session, engine)
+                            seen = f"running {running:g}, waiting {waiting:g}, finished {done - finished_before:g}"  # fmt: skip
                             if done - finished_before > HELD_FROM - 4:
-                                return False  # it may have had a slot
+                                # It may have had a slot.
+                                return f"too many finished first ({seen}; the proxy's in flight {await inflight(session, proxy)})"  # fmt: skip
                             if running + waiting + done - finished_before > BUSY:
-                                return True
+                                return None
                         elif await _engine(session, engine, PROMPTED) >= prompted + 300:
-                            return True
+                            return None
                         await asyncio.sleep(0.05)
-                    return False
+                    return f"never shown ({seen}; the proxy's in flight {await inflight(session, proxy)})"
                 finally:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
@@ -302,6 +306,7 @@ async def test_a_request_whose_client_left_while_queued_in_vllm_leaves_no_placem
                 assert status == 200, answer
 
             left_queued = None
+            voids: list[str] = []
             for name, key in QUEUED.items():
                 finished_before = (await _engine_queue(session, engine))[2]
                 busy = [asyncio.create_task(generate(n)) for n in range(BUSY)]
@@ -309,10 +314,16 @@ async def test_a_request_whose_client_left_while_queued_in_vllm_leaves_no_placem
                     for _ in range(600):  # polls: HELD_FROM of them in the engine
                         running, waiting, _ = await _engine_queue(session, engine)
                         if running + waiting >= HELD_FROM:
+                            void = None
                             break
                         await asyncio.sleep(0.05)
+                    else:
+                        void = f"never {HELD_FROM} in the engine (running {running:g}, waiting {waiting:g})"  # fmt: skip
                     queued = conversation(system_prompt(f"queued-{secrets.token_hex(4)}"), 0)
-                    if await leave(queued, queued=True, key=key):
+                    void = void or await leave(queued, queued=True, key=key)
+                    if void is not None:
+                        voids.append(void)
+                    else:
                         left_queued = name
                         # Aborted while they run: the proxy let it go (its count), and the
                         # engine's queue holds no more than tenant-high's.
@@ -331,14 +342,15 @@ async def test_a_request_whose_client_left_while_queued_in_vllm_leaves_no_placem
                 if left_queued is not None:
                     break
             if left_queued is None:
-                raise AssertionError(f"the engine never showed a request queued in {len(QUEUED)} tries")  # fmt: skip
+                raise AssertionError(f"the engine never showed a request queued in {len(QUEUED)} tries: {voids}")  # fmt: skip
             await _settled(client, session, proxy)
             tenants_kept = (await _placement(session, proxy))["tenants"]
             assert left_queued not in tenants_kept, tenants_kept
             # The control: left while the engine decodes it (no stream: no byte came).
             await _until_engine(session, engine, RUNNING, lambda n: n == 0)
             ran = conversation(system_prompt(f"ran-{secrets.token_hex(4)}"), 0)
-            assert await leave(ran, queued=False), "the engine never prefilled the control"
+            void = await leave(ran, queued=False)
+            assert void is None, f"the engine never prefilled the control: {void}"
             await _settled(client, session, proxy)
             tenants_kept = (await _placement(session, proxy))["tenants"]
             assert sum(tenants_kept["tenant-low"].values()) >= 8, tenants_kept
