@@ -130,7 +130,8 @@ class Backend(Strict):
         None,
         gt=0,
         description="Optional budget of prompt + expected output tokens in flight on this"
-        " backend; null: none.",
+        " backend (each request's counted at most to the model's context a sequence); null:"
+        " none. A request larger than the whole budget still runs when the backend is idle.",
     )
     max_cheap_inflight: int = Field(
         4,

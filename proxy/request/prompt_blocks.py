@@ -312,13 +312,13 @@ class PromptBlocks:
     async def given(self, adm: Admitted, via: Upstreams) -> Admitted:
         """``adm``, its queue entry given its prompt's KV-cache blocks (for the kv_aware
         chooser; None while kv_cache is off) on its first attempt: computed once it may run,
-        before it is queued. Its prompt's estimate is capped at the model's context (no engine
-        prefills more: a flood of megabyte prompts counted as queued work moved other tenants'
-        turns); one counted past it is refused as vLLM would."""
+        before it is queued. Its prompt's estimate and expected output are capped at the
+        model's context (``QueuedRequest.bound_by_context``); a prompt counted past it is
+        refused as vLLM would."""
         if adm.attempts == 0:
             context = model_context(adm.billed.model, (s.model_cards for s in via.pool.all()))
             if context is not None:
-                adm.queued.prompt_tokens = min(adm.queued.prompt_tokens, context)
+                adm.queued.bound_by_context(context, adm.parsed.sequences)
             try:
                 adm.queued.prompt_blocks = await self.compute(
                     adm.config,

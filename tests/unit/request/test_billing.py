@@ -5,13 +5,14 @@ what the tenant's quotas still pay for."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import orjson
 import pytest
 
 from proxy.bench.fake_vllm import FakeVLLM
-from proxy.bench.inproc import auth
+from proxy.bench.inproc import auth, until
 from proxy.config.quotas import Price
 from proxy.request.billing import (
     Billed,
@@ -145,3 +146,22 @@ async def test_without_a_quota_the_output_is_left_as_sent(clock: FakeClock) -> N
         _with_cards(r)
         assert (await _post(r, body))[0] == 200
         assert "max_tokens" not in backend.received[-1].body
+
+
+async def test_a_max_tokens_past_the_context_is_queued_and_counted_at_the_context(
+    clock: FakeClock,
+) -> None:
+    """No sequence outlasts the model's context (2,048): a request asking 1,000,000 tokens
+    takes that much of the backend's token budget at most, so it runs beside another request
+    (vLLM answers it, a 400 there) instead of waiting for the backend to empty."""
+    backend = FakeVLLM()
+    async with served_rig(clock, backend, backend={"max_tokens_inflight": 6000}) as r:
+        _with_cards(r)
+        backend.gate.clear()
+        held = asyncio.create_task(_post(r, {**CHAT, "model": "tiny", "max_tokens": 1000}))
+        await until(lambda: backend.active == 1, 5, "the first request at the backend")
+        huge = asyncio.create_task(_post(r, {**CHAT, "model": "tiny", "max_tokens": 1_000_000}))
+        await until(lambda: backend.active == 2, 5, "the second beside it, not queued")
+        assert len(r.state.queue) == 0
+        backend.gate.set()
+        assert [(await t)[0] for t in (held, huge)] == [200, 200]
