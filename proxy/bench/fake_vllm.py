@@ -118,6 +118,9 @@ class FakeVLLM:
         self.poison = poison
         self.dead = False
         self.metrics_padding_bytes = metrics_padding_bytes
+        # Its card's context: past the longest answer a test streams (vLLM refuses a
+        # max_tokens past it, and so does the proxy once it read the card).
+        self.max_model_len = 65_536
         self.gate = asyncio.Event()
         self.gate.set()
         self.received: list[Received] = []
@@ -174,7 +177,8 @@ class FakeVLLM:
         return resp
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.Response(body=models_list(self.model), content_type="application/json")
+        body = models_list(self.model, self.max_model_len)
+        return web.Response(body=body, content_type="application/json")
 
     async def _post(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()

@@ -9,6 +9,7 @@ or launcher never leaves a 3 GB engine behind; each may be confined to some CPU 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import random
@@ -207,15 +208,21 @@ def free_port(host: str = "127.0.0.1") -> int:
     floor, ceiling = _port_range()
     for _ in range(64) if ceiling - floor >= 1_000 else ():
         port = random.randrange(floor, ceiling)
+        if port in _GIVEN:
+            continue  # handed out lately, maybe not bound yet (a test's two listeners got one)
         with socket.socket() as s:
             try:
                 s.bind((host, port))
             except OSError:
                 continue
+            _GIVEN.append(port)
             return port
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+_GIVEN: collections.deque[int] = collections.deque(maxlen=256)  # free_port's latest answers
 
 
 def process_tree(pid: int) -> list[int]:

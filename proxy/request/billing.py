@@ -56,16 +56,18 @@ def billed_as(model: str | None, pricing: Mapping[str, Price], defaults: Sequenc
 
 
 def model_context(model: str | None, cards_by_backend: Iterable[Sequence[Card]]) -> int | None:
-    """The largest ``max_model_len`` any backend reports for ``model``; None when none does."""
-    contexts = [
-        int(length)
-        for cards in cards_by_backend
-        for card in cards
-        if card.get("id") == model
-        and isinstance(length := card.get("max_model_len"), int)
-        and not isinstance(length, bool)
-        and length > 0
-    ]
+    """The largest ``max_model_len`` any backend reports for ``model``, a LoRA adapter's
+    being its base model's (vLLM lists an adapter's card with a ``parent`` and no
+    ``max_model_len``); None when none does."""
+    contexts: list[int] = []
+    for cards in cards_by_backend:
+        by_id = {card.get("id"): card for card in cards}
+        card = by_id.get(model)
+        if card is not None and card.get("max_model_len") is None:
+            card = by_id.get(card.get("parent"))
+        length = card.get("max_model_len") if card is not None else None
+        if isinstance(length, int) and not isinstance(length, bool) and length > 0:
+            contexts.append(length)
     return max(contexts, default=None)
 
 

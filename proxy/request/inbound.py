@@ -61,6 +61,7 @@ class ParsedRequest:
     # 0: not measured (then the estimate).
     prompt_bound_tokens: int = 0
     sequences: int = 1  # generations it runs: n choices of every prompt (0: a pooling route)
+    budget_from_client: bool = True  # the client set max_tokens (else the proxy, or none)
 
     @property
     def prompt_upper_bound(self) -> int:
@@ -74,6 +75,28 @@ class ParsedRequest:
         if not self.sequences:
             return 0
         return None if self.max_tokens is None else self.max_tokens * self.sequences
+
+    def output_within(self, context: int) -> str | None:
+        """The output budget kept within the model's ``context`` (its ``max_model_len``),
+        which vLLM's chat and completions refuse to pass: one the proxy set (a tier's cap,
+        a share of tokens_per_minute) is lowered to it; one the client set past it gets
+        vLLM's refusal, returned (None: within it)."""
+        row = ROWS[self.endpoint]
+        if not row.output_past_context_refused or self.max_tokens is None:
+            return None
+        if self.max_tokens <= context:
+            return None
+        names = [f for f in row.budget_fields if f in self.body]
+        if not self.budget_from_client:
+            for name in names:
+                self.body[name] = context
+            self.max_tokens = context
+            return None
+        name = next((f for f in names if lax_int(self.body[f]) == self.max_tokens), names[0])
+        return (
+            f"{name}={self.max_tokens} cannot be greater than max_model_len={context}. Please"
+            f" request fewer output tokens. (parameter={name}, value={self.max_tokens})"
+        )
 
     @property
     def upstream_path(self) -> str:
@@ -113,6 +136,7 @@ def parse_body(
     chars = row.measure(body)
     bound = row.bound(body, len(raw), inputs.max_tokens_per_media_item)
     row.fields.apply(body)
+    from_client = any(name in body for name in row.budget_fields)
     max_tokens, expected = (
         _output_budget(body, row, tier, limits, scheduling, token_limit)
         if route.generates
@@ -131,6 +155,7 @@ def parse_body(
         held_bytes=shape.held_bytes(raw),
         prompt_bound_tokens=bound,
         sequences=body.get("n", 1) * row.generations(body) if route.generates else 0,
+        budget_from_client=from_client,
     )
 
 

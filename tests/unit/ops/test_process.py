@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import sys
@@ -168,3 +169,14 @@ def test_free_port_draws_from_the_range_it_is_given(monkeypatch: pytest.MonkeyPa
     floor = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     if floor >= 11_000:
         assert all(10_000 <= free_port() < floor for _ in range(20))
+
+
+def test_free_port_never_hands_out_a_port_twice_before_it_is_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A test asks for its proxy's port and its admin listener's before either binds: the same
+    draw twice made the second listener fail (address already in use)."""
+    monkeypatch.setenv(PORT_RANGE_ENV, "20000-21999")
+    draws = iter([20_500, 20_500, 20_501])
+    monkeypatch.setattr(random, "randrange", lambda *_: next(draws))
+    assert [free_port(), free_port()] == [20_500, 20_501]

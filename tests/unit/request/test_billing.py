@@ -21,6 +21,7 @@ from proxy.request.billing import (
     default_models,
     model_context,
 )
+from proxy.request.inbound import ParsedRequest
 from tests.helpers.clock import FakeClock
 from tests.helpers.rig import Rig, error_of, served_rig, tenants
 
@@ -148,20 +149,55 @@ async def test_without_a_quota_the_output_is_left_as_sent(clock: FakeClock) -> N
         assert "max_tokens" not in backend.received[-1].body
 
 
-async def test_a_max_tokens_past_the_context_is_queued_and_counted_at_the_context(
+async def test_a_max_tokens_past_the_context_gets_vllms_400_at_once_beside_busy_work(
     clock: FakeClock,
 ) -> None:
-    """No sequence outlasts the model's context (2,048): a request asking 1,000,000 tokens
-    takes that much of the backend's token budget at most, so it runs beside another request
-    (vLLM answers it, a 400 there) instead of waiting for the backend to empty."""
+    """vLLM's chat and completions refuse an output budget past the model's context (2,048)
+    before any work: the proxy answers so at once, even while the backend's token budget is
+    taken (it waited for an idle backend, then a 503 after its queue timeout: red team)."""
     backend = FakeVLLM()
     async with served_rig(clock, backend, backend={"max_tokens_inflight": 6000}) as r:
         _with_cards(r)
         backend.gate.clear()
         held = asyncio.create_task(_post(r, {**CHAT, "model": "tiny", "max_tokens": 1000}))
         await until(lambda: backend.active == 1, 5, "the first request at the backend")
-        huge = asyncio.create_task(_post(r, {**CHAT, "model": "tiny", "max_tokens": 1_000_000}))
-        await until(lambda: backend.active == 2, 5, "the second beside it, not queued")
-        assert len(r.state.queue) == 0
+        for field in ("max_tokens", "max_completion_tokens"):
+            body = {**CHAT, "model": "tiny", field: 1_000_000, "n": 8}
+            status, answer = await _post(r, body)
+            assert status == 400 and answer["error"]["param"] == field, answer
+            assert f"{field}=1000000 cannot be greater than max_model_len=2048" in answer["error"]["message"]  # fmt: skip
+        within = asyncio.create_task(_post(r, {**CHAT, "model": "tiny", "max_tokens": 2048}))
+        await until(lambda: backend.active == 2, 5, "one within the context, beside it")
+        assert len(backend.received) == 2 and len(r.state.queue) == 0
         backend.gate.set()
-        assert [(await t)[0] for t in (held, huge)] == [200, 200]
+        assert [(await t)[0] for t in (held, within)] == [200, 200]
+
+
+async def test_a_tokens_per_minute_share_is_sent_at_most_as_the_context(clock: FakeClock) -> None:
+    """A tenant whose tokens_per_minute is past the context: a request without max_tokens is
+    sent with the context as its max_tokens, not its share of the limit (vLLM refuses a
+    max_tokens past max_model_len: every such request got a 400)."""
+    backend = FakeVLLM()
+    config: dict[str, Any] = {"tenants": tenants(tokens_per_minute=100_000)}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hello there"}]}
+    async with served_rig(clock, backend, **config) as r:
+        _with_cards(r)
+        assert (await _post(r, body))[0] == 200
+        assert backend.received[-1].body["max_tokens"] == 2048
+        assert (await _post(r, {**body, "n": 100}))[0] == 200  # a share under the context
+        assert backend.received[-1].body["max_tokens"] == 1000
+
+
+def test_the_responses_output_budget_is_left_to_vllm() -> None:
+    """Only where vLLM refuses a budget past the context does the proxy (the route table)."""
+    body: dict[str, Any] = {"input": "hi", "max_output_tokens": 1_000_000}
+    parsed = ParsedRequest(body, "responses", False, "tiny", 1, 1_000_000, 1_000_000, False)
+    assert parsed.output_within(2048) is None and body["max_output_tokens"] == 1_000_000
+    chat = ParsedRequest({"max_tokens": 4096}, "chat", False, "tiny", 1, 4096, 4096, False)
+    assert chat.output_within(2048) is not None
+
+
+def test_an_adapters_context_is_its_base_models() -> None:
+    cards = ({"id": "tiny", "max_model_len": 4096}, {"id": "tiny-lora", "parent": "tiny"})
+    assert model_context("tiny-lora", [cards]) == 4096
+    assert model_context("tiny-lora", [({"id": "tiny-lora", "parent": "other"},)]) is None

@@ -1,0 +1,95 @@
+"""Output budgets past the model's context, against `tierproxy serve` (a subprocess) in front of
+a real CPU vLLM (its context 2,048): vLLM's chat refuses a ``max_tokens`` past
+``max_model_len``. A client's gets that 400 at once, while another tenant's generations hold
+the backend's token budget (it waited for an idle backend, then a 503 to retry after its queue
+timeout: red team, stop 50); a tenant whose ``tokens_per_minute`` share is past the context
+is served, the proxy's own ``max_tokens`` cut to the context (every such request got vLLM's
+400). Nothing is timed: the refusal is seen while the engine still runs the generations."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from proxy.bench.hostile.served import ServedProxy
+from proxy.bench.inproc import KEYS, make_config
+from proxy.config.tenants import hash_key
+from proxy.tools.engine import EngineProcess
+from tests.helpers.enginefarm import EngineFarm
+from tests.helpers.engines import PROMPT_DETAILS
+
+pytestmark = [pytest.mark.integration, pytest.mark.engines(PROMPT_DETAILS)]
+CHAT = "/v1/chat/completions"
+TIMEOUT = aiohttp.ClientTimeout(total=120)
+BUSY = 4  # tenant-high's generations, each booked 1,200+ tokens of the backend's budget
+
+
+@pytest.fixture(scope="module")
+def engine(engines: EngineFarm) -> EngineProcess:
+    return engines.get(PROMPT_DETAILS)
+
+
+async def _running(session: aiohttp.ClientSession, engine: EngineProcess) -> float:
+    async with session.get(engine.spec.url + "/metrics") as resp:
+        text = await resp.text()
+    found = re.findall(r"^vllm:num_requests_running\{[^}]*\} (\S+)$", text, re.M)
+    return sum(float(v) for v in found)
+
+
+async def test_a_max_tokens_past_the_context_is_refused_at_once_and_a_share_past_it_is_served(
+    engine: EngineProcess, tmp_path: Path
+) -> None:
+    tenants: list[dict[str, Any]] = [
+        {"name": "tenant-high", "tier": "high", "keys": [{"sha256": hash_key(KEYS["high"])}]},
+        {
+            "name": "tenant-normal",
+            "tier": "normal",
+            "keys": [{"sha256": hash_key(KEYS["normal"])}],
+            "tokens_per_minute": 100_000,  # a share past the context
+        },
+        {"name": "tenant-low", "tier": "low", "keys": [{"sha256": hash_key(KEYS["low"])}]},
+    ]
+    # The busy generations take most of the token budget: a request booked at n x 1,000,000
+    # (or n x the context, 16,384) would wait for the backend to be idle.
+    backend = {"url": engine.spec.url, "max_inflight": 8, "max_tokens_inflight": 8_000}
+    config = make_config([backend], tenants=tenants)
+    with ServedProxy(config, tmp_path).start() as proxy:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+
+            async def post(tier: str, body: dict[str, object]) -> tuple[int, dict[str, object]]:
+                headers = {"Authorization": f"Bearer {KEYS[tier]}"}
+                async with session.post(proxy.url + CHAT, json=body, headers=headers) as r:
+                    return r.status, await r.json()
+
+            messages = [{"role": "user", "content": "hello there"}]
+            long = {"model": "tiny", "messages": messages, "max_tokens": 1200, "ignore_eos": True}
+            busy = [asyncio.create_task(post("high", long)) for _ in range(BUSY)]
+            try:
+                for _ in range(600):  # polls
+                    if await _running(session, engine) >= 1:
+                        break
+                    await asyncio.sleep(0.05)
+                for field in ("max_tokens", "max_completion_tokens"):
+                    absurd = {"model": "tiny", "messages": messages, field: 1_000_000, "n": 8}
+                    status, answer = await post("low", absurd)
+                    error = answer["error"]
+                    assert status == 400 and isinstance(error, dict), answer
+                    assert error["param"] == field, error
+                    assert "cannot be greater than max_model_len=2048" in str(error["message"])
+                    # Answered while the generations still run: it never waited for them.
+                    assert not all(task.done() for task in busy)
+                    assert await _running(session, engine) >= 1
+            finally:
+                results = await asyncio.gather(*busy, return_exceptions=True)
+            assert all(r[0] == 200 for r in results if isinstance(r, tuple)), results
+            # No max_tokens from a tenant whose tokens_per_minute share (100,000) is past the
+            # context: vLLM serves it, to the context's end at most.
+            status, answer = await post("normal", {"model": "tiny", "messages": messages})
+            assert status == 200, answer
+            usage = answer["usage"]
+            assert isinstance(usage, dict) and 0 < usage["completion_tokens"] <= 2048, usage
