@@ -89,6 +89,14 @@ class Admitted:
         model = self.parsed.model
         return model if model is not None and model in self.config.adapters else None
 
+    @property
+    def context_model(self) -> str | None:
+        """The model whose context (``max_model_len``) bounds it: an adapter's base model
+        (vLLM lists an adapter's card only once it is loaded, and without a context), else the
+        model it is billed as."""
+        adapter = self.adapter
+        return self.config.adapters[adapter].base_model if adapter else self.billed.model
+
     def __post_init__(self) -> None:
         self.queued = QueuedRequest(
             tier=self.tier,

@@ -78,13 +78,11 @@ class ParsedRequest:
 
     def output_within(self, context: int) -> str | None:
         """The output budget kept within the model's ``context`` (its ``max_model_len``),
-        which vLLM's chat and completions refuse to pass: one the proxy set (a tier's cap,
-        a share of tokens_per_minute) is lowered to it; one the client set past it gets
-        vLLM's refusal, returned (None: within it)."""
+        which vLLM's generating routes refuse to pass: one the proxy set (a tier's cap, a
+        share of tokens_per_minute) is lowered to it; one the client set past it gets vLLM's
+        refusal, returned (None: within it)."""
         row = ROWS[self.endpoint]
-        if not row.output_past_context_refused or self.max_tokens is None:
-            return None
-        if self.max_tokens <= context:
+        if not row.budget_fields or self.max_tokens is None or self.max_tokens <= context:
             return None
         names = [f for f in row.budget_fields if f in self.body]
         if not self.budget_from_client:
@@ -199,7 +197,7 @@ def _output_budget(
     choices of every prompt) of a generating request."""
     fields = row.budget_fields
     client_set = any(name in body for name in fields)
-    max_tokens = _clamped_max_tokens(body, tier, limits, fields)
+    max_tokens = _clamped_max_tokens(body, tier, limits, fields, row.default_max_tokens)
     n = _lax_field(body, "n", lax_int, "an integer")
     n = 1 if n is None else n
     if n < 1 or n > 128:
@@ -253,11 +251,18 @@ _TOKEN_FIELDS = ("max_tokens", "max_completion_tokens")
 
 
 def _clamped_max_tokens(
-    body: dict[str, Any], tier: Tier, limits: Limits, fields: tuple[str, ...] = _TOKEN_FIELDS
+    body: dict[str, Any],
+    tier: Tier,
+    limits: Limits,
+    fields: tuple[str, ...] = _TOKEN_FIELDS,
+    default: int | None = None,
 ) -> int | None:
     """Validate the output budget fields and clamp them to the tier's cap. Of two fields the
-    larger is the bound: vLLM's chat takes ``max_completion_tokens`` over ``max_tokens``
-    whatever their sizes (a small ``max_tokens`` beside it reserved 1 and ran 2,000)."""
+    last one set is the bound: vLLM's chat takes ``max_completion_tokens`` over ``max_tokens``
+    whatever their sizes (``build_tok_params``; a small ``max_tokens`` beside it reserved 1 and
+    ran 2,000, and the larger of the two refused a ``max_tokens`` vLLM ignores). None set:
+    the route's ``default`` (vLLM's, not written into the body unless the tier's cap is lower),
+    else None (to the context's end)."""
     chosen: int | None = None
     for name in fields:
         value = _lax_field(body, name, lax_int, "a positive integer")
@@ -265,12 +270,18 @@ def _clamped_max_tokens(
             continue
         if value < 1:
             raise bad_request(f"'{name}' must be a positive integer", param=name)
-        if value > limits.max_tokens_ceiling:
-            raise bad_request(
-                f"'{name}' is {value}; the most this service allows is {limits.max_tokens_ceiling}",
-                param=name,
-            )
-        chosen = value if chosen is None else max(chosen, value)
+        chosen = value
+    if chosen is not None and chosen > limits.max_tokens_ceiling:
+        name = [f for f in fields if body.get(f) is not None][-1]
+        raise bad_request(
+            f"'{name}' is {chosen}; the most this service allows is {limits.max_tokens_ceiling}",
+            param=name,
+        )
+    if chosen is None and default is not None:
+        if tier.max_tokens is None or tier.max_tokens >= default:
+            return default
+        chosen = body[fields[0]] = tier.max_tokens
+        return chosen
     if tier.max_tokens is not None:
         if chosen is None or chosen > tier.max_tokens:
             chosen = tier.max_tokens

@@ -319,7 +319,7 @@ class PromptBlocks:
         backend until its queue timeout (a 503 to retry) rather than get vLLM's 400 (red
         team)."""
         if adm.attempts == 0:
-            context = model_context(adm.billed.model, (s.model_cards for s in via.pool.all()))
+            context = model_context(adm.context_model, (s.model_cards for s in via.pool.all()))
             if context is not None:
                 past = adm.parsed.output_within(context)
                 if past is not None:

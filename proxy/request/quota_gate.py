@@ -82,7 +82,7 @@ class QuotaGate:
         remaining quotas still pay for, so that vLLM stops where the budget runs out rather
         than the quota being passed by a whole context."""
         parsed = adm.parsed
-        context = model_context(adm.billed.model, self.model_cards())
+        context = model_context(adm.context_model, self.model_cards())
         ceiling = adm.config.limits.max_tokens_ceiling
         bound = min(context, ceiling) if context is not None else ceiling
         used = self._used(adm.tenant.name, limits)

@@ -59,8 +59,8 @@ class RouteRow:
     relay: Relay = relay  # how its answer comes back
     proxy_request_id: bool = True  # vLLM's model has ``request_id``: the proxy's id goes in it
     stored_responses_refused: bool = False  # ``store`` must be false (proxy.request.stored)
-    # vLLM refuses an output budget past the model's context before any work (a 400).
-    output_past_context_refused: bool = False
+    # vLLM's output budget where the body sets none (completions: 16); None: to the context's end.
+    default_max_tokens: int | None = None
 
 
 _TOKENS = ("max_tokens", "max_completion_tokens")
@@ -72,16 +72,15 @@ ROWS: Mapping[Endpoint, RouteRow] = {
         BodyFields(body_fields.CHAT),
         budget_fields=_TOKENS,
         kv_prompt=kv_prompt.CHAT,
-        output_past_context_refused=True,
     ),
     "completions": RouteRow(
         costs.completion_chars,
         linear_bound,
         BodyFields(body_fields.COMPLETIONS),
         budget_fields=("max_tokens",),  # vLLM's completions have no max_completion_tokens
+        default_max_tokens=16,  # vLLM's CompletionRequest
         generations=completion_generations,
         kv_prompt=kv_prompt.COMPLETION,
-        output_past_context_refused=True,
     ),
     "responses": RouteRow(
         costs.responses_chars,

@@ -11,9 +11,12 @@ from typing import Any
 import orjson
 import pytest
 
+from proxy.api.routes import Endpoint
 from proxy.bench.fake_vllm import FakeVLLM
 from proxy.bench.inproc import auth, until
 from proxy.config.quotas import Price
+from proxy.config.scheduling import Limits, Scheduling
+from proxy.config.tenants import Tier
 from proxy.request.billing import (
     Billed,
     affordable_output,
@@ -21,7 +24,7 @@ from proxy.request.billing import (
     default_models,
     model_context,
 )
-from proxy.request.inbound import ParsedRequest
+from proxy.request.inbound import ParsedRequest, parse_body
 from tests.helpers.clock import FakeClock
 from tests.helpers.rig import Rig, error_of, served_rig, tenants
 
@@ -188,16 +191,59 @@ async def test_a_tokens_per_minute_share_is_sent_at_most_as_the_context(clock: F
         assert backend.received[-1].body["max_tokens"] == 1000
 
 
-def test_the_responses_output_budget_is_left_to_vllm() -> None:
-    """Only where vLLM refuses a budget past the context does the proxy (the route table)."""
-    body: dict[str, Any] = {"input": "hi", "max_output_tokens": 1_000_000}
-    parsed = ParsedRequest(body, "responses", False, "tiny", 1, 1_000_000, 1_000_000, False)
-    assert parsed.output_within(2048) is None and body["max_output_tokens"] == 1_000_000
-    chat = ParsedRequest({"max_tokens": 4096}, "chat", False, "tiny", 1, 4096, 4096, False)
-    assert chat.output_within(2048) is not None
+def test_every_generating_route_keeps_its_output_budget_within_the_context() -> None:
+    """vLLM's chat, completions and responses refuse a budget past max_model_len: the client's
+    gets that refusal; the proxy's own (here a tokens_per_minute share) is cut to the context
+    (red team, stop 50: a responses request without max_output_tokens got vLLM's 400)."""
+    routes: list[tuple[Endpoint, str]] = [("responses", "max_output_tokens"), ("completions", "max_tokens")]  # fmt: skip
+    for endpoint, field in routes:
+        body: dict[str, Any] = {field: 1_000_000}
+        client = ParsedRequest(body, endpoint, False, "tiny", 1, 1_000_000, 1_000_000, False)
+        assert f"{field}=1000000 cannot be greater" in str(client.output_within(2048))
+        proxy_set = ParsedRequest(
+            {field: 100_000}, endpoint, False, "tiny", 1, 100_000, 256, False,
+            budget_from_client=False,
+        )  # fmt: skip
+        assert proxy_set.output_within(2048) is None
+        assert (proxy_set.max_tokens, proxy_set.body[field]) == (2048, 2048)
+    within = ParsedRequest({"max_tokens": 2048}, "chat", False, "tiny", 1, 2048, 2048, False)
+    assert within.output_within(2048) is None
 
 
 def test_an_adapters_context_is_its_base_models() -> None:
     cards = ({"id": "tiny", "max_model_len": 4096}, {"id": "tiny-lora", "parent": "tiny"})
     assert model_context("tiny-lora", [cards]) == 4096
     assert model_context("tiny-lora", [({"id": "tiny-lora", "parent": "other"},)]) is None
+
+
+async def test_an_adapter_not_listed_yet_is_bounded_by_its_base_models_context(
+    clock: FakeClock,
+) -> None:
+    """vLLM lists an adapter's card only once loaded (and without max_model_len): the
+    catalogue's base model says its context (red team, stop 50: before its first load a
+    tokens_per_minute share went on past it, vLLM's 400; a client's 1,000,000 waited)."""
+    backend = FakeVLLM()
+    adapters = {"lora-a": {"path": "/adapters/a", "base_model": "tiny", "shared": True}}
+    config: dict[str, Any] = {"tenants": tenants(tokens_per_minute=100_000), "adapters": adapters}
+    settings = {"max_inflight": 4, "max_loras": 2, "load_adapters": True}
+    body = {"model": "lora-a", "messages": [{"role": "user", "content": "hello there"}]}
+    async with served_rig(clock, backend, backend=settings, **config) as r:
+        _with_cards(r)  # the base model's card only
+        absurd = {**body, "max_tokens": 1_000_000}  # a tenant without limits
+        resp = await r.client.post("/v1/chat/completions", json=absurd, headers=auth("high"))
+        answer = orjson.loads(await resp.read())
+        assert resp.status == 400 and "max_model_len=2048" in answer["error"]["message"], answer
+        assert (await _post(r, body))[0] == 200
+        sent = [b.body for b in backend.received if b.path == "/v1/chat/completions"]
+        assert [b["max_tokens"] for b in sent] == [2048]
+
+
+def test_chat_runs_max_completion_tokens_whatever_max_tokens_beside_it() -> None:
+    """vLLM 0.32's chat takes max_completion_tokens when set (build_tok_params): a max_tokens
+    beside it, past the context or the service's ceiling, is not refused (red team, stop 50)."""
+    for beside in (5000, 2_000_000):
+        body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": beside}
+        raw = orjson.dumps({**body, "max_completion_tokens": 10})
+        tier = Tier(priority=0, weight=1, max_queue=10, queue_timeout_s=10, request_timeout_s=60)
+        parsed = parse_body(raw, "chat", tier, Limits(), Scheduling())
+        assert (parsed.max_tokens, parsed.output_within(2048)) == (10, None)

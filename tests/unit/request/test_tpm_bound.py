@@ -75,15 +75,22 @@ def parsed_for(endpoint: str, body: dict[str, object], tier: Tier = TIER) -> tup
 
 
 def test_without_max_tokens_each_sequence_gets_its_share_of_the_limit() -> None:
-    # Before: no max_tokens went on as none (vLLM runs to the context's end: 23 prompts x
-    # 32k tokens against 6000 a minute), estimated 256 each, the debt past a minute forgiven.
-    assert parsed_for("completions", {"prompt": ["p"] * 23}) == (6000 // 23, 256 * 23)
+    # Before: no max_tokens went on as none (chat runs to the context's end: 32k tokens
+    # against 6000 a minute), estimated 256 each, the debt past a minute forgiven.
     assert parsed_for("chat", {"messages": [{"role": "user", "content": "x"}], "n": 2}) == (
         3000,
         512,
     )
     # A tier cap above the share: the share, and the request still fits the bucket.
     capped = Tier(**{**TIER.model_dump(), "max_tokens": 8192})
-    assert parsed_for("completions", {"prompt": "p"}, capped) == (6000, 6000)
+    chat: dict[str, object] = {"messages": [{"role": "user", "content": "x"}]}
+    assert parsed_for("chat", chat, capped) == (6000, 6000)
+    # Completions without max_tokens run vLLM's default, 16 (red team, stop 50: the proxy
+    # sent its share, 260 tokens each, and billed them): the share only where it is less.
+    assert parsed_for("completions", {"prompt": ["p"] * 23}) == (None, 16 * 23)  # none sent on
+    assert parsed_for("completions", {"prompt": ["p"] * 1000}) == (6, 6 * 1000)
+    assert parsed_for("completions", {"prompt": "p"}, capped) == (None, 16)
+    small = Tier(**{**TIER.model_dump(), "max_tokens": 8})
+    assert parsed_for("completions", {"prompt": "p"}, small) == (8, 8)  # the tier's cap, lower
     # What the client set is its own: over the limit, the pipeline refuses it.
     assert parsed_for("completions", {"prompt": "p", "max_tokens": 9000}) == (9000, 9000)
