@@ -143,15 +143,7 @@ class FakeVLLM:
         app.router.add_get("/v1/models", self._models)
         for path in POST_PATHS:
             app.router.add_post(path, self._post)
-        # vLLM's runtime LoRA loading (VLLM_ALLOW_RUNTIME_LORA_UPDATING): accepted, never listed.
-        for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
-            app.router.add_post(path, self._adapter_loaded)
         return app
-
-    async def _adapter_loaded(self, request: web.Request) -> web.Response:
-        body = await request.json()
-        self.received.append(Received(request.path, request.headers, body))
-        return web.Response(text=f"Success: LoRA adapter '{body.get('lora_name')}' done.")
 
     @contextlib.asynccontextmanager
     async def serve(self) -> AsyncIterator[str]:

@@ -8,12 +8,14 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import aiohttp
 import orjson
 import pytest
+from aiohttp import web
 
 from proxy.api.routes import Endpoint
 from proxy.bench.fake_vllm import FakeVLLM
-from proxy.bench.inproc import auth, until
+from proxy.bench.inproc import auth, make_config, running_proxy, serve_app, until
 from proxy.config.quotas import Price
 from proxy.config.scheduling import Limits, Scheduling
 from proxy.config.tenants import Tier
@@ -216,26 +218,37 @@ def test_an_adapters_context_is_its_base_models() -> None:
     assert model_context("tiny-lora", [({"id": "tiny-lora", "parent": "other"},)]) is None
 
 
-async def test_an_adapter_not_listed_yet_is_bounded_by_its_base_models_context(
-    clock: FakeClock,
-) -> None:
+async def test_an_adapter_not_listed_yet_is_bounded_by_its_base_models_context() -> None:
     """vLLM lists an adapter's card only once loaded (and without max_model_len): the
     catalogue's base model says its context (red team, stop 50: before its first load a
     tokens_per_minute share went on past it, vLLM's 400; a client's 1,000,000 waited)."""
     backend = FakeVLLM()
+    backend.max_model_len = 2048  # the base model's card; the adapter's is never listed here
+
+    async def load(request: web.Request) -> web.Response:
+        return web.Response(text="Success")
+
+    app = backend.app()
+    app.router.add_post("/v1/load_lora_adapter", load)
     adapters = {"lora-a": {"path": "/adapters/a", "base_model": "tiny", "shared": True}}
-    config: dict[str, Any] = {"tenants": tenants(tokens_per_minute=100_000), "adapters": adapters}
-    settings = {"max_inflight": 4, "max_loras": 2, "load_adapters": True}
     body = {"model": "lora-a", "messages": [{"role": "user", "content": "hello there"}]}
-    async with served_rig(clock, backend, backend=settings, **config) as r:
-        _with_cards(r)  # the base model's card only
-        absurd = {**body, "max_tokens": 1_000_000}  # a tenant without limits
-        resp = await r.client.post("/v1/chat/completions", json=absurd, headers=auth("high"))
-        answer = orjson.loads(await resp.read())
-        assert resp.status == 400 and "max_model_len=2048" in answer["error"]["message"], answer
-        assert (await _post(r, body))[0] == 200
-        sent = [b.body for b in backend.received if b.path == "/v1/chat/completions"]
-        assert [b["max_tokens"] for b in sent] == [2048]
+    async with serve_app(app, handler_cancellation=True) as url:
+        settings = {"url": url, "max_inflight": 4, "max_loras": 2, "load_adapters": True}
+        config = make_config(
+            [settings], adapters=adapters, tenants=tenants(tokens_per_minute=100_000)
+        )
+        async with running_proxy(config) as (base, state), aiohttp.ClientSession() as client:
+            for entry in state.pool.all():
+                entry.model_cards = CARDS  # the base model's, as probed: no adapter card
+            absurd = {**body, "max_tokens": 1_000_000}  # a tenant without limits
+            headers = auth("high")
+            async with client.post(f"{base}/v1/chat/completions", json=absurd, headers=headers) as r:  # fmt: skip
+                answer = await r.json()
+                assert r.status == 400 and "max_model_len=2048" in answer["error"]["message"]
+            headers = auth("normal")  # tokens_per_minute 100,000: a share past the context
+            async with client.post(f"{base}/v1/chat/completions", json=body, headers=headers) as r:  # fmt: skip
+                assert r.status == 200, await r.text()
+    assert [b.body["max_tokens"] for b in backend.received] == [2048]
 
 
 def test_chat_runs_max_completion_tokens_whatever_max_tokens_beside_it() -> None:
