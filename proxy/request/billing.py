@@ -61,10 +61,12 @@ def model_context(model: str | None, cards_by_backend: Iterable[Sequence[Card]])
     ``max_model_len``); None when none does."""
     contexts: list[int] = []
     for cards in cards_by_backend:
-        by_id = {card.get("id"): card for card in cards}
-        card = by_id.get(model)
+        # Only string ids and parents: a backend's card is not trusted to be well formed.
+        by_id = {card["id"]: card for card in cards if isinstance(card.get("id"), str)}
+        card = by_id.get(model) if model is not None else None
         if card is not None and card.get("max_model_len") is None:
-            card = by_id.get(card.get("parent"))
+            parent = card.get("parent")
+            card = by_id.get(parent) if isinstance(parent, str) else None
         length = card.get("max_model_len") if card is not None else None
         if isinstance(length, int) and not isinstance(length, bool) and length > 0:
             contexts.append(length)

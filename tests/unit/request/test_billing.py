@@ -216,6 +216,8 @@ def test_an_adapters_context_is_its_base_models() -> None:
     cards = ({"id": "tiny", "max_model_len": 4096}, {"id": "tiny-lora", "parent": "tiny"})
     assert model_context("tiny-lora", [cards]) == 4096
     assert model_context("tiny-lora", [({"id": "tiny-lora", "parent": "other"},)]) is None
+    odd: tuple[dict[str, object], ...] = ({"id": ["x"]}, {"id": "a", "parent": ["tiny"]})
+    assert model_context("a", [odd, cards]) is None and model_context("tiny", [odd, cards]) == 4096
 
 
 async def test_an_adapter_not_listed_yet_is_bounded_by_its_base_models_context() -> None:
