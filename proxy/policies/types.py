@@ -70,9 +70,9 @@ class QueuedRequest:
 
     def bound_by_context(self, context: int, sequences: int) -> None:
         """No sequence holds more than the model's ``context`` tokens: the prompt's estimate,
-        and the output expected of its ``sequences``, capped there. A ``max_tokens`` vLLM will
-        refuse (1,000,000) was queued and booked by kv_aware at ~31k blocks until its 400
-        came (red team); a megabyte prompt counted as queued work moved others' turns."""
+        and the output expected of its ``sequences``, capped there (queued work, the token
+        budget and kv_aware's booking count no more: a megabyte prompt counted as queued work
+        moved others' turns; an expected output past the context, ~31k blocks booked)."""
         self.prompt_tokens = min(self.prompt_tokens, context)
         self.expected_output = min(self.expected_output, context * max(1, sequences))
 

@@ -76,24 +76,25 @@ class ParsedRequest:
             return 0
         return None if self.max_tokens is None else self.max_tokens * self.sequences
 
-    def output_within(self, context: int) -> str | None:
+    def keep_output_within(self, context: int) -> None:
         """The output budget kept within the model's ``context`` (its ``max_model_len``),
         which vLLM's generating routes refuse to pass: one the proxy set (a tier's cap, a
         share of tokens_per_minute) is lowered to it; one the client set past it gets vLLM's
-        refusal, returned (None: within it)."""
-        row = ROWS[self.endpoint]
-        if not row.budget_fields or self.max_tokens is None or self.max_tokens <= context:
-            return None
-        names = [f for f in row.budget_fields if f in self.body]
+        refusal (400)."""
+        fields = ROWS[self.endpoint].budget_fields
+        if not fields or self.max_tokens is None or self.max_tokens <= context:
+            return
         if not self.budget_from_client:
-            for name in names:
-                self.body[name] = context
+            for name in fields:
+                if name in self.body:
+                    self.body[name] = context
             self.max_tokens = context
-            return None
-        name = next((f for f in names if lax_int(self.body[f]) == self.max_tokens), names[0])
-        return (
+            return
+        name = _budget_field(self.body, fields)
+        raise bad_request(
             f"{name}={self.max_tokens} cannot be greater than max_model_len={context}. Please"
-            f" request fewer output tokens. (parameter={name}, value={self.max_tokens})"
+            f" request fewer output tokens. (parameter={name}, value={self.max_tokens})",
+            param=name,
         )
 
     @property
@@ -136,7 +137,7 @@ def parse_body(
     row.fields.apply(body)
     from_client = any(name in body for name in row.budget_fields)
     max_tokens, expected = (
-        _output_budget(body, row, tier, limits, scheduling, token_limit)
+        _output_budget(body, row, tier, limits, scheduling, from_client, token_limit)
         if route.generates
         else (None, 0)
     )
@@ -191,12 +192,12 @@ def _output_budget(
     tier: Tier,
     limits: Limits,
     scheduling: Scheduling,
+    client_set: bool,
     token_limit: float | None = None,
 ) -> tuple[int | None, int]:
     """(max_tokens as sent on, clamped to the tier; output tokens expected from all n
-    choices of every prompt) of a generating request."""
+    choices of every prompt) of a generating request (``client_set``: its body sets one)."""
     fields = row.budget_fields
-    client_set = any(name in body for name in fields)
     max_tokens = _clamped_max_tokens(body, tier, limits, fields, row.default_max_tokens)
     n = _lax_field(body, "n", lax_int, "an integer")
     n = 1 if n is None else n
@@ -250,6 +251,12 @@ def _lax_field(body: dict[str, Any], name: str, read: Callable[[object], Any], k
 _TOKEN_FIELDS = ("max_tokens", "max_completion_tokens")
 
 
+def _budget_field(body: dict[str, Any], fields: tuple[str, ...]) -> str:
+    """The budget field vLLM reads of those ``body`` sets: the last (chat's
+    ``max_completion_tokens`` over ``max_tokens``)."""
+    return [f for f in fields if body.get(f) is not None][-1]
+
+
 def _clamped_max_tokens(
     body: dict[str, Any],
     tier: Tier,
@@ -272,7 +279,7 @@ def _clamped_max_tokens(
             raise bad_request(f"'{name}' must be a positive integer", param=name)
         chosen = value
     if chosen is not None and chosen > limits.max_tokens_ceiling:
-        name = [f for f in fields if body.get(f) is not None][-1]
+        name = _budget_field(body, fields)
         raise bad_request(
             f"'{name}' is {chosen}; the most this service allows is {limits.max_tokens_ceiling}",
             param=name,

@@ -314,16 +314,14 @@ class PromptBlocks:
         chooser; None while kv_cache is off) on its first attempt: computed once it may run,
         before it is queued. Its prompt's estimate and expected output are capped at the
         model's context (``QueuedRequest.bound_by_context``); a prompt counted past it, or a
-        client's output budget past it (``ParsedRequest.output_within``), is refused as vLLM
+        client's output budget past it (``ParsedRequest.keep_output_within``), is refused as vLLM
         would: it could never run, and under ``max_tokens_inflight`` it waited for an idle
         backend until its queue timeout (a 503 to retry) rather than get vLLM's 400 (red
         team)."""
         if adm.attempts == 0:
             context = model_context(adm.context_model, (s.model_cards for s in via.pool.all()))
             if context is not None:
-                past = adm.parsed.output_within(context)
-                if past is not None:
-                    raise bad_request(past, param=past.partition("=")[0])
+                adm.parsed.keep_output_within(context)
                 adm.queued.bound_by_context(context, adm.parsed.sequences)
             try:
                 adm.queued.prompt_blocks = await self.compute(

@@ -248,16 +248,16 @@ class Dispatcher:
         wait noted, a hold begun), so a second one may differ. It once returned None there: an
         AssertionError, a 500, and the request popped but never leased (its client waited out
         its timeout)."""
-        chosen: list[BackendState] = []
+        chosen: dict[QueuedRequest, BackendState] = {}  # by request: whatever pop tried
 
         def taken(req: QueuedRequest) -> bool:
             backend = self._choose(req, now)
             if backend is not None:
-                chosen.append(backend)
+                chosen[req] = backend
             return backend is not None
 
         req = self.queue.pop(taken)
-        return (req, chosen[-1]) if req is not None else None
+        return (req, chosen[req]) if req is not None else None
 
     def _note_due(self, now: float) -> None:
         """Due adapter requests are offered first, so that the engines where they wait for a

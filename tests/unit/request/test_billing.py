@@ -13,6 +13,7 @@ import orjson
 import pytest
 from aiohttp import web
 
+from proxy.api.errors import ProxyError
 from proxy.api.routes import Endpoint
 from proxy.bench.fake_vllm import FakeVLLM
 from proxy.bench.inproc import auth, make_config, running_proxy, serve_app, until
@@ -201,15 +202,19 @@ def test_every_generating_route_keeps_its_output_budget_within_the_context() -> 
     for endpoint, field in routes:
         body: dict[str, Any] = {field: 1_000_000}
         client = ParsedRequest(body, endpoint, False, "tiny", 1, 1_000_000, 1_000_000, False)
-        assert f"{field}=1000000 cannot be greater" in str(client.output_within(2048))
+        with pytest.raises(ProxyError) as refused:
+            client.keep_output_within(2048)
+        assert refused.value.status == 400 and refused.value.param == field
+        assert f"{field}=1000000 cannot be greater" in str(refused.value)
         proxy_set = ParsedRequest(
             {field: 100_000}, endpoint, False, "tiny", 1, 100_000, 256, False,
             budget_from_client=False,
         )  # fmt: skip
-        assert proxy_set.output_within(2048) is None
+        proxy_set.keep_output_within(2048)
         assert (proxy_set.max_tokens, proxy_set.body[field]) == (2048, 2048)
     within = ParsedRequest({"max_tokens": 2048}, "chat", False, "tiny", 1, 2048, 2048, False)
-    assert within.output_within(2048) is None
+    within.keep_output_within(2048)
+    assert within.body == {"max_tokens": 2048}
 
 
 def test_an_adapters_context_is_its_base_models() -> None:
@@ -261,4 +266,5 @@ def test_chat_runs_max_completion_tokens_whatever_max_tokens_beside_it() -> None
         raw = orjson.dumps({**body, "max_completion_tokens": 10})
         tier = Tier(priority=0, weight=1, max_queue=10, queue_timeout_s=10, request_timeout_s=60)
         parsed = parse_body(raw, "chat", tier, Limits(), Scheduling())
-        assert (parsed.max_tokens, parsed.output_within(2048)) == (10, None)
+        parsed.keep_output_within(2048)  # not refused
+        assert parsed.max_tokens == 10
