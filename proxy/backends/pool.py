@@ -24,6 +24,7 @@ from proxy.config.backends import Backend, BackendHealth
 from proxy.config.slo import AdaptiveRoom
 from proxy.policies.backends import BackendChooser, Candidate, slot_room
 from proxy.policies.room import FixedRoom, GradientRoom, RoomChange, RoomController, RoomSignals
+from proxy.policies.token_reservations import TokenReservations
 from proxy.policies.types import QueuedRequest
 
 
@@ -58,6 +59,9 @@ class BackendPool:
         # share adapter slots (both set by the builder).
         self.adapters: Mapping[str, str] = {}
         self.adapter_policy = AdapterPolicy()
+        # Which backend drains for a request its token budget does not fit (tier ranks set by
+        # the builder).
+        self.token_reservations = TokenReservations()
         self.reconfigure(backends, health)
 
     def reconfigure(
@@ -78,6 +82,7 @@ class BackendPool:
         if miss_budget is not None:
             self.miss_budget = miss_budget
         wanted = {b.url: b for b in backends}
+        self.token_reservations.forget(url for url in self.states if url not in wanted)
         for url, state in list(self.states.items()):
             if url in wanted:
                 kind_changed = state.cfg.adaptive_room != wanted[url].adaptive_room
@@ -160,7 +165,8 @@ class BackendPool:
 
     def fits_tokens(self, state: BackendState, tokens: float) -> bool:
         budget = state.cfg.max_tokens_inflight
-        # A request larger than the whole budget still runs when the backend is idle.
+        # A request larger than the whole budget still runs when the backend is idle (which
+        # its token reservation brings about under load).
         return (
             budget is None or state.tokens_inflight == 0 or state.tokens_inflight + tokens <= budget
         )
@@ -176,9 +182,11 @@ class BackendPool:
     ) -> BackendState | None:
         """The chooser's pick among the backends that serve the model, fit the tokens and have
         a free slot (``best``: a best-tier request, which may take the reserve); None if none
-        can take it."""
+        can take it. A backend that drains for another request's tokens takes only better
+        tiers; a request no backend fits for tokens alone makes one drain for it."""
         candidates: list[Candidate[BackendState]] = []
         full: list[BackendState] = []
+        short_of_tokens: dict[str, float] = {}
         failed = request.failed_on if request is not None else frozenset()
         avoid = self._passed_over(failed, model, now)
         tenant, tier = (request.tenant, request.tier) if request is not None else ("", "")
@@ -194,7 +202,11 @@ class BackendPool:
             takes = state.cfg.url in able[0] | able[1] if able is not None else state.serves(model)
             if not takes:
                 continue
+            if not self.token_reservations.admits(state.cfg.url, request):
+                continue
             if not self.fits_tokens(state, tokens):
+                if state.available(now):
+                    short_of_tokens[state.cfg.url] = state.tokens_inflight
                 continue
             room = self.room(state, now, best=best)
             if room >= 1.0:
@@ -206,6 +218,8 @@ class BackendPool:
             # An adapter goes where it is held while one of those has room (no load).
             candidates = [c for c in candidates if c.state.cfg.url in able[0]]
         if not candidates:
+            if request is not None and short_of_tokens:
+                self.token_reservations.reserve(request, short_of_tokens)
             return None
         return self.chooser.pick(candidates, request, now=now, full=full)
 
@@ -296,6 +310,7 @@ class BackendPool:
             request.predicted_blocks = state.cached_blocks(request.prompt_blocks)
         if request is None:
             return None
+        self.token_reservations.release(request)  # sent: its hold, if any, ends now
         wait = (request.arrival_s, request.deadline_s, now)  # as when it was chosen
         user = self.adapter_policy.user(request.tenant, request.tier, best, wait)
         return adapter_begin(state, self.adapters, request.model, self.adapter_policy, user, now)

@@ -131,7 +131,9 @@ class Backend(Strict):
         gt=0,
         description="Optional budget of prompt + expected output tokens in flight on this"
         " backend (each request's counted at most to the model's context a sequence); null:"
-        " none. A request larger than the whole budget still runs when the backend is idle.",
+        " none. A request that fits no backend's budget makes one drain for it: requests of"
+        " its tier or worse go elsewhere or wait until it fits (a better tier still passes);"
+        " one larger than the whole budget runs once the backend is idle.",
     )
     max_cheap_inflight: int = Field(
         4,

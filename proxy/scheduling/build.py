@@ -167,6 +167,7 @@ def set_best_tier_reserve(pool: BackendPool, config: Config) -> None:
     ranks = {name: t.priority for name, t in config.tiers.items()}
     knobs = config.scheduling.adapter_slots
     pool.adapter_policy = policy_for(knobs, pool.adapters, best_usable, ranks)
+    pool.token_reservations.ranks = ranks
 
 
 def default_queue_policies(

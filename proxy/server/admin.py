@@ -84,6 +84,7 @@ class AdminEndpoints:
     def backend_view(self, backend: BackendState) -> dict[str, object]:
         now = self.state.clock()
         load = backend.load
+        holder = self.state.pool.token_reservations.holder(backend.cfg.url)
         return {
             "url": backend.cfg.url,
             "name": backend.label,
@@ -96,6 +97,18 @@ class AdminEndpoints:
             "room": backend.max_room,
             "room_adaptive": backend.cfg.adaptive_room,
             "dispatched_total": backend.dispatched_total,
+            "tokens_inflight": backend.tokens_inflight,
+            "max_tokens_inflight": backend.cfg.max_tokens_inflight,
+            # Draining for a request its token budget does not fit (its tier or worse wait).
+            "held_for": (
+                {
+                    "tenant": holder.tenant,
+                    "tier": holder.tier,
+                    "tokens": holder.prompt_tokens + holder.expected_output,
+                }
+                if holder is not None
+                else None
+            ),
             "models": sorted(backend.models) if backend.models is not None else None,
             "vllm_waiting": load.waiting if load else None,
             "vllm_running": load.running if load else None,

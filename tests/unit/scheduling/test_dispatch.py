@@ -197,3 +197,85 @@ async def test_the_pick_that_lets_a_request_out_of_the_queue_is_the_backend_it_g
     assert len(d.queue) == 0
     second.result().release()
     assert pool.all()[0].inflight == 0
+
+
+def _budget_dispatcher(clock: FakeClock) -> Dispatcher:
+    """One backend of 8 slots and 1,000 tokens in flight; tiers ranked as a config would."""
+    queue = AdmissionQueue(
+        {"low": TierLimits(1, 100, 60.0, priority=1), "high": TierLimits(10, 100, 60.0)},
+        default_queue_policies(aging_s=30, reference_tokens=8192),
+    )
+    backend = Backend(url="http://b:1", max_inflight=8, max_tokens_inflight=1000)
+    pool = BackendPool([backend], BackendHealth(), LeastUtilised())
+    pool.token_reservations.ranks = {"high": 0, "low": 1}
+    return Dispatcher(queue, pool, ProxyMetrics(), clock)
+
+
+def _sized(tier: str, tenant: str, tokens: int, clock: FakeClock) -> QueuedRequest:
+    return QueuedRequest(
+        tier=tier,
+        tenant=tenant,
+        prompt_tokens=tokens // 2,
+        expected_output=tokens - tokens // 2,
+        arrival_s=clock(),
+    )
+
+
+async def test_a_request_the_token_budget_does_not_fit_drains_a_backend_under_steady_load() -> None:
+    """Another tenant's steady 300-token requests keep 900 of 1,000 tokens in flight: without a
+    hold each freed 300 went to the next of them, and the 900-token request waited out its
+    queue timeout (red team, stop 50). Held, the backend takes nothing else of its tier until
+    it fits; then the flood goes on."""
+    clock = FakeClock()
+    d = _budget_dispatcher(clock)
+    running = [d.enqueue(_sized("low", "flood", 300, clock)) for _ in range(3)]
+    assert all(w.done() for w in running)
+    backlog = [d.enqueue(_sized("low", "flood", 300, clock)) for _ in range(20)]
+    big = d.enqueue(_sized("low", "batch", 900, clock))
+    assert not big.done() and not any(w.done() for w in backlog)
+    # The flood's next request was refused for tokens first: it holds the backend until it fits.
+    clock.now += 1.0
+    running.pop(0).result().release()
+    running += [w for w in backlog if w.done()]
+    assert len(running) == 3  # it went; then the batch request holds the backend
+    held = d.pool.token_reservations.holder("http://b:1")
+    assert held is not None and held.tenant == "batch"
+    for lease in running[:2]:  # 600, then 300 in flight: no flood request goes in
+        clock.now += 1.0
+        lease.result().release()
+        assert sum(w.done() for w in backlog) == 1 and not big.done()
+    clock.now += 1.0
+    running[2].result().release()  # idle: it fits
+    assert big.done() and big.result().backend.tokens_inflight == 900
+    held = d.pool.token_reservations.holder("http://b:1")  # the flood's next, which 900 leaves out
+    assert held is not None and held.tenant == "flood"
+    big.result().release()
+    assert sum(w.done() for w in backlog) == 1 + 3  # the flood goes on, three at a time
+
+
+async def test_a_better_tier_passes_a_worse_tiers_drain() -> None:
+    clock = FakeClock()
+    d = _budget_dispatcher(clock)
+    running = [d.enqueue(_sized("low", "flood", 300, clock)) for _ in range(3)]
+    flood = d.enqueue(_sized("low", "flood", 100, clock))  # fits: 1,000 in flight
+    big = d.enqueue(_sized("low", "batch", 900, clock))
+    assert flood.done() and not big.done()
+    more = d.enqueue(_sized("low", "flood", 50, clock))
+    interactive = d.enqueue(_sized("high", "chat", 50, clock))
+    running[0].result().release()  # 700 in flight: the high-tier request passes, the low one waits
+    assert interactive.done() and not more.done() and not big.done()
+    held = d.pool.token_reservations.holder("http://b:1")
+    assert held is not None and held.tenant == "batch"  # the drain goes on for it
+
+
+async def test_a_drain_ends_when_its_request_leaves_the_queue() -> None:
+    clock = FakeClock()
+    d = _budget_dispatcher(clock)
+    [d.enqueue(_sized("low", "flood", 300, clock)) for _ in range(3)]
+    big = _sized("low", "batch", 900, clock)
+    d.enqueue(big)
+    queued = d.enqueue(_sized("low", "flood", 100, clock))
+    assert not queued.done()  # 1,000 would fit, but the backend drains for the batch request
+    d.withdraw(big)  # its client left
+    d.dispatch_ready()
+    assert queued.done() and d.pool.token_reservations.held() == {}

@@ -1,0 +1,98 @@
+"""A request larger than a backend's whole ``max_tokens_inflight``, against ``tierproxy serve``
+(a subprocess) in front of a real CPU vLLM, while another tenant of its tier keeps that backend
+busy with a steady flood: it ran only on an idle backend, the flood never let it be idle, and
+it waited out its queue timeout for a 503 (red team, stop 50). Now the backend drains for it:
+the flood waits in the proxy's queue until it has been sent, and it is served. Nothing is
+timed: the flood runs, without a pause, until the large request has its answer."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from proxy.bench.hostile.served import ADMIN_KEY, ServedProxy, admin_sections
+from proxy.bench.inproc import KEYS, make_config
+from proxy.config.tenants import hash_key
+from proxy.tools.engine import EngineProcess
+from tests.helpers.enginefarm import EngineFarm
+from tests.helpers.engines import PROMPT_DETAILS
+
+pytestmark = [pytest.mark.integration, pytest.mark.engines(PROMPT_DETAILS)]
+CHAT = "/v1/chat/completions"
+TIMEOUT = aiohttp.ClientTimeout(total=180)
+BUDGET = 4_000  # the backend's max_tokens_inflight
+LOOPS = 6  # the flood's clients, each sending its next request as soon as one ends
+SEQUENCES, EACH = 3, 1_500  # the large request: 4,500 tokens of output, past the whole budget
+MESSAGES = [{"role": "user", "content": "hello there"}]
+
+
+@pytest.fixture(scope="module")
+def engine(engines: EngineFarm) -> EngineProcess:
+    return engines.get(PROMPT_DETAILS)
+
+
+async def test_a_request_past_the_whole_token_budget_is_served_under_a_steady_flood(
+    engine: EngineProcess, tmp_path: Path
+) -> None:
+    tenants: list[dict[str, Any]] = [
+        {"name": "flood", "tier": "normal", "keys": [{"sha256": hash_key(KEYS["normal"])}]},
+        {"name": "batch", "tier": "normal", "keys": [{"sha256": hash_key(KEYS["low"])}]},
+    ]
+    backend = {"url": engine.spec.url, "max_inflight": 8, "max_tokens_inflight": BUDGET}
+    # Under the old rule the large request would wait out the tier's queue timeout for a 503.
+    tiers = {"normal": {"queue_timeout_s": 90, "request_timeout_s": 150}}
+    config = make_config([backend], tiers=tiers, tenants=tenants, **admin_sections())
+    admin_headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    with ServedProxy(config, tmp_path).start() as proxy:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+
+            async def post(key: str, body: dict[str, object]) -> tuple[int, dict[str, Any]]:
+                headers = {"Authorization": f"Bearer {key}"}
+                async with session.post(proxy.url + CHAT, json=body, headers=headers) as r:
+                    return r.status, await r.json()
+
+            done = asyncio.Event()
+            flood_answers: list[int] = []
+
+            async def flood() -> None:
+                body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 60, "ignore_eos": True}
+                while not done.is_set():
+                    status, _ = await post(KEYS["normal"], body)
+                    flood_answers.append(status)
+
+            loops = [asyncio.create_task(flood()) for _ in range(LOOPS)]
+            try:
+                async with asyncio.timeout(120):  # the flood under way
+                    while len(flood_answers) < 2 * LOOPS:
+                        assert not all(loop.done() for loop in loops), loops[0].exception()
+                        await asyncio.sleep(0.05)
+                big = {
+                    "model": "tiny",
+                    "messages": MESSAGES,
+                    "max_tokens": EACH,
+                    "n": SEQUENCES,
+                    "ignore_eos": True,
+                }
+                answer = asyncio.create_task(post(KEYS["low"], big))
+                held_for: list[object] = []
+                while not answer.done():  # the backend drains for it: /admin/backends says so
+                    async with session.get(
+                        proxy.admin_url + "/admin/backends", headers=admin_headers
+                    ) as r:
+                        views = await r.json()
+                    held_for += [v["held_for"] for v in views["backends"] if v["held_for"]]
+                    await asyncio.sleep(0.05)
+                status, body = await answer
+            finally:
+                done.set()
+                await asyncio.gather(*loops, return_exceptions=True)
+            assert status == 200, body
+            assert body["usage"]["completion_tokens"] == SEQUENCES * EACH, body["usage"]
+            assert any(h["tenant"] == "batch" for h in held_for if isinstance(h, dict)), held_for
+            # The flood waited in the proxy's queue while the backend drained, then went on:
+            # every request of it served.
+            assert set(flood_answers) == {200}, sorted(set(flood_answers))
