@@ -89,6 +89,15 @@ class BackendState:
     def serves(self, model: str | None) -> bool:
         return model is None or self.models is None or model in self.models
 
+    def fits_tokens(self, tokens: float) -> bool:
+        """Whether ``tokens`` more fit its ``max_tokens_inflight``. A request larger than the
+        whole budget still runs when the backend is idle (its token reservation brings that
+        about under load: ``proxy.policies.token_reservations``)."""
+        budget = self.cfg.max_tokens_inflight
+        return (
+            budget is None or self.tokens_inflight == 0 or self.tokens_inflight + tokens <= budget
+        )
+
     def available(self, now: float) -> bool:
         return self.healthy and not self.draining and now >= self.ejected_until
 

@@ -23,7 +23,7 @@ from proxy.backends.health import OutlierDetection
 from proxy.config.backends import Backend, BackendHealth
 from proxy.config.slo import AdaptiveRoom
 from proxy.policies.backends import BackendChooser, Candidate, slot_room
-from proxy.policies.room import FixedRoom, GradientRoom, RoomChange, RoomController, RoomSignals
+from proxy.policies.room import GradientRoom, RoomChange, RoomSignals, room_controller
 from proxy.policies.token_reservations import TokenReservations
 from proxy.policies.types import QueuedRequest
 
@@ -59,8 +59,7 @@ class BackendPool:
         # share adapter slots (both set by the builder).
         self.adapters: Mapping[str, str] = {}
         self.adapter_policy = AdapterPolicy()
-        # Which backend drains for a request its token budget does not fit (tier ranks set by
-        # the builder).
+        # Which backend drains for a request no token budget fits (ranks set by the builder).
         self.token_reservations = TokenReservations()
         self.reconfigure(backends, health)
 
@@ -88,9 +87,11 @@ class BackendPool:
                 kind_changed = state.cfg.adaptive_room != wanted[url].adaptive_room
                 state.cfg = wanted[url]
                 if renew or kind_changed:
-                    state.room_controller = self._controller(state.cfg)
+                    state.room_controller = room_controller(
+                        state.cfg, self.adaptive, self.miss_budget
+                    )
                 elif state.room_controller is not None:
-                    state.room_controller.set_ceiling(self._ceiling(state.cfg))
+                    state.room_controller.set_ceiling(self.adaptive.ceiling(state.cfg.max_inflight))
                     if isinstance(state.room_controller, GradientRoom):
                         state.room_controller.miss_budget = self.miss_budget
                 if state.removed:
@@ -101,15 +102,9 @@ class BackendPool:
                 state.removed = state.draining = True
         for url, cfg in wanted.items():
             if url not in self.states:
-                self.states[url] = BackendState(cfg=cfg, room_controller=self._controller(cfg))
-
-    def _ceiling(self, cfg: Backend) -> float:
-        return float(cfg.max_inflight or self.adaptive.max_room)
-
-    def _controller(self, cfg: Backend) -> RoomController:
-        if not cfg.adaptive_room:
-            return FixedRoom(cfg.max_inflight or self.adaptive.initial_room)
-        return GradientRoom(self.adaptive, self._ceiling(cfg), self.miss_budget)
+                self.states[url] = BackendState(
+                    cfg=cfg, room_controller=room_controller(cfg, self.adaptive, self.miss_budget)
+                )
 
     def tick_room(self, state: BackendState, now: float) -> RoomChange | None:
         """One look of the backend's room controller (after each monitor pass)."""
@@ -163,14 +158,6 @@ class BackendPool:
         worse = state.inflight - state.best_inflight
         return float(max(0, min(self.best_tier_reserve, worse) - state.reserve_inflight))
 
-    def fits_tokens(self, state: BackendState, tokens: float) -> bool:
-        budget = state.cfg.max_tokens_inflight
-        # A request larger than the whole budget still runs when the backend is idle (which
-        # its token reservation brings about under load).
-        return (
-            budget is None or state.tokens_inflight == 0 or state.tokens_inflight + tokens <= budget
-        )
-
     def choose(
         self,
         model: str | None,
@@ -182,8 +169,7 @@ class BackendPool:
     ) -> BackendState | None:
         """The chooser's pick among the backends that serve the model, fit the tokens and have
         a free slot (``best``: a best-tier request, which may take the reserve); None if none
-        can take it. A backend that drains for another request's tokens takes only better
-        tiers; a request no backend fits for tokens alone makes one drain for it."""
+        can take it; one that only the token budgets refuse makes a backend drain for it."""
         candidates: list[Candidate[BackendState]] = []
         full: list[BackendState] = []
         short_of_tokens: dict[str, float] = {}
@@ -200,11 +186,9 @@ class BackendPool:
             if state.cfg.url in avoid:
                 continue
             takes = state.cfg.url in able[0] | able[1] if able is not None else state.serves(model)
-            if not takes:
-                continue
-            if not self.token_reservations.admits(state.cfg.url, request):
-                continue
-            if not self.fits_tokens(state, tokens):
+            if not takes or not self.token_reservations.admits(state.cfg.url, request):
+                continue  # (drains for another request's tokens: only better tiers pass)
+            if not state.fits_tokens(tokens):
                 if state.available(now):
                     short_of_tokens[state.cfg.url] = state.tokens_inflight
                 continue

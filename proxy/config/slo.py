@@ -74,6 +74,10 @@ class AdaptiveRoom(Strict):
         20, ge=1, description="Observations needed in the window before targets are judged."
     )
 
+    def ceiling(self, max_inflight: int | None) -> float:
+        """The most a backend's learned room grows to: its ``max_inflight``, else ``max_room``."""
+        return float(max_inflight or self.max_room)
+
     @model_validator(mode="after")
     def _bounds(self) -> AdaptiveRoom:
         if not self.min_room <= self.initial_room <= self.max_room:

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 from proxy.config.slo import AdaptiveRoom
 
 if TYPE_CHECKING:
+    from proxy.config.backends import Backend
     from proxy.policies.types import ScrapedLoad
 
 # vLLM's batch limit is the most it ran over this long (scrapes are snapshots).
@@ -325,3 +326,10 @@ class GradientRoom:
         old, self.room, self.changed_at = self.room, new, now
         self._scrapes.clear()  # the batch seen under the old room says little of the new one
         return RoomChange(old, new, reason)
+
+
+def room_controller(cfg: Backend, adaptive: AdaptiveRoom, miss_budget: float) -> RoomController:
+    """A backend's room: fixed at its ``max_inflight``, or learned up to its ceiling."""
+    if not cfg.adaptive_room:
+        return FixedRoom(cfg.max_inflight or adaptive.initial_room)
+    return GradientRoom(adaptive, adaptive.ceiling(cfg.max_inflight), miss_budget)

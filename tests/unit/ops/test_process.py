@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import random
 import signal
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import proxy
+from proxy.ops import process
 from proxy.ops.process import (
     PORT_RANGE_ENV,
     ManagedProcess,
@@ -176,7 +178,20 @@ def test_free_port_never_hands_out_a_port_twice_before_it_is_bound(
 ) -> None:
     """A test asks for its proxy's port and its admin listener's before either binds: the same
     draw twice made the second listener fail (address already in use)."""
-    monkeypatch.setenv(PORT_RANGE_ENV, "20000-21999")
-    draws = iter([20_500, 20_500, 20_501])
+    first, second = sorted(_kernel_ports(2))  # free now, whatever else runs beside the test
+    monkeypatch.setenv(PORT_RANGE_ENV, f"{first}-{second + 1_000}")
+    monkeypatch.setattr(process, "_GIVEN", collections.deque(maxlen=256))  # none handed out yet
+    draws = iter([first, first, second])
     monkeypatch.setattr(random, "randrange", lambda *_: next(draws))
-    assert [free_port(), free_port()] == [20_500, 20_501]
+    assert [free_port(), free_port()] == [first, second]
+
+
+def _kernel_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
