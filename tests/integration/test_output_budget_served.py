@@ -25,12 +25,14 @@ from tests.helpers.engines import PROMPT_DETAILS
 
 pytestmark = [pytest.mark.integration, pytest.mark.engines(PROMPT_DETAILS)]
 CHAT = "/v1/chat/completions"
-TIMEOUT = aiohttp.ClientTimeout(total=120)
-# tenant-high's generations, each booked 1,200+ tokens of the backend's budget, four at a time:
+TIMEOUT = aiohttp.ClientTimeout(total=600)
+# tenant-high's generations, each booked 1,800+ tokens of the backend's budget, four at a time:
 # the backend is idle only after four waves of them, far past the refusals however fast the
-# engine decodes (stop 50's CI finished one wave of four between the two refusals).
+# engine decodes (stop 50's CI finished one wave of four 1,200-token ones between the two
+# refusals). Their clients leave once the refusals are seen, so a slow engine is not waited for.
 BUSY = 16
 WAVE = 4
+BUSY_TOKENS = 1_800
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +63,9 @@ async def test_a_max_tokens_past_the_context_is_refused_at_once_and_a_share_past
     # The busy generations take most of the token budget: a request booked at n x 1,000,000
     # (or n x the context, 16,384) would wait for the backend to be idle.
     backend = {"url": engine.spec.url, "max_inflight": WAVE, "max_tokens_inflight": 8_000}
-    config = make_config([backend], tenants=tenants)
+    # The last request may run to the context's end (2,048 tokens) on a slow, busy machine.
+    tiers = {"normal": {"request_timeout_s": 600}}
+    config = make_config([backend], tiers=tiers, tenants=tenants)
     with ServedProxy(config, tmp_path).start() as proxy:
         async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
 
@@ -71,7 +75,8 @@ async def test_a_max_tokens_past_the_context_is_refused_at_once_and_a_share_past
                     return r.status, await r.json()
 
             messages = [{"role": "user", "content": "hello there"}]
-            long = {"model": "tiny", "messages": messages, "max_tokens": 1200, "ignore_eos": True}
+            long = {"model": "tiny", "messages": messages, "max_tokens": BUSY_TOKENS}
+            long["ignore_eos"] = True
             busy = [asyncio.create_task(post("high", long)) for _ in range(BUSY)]
             try:
                 for _ in range(600):  # polls
@@ -89,8 +94,9 @@ async def test_a_max_tokens_past_the_context_is_refused_at_once_and_a_share_past
                     # backend (the bug answered it only once every one had ended).
                     assert not all(task.done() for task in busy), "answered after the backend idled"
             finally:
-                results = await asyncio.gather(*busy, return_exceptions=True)
-            assert all(r[0] == 200 for r in results if isinstance(r, tuple)), results
+                for task in busy:  # their clients leave: the proxy aborts them in the engine
+                    task.cancel()
+                await asyncio.gather(*busy, return_exceptions=True)
             # No max_tokens from a tenant whose tokens_per_minute share (100,000) is past the
             # context: vLLM serves it, to the context's end at most.
             status, answer = await post("normal", {"model": "tiny", "messages": messages})
