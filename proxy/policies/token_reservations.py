@@ -8,7 +8,8 @@ the first such request in dispatch order holds one backend for itself: requests 
 worse go elsewhere or wait, so the work in flight there ends until it fits (one larger than the
 whole budget, until the backend is idle). A strictly better tier still passes: a batch job's
 drain never holds an interactive request back. The hold ends when its request leaves the queue
-(sent, expired, its client gone). Plain bookkeeping: the pool asks, no clock, no I/O.
+(sent, expired, its client gone). A tenant holds one backend at most, whatever it queues. Plain
+bookkeeping: the pool asks, no clock, no I/O.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ class TokenReservations:
             if self._holder.get(url) is request:
                 return url
         self.release(request)  # a hold on a backend it can no longer use (ejected, failed)
+        if any(held.tenant == request.tenant for held in self.held().values()):
+            return None  # one hold a tenant: its large requests never drain every backend
         free = [url for url in refused if self._takes_over(url, request)]
         if not free:
             return None

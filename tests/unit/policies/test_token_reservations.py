@@ -29,7 +29,7 @@ def test_one_hold_a_request_and_a_better_tier_takes_it_over() -> None:
     assert holds.reserve(big, {A: 500.0, B: 200.0}) == A  # it keeps the one it holds
     assert holds.reserve(other, {A: 100.0}) is None  # held: the same tier waits its turn
     assert holds.reserve(other, {A: 100.0, B: 200.0}) == B
-    urgent = _req("high")
+    urgent = _req("high", tenant="chat")
     assert holds.reserve(urgent, {A: 100.0}) == A and holds.holder(A) is urgent
 
 
@@ -40,10 +40,18 @@ def test_a_hold_moves_with_the_backends_it_can_use_and_ends_with_the_queue() -> 
     assert holds.reserve(big, {B: 0.0}) == B and holds.holder(A) is None  # A ejected, say
     big.state = State.EXPIRED
     assert holds.holder(B) is None and holds.held() == {}
-    again = _req()
+    again = _req(tenant="u")
     holds.reserve(again, {A: 0.0})
     holds.release(again)  # sent
     assert holds.held() == {}
     holds.reserve(again, {A: 0.0})
     holds.forget([A])  # the backend left the configuration
     assert holds.holder(A) is None
+
+
+def test_a_tenant_holds_one_backend_at_most() -> None:
+    holds = TokenReservations()
+    first, second = _req(tenant="batch"), _req(tenant="batch")
+    assert holds.reserve(first, {A: 0.0, B: 0.0}) == A
+    assert holds.reserve(second, {B: 0.0}) is None  # B stays free for every other tenant
+    assert holds.reserve(_req(tenant="other"), {B: 0.0}) == B
