@@ -2,7 +2,7 @@
 --max-loras 2``, runtime loading on, KV events): a tenant's adapter answers with other tokens
 than the base model; another tenant gets the 404 of a model that does not exist and never sees
 it listed; an adapter the engine does not hold is served once the proxy loaded it; with three
-adapters and two slots no request waits in vLLM for a slot (its queue-time histogram); and the KV events of an adapter's blocks predict the
+adapters and two slots no request waits in vLLM for a slot (its queue time); and the KV events of an adapter's blocks predict the
 ``cached_tokens`` of the next turn, per adapter and salt; a high-tier request for an adapter
 finishes before the low tier's long generations that hold the other slots."""
 
@@ -141,15 +141,15 @@ async def test_an_adapter_the_engine_lacks_is_served_once_the_proxy_loaded_it(
         assert loads == 1
 
 
-_QUEUE_BUCKET = re.compile(
-    r'^vllm:request_queue_time_seconds_bucket\{[^}]*le="(?P<le>[^"]+)"[^}]*\} (?P<n>\S+)$',
-    re.MULTILINE,
-)
+_QUEUE_SUM = re.compile(r"^vllm:request_queue_time_seconds_sum(?:\{[^}]*\})? (\S+)$", re.MULTILINE)
 
 
-def _queue_buckets(metrics: str) -> dict[float, float]:
-    """vLLM's histogram of the time requests spent waiting in its scheduler: le -> count."""
-    return {float(m["le"]): float(m["n"]) for m in _QUEUE_BUCKET.finditer(metrics)}
+def _queue_seconds(metrics: str) -> float:
+    """The seconds requests spent waiting in vLLM's scheduler, all together (its histogram's
+    sum: no bucket floor, which a fast machine's short requests fell below)."""
+    found = [float(m[1]) for m in _QUEUE_SUM.finditer(metrics)]
+    assert found, "vLLM reports no request_queue_time_seconds_sum"
+    return sum(found)
 
 
 async def _engine_metrics(session: aiohttp.ClientSession, engine: EngineProcess) -> str:
@@ -162,8 +162,8 @@ async def test_never_more_distinct_adapters_in_the_engine_than_its_slots(
 ) -> None:
     """Three adapters, two slots, twelve requests four at a time: a third distinct adapter
     sent to vLLM would wait in its scheduler ("deferred") for a whole generation of another
-    adapter; the proxy holds it in its own queue instead. vLLM's own queue-time histogram shows
-    whether any request waited there for as long as half the shortest request took."""
+    adapter; the proxy holds it in its own queue instead. vLLM's own queue time shows whether
+    the requests waited there, all together, for as long as half the shortest request took."""
     await _unload_everything(engine)
     async with proxy(engine, adapter_dirs) as (base, state, session):
         backend = state.pool.all()[0]
@@ -177,29 +177,23 @@ async def test_never_more_distinct_adapters_in_the_engine_than_its_slots(
 
         async def timed(name: str) -> tuple[int, float]:
             started = asyncio.get_running_loop().time()
-            # Long enough that half the shortest passes vLLM's smallest queue-time bucket
-            # (0.3 s) on a quiet machine too: 192 tokens took 0.52 s there (a busy machine
-            # only makes them longer).
             status, _ = await _complete(
                 session, base, "high", name, max_tokens=512, ignore_eos=True
             )
             return status, asyncio.get_running_loop().time() - started
 
-        before = _queue_buckets(await _engine_metrics(session, engine))
+        before = _queue_seconds(await _engine_metrics(session, engine))
         watcher = asyncio.create_task(watch())
         results = await asyncio.gather(*(timed(n) for n in NAMES * 4))
         done.set()
         await watcher
-        after = _queue_buckets(await _engine_metrics(session, engine))
+        waited = _queue_seconds(await _engine_metrics(session, engine)) - before
         assert [status for status, _ in results] == [200] * 12, results
         assert max(distinct) == 2  # two adapters ran together, never three
         shortest = min(seconds for _, seconds in results)
-        bound = max((le for le in after if le <= shortest / 2), default=None)
-        assert bound is not None, f"no bucket below {shortest / 2:.3f}s: {sorted(after)}"
-        waited_long = (after[float("inf")] - before.get(float("inf"), 0.0)) - (
-            after[bound] - before.get(bound, 0.0)
-        )
-        assert waited_long == 0, f"{waited_long} requests waited over {bound}s inside vLLM"
+        # One deferred request alone would wait about a generation; all twelve together
+        # waited a step or so each.
+        assert waited < shortest / 2, f"requests waited {waited:.3f}s inside vLLM ({shortest=})"
         unloads = sum(
             state.metrics.adapters.unloads.labels(engine.spec.url, n)._value.get() for n in NAMES
         )
