@@ -9,14 +9,12 @@ import json
 import math
 from typing import Any
 
-import aiohttp
 import openai
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionMessageParam
 
 from proxy.bench.inproc import make_config, until
 from proxy.config.tenants import hash_key
-from proxy.relay import sse
 from tests.helpers.compat import (
     MODEL,
     Sides,
@@ -204,23 +202,6 @@ async def test_401_and_404_as_the_sdk_expects(both: Sides) -> None:
     assert set(errors["proxy"].body) == set(errors["direct"].body)
 
 
-async def _hold_slot(
-    session: aiohttp.ClientSession, base: str, key: str, started: asyncio.Event
-) -> None:
-    """A long stream that keeps one backend slot (and its tenant's one concurrent request)."""
-    body = {
-        "model": MODEL,
-        "messages": MESSAGES,
-        "max_tokens": 16000,
-        "ignore_eos": True,
-        "stream": True,
-    }
-    headers = {"Authorization": f"Bearer {key}"}
-    async with session.post(f"{base}/v1/chat/completions", json=body, headers=headers) as r:
-        async for _ in sse.data_of(r):
-            started.set()
-
-
 async def test_429_503_504_and_the_sdks_retries(engines: EngineFarm) -> None:
     """The SDK retries 429 and 503 (twice by default, after Retry-After) and must not retry a
     504 that ran the tier's whole execution timeout (`x-should-retry: false`)."""
@@ -243,29 +224,37 @@ async def test_429_503_504_and_the_sdks_retries(engines: EngineFarm) -> None:
         def client(key: str) -> openai.AsyncOpenAI:
             return openai.AsyncOpenAI(base_url=f"{both.proxy}/v1", api_key=key, max_retries=2)
 
-        started = asyncio.Event()
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
-            holder = asyncio.create_task(_hold_slot(session, both.proxy, "key-solo", started))
-            try:
-                await asyncio.wait_for(started.wait(), 60)
-                before = finished_requests(both.state)
-                with pytest.raises(openai.RateLimitError) as limited:
-                    await client("key-solo").chat.completions.create(
-                        model=MODEL, messages=MESSAGES, max_tokens=4
-                    )
-                assert limited.value.response.headers.get("retry-after")
-                assert finished_requests(both.state) - before == 3  # 1 + the SDK's 2 retries
-                before = finished_requests(both.state)
-                with pytest.raises(openai.InternalServerError) as overloaded:
-                    await client("key-brief").chat.completions.create(
-                        model=MODEL, messages=MESSAGES, max_tokens=4
-                    )
-                assert overloaded.value.status_code == 503
-                assert finished_requests(both.state) - before == 3
-            finally:
-                holder.cancel()
-                await asyncio.gather(holder, return_exceptions=True)
-        await until(lambda: not both.state.pool.all()[0].inflight, what="the holder's slot")
+        # The backend drained: nothing is dispatched, so the queued solo request keeps its
+        # tenant's one concurrent request and the brief ones wait out their queue timeout
+        # for as long as the rounds take, whatever the engine's speed (a long generation as
+        # the holder ended first on a fast machine, and a retry passed).
+        url = both.state.pool.all()[0].cfg.url
+        both.state.pool.drain(url)
+        holder = asyncio.create_task(
+            client("key-solo").chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4)
+        )
+        try:
+            await until(lambda: both.state.limits.concurrent("solo") == 1, what="solo's request")
+            before = finished_requests(both.state)
+            with pytest.raises(openai.RateLimitError) as limited:
+                await client("key-solo").chat.completions.create(
+                    model=MODEL, messages=MESSAGES, max_tokens=4
+                )
+            assert limited.value.response.headers.get("retry-after")
+            assert finished_requests(both.state) - before == 3  # 1 + the SDK's 2 retries
+            before = finished_requests(both.state)
+            with pytest.raises(openai.InternalServerError) as overloaded:
+                await client("key-brief").chat.completions.create(
+                    model=MODEL, messages=MESSAGES, max_tokens=4
+                )
+            assert overloaded.value.status_code == 503
+            assert finished_requests(both.state) - before == 3
+            assert not holder.done()  # it held solo's slot throughout
+        finally:
+            holder.cancel()
+            await asyncio.gather(holder, return_exceptions=True)
+            both.state.pool.drain(url, False)
+        await until(lambda: not both.state.limits.concurrent("solo"), what="solo's slot freed")
         before = finished_requests(both.state)
         with pytest.raises(openai.APIStatusError) as timed_out:
             await client("key-hasty").chat.completions.create(
