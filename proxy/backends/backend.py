@@ -22,6 +22,7 @@ class BackendState:
     cfg: Backend
     inflight: int = 0
     tokens_inflight: float = 0.0
+    best_tokens_inflight: float = 0.0  # of those, the best tier's
     healthy: bool = True  # optimistic until a probe or a request says otherwise
     ejected_until: float = 0.0
     failures: int = 0  # consecutive request failures
@@ -89,14 +90,16 @@ class BackendState:
     def serves(self, model: str | None) -> bool:
         return model is None or self.models is None or model in self.models
 
-    def fits_tokens(self, tokens: float) -> bool:
+    def fits_tokens(self, tokens: float, *, best: bool = False) -> bool:
         """Whether ``tokens`` more fit its ``max_tokens_inflight``. A request larger than the
         whole budget still runs when the backend is idle (its token reservation brings that
-        about under load: ``proxy.policies.token_reservations``)."""
+        about under load: ``proxy.policies.token_reservations``). ``best``: a best-tier request
+        that may take the reserve counts the best tier's tokens only: the vLLM plugin preempts
+        worse tiers' for it, as for a reserve slot (a worse tier's request past the whole budget
+        shut every tier out while it ran: red team, stop 51)."""
         budget = self.cfg.max_tokens_inflight
-        return (
-            budget is None or self.tokens_inflight == 0 or self.tokens_inflight + tokens <= budget
-        )
+        held = self.best_tokens_inflight if best else self.tokens_inflight
+        return budget is None or held == 0 or held + tokens <= budget
 
     def available(self, now: float) -> bool:
         return self.healthy and not self.draining and now >= self.ejected_until

@@ -29,8 +29,7 @@ from proxy.policies.types import QueuedRequest
 
 
 class BackendPool:
-    """All backends, their room, their health transitions; which one takes a request is the
-    chooser's call."""
+    """All backends, their room, their health; which one takes a request: the chooser's."""
 
     def __init__(
         self,
@@ -188,7 +187,7 @@ class BackendPool:
             takes = state.cfg.url in able[0] | able[1] if able is not None else state.serves(model)
             if not takes or not self.token_reservations.admits(state.cfg.url, request):
                 continue  # (drains for another request's tokens: only better tiers pass)
-            if not state.fits_tokens(tokens):
+            if not state.fits_tokens(tokens, best=best and self.best_tier_reserve > 0):
                 if state.available(now):
                     short_of_tokens[state.cfg.url] = state.tokens_inflight
                 continue
@@ -288,6 +287,7 @@ class BackendPool:
         state.inflight += 1
         state.peak_inflight = max(state.peak_inflight, state.inflight)
         state.tokens_inflight += tokens
+        state.best_tokens_inflight += tokens if best else 0.0
         state.dispatched_total += 1
         self.chooser.served(state, request)
         if request is not None and request.prompt_blocks is not None:
@@ -326,6 +326,7 @@ class BackendPool:
             state.reserve_inflight = max(0, state.reserve_inflight - 1)
             state.inflight -= 1
             state.tokens_inflight = max(0.0, state.tokens_inflight - tokens)
+            state.best_tokens_inflight = max(0.0, state.best_tokens_inflight - best * tokens)
             if state.granted is not None and self.on_shared_room is not None:
                 self.on_shared_room(True)
             if state.removed and state.inflight == 0 and self.states.get(state.cfg.url) is state:

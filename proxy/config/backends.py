@@ -133,7 +133,8 @@ class Backend(Strict):
         " backend (each request's counted at most to the model's context a sequence); null:"
         " none. A request that fits no backend's budget makes one drain for it: requests of"
         " its tier or worse go elsewhere or wait until it fits (a better tier still passes);"
-        " one larger than the whole budget runs once the backend is idle.",
+        " one larger than the whole budget runs once the backend is idle. The best tier counts"
+        " only its own tokens while scheduling.best_tier_reserve is above 0 (docs/policies.md).",
     )
     max_cheap_inflight: int = Field(
         4,

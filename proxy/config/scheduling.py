@@ -139,7 +139,9 @@ class Scheduling(Strict):
         " requests there: a worse tier's long generations that fill the room cannot hold the"
         " best tier in the proxy's queue. The vLLM plugin preempts a worse-tier request for"
         " each (docs/plugin.md), so vLLM never runs more than the room; without the plugin the"
-        " request waits in vLLM's queue instead. 0: the room is a hard cap for every tier.",
+        " request waits in vLLM's queue instead. Above 0, a best-tier request also counts only"
+        " the best tier's tokens against a backend's max_tokens_inflight. 0: the room and the"
+        " token budget are hard caps for every tier.",
     )
     adapter_slots: AdapterSlotKnobs = Field(
         default_factory=AdapterSlotKnobs,

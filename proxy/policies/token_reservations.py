@@ -14,20 +14,29 @@ bookkeeping: the pool asks, no clock, no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from proxy.policies.types import QueuedRequest, State
 
 
 class TokenReservations:
-    def __init__(self, ranks: Mapping[str, int] | None = None) -> None:
+    def __init__(
+        self,
+        ranks: Mapping[str, int] | None = None,
+        is_next: Callable[[QueuedRequest], bool] | None = None,
+    ) -> None:
         self.ranks: Mapping[str, int] = ranks or {}  # tier -> priority, lower is better
+        # Whether a request is its tenant's next in its tier (the queue's ``is_next``; set by
+        # the builder). Without it, whether it is queued.
+        self.is_next = is_next or (lambda req: req.state is State.QUEUED)
         self._holder: dict[str, QueuedRequest] = {}  # backend url -> the request it drains for
 
     def holder(self, url: str) -> QueuedRequest | None:
-        """The still-queued request ``url`` drains for, if any."""
+        """The request ``url`` drains for, if any. A hold lasts while its request is its
+        tenant's next: one that a shorter request of its own tenant went ahead of (the order
+        policy's pick) would never be tried while the backend sat idle (red team, stop 51)."""
         held = self._holder.get(url)
-        if held is not None and held.state is not State.QUEUED:
+        if held is not None and not self.is_next(held):
             del self._holder[url]
             return None
         return held
@@ -77,4 +86,6 @@ class TokenReservations:
         return held is None or self._rank(request) < self._rank(held)
 
     def _rank(self, request: QueuedRequest) -> int:
-        return self.ranks.get(request.tier, 0)
+        """Its tier's priority; a tier a reload removed ranks worst (it passed every hold)."""
+        rank = self.ranks.get(request.tier)
+        return rank if rank is not None else max(self.ranks.values(), default=0) + 1

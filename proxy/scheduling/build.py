@@ -149,6 +149,7 @@ def build_scheduling(
         miss_budget=slo_miss_budget(config),
     )
     set_best_tier_reserve(pool, config)
+    pool.token_reservations.is_next = queue.is_next
     return Scheduling(queue, pool, Dispatcher(queue, pool, metrics, clock), config)
 
 

@@ -244,6 +244,12 @@ class AdmissionQueue:
         """Replace the estimate charged at dispatch by what the request really used."""
         self.fairness.charge(req.tenant, actual_weighted_tokens - req.cost, req.tenant_weight)
 
+    def is_next(self, req: QueuedRequest) -> bool:
+        """Whether ``req`` is queued and its tenant's next in its tier (the only one of the
+        tenant's requests there that the dequeue order can pick next)."""
+        tenant_queue = self._tenants.get(req.tier, {}).get(req.tenant)
+        return req.state is State.QUEUED and tenant_queue is not None and tenant_queue.head() is req
+
     def heads(self) -> Iterable[QueuedRequest]:
         """Each backlogged tenant's next request in each tier."""
         for by_tenant in self._tenants.values():

@@ -55,3 +55,20 @@ def test_a_tenant_holds_one_backend_at_most() -> None:
     assert holds.reserve(first, {A: 0.0, B: 0.0}) == A
     assert holds.reserve(second, {B: 0.0}) is None  # B stays free for every other tenant
     assert holds.reserve(_req(tenant="other"), {B: 0.0}) == B
+
+
+def test_a_tier_a_reload_removed_ranks_worst() -> None:
+    """It ranked as the best: its hold held the high tier back (red team F3, stop 51)."""
+    holds = TokenReservations({"high": 0, "normal": 5})
+    gone = _req("batch", tenant="b")
+    holds.reserve(gone, {A: 0.0})
+    assert holds.admits(A, _req("high", tenant="h")) and holds.admits(A, _req("normal"))
+
+
+def test_a_hold_lasts_while_its_request_is_next() -> None:
+    ahead: set[int] = set()
+    holds = TokenReservations(is_next=lambda req: id(req) not in ahead)
+    big = _req()
+    holds.reserve(big, {A: 0.0})
+    ahead.add(id(big))  # a shorter request of its tenant went ahead of it
+    assert holds.holder(A) is None and holds.admits(A, _req(tenant="v"))

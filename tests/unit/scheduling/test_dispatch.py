@@ -208,6 +208,8 @@ def _budget_dispatcher(clock: FakeClock) -> Dispatcher:
     backend = Backend(url="http://b:1", max_inflight=8, max_tokens_inflight=1000)
     pool = BackendPool([backend], BackendHealth(), LeastUtilised())
     pool.token_reservations.ranks = {"high": 0, "low": 1}
+    pool.token_reservations.is_next = queue.is_next
+    pool.best_tiers, pool.best_tier_reserve = frozenset({"high"}), 1
     return Dispatcher(queue, pool, ProxyMetrics(), clock)
 
 
@@ -279,3 +281,39 @@ async def test_a_drain_ends_when_its_request_leaves_the_queue() -> None:
     d.withdraw(big)  # its client left
     d.dispatch_ready()
     assert queued.done() and d.pool.token_reservations.held() == {}
+
+
+async def test_a_hold_lapses_while_its_tenant_sends_a_request_ahead_of_it() -> None:
+    """A shorter request of the holder's own tenant goes ahead of it (short first): the held
+    request is no longer tried, and its hold kept the backend idle for every tenant of its tier
+    until it timed out (red team F1, stop 51). The hold lasts while its request is next."""
+    clock = FakeClock()
+    d = _budget_dispatcher(clock)
+    first = d.enqueue(_sized("low", "x", 600, clock))
+    held = _sized("low", "x", 700, clock)
+    d.enqueue(held)
+    assert first.done() and d.pool.token_reservations.holder("http://b:1") is held
+    short = d.enqueue(_sized("low", "x", 10, clock))  # x's next now: it goes
+    assert short.done()
+    others = [d.enqueue(_sized("low", "v", 50, clock)) for _ in range(3)]
+    assert d.pool.token_reservations.holder("http://b:1") is held  # x's next again: it holds
+    assert not any(w.done() for w in others)
+    first.result().release()
+    assert d.pool.token_reservations.holder("http://b:1") is None
+    assert all(w.done() for w in others)  # 10 + 700 + 150 in flight
+
+
+async def test_the_best_tier_passes_the_token_budget_a_worse_tier_fills() -> None:
+    """A worse tier's request past the whole budget runs alone: every other request waited
+    until it ended, the best tier's too (red team F2, stop 51). The best tier counts only its
+    own tokens, as it takes a reserve slot; a worse tier still waits."""
+    clock = FakeClock()
+    d = _budget_dispatcher(clock)
+    huge = d.enqueue(_sized("low", "batch", 5000, clock))
+    assert huge.done()  # idle: it runs, past the budget
+    normal = d.enqueue(_sized("low", "v", 50, clock))
+    urgent = d.enqueue(_sized("high", "chat", 50, clock))
+    assert urgent.done() and not normal.done()
+    d.pool.best_tier_reserve = 0  # the reserve off: the budget is a hard cap for every tier
+    later = d.enqueue(_sized("high", "chat", 50, clock))
+    assert not later.done()
