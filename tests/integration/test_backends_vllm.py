@@ -21,9 +21,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.engines(CORE, PAIR_B)]
 TIMEOUT = aiohttp.ClientTimeout(total=900)  # a bound only: a busy machine is slow
 
 
-# Long enough that the drained backend's two requests still run after two admin calls on a busy
-# machine (400 finished first once), within the engine's 2,048-token context.
-DRAINED_TOKENS = 1_500
+# The drained backend's two requests must still run when the drain call answers: 400 tokens
+# finished first once on a busy machine, 1,500 were in reach of a 3x faster one; 6,000 fit the
+# engines' 16,384-token context with a wide margin.
+DRAINED_TOKENS = 6_000
 
 
 def _chat(max_tokens: int, stream: bool = False) -> dict[str, Any]:
@@ -218,15 +219,15 @@ async def test_admin_drain_lets_inflight_finish_and_sends_no_new_work(engines: E
             state=state,
         )
         async with s.post(
-            f"{base}/admin/backends/drain", json={"url": b.spec.url}, headers=auth("high")
-        ) as r:
-            assert r.status == 401  # a tenant key is not an admin key
-        async with s.post(
             f"{base}/admin/backends/drain", json={"url": b.spec.url}, headers=admin
         ) as r:
             view = await r.json()
             assert r.status == 200 and view["draining"] is True, view
             assert view["inflight"] == 2, (view, [t.result() for t in running if t.done()])
+        async with s.post(  # after the drain: one call fewer for the streams to outlast
+            f"{base}/admin/backends/drain", json={"url": b.spec.url}, headers=auth("high")
+        ) as r:
+            assert r.status == 401  # a tenant key is not an admin key
         sent = victim.dispatched_total
         more = await asyncio.gather(*(_call(s, base, _chat(4)) for _ in range(6)))
         assert [r["status"] for r in more] == [200] * 6
