@@ -96,3 +96,48 @@ async def test_a_request_past_the_whole_token_budget_is_served_under_a_steady_fl
             # The flood waited in the proxy's queue while the backend drained, then went on:
             # every request of it served.
             assert set(flood_answers) == {200}, sorted(set(flood_answers))
+
+
+async def test_the_best_tier_is_served_beside_a_worse_tiers_request_past_the_budget(
+    engine: EngineProcess, tmp_path: Path
+) -> None:
+    """A worse tier's request past the whole budget runs alone once the backend is idle; the
+    best tier waited until it ended (its 503 at the queue timeout: red team F2, stop 51). The
+    best tier counts only its own tokens against the budget: it is served while it runs. The
+    large request's client then leaves, so a slow engine is not waited for."""
+    tenants: list[dict[str, Any]] = [
+        {"name": "batch", "tier": "normal", "keys": [{"sha256": hash_key(KEYS["normal"])}]},
+        {"name": "chat", "tier": "high", "keys": [{"sha256": hash_key(KEYS["high"])}]},
+    ]
+    backend = {"url": engine.spec.url, "max_inflight": 8, "max_tokens_inflight": BUDGET}
+    config = make_config([backend], tenants=tenants, **admin_sections())
+    admin_headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    with ServedProxy(config, tmp_path).start() as proxy:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+
+            async def post(key: str, body: dict[str, object]) -> tuple[int, dict[str, Any]]:
+                headers = {"Authorization": f"Bearer {key}"}
+                async with session.post(proxy.url + CHAT, json=body, headers=headers) as r:
+                    return r.status, await r.json()
+
+            async def tokens_inflight() -> float:
+                async with session.get(
+                    proxy.admin_url + "/admin/backends", headers=admin_headers
+                ) as r:
+                    return float((await r.json())["backends"][0]["tokens_inflight"])
+
+            big = {"model": "tiny", "messages": MESSAGES, "max_tokens": EACH, "n": SEQUENCES}
+            big["ignore_eos"] = True
+            large = asyncio.create_task(post(KEYS["normal"], big))
+            try:
+                async with asyncio.timeout(120):  # it runs, past the whole budget
+                    while await tokens_inflight() <= BUDGET:
+                        assert not large.done(), large.result()
+                        await asyncio.sleep(0.05)
+                small = {"model": "tiny", "messages": MESSAGES, "max_tokens": 8}
+                status, body = await post(KEYS["high"], small)
+                assert status == 200, body
+                assert not large.done()  # served while the large request still ran
+            finally:
+                large.cancel()
+                await asyncio.gather(large, return_exceptions=True)
