@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.bench.inproc import make_config, running_proxy
+from proxy.bench.inproc import make_config, running_proxy, until
 from proxy.config.tenants import hash_key
 from proxy.policies.cost import work_tokens
 from proxy.tools.engine import EngineProcess
@@ -55,7 +55,7 @@ async def test_the_tenant_whose_prompts_hit_the_cache_is_served_more_by_the_frac
     shared = _prompt()
     done: list[tuple[str, dict[str, Any]]] = []  # (tenant, usage) in completion order
     async with (
-        running_proxy(config) as (base, _),
+        running_proxy(config) as (base, state),
         aiohttp.ClientSession(timeout=TIMEOUT) as session,
     ):
 
@@ -71,10 +71,18 @@ async def test_the_tenant_whose_prompts_hit_the_cache_is_served_more_by_the_frac
         warm = await send("reuse", shared)  # the shared prompt is cached from now on
         assert not (warm.get("prompt_tokens_details") or {}).get("cached_tokens")
         done.clear()
-        await asyncio.gather(
+        # Nothing dispatched until all 28 are queued (a fast engine served the first ones as
+        # they came, in their order of arrival): the backend drained meanwhile, as an admin would.
+        url = state.pool.all()[0].cfg.url
+        state.pool.drain(url)
+        sent = asyncio.gather(
             *(send("reuse", shared) for _ in range(EACH)),
             *(send("fresh", _prompt()) for _ in range(EACH)),
         )
+        await until(lambda: state.queue.depth("normal") == 2 * EACH, what="all queued", state=state)
+        state.pool.drain(url, False)
+        state.dispatcher.kick()
+        await sent
 
     def charge(usage: dict[str, Any]) -> float:
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
