@@ -7,9 +7,10 @@ timeout (a 503: red team, stop 50). As backfilling schedulers reserve for the jo
 the first such request in dispatch order holds one backend for itself: requests of its tier or
 worse go elsewhere or wait, so the work in flight there ends until it fits (one larger than the
 whole budget, until the backend is idle). A strictly better tier still passes: a batch job's
-drain never holds an interactive request back. The hold ends when its request leaves the queue
-(sent, expired, its client gone). A tenant holds one backend at most, whatever it queues. Plain
-bookkeeping: the pool asks, no clock, no I/O.
+drain never holds an interactive request back. The hold lasts while its request is its tenant's
+next in its tier, and ends when it leaves the queue (sent, expired, its client gone). A tenant
+holds one backend at most, whatever it queues. Plain bookkeeping: the pool asks, no clock, no
+I/O.
 """
 
 from __future__ import annotations
