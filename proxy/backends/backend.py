@@ -11,7 +11,7 @@ from proxy.backends.adapter_slots import AdapterSlots
 from proxy.backends.clock_offset import correction
 from proxy.backends.counts import TenantCounts
 from proxy.backends.kvindex import KvIndex
-from proxy.config.backends import Backend
+from proxy.config.backends import Backend, BackendHealth
 from proxy.config.slo import AdaptiveRoom
 from proxy.policies.room import RoomController
 from proxy.policies.types import ScrapedLoad
@@ -36,6 +36,9 @@ class BackendState:
     model_cards: tuple[dict[str, object], ...] = ()  # its /v1/models cards, as last probed
     listed_adapters: frozenset[str] = frozenset()  # those of the cards with a parent
     load: ScrapedLoad | None = None
+    # Since when vLLM's scrapes show none of the requests the proxy counts here running or
+    # queued (done, still streaming out to their clients); None: it runs some, or none counted.
+    relaying_since: float | None = None
     dispatched_total: int = 0
     # Slots this process holds when replicas meter the backend together through Redis
     # (proxy.replicas.room); None: this process alone meters it.
@@ -100,6 +103,24 @@ class BackendState:
         budget = self.cfg.max_tokens_inflight
         held = self.best_tokens_inflight if best else self.tokens_inflight
         return budget is None or held == 0 or held + tokens <= budget
+
+    def scraped(self, load: ScrapedLoad) -> None:
+        """A new scrape of vLLM's load."""
+        self.load = load
+        if self.inflight == 0 or load.running + load.waiting > 0:
+            self.relaying_since = None
+        elif self.relaying_since is None:
+            self.relaying_since = load.at
+
+    def relays_only(self, now: float, health: BackendHealth) -> bool:
+        """Whether, for two scrapes and more, vLLM has run nothing the proxy counts here: what
+        it counts is done and streams out to clients (one that stopped reading keeps its slot
+        and tokens until ``relay.send_idle_timeout_s`` cuts it), and no drain makes room."""
+        since, load = self.relaying_since, self.load
+        if since is None or load is None or self.inflight == 0:
+            return False
+        fresh = now - load.at <= health.stale_after_s
+        return fresh and now - since >= 2 * health.metrics_interval_s
 
     def available(self, now: float) -> bool:
         return self.healthy and not self.draining and now >= self.ejected_until

@@ -4,6 +4,8 @@ down (failed probes) and reinstated (with a ramp, which the room policy applies)
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from proxy.backends.backend import BackendState
 from proxy.config.backends import BackendHealth
 
@@ -60,3 +62,16 @@ class OutlierDetection:
         if not state.failures or state.failing_since is None:
             return False
         return state.failing_since < state.ejected_until <= now
+
+
+def passed_over(
+    states: Iterable[BackendState], failed: frozenset[str], model: str | None, now: float
+) -> frozenset[str]:
+    """The backends a retry passes over: those it failed on, while another available
+    backend serves its model (it waits for that one's slot rather than go back to the
+    backend that just failed it, as Envoy's previous-hosts retry predicate does)."""
+    if failed and any(
+        s.cfg.url not in failed and s.available(now) and s.serves(model) for s in states
+    ):
+        return failed
+    return frozenset()

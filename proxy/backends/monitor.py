@@ -164,7 +164,7 @@ class BackendMonitor:
         # Cheap enough for the loop at the cap: only the wanted lines are split (prometheus).
         load = parse_vllm_load(answer.body.decode("utf-8", "replace"), self.clock())
         if load is not None:
-            state.load = load
+            state.scraped(load)
 
     async def _get(
         self, state: BackendState, probe: str, cap: int, *, clock_of: BackendState | None = None

@@ -19,7 +19,7 @@ from proxy.backends.adapter_rules import AdapterPolicy
 from proxy.backends.adapter_slots import LoadPlan
 from proxy.backends.backend import BackendState
 from proxy.backends.cheap_calls import give_back_cheap, take_cheap
-from proxy.backends.health import OutlierDetection
+from proxy.backends.health import OutlierDetection, passed_over
 from proxy.config.backends import Backend, BackendHealth
 from proxy.config.slo import AdaptiveRoom
 from proxy.policies.backends import BackendChooser, Candidate, slot_room
@@ -173,7 +173,7 @@ class BackendPool:
         full: list[BackendState] = []
         short_of_tokens: dict[str, float] = {}
         failed = request.failed_on if request is not None else frozenset()
-        avoid = self._passed_over(failed, model, now)
+        avoid = passed_over(self.states.values(), failed, model, now)
         tenant, tier = (request.tenant, request.tier) if request is not None else ("", "")
         wait = (request.arrival_s, request.deadline_s, now) if request is not None else None
         user = self.adapter_policy.user(tenant, tier, best, wait)
@@ -185,8 +185,9 @@ class BackendPool:
             if state.cfg.url in avoid:
                 continue
             takes = state.cfg.url in able[0] | able[1] if able is not None else state.serves(model)
-            if not takes or not self.token_reservations.admits(state.cfg.url, request):
-                continue  # (drains for another request's tokens: only better tiers pass)
+            held = not self.token_reservations.admits(state.cfg.url, request)
+            if not takes or (held and not state.relays_only(now, self.health)):
+                continue  # drains for another request's tokens: better tiers pass
             if not state.fits_tokens(tokens, best=best and self.best_tier_reserve > 0):
                 if state.available(now):
                     short_of_tokens[state.cfg.url] = state.tokens_inflight
@@ -216,17 +217,6 @@ class BackendPool:
 
     def serves_adapter(self, model: str) -> bool:
         return serves_adapter(self.states.values(), self.adapters, model)
-
-    def _passed_over(self, failed: frozenset[str], model: str | None, now: float) -> frozenset[str]:
-        """The backends a retry passes over: those it failed on, while another available
-        backend serves its model (it waits for that one's slot rather than go back to the
-        backend that just failed it, as Envoy's previous-hosts retry predicate does)."""
-        if failed and any(
-            s.cfg.url not in failed and s.available(now) and s.serves(model)
-            for s in self.states.values()
-        ):
-            return failed
-        return frozenset()
 
     def any_room(self, now: float, *, best: bool = False) -> bool:
         return any(self.room(s, now, best=best) >= 1.0 for s in self.states.values())
@@ -263,7 +253,7 @@ class BackendPool:
         calls below its own small cap and below the tenant's share of it
         (``proxy.backends.cheap_calls``), passing over those it failed on as ``acquire`` does;
         None when there is none. The generation room is neither checked nor taken."""
-        avoid = self._passed_over(failed_on, model, now)
+        avoid = passed_over(self.states.values(), failed_on, model, now)
         return take_cheap(self.states.values(), model, now, tenant, avoid)
 
     def release_cheap(self, state: BackendState, tenant: str = "") -> None:
@@ -288,6 +278,7 @@ class BackendPool:
         state.peak_inflight = max(state.peak_inflight, state.inflight)
         state.tokens_inflight += tokens
         state.best_tokens_inflight += tokens if best else 0.0
+        state.relaying_since = None  # vLLM has work again (until a scrape shows otherwise)
         state.dispatched_total += 1
         self.chooser.served(state, request)
         if request is not None and request.prompt_blocks is not None:

@@ -14,7 +14,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.bench.hostile.served import ADMIN_KEY, ServedProxy, admin_sections
+from proxy.bench.hostile.kit import RawClient, json_request
+from proxy.bench.hostile.served import ADMIN_KEY, HOST, ServedProxy, admin_sections
 from proxy.bench.inproc import KEYS, make_config
 from proxy.config.tenants import hash_key
 from proxy.tools.engine import EngineProcess
@@ -141,3 +142,64 @@ async def test_the_best_tier_is_served_beside_a_worse_tiers_request_past_the_bud
             finally:
                 large.cancel()
                 await asyncio.gather(large, return_exceptions=True)
+
+
+async def test_a_stream_its_client_stopped_reading_does_not_hold_its_tier_back(
+    engine: EngineProcess, tmp_path: Path
+) -> None:
+    """A stream whose client stopped reading is done in vLLM but keeps its tokens until the
+    relay cuts it (``relay.send_idle_timeout_s``, here 120 s). With another tenant's request
+    holding the backend for tokens those keep out, every request of the tier waited on an idle
+    engine (red team S1, stop 51). Once scrapes show vLLM running nothing the proxy counts,
+    a request that fits goes: it is served while the stalled stream still holds its tokens."""
+    tenants: list[dict[str, Any]] = [
+        {"name": name, "tier": "normal", "keys": [{"sha256": hash_key(key)}]}
+        for name, key in (("stalled", KEYS["normal"]), ("large", KEYS["low"]), ("small", "k-s"))
+    ]
+    backend = {"url": engine.spec.url, "max_inflight": 8, "max_tokens_inflight": BUDGET}
+    tiers = {"normal": {"queue_timeout_s": 150}}
+    relay = {"send_idle_timeout_s": 120}
+    config = make_config([backend], tiers=tiers, tenants=tenants, relay=relay, **admin_sections())
+    admin_headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    with ServedProxy(config, tmp_path).start() as proxy:
+        # ~2 x 1,800 tokens with 20 logprobs each: megabytes, far past what the socket buffers
+        # of a client with a 4 KiB window swallow.
+        stream = {"model": "tiny", "messages": MESSAGES, "max_tokens": 1_800, "n": 2}
+        stream.update(stream=True, ignore_eos=True, logprobs=True, top_logprobs=20)
+        stalled = await RawClient.connect(HOST, proxy.port)
+        try:
+            await stalled.send(json_request(CHAT, stream, KEYS["normal"]))
+            async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+
+                async def backend_view() -> dict[str, Any]:
+                    async with session.get(
+                        proxy.admin_url + "/admin/backends", headers=admin_headers
+                    ) as r:
+                        view: dict[str, Any] = (await r.json())["backends"][0]
+                        return view
+
+                async def post(key: str, body: dict[str, object]) -> tuple[int, dict[str, Any]]:
+                    headers = {"Authorization": f"Bearer {key}"}
+                    async with session.post(proxy.url + CHAT, json=body, headers=headers) as r:
+                        return r.status, await r.json()
+
+                async with asyncio.timeout(60):  # the stream runs
+                    while (await backend_view())["tokens_inflight"] == 0:
+                        await asyncio.sleep(0.05)
+                large = {"model": "tiny", "messages": MESSAGES, "max_tokens": 1_500}
+                held = asyncio.create_task(post(KEYS["low"], large))  # does not fit: holds
+                try:
+                    async with asyncio.timeout(60):
+                        while (await backend_view())["held_for"] is None:
+                            await asyncio.sleep(0.05)
+                    status, body = await post(
+                        "k-s", {"model": "tiny", "messages": MESSAGES, "max_tokens": 8}
+                    )
+                    assert status == 200, body
+                    # Served while the stalled stream still held its tokens in the proxy.
+                    assert (await backend_view())["tokens_inflight"] >= 2 * 1_800
+                finally:
+                    held.cancel()
+                    await asyncio.gather(held, return_exceptions=True)
+        finally:
+            stalled.sock.close()

@@ -10,7 +10,7 @@ from proxy.backends.pool import BackendPool
 from proxy.config.backends import Backend, BackendHealth
 from proxy.policies.backends import LeastUtilised
 from proxy.policies.kvaware import KvAware
-from proxy.policies.types import QueuedRequest, TierLimits
+from proxy.policies.types import QueuedRequest, ScrapedLoad, TierLimits
 from proxy.scheduling.build import default_queue_policies
 from proxy.scheduling.dispatch import Dispatcher, Lease, QueueTimeoutError
 from proxy.scheduling.queue import AdmissionQueue, QueueFull
@@ -317,3 +317,30 @@ async def test_the_best_tier_passes_the_token_budget_a_worse_tier_fills() -> Non
     d.pool.best_tier_reserve = 0  # the reserve off: the budget is a hard cap for every tier
     later = d.enqueue(_sized("high", "chat", 50, clock))
     assert not later.done()
+
+
+async def test_a_hold_blocks_nobody_while_vllm_runs_nothing_the_proxy_counts() -> None:
+    """A stream whose client stopped reading is done in vLLM but keeps its tokens until the
+    relay cuts it (30 s): with a hold on the backend, every request of its tier waited that long
+    on an idle engine (red team S1, stop 51). Once scrapes show vLLM running nothing the proxy
+    counts there, the hold lets the requests that fit go; its own request still waits."""
+    clock = FakeClock()
+    d = _budget_dispatcher(clock)
+    stalled = d.enqueue(_sized("low", "x", 600, clock))  # done in vLLM, its client not reading
+    big = _sized("low", "v", 700, clock)
+    d.enqueue(big)
+    small = d.enqueue(_sized("low", "w", 50, clock))
+    assert stalled.done() and not small.done()
+    state = d.pool.all()[0]
+    idle = ScrapedLoad(waiting=0, running=0, kv_usage=0.0, at=clock())
+    state.scraped(idle)
+    clock.now += 0.5
+    state.scraped(ScrapedLoad(waiting=0, running=0, kv_usage=0.0, at=clock()))
+    d.dispatch_ready()
+    assert not small.done()  # one scrape's interval: a relay's last bytes, maybe
+    clock.now += 0.6
+    state.scraped(ScrapedLoad(waiting=0, running=0, kv_usage=0.0, at=clock()))
+    d.dispatch_ready()
+    assert small.done() and d.pool.token_reservations.holder("http://b:1") is big
+    later = d.enqueue(_sized("low", "w", 50, clock))
+    assert not later.done()  # vLLM has work again: the hold holds until a scrape says not
