@@ -25,15 +25,31 @@ from tests.helpers.engines import PROMPT_DETAILS
 pytestmark = [pytest.mark.integration, pytest.mark.engines(PROMPT_DETAILS)]
 CHAT = "/v1/chat/completions"
 TIMEOUT = aiohttp.ClientTimeout(total=180)
-BUDGET = 4_000  # the backend's max_tokens_inflight
+BUDGET = 2_000  # the backend's max_tokens_inflight
 LOOPS = 6  # the flood's clients, each sending its next request as soon as one ends
-SEQUENCES, EACH = 3, 1_500  # the large request: 4,500 tokens of output, past the whole budget
+SEQUENCES, EACH = 3, 800  # the large request: 2,400 tokens of output, past the whole budget
 MESSAGES = [{"role": "user", "content": "hello there"}]
 
 
 @pytest.fixture(scope="module")
 def engine(engines: EngineFarm) -> EngineProcess:
     return engines.get(PROMPT_DETAILS)
+
+
+async def _post(
+    session: aiohttp.ClientSession, proxy: ServedProxy, key: str, body: dict[str, object]
+) -> tuple[int, dict[str, Any]]:
+    headers = {"Authorization": f"Bearer {key}"}
+    async with session.post(proxy.url + CHAT, json=body, headers=headers) as r:
+        return r.status, await r.json()
+
+
+async def _backend_view(session: aiohttp.ClientSession, proxy: ServedProxy) -> dict[str, Any]:
+    """The backend's entry in /admin/backends (tokens_inflight, held_for, ...)."""
+    headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    async with session.get(proxy.admin_url + "/admin/backends", headers=headers) as r:
+        view: dict[str, Any] = (await r.json())["backends"][0]
+        return view
 
 
 async def test_a_request_past_the_whole_token_budget_is_served_under_a_steady_flood(
@@ -47,22 +63,15 @@ async def test_a_request_past_the_whole_token_budget_is_served_under_a_steady_fl
     # Under the old rule the large request would wait out the tier's queue timeout for a 503.
     tiers = {"normal": {"queue_timeout_s": 90, "request_timeout_s": 150}}
     config = make_config([backend], tiers=tiers, tenants=tenants, **admin_sections())
-    admin_headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
     with ServedProxy(config, tmp_path).start() as proxy:
         async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
-
-            async def post(key: str, body: dict[str, object]) -> tuple[int, dict[str, Any]]:
-                headers = {"Authorization": f"Bearer {key}"}
-                async with session.post(proxy.url + CHAT, json=body, headers=headers) as r:
-                    return r.status, await r.json()
-
             done = asyncio.Event()
             flood_answers: list[int] = []
 
             async def flood() -> None:
                 body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 60, "ignore_eos": True}
                 while not done.is_set():
-                    status, _ = await post(KEYS["normal"], body)
+                    status, _ = await _post(session, proxy, KEYS["normal"], body)
                     flood_answers.append(status)
 
             loops = [asyncio.create_task(flood()) for _ in range(LOOPS)]
@@ -78,14 +87,10 @@ async def test_a_request_past_the_whole_token_budget_is_served_under_a_steady_fl
                     "n": SEQUENCES,
                     "ignore_eos": True,
                 }
-                answer = asyncio.create_task(post(KEYS["low"], big))
+                answer = asyncio.create_task(_post(session, proxy, KEYS["low"], big))
                 held_for: list[object] = []
                 while not answer.done():  # the backend drains for it: /admin/backends says so
-                    async with session.get(
-                        proxy.admin_url + "/admin/backends", headers=admin_headers
-                    ) as r:
-                        views = await r.json()
-                    held_for += [v["held_for"] for v in views["backends"] if v["held_for"]]
+                    held_for.append((await _backend_view(session, proxy))["held_for"])
                     await asyncio.sleep(0.05)
                 status, body = await answer
             finally:
@@ -112,31 +117,18 @@ async def test_the_best_tier_is_served_beside_a_worse_tiers_request_past_the_bud
     ]
     backend = {"url": engine.spec.url, "max_inflight": 8, "max_tokens_inflight": BUDGET}
     config = make_config([backend], tenants=tenants, **admin_sections())
-    admin_headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
     with ServedProxy(config, tmp_path).start() as proxy:
         async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
-
-            async def post(key: str, body: dict[str, object]) -> tuple[int, dict[str, Any]]:
-                headers = {"Authorization": f"Bearer {key}"}
-                async with session.post(proxy.url + CHAT, json=body, headers=headers) as r:
-                    return r.status, await r.json()
-
-            async def tokens_inflight() -> float:
-                async with session.get(
-                    proxy.admin_url + "/admin/backends", headers=admin_headers
-                ) as r:
-                    return float((await r.json())["backends"][0]["tokens_inflight"])
-
             big = {"model": "tiny", "messages": MESSAGES, "max_tokens": EACH, "n": SEQUENCES}
             big["ignore_eos"] = True
-            large = asyncio.create_task(post(KEYS["normal"], big))
+            large = asyncio.create_task(_post(session, proxy, KEYS["normal"], big))
             try:
                 async with asyncio.timeout(120):  # it runs, past the whole budget
-                    while await tokens_inflight() <= BUDGET:
+                    while (await _backend_view(session, proxy))["tokens_inflight"] <= BUDGET:
                         assert not large.done(), large.result()
                         await asyncio.sleep(0.05)
                 small = {"model": "tiny", "messages": MESSAGES, "max_tokens": 8}
-                status, body = await post(KEYS["high"], small)
+                status, body = await _post(session, proxy, KEYS["high"], small)
                 assert status == 200, body
                 assert not large.done()  # served while the large request still ran
             finally:
@@ -156,11 +148,11 @@ async def test_a_stream_its_client_stopped_reading_does_not_hold_its_tier_back(
         {"name": name, "tier": "normal", "keys": [{"sha256": hash_key(key)}]}
         for name, key in (("stalled", KEYS["normal"]), ("large", KEYS["low"]), ("small", "k-s"))
     ]
-    backend = {"url": engine.spec.url, "max_inflight": 8, "max_tokens_inflight": BUDGET}
+    # The stalled stream's 3,615 tokens and a small request fit; the large one's 1,515 do not.
+    backend = {"url": engine.spec.url, "max_inflight": 8, "max_tokens_inflight": 4_000}
     tiers = {"normal": {"queue_timeout_s": 150}}
     relay = {"send_idle_timeout_s": 120}
     config = make_config([backend], tiers=tiers, tenants=tenants, relay=relay, **admin_sections())
-    admin_headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
     with ServedProxy(config, tmp_path).start() as proxy:
         # ~2 x 1,800 tokens with 20 logprobs each: megabytes, far past what the socket buffers
         # of a client with a 4 KiB window swallow.
@@ -170,34 +162,26 @@ async def test_a_stream_its_client_stopped_reading_does_not_hold_its_tier_back(
         try:
             await stalled.send(json_request(CHAT, stream, KEYS["normal"]))
             async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
-
-                async def backend_view() -> dict[str, Any]:
-                    async with session.get(
-                        proxy.admin_url + "/admin/backends", headers=admin_headers
-                    ) as r:
-                        view: dict[str, Any] = (await r.json())["backends"][0]
-                        return view
-
-                async def post(key: str, body: dict[str, object]) -> tuple[int, dict[str, Any]]:
-                    headers = {"Authorization": f"Bearer {key}"}
-                    async with session.post(proxy.url + CHAT, json=body, headers=headers) as r:
-                        return r.status, await r.json()
-
                 async with asyncio.timeout(60):  # the stream runs
-                    while (await backend_view())["tokens_inflight"] == 0:
+                    while (await _backend_view(session, proxy))["tokens_inflight"] == 0:
                         await asyncio.sleep(0.05)
                 large = {"model": "tiny", "messages": MESSAGES, "max_tokens": 1_500}
-                held = asyncio.create_task(post(KEYS["low"], large))  # does not fit: holds
+                held = asyncio.create_task(
+                    _post(session, proxy, KEYS["low"], large)
+                )  # does not fit: holds
                 try:
                     async with asyncio.timeout(60):
-                        while (await backend_view())["held_for"] is None:
+                        while (await _backend_view(session, proxy))["held_for"] is None:
                             await asyncio.sleep(0.05)
-                    status, body = await post(
-                        "k-s", {"model": "tiny", "messages": MESSAGES, "max_tokens": 8}
+                    status, body = await _post(
+                        session,
+                        proxy,
+                        "k-s",
+                        {"model": "tiny", "messages": MESSAGES, "max_tokens": 8},
                     )
                     assert status == 200, body
                     # Served while the stalled stream still held its tokens in the proxy.
-                    assert (await backend_view())["tokens_inflight"] >= 2 * 1_800
+                    assert (await _backend_view(session, proxy))["tokens_inflight"] >= 2 * 1_800
                 finally:
                     held.cancel()
                     await asyncio.gather(held, return_exceptions=True)
