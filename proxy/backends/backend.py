@@ -115,7 +115,8 @@ class BackendState:
     def relays_only(self, now: float, health: BackendHealth) -> bool:
         """Whether, for two scrapes and more, vLLM has run nothing the proxy counts here: what
         it counts is done and streams out to clients (one that stopped reading keeps its slot
-        and tokens until ``relay.send_idle_timeout_s`` cuts it), and no drain makes room."""
+        and tokens until ``relay.send_idle_timeout_s`` cuts it), or, rarely, is still on its way
+        in (a prompt vLLM's API server takes long to tokenize), and no drain makes room."""
         since, load = self.relaying_since, self.load
         if since is None or load is None or self.inflight == 0:
             return False
