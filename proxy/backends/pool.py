@@ -178,16 +178,14 @@ class BackendPool:
         wait = (request.arrival_s, request.deadline_s, now) if request is not None else None
         user = self.adapter_policy.user(tenant, tier, best, wait)
         policy = self.adapter_policy
-        able = adapter_able(self.states.values(), self.adapters, model, policy, user, now)
+        states = self._open_to(request, now)
+        able = adapter_able(states, self.adapters, model, policy, user, now)
         if able is not None and not (able[0] or able[1]) and self.on_adapter_claims is not None:
             self.on_adapter_claims()  # proxy.replicas.adapter_claims claims what is wanted
-        for state in self.states.values():
-            if state.cfg.url in avoid:
-                continue
+        for state in states:
             takes = state.cfg.url in able[0] | able[1] if able is not None else state.serves(model)
-            held = not self.token_reservations.admits(state.cfg.url, request)
-            if not takes or (held and not state.relays_only(now, self.health)):
-                continue  # drains for another request's tokens: better tiers pass
+            if not takes or state.cfg.url in avoid:
+                continue
             if not state.fits_tokens(tokens, best=best and self.best_tier_reserve > 0):
                 if state.available(now):
                     short_of_tokens[state.cfg.url] = state.tokens_inflight
@@ -211,9 +209,18 @@ class BackendPool:
         """Note on the backends where ``request`` waits for an adapter slot that it does."""
         wait = (request.arrival_s, request.deadline_s, now)
         user = self.adapter_policy.user(request.tenant, request.tier, best, wait)
-        adapter_able(
-            self.states.values(), self.adapters, request.model, self.adapter_policy, user, now
-        )
+        states, policy = self._open_to(request, now), self.adapter_policy
+        adapter_able(states, self.adapters, request.model, policy, user, now)
+
+    def _open_to(self, request: QueuedRequest | None, now: float) -> list[BackendState]:
+        """The backends no token hold keeps ``request`` from: an adapter request noted waiting
+        where a hold refused it kept the holder from its idle adapter (red team A1, stop 51)."""
+        holds = self.token_reservations
+        return [
+            s
+            for s in self.states.values()
+            if holds.admits(s.cfg.url, request) or s.relays_only(now, self.health)
+        ]
 
     def serves_adapter(self, model: str) -> bool:
         return serves_adapter(self.states.values(), self.adapters, model)

@@ -132,3 +132,53 @@ def test_a_begin_the_rules_would_not_allow_still_keeps_max_loras() -> None:
     plan = begin(slots, "lora-c", SlotUser("lo", best=False, rank=10), RULES, 2.0)
     assert plan is not None and plan.unload is not None
     assert len(slots.held) == 2
+
+
+async def test_a_due_request_a_token_hold_refuses_does_not_keep_the_holder_from_its_adapter() -> (
+    None
+):
+    """A request held back by another's token hold turned due and was noted waiting for an
+    adapter slot there; the holder was then refused its own idle adapter for that due request,
+    and both waited on an idle engine until the holder's queue timeout (red team A1, stop 51).
+    A due request is noted only where no hold keeps it."""
+    clock = FakeClock()
+    tiers = {"high": TierLimits(1000, 100, 60.0, priority=0), "normal": TierLimits(5, 100, 14.0, 5)}
+    queue = AdmissionQueue(tiers, default_queue_policies(aging_s=30, reference_tokens=8192))
+    backend = Backend(
+        url="http://x:1",
+        max_inflight=8,
+        max_loras=2,
+        load_adapters=True,
+        max_tokens_inflight=10_000,
+    )
+    pool = BackendPool([backend], BackendHealth(), LeastUtilised())
+    pool.adapters = ADAPTERS
+    pool.best_tiers = frozenset({"high"})
+    ranks = {"high": 0, "normal": 5}
+    pool.adapter_policy = AdapterPolicy(AdapterSlotKnobs(due_share=0.5), frozenset(), ranks)
+    pool.token_reservations.ranks, pool.token_reservations.is_next = ranks, queue.is_next
+    pool.all()[0].adapters.listed(frozenset({"lora-a", "lora-b"}), 0.0)
+    d = Dispatcher(queue, pool, ProxyMetrics(), clock)
+
+    def sized(tenant: str, model: str, tokens: int) -> QueuedRequest:
+        half = tokens // 2
+        return QueuedRequest(
+            tier="normal",
+            tenant=tenant,
+            prompt_tokens=half,
+            expected_output=tokens - half,
+            arrival_s=clock(),
+            model=model,
+        )
+
+    alone = d.enqueue(sized("w", "tiny", 12_000))  # past the whole budget: runs alone
+    held = d.enqueue(sized("x", "lora-a", 2_500))  # does not fit: holds the backend
+    clock.advance(0.5)
+    due = d.enqueue(sized("v", "lora-c", 50))  # held back; due after half its 14 s
+    assert alone.done() and not held.done() and not due.done()
+    clock.advance(7.5)
+    d.dispatch_ready()
+    assert not due.done()  # due now, and still held back by x's hold
+    alone.result().release()  # idle: the holder goes, to its own idle adapter
+    assert held.done() and held.exception() is None
+    assert held.result().adapter_plan is None  # lora-a was loaded: no load needed
