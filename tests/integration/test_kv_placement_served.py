@@ -229,10 +229,16 @@ async def test_a_tenants_first_conversation_under_its_groups_preamble_starts_apa
         async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
             await until_trusted(session, proxy)
 
-            async def turn(who: str, own: str, n: int) -> tuple[int, int]:
-                """(the engine that served it, the prompt tokens it found cached)"""
-                system = f"{preamble} {own}"
-                body = {"model": "tiny", "messages": conversation(system, n), "max_tokens": 1}
+            async def turn(who: str, own: str, n: int, more: int = 0) -> tuple[int, int]:
+                """(the engine that served it, the prompt tokens it found cached); ``more``: the
+                conversation ``n`` goes on that many turns"""
+                messages = conversation(f"{preamble} {own}", n)
+                for k in range(more):
+                    messages += [
+                        {"role": "assistant", "content": f"a{n}.{k}"},
+                        {"role": "user", "content": f"q{n}.{k}?"},
+                    ]
+                body = {"model": "tiny", "messages": messages, "max_tokens": 1}
                 headers = {"Authorization": f"Bearer {keys[who]}"}
                 before = [await served_count(session, e) for e in pair]
                 async with session.post(proxy.url + CHAT, json=body, headers=headers) as r:
@@ -250,6 +256,8 @@ async def test_a_tenants_first_conversation_under_its_groups_preamble_starts_apa
             engine, cached = await turn("bob", "You are bob's helper.", 0)
             assert engine != home, "bob's first conversation joined alice's engine"
             assert cached < 16 * BLOCK  # the other engine never saw the preamble
-            # Alice's next conversation stays home, finding her preamble and prompt cached.
-            engine, cached = await turn("alice", "You are alice's helper.", 7)
+            # Alice's conversation under way stays home, finding its history cached. (Not a new
+            # one: three of hers lately crowd her home, and the spread rule may start her next
+            # conversation elsewhere by its own share, whatever bob sent: a full run here saw it.)
+            engine, cached = await turn("alice", "You are alice's helper.", 2, more=1)
             assert engine == home and cached >= 16 * BLOCK, (engine, cached)
