@@ -178,9 +178,13 @@ async def _engine_scrape(
 
 
 async def _until_engine(
-    session: aiohttp.ClientSession, engine: EngineProcess, name: str, want: Callable[[float], bool]
+    session: aiohttp.ClientSession,
+    engine: EngineProcess,
+    name: str,
+    want: Callable[[float], bool],
+    polls: int = 300,
 ) -> None:
-    for _ in range(300):  # polls
+    for _ in range(polls):
         if want(await _engine(session, engine, name)):
             return
         await asyncio.sleep(0.1)
@@ -308,6 +312,10 @@ async def test_a_request_whose_client_left_while_queued_in_vllm_leaves_no_placem
             left_queued = None
             voids: list[str] = []
             for name, key in QUEUED.items():
+                # From an idle engine: an earlier test's work on it (a generation whose client
+                # left, still decoding) was counted as this one's and voided every try.
+                for gauge in (RUNNING, WAITING):  # bounded by that work's length, not a clock
+                    await _until_engine(session, engine, gauge, lambda n: n == 0, polls=1200)
                 finished_before = (await _engine_queue(session, engine))[2]
                 busy = [asyncio.create_task(generate(n)) for n in range(BUSY)]
                 try:
