@@ -32,6 +32,7 @@ from tests.helpers.kvpair import (
     kv_pair_config,
     served_count,
     system_prompt,
+    until_engines_idle,
     until_trusted,
 )
 
@@ -227,6 +228,9 @@ async def test_a_tenants_first_conversation_under_its_groups_preamble_starts_apa
     preamble = system_prompt(f"team-{secrets.token_hex(4)}") * 2  # ~600 tokens
     with ServedProxy(kv_pair_config(a, b, tenants=tenants), tmp_path).start() as proxy:
         async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+            # From idle engines: work an earlier test left on one (vLLM's own queue past the
+            # allowance shrinks its room) made the balance rule move alice off it.
+            await until_engines_idle(session, pair)
             await until_trusted(session, proxy)
 
             async def turn(who: str, own: str, n: int, more: int = 0) -> tuple[int, int]:
