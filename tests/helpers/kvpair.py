@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import re
+import shutil
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import aiohttp
+import orjson
 
 from proxy.bench.hostile.served import ADMIN_KEY, ServedProxy, admin_sections
 from proxy.bench.inproc import KEYS, make_config
@@ -130,3 +133,30 @@ async def kept_placement(session: aiohttp.ClientSession, proxy: ServedProxy) -> 
     async with session.get(proxy.admin_url + "/admin/status", headers=headers) as resp:
         placement = (await resp.json())["kv_placement"]
     return dict(placement["tenants"])
+
+
+async def write_diagnosis(
+    session: aiohttp.ClientSession,
+    proxy: ServedProxy,
+    engines: tuple[EngineProcess, ...],
+    usage_log: Path,
+    where: Path,
+) -> None:
+    """What the proxy and the engines showed after a pick a test did not expect, to
+    ``where``.json (and the proxy's log beside it): the usage records (the index's prediction
+    at each pick), the chooser's placement, the backends' state, the proxy's index metrics and
+    the engines' queues and KV usage."""
+    headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    found: dict[str, Any] = {"usage": [orjson.loads(x) for x in usage_log.read_bytes().splitlines()]}  # fmt: skip
+    for path in ("/admin/status", "/admin/backends"):
+        async with session.get(proxy.admin_url + path, headers=headers) as resp:
+            found[path] = await resp.json(content_type=None)
+    metrics = await proxy_metrics(session, proxy)
+    found["proxy_kv_metrics"] = [x for x in metrics.splitlines() if x.startswith("tierproxy_kv_")]
+    for engine in engines:
+        async with session.get(engine.spec.url + "/metrics") as resp:
+            text = await resp.text()
+        wanted = ("vllm:num_requests_", "vllm:kv_cache_usage", "vllm:request_success_total")
+        found[engine.spec.url] = [x for x in text.splitlines() if x.startswith(wanted)]
+    where.with_suffix(".json").write_bytes(orjson.dumps(found, option=orjson.OPT_INDENT_2))
+    shutil.copyfile(proxy.log_path, where.with_suffix(".proxy.log"))

@@ -34,6 +34,7 @@ from tests.helpers.kvpair import (
     system_prompt,
     until_engines_idle,
     until_trusted,
+    write_diagnosis,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.engines(KV_EVENTS, KV_EVENTS_B)]
@@ -219,7 +220,7 @@ async def _burst_of_prompts_past_the_context(
     strict=False, reason="flaky in full runs: alice's last turn left home; cause not found"
 )
 async def test_a_tenants_first_conversation_under_its_groups_preamble_starts_apart(
-    pair: tuple[EngineProcess, EngineProcess], tmp_path: Path
+    pair: tuple[EngineProcess, EngineProcess], engines: EngineFarm, tmp_path: Path
 ) -> None:
     """Two tenants of one cache group share a long preamble. Alice lives on one engine; bob's
     first conversation, mostly that preamble, starts on the engine no tenant lives on (joined,
@@ -233,7 +234,10 @@ async def test_a_tenants_first_conversation_under_its_groups_preamble_starts_apa
     ]
     a, b = pair
     preamble = system_prompt(f"team-{secrets.token_hex(4)}") * 2  # ~600 tokens
-    with ServedProxy(kv_pair_config(a, b, tenants=tenants), tmp_path).start() as proxy:
+    config = kv_pair_config(a, b, tenants=tenants)
+    usage_log = tmp_path / "usage.jsonl"  # the index's prediction at each pick
+    config["usage_log"] = {"path": str(usage_log)}
+    with ServedProxy(config, tmp_path).start() as proxy:
         async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
             # From idle engines: work an earlier test left on one (vLLM's own queue past the
             # allowance shrinks its room) made the balance rule move alice off it.
@@ -271,4 +275,7 @@ async def test_a_tenants_first_conversation_under_its_groups_preamble_starts_apa
             # one: three of hers lately crowd her home, and the spread rule may start her next
             # conversation elsewhere by its own share, whatever bob sent: a full run here saw it.)
             engine, cached = await turn("alice", "You are alice's helper.", 2, more=1)
-            assert engine == home and cached >= 16 * BLOCK, (engine, cached)
+            if engine != home or cached < 16 * BLOCK:  # what the chooser saw, for the next look
+                where = engines.log_dir / "kv-placement-preamble"
+                await write_diagnosis(session, proxy, pair, usage_log, where)
+            assert engine == home and cached >= 16 * BLOCK, (engine, cached, f"{where}.*")

@@ -36,6 +36,7 @@ from tests.helpers.kvpair import (
     conversation,
     inflight,
     kv_pair_config,
+    proxy_metrics,
     served_count,
     system_prompt,
     until_trusted,
@@ -220,6 +221,38 @@ async def _engine_queue(
     return running, waiting, done
 
 
+_LOSSES = re.compile(r"^(tierproxy_kv_event_(?:gaps|errors|restarts)_total\{[^}]*\}) (\S+)$", re.M)
+
+
+async def _index_losses(session: aiohttp.ClientSession, proxy: ServedProxy) -> dict[str, float]:
+    """The proxy's counts of its indexes dropped (a gap, a reconnect, an error, a restart)."""
+    return {m.group(1): float(m.group(2)) for m in _LOSSES.finditer(await proxy_metrics(session, proxy))}  # fmt: skip
+
+
+async def _index_blind(
+    session: aiohttp.ClientSession,
+    proxy: ServedProxy,
+    usage_log: Path,
+    tenant: str,
+    before: dict[str, float],
+) -> str | None:
+    """Why the proxy could not tell whether ``tenant``'s request ran (its index cold at the
+    pick, or dropped since ``before``); None: it could."""
+    for _ in range(100):  # polls: the usage line is written as the request ends
+        lines = [orjson.loads(line) for line in usage_log.read_bytes().splitlines()]
+        if mine := [u for u in lines if u.get("tenant") == tenant]:
+            break
+        await asyncio.sleep(0.1)
+    else:
+        raise AssertionError(f"no usage record of {tenant}'s request")
+    if any(u.get("predicted_cached_tokens") is None for u in mine):
+        return f"{tenant}: the index was cold at its pick ({mine})"
+    after = await _index_losses(session, proxy)
+    if lost := {k: v for k, v in after.items() if v != before.get(k, 0.0)}:
+        return f"{tenant}: the index was dropped meanwhile ({lost})"
+    return None
+
+
 # Tenant-high's long generations, sent once each (none sent again), against the engine's four
 # sequences; the plugin orders every one of them before a low-tier request. That request can
 # take a slot only once fewer than four of them are left unfinished. So it has only waited where
@@ -264,6 +297,8 @@ async def test_a_request_whose_client_left_while_queued_in_vllm_leaves_no_placem
         # Past the engine's four, with room left however far vLLM's queue (the streams' six,
         # the queued request) shrinks it (max_backend_waiting): vLLM queues the rest.
         backend["max_inflight"] = 2 * BUSY
+    usage_log = tmp_path / "usage.jsonl"  # the index's prediction at each pick (None: cold)
+    config["usage_log"] = {"path": str(usage_log)}
     with ServedProxy(config, tmp_path).start() as proxy:
         async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
             client = Client(session, proxy)
@@ -317,6 +352,7 @@ async def test_a_request_whose_client_left_while_queued_in_vllm_leaves_no_placem
                 for gauge in (RUNNING, WAITING):  # bounded by that work's length, not a clock
                     await _until_engine(session, engine, gauge, lambda n: n == 0, polls=1200)
                 finished_before = (await _engine_queue(session, engine))[2]
+                index_before = await _index_losses(session, proxy)
                 busy = [asyncio.create_task(generate(n)) for n in range(BUSY)]
                 try:
                     for _ in range(600):  # polls: HELD_FROM of them in the engine
@@ -341,17 +377,30 @@ async def test_a_request_whose_client_left_while_queued_in_vllm_leaves_no_placem
                             await asyncio.sleep(0.02)
                         else:
                             raise AssertionError("the proxy kept the request whose client left")
-                        await _until_engine(session, engine, WAITING, lambda n: n <= BUSY - 4)
+                        # And vLLM let it go: the engine holds tenant-high's alone.
+                        for _ in range(300):  # polls
+                            running, waiting, done = await _engine_queue(session, engine)
+                            if running + waiting + done - finished_before <= BUSY:
+                                break
+                            await asyncio.sleep(0.02)
+                        else:
+                            raise AssertionError(f"vLLM kept the request whose client left (running {running:g}, waiting {waiting:g}, finished {done - finished_before:g} of {BUSY})")  # fmt: skip
                 finally:
                     for task in busy:
                         task.cancel()
                     await asyncio.gather(*busy, return_exceptions=True)
                 await _until_engine(session, engine, RUNNING, lambda n: n == 0)
                 if left_queued is not None:
-                    break
+                    # Told only by an index that saw it through: one cold at its pick, or
+                    # dropped since, counts it as run (kvleft), as it should.
+                    await _settled(client, session, proxy)
+                    blind = await _index_blind(session, proxy, usage_log, name, index_before)
+                    if blind is None:
+                        break
+                    voids.append(blind)
+                    left_queued = None
             if left_queued is None:
                 raise AssertionError(f"the engine never showed a request queued in {len(QUEUED)} tries: {voids}")  # fmt: skip
-            await _settled(client, session, proxy)
             tenants_kept = (await _placement(session, proxy))["tenants"]
             assert left_queued not in tenants_kept, tenants_kept
             # The control: left while the engine decodes it (no stream: no byte came).
