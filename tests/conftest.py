@@ -98,6 +98,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     position = item.stash.get(_POSITION, None)
     if farm is not None and position is not None:
         farm.advance(position)
+        farm.until_idle(item.nodeid)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -108,6 +109,8 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     if farm.starts:
         farm.log_dir.mkdir(parents=True, exist_ok=True)
         (farm.log_dir / "starts.tsv").write_text(farm.report())
+        if farm.leftovers:
+            (farm.log_dir / "leftovers.tsv").write_text(farm.leftovers_report())
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

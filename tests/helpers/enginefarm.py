@@ -9,11 +9,19 @@ once) and is waited for; a start runs on any core and moves onto the engine core
 marked ``quiet_engines`` (it measures its engines: every start under way is waited for, and
 nothing starts beside it). Each start is recorded: its setting, whether it started ahead,
 seconds from start to ready, seconds a test waited for it.
+
+Each test that uses engines starts from idle ones: before it, the farm waits (in polls, bounded)
+until its live engines run and queue no request. Work an earlier test left in vLLM (a
+generation whose client left, still decoding) otherwise shrank the room a later test's proxy saw
+and moved its picks. What was found is recorded (``leftovers.tsv``: the test before, the
+engine, what it still ran and queued, how long it took to idle) and counted in the summary.
 """
 
 from __future__ import annotations
 
+import re
 import time
+import urllib.request
 from collections import OrderedDict
 from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass
@@ -27,6 +35,18 @@ if TYPE_CHECKING:  # the settings import the proxy's app: only the engine tests 
 
 ENGINE_GIB = 3.0  # one CPU engine with the tiny model and its 1 GiB KV cache, measured ~3 GB
 MEMORY_MARGIN_GIB = 1.0
+IDLE_POLLS = 1200  # 0.1 s apart: past the longest generation a test leaves (1,600 tokens)
+_QUEUE = re.compile(r"^vllm:num_requests_(running|waiting)\{[^}]*\} (\S+)$", re.M)
+
+
+@dataclass
+class Leftover:
+    before: str | None  # the last test that used engines
+    test: str
+    setting: str
+    running: float
+    waiting: float
+    idle_after_s: float | None  # None: never idle within IDLE_POLLS
 
 
 @dataclass
@@ -60,6 +80,8 @@ class EngineFarm:
         capacity: int,
         memory_gib: Callable[[], float] = available_gib,
         launch: Callable[[EngineSpec, Path], EngineProcess] = EngineProcess,
+        queue_of: Callable[[EngineProcess], tuple[float, float]] | None = None,
+        pause: Callable[[float], None] = time.sleep,
     ) -> None:
         self.log_dir = log_dir
         self.model_dir = model_dir
@@ -74,6 +96,10 @@ class EngineFarm:
         self.quiet: list[bool] = []
         self.later: list[frozenset[EngineSetting]] = []  # later[i]: used by plan[i:]
         self.position: int | None = None
+        self.queue_of = queue_of or _queue  # vLLM's (running, waiting)
+        self.pause = pause
+        self.leftovers: list[Leftover] = []
+        self._last_test: str | None = None
 
     def follow(self, plan: Sequence[frozenset[EngineSetting]], quiet: Sequence[bool] = ()) -> None:
         """``plan[i]``: the settings the i-th test uses; ``quiet[i]``: it measures its engines,
@@ -132,6 +158,27 @@ class EngineFarm:
         self.used_by_current_test.append(engine)
         return engine
 
+    def until_idle(self, test: str) -> None:
+        """Before ``test`` (which uses engines): its live, ready engines run and queue nothing
+        (``leftovers.tsv``)."""
+        if self.position is None or not self.plan[self.position]:
+            return
+        for setting in sorted(self.plan[self.position] & self.live.keys(), key=lambda s: s.name):
+            if setting in self.pending:
+                continue  # starting: idle
+            running, waiting = self.queue_of(self.live[setting])
+            if running + waiting == 0:
+                continue
+            t0, idle_after = time.monotonic(), None
+            for _ in range(IDLE_POLLS):
+                self.pause(0.1)
+                if sum(self.queue_of(self.live[setting])) == 0:
+                    idle_after = time.monotonic() - t0
+                    break
+            found = Leftover(self._last_test, test, setting.name, running, waiting, idle_after)
+            self.leftovers.append(found)
+        self._last_test = test
+
     def stop_all(self) -> None:
         for setting in list(self.live):
             self._stop(setting)
@@ -139,10 +186,18 @@ class EngineFarm:
     def summary(self) -> str:
         waited = sum(s.waited_s for s in self.starts)
         ahead = sum(s.ahead for s in self.starts)
+        left = f"; {len(self.leftovers)} found work left in vLLM" if self.leftovers else ""
         return (
             f"vLLM engine starts: {len(self.starts)} ({ahead} ahead of their tests); "
-            f"tests waited {waited:.0f} s for engines"
+            f"tests waited {waited:.0f} s for engines{left}"
         )
+
+    def leftovers_report(self) -> str:
+        lines = ["test before\ttest\tsetting\trunning\twaiting\tidle_after_s"]
+        for f in self.leftovers:
+            idle = f"{f.idle_after_s:.1f}" if f.idle_after_s is not None else "never"
+            lines.append(f"{f.before}\t{f.test}\t{f.setting}\t{f.running:g}\t{f.waiting:g}\t{idle}")
+        return "\n".join([*lines, ""])
 
     def report(self) -> str:
         lines = ["setting\tahead\tready_s\twaited_s"]
@@ -214,3 +269,16 @@ class EngineFarm:
         engine = self.live.pop(setting)
         self.pending.pop(setting, None)
         engine.stop()
+
+
+def _queue(engine: EngineProcess) -> tuple[float, float]:
+    """vLLM's requests running and waiting (0, 0 where its metrics do not answer)."""
+    try:
+        with urllib.request.urlopen(engine.spec.url + "/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return 0.0, 0.0
+    found = {"running": 0.0, "waiting": 0.0}
+    for m in _QUEUE.finditer(text):
+        found[m.group(1)] += float(m.group(2))
+    return found["running"], found["waiting"]

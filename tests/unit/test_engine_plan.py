@@ -225,3 +225,32 @@ def test_a_dead_engine_is_started_again(tmp_path: Path) -> None:
     farm.advance(1)
     assert farm.get(C) is not first and len(farm.starts) == 2
     farm.stop_all()
+
+
+def test_a_test_starts_from_idle_engines_and_work_left_before_it_is_recorded(
+    tmp_path: Path,
+) -> None:
+    """Before each test that uses engines the farm polls each of its live engines until vLLM
+    runs and queues nothing, and records the work it found with the test that ran before."""
+    queues = {"c": [(0.0, 0.0)], "b": [(0.0, 0.0), (2.0, 1.0), (1.0, 0.0), (0.0, 0.0)]}
+    polls: list[str] = []
+
+    def queue_of(engine: Any) -> tuple[float, float]:
+        setting = next(s.name for s, e in farm.live.items() if e is engine)
+        polls.append(setting)
+        found = queues[setting]
+        return found.pop(0) if len(found) > 1 else found[0]
+
+    farm = EngineFarm(tmp_path, lambda: tmp_path, 3, memory_gib=lambda: 64.0, launch=cast(Any, FakeEngine), queue_of=queue_of, pause=lambda s: None)  # fmt: skip
+    farm.follow([frozenset({C, B}), NONE, frozenset({C, B})])
+    for position, test in enumerate(["first", "no engines", "third"]):
+        farm.advance(position)
+        for setting in sorted(farm.plan[position], key=lambda s: s.name):
+            farm.get(setting)
+        farm.until_idle(test)
+    [left] = farm.leftovers
+    assert (left.before, left.test, left.setting) == ("first", "third", "b")
+    assert (left.running, left.waiting) == (2.0, 1.0) and left.idle_after_s is not None
+    assert polls == ["b", "c", "b", "b", "b", "c"]  # the third test's: b until idle, then c
+    assert "1 found work left in vLLM" in farm.summary()
+    assert "first\tthird\tb\t2\t1\t" in farm.leftovers_report()
