@@ -7,14 +7,16 @@ from __future__ import annotations
 import asyncio
 import re
 import shutil
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Set
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
+import zmq.asyncio
 
+from proxy.backends.kvreplay import replay
 from proxy.bench.hostile.served import ADMIN_KEY, ServedProxy, admin_sections
 from proxy.bench.inproc import KEYS, make_config
 from proxy.tools.engine import EngineProcess
@@ -72,16 +74,31 @@ async def proxy_metrics(session: aiohttp.ClientSession, proxy: ServedProxy) -> s
         return await resp.text()
 
 
-async def until_trusted(session: aiohttp.ClientSession, proxy: ServedProxy, level: int = 1) -> None:
-    """Both backends' indexes trusted (``tierproxy_kv_index_trust`` >= ``level``: 1 partial,
-    2 exact), counted in polls."""
+async def until_trusted(
+    session: aiohttp.ClientSession, proxy: ServedProxy, exact: Set[str] = frozenset()
+) -> None:
+    """Both backends' indexes trusted (``tierproxy_kv_index_trust`` 1, partial, or more), and
+    exact (2) for the backends of ``exact`` (their urls), counted in polls."""
     for _ in range(300):
         text = await proxy_metrics(session, proxy)
-        trust = re.findall(r"^tierproxy_kv_index_trust\{[^}]*\} (\S+)$", text, re.M)
-        if len(trust) == 2 and all(float(t) >= level for t in trust):
+        trust = dict(re.findall(r'^tierproxy_kv_index_trust\{backend="([^"]*)"\} (\S+)$', text, re.M))  # fmt: skip
+        if len(trust) == 2 and all(float(t) >= 1 + (url in exact) for url, t in trust.items()):
             return
         await asyncio.sleep(0.1)
-    raise AssertionError(f"indexes never trusted: {trust}")
+    raise AssertionError(f"indexes never trusted: {trust} (exact wanted: {sorted(exact)})")
+
+
+async def replay_holds_first_batch(engine: EngineProcess) -> bool:
+    """Whether the engine's KV-event replay buffer still holds its first batch (sequence 0):
+    its whole history, that a new proxy's index can be made exact from."""
+    assert engine.spec.kv_replay_port is not None
+    ctx = zmq.asyncio.Context()
+    try:
+        endpoint = f"tcp://127.0.0.1:{engine.spec.kv_replay_port}"
+        first = await replay(ctx, endpoint, 0, 1, timeout_s=60, max_msg_bytes=64 * 1024 * 1024)
+    finally:
+        ctx.destroy(linger=0)
+    return bool(first)
 
 
 class Client:

@@ -29,6 +29,7 @@ from tests.helpers.kvpair import (
     kept_placement,
     kv_pair_config,
     proxy_metrics,
+    replay_holds_first_batch,
     system_prompt,
     until_trusted,
 )
@@ -287,22 +288,30 @@ async def test_a_proxy_started_beside_engines_knows_what_they_cached_before_it(
     pair: tuple[EngineProcess, EngineProcess], tmp_path: Path
 ) -> None:
     """Promise 3 / docs/kv-cache.md: an engine whose whole history is still in its replay
-    buffer (far fewer than 10,000 batches here) gives a new proxy an exact index, said as
-    trust 2 on its /metrics. The replay was asked only when the engine published its next
-    batch: an idle engine (or one serving cache hits) never was, and every conversation it
-    held was predicted 0 and placed as new. Now a silent new connection asks it."""
-    predicted, reported, _ = await _restarted_proxy_predictions(pair, tmp_path, exact=True)
+    buffer (vLLM's 10,000 batches) gives a new proxy an exact index, said as trust 2 on its
+    /metrics. The replay was asked only when the engine published its next batch: an idle
+    engine (or one serving cache hits) never was, and every conversation it held was predicted
+    0 and placed as new. Now a silent new connection asks it. An engine that earlier tests
+    took past its buffer (the suite shares it) can only be partial: trust 1, and never more
+    predicted than vLLM found."""
+    exact: set[str] = set()
+    predicted, reported, _ = await _restarted_proxy_predictions(pair, tmp_path, exact=exact)
+    assert exact, "neither engine still buffers its first batch: no exact index to show"
     first = list(zip(predicted[:6], reported[:6], strict=True))
-    assert all(p == r for p, r in first), f"(predicted, vLLM's cached) per prompt: {first}"
+    assert all(p == r if u in exact else p is not None and p <= r for (p, u), r in first), (
+        f"((predicted, backend), vLLM's cached) per prompt, exact on {exact}: {first}"
+    )
 
 
 async def _restarted_proxy_predictions(
-    pair: tuple[EngineProcess, EngineProcess], tmp_path: Path, *, exact: bool = False
-) -> tuple[list[int | None], list[int], list[float]]:
+    pair: tuple[EngineProcess, EngineProcess], tmp_path: Path, *, exact: set[str] | None = None
+) -> tuple[list[Any], list[int], list[float]]:
     """Six prompts sent through a first proxy; then, through a second one started after it
     stopped (its indexes trusted), those six again, then four new prompts twice. Per request of
-    the second proxy: the index's prediction (the usage log's; None: no blocks) and vLLM's
-    cached tokens; and the second proxy's trust per backend at the end."""
+    the second proxy: the index's prediction (the usage log's; None: no blocks), or with
+    ``exact`` (filled with the engines whose replay buffer still holds their first batch, whose
+    index must be exact) the prediction and the backend; vLLM's cached tokens; and the second
+    proxy's trust per backend at the end."""
     a, b = pair
     before = [conversation(system_prompt(f"early-{secrets.token_hex(4)}"), n) for n in range(6)]
     with ServedProxy(kv_pair_config(a, b), tmp_path / "first").start() as proxy:
@@ -310,13 +319,15 @@ async def _restarted_proxy_predictions(
             client = Client(session, proxy)
             for messages in before:
                 await client.chat("normal", messages)
+    if exact is not None:
+        exact.update([e.spec.url for e in pair if await replay_holds_first_batch(e)])
     config = kv_pair_config(a, b)
     usage_log = tmp_path / "usage.jsonl"
     config["usage_log"] = {"path": str(usage_log)}
     with ServedProxy(config, tmp_path / "second").start() as proxy:
         async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
             client = Client(session, proxy)
-            await until_trusted(session, proxy, level=2 if exact else 1)
+            await until_trusted(session, proxy, exact=exact or set())
             reported = [await client.chat("normal", m) for m in before]
             after = [
                 conversation(system_prompt(f"late-{secrets.token_hex(4)}"), n) for n in range(4)
@@ -325,7 +336,10 @@ async def _restarted_proxy_predictions(
                 reported.append(await client.chat("normal", messages))
             metrics = await proxy_metrics(session, proxy)
     lines = [orjson.loads(line) for line in usage_log.read_bytes().splitlines()]
-    predicted = [u.get("predicted_cached_tokens") for u in lines if u.get("tenant") == "tenant-normal"]  # fmt: skip
+    mine = [u for u in lines if u.get("tenant") == "tenant-normal"]
+    predicted: list[Any] = [u.get("predicted_cached_tokens") for u in mine]
+    if exact is not None:
+        predicted = [(p, u.get("backend")) for p, u in zip(predicted, mine, strict=True)]
     assert len(predicted) == len(reported)
     trust = re.findall(r"^tierproxy_kv_index_trust\{[^}]*\} (\S+)$", metrics, re.M)
     return predicted, reported, [float(t) for t in trust]
