@@ -113,6 +113,8 @@ async def test_the_best_tier_is_served_beside_a_worse_tiers_request_past_the_bud
     ]
     backend = {"url": engine.spec.url, "max_inflight": 8, "max_tokens_inflight": BUDGET}
     config = make_config([backend], tenants=tenants, **admin_sections())
+    usage_log = tmp_path / "usage.jsonl"  # where the best tier's request waited, if it did
+    config["usage_log"] = {"path": str(usage_log)}
     with ServedProxy(config, tmp_path).start() as proxy:
         async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
             big = {"model": "tiny", "messages": MESSAGES, "max_tokens": EACH, "n": SEQUENCES}
@@ -126,7 +128,11 @@ async def test_the_best_tier_is_served_beside_a_worse_tiers_request_past_the_bud
                 small = {"model": "tiny", "messages": MESSAGES, "max_tokens": 8}
                 status, body = await _post(session, proxy, KEYS["high"], small)
                 assert status == 200, body
-                assert not large.done()  # served while the large request still ran
+                if large.done():  # what each waited for: the proxy's queue, or the engine
+                    await asyncio.sleep(0.5)  # the usage lines are written as requests end
+                    usage = usage_log.read_text() if usage_log.exists() else "none"
+                    view = await _backend_view(session, proxy)
+                    raise AssertionError(f"the large request ended first: {usage} {view}")
             finally:
                 large.cancel()
                 await asyncio.gather(large, return_exceptions=True)
