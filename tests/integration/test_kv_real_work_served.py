@@ -236,8 +236,9 @@ async def _index_blind(
     tenant: str,
     before: dict[str, float],
 ) -> str | None:
-    """Why the proxy could not tell whether ``tenant``'s request ran (its index cold at the
-    pick, or dropped since ``before``); None: it could."""
+    """Why the proxy could not tell whether ``tenant``'s request ran (no prediction at its
+    pick: the index cold, or the prompt's blocks not had in time; or the index dropped since
+    ``before``); None: it could."""
     for _ in range(100):  # polls: the usage line is written as the request ends
         lines = [orjson.loads(line) for line in usage_log.read_bytes().splitlines()]
         if mine := [u for u in lines if u.get("tenant") == tenant]:
@@ -246,7 +247,7 @@ async def _index_blind(
     else:
         raise AssertionError(f"no usage record of {tenant}'s request")
     if any(u.get("predicted_cached_tokens") is None for u in mine):
-        return f"{tenant}: the index was cold at its pick ({mine})"
+        return f"{tenant}: no prediction at its pick, the index cold or no blocks ({mine})"
     after = await _index_losses(session, proxy)
     if lost := {k: v for k, v in after.items() if v != before.get(k, 0.0)}:
         return f"{tenant}: the index was dropped meanwhile ({lost})"
