@@ -170,10 +170,12 @@ class EngineFarm:
             if running + waiting == 0:
                 continue
             t0, idle_after = time.monotonic(), None
-            for _ in range(IDLE_POLLS):
+            for _ in range(IDLE_POLLS):  # and a deadline: a poll may take its timeout
                 self.pause(0.1)
                 if sum(self.queue_of(self.live[setting])) == 0:
                     idle_after = time.monotonic() - t0
+                    break
+                if time.monotonic() - t0 > IDLE_POLLS * 0.15:
                     break
             found = Leftover(self._last_test, test, setting.name, running, waiting, idle_after)
             self.leftovers.append(found)
@@ -187,6 +189,8 @@ class EngineFarm:
         waited = sum(s.waited_s for s in self.starts)
         ahead = sum(s.ahead for s in self.starts)
         left = f"; {len(self.leftovers)} found work left in vLLM" if self.leftovers else ""
+        if never := sum(f.idle_after_s is None for f in self.leftovers):
+            left += f" ({never} never idle: see leftovers.tsv)"
         return (
             f"vLLM engine starts: {len(self.starts)} ({ahead} ahead of their tests); "
             f"tests waited {waited:.0f} s for engines{left}"
@@ -276,7 +280,7 @@ def _queue(engine: EngineProcess) -> tuple[float, float]:
     try:
         with urllib.request.urlopen(engine.spec.url + "/metrics", timeout=10) as resp:
             text = resp.read().decode()
-    except OSError:
+    except Exception:  # a dead or garbled engine: its test says why
         return 0.0, 0.0
     found = {"running": 0.0, "waiting": 0.0}
     for m in _QUEUE.finditer(text):

@@ -89,16 +89,17 @@ async def until_trusted(
 
 
 async def replay_holds_first_batch(engine: EngineProcess) -> bool:
-    """Whether the engine's KV-event replay buffer still holds its first batch (sequence 0):
-    its whole history, that a new proxy's index can be made exact from."""
+    """Whether the engine's KV-event replay buffer still holds its whole history from its first
+    batch (or it published none): what a new proxy's index is made exact from. Asked as the
+    proxy asks it (``KvSubscriber._replay_history``), with the default message bound."""
     assert engine.spec.kv_replay_port is not None
     ctx = zmq.asyncio.Context()
     try:
         endpoint = f"tcp://127.0.0.1:{engine.spec.kv_replay_port}"
-        first = await replay(ctx, endpoint, 0, 1, timeout_s=60, max_msg_bytes=64 * 1024 * 1024)
+        history = await replay(ctx, endpoint, 0, None, timeout_s=60, max_msg_bytes=4 * 1024 * 1024)
     finally:
         ctx.destroy(linger=0)
-    return bool(first)
+    return history is not None
 
 
 class Client:

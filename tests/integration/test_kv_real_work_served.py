@@ -222,16 +222,24 @@ async def _engine_queue(
 
 
 _LOSSES = re.compile(r"^(tierproxy_kv_event_(?:gaps|errors|restarts)_total\{[^}]*\}) (\S+)$", re.M)
+DROPPED = "KV-event connection dropped"  # the subscriber's log line: the index went cold
 
 
-async def _index_losses(session: aiohttp.ClientSession, proxy: ServedProxy) -> dict[str, float]:
-    """The proxy's counts of its indexes dropped (a gap, a reconnect, an error, a restart)."""
-    return {m.group(1): float(m.group(2)) for m in _LOSSES.finditer(await proxy_metrics(session, proxy))}  # fmt: skip
+async def _index_losses(
+    session: aiohttp.ClientSession, proxy: ServedProxy, engine: EngineProcess
+) -> dict[str, float]:
+    """The proxy's counts of ``engine``'s index dropped (a gap, an error, a restart), and of
+    its connection dropped (its log's lines)."""
+    text = await proxy_metrics(session, proxy)
+    found = {m.group(1): float(m.group(2)) for m in _LOSSES.finditer(text) if f'"{engine.spec.url}"' in m.group(1)}  # fmt: skip
+    found[DROPPED] = float(proxy.log_path.read_text(errors="replace").count(DROPPED))
+    return found
 
 
 async def _index_blind(
     session: aiohttp.ClientSession,
     proxy: ServedProxy,
+    engine: EngineProcess,
     usage_log: Path,
     tenant: str,
     before: dict[str, float],
@@ -248,7 +256,7 @@ async def _index_blind(
         raise AssertionError(f"no usage record of {tenant}'s request")
     if any(u.get("predicted_cached_tokens") is None for u in mine):
         return f"{tenant}: no prediction at its pick, the index cold or no blocks ({mine})"
-    after = await _index_losses(session, proxy)
+    after = await _index_losses(session, proxy, engine)
     if lost := {k: v for k, v in after.items() if v != before.get(k, 0.0)}:
         return f"{tenant}: the index was dropped meanwhile ({lost})"
     return None
@@ -353,7 +361,7 @@ async def test_a_request_whose_client_left_while_queued_in_vllm_leaves_no_placem
                 for gauge in (RUNNING, WAITING):  # bounded by that work's length, not a clock
                     await _until_engine(session, engine, gauge, lambda n: n == 0, polls=1200)
                 finished_before = (await _engine_queue(session, engine))[2]
-                index_before = await _index_losses(session, proxy)
+                index_before = await _index_losses(session, proxy, engine)
                 busy = [asyncio.create_task(generate(n)) for n in range(BUSY)]
                 try:
                     for _ in range(600):  # polls: HELD_FROM of them in the engine
@@ -395,13 +403,15 @@ async def test_a_request_whose_client_left_while_queued_in_vllm_leaves_no_placem
                     # Told only by an index that saw it through: one cold at its pick, or
                     # dropped since, counts it as run (kvleft), as it should.
                     await _settled(client, session, proxy)
-                    blind = await _index_blind(session, proxy, usage_log, name, index_before)
+                    blind = await _index_blind(
+                        session, proxy, engine, usage_log, name, index_before
+                    )
                     if blind is None:
                         break
                     voids.append(blind)
                     left_queued = None
             if left_queued is None:
-                raise AssertionError(f"the engine never showed a request queued in {len(QUEUED)} tries: {voids}")  # fmt: skip
+                raise AssertionError(f"none of {len(QUEUED)} tries could show it: {voids}")  # fmt: skip
             tenants_kept = (await _placement(session, proxy))["tenants"]
             assert left_queued not in tenants_kept, tenants_kept
             # The control: left while the engine decodes it (no stream: no byte came).

@@ -298,6 +298,7 @@ async def test_a_proxy_started_beside_engines_knows_what_they_cached_before_it(
     predicted, reported, _ = await _restarted_proxy_predictions(pair, tmp_path, exact=exact)
     assert exact, "neither engine still buffers its first batch: no exact index to show"
     first = list(zip(predicted[:6], reported[:6], strict=True))
+    assert any(u in exact for (_, u), _ in first), f"none of the six on {exact}: {first}"
     assert all(p == r if u in exact else p is not None and p <= r for (p, u), r in first), (
         f"((predicted, backend), vLLM's cached) per prompt, exact on {exact}: {first}"
     )

@@ -132,7 +132,7 @@ async def test_the_best_tier_is_served_beside_a_worse_tiers_request_past_the_bud
                     await asyncio.sleep(0.5)  # the usage lines are written as requests end
                     usage = usage_log.read_text() if usage_log.exists() else "none"
                     view = await _backend_view(session, proxy)
-                    raise AssertionError(f"the large request ended first: {usage} {view}")
+                    raise AssertionError(f"the large request ended first ({large.result()}): {usage} {view}")  # fmt: skip
             finally:
                 large.cancel()
                 await asyncio.gather(large, return_exceptions=True)
