@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 
 from proxy.bench.hostile.kit import RawClient, json_request
@@ -52,6 +53,19 @@ async def _backend_view(session: aiohttp.ClientSession, proxy: ServedProxy) -> d
     async with session.get(proxy.admin_url + "/admin/backends", headers=headers) as r:
         view: dict[str, Any] = (await r.json())["backends"][0]
         return view
+
+
+async def _usage(usage_log: Path, tenants: set[str]) -> dict[str, dict[str, Any]]:
+    """Each of ``tenants``' usage record (one request each), once all are written (as each
+    request ends), counted in polls."""
+    for _ in range(200):
+        if usage_log.exists():
+            lines = [orjson.loads(line) for line in usage_log.read_bytes().splitlines()]
+            found = {u["tenant"]: u for u in lines if u.get("tenant") in tenants}
+            if found.keys() == tenants:
+                return found
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"usage records of {tenants} never all written")
 
 
 async def test_a_request_past_the_whole_token_budget_is_served_under_a_steady_flood(
@@ -105,8 +119,11 @@ async def test_the_best_tier_is_served_beside_a_worse_tiers_request_past_the_bud
 ) -> None:
     """A worse tier's request past the whole budget runs alone once the backend is idle; the
     best tier waited until it ended (its 503 at the queue timeout: red team F2, stop 51). The
-    best tier counts only its own tokens against the budget: it is served while it runs. The
-    large request's client then leaves, so a slow engine is not waited for."""
+    best tier counts only its own tokens against the budget: the proxy sends it upstream while
+    the large one runs (read from the proxy's usage log: when each was sent, when each ended;
+    on a fast engine vLLM's own API server, busy with the large one's tokens, may answer the
+    small one only after it). The large request's client then leaves, so a slow engine is not
+    waited for."""
     tenants: list[dict[str, Any]] = [
         {"name": "batch", "tier": "normal", "keys": [{"sha256": hash_key(KEYS["normal"])}]},
         {"name": "chat", "tier": "high", "keys": [{"sha256": hash_key(KEYS["high"])}]},
@@ -128,14 +145,17 @@ async def test_the_best_tier_is_served_beside_a_worse_tiers_request_past_the_bud
                 small = {"model": "tiny", "messages": MESSAGES, "max_tokens": 8}
                 status, body = await _post(session, proxy, KEYS["high"], small)
                 assert status == 200, body
-                if large.done():  # what each waited for: the proxy's queue, or the engine
-                    await asyncio.sleep(0.5)  # the usage lines are written as requests end
-                    usage = usage_log.read_text() if usage_log.exists() else "none"
-                    view = await _backend_view(session, proxy)
-                    raise AssertionError(f"the large request ended first ({large.result()}): {usage} {view}")  # fmt: skip
             finally:
                 large.cancel()
                 await asyncio.gather(large, return_exceptions=True)
+            used = await _usage(usage_log, {"batch", "chat"})
+    # Sent upstream (a record's end less its engine seconds, on the proxy's one clock) in the
+    # first half of the large one's time upstream: without the fix it waited in the proxy's
+    # queue until the large one's lease was released, at its end (a ratio of one run's own
+    # times, not a bound in seconds).
+    large_sent = used["batch"]["ts"] - used["batch"]["engine_s"]
+    sent = used["chat"]["ts"] - used["chat"]["engine_s"]
+    assert sent - large_sent < 0.5 * used["batch"]["engine_s"], used
 
 
 async def test_a_stream_its_client_stopped_reading_does_not_hold_its_tier_back(
