@@ -50,25 +50,6 @@ async def served_count(session: aiohttp.ClientSession, engine: EngineProcess) ->
     )
 
 
-async def until_engines_idle(
-    session: aiohttp.ClientSession, engines: tuple[EngineProcess, ...], polls: int = 1200
-) -> None:
-    """Until no engine runs or queues a request: an earlier test's work left on an engine (a
-    generation whose client left, still decoding) shrinks its room and moves the chooser's
-    picks (bounded by that work's length, in polls)."""
-    pattern = r"^vllm:num_requests_(?:running|waiting)\{[^}]*\} (\S+)$"
-    for _ in range(polls):
-        total = 0.0
-        for engine in engines:
-            async with session.get(engine.spec.url + "/metrics") as resp:
-                text = await resp.text()
-            total += sum(float(m.group(1)) for m in re.finditer(pattern, text, re.M))
-        if total == 0:
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError("the engines never idle")
-
-
 async def proxy_metrics(session: aiohttp.ClientSession, proxy: ServedProxy) -> str:
     async with session.get(proxy.admin_url + "/metrics") as resp:
         return await resp.text()
