@@ -60,6 +60,8 @@ class EngineRequest:
     first_token_at: float | None = None
     output_hash_base: int = 0  # unique hashes for the blocks its output fills
     cached_upto: int = 0  # its blocks before this one are cached (or duplicates)
+    # Called once, at its first admission, with the tokens its prefix hit saved.
+    on_admitted: Callable[[int], None] | None = None
 
     @property
     def tokens(self) -> int:
@@ -191,6 +193,8 @@ class SimEngine:
             self.counts.recomputed += req.tokens - hit * self.block_size
         else:
             self.counts.hits += hit * self.block_size
+            if req.on_admitted is not None:
+                req.on_admitted(hit * self.block_size)
         req.computed = hit * self.block_size
         return True
 

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from proxy.bench.kvsim.run import SimRun
+from proxy.bench.kvsim.stand_ins import Record
 from proxy.bench.stats import (
     MIN_PAIRS,
     TailTest,
@@ -50,6 +51,15 @@ class Figures:
     # What one LRU cache the size of all the engines' caches would compute, over the prompts
     # sent: the best a placement could do with the shape's capacity (run.SimRun.pooled_floor)
     pooled_floor_share: float = 0.0
+    # Each chat tenant's own computed share (its turns' prompts less their hits, over its
+    # prompts): the closed loop lets a policy that gives some tenants an engine to themselves
+    # send many more of their cheap turns, which lowers ``share`` while the others' rise.
+    tenant_shares: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def tenant_share(self) -> float:
+        """The chat tenants' own shares averaged, each tenant alike (0: none ran)."""
+        return statistics.fmean(self.tenant_shares.values()) if self.tenant_shares else 0.0
 
     @property
     def share(self) -> float:
@@ -96,7 +106,19 @@ def figures(runs: SimRun | Sequence[SimRun], duration_s: float) -> Figures:
         replicas=len(runs),
         ttft_ms=every,
         pooled_floor_share=sum(run.pooled_floor for run in runs) / sent if sent else 0.0,
+        tenant_shares=tenant_shares(records),
     )
+
+
+def tenant_shares(records: Sequence[Record]) -> dict[str, float]:
+    """Each chat tenant's computed share over the conversation turns the engines ran."""
+    prompt: dict[str, int] = {}
+    computed: dict[str, int] = {}
+    for r in records:
+        if r.kind == "turn" and r.computed is not None and r.prompt:
+            prompt[r.tenant] = prompt.get(r.tenant, 0) + r.prompt
+            computed[r.tenant] = computed.get(r.tenant, 0) + r.computed
+    return {tenant: computed[tenant] / total for tenant, total in prompt.items()}
 
 
 @dataclass(frozen=True)
@@ -115,6 +137,8 @@ class Verdict:
     tail_paired: bool = False
     # cache_bound as judged before 2026-12-04: over one unbounded cache, not a pooled one
     cache_bound_by_floor: bool = False
+    # kv_aware's tenant_share over the better baseline's (each chat tenant alike); not a bar
+    tenant_ratio: float = 1.0
 
     @property
     def passes(self) -> bool:
@@ -171,8 +195,18 @@ def verdict(name: str, runs: dict[str, Figures], kv: str = "kv_aware") -> Verdic
     by_floor = lu.busy < 0.8 and base.share - base.floor_share >= base.share / 3
     ratio = mine.share / base.share if base.share else 1.0
     tail_n = mine.ttft_n.get(tier, 0) if tier is not None else 0
+    alike = min(runs[b].tenant_share for b in BASELINES)
     return Verdict(
-        name, ratio, cache_bound, ttft, mine.max_share, tail_n, tail.p, tail.paired, by_floor
+        name,
+        ratio,
+        cache_bound,
+        ttft,
+        mine.max_share,
+        tail_n,
+        tail.p,
+        tail.paired,
+        by_floor,
+        mine.tenant_share / alike if alike else 1.0,
     )
 
 
@@ -234,8 +268,31 @@ def render_summary(rows: list[tuple[str, dict[str, Figures]]], kv: str = "kv_awa
         f" pair by pair where there are {MIN_PAIRS}, else values: too ready to call it real):"
         f" {len(real)} ({', '.join(_short(v) for v in real) or 'none'}); every bar, a tail"
         f" worse only within the noise counted as met: {sum(v.passes_in_noise for v in verdicts)}",
+        _tenants_alike(verdicts),
     ]
     return "\n".join(lines)
+
+
+def _tenants_alike(verdicts: Sequence[Verdict]) -> str:
+    """The computed bar read with each chat tenant alike (``Figures.tenant_share``): where it
+    tells another story than the share of all prompts, a policy's figure came from serving
+    some tenants better than others. Not a bar of the issue: a reading of its figures."""
+    alike = sorted(v.tenant_ratio for v in verdicts)
+    worst = max(verdicts, key=lambda v: v.tenant_ratio)
+    over = [v for v in verdicts if v.ratio > 1.02]
+    only_overall = [_name(v) for v in over if v.tenant_ratio <= 1.02]
+    only_alike = [_name(v) for v in verdicts if v.tenant_ratio > 1.02 and v.ratio <= 1.02]
+    return (
+        f"each chat tenant alike (its own computed share, averaged over tenants): kv ÷ better"
+        f" median {statistics.median(alike):.2f}, max {alike[-1]:.2f} ({_name(worst)});"
+        f" over 1.02: {sum(r > 1.02 for r in alike)}; over 1.02 of all prompts but not"
+        f" tenants alike: {', '.join(only_overall) or 'none'}; the other way:"
+        f" {', '.join(only_alike) or 'none'}"
+    )
+
+
+def _name(v: Verdict) -> str:
+    return f"{v.name.split('-')[0]} {v.ratio:.2f}/{v.tenant_ratio:.2f}"
 
 
 # Each bar of issue 32 alone, by name.

@@ -250,6 +250,9 @@ class _Sim:
         def first(t: float) -> None:
             rec.ttft = t - rec.sent
 
+        def admitted(hit: int) -> None:
+            rec.computed = prompt.length - hit
+
         def done(t: float) -> None:
             rec.status = 200
             lease.release()
@@ -264,6 +267,7 @@ class _Sim:
             first,
             done,
             output_hash_base=-(next(self._output_ids) << 20),
+            on_admitted=admitted,
         )
         if not engine.fits(request):
             rec.status = 400

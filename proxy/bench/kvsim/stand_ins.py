@@ -35,6 +35,7 @@ class Record:
     ttft: float | None = None
     status: int = 0  # 200, 429 (queue full), 503 (queue timeout)
     backend: str = ""
+    computed: int | None = None  # its prompt less the hit at its first admission (None: not run)
 
 
 class Waiter:

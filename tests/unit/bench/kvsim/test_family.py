@@ -13,10 +13,13 @@ from proxy.bench.kvsim.report import (
     Figures,
     best_tier,
     figures,
+    render_summary,
     replicas_for,
+    tenant_shares,
     verdict,
 )
 from proxy.bench.kvsim.run import simulate
+from proxy.bench.kvsim.stand_ins import Record
 from proxy.bench.scenario import ScenarioError
 from proxy.bench.stats import percentile
 
@@ -70,6 +73,10 @@ def test_a_simulated_run_is_deterministic_and_counts_what_the_engines_did() -> N
     assert sum(a.engine_share) == pytest.approx(1.0)
     # Every request that succeeded had a first token, counted under its tier (the p99's sample).
     assert set(a.ttft_n) == set(a.ttft_p99) and sum(a.ttft_n.values()) == a.requests
+    # Each request's own cost, told at its first admission, adds up to the engines' counters.
+    run = simulate(shape, "least_utilised", duration_s=10)
+    assert sum(r.computed for r in run.records if r.computed is not None) == a.computed
+    assert set(a.tenant_shares) == {r.tenant for r in run.records if r.kind == "turn"}
 
 
 def test_the_verdict_judges_kv_aware_against_the_better_baseline() -> None:
@@ -173,3 +180,51 @@ def test_the_cache_is_the_bottleneck_where_one_pooled_cache_would_save_a_third()
         v = verdict("x", {**runs, "kv_aware": fig("kv", 57, pooled)})
         assert v.cache_bound_by_floor and v.cache_bound is bound
         assert v.passes is not bound
+
+
+def test_each_chat_tenant_alike_tells_a_share_won_by_serving_some_tenants_better() -> None:
+    """prefix_affinity gives one tenant an engine of its own: in a closed loop it sends many
+    cheap turns, so its share of all prompts is the lowest, while every other tenant computes
+    more than under kv_aware. Each tenant alike, kv_aware is not behind: the summary says so,
+    and the bar (the share of all prompts) is unchanged."""
+
+    def turns(tenant: str, n: int, prompt: int, computed: int) -> list[Record]:
+        return [Record(tenant, "high", "turn", 0.0, prompt, computed=computed) for _ in range(n)]
+
+    flood = [Record("flood", "low", "flood", 0.0, 100, computed=100)]
+    assert tenant_shares(flood + turns("a", 2, 100, 30) + turns("a", 2, 100, 10)) == {"a": 0.2}
+    unrun = Record("b", "high", "turn", 0.0, 100)  # refused or never admitted: no cost known
+    assert tenant_shares([unrun]) == {}
+
+    def fig(policy: str, records: list[Record]) -> Figures:
+        prompt = sum(r.prompt for r in records)
+        computed = sum(r.computed or 0 for r in records)
+        return Figures(
+            policy,
+            len(records),
+            0,
+            prompt,
+            computed,
+            0,
+            0,
+            {},
+            [0.5, 0.5],
+            0.5,
+            0.1,
+            tenant_shares=tenant_shares(records),
+        )
+
+    favoured = turns("a", 30, 100, 10) + turns("b", 10, 100, 60) + turns("c", 10, 100, 60)
+    even = turns("a", 10, 100, 40) + turns("b", 10, 100, 40) + turns("c", 10, 100, 40)
+    runs = {
+        "least_utilised": fig("lu", turns("a", 10, 100, 90) + turns("b", 10, 100, 90)),
+        "prefix_affinity": fig("pa", favoured),
+        "kv_aware": fig("kv", even),
+    }
+    v = verdict("s1-x", runs)
+    assert runs["prefix_affinity"].share == pytest.approx(0.3)
+    assert v.ratio == pytest.approx(0.4 / 0.3) and not v.passes  # the bar reads all prompts
+    assert v.tenant_ratio == pytest.approx(0.4 / (1.3 / 3))  # pa's tenants: 0.1, 0.6, 0.6
+    line = render_summary([("s1-x", runs)]).splitlines()[-1]
+    assert "over 1.02: 0;" in line
+    assert "over 1.02 of all prompts but not tenants alike: s1 1.33/0.92;" in line
