@@ -26,7 +26,7 @@ from proxy.bench.kvbreakdown import breakdown
 from proxy.bench.proxy_config import DEFAULT_TIERS
 from proxy.bench.scrape import fetch_metrics, wait_idle
 from proxy.bench.stack import ProxyProcess
-from proxy.bench.stats import percentile
+from proxy.bench.stats import percentile, tenant_mean, tenant_shares
 from proxy.config.tenants import hash_key
 from proxy.ops.process import free_port
 from proxy.telemetry import prometheus
@@ -149,6 +149,9 @@ class RunFigures:
     index_compared: int = 0
     notes: list[str] = field(default_factory=list)
     lost: dict[str, float] = field(default_factory=dict)  # kvbreakdown.Breakdown.shares()
+    # Each chat tenant's computed share, from vLLM's cached_tokens of its turns
+    # (``stats.tenant_shares``): the run's share with every tenant alike is their mean.
+    tenant_shares: dict[str, float] = field(default_factory=dict)
 
 
 async def _counters(urls: list[str]) -> list[dict[str, float]]:
@@ -217,6 +220,11 @@ def figures(
         index_exact=len(exact) / len(predicted) if predicted else None,
         index_compared=len(predicted),
         lost=breakdown(records, backends, block_size).shares(),
+        tenant_shares=tenant_shares(
+            (r.tenant, r.prompt_tokens, r.prompt_tokens - r.cached_tokens)
+            for r in ok
+            if r.kind == "turn" and r.cached_tokens is not None
+        ),
     )
 
 
@@ -303,7 +311,7 @@ def render(
     shown = runs[-1:] if last_only else runs
     tiers = list(dict.fromkeys(t for r in shown for t in r.ttft_ms))
     head = ["policy", "round", "requests (failed)", "prefill computed", f"share x {baseline}"]
-    head += ["hit rate"] + [f"TTFT {t} p50/p99 ms" for t in tiers]
+    head += ["each tenant alike", "hit rate"] + [f"TTFT {t} p50/p99 ms" for t in tiers]
     head += ["output tok/s", "engine share", "index exact"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in shown:
@@ -315,6 +323,7 @@ def render(
             f"{r.requests} ({r.failed})",
             f"{r.prefill_computed:,.0f} of {r.prompt_tokens:,.0f} ({share:.0%})",
             f"{ratio:.2f}",
+            f"{tenant_mean(r.tenant_shares):.0%}" if r.tenant_shares else "n/a",
             f"{r.hit_rate:.0%}",
         ]
         for t in tiers:

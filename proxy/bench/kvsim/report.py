@@ -16,6 +16,8 @@ from proxy.bench.stats import (
     TailTest,
     p99_excess_over_better,
     percentile,
+    tenant_mean,
+    tenant_shares,
     ttft_ms_by_tier,
 )
 
@@ -59,7 +61,7 @@ class Figures:
     @property
     def tenant_share(self) -> float:
         """The chat tenants' own shares averaged, each tenant alike (0: none ran)."""
-        return statistics.fmean(self.tenant_shares.values()) if self.tenant_shares else 0.0
+        return tenant_mean(self.tenant_shares)
 
     @property
     def share(self) -> float:
@@ -106,19 +108,18 @@ def figures(runs: SimRun | Sequence[SimRun], duration_s: float) -> Figures:
         replicas=len(runs),
         ttft_ms=every,
         pooled_floor_share=sum(run.pooled_floor for run in runs) / sent if sent else 0.0,
-        tenant_shares=tenant_shares(records),
+        tenant_shares=turn_costs(records),
     )
 
 
-def tenant_shares(records: Sequence[Record]) -> dict[str, float]:
-    """Each chat tenant's computed share over the conversation turns the engines ran."""
-    prompt: dict[str, int] = {}
-    computed: dict[str, int] = {}
-    for r in records:
-        if r.kind == "turn" and r.computed is not None and r.prompt:
-            prompt[r.tenant] = prompt.get(r.tenant, 0) + r.prompt
-            computed[r.tenant] = computed.get(r.tenant, 0) + r.computed
-    return {tenant: computed[tenant] / total for tenant, total in prompt.items()}
+def turn_costs(records: Sequence[Record]) -> dict[str, float]:
+    """Each chat tenant's computed share over the conversation turns the engines ran
+    (``stats.tenant_shares``)."""
+    return tenant_shares(
+        (r.tenant, r.prompt, r.computed)
+        for r in records
+        if r.kind == "turn" and r.computed is not None
+    )
 
 
 @dataclass(frozen=True)

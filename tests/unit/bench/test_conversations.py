@@ -85,9 +85,11 @@ def test_figures_count_what_vllm_computed_and_the_index_accuracy() -> None:
     assert f.engine_share == [0.75, 0.25] and f.failed == 1 and f.output_tok_s == 3.0
     assert f.index_exact == 0.5 and f.index_compared == 2
     assert f.ttft_ms["low"] == (200, 200)
+    # The served turns' own cost, from vLLM's cached_tokens (64 of 100 each): one tenant here.
+    assert f.tenant_shares == {"t": pytest.approx(0.36)}
     base = figures("least_utilised", 1, records, before, [after[0], after[0]], [], 10, 32)
     table = render([base, f])
-    assert "| `kv_aware` | 1 | 4 (1) | 1,200 of 2,000 (60%) | 1.50 | 40% |" in table
+    assert "| `kv_aware` | 1 | 4 (1) | 1,200 of 2,000 (60%) | 1.50 | 36% | 40% |" in table
     assert "50.0% of 2" in table and "| n/a |" in table
 
 

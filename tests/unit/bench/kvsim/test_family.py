@@ -15,7 +15,7 @@ from proxy.bench.kvsim.report import (
     figures,
     render_summary,
     replicas_for,
-    tenant_shares,
+    turn_costs,
     verdict,
 )
 from proxy.bench.kvsim.run import simulate
@@ -192,9 +192,9 @@ def test_each_chat_tenant_alike_tells_a_share_won_by_serving_some_tenants_better
         return [Record(tenant, "high", "turn", 0.0, prompt, computed=computed) for _ in range(n)]
 
     flood = [Record("flood", "low", "flood", 0.0, 100, computed=100)]
-    assert tenant_shares(flood + turns("a", 2, 100, 30) + turns("a", 2, 100, 10)) == {"a": 0.2}
+    assert turn_costs(flood + turns("a", 2, 100, 30) + turns("a", 2, 100, 10)) == {"a": 0.2}
     unrun = Record("b", "high", "turn", 0.0, 100)  # refused or never admitted: no cost known
-    assert tenant_shares([unrun]) == {}
+    assert turn_costs([unrun]) == {}
 
     def fig(policy: str, records: list[Record]) -> Figures:
         prompt = sum(r.prompt for r in records)
@@ -211,7 +211,7 @@ def test_each_chat_tenant_alike_tells_a_share_won_by_serving_some_tenants_better
             [0.5, 0.5],
             0.5,
             0.1,
-            tenant_shares=tenant_shares(records),
+            tenant_shares=turn_costs(records),
         )
 
     favoured = turns("a", 30, 100, 10) + turns("b", 10, 100, 60) + turns("c", 10, 100, 60)
