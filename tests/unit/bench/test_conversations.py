@@ -87,6 +87,15 @@ def test_figures_count_what_vllm_computed_and_the_index_accuracy() -> None:
     assert f.ttft_ms["low"] == (200, 200)
     # The served turns' own cost, from vLLM's cached_tokens (64 of 100 each): one tenant here.
     assert f.tenant_shares == {"t": pytest.approx(0.36)}
+    # Neither a flood request, nor a failed turn, nor one whose cached tokens vLLM did not
+    # say, counts in a tenant's share.
+    others = [
+        ChatRecord("flood", "low", "flood", 0, 0.0, 0.1, 1.0, 200, 100, 10, 0),
+        ChatRecord("t", "high", "turn", 2, 0.0, None, 1.0, 503, 100, 0, 0),
+        ChatRecord("t", "high", "turn", 3, 0.0, 0.1, 1.0, 200, 100, 10, None),
+    ]
+    g = figures("kv_aware", 1, records + others, before, after, usage, 10, 32)
+    assert g.tenant_shares == f.tenant_shares
     base = figures("least_utilised", 1, records, before, [after[0], after[0]], [], 10, 32)
     table = render([base, f])
     assert "| `kv_aware` | 1 | 4 (1) | 1,200 of 2,000 (60%) | 1.50 | 36% | 40% |" in table
