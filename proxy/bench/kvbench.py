@@ -26,7 +26,8 @@ from proxy.bench.kvbreakdown import breakdown
 from proxy.bench.proxy_config import DEFAULT_TIERS
 from proxy.bench.scrape import fetch_metrics, wait_idle
 from proxy.bench.stack import ProxyProcess
-from proxy.bench.stats import percentile, tenant_mean, tenant_shares
+from proxy.bench.stats import percentile
+from proxy.bench.tenantcost import tenant_mean, tenant_shares
 from proxy.config.tenants import hash_key
 from proxy.ops.process import free_port
 from proxy.telemetry import prometheus
@@ -150,7 +151,7 @@ class RunFigures:
     notes: list[str] = field(default_factory=list)
     lost: dict[str, float] = field(default_factory=dict)  # kvbreakdown.Breakdown.shares()
     # Each chat tenant's computed share, from vLLM's cached_tokens of its turns
-    # (``stats.tenant_shares``): the run's share with every tenant alike is their mean.
+    # (``tenantcost.tenant_shares``): the run's share with every tenant alike is their mean.
     tenant_shares: dict[str, float] = field(default_factory=dict)
 
 

@@ -334,23 +334,3 @@ def p99_excess_over_better(
         return TailTest(1.0, paired=False)
     best = min(tests, key=lambda t: t.p)
     return TailTest(min(1.0, len(others) * best.p), paired=best.paired)
-
-
-def tenant_shares(turns: Iterable[tuple[str, int, int]]) -> dict[str, float]:
-    """Each tenant's computed share: its prompts' tokens less their prefix-cache hits, over
-    its prompts' tokens, from ``(tenant, prompt tokens, computed tokens)`` of each turn the
-    engine ran. Read beside the share of all prompts: in a closed loop, a placement that gives
-    some tenants an engine to themselves lets them send many more cheap turns, which lowers
-    that share while every other tenant computes more."""
-    prompt: dict[str, int] = {}
-    computed: dict[str, int] = {}
-    for tenant, tokens, cost in turns:
-        if tokens > 0:
-            prompt[tenant] = prompt.get(tenant, 0) + tokens
-            computed[tenant] = computed.get(tenant, 0) + cost
-    return {tenant: computed[tenant] / total for tenant, total in prompt.items()}
-
-
-def tenant_mean(shares: Mapping[str, float]) -> float:
-    """The tenants' shares averaged, each tenant alike (0.0: none)."""
-    return sum(shares.values()) / len(shares) if shares else 0.0

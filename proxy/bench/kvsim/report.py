@@ -16,10 +16,9 @@ from proxy.bench.stats import (
     TailTest,
     p99_excess_over_better,
     percentile,
-    tenant_mean,
-    tenant_shares,
     ttft_ms_by_tier,
 )
+from proxy.bench.tenantcost import tenant_mean, tenant_shares
 
 BASELINES = ("least_utilised", "prefix_affinity")
 # The best tier's first tokens wanted for its p99: with two in the tail, one slow request does
@@ -114,7 +113,7 @@ def figures(runs: SimRun | Sequence[SimRun], duration_s: float) -> Figures:
 
 def turn_costs(records: Sequence[Record]) -> dict[str, float]:
     """Each chat tenant's computed share over the conversation turns the engines ran
-    (``stats.tenant_shares``)."""
+    (``tenantcost.tenant_shares``)."""
     return tenant_shares(
         (r.tenant, r.prompt, r.computed)
         for r in records
