@@ -213,10 +213,10 @@ async def _burst_of_prompts_past_the_context(
 
 # Flaky in full runs on 2026-12-05 07:29-08:27 UTC (3 of 5 failed; alone, 5 of 5 passed):
 # alice's turn after bob's went to bob's engine, from idle engines too. Cause not found (stop 51's
-# closing note); since 09:00 UTC it passed in six full runs and `make test` (stop 52). Not a
-# strict xfail, so that it still runs and its passes show; a failure writes what the chooser saw
-# (write_diagnosis). Make it a plain test once a failure's diagnosis is read, or after more
-# full runs pass.
+# closing note); since 09:00 UTC it passed in six full runs and `make test` (stop 52), and in
+# both full runs of stop 53 (12:45-13:23 UTC). Not a strict xfail, so that it still runs and
+# its passes show; a failure writes what the chooser saw (write_diagnosis). Make it a plain
+# test once a failure's diagnosis is read, or after more full runs pass.
 @pytest.mark.xfail(
     strict=False, reason="flaky in full runs: alice's last turn left home; cause not found"
 )

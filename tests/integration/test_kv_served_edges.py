@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import re
 import secrets
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -277,7 +278,8 @@ async def test_a_proxy_started_beside_busy_engines_trusts_them_and_never_overpre
     earlier proxy, now gone) reads a trusted index of each within polls of its start, and
     never predicts more cached tokens than the engine reports, for prompts cached before it
     started and after."""
-    predicted, reported, trust = await _restarted_proxy_predictions(pair, tmp_path)
+    seen = await _restarted_proxy_predictions(pair, tmp_path)
+    predicted, reported, trust = seen.predicted, seen.reported, seen.trust
     over = [(p, r) for p, r in zip(predicted, reported, strict=True) if p is not None and p > r]
     assert not over, f"predicted more cached than vLLM reported: {over}"
     assert all(p is not None for p in predicted), predicted
@@ -294,25 +296,36 @@ async def test_a_proxy_started_beside_engines_knows_what_they_cached_before_it(
     0 and placed as new. Now a silent new connection asks it. An engine that earlier tests
     took past its buffer (the suite shares it) can only be partial: trust 1, and never more
     predicted than vLLM found."""
-    exact: set[str] = set()
-    predicted, reported, _ = await _restarted_proxy_predictions(pair, tmp_path, exact=exact)
+    seen = await _restarted_proxy_predictions(pair, tmp_path, probe_replay=True)
+    exact = seen.exact
     assert exact, "neither engine still buffers its first batch: no exact index to show"
-    first = list(zip(predicted[:6], reported[:6], strict=True))
-    assert any(u in exact for (_, u), _ in first), f"none of the six on {exact}: {first}"
-    assert all(p == r if u in exact else p is not None and p <= r for (p, u), r in first), (
-        f"((predicted, backend), vLLM's cached) per prompt, exact on {exact}: {first}"
+    first = list(zip(seen.predicted[:6], seen.backends[:6], seen.reported[:6], strict=True))
+    assert any(u in exact for _, u, _ in first), f"none of the six on {exact}: {first}"
+    assert all(p == r if u in exact else p is not None and p <= r for p, u, r in first), (
+        f"(predicted, backend, vLLM's cached) per prompt, exact on {exact}: {first}"
     )
 
 
+@dataclass(frozen=True)
+class _Restarted:
+    """What the second proxy of ``_restarted_proxy_predictions`` saw, per request: the index's
+    prediction (the usage log's; None: no blocks), the backend and vLLM's cached tokens; its
+    trust per backend at the end; and the engines whose replay buffer still held their first
+    batch when it started (probed only when asked), whose index must be exact."""
+
+    predicted: list[int | None]
+    backends: list[str]
+    reported: list[int]
+    trust: list[float]
+    exact: frozenset[str] = frozenset()
+
+
 async def _restarted_proxy_predictions(
-    pair: tuple[EngineProcess, EngineProcess], tmp_path: Path, *, exact: set[str] | None = None
-) -> tuple[list[Any], list[int], list[float]]:
+    pair: tuple[EngineProcess, EngineProcess], tmp_path: Path, *, probe_replay: bool = False
+) -> _Restarted:
     """Six prompts sent through a first proxy; then, through a second one started after it
-    stopped (its indexes trusted), those six again, then four new prompts twice. Per request of
-    the second proxy: the index's prediction (the usage log's; None: no blocks), or with
-    ``exact`` (filled with the engines whose replay buffer still holds their first batch, whose
-    index must be exact) the prediction and the backend; vLLM's cached tokens; and the second
-    proxy's trust per backend at the end."""
+    stopped (its indexes trusted, and exact where ``probe_replay`` found the engine's first
+    batch still buffered), those six again, then four new prompts twice."""
     a, b = pair
     before = [conversation(system_prompt(f"early-{secrets.token_hex(4)}"), n) for n in range(6)]
     with ServedProxy(kv_pair_config(a, b), tmp_path / "first").start() as proxy:
@@ -320,15 +333,16 @@ async def _restarted_proxy_predictions(
             client = Client(session, proxy)
             for messages in before:
                 await client.chat("normal", messages)
-    if exact is not None:
-        exact.update([e.spec.url for e in pair if await replay_holds_first_batch(e)])
+    exact = frozenset(
+        [e.spec.url for e in pair if probe_replay and await replay_holds_first_batch(e)]
+    )
     config = kv_pair_config(a, b)
     usage_log = tmp_path / "usage.jsonl"
     config["usage_log"] = {"path": str(usage_log)}
     with ServedProxy(config, tmp_path / "second").start() as proxy:
         async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
             client = Client(session, proxy)
-            await until_trusted(session, proxy, exact=exact or set())
+            await until_trusted(session, proxy, exact=exact)
             reported = [await client.chat("normal", m) for m in before]
             after = [
                 conversation(system_prompt(f"late-{secrets.token_hex(4)}"), n) for n in range(4)
@@ -338,12 +352,15 @@ async def _restarted_proxy_predictions(
             metrics = await proxy_metrics(session, proxy)
     lines = [orjson.loads(line) for line in usage_log.read_bytes().splitlines()]
     mine = [u for u in lines if u.get("tenant") == "tenant-normal"]
-    predicted: list[Any] = [u.get("predicted_cached_tokens") for u in mine]
-    if exact is not None:
-        predicted = [(p, u.get("backend")) for p, u in zip(predicted, mine, strict=True)]
-    assert len(predicted) == len(reported)
+    assert len(mine) == len(reported)
     trust = re.findall(r"^tierproxy_kv_index_trust\{[^}]*\} (\S+)$", metrics, re.M)
-    return predicted, reported, [float(t) for t in trust]
+    return _Restarted(
+        [u.get("predicted_cached_tokens") for u in mine],
+        [u.get("backend", "") for u in mine],
+        reported,
+        [float(t) for t in trust],
+        exact,
+    )
 
 
 async def test_streams_the_engine_refused_inside_the_stream_leave_no_placement(
