@@ -141,9 +141,10 @@ def pytest_runtest_makereport(
     if report.failed:
         for engine in farm.used_by_current_test:
             if engine.log_path is not None:
-                report.sections.append(
-                    (f"vLLM log tail ({engine.spec.url})", tail(engine.log_path, 60))
-                )
+                # Its start-up's list of routes is left out: it hid the test's own lines.
+                lines = tail(engine.log_path, 200).splitlines()
+                said = "\n".join([line for line in lines if "Route: " not in line][-30:])
+                report.sections.append((f"vLLM log tail ({engine.spec.url})", said))
     if report.when == "teardown":
         farm.used_by_current_test.clear()
     return report

@@ -47,6 +47,24 @@ async def _running(session: aiohttp.ClientSession, engine: EngineProcess) -> flo
     return sum(float(v) for v in found)
 
 
+async def _context_known(session: aiohttp.ClientSession, url: str) -> bool:
+    """Whether the proxy's /v1/models (its last probe of the engine's, models_interval_s)
+    gives the model's context: what it refuses a budget past the context by."""
+    headers = {"Authorization": f"Bearer {KEYS['low']}"}
+    async with session.get(url + "/v1/models", headers=headers) as resp:
+        cards = (await resp.json()).get("data", []) if resp.status == 200 else []
+    return any(card.get("id") == "tiny" and card.get("max_model_len") for card in cards)
+
+
+def _outcome(task: asyncio.Task[tuple[int, dict[str, object]]]) -> str:
+    if not task.done():
+        return "running"
+    if task.cancelled():
+        return "cancelled"
+    error = task.exception()
+    return repr(error) if error is not None else str(task.result()[0])
+
+
 async def test_a_max_tokens_past_the_context_is_refused_at_once_and_a_share_past_it_is_served(
     engine: EngineProcess, tmp_path: Path
 ) -> None:
@@ -77,22 +95,35 @@ async def test_a_max_tokens_past_the_context_is_refused_at_once_and_a_share_past
             messages = [{"role": "user", "content": "hello there"}]
             long = {"model": "tiny", "messages": messages, "max_tokens": BUSY_TOKENS}
             long["ignore_eos"] = True
+            # The proxy refuses by the context its probe of the engine's /v1/models gave: a
+            # probe that a busy machine timed out (it is tried again) is waited for.
+            for _ in range(600):  # polls
+                if await _context_known(session, proxy.url):
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("the proxy never learnt the model's context")
             busy = [asyncio.create_task(post("high", long)) for _ in range(BUSY)]
             try:
                 for _ in range(600):  # polls
                     if await _running(session, engine) >= 1:
                         break
                     await asyncio.sleep(0.05)
+                else:
+                    raise AssertionError("no generation ever ran")
                 for field in ("max_tokens", "max_completion_tokens"):
                     absurd = {"model": "tiny", "messages": messages, field: 1_000_000, "n": 8}
+                    sent = asyncio.get_running_loop().time()
                     status, answer = await post("low", absurd)
+                    took = asyncio.get_running_loop().time() - sent
                     error = answer["error"]
                     assert status == 400 and isinstance(error, dict), answer
                     assert error["param"] == field, error
                     assert "cannot be greater than max_model_len=2048" in str(error["message"])
                     # Answered while generations are unfinished: it never waited for an idle
                     # backend (the bug answered it only once every one had ended).
-                    assert not all(task.done() for task in busy), "answered after the backend idled"
+                    outcomes = [_outcome(task) for task in busy]
+                    assert "running" in outcomes, f"answered after the backend idled ({took:.2f} s; the generations: {outcomes})"  # fmt: skip
             finally:
                 for task in busy:  # their clients leave: the proxy aborts them in the engine
                     task.cancel()

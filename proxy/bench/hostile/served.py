@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -32,6 +33,7 @@ from proxy.ticket import DEFAULT_SECRET_ENV
 
 ADMIN_KEY = "admin-key-for-the-served-tests"
 HOST = "127.0.0.1"
+LOG_TAIL_LINES = 40
 
 
 class ThreadedUpstream:
@@ -161,8 +163,13 @@ class ServedProxy:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         self.stop()
+        if exc_type is not None:
+            # A failing test's report (pytest's captured stderr) carries what the proxy said:
+            # a CI run is read only through its report.
+            tail = "\n".join(self.log_lines()[-LOG_TAIL_LINES:])
+            print(f"--- {self.log_path.name}, its last lines ---\n{tail}", file=sys.stderr)
 
     def alive(self) -> bool:
         return self.process.alive()
