@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from proxy.config.kv_cache import kv_cache_on
 from proxy.config.schema import Config
@@ -182,6 +182,12 @@ class EngineProcess(ManagedProcess):
         )
         self.spec = spec
         self.confined = spec.cpus is None  # nothing to move
+
+    def start(self) -> Self:
+        # A restarted engine is moved onto its cores again: its new processes start anywhere
+        # (an engine restarted in a test ran unconfined beside the proxy, on its core).
+        self.confined = self.spec.cpus is None
+        return super().start()
 
     def ready(self) -> bool:
         """Whether /v1/models answers now; once it does, the engine is moved onto its cores."""

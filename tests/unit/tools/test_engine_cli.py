@@ -67,3 +67,26 @@ def test_kv_events_follow_the_configs_kv_cache(
     assert {"--enable-prefix-caching", "--enable-prompt-tokens-details"} <= set(command)
     by_hand = _spec("--kv-events-port", "5557").command()
     assert '"endpoint":"tcp://*:5557"' in by_hand[by_hand.index("--kv-events-config") + 1]
+
+
+def test_a_restarted_engine_is_moved_onto_its_cores_again(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Each start's process tree is confined once ready: a restart (the KV-index test stops
+    and starts its engine) left the new processes on every core, the proxy's included."""
+    moved: list[int] = []
+    monkeypatch.setattr(engine, "confine_tree", lambda pid, cpus: moved.append(pid))
+    spec = engine.EngineSpec(port=1, model="m", cpus=frozenset({0}))
+    process = engine.EngineProcess(spec, tmp_path / "engine.log")
+    process.command = ["sleep", "30"]  # a process to confine, not vLLM
+    pids = []
+    try:
+        for _ in range(2):
+            process.start()
+            pids.append(process.pid)
+            process.confine()
+            process.confine()  # once per start
+            process.stop(grace_s=1.0)
+    finally:
+        process.stop(grace_s=1.0)
+    assert moved == pids and len(set(pids)) == 2
