@@ -67,7 +67,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     weights = [len(unit) for unit in units]
     quiet = [any(item.get_closest_marker("quiet_engines") for item in unit) for unit in units]
-    run = order(needs, weights, MAX_LIVE_ENGINES, quiet)
+    restarts = [any(item.get_closest_marker("restarts_engines") for item in unit) for unit in units]
+    run = order(needs, weights, MAX_LIVE_ENGINES, quiet, restarts)
     items[:] = [item for i in run for item in units[i]]
 
 
@@ -180,6 +181,9 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.addinivalue_line(
         "markers", "quiet_engines: the test measures its engines; no engine starts beside it"
+    )
+    config.addinivalue_line(
+        "markers", "restarts_engines: the test restarts an engine; its module runs after the others"
     )
     signal.signal(signal.SIGUSR1, _dump_asyncio_tasks)
 

@@ -28,13 +28,18 @@ class Wave(Generic[S]):
 
 
 def waves(
-    needs: Sequence[frozenset[S]], capacity: int, quiet: Sequence[bool] = ()
+    needs: Sequence[frozenset[S]],
+    capacity: int,
+    quiet: Sequence[bool] = (),
+    restarts: Sequence[bool] = (),
 ) -> list[Wave[S]]:
     """The modules with needs, packed: groups of settings used together (connected through
     shared modules), first-fit decreasing into waves of at most ``capacity`` settings. In a
     wave, the modules that use fewer settings run first (the first waits for one start, the
     others start beside it), the quiet ones (``quiet[i]``: nothing may start beside module i)
-    first among equals, while nothing else is starting."""
+    first among equals, while nothing else is starting. The modules that restart an engine
+    (``restarts[i]``) run last: every other user of a setting has its engine as first started
+    (a restarted one once ran unconfined, on the proxy's core)."""
     parent: dict[S, S] = {}
 
     def root(s: S) -> S:
@@ -65,13 +70,14 @@ def waves(
         else:
             home |= group
     is_quiet = list(quiet) or [False] * len(needs)
+    is_restart = list(restarts) or [False] * len(needs)
     return [
         Wave(
             frozenset(w),
             tuple(
                 sorted(
                     (i for i, need in enumerate(needs) if need and need <= w),
-                    key=lambda i: (len(needs[i]), not is_quiet[i], i),
+                    key=lambda i: (is_restart[i], len(needs[i]), not is_quiet[i], i),
                 )
             ),
         )
@@ -84,10 +90,12 @@ def order(
     weights: Sequence[int],
     capacity: int,
     quiet: Sequence[bool] = (),
+    restarts: Sequence[bool] = (),
 ) -> list[int]:
     """Indices of the modules (``needs[i]``: the settings module i uses, ``weights[i]``: its
-    test count, ``quiet[i]``: it measures its engines) in the order to run them."""
-    planned = waves(needs, capacity, quiet)
+    test count, ``quiet[i]``: it measures its engines, ``restarts[i]``: it restarts one) in
+    the order to run them."""
+    planned = waves(needs, capacity, quiet, restarts)
     free = [i for i, need in enumerate(needs) if not need]
     if not planned:
         return free

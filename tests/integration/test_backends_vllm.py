@@ -94,6 +94,7 @@ async def test_load_spreads_evenly_and_by_room(engines: EngineFarm) -> None:
 
 
 @pytest.mark.long  # the engine is killed and started again (~30 s)
+@pytest.mark.restarts_engines
 async def test_killed_backend_loses_nothing_and_comes_back(engines: EngineFarm) -> None:
     a = engines.get(CORE)
     b = engines.get(PAIR_B)

@@ -158,6 +158,7 @@ async def test_predicted_cached_tokens_equal_vllms(engine: EngineProcess, local:
 
 
 @pytest.mark.long  # the engine is killed and started again (~30 s)
+@pytest.mark.restarts_engines
 async def test_index_recovers_after_reconnect_and_engine_restart(engine: EngineProcess) -> None:
     # No resync window to wait out: warm comes from the replay socket or an engine's batch 0.
     async with (

@@ -70,6 +70,12 @@ def test_in_a_wave_modules_using_fewer_settings_run_first_the_quiet_ones_first_a
     assert waves(needs, capacity=3, quiet=[False, False, False, True])[0].units == (3, 1, 0, 2)
 
 
+def test_a_module_that_restarts_an_engine_runs_after_every_other_user_of_it() -> None:
+    needs = [frozenset("a"), frozenset("a"), frozenset("ab"), frozenset("a")]
+    restarts = [False, True, False, False]
+    assert waves(needs, capacity=3, restarts=restarts)[0].units == (0, 3, 2, 1)
+
+
 def test_split_follows_the_shares_by_weight() -> None:
     assert split(list(range(8)), [1] * 8, [3, 1]) == [[0, 1, 2, 3, 4, 5], [6, 7]]
     assert split([0, 1, 2], [10, 1, 1], [1, 1]) == [[0], [1, 2]]
