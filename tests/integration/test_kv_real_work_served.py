@@ -43,7 +43,6 @@ from tests.helpers.kvpair import (
 )
 
 RUNNING, WAITING = "vllm:num_requests_running", "vllm:num_requests_waiting"
-PROMPTED = "vllm:prompt_tokens_total"  # counted with a request's first token: its prefill done
 # Quiet: its engines must reach states (four streams running, a request queued) within counted
 # polls, which an engine starting beside them on the same cores delayed past (make test-all).
 pytestmark = [
@@ -246,6 +245,16 @@ async def _index_losses(
     return found
 
 
+async def _index_blocks(
+    session: aiohttp.ClientSession, proxy: ServedProxy, engine: EngineProcess
+) -> float:
+    """The blocks the proxy's index of ``engine`` holds: its KV events, published by the engine
+    core itself (a scrape of a busy engine's API server lagged by seconds in full runs)."""
+    text = await proxy_metrics(session, proxy)
+    pattern = rf'^tierproxy_kv_index_blocks\{{backend="{re.escape(engine.spec.url)}"\}} (\S+)$'
+    return sum(float(m.group(1)) for m in re.finditer(pattern, text, re.M))
+
+
 async def _index_blind(
     session: aiohttp.ClientSession,
     proxy: ServedProxy,
@@ -329,11 +338,11 @@ async def test_a_request_whose_client_left_while_queued_in_vllm_leaves_no_placem
             ) -> str | None:
                 """A low-tier tenant's long generation, left once the engine shows it queued
                 (one scrape counting it beside all of tenant-high's generations) or prefilled
-                (its prompt tokens counted): None. Otherwise why the try is void (a generation
+                (its prompt's blocks in the proxy's index: the engine's KV events): None. Otherwise why the try is void (a generation
                 ended first, the engine answered it, or it never showed)."""
                 body = {"model": "tiny", "messages": messages, "max_tokens": 1600, "ignore_eos": True}  # fmt: skip
                 headers = {"Authorization": f"Bearer {key}"}
-                prompted = await _engine(session, engine, PROMPTED)
+                stored = await _index_blocks(session, proxy, engine)
                 task = asyncio.create_task(_answer(session, proxy.url + CHAT, headers, body))
                 seen = "no scrape"
                 try:
@@ -349,7 +358,7 @@ async def test_a_request_whose_client_left_while_queued_in_vllm_leaves_no_placem
                                 return f"too many finished first ({seen}; the proxy's in flight {await inflight(session, proxy)})"  # fmt: skip
                             if running + waiting + done - finished_before > BUSY:
                                 return _left_in_time(task, seen)
-                        elif await _engine(session, engine, PROMPTED) >= prompted + 300:
+                        elif await _index_blocks(session, proxy, engine) >= stored + 8:
                             return _left_in_time(task, seen)
                         await asyncio.sleep(0.05)
                     return f"never shown ({seen}; the proxy's in flight {await inflight(session, proxy)})"
