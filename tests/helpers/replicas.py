@@ -22,8 +22,9 @@ TENANT = "acme"
 
 # Timings for a live Redis on a busy machine: a call past these is decided without Redis (by
 # local limits), which a test of shared state then reads as a wrong count. A killed Redis
-# refuses at once whatever these are.
-LIVE_REDIS: dict[str, Any] = {"call_timeout_s": 2.0, "pool_wait_s": 2.0}
+# refuses at once whatever these are. 2 s was passed in a full run beside a benchmark (the
+# suite's half that Redis serves is niced): two replicas held four adapters of two slots.
+LIVE_REDIS: dict[str, Any] = {"call_timeout_s": 10.0, "pool_wait_s": 10.0}
 
 
 ADMIN_KEY = "replicas-admin-key"

@@ -13,7 +13,7 @@ from proxy.bench.hostile.served import NullBackend, ServedFleet, ServedProxy, se
 from proxy.bench.inproc import KEYS
 from proxy.bench.redis_server import RedisServer
 from proxy.config.tenants import hash_key
-from tests.helpers.replicas import TENANT
+from tests.helpers.replicas import LIVE_REDIS, TENANT
 
 
 @pytest.fixture
@@ -43,9 +43,10 @@ def start(backend: NullBackend, redis_server: RedisServer, tmp_path: Path) -> It
         **limits: Any,
     ) -> ServedProxy:
         tenant = {"name": TENANT, "tier": "normal", "keys": [{"sha256": hash_key(KEYS["normal"])}]}
-        # 2 s calls: a busy machine must not time out a live Redis (a test wanting a stall
+        # A busy machine must not time out a live Redis (LIVE_REDIS; a test wanting a stall
         # shorter than that sets its own).
-        settings = {"url": redis_server.url, "call_timeout_s": 2.0, "probe_interval_s": 0.1}
+        timeout = LIVE_REDIS["call_timeout_s"]
+        settings = {"url": redis_server.url, "call_timeout_s": timeout, "probe_interval_s": 0.1}
         extra: dict[str, Any] = {"shared_state": {**settings, **(state or {})}} if shared else {}
         tenants = [{**tenant, **limits}]
         for other, key in zip(others, ("high", "low"), strict=False):

@@ -76,7 +76,7 @@ async def replicas(redis_server: RedisServer) -> AsyncIterator[Callable[..., Any
 
     async def make(shared: bool = True, **cfg: Any) -> tuple[Replica, Replica]:
         for name in ("a", "b"):
-            settings = {"call_timeout_s": 2.0, "probe_interval_s": 0.1, **cfg}
+            settings = {"probe_interval_s": 0.1, **cfg}
             store = SharedStore(
                 SharedState(url=redis_server.url, **{**LIVE_REDIS, **settings}), CollectorRegistry()
             )
