@@ -43,6 +43,8 @@ from tests.helpers.kvpair import (
 )
 
 RUNNING, WAITING = "vllm:num_requests_running", "vllm:num_requests_waiting"
+# Blocks of a ~300-token system prompt (9 full blocks of 32) stored once its prefill is done.
+PREFILLED = 8
 # Quiet: its engines must reach states (four streams running, a request queued) within counted
 # polls, which an engine starting beside them on the same cores delayed past (make test-all).
 pytestmark = [
@@ -338,8 +340,9 @@ async def test_a_request_whose_client_left_while_queued_in_vllm_leaves_no_placem
             ) -> str | None:
                 """A low-tier tenant's long generation, left once the engine shows it queued
                 (one scrape counting it beside all of tenant-high's generations) or prefilled
-                (its prompt's blocks in the proxy's index: the engine's KV events): None. Otherwise why the try is void (a generation
-                ended first, the engine answered it, or it never showed)."""
+                (``PREFILLED`` more blocks in the proxy's index: the engine's KV events): None.
+                Otherwise why the try is void (a generation ended first, the engine answered
+                it, or it never showed)."""
                 body = {"model": "tiny", "messages": messages, "max_tokens": 1600, "ignore_eos": True}  # fmt: skip
                 headers = {"Authorization": f"Bearer {key}"}
                 stored = await _index_blocks(session, proxy, engine)
@@ -358,7 +361,7 @@ async def test_a_request_whose_client_left_while_queued_in_vllm_leaves_no_placem
                                 return f"too many finished first ({seen}; the proxy's in flight {await inflight(session, proxy)})"  # fmt: skip
                             if running + waiting + done - finished_before > BUSY:
                                 return _left_in_time(task, seen)
-                        elif await _index_blocks(session, proxy, engine) >= stored + 8:
+                        elif await _index_blocks(session, proxy, engine) >= stored + PREFILLED:
                             return _left_in_time(task, seen)
                         await asyncio.sleep(0.05)
                     return f"never shown ({seen}; the proxy's in flight {await inflight(session, proxy)})"
@@ -440,4 +443,4 @@ async def test_a_request_whose_client_left_while_queued_in_vllm_leaves_no_placem
             assert void is None, f"the engine never prefilled the control: {void}"
             await _settled(client, session, proxy)
             tenants_kept = (await _placement(session, proxy))["tenants"]
-            assert sum(tenants_kept["tenant-low"].values()) >= 8, tenants_kept
+            assert sum(tenants_kept["tenant-low"].values()) >= PREFILLED, tenants_kept

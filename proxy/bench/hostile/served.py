@@ -235,9 +235,9 @@ class ServedFleet:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         for proxy in self.started:
-            proxy.stop()
+            proxy.__exit__(exc_type)  # stopped; on a failure, its log's last lines shown
 
 
 def auth_header(tier: str) -> str:
