@@ -103,11 +103,14 @@ prometheus:
 # start first). Their coverage is combined. `make test` leaves out the tests marked
 # `long` (real load generators, engines killed and started again: ~3 min on 2 cores) and runs
 # the two fuzzes at 5,000 cases each; `make test-all`, as CI, runs everything, the fuzzes at
-# their default 10,000. `.venv/bin/pytest` alone runs everything in one.
+# their default 10,000. `.venv/bin/pytest` alone runs everything in one. Lint (`make lint`) runs
+# beside them, niced: on a fresh checkout mypy alone takes ~1 min of a core, which the suite
+# (waiting on its first engine) does not miss; its output comes last.
 ENGINE_TESTS := tests/compat tests/integration
 OTHER_TESTS  := tests/unit tests/adversarial tests/replicas
 FUZZ_CASES   := TIERPROXY_FUZZ_CASES=5000 TIERPROXY_FUZZ_SERVED_CASES=5000
 ENGINE_LOG   := .tierproxy/test-engines.log
+LINT_LOG     := .tierproxy/lint.log
 # Each half picks its servers' ports from its own range (proxy.ops.process.free_port): a port
 # one half picked could otherwise be bound by the other's server before its own.
 ENGINE_PORTS := TIERPROXY_FREE_PORTS=10000-15999
@@ -117,24 +120,27 @@ OTHER_PORTS  := TIERPROXY_FREE_PORTS=16000-32767
 define run_suite
 	@rm -f .coverage .coverage.*
 	@mkdir -p .tierproxy
-	@echo "the tests that use engines log to $(ENGINE_LOG) (shown when done); the others here:"
-	@COVERAGE_FILE=.coverage.engines $(ENGINE_PORTS) $(BIN)/pytest --cov=proxy --cov-report= $(1) \
+	@echo "the tests that use engines log to $(ENGINE_LOG), lint to $(LINT_LOG) (shown when done); the others here:"
+	@nice -n 10 $(MAKE) --no-print-directory lint > $(LINT_LOG) 2>&1 & lint=$$!; \
+	COVERAGE_FILE=.coverage.engines $(ENGINE_PORTS) $(BIN)/pytest --cov=proxy --cov-report= $(1) \
 		$(ENGINE_TESTS) > $(ENGINE_LOG) 2>&1 & engines=$$!; \
 	$(2) COVERAGE_FILE=.coverage.others $(OTHER_PORTS) nice -n 10 $(BIN)/pytest -n 3 --cov=proxy \
 		--cov-report= $(OTHER_TESTS); \
-	others=$$?; wait $$engines; engines_rc=$$?; \
+	others=$$?; wait $$engines; engines_rc=$$?; wait $$lint; lint_rc=$$?; \
 	echo "=================== the tests that use engines ($(ENGINE_LOG)) ==================="; \
 	cat $(ENGINE_LOG); \
 	$(BIN)/coverage combine -q .coverage.engines .coverage.others && \
 	$(BIN)/coverage report --skip-covered --fail-under=$(COVERAGE_FLOOR); cov=$$?; \
-	echo "exit codes: engine tests $$engines_rc, other tests $$others, coverage $$cov"; \
-	test $$engines_rc = 0 && test $$others = 0 && test $$cov = 0
+	echo "=================== lint ($(LINT_LOG)) ==================="; \
+	cat $(LINT_LOG); \
+	echo "exit codes: lint $$lint_rc, engine tests $$engines_rc, other tests $$others, coverage $$cov"; \
+	test $$lint_rc = 0 && test $$engines_rc = 0 && test $$others = 0 && test $$cov = 0
 endef
 
-test: model lint redis-server tmux haproxy prometheus compat-tools
+test: model redis-server tmux haproxy prometheus compat-tools
 	$(call run_suite,-m "not long",$(FUZZ_CASES))
 
-test-all: model lint redis-server tmux haproxy prometheus compat-tools
+test-all: model redis-server tmux haproxy prometheus compat-tools
 	$(call run_suite,,)
 
 # The compose stack as operators run it, in Docker (tests/compose): dockerd started when none

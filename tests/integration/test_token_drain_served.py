@@ -31,6 +31,9 @@ LOOPS = 6  # the flood's clients, each sending its next request as soon as one e
 # The large request: 4,500 tokens of output, past the whole budget (3 x 800 was done before the
 # best tier's 8-token answer came back on a fast engine, in a full run here).
 SEQUENCES, EACH = 3, 1_500
+# Under the flood nothing races the large request's end: 3 x 800 tokens past a 2,000 budget is
+# enough (a 503 without the drain; 4,500 tokens took 37 s of make test's 8 minutes, this 8 s).
+FLOOD_BUDGET, FLOOD_SEQUENCES, FLOOD_EACH = 2_000, 3, 800
 MESSAGES = [{"role": "user", "content": "hello there"}]
 
 
@@ -75,7 +78,7 @@ async def test_a_request_past_the_whole_token_budget_is_served_under_a_steady_fl
         {"name": "flood", "tier": "normal", "keys": [{"sha256": hash_key(KEYS["normal"])}]},
         {"name": "batch", "tier": "normal", "keys": [{"sha256": hash_key(KEYS["low"])}]},
     ]
-    backend = {"url": engine.spec.url, "max_inflight": 8, "max_tokens_inflight": BUDGET}
+    backend = {"url": engine.spec.url, "max_inflight": 8, "max_tokens_inflight": FLOOD_BUDGET}
     # Under the old rule the large request would wait out the tier's queue timeout for a 503.
     tiers = {"normal": {"queue_timeout_s": 90, "request_timeout_s": 150}}
     config = make_config([backend], tiers=tiers, tenants=tenants, **admin_sections())
@@ -99,8 +102,8 @@ async def test_a_request_past_the_whole_token_budget_is_served_under_a_steady_fl
                 big = {
                     "model": "tiny",
                     "messages": MESSAGES,
-                    "max_tokens": EACH,
-                    "n": SEQUENCES,
+                    "max_tokens": FLOOD_EACH,
+                    "n": FLOOD_SEQUENCES,
                     "ignore_eos": True,
                 }
                 status, body = await _post(session, proxy, KEYS["low"], big)
@@ -108,7 +111,7 @@ async def test_a_request_past_the_whole_token_budget_is_served_under_a_steady_fl
                 done.set()
                 await asyncio.gather(*loops, return_exceptions=True)
             assert status == 200, body
-            assert body["usage"]["completion_tokens"] == SEQUENCES * EACH, body["usage"]
+            assert body["usage"]["completion_tokens"] == FLOOD_SEQUENCES * FLOOD_EACH, body["usage"]
             # The flood waited in the proxy's queue while the backend drained, then went on:
             # every request of it served.
             assert set(flood_answers) == {200}, sorted(set(flood_answers))
