@@ -55,6 +55,16 @@ def _needs(item: pytest.Item) -> frozenset[EngineSetting]:
     return frozenset(s for mark in item.iter_markers("engines") for s in mark.args)
 
 
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """Under pytest-xdist's ``--dist loadgroup`` (``make test``'s other half), the tests that use
+    the same engines run on one worker: each worker has its own farm, and three workers had
+    started three LoRA engines (~100 s of a core and ~3 GB each) for one module."""
+    if needs := _needs(item):
+        item.add_marker(
+            pytest.mark.xdist_group("engines-" + "-".join(sorted(s.name for s in needs)))
+        )
+
+
 @pytest.hookimpl(trylast=True)  # after -k/-m deselection
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Modules reordered (each kept whole) so that engines start once, ahead of their tests."""
