@@ -110,7 +110,23 @@ class Relay(Strict):
         30.0,
         gt=0,
         description="A write to the client that makes no progress this long (the client"
-        " stopped reading) ends the request: the upstream is closed and the backend slot freed.",
+        " stopped reading) ends the request: the upstream is closed and the backend slot freed"
+        " (a stream whose backend already ended within `read_ahead_bytes` freed it then).",
+    )
+    # A chat stream's event is ~250 bytes a token: 256 KiB holds the rest of a ~1,000-token
+    # answer (~100 tokens with top-20 logprobs), so most answers end upstream while their client
+    # lags. A connection holds 64 KiB unsent without it (asyncio's high-water mark); 4,096
+    # lagging connections x 256 KiB would be 1 GiB, so each reserves it from
+    # `limits.max_held_bytes`, within half of it (past that a stream lags as it did before).
+    read_ahead_bytes: int = Field(
+        256 * 1024,
+        ge=0,
+        description="Bytes of a streamed answer held for a client that reads slower than the"
+        " backend writes (its connection's unsent bytes), so that the backend's answer is read"
+        " to its end and its slot and tokens are handed on while the rest drains under"
+        " `send_idle_timeout_s`. Reserved from `limits.max_held_bytes`, within half of it;"
+        " 0 (or up to 64 KiB, what a connection holds anyway): none, the backend's room held"
+        " until the client has read all but that.",
     )
     # vLLM's chunks are a few KB even with top-20 logprobs; aiohttp used to fail lines > 2 MiB.
     max_event_bytes: int = Field(

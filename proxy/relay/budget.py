@@ -65,3 +65,13 @@ class MemoryBudget:
             return None
         self.held += amount
         return Reservation(self, amount)
+
+    def try_reserve_spare(self, amount: int) -> Reservation | None:
+        """``amount`` only while all that is held stays within half the budget: for bytes that
+        merely help (a lagging client's read-ahead, ``proxy.relay.clientsend``), never at the
+        cost of the requests' own."""
+        limit = self.limit_bytes
+        if limit is not None and self.held + amount > limit // 2:
+            return None
+        self.held += amount
+        return Reservation(self, amount)

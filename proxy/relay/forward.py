@@ -7,7 +7,9 @@ be retried elsewhere. A non-stream answer (or any that is not a 200 stream) is r
 ``proxy.relay.whole``; the backend's answer is opened in ``proxy.relay.upstreamio``. Whatever
 happens after bytes reached the client ends the stream with an error event and ``[DONE]``,
 never a silent cut. Leaving this code by cancellation (the client went away) closes the
-upstream connection, which makes vLLM abort the request.
+upstream connection, which makes vLLM abort the request. A client that reads slower than the
+backend writes lags within a read-ahead (``ClientSender``): once the backend's answer is read
+whole, its room is handed on (``UpstreamCall.release_backend``) while the rest drains.
 
 Bounds (``config.Relay``): every write to the client (``ClientSender``), each SSE event, the
 part of a non-stream answer held in memory (beyond it the answer is streamed through) and its
@@ -136,11 +138,23 @@ async def _relay_stream(
         result.outcome = Outcome.BACKEND_ERROR  # vLLM's error event, then [DONE]
     result.refused_in_stream = scan.refused  # the chooser keeps no trace of it
     if result.outcome not in (Outcome.CLIENT_GONE, Outcome.CLIENT_STALLED):
+        upstream_done(call, resp, result, whole=scan.saw_done)
         if held := scan.take_held():  # cut short: its held terminal chunks before the end
             delivered.chunks(held)
             last = held + last
         await finish_stream(send, out, last, result, whole=scan.saw_done)
     return result
+
+
+def upstream_done(
+    call: UpstreamCall, resp: aiohttp.ClientResponse, result: RelayResult, *, whole: bool
+) -> None:
+    """The backend's part is over before the client has read it all (the read-ahead holds the
+    rest): its room is handed on now. An answer cut short (timeout, oversize, broken) is closed
+    first, so that vLLM aborts what it still runs before its room is counted free."""
+    if not whole:
+        resp.close()
+    call.release_backend(result.engine_ran)
 
 
 def _expire(content: aiohttp.StreamReader) -> None:

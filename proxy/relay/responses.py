@@ -21,7 +21,7 @@ from proxy.api.errors import ProxyError, execution_timeout, upstream_failed, ups
 from proxy.api.outcome import Outcome
 from proxy.relay import sse
 from proxy.relay.clientsend import ClientSender, ClientStalled
-from proxy.relay.forward import finish_stream, relay
+from proxy.relay.forward import finish_stream, relay, upstream_done
 from proxy.relay.result import RelayResult, UpstreamCall, UpstreamUnavailable
 from proxy.relay.upstreamio import CLIENT_LEFT, ENGINE_DEAD, UPSTREAM_BROKE, open_relay, settled
 from proxy.ticket import REQUEST_ID_HEADER
@@ -124,6 +124,7 @@ async def _relay_events(
         result.outcome, result.backend_failed = Outcome.UPSTREAM_ERROR, True
         last = upstream_failed(f"The backend failed mid-stream: {exc}")
     if result.outcome not in (Outcome.CLIENT_GONE, Outcome.CLIENT_STALLED):
+        upstream_done(call, resp, result, whole=ended)
         tail = error_event(last) if last is not None else b""
         await finish_stream(send, out, tail, result, whole=ended)
     return result

@@ -4,7 +4,7 @@ the failure that may be retried elsewhere (``UpstreamUnavailable``): the types t
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +81,10 @@ class UpstreamCall:
     delivered: Delivered = field(default_factory=Delivered)
     # The client's answer's X-Request-Id (its own echoed); None: the id sent upstream.
     reply_request_id: str | None = None
+    # Called (with whether the engine ran it) once the backend is done with the answer (read to
+    # its end, or closed), while its client may still be reading: the backend's room is handed
+    # on then, not when the client has read it all (the caller's lease; it may come again).
+    release_backend: Callable[[bool], None] = field(default=lambda ran: None)
 
 
 class NoAnswerHead(ProxyError):

@@ -51,8 +51,15 @@ async def open_relay(
                 resp = await open_upstream(call)
         except TimeoutError:
             raise NoAnswerHead(call.timeout_s) from None
-        async with resp:
-            yield resp, ClientSender(request, call.deadline, call.bounds.send_idle_timeout_s)
+        bounds = call.bounds
+        send = ClientSender(
+            request, call.deadline, bounds.send_idle_timeout_s, bounds.read_ahead_bytes, call.budget
+        )
+        try:
+            async with resp:
+                yield resp, send
+        finally:
+            send.close()  # the read-ahead's bytes: given back whatever the end
     except Exception:
         call.delivered.sent = False  # failed (retried, or answered with an error): no bill
         raise

@@ -141,6 +141,7 @@ async def _stream_through(
             if total > limit:
                 raise EventTooLarge(limit)
             await send.write(out, chunk)
+        call.release_backend(result.engine_ran)  # read whole: its room is handed on
         await send.finish(out)
     except ClientStalled:
         result.outcome, result.status = Outcome.CLIENT_STALLED, 499

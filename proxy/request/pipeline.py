@@ -281,7 +281,8 @@ class RequestPipeline:
         self, request: web.Request, adm: Admitted, lease: Lease | CheapLease
     ) -> RelayResult | None:
         """Relay the request to the leased backend; None: it failed before anything reached
-        the client (retry); 503/502 once attempts run out, or a second backend that ran it broke."""
+        the client (retry); 503/502 once attempts run out, or a second backend that ran it broke.
+        The relay releases the lease once the backend is done, its client maybe still reading."""
         adm.attempts += 1
         ran: bool | None = True  # unless known otherwise; None: the client left (the chooser tells)
         try:
@@ -311,12 +312,11 @@ class RequestPipeline:
             tier_name=adm.tier,
             tenant=adm.tenant.name,
             request_id=adm.request_id,
-            backend=lease.backend.cfg,
+            lease=lease,
             client_headers=request.headers,
             secret=self.secret,
             session=self.session(),
             budget=self.budget,
-            clock_correction_s=lease.backend.ticket_time_correction,
             delivered=adm.delivered,
             cache_salt=adm.cache_salt,
             reply_request_id=request.get(REQUEST_ID),

@@ -11,7 +11,6 @@ import aiohttp
 import orjson
 from multidict import CIMultiDictProxy
 
-from proxy.config.backends import Backend
 from proxy.config.schema import Config
 from proxy.relay.budget import MemoryBudget
 from proxy.relay.delivered import Delivered
@@ -19,6 +18,7 @@ from proxy.relay.forward import UpstreamCall
 from proxy.request.headers import upstream_headers
 from proxy.request.inbound import ParsedRequest
 from proxy.request.route_table import ROWS
+from proxy.scheduling.dispatch import CheapLease, Lease
 from proxy.ticket import (
     CONTENT_DIGEST_HEADER,
     REQUEST_ID_HEADER,
@@ -40,27 +40,27 @@ def upstream_call(
     tier_name: str,
     tenant: str,
     request_id: str,
-    backend: Backend,
+    lease: Lease | CheapLease,
     client_headers: CIMultiDictProxy[str],
     secret: bytes,
     session: aiohttp.ClientSession,
     budget: MemoryBudget | None = None,
-    clock_correction_s: float = 0.0,
     delivered: Delivered | None = None,
     cache_salt: str = "",
     reply_request_id: str | None = None,
     trace_headers: Mapping[str, str] | None = None,
 ) -> UpstreamCall:
-    """One attempt's call: a fresh ticket each time (a nonce is good for one use).
-    ``clock_correction_s``: the backend's clock minus ours where measured
-    (``BackendState.ticket_time_correction``), so that its plugin's window check sees
-    ``issued_at`` on its own clock. ``cache_salt``: the tenant's prefix-cache salt, put into the
-    body (every model route of vLLM 0.32 takes one) and bound into the ticket ("": none).
+    """One attempt's call under ``lease``: a fresh ticket each time (a nonce is good for one
+    use), stamped on the backend's clock where measured (``BackendState.ticket_time_correction``),
+    so that its plugin's window check sees ``issued_at`` on its own clock; the lease is released
+    as soon as the backend is done with the answer (``UpstreamCall.release_backend``), which may
+    be before its client has read it all. ``cache_salt``: the tenant's prefix-cache salt, put
+    into the body (every model route of vLLM 0.32 takes one) and bound into the ticket ("": none).
     ``reply_request_id``: the X-Request-Id the client's answer carries (its own echoed), where
     it differs from ``request_id``, the proxy's, which vLLM gets. ``trace_headers``: the
     upstream span's ``traceparent``/``tracestate`` where tracing is on, in place of the
     client's (None: the client's pass on as they came)."""
-    tier = config.tiers[tier_name]
+    tier, backend = config.tiers[tier_name], lease.backend.cfg
     body = dict(parsed.body)
     if backend.send_priority:
         body["priority"] = tier.priority
@@ -70,7 +70,7 @@ def upstream_call(
         body["request_id"] = request_id
     payload = orjson.dumps(body)
     # Bound to these exact bytes, this request id and a fresh nonce: one use, for a moment.
-    now = time.time() + clock_correction_s
+    now = time.time() + lease.backend.ticket_time_correction
     digest = body_digest(payload)
     ticket = Ticket(
         tier=tier_name,
@@ -107,4 +107,5 @@ def upstream_call(
         budget=budget,
         delivered=delivered if delivered is not None else Delivered(),
         reply_request_id=reply_request_id,
+        release_backend=lambda ran: lease.release(ran=ran),
     )
