@@ -84,7 +84,10 @@ class ClientSender:
                 # Paused at once (asyncio's and uvloop's transports both check on a change);
                 # resumed once the client has read ``step`` more bytes.
                 transport.set_write_buffer_limits(high=pending - 1, low=max(pending - step, 0))
-                await self._bounded(self.request.writer.drain(), self.deadline)
+                try:
+                    await self._bounded(self.request.writer.drain(), self.deadline)
+                except ConnectionError as exc:  # aiohttp's drain waiter after a reset
+                    raise ConnectionResetError(str(exc)) from exc
         finally:
             self.close()
 

@@ -166,13 +166,16 @@ async def finish_stream(
 ) -> None:
     """The end of the client's response. ``whole``: the stream's last event (``[DONE]``,
     Responses' final event) was written: a client that closes now closes after reading it, and
-    its request stays ``ok``."""
+    its request stays ``ok``, unless it left before reading what the read-ahead held."""
+    read = False
     try:
+        await send.settle()
+        read = whole
         await send.finish(out, last)
     except ClientStalled:
         result.outcome, result.status = Outcome.CLIENT_STALLED, 499
     except CLIENT_LEFT:
-        if not whole:
+        if not read:
             result.outcome = Outcome.CLIENT_GONE
 
 

@@ -51,3 +51,16 @@ def test_a_reservation_grows_within_the_limit_or_not_at_all() -> None:
     upload.release()
     assert budget.held == 0
     assert not upload.grow(1) and budget.held == 0  # released: grows nothing
+
+
+def test_a_spare_reservation_takes_only_the_budgets_first_half() -> None:
+    budget = MemoryBudget(100)
+    body = budget.try_reserve(30)
+    assert body is not None
+    spare = budget.try_reserve_spare(20)
+    assert spare is not None and budget.held == 50
+    assert budget.try_reserve_spare(1) is None  # 51 > half: the requests keep theirs
+    assert budget.try_reserve(50) is not None  # a request's own bytes still fit the whole
+    spare.release()
+    assert budget.held == 80
+    assert MemoryBudget(None).try_reserve_spare(10**12) is not None
