@@ -57,6 +57,7 @@ async def stalled(ends: bool, clock: FakeClock) -> AsyncIterator[tuple[Rig, RawC
     async with backend.serve() as url:
         config["backends"] = [{"url": url}]
         async with rig(config, clock) as r:
+            assert r.client.port is not None
             client = await RawClient.connect(str(r.client.host), r.client.port)
             try:
                 body = {**BODY, "stream": True}
