@@ -164,11 +164,14 @@ async def test_the_best_tier_is_served_beside_a_worse_tiers_request_past_the_bud
 async def test_a_stream_its_client_stopped_reading_does_not_hold_its_tier_back(
     engine: EngineProcess, tmp_path: Path
 ) -> None:
-    """A stream whose client stopped reading is done in vLLM but keeps its tokens until the
-    relay cuts it (``relay.send_idle_timeout_s``, here 120 s). With another tenant's request
-    holding the backend for tokens those keep out, every request of the tier waited on an idle
-    engine (red team S1, stop 51). Once scrapes show vLLM running nothing the proxy counts,
-    a request that fits goes: it is served while the stalled stream still holds its tokens."""
+    """A stream whose client stopped reading with more of its answer left than the relay's
+    read-ahead holds (megabytes of logprobs, past ``relay.read_ahead_bytes``) is done in vLLM
+    but keeps its tokens until the relay cuts it (``relay.send_idle_timeout_s``, here 120 s).
+    With another tenant's request holding the backend for tokens those keep out, every request
+    of the tier waited on an idle engine (red team S1, stop 51). Once scrapes show vLLM running
+    nothing the proxy counts, a request that fits goes: it is served while the stalled stream
+    still holds its tokens (one whose rest fits the read-ahead frees them at vLLM's end: the
+    next test)."""
     tenants: list[dict[str, Any]] = [
         {"name": name, "tier": "normal", "keys": [{"sha256": hash_key(key)}]}
         for name, key in (("stalled", KEYS["normal"]), ("large", KEYS["low"]), ("small", "k-s"))
@@ -212,3 +215,56 @@ async def test_a_stream_its_client_stopped_reading_does_not_hold_its_tier_back(
                     await asyncio.gather(held, return_exceptions=True)
         finally:
             stalled.sock.close()
+
+
+# A stalled stream of 1,000 tokens with 20 logprobs each (~1 KB an event: a megabyte), past what
+# a non-reader's connection swallows (a ~200 KB stream without logprobs was swallowed whole by
+# the kernel over the seconds vLLM took), within this test's read-ahead. Its 1,015 tokens and
+# the next request's 515 pass a 1,400 budget.
+STALLED_TOKENS, KEPT_TOKENS, READ_AHEAD_BUDGET = 1_000, 500, 1_400
+READ_AHEAD = 8 * 1024 * 1024
+
+
+async def test_a_stalled_stream_within_the_read_ahead_hands_its_tokens_on_at_vllms_end(
+    engine: EngineProcess, tmp_path: Path
+) -> None:
+    """A stream whose client stopped reading, the rest of its answer within the relay's
+    read-ahead (set to 8 MiB here: the kernel swallows a few hundred KB of a slow stream
+    whatever the client's window): the proxy reads it to vLLM's end and hands the backend's tokens on then, so a
+    request they kept out is served while the stalled client has still read nothing (before,
+    it waited for the send-idle cut, here 120 s, past its own queue timeout: a 503). The stalled
+    client then reads its whole answer. Nothing is timed: the usage log's order tells."""
+    tenants: list[dict[str, Any]] = [
+        {"name": name, "tier": "normal", "keys": [{"sha256": hash_key(key)}]}
+        for name, key in (("stalled", KEYS["normal"]), ("kept", KEYS["low"]))
+    ]
+    backend = {"url": engine.spec.url, "max_inflight": 8, "max_tokens_inflight": READ_AHEAD_BUDGET}
+    tiers = {"normal": {"queue_timeout_s": 100}}  # under the send-idle bound
+    relay = {"send_idle_timeout_s": 120, "read_ahead_bytes": READ_AHEAD}
+    config = make_config([backend], tiers=tiers, tenants=tenants, relay=relay, **admin_sections())
+    usage_log = tmp_path / "usage.jsonl"
+    config["usage_log"] = {"path": str(usage_log)}
+    with ServedProxy(config, tmp_path).start() as proxy:
+        stream = {"model": "tiny", "messages": MESSAGES, "max_tokens": STALLED_TOKENS}
+        stream.update(stream=True, ignore_eos=True, logprobs=True, top_logprobs=20)
+        stalled = await RawClient.connect(HOST, proxy.port)
+        try:
+            await stalled.send(json_request(CHAT, stream, KEYS["normal"]))
+            async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+                async with asyncio.timeout(60):  # the stream runs
+                    while (await _backend_view(session, proxy))["tokens_inflight"] == 0:
+                        await asyncio.sleep(0.05)
+                kept = {"model": "tiny", "messages": MESSAGES, "max_tokens": KEPT_TOKENS}
+                status, body = await _post(session, proxy, KEYS["low"], kept)
+                assert status == 200, body
+                assert (await _backend_view(session, proxy))["tokens_inflight"] == 0
+            answer = await stalled.read_response(60)
+        finally:
+            stalled.sock.close()
+        assert answer.status == 200 and answer.body.endswith(b"data: [DONE]\n\n")
+        assert len(answer.body) < READ_AHEAD, len(answer.body)
+        used = await _usage(usage_log, {"stalled", "kept"})
+    # The kept request ended before the stalled stream did (its client read it only then).
+    assert used["kept"]["ts"] < used["stalled"]["ts"], (len(answer.body), used)
+    assert used["stalled"]["outcome"] == "ok", used
+    assert used["stalled"]["completion_tokens"] == STALLED_TOKENS, used
