@@ -71,7 +71,9 @@ class ClientSender:
     async def settle(self) -> None:
         """The read-ahead off (the upstream has ended): wait while the client reads what it
         holds down to the connection's own mark, each step of the connection's own hysteresis
-        (what a paused write waits for) bounded as a write is. Raises ``ClientStalled``."""
+        (what a paused write waits for) bounded by the idle timeout alone, as ``finish`` is: the
+        answer is whole, or ends with the error event saying why (a stream cut at its deadline
+        had that event aborted unsent: red team of stop 55). Raises ``ClientStalled``."""
         transport = self.request.transport
         try:
             if self._own is None or transport is None:
@@ -85,7 +87,7 @@ class ClientSender:
                 # resumed once the client has read ``step`` more bytes.
                 transport.set_write_buffer_limits(high=pending - 1, low=max(pending - step, 0))
                 try:
-                    await self._bounded(self.request.writer.drain(), self.deadline)
+                    await self._bounded(self.request.writer.drain(), None)
                 except ConnectionError as exc:  # aiohttp's drain waiter after a reset
                     raise ConnectionResetError(str(exc)) from exc
         finally:

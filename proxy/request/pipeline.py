@@ -335,9 +335,9 @@ class RequestPipeline:
             self.pool.record_success(lease.backend, self.clock())
             if isinstance(lease, CheapLease):
                 return result  # no generation: nothing for the room controller's latency
-            # The backend's part of the latency, for its room controller (docs/slo.md).
-            slo = adm.config.tiers[adm.tier].slo
-            met = backend_met(slo, lease.granted_at, result, self.clock())
+            # The backend's part of the latency, for its room controller (docs/slo.md): to its
+            slo = adm.config.tiers[adm.tier].slo  # end, not a slow reader's (its lease's release)
+            met = backend_met(slo, lease.granted_at, result, lease.backend_end(self.clock()))
             self.pool.observe_latency(lease.backend, self.clock(), met)
         return result
 

@@ -50,6 +50,12 @@ class Lease:
     reserved: bool = False  # let in past the backend's room, through the best-tier reserve
     request: QueuedRequest | None = None  # what the chooser was told it served
     adapter_plan: LoadPlan | None = None  # the adapter load it must do before it is sent
+    released_at: float | None = None  # the dispatcher's clock at the release
+
+    def backend_end(self, now: float) -> float:
+        """When the backend's part ended: its release, where the relay released it at the
+        backend's end while a slow client still read the rest; else ``now``."""
+        return now if self.released_at is None else self.released_at
 
     def release(self, *, ran: bool | None = True) -> None:
         """``ran`` False: the engine did no work for it (a 4xx, a failed connection, never
@@ -60,7 +66,7 @@ class Lease:
             if self.adapter_plan is not None:  # its load never began (the loader clears it)
                 self.backend.adapters.cancel(self.adapter_plan)
             pool = self._dispatcher.pool
-            now = self._dispatcher.clock()
+            now = self.released_at = self._dispatcher.clock()
             pool.release(
                 self.backend, self.tokens, best=self.best, request=self.request, ran=ran, now=now
             )

@@ -80,12 +80,17 @@ class FakeOut:
 
 
 def sender(
-    transport: FakeTransport, *, read_ahead: int = 256 * KIB, budget: Any = None, idle_s: float = 60
+    transport: FakeTransport,
+    *,
+    read_ahead: int = 256 * KIB,
+    budget: Any = None,
+    idle_s: float = 60,
+    deadline_in: float = 120,
 ) -> tuple[ClientSender, Any]:
     writer = SimpleNamespace(drain=transport.resumed.wait)
     request = SimpleNamespace(transport=transport, writer=writer)
-    loop_time = asyncio.get_running_loop().time()
-    send = ClientSender(request, loop_time + 120, idle_s, read_ahead, budget)  # type: ignore[arg-type]
+    deadline = asyncio.get_running_loop().time() + deadline_in
+    send = ClientSender(request, deadline, idle_s, read_ahead, budget)  # type: ignore[arg-type]
     return send, FakeOut(transport)
 
 
@@ -118,6 +123,26 @@ async def test_settle_drains_to_the_own_mark_in_steps_and_gives_everything_back(
     assert transport.get_write_buffer_limits() == OWN and budget.held == 0
     # One step per 48 KiB the client read: 250 KiB held, down to 64 KiB.
     assert len(transport.limits) - 2 == 4
+
+
+async def test_past_the_deadline_what_the_read_ahead_holds_and_the_last_event_still_go_out() -> (
+    None
+):
+    """A stream cut at its deadline (vLLM still generating, a steady but slow reader behind):
+    the client reads what was held, then the error event and the end, each step within the
+    idle bound. Bounded by the deadline, the first wait aborted the connection with the event
+    unsent (red team of stop 55)."""
+    transport = FakeTransport(size=60 * KIB)
+    send, out = sender(transport, deadline_in=-1)  # the deadline has passed
+    send._widen(0)  # widened while the stream ran (its writes were within the deadline)
+    transport.write(130 * KIB)
+    finishing = asyncio.create_task(send.finish(out, b"data: {error}\n\ndata: [DONE]\n\n"))
+    while not finishing.done():
+        transport.client_reads(8 * KIB)  # slow and steady
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+    await finishing
+    assert not transport.closing and transport.get_write_buffer_limits() == OWN
 
 
 async def test_a_client_that_stops_reading_while_it_settles_is_cut() -> None:

@@ -48,6 +48,20 @@ async def test_burst_uses_the_free_slot_before_counting_against_the_cap() -> Non
     assert high.done() and not waiters[1].done()
 
 
+async def test_a_lease_released_at_the_backends_end_dates_the_backends_part_then() -> None:
+    """The relay releases a lease once the backend's answer is read whole, while a slow client
+    still reads the rest: the backend's latency (its room controller's) ends at the release."""
+    clock = FakeClock()
+    lease = _dispatcher(slots=1, cap=1, clock=clock).enqueue(_req("low", clock)).result()
+    clock.now += 2.0
+    assert lease.backend_end(clock()) == clock()  # not released: its part runs on
+    lease.release()
+    released = clock()
+    clock.now += 30.0  # the client drains the read-ahead
+    lease.release()  # the pipeline's own release, at the relay's end: changes nothing
+    assert lease.backend_end(clock()) == released
+
+
 async def test_expired_waiters_get_queue_timeout_and_leave_nothing() -> None:
     clock = FakeClock()
     d = _dispatcher(slots=1, cap=10, clock=clock)
