@@ -100,7 +100,8 @@ prometheus:
 # more than it computes. One runs the tests that use vLLM engines, in the order that starts each
 # engine once and ahead of its tests (tests/helpers/engineplan.py); the other runs every other
 # test on three pytest-xdist workers, niced (the engine process is the longer: its engines
-# start first; a module of these that uses an engine runs on one worker: conftest's xdist_group).
+# start first; a module's tests run on one worker, so that a module of these that uses an engine
+# starts it once: each worker has its own engine farm, and starts an engine only for a test).
 # Their coverage is combined. `make test` leaves out the tests marked
 # `long` (real load generators, engines killed and started again: ~3 min on 2 cores) and runs
 # the two fuzzes at 5,000 cases each; `make test-all`, as CI, runs everything, the fuzzes at
@@ -126,7 +127,7 @@ define run_suite
 	COVERAGE_FILE=.coverage.engines $(ENGINE_PORTS) $(BIN)/pytest --cov=proxy --cov-report= $(1) \
 		$(ENGINE_TESTS) > $(ENGINE_LOG) 2>&1 & engines=$$!; \
 	$(2) COVERAGE_FILE=.coverage.others $(OTHER_PORTS) nice -n 10 $(BIN)/pytest -n 3 \
-		--dist loadgroup --cov=proxy --cov-report= $(1) $(OTHER_TESTS); \
+		--dist loadfile --cov=proxy --cov-report= $(1) $(OTHER_TESTS); \
 	others=$$?; wait $$engines; engines_rc=$$?; wait $$lint; lint_rc=$$?; \
 	echo "=================== the tests that use engines ($(ENGINE_LOG)) ==================="; \
 	cat $(ENGINE_LOG); \

@@ -55,16 +55,6 @@ def _needs(item: pytest.Item) -> frozenset[EngineSetting]:
     return frozenset(s for mark in item.iter_markers("engines") for s in mark.args)
 
 
-def pytest_itemcollected(item: pytest.Item) -> None:
-    """Under pytest-xdist's ``--dist loadgroup`` (``make test``'s other half), the tests that use
-    the same engines run on one worker: each worker has its own farm, and three workers had
-    started three LoRA engines (~100 s of a core and ~3 GB each) for one module."""
-    if needs := _needs(item):
-        item.add_marker(
-            pytest.mark.xdist_group("engines-" + "-".join(sorted(s.name for s in needs)))
-        )
-
-
 @pytest.hookimpl(trylast=True)  # after -k/-m deselection
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Modules reordered (each kept whole) so that engines start once, ahead of their tests."""
@@ -87,7 +77,12 @@ def _farm(config: pytest.Config) -> EngineFarm:
     if farm is None:
         # Not under pytest's basetemp: concurrent pytest runs prune each other's basetemp dirs.
         stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-        farm = EngineFarm(REPO / ".tierproxy" / "test-logs" / stamp, _model_dir, MAX_LIVE_ENGINES)
+        farm = EngineFarm(
+            REPO / ".tierproxy" / "test-logs" / stamp,
+            _model_dir,
+            MAX_LIVE_ENGINES,
+            ahead="PYTEST_XDIST_WORKER" not in os.environ,  # a worker runs what it is sent
+        )
         atexit.register(farm.stop_all)  # also on interpreter exit after Ctrl-C
         config.stash[_FARM] = farm
     return farm

@@ -82,6 +82,7 @@ class EngineFarm:
         launch: Callable[[EngineSpec, Path], EngineProcess] = EngineProcess,
         queue_of: Callable[[EngineProcess], tuple[float, float]] | None = None,
         pause: Callable[[float], None] = time.sleep,
+        ahead: bool = True,
     ) -> None:
         self.log_dir = log_dir
         self.model_dir = model_dir
@@ -98,6 +99,10 @@ class EngineFarm:
         self.position: int | None = None
         self.queue_of = queue_of or _queue  # vLLM's (running, waiting)
         self.pause = pause
+        # Whether engines start ahead of the tests that need them. Not on a pytest-xdist
+        # worker: it collects every test but runs those the controller sends it, and each of
+        # three workers had started a LoRA engine ahead for a module one of them ran.
+        self.ahead = ahead
         self.leftovers: list[Leftover] = []
         self._last_test: str | None = None
 
@@ -132,7 +137,7 @@ class EngineFarm:
                 return
         # Starts go on any core and move onto the engine cores once ready (EngineProcess): they
         # may run beside a test that uses engines, which would otherwise wait ~25 s for each.
-        for setting in self._coming(position):
+        for setting in self._coming(position) if self.ahead else ():
             if len(self.live) >= self.capacity:
                 break
             if self.memory_gib() < ENGINE_GIB + MEMORY_MARGIN_GIB:

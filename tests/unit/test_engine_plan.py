@@ -182,6 +182,15 @@ def test_in_collection_order_an_engine_starts_again(tmp_path: Path) -> None:
     assert len(started) > len(set(started))
 
 
+def test_a_farm_that_does_not_start_ahead_starts_each_engine_for_its_test(tmp_path: Path) -> None:
+    """A pytest-xdist worker's farm: it runs only the tests it is sent, so an engine starts
+    when one of them needs it (three workers had each started a LoRA engine ahead)."""
+    farm = make_farm(tmp_path)
+    farm.ahead = False
+    started, launched_at = run_plan(farm, [NONE, frozenset({C}), NONE, frozenset({B})])
+    assert started == ["c", "b"] and launched_at == ["for its test", "for its test"]
+
+
 def test_no_start_ahead_without_memory_for_one_more(tmp_path: Path) -> None:
     plan = [NONE, NONE, frozenset({C})]
     farm = make_farm(tmp_path, memory_gib=2.0)
