@@ -58,6 +58,13 @@ async def _backend_view(session: aiohttp.ClientSession, proxy: ServedProxy) -> d
         return view
 
 
+async def _until_running(session: aiohttp.ClientSession, proxy: ServedProxy) -> None:
+    """Until the backend counts tokens in flight (a stream sent, now running)."""
+    async with asyncio.timeout(60):
+        while (await _backend_view(session, proxy))["tokens_inflight"] == 0:
+            await asyncio.sleep(0.05)
+
+
 async def _usage(usage_log: Path, tenants: set[str]) -> dict[str, dict[str, Any]]:
     """Each of ``tenants``' usage record (one request each), once all are written (as each
     request ends), counted in polls."""
@@ -190,9 +197,7 @@ async def test_a_stream_its_client_stopped_reading_does_not_hold_its_tier_back(
         try:
             await stalled.send(json_request(CHAT, stream, KEYS["normal"]))
             async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
-                async with asyncio.timeout(60):  # the stream runs
-                    while (await _backend_view(session, proxy))["tokens_inflight"] == 0:
-                        await asyncio.sleep(0.05)
+                await _until_running(session, proxy)
                 large = {"model": "tiny", "messages": MESSAGES, "max_tokens": 1_500}
                 held = asyncio.create_task(
                     _post(session, proxy, KEYS["low"], large)
@@ -251,9 +256,7 @@ async def test_a_stalled_stream_within_the_read_ahead_hands_its_tokens_on_at_vll
         try:
             await stalled.send(json_request(CHAT, stream, KEYS["normal"]))
             async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
-                async with asyncio.timeout(60):  # the stream runs
-                    while (await _backend_view(session, proxy))["tokens_inflight"] == 0:
-                        await asyncio.sleep(0.05)
+                await _until_running(session, proxy)
                 kept = {"model": "tiny", "messages": MESSAGES, "max_tokens": KEPT_TOKENS}
                 status, body = await _post(session, proxy, KEYS["low"], kept)
                 assert status == 200, body
