@@ -117,7 +117,9 @@ def test_a_long_text_is_tokenized_without_holding_the_gil() -> None:
     tokenizer = _tiny()
     text = " ".join(f"word{i % 97} alpha beta" for i in range(12_000))  # ~200 KB
     assert len(text) >= GIL_FREE_CHARS
-    assert encode_ids(tokenizer, text, False) == tokenizer.encode(text, add_special_tokens=False).ids
+    assert (
+        encode_ids(tokenizer, text, False) == tokenizer.encode(text, add_special_tokens=False).ids
+    )
     # A held GIL gives no tick in any try. A busy machine can keep this thread off its core for
     # one whole try (CI, stop 55: a 2 s encode, no tick), so a few tries.
     assert any(_ticks_during(lambda: encode_ids(tokenizer, text, False)) for _ in range(5))
