@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 # A chat or completions chunk with a choice (the usage chunk's choices are empty).
 _CHOICE = b'"choices":[{'
@@ -65,6 +66,10 @@ class Delivered:
     # ended: the engine decodes on whatever its reader does, so what it made past the events
     # counted here is unknown (the request is billed its reservation: Admitted.billed_usage).
     writing: bool = False
+    # The backend's usage, once read (its answer's end): kept here too, so that a client that
+    # leaves while the read-ahead still drains to it (the handler cancelled, the relay's result
+    # lost) is billed what vLLM counted, not an estimate.
+    usage: dict[str, Any] | None = None
     _past_roles: bool = False  # a token chunk was seen: no opening chunk comes after it
 
     def chunks(self, block: bytes) -> None:

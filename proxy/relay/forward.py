@@ -111,7 +111,9 @@ async def _relay_stream(
         # cut waiting for it); nothing after [DONE] is forwarded or billed. The backend's
         # connection is pooled only if its end came too (docs/performance.md: why no wait).
         while not scan.saw_done and (chunk := await content.readany()):
-            if block := scan.feed(chunk):
+            block = scan.feed(chunk)
+            delivered.usage = scan.usage  # before a write the client may never let end
+            if block:
                 await _write_counted(send, out, block, delivered)
         if rest := scan.finish():
             await _write_counted(send, out, rest, delivered)
@@ -133,7 +135,7 @@ async def _relay_stream(
         last = upstream_failed(f"The backend failed mid-stream: {exc}").sse_event()
     finally:
         expire.cancel()
-    result.usage = scan.usage
+    result.usage = delivered.usage = scan.usage
     if scan.error_event and result.outcome == Outcome.OK:
         result.outcome = Outcome.BACKEND_ERROR  # vLLM's error event, then [DONE]
     result.refused_in_stream = scan.refused  # the chooser keeps no trace of it

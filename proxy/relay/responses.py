@@ -99,7 +99,7 @@ async def _relay_events(
             kind, data = _kind_and_data(event)
             if kind in FINAL_EVENTS:
                 ended = True
-                result.usage = _usage_of(data)
+                result.usage = call.delivered.usage = _usage_of(data)
             call.delivered.responses_event(event)  # the engine's, before the write
             call.delivered.writing = True
             await send.write(out, event)

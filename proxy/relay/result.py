@@ -52,6 +52,9 @@ class RelayResult:
     # Past the relay's size bounds (the request chose its size): billed the usage found in the
     # rest of the answer, else its reservation (proxy.request.admitted.Admitted.billed_usage).
     oversize: bool = False
+    # A 200 answer vLLM generated whole before its first byte (not a stream), cut before its
+    # usage went by and without it in the rest of the body: billed its reservation.
+    usage_lost: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
     refused_in_stream: bool = False  # a stream whose first event was a 4xx error
 

@@ -138,6 +138,7 @@ async def _stream_through(
         while chunk := await read_chunk(resp, call.deadline):
             total += len(chunk)
             scan.feed(chunk)  # first: the chunk past the limit may hold the usage
+            call.delivered.usage = scan.usage  # before a write the client may never let end
             if total > limit:
                 raise EventTooLarge(limit)
             await send.write(out, chunk)
@@ -156,5 +157,10 @@ async def _stream_through(
     if resp.status == 200:
         # The answer was generated whole before its first byte came: billed whatever became
         # of its relay, as soon as its usage went by (past the size bound: read on for it).
-        result.usage = await _scan_rest(call, resp, scan) if result.oversize else scan.usage
+        # Cut before it (its client stalled or gone, the deadline, the backend broke): its
+        # reservation. The rest is not read then: the client's connection is gone, and with
+        # it this handler (aiohttp cancels it; the bill is made from ``Delivered`` then).
+        usage = await _scan_rest(call, resp, scan) if result.oversize else None
+        result.usage = call.delivered.usage = usage or scan.usage
+        result.usage_lost = result.usage is None and result.outcome is not Outcome.OK
     return result

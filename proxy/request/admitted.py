@@ -136,26 +136,29 @@ class Admitted:
         backend's usage when it came (whole, or found in the rest of an oversize answer);
         else, never less than the engine ran:
 
-        - ``reservation``: an answer past the relay's size bounds without usage, or a stream
-          that ended while a write to its client was waiting (the reader lagged, stopped or
-          left: the engine decodes on regardless, how far is unknown): its worst case (the
-          prompt's upper bound and the output's, as reserved; what came if more);
+        - ``reservation``: an answer past the relay's size bounds without usage, a non-stream
+          answer cut before its usage went by (``RelayResult.usage_lost``), or a stream that
+          ended while a write to its client was waiting (the reader lagged, stopped or left:
+          the engine decodes on regardless, how far is unknown): its worst case (the prompt's
+          upper bound and the output's, as reserved; what came if more);
         - ``delivered``: a stream that ended without usage (client gone, timeout, backend broke):
           the prompt's upper bound (vLLM ran the whole prompt before its first chunk) and an
-          upper bound of the tokens delivered (``Delivered.output_bound``);
+          upper bound of the tokens delivered (``Delivered.output_bound``), plus what the engine
+          made past the cut before it heard of it (``STEPS_PAST_CUT``);
         - ``client_left``: a non-stream request whose client left while a backend ran it: the
           prompt's upper bound and its expected output (what vLLM decoded before the abort is
           unknown: docs/quotas.md);
         - ``none``: nothing ran that is known of (refused, failed before the backend)."""
-        counts = token_usage(result.usage) if result is not None else None
-        if counts is not None:
+        counts = token_usage(result.usage if result is not None else self.delivered.usage)
+        if counts is not None:  # (read before its handler was cancelled: Delivered.usage)
             return counts, "backend"
         prompt = self.parsed.prompt_upper_bound
-        output = self.delivered.output_bound
-        basis: Basis = "delivered"
         worst = self.parsed.output_upper_bound
         worst = self.parsed.expected_output if worst is None else worst
-        if (result is not None and result.oversize) or self.delivered.writing:
+        output = past_the_cut(self.delivered.output_bound, self.parsed.sequences, worst)
+        basis: Basis = "delivered"
+        lost = result is not None and (result.oversize or result.usage_lost)
+        if lost or self.delivered.writing:
             output, basis = max(worst, output), "reservation"
         # Cut by its client (the handler cancelled) while a backend ran it.
         cut = result is None and self.delivered.sent and not BY_ENDPOINT[self.parsed.endpoint].cheap
@@ -164,6 +167,22 @@ class Admitted:
         if output <= 0 and not cut:
             return None, "none"
         return TokenUsage(prompt, output, prompt + output), basis
+
+
+# A stream cut without vLLM's usage (its client gone, the deadline): the engine runs on until it
+# hears of the cut, a step on the CPU (red team, 2026-12-06: 2 tokens under for n=1, 8 for n=8),
+# one more where async scheduling keeps one in flight. One token a step for each sequence
+# (speculative decoding makes more a step: not covered, docs/quotas.md).
+STEPS_PAST_CUT = 2
+
+
+def past_the_cut(delivered: int, sequences: int, worst: int) -> int:
+    """What the engine made of a stream that delivered ``delivered`` tokens (an upper bound)
+    when it was cut: ``STEPS_PAST_CUT`` steps more of each sequence, within its budget
+    (``worst``), never less than was delivered; nothing delivered, nothing added."""
+    if delivered <= 0:
+        return delivered
+    return max(delivered, min(worst, delivered + STEPS_PAST_CUT * max(1, sequences)))
 
 
 # What a bill rests on: the backend's own usage, or an estimate that is never below what the

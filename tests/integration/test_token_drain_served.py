@@ -3,7 +3,10 @@
 busy with a steady flood: it ran only on an idle backend, the flood never let it be idle, and
 it waited out its queue timeout for a 503 (red team, stop 50). Now the backend drains for it:
 the flood waits in the proxy's queue until it has been sent, and it is served. Nothing is
-timed: the flood runs, without a pause, until the large request has its answer."""
+timed: the flood runs, without a pause, until the large request has its answer.
+
+Also clients that stop reading, on the same engine: a stalled stream hands its tokens on at
+vLLM's end (the relay's read-ahead), and the bills of those that stall or leave meanwhile."""
 
 from __future__ import annotations
 
@@ -65,10 +68,10 @@ async def _until_running(session: aiohttp.ClientSession, proxy: ServedProxy) -> 
             await asyncio.sleep(0.05)
 
 
-async def _usage(usage_log: Path, tenants: set[str]) -> dict[str, dict[str, Any]]:
+async def _usage(usage_log: Path, tenants: set[str], polls: int = 200) -> dict[str, dict[str, Any]]:
     """Each of ``tenants``' usage record (one request each), once all are written (as each
-    request ends), counted in polls."""
-    for _ in range(200):
+    request ends), counted in ``polls`` of 50 ms."""
+    for _ in range(polls):
         if usage_log.exists():
             lines = [orjson.loads(line) for line in usage_log.read_bytes().splitlines()]
             found = {u["tenant"]: u for u in lines if u.get("tenant") in tenants}
@@ -271,3 +274,67 @@ async def test_a_stalled_stream_within_the_read_ahead_hands_its_tokens_on_at_vll
     assert used["kept"]["ts"] < used["stalled"]["ts"], (len(answer.body), used)
     assert used["stalled"]["outcome"] == "ok", used
     assert used["stalled"]["completion_tokens"] == STALLED_TOKENS, used
+
+
+async def test_a_client_that_leaves_while_the_read_ahead_drains_is_billed_vllms_usage(
+    engine: EngineProcess, tmp_path: Path
+) -> None:
+    """Red team, 2026-12-06: a client that left (a reset) while the read-ahead held the rest of
+    its answer, vLLM's usage in it, had its handler cancelled by aiohttp; the relay's result
+    went with it, and the bill fell to the bytes bound (2,306 completion and 205 prompt tokens
+    against vLLM's 1,500 and 25). The usage was read before the client left: it is the bill."""
+    tenants = [{"name": "leaver", "tier": "normal", "keys": [{"sha256": hash_key(KEYS["normal"])}]}]
+    relay = {"send_idle_timeout_s": 120, "read_ahead_bytes": READ_AHEAD}
+    config = make_config(
+        [{"url": engine.spec.url}], tenants=tenants, relay=relay, **admin_sections()
+    )
+    usage_log = tmp_path / "usage.jsonl"
+    config["usage_log"] = {"path": str(usage_log)}
+    with ServedProxy(config, tmp_path).start() as proxy:
+        stream = {"model": "tiny", "messages": MESSAGES, "max_tokens": STALLED_TOKENS}
+        stream.update(stream=True, ignore_eos=True, logprobs=True, top_logprobs=20)
+        leaver = await RawClient.connect(HOST, proxy.port)
+        try:
+            await leaver.send(json_request(CHAT, stream, KEYS["normal"]))
+            async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+                await _until_running(session, proxy)
+                async with asyncio.timeout(120):  # vLLM's end read: the backend handed on
+                    while (await _backend_view(session, proxy))["tokens_inflight"] > 0:
+                        await asyncio.sleep(0.05)
+        finally:
+            leaver.abort()  # nothing read: a reset
+        used = (await _usage(usage_log, {"leaver"}))["leaver"]
+    assert used["outcome"] == "client_gone", used
+    assert used["usage_basis"] == "backend", used
+    assert used["completion_tokens"] == STALLED_TOKENS, used
+
+
+async def test_a_large_answer_cut_before_its_usage_is_billed_its_reservation(
+    engine: EngineProcess, tmp_path: Path
+) -> None:
+    """Red team, 2026-12-06: a non-stream answer past ``buffer_response_bytes`` is streamed
+    through, and vLLM writes its usage after the choices. A client that stopped reading before
+    the usage went by was cut at the send-idle bound and billed nothing (five 4 x 1,000-token
+    answers of ~5 MB: 20,000 tokens generated, past the tier's 16,000 a day, and the next
+    request still served). Cut before its usage, it is billed its reservation."""
+    tenants = [
+        {"name": "staller", "tier": "normal", "keys": [{"sha256": hash_key(KEYS["normal"])}]}
+    ]
+    relay = {"send_idle_timeout_s": 2, "read_ahead_bytes": 0}
+    config = make_config([{"url": engine.spec.url}], tenants=tenants, relay=relay)
+    usage_log = tmp_path / "usage.jsonl"
+    config["usage_log"] = {"path": str(usage_log)}
+    sequences = 4
+    with ServedProxy(config, tmp_path).start() as proxy:
+        body = {"model": "tiny", "messages": MESSAGES, "max_tokens": STALLED_TOKENS}
+        body.update(n=sequences, ignore_eos=True, logprobs=True, top_logprobs=20)
+        staller = await RawClient.connect(HOST, proxy.port)  # a 4 KiB window, never read
+        try:
+            await staller.send(json_request(CHAT, body, KEYS["normal"]))
+            # vLLM generates it all first (seconds on a busy CPU), then the 2 s cut.
+            used = (await _usage(usage_log, {"staller"}, polls=3_000))["staller"]
+        finally:
+            staller.sock.close()
+    assert used["outcome"] == "client_stalled", used
+    assert used["usage_basis"] == "reservation", used
+    assert used["completion_tokens"] >= sequences * STALLED_TOKENS, used

@@ -23,6 +23,7 @@ from proxy.config.loader import parse_config
 from proxy.policies.cost import weighted_tokens
 from proxy.policies.tenants import VirtualTokenCounter
 from proxy.relay.delivered import Delivered
+from proxy.request.admitted import STEPS_PAST_CUT
 from proxy.server.state import ProxyState
 from tests.helpers.bills import prompt_bound
 from tests.helpers.clock import FakeClock
@@ -127,9 +128,9 @@ async def read_tokens(resp: aiohttp.ClientResponse, at_least: int) -> int:
 def delivered_charge(state: ProxyState) -> tuple[float, float]:
     """(tpm tokens, fairness charge) of a stream that delivered ``TOKENS`` chunks: its prompt's
     upper bound (vLLM ran it all before the first chunk) and its text's bytes (an upper bound
-    of its tokens without a tokenizer)."""
+    of its tokens without a tokenizer), and the engine's steps past the cut."""
     prompt = prompt_bound(state.config, {**BODY, "stream": True})
-    output = TOKENS * TOKEN_BYTES
+    output = TOKENS * TOKEN_BYTES + STEPS_PAST_CUT  # one sequence, its budget not reached
     return prompt + output, weighted_tokens(prompt, output)
 
 
@@ -150,7 +151,7 @@ async def test_a_client_that_leaves_after_reading_the_stream_is_billed_what_it_r
         tpm, fairness = delivered_charge(r.state)
         assert r.tpm_charged(clock) == pytest.approx(tpm)
         assert r.vtc() == pytest.approx(fairness)
-        assert r.tokens_metric("completion") == TOKENS * TOKEN_BYTES
+        assert r.tokens_metric("completion") == TOKENS * TOKEN_BYTES + STEPS_PAST_CUT
 
 
 async def test_a_stream_the_backend_breaks_is_not_refunded_to_zero(clock: FakeClock) -> None:

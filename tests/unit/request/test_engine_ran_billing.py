@@ -26,6 +26,7 @@ from proxy.config.loader import parse_config
 from proxy.policies.cost import weighted_tokens
 from proxy.policies.tenants import VirtualTokenCounter
 from proxy.relay.delivered import Delivered
+from proxy.request.admitted import STEPS_PAST_CUT, past_the_cut
 from proxy.server.state import ProxyState
 from tests.helpers.clock import FakeClock
 from tests.helpers.rig import tenants
@@ -179,3 +180,14 @@ def test_responses_count_the_deltas_text_not_the_done_events_repeat() -> None:
         b'"text":"hello"}\n\n'
     )
     assert (delivered.events, delivered.text_bytes) == (1, 5)
+
+
+def test_a_cut_stream_is_billed_the_engines_steps_past_the_cut_within_its_budget() -> None:
+    """Red team, 2026-12-06: vLLM ran a step on after the proxy stopped reading (487 tokens
+    generated, 485 delivered for n=1; 1,737 and 1,729 for n=8): each sequence is billed
+    ``STEPS_PAST_CUT`` tokens more, never past its budget nor under what it delivered."""
+    assert past_the_cut(485, 1, 1_000) == 485 + STEPS_PAST_CUT >= 487
+    assert past_the_cut(1_729, 8, 8_000) == 1_729 + 8 * STEPS_PAST_CUT >= 1_737
+    assert past_the_cut(999, 1, 1_000) == 1_000  # the budget: no more could be made
+    assert past_the_cut(1_200, 1, 1_000) == 1_200  # bytes bound past the budget: kept
+    assert past_the_cut(0, 4, 1_000) == 0  # nothing delivered: nothing ran that is known of
