@@ -70,6 +70,13 @@ class Delivered:
     # leaves while the read-ahead still drains to it (the handler cancelled, the relay's result
     # lost) is billed what vLLM counted, not an estimate.
     usage: dict[str, Any] | None = None
+    # The tier's limit cut the request after its backend took it, before its answer (a
+    # non-stream answer not come, a stream's first event not come): vLLM prefilled, maybe
+    # decoded, and its usage never comes (billed its reservation: Admitted.billed_usage).
+    deadline_cut: bool = False
+    # Whether the events counted bound the tokens made: a Responses stream sends no event for
+    # a token without text (a special token vLLM skips), so there they bound nothing.
+    text_bound: bool = True
     _past_roles: bool = False  # a token chunk was seen: no opening chunk comes after it
 
     def chunks(self, block: bytes) -> None:

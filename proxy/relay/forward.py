@@ -87,6 +87,7 @@ async def _relay_stream(
                     break
                 first = scan.feed(chunk)
     except TimeoutError:
+        call.delivered.deadline_cut = True  # vLLM took it (its head came): prefilling at least
         raise execution_timeout(call.timeout_s) from None
     except EventTooLarge as exc:
         return too_large(exc.limit)  # it ran there; it would again

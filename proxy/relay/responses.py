@@ -74,6 +74,7 @@ async def _relay_events(
         async with asyncio.timeout_at(call.deadline):
             first = await anext(events)
     except TimeoutError:
+        call.delivered.deadline_cut = True  # vLLM took it (its head came): prefilling at least
         raise execution_timeout(call.timeout_s) from None
     except StopAsyncIteration:
         raise UpstreamUnavailable("reset", "stream ended before its first event") from None
@@ -90,6 +91,7 @@ async def _relay_events(
     out.headers["Cache-Control"] = "no-cache"
     out.headers["X-Request-Id"] = call.reply_request_id or call.headers.get(REQUEST_ID_HEADER, "")
     result = RelayResult(out, Outcome.OK, 200, first_token_at=now())
+    call.delivered.text_bound = False  # a token without text has no event: cut, its reservation
     last: ProxyError | None = None
     ended = False  # the final event was written
     try:

@@ -41,6 +41,7 @@ async def relay_whole(
         async with asyncio.timeout_at(call.deadline):
             body, whole = await _read_head(resp, bounds.buffer_response_bytes)
     except TimeoutError:
+        call.delivered.deadline_cut = True  # its head came: vLLM ran it whole, or nearly
         raise execution_timeout(call.timeout_s) from None
     except UPSTREAM_BROKE as exc:
         raise UpstreamUnavailable("reset", str(exc)) from exc  # nothing reached the client yet

@@ -137,10 +137,13 @@ class Admitted:
         else, never less than the engine ran:
 
         - ``reservation``: an answer past the relay's size bounds without usage, a non-stream
-          answer cut before its usage went by (``RelayResult.usage_lost``), or a stream that
-          ended while a write to its client was waiting (the reader lagged, stopped or left:
-          the engine decodes on regardless, how far is unknown): its worst case (the prompt's
-          upper bound and the output's, as reserved; what came if more);
+          answer cut before its usage went by (``RelayResult.usage_lost``), a request the
+          tier's limit cut after its backend took it and before its answer
+          (``Delivered.deadline_cut``), a Responses stream cut before its last event (its
+          events bound nothing: ``Delivered.text_bound``), or a stream that ended while a write
+          to its client was waiting (the reader lagged, stopped or left: the engine decodes on
+          regardless, how far is unknown): its worst case (the prompt's upper bound and the
+          output's, as reserved; what came if more);
         - ``delivered``: a stream that ended without usage (client gone, timeout, backend broke):
           the prompt's upper bound (vLLM ran the whole prompt before its first chunk) and an
           upper bound of the tokens delivered (``Delivered.output_bound``), plus what the engine
@@ -157,14 +160,20 @@ class Admitted:
         worst = self.parsed.expected_output if worst is None else worst
         output = past_the_cut(self.delivered.output_bound, self.parsed.sequences, worst)
         basis: Basis = "delivered"
+        cheap = BY_ENDPOINT[self.parsed.endpoint].cheap
+        started = result is not None and result.engine_ran and result.first_token_at is not None
+        deadline = self.delivered.deadline_cut and not cheap and result is None  # the 504
+        unbounded = not self.delivered.text_bound and (started or self.delivered.sent)
         lost = result is not None and (result.oversize or result.usage_lost)
-        if lost or self.delivered.writing:
+        if lost or deadline or unbounded or self.delivered.writing:
             output, basis = max(worst, output), "reservation"
         # Cut by its client (the handler cancelled) while a backend ran it.
-        cut = result is None and self.delivered.sent and not BY_ENDPOINT[self.parsed.endpoint].cheap
+        cut = result is None and self.delivered.sent and not cheap
         if cut and not self.parsed.stream:
             output, basis = worst, "client_left"
-        if output <= 0 and not cut:
+        # A stream that started ran its prompt, whatever it delivered (a Responses stream of
+        # tokens without text delivers no event until its last); so did a deadline's cut.
+        if output <= 0 and not (cut or started or deadline):
             return None, "none"
         return TokenUsage(prompt, output, prompt + output), basis
 

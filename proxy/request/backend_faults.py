@@ -44,9 +44,11 @@ def no_answer_head(
 ) -> None:
     """The tier's limit passed without the answer's head (``NoAnswerHead``). For a stream it
     is the backend's failure (two in a row eject it, as resets do); a non-streamed answer's
-    head comes only with its end, so its absence says nothing of the backend."""
+    head comes only with its end, so its absence says nothing of the backend, and the engine
+    ran it: billed its reservation (``Delivered.deadline_cut``)."""
     label = lease.backend.label
     if not adm.parsed.stream:
+        adm.delivered.deadline_cut = True  # the engine ran it (billed its reservation)
         return
     pool.record_failure(lease.backend, now)
     metrics.backend_errors.labels(label, "no_answer_head").inc()

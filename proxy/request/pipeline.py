@@ -158,12 +158,11 @@ class RequestPipeline:
             return await closing(request, refused) if isinstance(err, UploadRefused) else refused
         except asyncio.CancelledError:
             trace.outcome, trace.status = Outcome.CLIENT_GONE, 499
-            if adm is not None and result is None:
-                # The client left mid-stream: what was delivered is charged all the same.
-                self.charge_usage(adm, None)
             raise
         finally:
             if adm is not None:
+                if result is None:  # its client left, or the tier's limit cut it: still billed
+                    self.charge_usage(adm, None)
                 self.quotas.settle(adm, result)
                 if adm.held is not None:
                     adm.held.release()

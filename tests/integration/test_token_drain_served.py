@@ -338,3 +338,41 @@ async def test_a_large_answer_cut_before_its_usage_is_billed_its_reservation(
     assert used["outcome"] == "client_stalled", used
     assert used["usage_basis"] == "reservation", used
     assert used["completion_tokens"] >= sequences * STALLED_TOKENS, used
+
+
+async def test_a_request_the_tiers_limit_cuts_is_billed_its_reservation(
+    engine: EngineProcess, tmp_path: Path
+) -> None:
+    """Red team, 2026-12-06: a non-stream request cut by its tier's ``request_timeout_s`` (a
+    504) was billed nothing, though vLLM ran it (six of them: 3,641 tokens generated against a
+    3,000-token day, the counter at 0); so was a /v1/responses stream of tokens without text
+    (a special token vLLM skips: the stream sends no event for it), prompt and all. Both are
+    billed their reservation now."""
+    tenants: list[dict[str, Any]] = [
+        {"name": name, "tier": "normal", "keys": [{"sha256": hash_key(key)}]}
+        for name, key in (("cut", KEYS["normal"]), ("silent", KEYS["low"]))
+    ]
+    tiers = {"normal": {"request_timeout_s": 1.5}}
+    config = make_config([{"url": engine.spec.url}], tenants=tenants, tiers=tiers)
+    usage_log = tmp_path / "usage.jsonl"
+    config["usage_log"] = {"path": str(usage_log)}
+    silent = {"logit_bias": {"3": 100}}  # <pad>: a special token, no text
+    with ServedProxy(config, tmp_path).start() as proxy:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+            chat = {"model": "tiny", "messages": MESSAGES, "max_tokens": 1_500, "ignore_eos": True}
+            status, _ = await _post(session, proxy, KEYS["normal"], chat)
+            assert status == 504
+            used = (await _usage(usage_log, {"cut"}, polls=600))["cut"]
+            assert (used["outcome"], used["usage_basis"]) == ("timeout", "reservation"), used
+            assert used["completion_tokens"] == 1_500 and used["prompt_tokens"] > 0, used
+            responses = {"model": "tiny", "input": "hello there", "max_output_tokens": 1_500}
+            responses.update(stream=True, ignore_eos=True, **silent)
+            headers = {"Authorization": f"Bearer {KEYS['low']}"}
+            async with session.post(
+                proxy.url + "/v1/responses", json=responses, headers=headers
+            ) as r:
+                body = await r.read()
+            assert r.status == 200 and b".delta" not in body and b"request_timeout" in body
+            used = (await _usage(usage_log, {"silent"}, polls=600))["silent"]
+            assert (used["outcome"], used["usage_basis"]) == ("timeout", "reservation"), used
+            assert used["completion_tokens"] >= 1_500 and used["prompt_tokens"] > 0, used
