@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import orjson
 from prometheus_client import CollectorRegistry, Counter
 
-from proxy.api.usage import cached_tokens, token_usage
+from proxy.api.usage import token_usage
 from proxy.config.schema import Config
 from proxy.relay.result import UPSTREAM_STARTED, RelayResult
 from proxy.request.admitted import ESTIMATES
@@ -181,7 +181,7 @@ class UsageMeter:
             billed = billed_as(adm.parsed.model if adm is not None else None, pricing, ())
         model, price = billed.model, billed.price
         catalogue = (adm.config if adm is not None else self.config()).adapters
-        cached = cached_tokens(result.usage if result is not None else None)
+        cached = counts.cached if counts is not None else 0  # the bill's own (Delivered.usage too)
         prompt = counts.prompt if counts is not None else 0
         completion = counts.completion if counts is not None else 0
         return UsageRecord(

@@ -59,6 +59,7 @@ class QueuedRequest:
     # Set by the queue.
     deadline_s: float = 0.0
     state: State = State.QUEUED
+    charged: float = 0.0  # the fairness estimates charged at its dispatches (a retry: again)
     seq: int = -1
     key: float = 0.0
     # The mechanism's handle (a future in the server); the queue never looks at it.

@@ -74,6 +74,10 @@ class Delivered:
     # non-stream answer not come, a stream's first event not come): vLLM prefilled, maybe
     # decoded, and its usage never comes (billed its reservation: Admitted.billed_usage).
     deadline_cut: bool = False
+    # Whether the request's head reached its backend's connection (``head_sent_trace``);
+    # None: not known (a session without that trace). False: no backend took it, whatever
+    # cut it (a connect that hangs past the tier's limit, a client that left meanwhile).
+    head_sent: bool | None = None
     # Whether the events counted bound the tokens made: a Responses stream sends no event for
     # a token without text (a special token vLLM skips), so there they bound nothing.
     text_bound: bool = True

@@ -28,6 +28,10 @@ from proxy.ticket import REQUEST_ID_HEADER
 
 # The last event of a Responses stream: each carries the whole response, its usage included.
 FINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed"})
+# What vLLM sends as soon as it takes a Responses stream, before the engine has checked the
+# request: a stream that breaks after these alone was refused (an out-of-vocab logit_bias,
+# red team 2026-12-06: no error event, no final event), not cut mid-generation.
+OPENING_EVENTS = frozenset({"response.created", "response.in_progress"})
 
 
 async def relay_responses(
@@ -94,11 +98,13 @@ async def _relay_events(
     call.delivered.text_bound = False  # a token without text has no event: cut, its reservation
     last: ProxyError | None = None
     ended = False  # the final event was written
+    opened_only = True  # nothing but the opening events came yet
     try:
         await send.prepare(out)
         event: bytes | None = first
         while event is not None:
             kind, data = _kind_and_data(event)
+            opened_only = opened_only and kind in OPENING_EVENTS
             if kind in FINAL_EVENTS:
                 ended = True
                 result.usage = call.delivered.usage = _usage_of(data)
@@ -110,7 +116,10 @@ async def _relay_events(
                 break
             async with asyncio.timeout_at(call.deadline):
                 event = await anext(events, None)
-        if not ended:
+        if not ended and opened_only:  # vLLM's refusal: no work, not the backend's failure
+            result.outcome, result.refused_in_stream = Outcome.CLIENT_ERROR, True
+            last = upstream_failed("The backend ended the stream before its last event.")
+        elif not ended:
             result.outcome, result.backend_failed = Outcome.UPSTREAM_ERROR, True
             last = upstream_failed("The backend ended the stream before its last event.")
     except ClientStalled:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
 
 import aiohttp
 from aiohttp import web
@@ -17,6 +18,7 @@ from aiohttp import web
 from proxy.api.errors import upstream_too_large
 from proxy.api.outcome import Outcome
 from proxy.relay.clientsend import ClientSender
+from proxy.relay.delivered import Delivered
 from proxy.relay.result import NoAnswerHead, RelayResult, UpstreamCall, UpstreamUnavailable
 from proxy.ticket import REQUEST_ID_HEADER
 
@@ -73,9 +75,36 @@ def settled(resp: aiohttp.ClientResponse, result: RelayResult) -> RelayResult:
     return result
 
 
+def head_sent_trace() -> aiohttp.TraceConfig:
+    """The upstream session's trace that marks a request's head written to its backend's
+    connection (``Delivered.head_sent``, its ``trace_request_ctx``): until then no backend
+    took it, and a cut then bills nothing (red team, 2026-12-06: a connect hanging past the
+    tier's limit was billed its reservation)."""
+
+    async def sent(
+        session: aiohttp.ClientSession,
+        ctx: SimpleNamespace,
+        params: aiohttp.TraceRequestHeadersSentParams,
+    ) -> None:
+        if isinstance(ctx.trace_request_ctx, Delivered):
+            ctx.trace_request_ctx.head_sent = True
+
+    trace = aiohttp.TraceConfig()
+    trace.on_request_headers_sent.append(sent)
+    setattr(trace, _MARKS_HEAD_SENT, True)
+    return trace
+
+
+_MARKS_HEAD_SENT = "tierproxy_marks_head_sent"
+
+
 async def open_upstream(call: UpstreamCall) -> aiohttp.ClientResponse:
+    traced = any(getattr(t, _MARKS_HEAD_SENT, False) for t in call.session.trace_configs)
+    call.delivered.head_sent = False if traced else None
     try:
-        return await call.session.post(call.url, data=call.body, headers=call.headers)
+        return await call.session.post(
+            call.url, data=call.body, headers=call.headers, trace_request_ctx=call.delivered
+        )
     except aiohttp.ConnectionTimeoutError as exc:
         # A host gone (its SYNs dropped): the backend's fault, not the tier's time limit,
         # though aiohttp's error is also a TimeoutError.

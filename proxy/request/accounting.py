@@ -40,6 +40,8 @@ def charge_usage(
     """Token metrics and the fairness charge from the usage billed; False when there is none."""
     counts, _ = adm.billed_usage(result)
     if counts is None:
+        if result is None and adm.queued.charged:  # dispatched, then a 504 or a retry's end
+            queue.correct_charge(adm.queued, 0.0)  # billed nothing: its estimate taken back
         return False
     child(metrics.tokens, adm.tier, "prompt").inc(counts.prompt)
     child(metrics.tokens, adm.tier, "completion").inc(counts.completion)

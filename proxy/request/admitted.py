@@ -162,13 +162,16 @@ class Admitted:
         basis: Basis = "delivered"
         cheap = BY_ENDPOINT[self.parsed.endpoint].cheap
         started = result is not None and result.engine_ran and result.first_token_at is not None
+        # Cut by its client (the handler cancelled) while a backend had it (its head sent).
+        taken = self.delivered.sent and self.delivered.head_sent is not False
+        cut = result is None and taken and not cheap
         deadline = self.delivered.deadline_cut and not cheap and result is None  # the 504
-        unbounded = not self.delivered.text_bound and (started or self.delivered.sent)
+        # A Responses stream its client or the tier's limit cut: its events bound nothing.
+        cut_short = result is not None and result.engine_ran and result.outcome in CUT_SHORT
+        unbounded = not self.delivered.text_bound and (cut or cut_short)
         lost = result is not None and (result.oversize or result.usage_lost)
         if lost or deadline or unbounded or self.delivered.writing:
             output, basis = max(worst, output), "reservation"
-        # Cut by its client (the handler cancelled) while a backend ran it.
-        cut = result is None and self.delivered.sent and not cheap
         if cut and not self.parsed.stream:
             output, basis = worst, "client_left"
         # A stream that started ran its prompt, whatever it delivered (a Responses stream of
@@ -192,6 +195,10 @@ def past_the_cut(delivered: int, sequences: int, worst: int) -> int:
     if delivered <= 0:
         return delivered
     return max(delivered, min(worst, delivered + STEPS_PAST_CUT * max(1, sequences)))
+
+
+# How a relay ends when the proxy or its client cut it (not the backend: it broke, or refused).
+CUT_SHORT = frozenset({Outcome.TIMEOUT, Outcome.CLIENT_GONE, Outcome.CLIENT_STALLED})
 
 
 # What a bill rests on: the backend's own usage, or an estimate that is never below what the

@@ -48,7 +48,8 @@ def no_answer_head(
     ran it: billed its reservation (``Delivered.deadline_cut``)."""
     label = lease.backend.label
     if not adm.parsed.stream:
-        adm.delivered.deadline_cut = True  # the engine ran it (billed its reservation)
+        # Its head sent, the engine ran it (billed its reservation); still connecting, none did.
+        adm.delivered.deadline_cut = adm.delivered.head_sent is not False
         return
     pool.record_failure(lease.backend, now)
     metrics.backend_errors.labels(label, "no_answer_head").inc()

@@ -11,7 +11,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from proxy.api.quota_counters import COUNTERS
 from proxy.api.quota_errors import quota_refused, unpriced
-from proxy.api.usage import cached_tokens
 from proxy.config.tenants import quota_of
 from proxy.relay.forward import RelayResult
 from proxy.request.admitted import Admitted
@@ -112,6 +111,5 @@ class QuotaGate:
             self.book.settle(hold, 0.0, 0.0)
             return
         price = adm.billed.price
-        cached = cached_tokens(result.usage if result is not None else None)
-        cost = price.cost(counts.prompt, cached, counts.completion) if price else 0.0
+        cost = price.cost(counts.prompt, counts.cached, counts.completion) if price else 0.0
         self.book.settle(hold, float(counts.total), cost)

@@ -236,13 +236,16 @@ class AdmissionQueue:
             if req is not None:
                 policies.tiers.charge(tier)
                 policies.tenants.charge(req.tenant, req.cost, req.tenant_weight)
+                req.charged += req.cost
                 return req
             tiers.remove(tier)
         return None
 
     def correct_charge(self, req: QueuedRequest, actual_weighted_tokens: float) -> None:
-        """Replace the estimate charged at dispatch by what the request really used."""
-        self.fairness.charge(req.tenant, actual_weighted_tokens - req.cost, req.tenant_weight)
+        """Replace the estimates charged at its dispatches (one each: a request retried after
+        a backend failed before its first byte was charged again) by what it really used."""
+        self.fairness.charge(req.tenant, actual_weighted_tokens - req.charged, req.tenant_weight)
+        req.charged = actual_weighted_tokens
 
     def is_next(self, req: QueuedRequest) -> bool:
         """Whether ``req`` is queued and its tenant's next in its tier (the only one of the

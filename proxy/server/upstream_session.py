@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 
 from proxy.config.backends import BackendHealth
+from proxy.relay.upstreamio import head_sent_trace
 
 # Keep-alive: the first probe after this share of the dead-connection time idle, then PROBES
 # probes spread over the rest (Linux's own defaults, two hours idle, would never fire).
@@ -68,4 +69,5 @@ def upstream_session(health: BackendHealth) -> aiohttp.ClientSession:
         # offer gzip, and a gzip-ing front's bytes reached clients labelled application/json).
         auto_decompress=False,
         headers={"Accept-Encoding": "identity"},
+        trace_configs=[head_sent_trace()],  # a request its backend took, from one still connecting
     )

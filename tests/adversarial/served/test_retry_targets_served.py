@@ -196,3 +196,30 @@ async def test_a_request_reaching_an_engine_that_died_idle_is_served_elsewhere(
         assert resp.status == 200, resp.body[:300]
         assert len(other.null.received) == 1
         assert proxy.count(r"not retried \(poison pill\)") == 0
+
+
+async def test_a_request_whose_connect_outlasts_the_tiers_limit_is_billed_nothing(
+    served_over: Any, tmp_path: Path
+) -> None:
+    """Fresh eyes, 2026-12-06: a non-stream request cut by its tier's limit is billed its
+    reservation (vLLM ran it: its head comes only with its end), but one whose connect was
+    still hanging (a host gone, the tier's limit under ``connect_timeout_s``) reached no
+    engine: it was billed 151 + 900 tokens. Only a request whose head was sent is billed."""
+    log = tmp_path / "usage.jsonl"
+    with host_gone() as gone:
+        health = {"connect_timeout_s": 30.0, "unhealthy_after": 1000}
+        proxy = served_over(
+            [{"url": gone}],
+            backend_health=health,
+            tiers={"low": {"request_timeout_s": 1}},
+            usage_log={"path": str(log)},
+        )
+        resp = await exchange(proxy.host, proxy.port, chat(), timeout_s=60)
+        assert resp.status == 504, resp.body[:300]
+        for _ in range(200):  # the usage line is written as the request ends
+            if log.exists() and log.read_bytes().strip():
+                break
+            await asyncio.sleep(0.05)
+    (record,) = [orjson.loads(line) for line in log.read_bytes().splitlines()]
+    assert record["usage_basis"] == "none", record
+    assert (record["prompt_tokens"], record["completion_tokens"]) == (0, 0), record

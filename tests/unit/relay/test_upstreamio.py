@@ -8,6 +8,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from proxy.relay.delivered import Delivered
 from proxy.relay.result import UpstreamUnavailable
 from proxy.relay.upstreamio import open_upstream
 
@@ -16,7 +17,8 @@ def _call(error: Exception) -> Any:
     async def post(*args: object, **kwargs: object) -> None:
         raise error
 
-    return SimpleNamespace(session=SimpleNamespace(post=post), url="u", body=b"", headers={})
+    session = SimpleNamespace(post=post, trace_configs=[])
+    return SimpleNamespace(session=session, url="u", body=b"", headers={}, delivered=Delivered())
 
 
 async def test_a_connect_timeout_is_the_backend_unreachable_not_the_tiers_limit() -> None:

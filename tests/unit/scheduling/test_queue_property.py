@@ -165,6 +165,7 @@ def test_queue_picks_what_a_linear_scan_picks(sequence: list[Op]) -> None:
     pairs: dict[int, Ref] = {}  # seq -> reference twin
     live: list[QueuedRequest] = []
     done: list[QueuedRequest] = []
+    charged: dict[int, float] = {}  # seq -> the fairness charge its last correction set
     now = 0.0
     for kind, a, b, size, flag in sequence:
         now += 0.5 * (a % 3)  # ties in time are common on purpose
@@ -225,9 +226,11 @@ def test_queue_picks_what_a_linear_scan_picks(sequence: list[Op]) -> None:
             assert [r.seq for r in queue.expire(now)] == [r.seq for r in ref.expire(now)]
         elif kind == "correct" and done:
             req = done[a % len(done)]
+            before = charged.get(req.seq, req.cost)  # what its dispatch, or a correction, charged
             queue.correct_charge(req, float(size))
+            charged[req.seq] = float(size)  # a correction replaces the last
             ref.counter[req.tenant] = (
-                ref.counter.get(req.tenant, 0.0) + (size - req.cost) / req.tenant_weight
+                ref.counter.get(req.tenant, 0.0) + (size - before) / req.tenant_weight
             )
         elif kind == "forget":  # a reload dropped a tenant: its history goes
             gone = "abcd"[b]
