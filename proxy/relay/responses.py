@@ -116,10 +116,7 @@ async def _relay_events(
                 break
             async with asyncio.timeout_at(call.deadline):
                 event = await anext(events, None)
-        if not ended and opened_only:  # vLLM's refusal: no work, not the backend's failure
-            result.outcome, result.refused_in_stream = Outcome.CLIENT_ERROR, True
-            last = upstream_failed("The backend ended the stream before its last event.")
-        elif not ended:
+        if not ended:
             result.outcome, result.backend_failed = Outcome.UPSTREAM_ERROR, True
             last = upstream_failed("The backend ended the stream before its last event.")
     except ClientStalled:
@@ -134,6 +131,14 @@ async def _relay_events(
     except UPSTREAM_BROKE as exc:
         result.outcome, result.backend_failed = Outcome.UPSTREAM_ERROR, True
         last = upstream_failed(f"The backend failed mid-stream: {exc}")
+    if result.outcome is Outcome.UPSTREAM_ERROR and opened_only and not result.oversize:
+        # Broken (or ended) after its opening events alone: vLLM's refusal, no engine work
+        # and not the backend's failure (a tenant could repeat it at will).
+        result.outcome, result.backend_failed, result.refused_in_stream = (
+            Outcome.CLIENT_ERROR,
+            False,
+            True,
+        )
     if result.outcome not in (Outcome.CLIENT_GONE, Outcome.CLIENT_STALLED):
         upstream_done(call, resp, result, whole=ended)
         tail = error_event(last) if last is not None else b""

@@ -376,3 +376,33 @@ async def test_a_request_the_tiers_limit_cuts_is_billed_its_reservation(
             used = (await _usage(usage_log, {"silent"}, polls=600))["silent"]
             assert (used["outcome"], used["usage_basis"]) == ("timeout", "reservation"), used
             assert used["completion_tokens"] >= 1_500 and used["prompt_tokens"] > 0, used
+
+
+async def test_a_responses_stream_vllm_refuses_after_its_opening_events_is_billed_nothing(
+    engine: EngineProcess, tmp_path: Path
+) -> None:
+    """Fresh eyes, 2026-12-06: vLLM sends a Responses stream's opening events before its
+    engine checks the request; an out-of-vocab ``logit_bias`` then breaks the stream, with no
+    error event and no final one. Billed as a cut stream (its reservation: 136 + 900 tokens
+    for no engine work) and counted as the backend's failure, which any tenant could repeat;
+    it is vLLM's refusal: nothing billed, the backend not blamed."""
+    tenants = [{"name": "odd", "tier": "normal", "keys": [{"sha256": hash_key(KEYS["normal"])}]}]
+    config = make_config([{"url": engine.spec.url}], tenants=tenants, **admin_sections())
+    usage_log = tmp_path / "usage.jsonl"
+    config["usage_log"] = {"path": str(usage_log)}
+    with ServedProxy(config, tmp_path).start() as proxy:
+        body = {"model": "tiny", "input": "hello there", "max_output_tokens": 900}
+        body.update(stream=True, logit_bias={"10000000": 100})  # past any vocabulary
+        headers = {"Authorization": f"Bearer {KEYS['normal']}"}
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+            async with session.post(proxy.url + "/v1/responses", json=body, headers=headers) as r:
+                answer = await r.read()
+            assert b"response.completed" not in answer, answer[:500]
+            used = (await _usage(usage_log, {"odd"}))["odd"]
+            admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+            async with session.get(proxy.admin_url + "/metrics", headers=admin) as r:
+                metrics = await r.text()
+    assert used["usage_basis"] == "none", used
+    assert (used["prompt_tokens"], used["completion_tokens"]) == (0, 0), used
+    blamed = [m for m in metrics.splitlines() if m.startswith("tierproxy_backend_errors_total{")]
+    assert all(float(m.rsplit(" ", 1)[1]) == 0 for m in blamed), blamed
