@@ -81,6 +81,17 @@ def test_user_and_metadata_are_bounded(endpoint: Endpoint) -> None:
 
 
 @pytest.mark.parametrize("endpoint", ROUTES)
+def test_beam_search_is_refused_its_work_is_not_its_usage(endpoint: Endpoint) -> None:
+    """Fresh eyes, 2026-12-06: vLLM's beam search runs a request per beam per token and
+    reports the prompt once (25 billed for 59,625 run): refused, not billed under."""
+    assert parse(endpoint, use_beam_search=False)["use_beam_search"] is False
+    with pytest.raises(ProxyError) as exc:
+        parse(endpoint, use_beam_search=True)
+    assert (exc.value.status, exc.value.param) == (400, "use_beam_search")
+    assert exc.value.code == "unmetered_field"
+
+
+@pytest.mark.parametrize("endpoint", ROUTES)
 def test_unknown_fields_pass_as_small_scalars_only(endpoint: Endpoint) -> None:
     body = parse(endpoint, my_flag=True, my_num=1.5, my_tag="t" * 256)
     assert (body["my_flag"], body["my_num"], body["my_tag"]) == (True, 1.5, "t" * 256)
