@@ -151,7 +151,8 @@ class Admitted:
         - ``client_left``: a non-stream request whose client left while a backend ran it: the
           prompt's upper bound and its expected output (what vLLM decoded before the abort is
           unknown: docs/quotas.md);
-        - ``none``: nothing ran that is known of (refused, failed before the backend)."""
+        - ``none``: nothing ran that is known of (refused, by the proxy or by vLLM; failed
+          before the backend; cut while its connection was still opening)."""
         counts = token_usage(result.usage if result is not None else self.delivered.usage)
         if counts is not None:  # (read before its handler was cancelled: Delivered.usage)
             return counts, "backend"
