@@ -78,9 +78,6 @@ class Delivered:
     # None: not known (a session without that trace). False: no backend took it, whatever
     # cut it (a connect that hangs past the tier's limit, a client that left meanwhile).
     head_sent: bool | None = None
-    # Whether the events counted bound the tokens made: a Responses stream sends no event for
-    # a token without text (a special token vLLM skips), so there they bound nothing.
-    text_bound: bool = True
     _past_roles: bool = False  # a token chunk was seen: no opening chunk comes after it
 
     def chunks(self, block: bytes) -> None:

@@ -95,7 +95,6 @@ async def _relay_events(
     out.headers["Cache-Control"] = "no-cache"
     out.headers["X-Request-Id"] = call.reply_request_id or call.headers.get(REQUEST_ID_HEADER, "")
     result = RelayResult(out, Outcome.OK, 200, first_token_at=now())
-    call.delivered.text_bound = False  # a token without text has no event: cut, its reservation
     last: ProxyError | None = None
     ended = False  # the final event was written
     opened_only = True  # nothing but the opening events came yet

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from types import SimpleNamespace
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -76,31 +77,25 @@ def settled(resp: aiohttp.ClientResponse, result: RelayResult) -> RelayResult:
 
 
 def head_sent_trace() -> aiohttp.TraceConfig:
-    """The upstream session's trace that marks a request's head written to its backend's
-    connection (``Delivered.head_sent``, its ``trace_request_ctx``): until then no backend
-    took it, and a cut then bills nothing (red team, 2026-12-06: a connect hanging past the
-    tier's limit was billed its reservation)."""
+    """The upstream session's trace of a request's head (``Delivered.head_sent``, its
+    ``trace_request_ctx``): False as the request starts, True once its head is written to a
+    backend's connection. Until then no backend took it, and a cut then bills nothing (red
+    team, 2026-12-06: a connect hanging past the tier's limit was billed its reservation)."""
 
-    async def sent(
-        session: aiohttp.ClientSession,
-        ctx: SimpleNamespace,
-        params: aiohttp.TraceRequestHeadersSentParams,
-    ) -> None:
-        if isinstance(ctx.trace_request_ctx, Delivered):
-            ctx.trace_request_ctx.head_sent = True
+    def marking(sent: bool) -> Callable[..., Awaitable[None]]:
+        async def mark(session: aiohttp.ClientSession, ctx: SimpleNamespace, params: Any) -> None:
+            if isinstance(ctx.trace_request_ctx, Delivered):
+                ctx.trace_request_ctx.head_sent = sent
+
+        return mark
 
     trace = aiohttp.TraceConfig()
-    trace.on_request_headers_sent.append(sent)
-    setattr(trace, _MARKS_HEAD_SENT, True)
+    trace.on_request_start.append(marking(False))
+    trace.on_request_headers_sent.append(marking(True))
     return trace
 
 
-_MARKS_HEAD_SENT = "tierproxy_marks_head_sent"
-
-
 async def open_upstream(call: UpstreamCall) -> aiohttp.ClientResponse:
-    traced = any(getattr(t, _MARKS_HEAD_SENT, False) for t in call.session.trace_configs)
-    call.delivered.head_sent = False if traced else None
     try:
         return await call.session.post(
             call.url, data=call.body, headers=call.headers, trace_request_ctx=call.delivered

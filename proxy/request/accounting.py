@@ -25,9 +25,7 @@ def account(
         return  # never queued: no fairness charge to correct, no tokens
     if result.first_token_at is not None:
         child(metrics.ttft, adm.tier).observe(result.first_token_at - adm.arrival)
-    if not charge_usage(adm, result, metrics, child, queue) and result.outcome != Outcome.OK:
-        # Nothing was generated that we know of: give back the estimate charged at dispatch.
-        queue.correct_charge(adm.queued, 0.0)
+    charge_usage(adm, result, metrics, child, queue)
 
 
 def charge_usage(
@@ -40,8 +38,11 @@ def charge_usage(
     """Token metrics and the fairness charge from the usage billed; False when there is none."""
     counts, _ = adm.billed_usage(result)
     if counts is None:
-        if result is None and adm.queued.charged:  # dispatched, then a 504 or a retry's end
-            queue.correct_charge(adm.queued, 0.0)  # billed nothing: its estimate taken back
+        # Nothing generated that is known of (a failure, a 504, a client gone before a
+        # backend took it): the estimates charged at its dispatches are given back. An answer
+        # that came whole without usage keeps them.
+        if adm.queued.charged and (result is None or result.outcome != Outcome.OK):
+            queue.correct_charge(adm.queued, 0.0)
         return False
     child(metrics.tokens, adm.tier, "prompt").inc(counts.prompt)
     child(metrics.tokens, adm.tier, "completion").inc(counts.completion)

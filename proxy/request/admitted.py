@@ -140,7 +140,7 @@ class Admitted:
           answer cut before its usage went by (``RelayResult.usage_lost``), a request the
           tier's limit cut after its backend took it and before its answer
           (``Delivered.deadline_cut``), a Responses stream cut before its last event (its
-          events bound nothing: ``Delivered.text_bound``), or a stream that ended while a write
+          events bound nothing: a token without text has none), or a stream that ended while a write
           to its client was waiting (the reader lagged, stopped or left: the engine decodes on
           regardless, how far is unknown): its worst case (the prompt's upper bound and the
           output's, as reserved; what came if more);
@@ -167,9 +167,10 @@ class Admitted:
         taken = self.delivered.sent and self.delivered.head_sent is not False
         cut = result is None and taken and not cheap
         deadline = self.delivered.deadline_cut and not cheap and result is None  # the 504
-        # A Responses stream its client or the tier's limit cut: its events bound nothing.
+        # A Responses stream its client or the tier's limit cut: its events bound nothing (vLLM
+        # sends none for a token without text, a special token it skips).
         cut_short = result is not None and result.engine_ran and result.outcome in CUT_SHORT
-        unbounded = not self.delivered.text_bound and (cut or cut_short)
+        unbounded = self.parsed.endpoint == "responses" and (cut or cut_short)
         lost = result is not None and (result.oversize or result.usage_lost)
         if lost or deadline or unbounded or self.delivered.writing:
             output, basis = max(worst, output), "reservation"

@@ -81,6 +81,21 @@ async def _usage(usage_log: Path, tenants: set[str], polls: int = 200) -> dict[s
     raise AssertionError(f"usage records of {tenants} never all written")
 
 
+def _billed_config(
+    backend: dict[str, Any], tmp_path: Path, keys: dict[str, str], **sections: Any
+) -> tuple[dict[str, Any], Path]:
+    """A served config in front of ``backend``: a tenant of the normal tier for each name ->
+    key, the admin API, and a usage log (its path returned too)."""
+    tenants = [
+        {"name": name, "tier": "normal", "keys": [{"sha256": hash_key(key)}]}
+        for name, key in keys.items()
+    ]
+    config = make_config([backend], tenants=tenants, **sections, **admin_sections())
+    usage_log = tmp_path / "usage.jsonl"
+    config["usage_log"] = {"path": str(usage_log)}
+    return config, usage_log
+
+
 async def test_a_request_past_the_whole_token_budget_is_served_under_a_steady_flood(
     engine: EngineProcess, tmp_path: Path
 ) -> None:
@@ -242,16 +257,11 @@ async def test_a_stalled_stream_within_the_read_ahead_hands_its_tokens_on_at_vll
     request they kept out is served while the stalled client has still read nothing (before,
     it waited for the send-idle cut, here 120 s, past its own queue timeout: a 503). The stalled
     client then reads its whole answer. Nothing is timed: the usage log's order tells."""
-    tenants: list[dict[str, Any]] = [
-        {"name": name, "tier": "normal", "keys": [{"sha256": hash_key(key)}]}
-        for name, key in (("stalled", KEYS["normal"]), ("kept", KEYS["low"]))
-    ]
     backend = {"url": engine.spec.url, "max_inflight": 8, "max_tokens_inflight": READ_AHEAD_BUDGET}
     tiers = {"normal": {"queue_timeout_s": 100}}  # under the send-idle bound
     relay = {"send_idle_timeout_s": 120, "read_ahead_bytes": READ_AHEAD}
-    config = make_config([backend], tiers=tiers, tenants=tenants, relay=relay, **admin_sections())
-    usage_log = tmp_path / "usage.jsonl"
-    config["usage_log"] = {"path": str(usage_log)}
+    keys = {"stalled": KEYS["normal"], "kept": KEYS["low"]}
+    config, usage_log = _billed_config(backend, tmp_path, keys, tiers=tiers, relay=relay)
     with ServedProxy(config, tmp_path).start() as proxy:
         stream = {"model": "tiny", "messages": MESSAGES, "max_tokens": STALLED_TOKENS}
         stream.update(stream=True, ignore_eos=True, logprobs=True, top_logprobs=20)
@@ -283,13 +293,9 @@ async def test_a_client_that_leaves_while_the_read_ahead_drains_is_billed_vllms_
     its answer, vLLM's usage in it, had its handler cancelled by aiohttp; the relay's result
     went with it, and the bill fell to the bytes bound (2,306 completion and 205 prompt tokens
     against vLLM's 1,500 and 25). The usage was read before the client left: it is the bill."""
-    tenants = [{"name": "leaver", "tier": "normal", "keys": [{"sha256": hash_key(KEYS["normal"])}]}]
     relay = {"send_idle_timeout_s": 120, "read_ahead_bytes": READ_AHEAD}
-    config = make_config(
-        [{"url": engine.spec.url}], tenants=tenants, relay=relay, **admin_sections()
-    )
-    usage_log = tmp_path / "usage.jsonl"
-    config["usage_log"] = {"path": str(usage_log)}
+    backend, keys = {"url": engine.spec.url}, {"leaver": KEYS["normal"]}
+    config, usage_log = _billed_config(backend, tmp_path, keys, relay=relay)
     with ServedProxy(config, tmp_path).start() as proxy:
         stream = {"model": "tiny", "messages": MESSAGES, "max_tokens": STALLED_TOKENS}
         stream.update(stream=True, ignore_eos=True, logprobs=True, top_logprobs=20)
@@ -317,13 +323,9 @@ async def test_a_large_answer_cut_before_its_usage_is_billed_its_reservation(
     the usage went by was cut at the send-idle bound and billed nothing (five 4 x 1,000-token
     answers of ~5 MB: 20,000 tokens generated, past the tier's 16,000 a day, and the next
     request still served). Cut before its usage, it is billed its reservation."""
-    tenants = [
-        {"name": "staller", "tier": "normal", "keys": [{"sha256": hash_key(KEYS["normal"])}]}
-    ]
     relay = {"send_idle_timeout_s": 2, "read_ahead_bytes": 0}
-    config = make_config([{"url": engine.spec.url}], tenants=tenants, relay=relay)
-    usage_log = tmp_path / "usage.jsonl"
-    config["usage_log"] = {"path": str(usage_log)}
+    backend, keys = {"url": engine.spec.url}, {"staller": KEYS["normal"]}
+    config, usage_log = _billed_config(backend, tmp_path, keys, relay=relay)
     sequences = 4
     with ServedProxy(config, tmp_path).start() as proxy:
         body = {"model": "tiny", "messages": MESSAGES, "max_tokens": STALLED_TOKENS}
@@ -348,14 +350,9 @@ async def test_a_request_the_tiers_limit_cuts_is_billed_its_reservation(
     3,000-token day, the counter at 0); so was a /v1/responses stream of tokens without text
     (a special token vLLM skips: the stream sends no event for it), prompt and all. Both are
     billed their reservation now."""
-    tenants: list[dict[str, Any]] = [
-        {"name": name, "tier": "normal", "keys": [{"sha256": hash_key(key)}]}
-        for name, key in (("cut", KEYS["normal"]), ("silent", KEYS["low"]))
-    ]
     tiers = {"normal": {"request_timeout_s": 1.5}}
-    config = make_config([{"url": engine.spec.url}], tenants=tenants, tiers=tiers)
-    usage_log = tmp_path / "usage.jsonl"
-    config["usage_log"] = {"path": str(usage_log)}
+    backend, keys = {"url": engine.spec.url}, {"cut": KEYS["normal"], "silent": KEYS["low"]}
+    config, usage_log = _billed_config(backend, tmp_path, keys, tiers=tiers)
     silent = {"logit_bias": {"3": 100}}  # <pad>: a special token, no text
     with ServedProxy(config, tmp_path).start() as proxy:
         async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
@@ -386,10 +383,8 @@ async def test_a_responses_stream_vllm_refuses_after_its_opening_events_is_bille
     error event and no final one. Billed as a cut stream (its reservation: 136 + 900 tokens
     for no engine work) and counted as the backend's failure, which any tenant could repeat;
     it is vLLM's refusal: nothing billed, the backend not blamed."""
-    tenants = [{"name": "odd", "tier": "normal", "keys": [{"sha256": hash_key(KEYS["normal"])}]}]
-    config = make_config([{"url": engine.spec.url}], tenants=tenants, **admin_sections())
-    usage_log = tmp_path / "usage.jsonl"
-    config["usage_log"] = {"path": str(usage_log)}
+    backend, keys = {"url": engine.spec.url}, {"odd": KEYS["normal"]}
+    config, usage_log = _billed_config(backend, tmp_path, keys)
     with ServedProxy(config, tmp_path).start() as proxy:
         body = {"model": "tiny", "input": "hello there", "max_output_tokens": 900}
         body.update(stream=True, logit_bias={"10000000": 100})  # past any vocabulary

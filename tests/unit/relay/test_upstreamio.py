@@ -17,7 +17,7 @@ def _call(error: Exception) -> Any:
     async def post(*args: object, **kwargs: object) -> None:
         raise error
 
-    session = SimpleNamespace(post=post, trace_configs=[])
+    session = SimpleNamespace(post=post)
     return SimpleNamespace(session=session, url="u", body=b"", headers={}, delivered=Delivered())
 
 

@@ -157,3 +157,22 @@ def test_correct_charge_replaces_estimate() -> None:
     assert vtc.counter("a") == pytest.approx(300)
     q.correct_charge(r, 110)  # it really used 100 prompt + 5 output
     assert vtc.counter("a") == pytest.approx(110)
+
+
+def test_a_retried_request_is_charged_once_whatever_its_dispatches() -> None:
+    """Fresh eyes, 2026-12-06: a request retried after its backend failed before its first
+    byte was charged its estimate at each dispatch and corrected once (+111 against +65)."""
+    vtc = VirtualTokenCounter()
+    q = AdmissionQueue(
+        {"n": TierLimits(1.0, 100, 1e9)}, replace(default_queue_policies(), tenants=vtc)
+    )
+    r = _req("n", "a", prompt=100, out=100)  # estimate 300 weighted tokens
+    q.push(r, now=0.0)
+    assert q.pop() is r
+    q.push(r, now=1.0, force=True)  # the retry: queued again (as the pipeline does), dispatched
+    assert q.pop() is r
+    assert vtc.counter("a") == pytest.approx(600)
+    q.correct_charge(r, 110)
+    assert vtc.counter("a") == pytest.approx(110)
+    q.correct_charge(r, 0.0)  # a later correction replaces the last
+    assert vtc.counter("a") == pytest.approx(0)
