@@ -6,7 +6,7 @@ the access log, the admitted request with its queue entry, and the seams the pip
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
 from proxy.api.hotpath import new_request_id
@@ -155,8 +155,10 @@ class Admitted:
           before the backend; cut while its connection was still opening)."""
         counts = token_usage(result.usage if result is not None else self.delivered.usage)
         if counts is not None:  # (read before its handler was cancelled: Delivered.usage)
-            return counts, "backend"
-        prompt = self.parsed.prompt_upper_bound
+            extra = self.parsed.prompt_billed(counts.prompt) - counts.prompt
+            billed = replace(counts, prompt=counts.prompt + extra, total=counts.total + extra)
+            return billed, "backend"
+        prompt = self.parsed.prompt_billed(self.parsed.prompt_upper_bound)
         worst = self.parsed.output_upper_bound
         worst = self.parsed.expected_output if worst is None else worst
         output = past_the_cut(self.delivered.output_bound, self.parsed.sequences, worst)

@@ -61,11 +61,21 @@ class ParsedRequest:
     # 0: not measured (then the estimate).
     prompt_bound_tokens: int = 0
     sequences: int = 1  # generations it runs: n choices of every prompt (0: a pooling route)
+    extra_choices: int = 0  # n - 1: each prompt prefilled again (``prompt_billed``)
     budget_from_client: bool = True  # the client set max_tokens (else the proxy, or none)
 
     @property
     def prompt_upper_bound(self) -> int:
         return max(self.prompt_bound_tokens, self.prompt_tokens)
+
+    def prompt_billed(self, prompt: int) -> int:
+        """``prompt`` (as its usage or its bound says it) once for each choice: vLLM runs a
+        request per choice of an ``n`` > 1 request and counts the prompt for each in its own
+        ``vllm:prompt_tokens_total``, while its usage says it once. Each copy prefills its
+        prompt's last block with prefix caching, all of it without, or with
+        ``prompt_logprobs`` (the cache bypassed: red team, 2026-12-06, 447,360 prompt tokens
+        run, 3,495 billed)."""
+        return prompt * (1 + self.extra_choices)
 
     @property
     def output_upper_bound(self) -> int | None:
@@ -154,6 +164,7 @@ def parse_body(
         held_bytes=shape.held_bytes(raw),
         prompt_bound_tokens=bound,
         sequences=body.get("n", 1) * row.generations(body) if route.generates else 0,
+        extra_choices=body.get("n", 1) - 1 if route.generates else 0,
         budget_from_client=from_client,
     )
 

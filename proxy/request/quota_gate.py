@@ -63,7 +63,10 @@ class QuotaGate:
             self._bound_output(adm, limits)
         # The prompt's upper bound, not its estimate, and every output token vLLM may make:
         # settled to the real usage at the end.
-        prompt, output = parsed.prompt_upper_bound, parsed.output_upper_bound or 0
+        prompt, output = (
+            parsed.prompt_billed(parsed.prompt_upper_bound),
+            parsed.output_upper_bound or 0,
+        )
         cost = price.worst_case(prompt, output) if price else 0.0
         ask = QuotaAsk(adm.tenant.name, limits, float(prompt + output), cost)
         verdict = await self.book.reserve(ask, self.wall())
@@ -88,7 +91,7 @@ class QuotaGate:
         afford = affordable_output(
             limits,
             used,
-            prompt=parsed.prompt_upper_bound,
+            prompt=parsed.prompt_billed(parsed.prompt_upper_bound),
             price=adm.billed.price,
             sequences=max(1, parsed.sequences),
         )

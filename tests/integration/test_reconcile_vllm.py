@@ -12,8 +12,8 @@ its output by the delivered text's bytes: never below the engine, and within tho
 reach. The quota counters equal the usage log (within 1 %), and no tenant's counter passes its
 quota by more than one request's worst case.
 
-vLLM prefills a prompt once per choice of an n > 1 request and its usage says it once: those
-(n - 1) x prompt tokens are taken out of the engine's figure (ledger.py), the raw figure printed.
+vLLM prefills a prompt once per choice of an n > 1 request and counts it so; its usage says it
+once, the bill once per choice (red team, 2026-12-06: billed once, 64 choices ran 33x a quota).
 
 On main before issue 30 this failed (docs/quotas.md "Reconciliation"): oversize answers billed
 0, cut streams billed below the engine, the Redis counters above the log and, after a stall,
@@ -50,7 +50,7 @@ def check(result: Reconciliation) -> None:
     print("\n" + result.table())
     failures = []
     for c in result.categories:
-        prompt = ratio(c.billed_prompt, c.engine_prompt_per_request)
+        prompt = ratio(c.billed_prompt, c.engine.prompt)
         output = ratio(c.billed_output, c.engine.generation)
         for what, value in (("prompt", prompt), ("output", output)):
             low, high = (1.0, CUT_BOUND) if c.name == "cut" else (1 - TOLERANCE, 1 + TOLERANCE)

@@ -1,9 +1,10 @@
 """The figures compared: vLLM's own token counters, the usage log, the quota counters.
 
 vLLM counts a prompt once per sequence it prefills: a request with ``n`` choices counts it ``n``
-times in ``vllm:prompt_tokens_total`` (no prefix caching on the CPU build), while its usage (and
-so the bill) says it once. ``engine_prompt_per_request`` takes those ``(n - 1) x prompt`` out,
-and the report prints both.
+times in ``vllm:prompt_tokens_total``, while its usage says it once. The bill counts it ``n``
+times too (``ParsedRequest.prompt_billed``): each choice prefills it again. The report also
+prints the engine's figure less those ``(n - 1) x prompt`` (``engine_prompt_per_request``): what
+the usage alone says.
 """
 
 from __future__ import annotations
@@ -89,12 +90,14 @@ class CategoryFigures:
 
     @property
     def repeated_prompt(self) -> int:
-        """Prompt tokens vLLM prefilled again for the 2nd..nth choice of a request."""
+        """Prompt tokens vLLM prefilled again for the 2nd..nth choice of a request (the bill
+        counts the prompt once per choice)."""
         n_of = {s.planned.request_id: s.planned.choices for s in self.sent}
-        return sum(
-            int(r["prompt_tokens"]) * (n_of.get(r.get("client_request_id") or "", 1) - 1)
-            for r in self.records
-        )
+        repeated = 0
+        for r in self.records:
+            n = n_of.get(r.get("client_request_id") or "", 1)
+            repeated += int(r["prompt_tokens"]) // n * (n - 1)
+        return repeated
 
     @property
     def engine_prompt_per_request(self) -> float:
@@ -140,9 +143,9 @@ class Reconciliation:
         return (
             sum(c.billed_prompt for c in cats),
             sum(c.billed_output for c in cats),
-            sum(c.engine_prompt_per_request for c in cats),
-            sum(c.engine.generation for c in cats),
             sum(c.engine.prompt for c in cats),
+            sum(c.engine.generation for c in cats),
+            sum(c.engine_prompt_per_request for c in cats),
         )
 
     def prompt_ratio(self) -> float:
@@ -164,21 +167,22 @@ class Reconciliation:
     def table(self) -> str:
         rows = [
             "category  requests (client)          usage log                  billed/engine"
-            " prompt (raw)        output",
+            " prompt (usage once) output",
         ]
         for c in self.categories:
             rows.append(
                 f"{c.name:<9} {c.statuses():<26} {c.outcomes():<26}"
-                f" {c.billed_prompt:>6}/{c.engine_prompt_per_request:<6.0f}"
-                f" {_pct(c.billed_prompt, c.engine_prompt_per_request):>7}"
-                f" ({_pct(c.billed_prompt, c.engine.prompt)})"
+                f" {c.billed_prompt:>6}/{c.engine.prompt:<6.0f}"
+                f" {_pct(c.billed_prompt, c.engine.prompt):>7}"
+                f" ({_pct(c.billed_prompt - c.repeated_prompt, c.engine_prompt_per_request)})"
                 f"  {c.billed_output:>6}/{c.engine.generation:<6.0f}"
                 f" {_pct(c.billed_output, c.engine.generation):>7}"
             )
-        billed_p, billed_o, engine_p, engine_o, engine_raw = self.totals()
+        billed_p, billed_o, engine_p, engine_o, engine_once = self.totals()
+        repeated = sum(c.repeated_prompt for c in self.categories)
         rows.append(
             f"{'total':<9} {'':<26} {'':<26} {billed_p:>6}/{engine_p:<6.0f}"
-            f" {_pct(billed_p, engine_p):>7} ({_pct(billed_p, engine_raw)})"
+            f" {_pct(billed_p, engine_p):>7} ({_pct(billed_p - repeated, engine_once)})"
             f"  {billed_o:>6}/{engine_o:<6.0f} {_pct(billed_o, engine_o):>7}"
         )
         rows.append(

@@ -56,7 +56,7 @@ def test_responses_relay_their_own_events_the_others_the_plain_relay() -> None:
 @pytest.mark.parametrize("endpoint", ROUTES)
 @pytest.mark.parametrize(
     "name", ["session_id", "priority", "vllm_xargs", "cache_salt", "kv_transfer_params",
-             "ec_transfer_params", "request_id"]
+             "ec_transfer_params", "request_id", "stream_interval"]
 )  # fmt: skip
 def test_engine_fields_never_pass_as_sent(endpoint: Endpoint, name: str) -> None:
     assert name not in parse(endpoint, **{name: {"x": "y" * 1000}})
