@@ -7,6 +7,7 @@ tests/integration/test_reload_queued_served.py."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import aiohttp
 
@@ -19,6 +20,10 @@ from tests.unit.request.test_quota_pipeline import used, with_wall, worst_case_t
 Tasks = list[asyncio.Task[aiohttp.ClientResponse]]
 
 
+def depth_is(r: Rig, n: int) -> Callable[[], bool]:
+    return lambda: r.state.queue.depth("normal") == n
+
+
 async def queue_behind_one(r: Rig, backend: FakeVLLM, clock: FakeClock, n: int) -> Tasks:
     """One request at the backend (held), then ``n`` queued behind it, one clock tick apart
     (queue order is arrival order)."""
@@ -28,7 +33,7 @@ async def queue_behind_one(r: Rig, backend: FakeVLLM, clock: FakeClock, n: int) 
     for i in range(n):
         clock.advance(0.01)
         tasks.append(asyncio.create_task(r.chat()))
-        await until(lambda n=i + 1: r.state.queue.depth("normal") == n, 5, "queued")
+        await until(depth_is(r, i + 1), 5, "queued")
     return tasks
 
 
