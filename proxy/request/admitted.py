@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
+from proxy.api.errors import ProxyError
 from proxy.api.hotpath import new_request_id
 from proxy.api.outcome import Outcome
 from proxy.api.reply_headers import BucketWindow, client_request_id
@@ -22,6 +23,7 @@ from proxy.policies.types import QueuedRequest
 from proxy.relay.budget import Reservation
 from proxy.relay.delivered import Delivered
 from proxy.relay.forward import RelayResult
+from proxy.request.auth import KEY_ID_CHARS
 from proxy.request.billing import Billed
 from proxy.request.inbound import ParsedRequest
 from proxy.scheduling.quotas import QuotaHold
@@ -39,7 +41,7 @@ class Trace:
     arrival: float
     client_request_id: str | None = None  # the client's X-Request-Id: echoed and logged only
     tenant: Tenant | None = None  # known once authenticated
-    key_id: str = "-"  # the start of its key's sha256 (proxy.request.auth.KEY_ID_CHARS)
+    key_hash: str = ""  # its key's sha256, once authenticated (never the key)
     admitted: bool = False  # parsed and its model known
     outcome: Outcome = Outcome.ERROR
     status: int = 500
@@ -51,6 +53,11 @@ class Trace:
         """A new request's trace: the proxy's own id keys everything; the client's
         X-Request-Id is only echoed and logged."""
         return cls(new_request_id(), now, client_request_id(headers))
+
+    @property
+    def key_id(self) -> str:
+        """The id logged for its key: the start of its sha256 (``KEY_ID_CHARS``), "-" unknown."""
+        return self.key_hash[:KEY_ID_CHARS] or "-"
 
     @property
     def reply_id(self) -> str:
@@ -82,6 +89,10 @@ class Admitted:
     delivered: Delivered = field(default_factory=Delivered)
     cache_salt: str = ""  # the prefix-cache salt of the tenant's scope (derive_cache_salt)
     spans: RequestSpans | None = None  # the trace's (Trace.spans)
+    key_hash: str = ""  # its key's sha256: a reload re-checks it (proxy.request.pending)
+    # Refused by a reload while it waited outside the queue (its tenant's limit): raised as it
+    # would enter the queue (proxy.request.pending).
+    refusal: ProxyError | None = None
 
     @property
     def adapter(self) -> str | None:

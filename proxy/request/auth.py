@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 
-from proxy.api.errors import admin_disabled, key_expired, unauthorized
+from proxy.api.errors import ProxyError, admin_disabled, key_expired, unauthorized
 from proxy.config.schema import LoadedConfig
 from proxy.config.tenants import Tenant, hash_key
 
@@ -35,8 +35,10 @@ KEY_ID_CHARS = 12
 def identify(
     headers: Mapping[str, str], loaded: LoadedConfig, wall: Callable[[], float] = time.time
 ) -> tuple[Tenant, str]:
-    """The tenant whose key the request carries and the key's id, or 401 (a wrong key, or
-    one past its ``expires_at`` by ``wall``, the POSIX clock)."""
+    """The tenant whose key the request carries and the key's sha256 (the request keeps it
+    while it waits: ``key_refusal`` at a reload; never the key), or 401 (a wrong key, or one
+    past its ``expires_at`` by ``wall``, the POSIX clock). Its id is the hash's first
+    ``KEY_ID_CHARS``."""
     key = api_key_from(headers)
     digest = hash_key(key) if key else ""
     tenant = loaded.tenant_by_key_hash.get(digest) if key else None
@@ -45,7 +47,23 @@ def identify(
     expires_at = loaded.key_expires_at.get(digest)  # inline: this runs for every request
     if expires_at is not None and wall() >= expires_at:
         raise key_expired(expires_at)
-    return tenant, digest[:KEY_ID_CHARS]
+    return tenant, digest
+
+
+def key_refusal(
+    loaded: LoadedConfig, digest: str, tenant: str, wall: Callable[[], float] = time.time
+) -> ProxyError | None:
+    """What a new request with the key of sha256 ``digest`` would get under ``loaded``, for a
+    request admitted for ``tenant`` that still waits: None while the key still maps to that
+    tenant; else the very 401 (unknown key: removed, its tenant removed, or the key moved to
+    another tenant; past its ``expires_at``)."""
+    found = loaded.tenant_by_key_hash.get(digest) if digest else None
+    if found is None or found.name != tenant:
+        return unauthorized()
+    expires_at = loaded.key_expires_at.get(digest)
+    if expires_at is not None and wall() >= expires_at:
+        return key_expired(expires_at)
+    return None
 
 
 def authenticate(

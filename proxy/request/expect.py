@@ -28,10 +28,10 @@ def expect_checker(pipeline: RequestPipeline) -> ExpectHandler:
     The refusals have their own id, access-log line and metrics, like the handler's."""
 
     def refuse(
-        request: web.Request, err: ProxyError, tenant: Tenant | None, key_id: str
+        request: web.Request, err: ProxyError, tenant: Tenant | None, key_hash: str
     ) -> web.Response:
         trace = Trace.begin(request.headers, pipeline.clock())
-        trace.tenant, trace.key_id = tenant, key_id
+        trace.tenant, trace.key_hash = tenant, key_hash
         refused = pipeline.answers.refuse(trace, err)
         pipeline.on_finish(trace, None, None)
         pipeline.answers.log(trace)
@@ -39,7 +39,7 @@ def expect_checker(pipeline: RequestPipeline) -> ExpectHandler:
 
     async def expect(request: web.Request) -> web.StreamResponse | None:
         if request.headers.get("Expect", "").lower() != "100-continue":
-            refused = refuse(request, expectation_failed(request.headers["Expect"]), None, "-")
+            refused = refuse(request, expectation_failed(request.headers["Expect"]), None, "")
             refused.force_close()
             return refused
         if request.version != HttpVersion11:
@@ -47,13 +47,13 @@ def expect_checker(pipeline: RequestPipeline) -> ExpectHandler:
         loaded = pipeline.config()
         limit = loaded.config.limits.max_body_bytes
         tenant: Tenant | None = None
-        key_id = "-"
+        key_hash = ""
         try:
-            tenant, key_id = identify(request.headers, loaded)
+            tenant, key_hash = identify(request.headers, loaded)
             if request.content_length is not None and request.content_length > limit:
                 raise too_large(limit)
         except ProxyError as err:
-            refused = refuse(request, err, tenant, key_id)
+            refused = refuse(request, err, tenant, key_hash)
             refused.force_close()  # the announced body never comes: nothing to read past
             return refused
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")

@@ -43,10 +43,11 @@ from proxy.request.auth import identify
 from proxy.request.backend_faults import no_answer_head, retry_elsewhere
 from proxy.request.inbound import parse_body, read_body
 from proxy.request.leases import direct_lease
+from proxy.request.pending import PendingAdmissions
 from proxy.request.prompt_blocks import PromptBlocks
 from proxy.request.quota_gate import QuotaGate
 from proxy.request.route_table import ROWS, Relay
-from proxy.request.tenancy import still_may_use, tenant_gate
+from proxy.request.tenancy import tenant_gate
 from proxy.request.tenant_limits import pass_tenant_limits, settle_tenant_limits
 from proxy.request.traced import upstream_spans
 from proxy.request.uploads import TenantUploads, UploadRefused, closing
@@ -103,6 +104,7 @@ class RequestPipeline:
         self.child = LabelCache()  # metric children of each request, looked up once
         self.on_finish = on_finish or no_finish_hook  # per-tenant usage (proxy.ops.usage)
         self.quotas = quotas or QuotaGate(metrics=metrics)  # day/month tokens and money
+        self.pending = PendingAdmissions(dispatcher, self.quotas, pool)  # held to reloads
         self.uploads = TenantUploads()  # bodies coming in, per tenant
         self.prompt_blocks = prompt_blocks or PromptBlocks()  # the prompts' KV blocks
         self.adapters = AdapterGate()  # loads a request's LoRA adapter on its backend first
@@ -126,14 +128,14 @@ class RequestPipeline:
         adm: Admitted | None = None
         result: RelayResult | None = None
         try:
-            trace.tenant, trace.key_id = identify(request.headers, loaded)
+            trace.tenant, trace.key_hash = identify(request.headers, loaded)
             if self.tracing is not None:  # after the key: no keyless client's trace recorded
                 trace.spans = self.tracing.begin(
                     request, trace.request_id, trace.arrival, self.clock(), trace.tenant.name
                 )
             adm = await self.parse(request, endpoint, loaded.config, trace.tenant, trace)
-            trace.admitted, adm.spans = True, trace.spans
-            await self.quotas.reserve(adm)  # refused, never waited for: settled below
+            trace.admitted, adm.spans, adm.key_hash = True, trace.spans, trace.key_hash
+            await self.pending.admit(adm)  # its quotas reserved (or refused): settled below
             await self.pass_tenant_limits(adm)
             request[ADMITTED_LIMITS] = ratelimit_headers(adm.limit_windows)  # streams' too
             try:
@@ -163,7 +165,7 @@ class RequestPipeline:
             if adm is not None:
                 if result is None:  # its client left, or the tier's limit cut it: still billed
                     self.charge_usage(adm, None)
-                self.quotas.settle(adm, result)
+                self.pending.ended(adm, result)  # its quotas settled to what it used
                 if adm.held is not None:
                     adm.held.release()
             self.on_finish(trace, adm, result)
@@ -235,7 +237,7 @@ class RequestPipeline:
 
     def enqueue(self, adm: Admitted) -> asyncio.Future[Lease]:
         """Into the tier's queue; a retry goes back at its old place, past the cap."""
-        still_may_use(self.pool, self.config().config, adm)  # a reload may have revoked it
+        self.pending.entering(adm, self.config())  # a reload may have refused it since
         try:
             if adm.spans is not None:  # the tier's depth before it: its place at entry
                 depth = self.queue.depth(adm.tier)
@@ -246,8 +248,7 @@ class RequestPipeline:
         except EarlyRefusal as exc:
             timeout = adm.config.tiers[adm.tier].queue_timeout_s
             raise refused_early(adm.tier, exc.predicted_wait_s, timeout) from None
-        except UnknownTier:
-            # A reload removed the tier between this request's admission and its queueing.
+        except UnknownTier:  # a reload removed the tier since this request's admission
             raise config_changed() from None
 
     async def dispatch(self, adm: Admitted, waiter: asyncio.Future[Lease]) -> Lease:

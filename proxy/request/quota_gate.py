@@ -9,9 +9,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
+from proxy.api.errors import ProxyError
 from proxy.api.quota_counters import COUNTERS
 from proxy.api.quota_errors import quota_refused, unpriced
-from proxy.config.tenants import quota_of
+from proxy.config.schema import Config
+from proxy.config.tenants import Tenant, quota_of
 from proxy.relay.forward import RelayResult
 from proxy.request.admitted import Admitted
 from proxy.request.billing import (
@@ -22,12 +24,18 @@ from proxy.request.billing import (
     model_context,
 )
 from proxy.request.route_table import ROWS
-from proxy.scheduling.quotas import QuotaAsk, QuotaBook, QuotaLedger
+from proxy.scheduling.quotas import QuotaAsk, QuotaBook, QuotaLedger, QuotaVerdict
 from proxy.telemetry.metrics import ProxyMetrics
 
 
 def _no_cards() -> Iterable[Sequence[Card]]:
     return ()
+
+
+def quota_limits(config: Config, tenant: Tenant) -> dict[str, float]:
+    """The tenant's quota and budget limits under ``config`` (its own, else its tier's)."""
+    quota = quota_of(tenant, config.tiers[tenant.tier])
+    return quota.limits() if quota is not None else {}
 
 
 class QuotaGate:
@@ -52,8 +60,7 @@ class QuotaGate:
         parsed = adm.parsed
         defaults = [] if parsed.model is not None else default_models(self.model_cards())
         adm.billed = billed_as(parsed.model, adm.config.prices, defaults)
-        quota = quota_of(adm.tenant, adm.config.tiers[adm.tier])
-        limits = quota.limits() if quota is not None else {}
+        limits = quota_limits(adm.config, adm.tenant)
         if not limits:
             return
         price = adm.billed.price
@@ -71,12 +78,16 @@ class QuotaGate:
         ask = QuotaAsk(adm.tenant.name, limits, float(prompt + output), cost)
         verdict = await self.book.reserve(ask, self.wall())
         if verdict.hold is None:
-            if self.metrics is not None:
-                self.metrics.rate_limited.labels(adm.tenant.name, verdict.which).inc()
-            raise quota_refused(
-                verdict.which, verdict.limit, verdict.used, verdict.asked, verdict.retry_after_s
-            )
+            raise self.refusal(adm.tenant.name, verdict)
         adm.quota_hold = verdict.hold
+
+    def refusal(self, tenant: str, verdict: QuotaVerdict) -> ProxyError:
+        """The 429 of a refused reservation (counted in ``tierproxy_rate_limited_total``)."""
+        if self.metrics is not None:
+            self.metrics.rate_limited.labels(tenant, verdict.which).inc()
+        return quota_refused(
+            verdict.which, verdict.limit, verdict.used, verdict.asked, verdict.retry_after_s
+        )
 
     def _bound_output(self, adm: Admitted, limits: Mapping[str, float]) -> None:
         """A request with quotas and no output bound gets one, sent on as its max_tokens: the
@@ -87,7 +98,7 @@ class QuotaGate:
         context = model_context(adm.context_model, self.model_cards())
         ceiling = adm.config.limits.max_tokens_ceiling
         bound = min(context, ceiling) if context is not None else ceiling
-        used = self._used(adm.tenant.name, limits)
+        used = self.used(adm.tenant.name, limits, self.wall())
         afford = affordable_output(
             limits,
             used,
@@ -99,9 +110,10 @@ class QuotaGate:
             bound = min(bound, afford)
         parsed.max_tokens = parsed.body[ROWS[parsed.endpoint].budget_fields[0]] = bound
 
-    def _used(self, tenant: str, limits: Mapping[str, float]) -> dict[str, float]:
-        """Each counter's use as this replica knows it (with Redis: as last read)."""
-        report = self.book.usage(tenant, limits, self.wall())
+    def used(self, tenant: str, limits: Mapping[str, float], wall: float) -> dict[str, float]:
+        """Each counter's use as this replica knows it (with Redis: as last read back, with its
+        own corrections since)."""
+        report = self.book.usage(tenant, limits, wall)
         return {name: float(entry.get("used", 0.0)) for name, entry in report.items()}
 
     def settle(self, adm: Admitted, result: RelayResult | None) -> None:

@@ -167,9 +167,28 @@ class Dispatcher:
         timeout. How many."""
         gone = [req for req in self.queue.queued() if not servable(req)]
         for req in gone:
-            self.queue.remove(req)
-            self._left_queue(req, Unservable(req.model))
+            self.refuse(req, Unservable(req.model))
         return len(gone)
+
+    def refuse(self, req: QueuedRequest, error: Exception) -> bool:
+        """Take a queued request out and answer its handler ``error`` now (a reload refused
+        it); False when it is no longer queued."""
+        if not self.queue.remove(req):
+            return False
+        self._left_queue(req, error)
+        return True
+
+    def move(self, req: QueuedRequest, tier: str) -> bool:
+        """A queued request to ``tier`` (a reload moved its tenant there): it keeps its
+        deadline and takes its place by the new tier's order; False when no longer queued."""
+        old = req.tier
+        if old == tier or not self.queue.remove(req):
+            return False
+        req.tier = tier  # pushed as if it entered ``tier`` when it would keep its deadline
+        self.queue.push(req, req.deadline_s - self.queue.limits(tier).queue_timeout_s, force=True)
+        for changed in (old, tier):
+            self.metrics.queue_depth.labels(changed).set(self.queue.depth(changed))
+        return True
 
     def _left_queue(self, req: QueuedRequest, error: Exception | None) -> None:
         """``req`` is out of the queue without a lease: the chooser told, its wait and its

@@ -12,7 +12,7 @@ month's end without waiting); ``proxy.replicas.quotas`` keeps them in Redis for 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
@@ -57,6 +57,10 @@ class QuotaHold:
     shared: bool = False  # reserved in Redis (else in this process's ledger)
     op: str = ""  # the reservation's id in Redis (its settle is applied once, by that id)
 
+    def amount(self, counter: str) -> float:
+        """What it reserved on ``counter``."""
+        return self.tokens if COUNTERS[counter].measure == "tokens" else self.cost
+
     def delta(self, counter: str, tokens: float | None, cost: float | None) -> float:
         """Real usage minus the reservation on ``counter``; 0 when the usage is unknown (the
         reservation stays the charge)."""
@@ -94,6 +98,32 @@ def decide(
     if refusal is not None:
         return refusal
     return QuotaVerdict(True, QuotaHold(ask.tenant, tuple(periods), ask.tokens, ask.cost, shared))
+
+
+def still_covered(
+    holds: Sequence[QuotaHold], limits: Mapping[str, float], used: Mapping[str, float], wall: float
+) -> list[QuotaVerdict]:
+    """The verdicts of a tenant's waiting requests under its new ``limits`` (a reload changed
+    them), in queue order (``holds``: what each reserved, earliest first): ``used`` is each
+    counter's use as the book knows it, those reservations included. Each is decided as at
+    admission (``decide``) against the use without any of them plus the ones kept before it:
+    the earliest stay while the new limits cover them, the rest are refused (their
+    reservations to be given back)."""
+    names = {c: period(COUNTERS[c].span, wall)[0] for c in limits}
+    base = dict.fromkeys(limits, 0.0) | {c: v for c, v in used.items() if c in limits}
+    for hold in holds:  # what they reserved in the current periods comes off
+        for counter, name in hold.periods:
+            if names.get(counter) == name:
+                base[counter] -= hold.amount(counter)
+    verdicts = []
+    for hold in holds:
+        ask = QuotaAsk(hold.tenant, limits, hold.tokens, hold.cost)
+        verdict = decide(ask, base, wall, hold.shared)
+        if verdict.allowed:
+            for counter in limits:
+                base[counter] += ask.amount(counter)
+        verdicts.append(verdict)
+    return verdicts
 
 
 class QuotaBook(Protocol):

@@ -140,7 +140,8 @@ class ProxyState:
         return self.session
 
     def apply(self, loaded: LoadedConfig) -> None:
-        """Swap in a validated config; queued and running requests keep going."""
+        """Swap in a validated config; running requests keep going, and so do queued ones
+        that it still allows (``proxy.request.pending``)."""
         self.prepare(loaded)()
 
     def prepare(self, loaded: LoadedConfig) -> Callable[[], LoadedConfig]:
@@ -161,6 +162,8 @@ class ProxyState:
         def commit() -> LoadedConfig:
             old = self.loaded
             self.scheduling.reconfigure(cfg, changes.names)
+            # Who waits for a backend meets the new keys, quotas and tiers now (docs/quotas.md).
+            self.pipeline.pending.reload(loaded)
             if old is planned_against():
                 self.limits.apply_changes(changes, self.clock())
             else:  # another config came into force meanwhile: the plan is stale

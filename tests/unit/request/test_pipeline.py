@@ -155,7 +155,18 @@ def without_low(config: dict[str, Any]) -> dict[str, Any]:
     return {**config, "tiers": tiers, "tenants": kept}
 
 
-async def test_a_queued_request_whose_tier_is_removed_is_still_served(clock: FakeClock) -> None:
+def moved_to_normal(config: dict[str, Any]) -> dict[str, Any]:
+    """The low tier removed, tenant-low moved to the normal tier (priority 5, not 10)."""
+    tiers = {k: v for k, v in config["tiers"].items() if k != "low"}
+    moved = [{**t, "tier": "normal"} if t["tier"] == "low" else t for t in config["tenants"]]
+    return {**config, "tiers": tiers, "tenants": moved}
+
+
+async def test_a_queued_request_whose_tenant_is_removed_gets_401_at_the_reload(
+    clock: FakeClock,
+) -> None:
+    # Once served under the config it was admitted with (red team F3 of rt4: keys revoked by a
+    # reload). Now answered at the reload itself, as a new request with its key would be.
     backend = FakeVLLM()
     async with served_rig(clock, backend, backend={"max_inflight": 1}, tenants=tenants()) as r:
         backend.gate.clear()
@@ -164,37 +175,51 @@ async def test_a_queued_request_whose_tier_is_removed_is_still_served(clock: Fak
         queued = asyncio.create_task(r.chat("low"))
         await until(lambda: r.state.queue.depth("low") == 1, 5, "the low request queued")
         r.reload(without_low(r.config))
-        assert "low" in r.state.queue.tiers()  # keeps draining what it holds
+        resp = await queued  # the backend still holds the first: not waited for
+        assert resp.status == 401 and (await error_of(resp))["code"] == "invalid_api_key"
+        assert r.state.queue.depth("low") == 0 and backend.active == 1
         backend.gate.set()
         assert (await running).status == 200
-        # Served under the config it was admitted with.
-        assert (await queued).status == 200
-        assert backend.received[-1].body["priority"] == 10
+        assert len(backend.received) == 1
         r.reload(without_low(r.config))
         assert "low" not in r.state.queue.tiers()  # gone once drained
 
 
-async def test_a_retry_into_a_removed_tier_gets_config_changed(clock: FakeClock) -> None:
+async def test_a_queued_request_whose_tier_is_removed_moves_with_its_tenant(
+    clock: FakeClock,
+) -> None:
+    backend = FakeVLLM()
+    async with served_rig(clock, backend, backend={"max_inflight": 1}, tenants=tenants()) as r:
+        backend.gate.clear()
+        running = asyncio.create_task(r.chat("high"))
+        await until(lambda: backend.active == 1, 5, "the first request at the backend")
+        queued = asyncio.create_task(r.chat("low"))
+        await until(lambda: r.state.queue.depth("low") == 1, 5, "the low request queued")
+        r.reload(moved_to_normal(r.config))
+        assert r.state.queue.depth("low") == 0 and r.state.queue.depth("normal") == 1
+        backend.gate.set()
+        assert (await running).status == 200
+        assert (await queued).status == 200
+        # Served at its tenant's new tier: the low tier's priority (10) is nobody's now.
+        assert backend.received[-1].body["priority"] == 5
+        r.reload(moved_to_normal(r.config))
+        assert "low" not in r.state.queue.tiers()
+
+
+async def test_a_retry_after_its_tenant_is_removed_gets_401(clock: FakeClock) -> None:
     backend = FakeVLLM(status=503)
     async with served_rig(clock, backend, tenants=tenants()) as r:
         backend.gate.clear()
         pending = asyncio.create_task(r.chat("low"))
         await until(lambda: backend.active == 1, 5, "the request at the backend")
-        r.reload(without_low(r.config))  # the tier is empty: gone at once
-        backend.gate.set()  # ... and the backend answers 503: retry
+        r.reload(without_low(r.config))  # running: left to its backend
+        backend.gate.set()  # ... which answers 503: the retry would queue it again
         resp = await pending
-        assert resp.status == 503 and resp.headers["Retry-After"] == "1"
-        error = await error_of(resp)
-        assert error == {
-            "message": "The service's configuration changed; retry.",
-            "type": "server_error",
-            "param": None,
-            "code": "config_changed",
-        }
+        assert resp.status == 401 and (await error_of(resp))["code"] == "invalid_api_key"
         assert len(r.state.queue) == 0 and r.state.pool.all()[0].inflight == 0
 
 
-async def test_a_limit_wait_into_a_removed_tier_gets_config_changed(clock: FakeClock) -> None:
+async def test_a_limit_wait_whose_tenant_is_removed_gets_401(clock: FakeClock) -> None:
     backend = FakeVLLM()
     low = [tenant("tenant-low", "low", "key-low", requests_per_minute=1, on_limit="queue")]
     async with served_rig(clock, backend, tenants=tenants()[:2] + low) as r:
@@ -205,7 +230,7 @@ async def test_a_limit_wait_into_a_removed_tier_gets_config_changed(clock: FakeC
         r.reload(without_low(r.config))
         r.sleep.gate.set()
         resp = await pending
-        assert resp.status == 503 and (await error_of(resp))["code"] == "config_changed"
+        assert resp.status == 401 and (await error_of(resp))["code"] == "invalid_api_key"
         assert len(backend.received) == 1
 
 
