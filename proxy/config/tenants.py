@@ -5,6 +5,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import re
+from collections.abc import Iterable, Mapping
 from datetime import UTC, date, datetime
 from typing import Literal
 
@@ -240,6 +241,12 @@ def cache_scope(tenant: Tenant, tier: Tier) -> str:
     merely named like it."""
     group = tenant.cache_group or tier.cache_group
     return f"group:{group}" if group is not None else f"tenant:{tenant.name}"
+
+
+def cache_groups(tenants: Iterable[Tenant], tiers: Mapping[str, Tier]) -> int:
+    """How many cache groups the tenants fall in (their own, else their tier's; a tenant in
+    none counts nothing)."""
+    return len({g for t in tenants if (g := t.cache_group or tiers[t.tier].cache_group)})
 
 
 def allowed_models(tenant: Tenant, tier: Tier) -> list[str] | None:

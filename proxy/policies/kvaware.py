@@ -22,7 +22,8 @@ is placed as new, by room and balance: a short prefix it shares with other tenan
 little once, while where it starts is where its conversations live. So is a tenant's first
 prompt under a preamble only other tenants sent, while a tenant lives on its home and none on
 another backend (``kvterms.starts_apart_on``), with the home's room there
-(``kvterms.no_worse_than_home``): two tenants' histories would share one cache.
+(``kvterms.no_worse_than_home``), unless the tenants file has at least as many cache groups as
+there are backends (``cache_groups``): two tenants' histories would share one cache.
 
 Four rules keep each prefix in one place (each backend holding a copy would halve what both
 caches hold) and the load even. Home: a prompt's home is the backend its deepest known block
@@ -63,7 +64,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from proxy.policies import kvterms
 from proxy.policies.backends import B, Candidate, Rotation, slot_share
@@ -73,6 +74,7 @@ from proxy.policies.kvhold import HomeHold
 from proxy.policies.kvleft import LeftUnanswered
 from proxy.policies.kvmemory import PlacementMemory
 from proxy.policies.kvprefix import PrefixHomes
+from proxy.policies.kvsent import Sent
 from proxy.policies.kvspread import RecentShares
 from proxy.policies.kvterms import Scene, pick_best, placed_as_new, score, serves_home
 from proxy.policies.kvwait import KvWait
@@ -96,6 +98,7 @@ class KvAware:
         pending_blocks: int = 65_536,
         max_share: float = 0.64,
         work_weight: float = 0.25,
+        cache_groups: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.block_size = block_size
@@ -115,6 +118,7 @@ class KvAware:
         self.max_share = max_share  # of the requests sent lately, past which a backend is left
         self.pending_blocks = pending_blocks
         self.clock = clock
+        self.cache_groups = cache_groups  # of the tenants file (the apart rule; set on reloads)
         self._rotation = Rotation()
         self._work = WorkAhead(block_size)  # per backend, the prefill sent there not done
         # Where prompts' blocks were sent: in flight, then kept once the engine ran them.
@@ -132,7 +136,7 @@ class KvAware:
         # backend url -> requests sent lately, in all (the spread rule; no tenant's own)
         self._requests = RecentShares(max_share, balance_s, balance_min, clock)
         self._rehomed_at = -math.inf  # when the balance rule last moved a prefix's home
-        self._counted: dict[QueuedRequest, _Sent] = {}  # in flight: what its sending counted
+        self._counted: dict[QueuedRequest, Sent] = {}  # in flight: what its sending counted
         self._prefix_homes = PrefixHomes()  # for a prompt whose blocks are unknown
         self._left = LeftUnanswered(pending_s)  # client gone before the engine answered
         self._wait = KvWait(self.latency_weights, balance_s, balance_min, clock)  # kvwait
@@ -168,7 +172,10 @@ class KvAware:
             others = home_run > 0 and not self.memory.sent_by(request.tenant, blocks[home_run - 1])
             residents = self._filled.residents(request.tenant) if others else {}  # {}: it joins
             urls = (c.state.cfg.url for c in candidates)
-            apart = kvterms.starts_apart_on(scene.home, residents, urls)
+            backends = max(len(candidates) + len(full), len(self._rooms))
+            apart = kvterms.starts_apart_on(
+                scene.home, residents, urls, self.cache_groups, backends
+            )
             if apart and (roomy := kvterms.no_worse_than_home(candidates, apart, scene)):
                 candidates, saved, known = roomy, [0] * len(roomy), 0
         if request is not None and placed_as_new(known, scene):
@@ -276,7 +283,7 @@ class KvAware:
         self._work.sent(request, url, prefill, blocks or (), saved // self.block_size)
         self._fit.sent(request, url, blocks or (), request.expected_output)
         shown = state.cached_blocks(blocks) if blocks else None
-        sent = _Sent(url, now, filled, request.tenant, request.tier, shown)
+        sent = Sent(url, now, filled, request.tenant, request.tier, shown)
         self._counted[request] = sent
         if not blocks:
             return
@@ -312,7 +319,7 @@ class KvAware:
         if self.memory.ended(request, ran=ran) is not None and note is not None:
             self._groups.note(*note)
 
-    def _unsend(self, sent: _Sent) -> None:
+    def _unsend(self, sent: Sent) -> None:
         """A request the engine did not run: out of the shares lately, and the prefix home it
         moved moved back (what never ran moves no tenant's placement)."""
         self._filled.unsent(sent.url, sent.tenant, sent.at, sent.filled)
@@ -334,16 +341,3 @@ class KvAware:
         self._hold.expire(now)
         for request, state, ran in self._left.settle(self.clock()):
             self._ended(state, request, ran)
-
-
-@dataclass(slots=True)
-class _Sent:
-    """What sending one request counted, undone if the engine does not run it."""
-
-    url: str
-    at: float
-    filled: float  # its weight in the shares lately
-    tenant: str
-    tier: str
-    shown: int | None = None  # its prompt's leading blocks the index showed then (None: cold)
-    rehomed: tuple[int, str, float] | None = None  # (branch point, its home before, when moved)

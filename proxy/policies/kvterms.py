@@ -90,7 +90,11 @@ def placed_as_new(known: int, scene: Scene) -> bool:
 
 
 def starts_apart_on(
-    home: str | None, residents: Mapping[str, int], urls: Iterable[str]
+    home: str | None,
+    residents: Mapping[str, int],
+    urls: Iterable[str],
+    groups: int = 0,
+    backends: int = 0,
 ) -> frozenset[str]:
     """Where a tenant's first prompt under a preamble that only other tenants of its cache
     group sent starts instead of joining it: the candidates (``urls``) no tenant lives on
@@ -98,8 +102,11 @@ def starts_apart_on(
     the preamble's home; empty: it joins. Joined, two tenants' conversations would share one
     cache while another cache sat unused (``s32023``: 1.09x the prefill, ``s94002``); apart, it
     computes the preamble once more. Once every backend has a tenant it joins: apart, it would
-    only hold the preamble twice (``s94059``)."""
-    if home is None or not residents.get(home):
+    only hold the preamble twice (``s94059``). So it does where the tenants file has at least
+    as many cache ``groups`` as there are ``backends``: each backend gets a group of its own by
+    room and balance, and a group's first tenants arriving while a backend is still unlived
+    (a start-up burst) only held their preamble twice (``s95051``, ``s95052``: 1.03x)."""
+    if home is None or not residents.get(home) or (groups and groups >= backends):
         return frozenset()
     return frozenset(url for url in urls if not residents.get(url))
 

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, TypeVar
 
+from proxy.config.tenants import cache_groups
 from proxy.policies.backends import BackendChooser, LeastUtilised, PrefixAffinity
 from proxy.policies.displacement import Displacement, LargestShare, NoDisplacement
 from proxy.policies.kvaware import KvAware
@@ -60,8 +61,16 @@ def kv_aware(cfg: Config, clock: Callable[[], float] = time.monotonic) -> KvAwar
         hold_s=knobs.hold_s,
         work_weight=knobs.work_weight,
         pending_blocks=knobs.memory_blocks,
+        cache_groups=cache_groups(cfg.tenants, cfg.tiers),
         clock=clock,
     )
+
+
+def retune(chooser: BackendChooser, cfg: Config) -> None:
+    """What a chooser kept across a reload reads of the new config: ``kv_aware``, the tenants
+    file's cache groups (its apart rule)."""
+    if isinstance(chooser, KvAware):
+        chooser.cache_groups = cache_groups(cfg.tenants, cfg.tiers)
 
 
 # The choosers that keep time of their own, built on the scheduling's clock (a simulation's).

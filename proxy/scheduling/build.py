@@ -89,6 +89,7 @@ class Scheduling:
                 new.backends,
             )
             self.pool.chooser = backend_chooser(config, self.dispatcher.clock)
+        registry.retune(self.pool.chooser, config)  # what it kept reads the new tenants file
         adapters = set(self.pool.adapters)  # the catalogue the queued requests came under
         set_best_tier_reserve(self.pool, config)
         self.pool.reconfigure(

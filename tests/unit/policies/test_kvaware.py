@@ -652,6 +652,19 @@ def test_a_tenants_first_conversation_under_anothers_preamble_starts_where_no_te
     assert chooser.pick(_candidates(backends), _tenant_req("bob", bobs)) is home
 
 
+def test_a_first_conversation_joins_its_preamble_where_each_backend_will_get_a_group() -> None:
+    # Issue 32, s95051 (seven tenants in four cache groups on two engines): a group's second
+    # tenant started apart while the other engine was still unlived, and held the group's
+    # preamble twice (1.03x the prefill), though the other groups filled that engine later.
+    backends = _backends(3)
+    preamble = list(range(1, 9))
+    for groups, joins in ((3, True), (2, False)):
+        chooser = KvAware(block_size=BLOCK, latency_weights=WEIGHTS, cache_groups=groups)
+        home = _place(chooser, [backends[0]], _tenant_req("alice", [*preamble, 10, 11]))
+        picked = chooser.pick(_candidates(backends), _tenant_req("bob", [*preamble, 20, 21]))
+        assert (picked is home) == joins, groups
+
+
 def test_an_apart_start_moves_neither_the_preamble_home_of_its_first_tenant_nor_a_history() -> None:
     home, b1 = backends = _backends(2)
     chooser = _chooser()

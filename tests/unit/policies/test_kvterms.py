@@ -90,6 +90,11 @@ def test_a_first_prompt_under_others_preamble_starts_where_no_tenant_lives_while
     assert starts_apart_on(A, {A: 1, B_URL: 3, C: 1}, urls) == set()  # every one lived on
     assert starts_apart_on(A, {B_URL: 1}, urls) == set()  # nobody lives on the home: it joins
     assert starts_apart_on(None, {A: 1}, urls) == set()  # no home
+    # The tenants file has a cache group for each backend (or more): each gets one, so the
+    # group's first tenants join their preamble; fewer, and they start apart.
+    assert starts_apart_on(A, {A: 1}, urls, groups=3, backends=3) == set()
+    assert starts_apart_on(A, {A: 1}, urls, groups=4, backends=3) == set()
+    assert starts_apart_on(A, {A: 1}, urls, groups=2, backends=3) == {B_URL, C}
 
 
 def test_an_apart_start_keeps_only_backends_with_the_homes_room_and_no_more_kv_overflow() -> None:

@@ -123,3 +123,16 @@ async def test_reload_of_a_chooser_parameter_builds_a_new_chooser_and_only_then(
     assert isinstance(rebuilt, KvAware) and rebuilt.holds == {"normal": 0.0}
     state.apply(_config("backends: kv_aware, kv_aware: {hold_s: 0, room_weight_best: 2}"))
     assert state.pool.chooser is not rebuilt
+
+
+async def test_a_reload_tells_the_kept_chooser_the_tenants_files_cache_groups() -> None:
+    """kv_aware's apart rule reads how many cache groups the tenants file has: a reload that
+    changes them keeps the chooser (and its memory of prefixes) and tells it."""
+    clock = FakeClock()
+    state = ProxyState(_config("backends: kv_aware"), b"secret", clock)
+    chooser = state.pool.chooser
+    assert isinstance(chooser, KvAware) and chooser.cache_groups == 0
+    grouped = BASE.replace("tier: normal,", "tier: normal, cache_group: g,", 1)
+    grouped = grouped.replace("{name: b, tier: normal,", "{name: b, tier: normal, cache_group: h,")
+    state.apply(parse_config(grouped + "policies: {backends: kv_aware}\n"))
+    assert state.pool.chooser is chooser and chooser.cache_groups == 2
