@@ -15,7 +15,9 @@ A chunk may hold many tokens (``--stream-interval``, speculative decoding, a rea
 and gets steps merged): counting events bills 149 for 7,600 tokens in 152 chunks. A
 byte-level tokenizer makes at most one token per byte, so the text's bytes bound the tokens
 from above; the bill is that bound, and never less than one token an event
-(``output_bound``).
+(``output_bound``). Not for a stream with logprobs: it merges many steps into a chunk under
+their weight, and a token may make no text (billed its reservation:
+``proxy.request.inbound.ParsedRequest.text_bounds_tokens``).
 
 vLLM's ``stream_options.continuous_usage_stats`` was weighed and not used: its counts are per
 choice (``previous_num_tokens[i]``), so the last one seen undercounts ``n`` > 1 and prompt

@@ -181,9 +181,11 @@ class Admitted:
         cut = result is None and taken and not cheap
         deadline = self.delivered.deadline_cut and not cheap and result is None  # the 504
         # A Responses stream its client or the tier's limit cut: its events bound nothing (vLLM
-        # sends none for a token without text, a special token it skips).
+        # sends none for a token without text, a special token it skips); nor do the chunks of
+        # one with logprobs (``ParsedRequest.text_bounds_tokens``).
         cut_short = result is not None and result.engine_ran and result.outcome in CUT_SHORT
-        unbounded = self.parsed.endpoint == "responses" and (cut or cut_short)
+        unbounded = self.parsed.endpoint == "responses" or not self.parsed.text_bounds_tokens
+        unbounded = unbounded and (cut or cut_short)
         lost = result is not None and (result.oversize or result.usage_lost)
         if lost or deadline or unbounded or self.delivered.writing:
             output, basis = max(worst, output), "reservation"

@@ -62,6 +62,10 @@ class ParsedRequest:
     prompt_bound_tokens: int = 0
     sequences: int = 1  # generations it runs: n choices of every prompt (0: a pooling route)
     extra_choices: int = 0  # n - 1: each prompt prefilled again (``prompt_billed``)
+    # Its stream's text bounds its tokens (``proxy.relay.delivered``): not where it asks for
+    # logprobs, whose weight makes vLLM's API server lag and merge many engine steps into one
+    # chunk, and a token may make no text (red team, stop 57: 153,731 tokens run, 1,155 billed).
+    text_bounds_tokens: bool = True
     budget_from_client: bool = True  # the client set max_tokens (else the proxy, or none)
 
     @property
@@ -163,8 +167,9 @@ def parse_body(
         path=path,
         held_bytes=shape.held_bytes(raw),
         prompt_bound_tokens=bound,
-        sequences=body.get("n", 1) * row.generations(body) if route.generates else 0,
-        extra_choices=body.get("n", 1) - 1 if route.generates else 0,
+        sequences=_choices(body, row) * row.generations(body) if route.generates else 0,
+        extra_choices=_choices(body, row) - 1 if route.generates else 0,
+        text_bounds_tokens=not _asks_logprobs(body),
         budget_from_client=from_client,
     )
 
@@ -210,7 +215,7 @@ def _output_budget(
     choices of every prompt) of a generating request (``client_set``: its body sets one)."""
     fields = row.budget_fields
     max_tokens = _clamped_max_tokens(body, tier, limits, fields, row.default_max_tokens)
-    n = _lax_field(body, "n", lax_int, "an integer")
+    n = _lax_field(body, "n", lax_int, "an integer") if row.choices else None
     n = 1 if n is None else n
     if n < 1 or n > 128:
         raise bad_request("'n' must be an integer between 1 and 128", param="n")
@@ -227,6 +232,19 @@ def _output_budget(
             max_tokens = body[fields[0]] = share
         expected = min(expected, share)
     return max_tokens, int(expected * n * prompts)
+
+
+def _asks_logprobs(body: dict[str, Any]) -> bool:
+    """Whether vLLM sends logprobs with each token (chat: ``logprobs: true``, completions: a
+    number, 0 included; either's ``top_logprobs``)."""
+    return body.get("logprobs", False) is not False or bool(body.get("top_logprobs"))
+
+
+def _choices(body: dict[str, Any], row: RouteRow) -> int:
+    """The choices it runs of each prompt: ``n`` (read and checked by ``_output_budget``) where
+    vLLM's model has it, else one."""
+    n = body.get("n", 1) if row.choices else 1
+    return n if isinstance(n, int) else 1
 
 
 def _ask_for_usage(body: dict[str, Any], row: RouteRow, stream: bool) -> bool:

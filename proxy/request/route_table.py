@@ -61,6 +61,9 @@ class RouteRow:
     stored_responses_refused: bool = False  # ``store`` must be false (proxy.request.stored)
     # vLLM's output budget where the body sets none (completions: 16); None: to the context's end.
     default_max_tokens: int | None = None
+    # vLLM's model runs ``n`` choices (chat, completions); its Responses model has no ``n`` and
+    # runs one whatever the body says (red team, stop 57: billed 3x what ran, and refused).
+    choices: bool = True
 
 
 _TOKENS = ("max_tokens", "max_completion_tokens")
@@ -90,6 +93,7 @@ ROWS: Mapping[Endpoint, RouteRow] = {
         usage_always=True,
         relay=relay_responses,  # events of its own kind
         stored_responses_refused=True,
+        choices=False,
     ),
     "embeddings": RouteRow(costs.pooled_input_chars, linear_bound, BodyFields(body_fields.POOLED)),
     "pooling": RouteRow(costs.pooled_input_chars, linear_bound, BodyFields(body_fields.POOLED)),

@@ -1,9 +1,10 @@
 """What a request makes vLLM run is what it is billed, against ``tierproxy serve`` (a
 subprocess) in front of a real CPU vLLM, counted by the engine's own counters (red team, stop
 57): every choice of an ``n`` > 1 request prefills its prompt (vLLM counts it once per choice,
-its usage once: 64 choices ran 33x a tenant's quota); and a stream whose client asked vLLM to
+its usage once: 64 choices ran 33x a tenant's quota); a stream whose client asked vLLM to
 hold its tokens back (``stream_interval``) and left meanwhile was billed the one chunk it got
-(1,800 tokens run for a bill of 3)."""
+(1,800 tokens run for a bill of 3); and a stream with logprobs of tokens that make no text,
+whose chunks carried many steps each, was billed about one token a chunk."""
 
 from __future__ import annotations
 
@@ -118,3 +119,27 @@ async def test_a_stream_cut_while_vllm_would_hold_its_tokens_back_is_billed_what
     assert record["completion_tokens"] >= generated, (
         f"billed {record['completion_tokens']} of {generated} generated"
     )
+
+
+async def test_a_stream_with_logprobs_cut_midway_is_billed_its_reservation(
+    engine: EngineProcess, tmp_path: Path
+) -> None:
+    """Its tokens make no text (token 3, ``<pad>``, skipped), and its chunks may each carry many
+    engine steps: neither text nor chunks bound them."""
+    config, usage_log = _served(engine, tmp_path)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+            "max_tokens": 600, "ignore_eos": True, "allowed_token_ids": [3], "logprobs": True,
+            "top_logprobs": 5}  # fmt: skip
+    with ServedProxy(config, tmp_path).start() as proxy:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+            before = await _settled(session, engine)
+            url = proxy.url + "/v1/chat/completions"
+            async with session.post(url, json=body, headers=HEADERS) as r:
+                assert r.status == 200, await r.text()
+                for _ in range(20):  # a few of its chunks, then the client leaves
+                    assert await r.content.readline(), "the stream ended before the cut"
+            after = await _settled(session, engine)
+            record = await _record(usage_log)
+    generated = after["generation_tokens_total"] - before["generation_tokens_total"]
+    assert record["usage_basis"] == "reservation", record
+    assert record["completion_tokens"] == 600 >= generated

@@ -32,7 +32,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.engines(CORE)]
 TIMEOUT = aiohttp.ClientTimeout(total=300)
 TENANT = "tenant-normal"
 BIG = 100_000  # the quota the requests are admitted under
-OUTPUT = 1000  # each request's output: ~4 s of the tiny model on a CPU core, the first's hold
+OUTPUT = 1900  # each request's output: ~2.4 s of the tiny model on an idle core (4+ beside the
+# suite), the first's hold of the backend: the reload takes a fraction of it
+SHORT = 200  # the queued requests' output where they are served after the reload
 BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": OUTPUT,
         "ignore_eos": True}  # fmt: skip
 
@@ -59,9 +61,10 @@ class Client:
     def __init__(self, session: aiohttp.ClientSession, proxy: ServedProxy) -> None:
         self.session, self.proxy = session, proxy
 
-    async def chat(self) -> tuple[int, dict[str, Any]]:
+    async def chat(self, max_tokens: int = OUTPUT) -> tuple[int, dict[str, Any]]:
         url, headers = f"{self.proxy.url}/v1/chat/completions", auth()
-        async with self.session.post(url, json=BODY, headers=headers) as resp:
+        body = {**BODY, "max_tokens": max_tokens}
+        async with self.session.post(url, json=body, headers=headers) as resp:
             return resp.status, await resp.json()
 
     async def row(self) -> dict[str, Any]:
@@ -72,7 +75,7 @@ class Client:
         row: dict[str, Any] = rows.get(TENANT, {"queued": 0, "running": 0})
         return row
 
-    async def until_queued(self, n: int) -> None:
+    async def until_queued(self, n: int = 0) -> None:
         deadline = time.monotonic() + 60
         while (row := await self.row())["queued"] < n or row["running"] < 1:
             assert time.monotonic() < deadline, row
@@ -119,7 +122,7 @@ async def test_a_revoked_keys_queued_requests_get_401_right_after_the_reload(
         # Out of the queue by the reload itself (logged once applied), the one running left.
         row = await client.row()
         assert (row["queued"], row["running"]) == (0, 1), row
-        # Answered while it runs (it has 1,000 tokens to make): the 401 a new request gets.
+        # Answered while it runs (it has 1,900 tokens to make): the 401 a new request gets.
         await wait_for(lambda: sum(t.done() for t in tasks) >= 3, 30, "the queued answered")
         refused = [t.result() for t in tasks if t.done() and t.result()[0] == 401]
         assert len(refused) == 3, [t.result()[0] for t in tasks if t.done()]
@@ -142,11 +145,15 @@ async def test_a_lowered_quota_refuses_the_queued_excess_with_429(
 ) -> None:
     cfg = config(engine, tmp_path, BIG)
     async with served(cfg, tmp_path) as client:
-        tasks = [asyncio.create_task(client.chat()) for _ in range(5)]
+        tasks = [asyncio.create_task(client.chat())]  # it holds the backend
+        await client.until_queued()
+        tasks += [asyncio.create_task(client.chat(SHORT)) for _ in range(4)]
         await client.until_queued(4)
-        # Room for the running one and the earliest queued (each reserves ~1,050: its output
-        # and its prompt's upper bound), not a third.
-        limit = 2 * OUTPUT + 400
+        # Room for the running one and the earliest queued (each reserved its output and its
+        # prompt's upper bound, read off the counter), and half of a third.
+        used = (await client.row())["quota"]["tokens_per_day"]["used"]
+        bound = (used - OUTPUT - 4 * SHORT) // 5  # the prompt's upper bound
+        limit = int(OUTPUT + SHORT + 2 * bound + (SHORT + bound) // 2)
         await reload(client.proxy, config(engine, tmp_path, limit))
         row = await client.row()
         assert (row["queued"], row["running"]) == (1, 1), row

@@ -275,14 +275,15 @@ def test_each_choice_is_billed_its_prompt(endpoint: Endpoint) -> None:
     """vLLM runs a request per choice of ``n``, each prefilling the prompt (all of it with
     ``prompt_logprobs`` or no prefix caching), and counts it once per choice; its usage says it
     once (red team, stop 57: 64 choices ran 33x the tenant's quota): the bill, the reservation
-    and the estimates count it once per choice, of every prompt of a list."""
+    and the estimates count it once per choice, of every prompt of a list. /v1/responses runs
+    one choice whatever ``n`` says (billed 3x what ran, before)."""
     body: dict[str, Any] = {"model": "tiny"}
     if endpoint == "chat":
         body |= {"messages": [{"role": "user", "content": "hi"}], "n": 3}
     elif endpoint == "completions":
         body |= {"prompt": ["one", "two"], "n": 4, "prompt_logprobs": 0}
-    else:
-        body |= {"input": "hi"}
+    else:  # vLLM's Responses (and pooling) models have no n: one run whatever it says
+        body |= {"input": "hi", "n": 3}
     tier = Tier(priority=0, weight=1, max_queue=10, queue_timeout_s=10, request_timeout_s=60)
     parsed = parse_body(orjson.dumps(body), endpoint, tier, Limits(), Scheduling())
     choices = {"chat": 3, "completions": 4}.get(endpoint, 1)
