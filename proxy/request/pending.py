@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 
-from proxy.api.errors import ProxyError
+from proxy.api.errors import ProxyError, config_changed
 from proxy.api.quota_counters import COUNTERS
 from proxy.api.quota_errors import unpriced
 from proxy.backends.pool import BackendPool
@@ -73,12 +73,24 @@ def reload_verdicts(
             adm = waiting[i]
             if money and adm.billed.price is None:  # as at admission: never run for free
                 verdicts[i] = unpriced(adm.billed.model)
+            elif not _reserved_on(adm.quota_hold, limits):
+                # It reserved nothing on a counter its tenant now has (a tenant given its first
+                # quota, or a new one): kept, it would run uncharged there (red team, stop 57:
+                # 2,415 tokens run after a reload set 100, the counter at 0). Sent again, it is
+                # admitted against them.
+                verdicts[i] = config_changed()
             elif adm.quota_hold is not None:
                 held.append((i, adm.quota_hold))
         decided = still_covered([h for _, h in held], limits, used(name, limits), wall)
         for (i, _), verdict in zip(held, decided, strict=True):
             verdicts[i] = None if verdict.allowed else verdict
     return verdicts
+
+
+def _reserved_on(hold: QuotaHold | None, limits: Mapping[str, float]) -> bool:
+    """Whether ``hold`` reserved on every counter of ``limits`` (none: trivially)."""
+    charged = {counter for counter, _ in hold.periods} if hold is not None else set()
+    return set(limits) <= charged
 
 
 def waits(adm: Admitted) -> bool:
@@ -127,12 +139,9 @@ class PendingAdmissions:
         one not yet queued is answered as it would enter it. Its handler's end gives its
         reservations back (settled to nothing: it never ran). How many were refused."""
         waiting, wall = self.waiting(), self.quotas.wall()
-
-        def used(tenant: str, limits: Mapping[str, float]) -> Mapping[str, float]:
-            return self.quotas.used(tenant, limits, wall)
-
+        verdicts = reload_verdicts(waiting, loaded, self._used(wall), wall)
         refused = 0
-        for adm, verdict in zip(waiting, reload_verdicts(waiting, loaded, used, wall), strict=True):
+        for adm, verdict in zip(waiting, verdicts, strict=True):
             if verdict is None:
                 if adm.queued.waiter is not None:  # one not yet queued takes it as it enters
                     self._adopt(adm, loaded, queued=True)
@@ -160,11 +169,17 @@ class PendingAdmissions:
             raise adm.refusal
         if loaded.config is adm.config:
             return
-        refusal = key_refusal(loaded, adm.key_hash, adm.tenant.name, self.quotas.wall)
-        if refusal is not None:
-            raise refusal
+        wall = self.quotas.wall()
+        (verdict,) = reload_verdicts([adm], loaded, self._used(wall), wall)
+        if isinstance(verdict, QuotaVerdict):  # back from a backend that did not run it
+            verdict = self.quotas.refusal(adm.tenant.name, verdict)
+        if verdict is not None:
+            raise verdict
         still_may_use(self.pool, loaded.config, adm)
         self._adopt(adm, loaded, queued=False)
+
+    def _used(self, wall: float) -> UsedOf:
+        return lambda tenant, limits: self.quotas.used(tenant, limits, wall)
 
     def _adopt(self, adm: Admitted, loaded: LoadedConfig, *, queued: bool) -> None:
         """A request kept whose tenant is now in another tier: under the new config from here

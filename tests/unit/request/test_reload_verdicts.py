@@ -134,3 +134,24 @@ def test_a_new_budget_refuses_an_unpriced_request_as_admission_does() -> None:
     assert [code(v) for v in reload_verdicts(waiting, after, book.used, WALL)] == [
         "model_not_priced"
     ]
+
+
+def test_a_counter_it_never_reserved_on_sends_it_again() -> None:
+    """Red team, stop 57: a tenant given its first quota by a reload ran its queued requests
+    uncharged (2,415 tokens run after a limit of 100, its counter at 0). A waiting request
+    that reserved nothing on a counter its tenant now has is answered 503 ``config_changed``:
+    sent again, it is admitted against the new limits. A limit removed keeps it."""
+    book, free = Book(), loaded(config())
+    unreserved = [book.admit(free, "normal", 1.0)]
+    assert unreserved[0].quota_hold is None
+    first = loaded(config({"tokens_per_day": 100_000}))
+    assert [code(v) for v in reload_verdicts(unreserved, first, book.used, WALL)] == [
+        "config_changed"
+    ]
+    day = loaded(config({"tokens_per_day": 100_000}))
+    reserved = [book.admit(day, "normal", 2.0)]
+    added = loaded(config({"tokens_per_day": 100_000, "tokens_per_month": 10**7}))
+    assert [code(v) for v in reload_verdicts(reserved, added, book.used, WALL)] == [
+        "config_changed"
+    ]
+    assert reload_verdicts(reserved, free, book.used, WALL) == [None]  # no quota any more

@@ -97,3 +97,27 @@ async def test_a_revoked_keys_queued_requests_get_401_at_the_reload(clock: FakeC
         backend.gate.set()
         assert (await running).status == 200
         assert len(backend.received) == 1
+
+
+async def test_a_request_a_backend_sends_back_after_the_reload_meets_the_new_quota(
+    clock: FakeClock,
+) -> None:
+    """Red team, stop 57: a request at a backend during the reload, sent back unrun (503), was
+    queued again under its old reservation and run past the new limit (1,023 tokens, limit
+    100). It is decided again as it re-enters the queue."""
+    backend = FakeVLLM()
+    quota = {"tokens_per_day": 100_000}
+    async with served_rig(
+        clock, backend, backend={"max_inflight": 1}, tenants=tenants(quota=quota)
+    ) as r:
+        with_wall(r, "2026-12-01T12:00:00")
+        (running,) = await queue_behind_one(r, backend, clock, 0)
+        lowered = dict(r.config)
+        lowered["tenants"] = tenants(quota={"tokens_per_day": 1})
+        r.reload(lowered)
+        backend.status = 503  # the backend turns it away unrun
+        backend.gate.set()
+        resp = await running
+        assert resp.status == 429, await resp.text()
+        assert (await error_of(resp))["code"] == "quota_exceeded"
+        assert len(backend.received) == 1  # never sent again
