@@ -111,12 +111,30 @@ async def test_a_settle_sent_twice_counts_once(
     with monkeypatch.context() as patch:
         lose_answers(book, patch, ran=True)
         book.settle(held.hold, 100, None)  # applied, but the answer is lost
-        await settled(book)
+        await until(lambda: bool(book._unanswered), 5, "the settle's answer lost")
     assert await counter(book) == 100
-    book._catch_up()  # sent again, same id
+    book._catch_up()  # sent again, same id (as the retry after a probe interval would)
     await settled(book)
     assert await counter(book) == 100
     assert not book._unanswered
+
+
+async def test_a_settle_lost_while_redis_still_counts_as_up_lands_with_no_later_request(
+    book: SharedQuotaBook, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reconciliation under load (stop 57): the run's last settles timed out in a stall too
+    short to mark Redis down, and waited for a next reservation that never came (a counter
+    345 tokens over the usage log). They are sent again after a probe interval."""
+    held = await book.reserve(ask(600), NOON)
+    assert held.hold is not None
+    with monkeypatch.context() as patch:
+        lose_answers(book, patch, ran=False)
+        book.settle(held.hold, 100, None)  # times out before reaching Redis
+        await until(lambda: bool(book._unanswered), 5, "the settle's call timed out")
+    assert book.store.up and await counter(book) == 600
+    await until(lambda: not book._unanswered, 10, "sent again, no reservation since")
+    await settled(book)
+    assert await counter(book) == 100
 
 
 async def test_records_expire_by_the_clock(book: SharedQuotaBook) -> None:
