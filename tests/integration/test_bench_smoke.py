@@ -42,6 +42,7 @@ def engine(engines: EngineFarm) -> EngineProcess:
     return engines.get(CORE)
 
 
+@pytest.mark.long  # a real load generator (`tierproxy bench`), direct and through the proxy
 def test_bench_direct_and_through_the_proxy(engine: EngineProcess, tmp_path: Path) -> None:
     scenario_path = tmp_path / "smoke.yaml"
     scenario_path.write_text(SCENARIO)

@@ -76,7 +76,7 @@ async def test_each_choice_of_n_is_billed_the_prompt_it_prefilled(
 ) -> None:
     config, usage_log = _served(engine, tmp_path)
     prompt = " ".join(f"word{i}" for i in range(120))
-    body = {"model": "tiny", "prompt": prompt, "n": 4, "max_tokens": 1, "prompt_logprobs": 0}
+    body = {"model": "tiny", "prompt": prompt, "n": 4, "max_tokens": 1}
     with ServedProxy(config, tmp_path).start() as proxy:
         async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
             before = await _settled(session, engine)

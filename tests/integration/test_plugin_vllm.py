@@ -131,6 +131,7 @@ async def test_request_whose_deadline_passes_while_waiting_never_runs(
     assert all(r.completion_tokens == LOW_TOKENS for r in outcome.lows)
 
 
+@pytest.mark.long  # a measurement under load (ITL p99 with and without the plugin)
 async def test_long_low_prompt_raises_high_itl_p99_less_with_plugin(
     stock: EngineProcess, plugin: EngineProcess
 ) -> None:

@@ -96,6 +96,7 @@ def _billed_config(
     return config, usage_log
 
 
+@pytest.mark.long  # a steady flood of six clients until the large request is served
 async def test_a_request_past_the_whole_token_budget_is_served_under_a_steady_flood(
     engine: EngineProcess, tmp_path: Path
 ) -> None:
