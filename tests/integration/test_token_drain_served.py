@@ -187,6 +187,7 @@ async def test_the_best_tier_is_served_beside_a_worse_tiers_request_past_the_bud
     assert sent - large_sent < 0.5 * used["batch"]["engine_s"], used
 
 
+@pytest.mark.long  # ~3,600 tokens with 20 logprobs each decoded while it waits
 async def test_a_stream_its_client_stopped_reading_does_not_hold_its_tier_back(
     engine: EngineProcess, tmp_path: Path
 ) -> None:
