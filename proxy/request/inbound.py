@@ -155,6 +155,7 @@ def parse_body(
         if route.generates
         else (None, 0)
     )
+    choices = _choices(body, row) if route.generates else 0  # of each prompt
     return ParsedRequest(
         body=body,
         endpoint=endpoint,
@@ -167,8 +168,8 @@ def parse_body(
         path=path,
         held_bytes=shape.held_bytes(raw),
         prompt_bound_tokens=bound,
-        sequences=_choices(body, row) * row.generations(body) if route.generates else 0,
-        extra_choices=_choices(body, row) - 1 if route.generates else 0,
+        sequences=choices * row.generations(body),
+        extra_choices=max(0, choices - 1),
         text_bounds_tokens=not _asks_logprobs(body),
         budget_from_client=from_client,
     )

@@ -8,8 +8,6 @@ twin, on the fake clock: tests/unit/request/test_reload_waiting.py."""
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -18,7 +16,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-import yaml
 
 from proxy.bench.hostile.served import ADMIN_KEY, ServedProxy, admin_sections
 from proxy.bench.inproc import KEYS, make_config
@@ -26,7 +23,7 @@ from proxy.tools.engine import EngineProcess
 from tests.helpers.enginefarm import EngineFarm
 from tests.helpers.engines import CORE
 from tests.helpers.rig import tenant
-from tests.helpers.served_logs import usage_records, wait_for
+from tests.helpers.served_logs import sighup_reload, usage_records, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.engines(CORE)]
 TIMEOUT = aiohttp.ClientTimeout(total=300)
@@ -97,19 +94,6 @@ async def served(config: dict[str, Any], tmp: Path) -> AsyncIterator[Client]:
         await asyncio.to_thread(proxy.stop)
 
 
-async def reload(proxy: ServedProxy, config: dict[str, Any]) -> None:
-    """Write ``config`` in place of the file, SIGHUP, and wait for the reload's log line."""
-    mark = proxy.mark()
-    staged = proxy.config_path.with_suffix(".new")
-    staged.write_text(yaml.safe_dump(config))
-    staged.replace(proxy.config_path)
-    os.kill(proxy.pid, signal.SIGHUP)
-    deadline = time.monotonic() + 20
-    while not any("config reloaded" in line for line in proxy.lines_since(mark)):
-        assert time.monotonic() < deadline, "\n".join(proxy.lines_since(mark))[-2000:]
-        await asyncio.sleep(0.1)
-
-
 async def test_a_revoked_keys_queued_requests_get_401_right_after_the_reload(
     engine: EngineProcess, tmp_path: Path
 ) -> None:
@@ -118,7 +102,7 @@ async def test_a_revoked_keys_queued_requests_get_401_right_after_the_reload(
         tasks = [asyncio.create_task(client.chat()) for _ in range(4)]
         await client.until_queued(3)
         revoked = config(engine, tmp_path, BIG, keys=[{"sha256": "0" * 64}])
-        await reload(client.proxy, revoked)
+        await sighup_reload(client.proxy, revoked)
         # Out of the queue by the reload itself (logged once applied), the one running left.
         row = await client.row()
         assert (row["queued"], row["running"]) == (0, 1), row
@@ -154,7 +138,7 @@ async def test_a_lowered_quota_refuses_the_queued_excess_with_429(
         used = (await client.row())["quota"]["tokens_per_day"]["used"]
         bound = (used - OUTPUT - 4 * SHORT) // 5  # the prompt's upper bound
         limit = int(OUTPUT + SHORT + 2 * bound + (SHORT + bound) // 2)
-        await reload(client.proxy, config(engine, tmp_path, limit))
+        await sighup_reload(client.proxy, config(engine, tmp_path, limit))
         row = await client.row()
         assert (row["queued"], row["running"]) == (1, 1), row
         await wait_for(lambda: sum(t.done() for t in tasks) >= 3, 30, "the excess answered")

@@ -46,6 +46,7 @@ from proxy.tools.engine import EngineProcess
 from proxy.tools.tiny_adapters import make_tiny_adapters
 from tests.helpers.enginefarm import EngineFarm
 from tests.helpers.engines import LORA
+from tests.helpers.served_logs import sighup_reload
 
 # `long`: the LoRA engine's start, as tests/integration/test_adapters_vllm.py.
 pytestmark = [pytest.mark.integration, pytest.mark.engines(LORA), pytest.mark.long]
@@ -182,19 +183,6 @@ class Client:
         return total
 
 
-async def reload(proxy: ServedProxy, config: dict[str, Any], *, expect: str) -> None:
-    """Write ``config`` in place of the file, SIGHUP, and wait for the log line ``expect``."""
-    mark = proxy.mark()
-    staged = proxy.config_path.with_suffix(".new")
-    staged.write_text(yaml.safe_dump(config))
-    staged.replace(proxy.config_path)
-    os.kill(proxy.pid, signal.SIGHUP)
-    deadline = time.monotonic() + 20
-    while not any(expect in line for line in proxy.lines_since(mark)):
-        assert time.monotonic() < deadline, "\n".join(proxy.lines_since(mark))[-2000:]
-        await asyncio.sleep(0.1)
-
-
 @pytest.mark.parametrize("change", ["revoked", "removed"])
 async def test_r1_a_request_waiting_for_its_tenants_limit_meets_the_reload(
     clean_engine: EngineProcess, adapter_dirs: dict[str, Path], tmp_path: Path, change: str
@@ -231,7 +219,7 @@ async def test_r1_a_request_waiting_for_its_tenants_limit_meets_the_reload(
             changed["adapters"]["good-b"]["tenants"] = ["tenant-high"]
         else:
             del changed["adapters"]["good-b"]
-        await reload(proxy, changed, expect="config reloaded")
+        await sighup_reload(proxy, changed, expect="config reloaded")
         first.close()  # its allowance comes back: the waiting request goes on
         status, answer = await second
         # As a new request for it gets at once after the reload:
@@ -253,7 +241,7 @@ async def test_r2_an_adapters_bad_tenant_is_refused_at_its_line(
         config["adapters"]["good-b"]["tenants"] = ["tenant-nromal"]
         text = yaml.safe_dump(config)
         line = next(i for i, t in enumerate(text.splitlines(), 1) if "tenant-nromal" in t)
-        await reload(proxy, config, expect="tenant-nromal")  # the refusal names it
+        await sighup_reload(proxy, config, expect="tenant-nromal")  # the refusal names it
         found = [t for t in proxy.log_lines() if "tenant-nromal" in t]
         assert (await client.complete("normal", "good-b"))[0] == 200  # the old config kept
         lines = {int(n) for t in found for n in re.findall(r"\(line (\d+)\)", t)}
