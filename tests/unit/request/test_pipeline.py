@@ -162,6 +162,18 @@ def moved_to_normal(config: dict[str, Any]) -> dict[str, Any]:
     return {**config, "tiers": tiers, "tenants": moved}
 
 
+async def low_queued_behind_high(
+    r: Rig, backend: FakeVLLM
+) -> tuple[asyncio.Task[aiohttp.ClientResponse], asyncio.Task[aiohttp.ClientResponse]]:
+    """A high request held at the backend (room 1), and a low one queued behind it."""
+    backend.gate.clear()
+    running = asyncio.create_task(r.chat("high"))
+    await until(lambda: backend.active == 1, 5, "the first request at the backend")
+    queued = asyncio.create_task(r.chat("low"))
+    await until(lambda: r.state.queue.depth("low") == 1, 5, "the low request queued")
+    return running, queued
+
+
 async def test_a_queued_request_whose_tenant_is_removed_gets_401_at_the_reload(
     clock: FakeClock,
 ) -> None:
@@ -169,11 +181,7 @@ async def test_a_queued_request_whose_tenant_is_removed_gets_401_at_the_reload(
     # reload). Now answered at the reload itself, as a new request with its key would be.
     backend = FakeVLLM()
     async with served_rig(clock, backend, backend={"max_inflight": 1}, tenants=tenants()) as r:
-        backend.gate.clear()
-        running = asyncio.create_task(r.chat("high"))
-        await until(lambda: backend.active == 1, 5, "the first request at the backend")
-        queued = asyncio.create_task(r.chat("low"))
-        await until(lambda: r.state.queue.depth("low") == 1, 5, "the low request queued")
+        running, queued = await low_queued_behind_high(r, backend)
         r.reload(without_low(r.config))
         resp = await queued  # the backend still holds the first: not waited for
         assert resp.status == 401 and (await error_of(resp))["code"] == "invalid_api_key"
@@ -190,11 +198,7 @@ async def test_a_queued_request_whose_tier_is_removed_moves_with_its_tenant(
 ) -> None:
     backend = FakeVLLM()
     async with served_rig(clock, backend, backend={"max_inflight": 1}, tenants=tenants()) as r:
-        backend.gate.clear()
-        running = asyncio.create_task(r.chat("high"))
-        await until(lambda: backend.active == 1, 5, "the first request at the backend")
-        queued = asyncio.create_task(r.chat("low"))
-        await until(lambda: r.state.queue.depth("low") == 1, 5, "the low request queued")
+        running, queued = await low_queued_behind_high(r, backend)
         r.reload(moved_to_normal(r.config))
         assert r.state.queue.depth("low") == 0 and r.state.queue.depth("normal") == 1
         backend.gate.set()
