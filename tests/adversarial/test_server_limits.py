@@ -100,10 +100,17 @@ async def test_headers_not_complete_in_time_get_408_and_the_connection_closes() 
 async def test_header_timeout_spares_slow_handlers_and_applies_again_to_the_next_request() -> None:
     settings = Server(header_timeout_s=0.1, keepalive_timeout_s=60)
     async with serving(settings, _app(handler_delay_s=0.4)) as (_, port):
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(GET)
-        head, _body = await response(reader)
-        assert head.startswith(b"HTTP/1.1 200 ")  # the handler ran 4x the header timeout
+        # The head must be in within 0.1 s of the connect: a busy host's stall between the two
+        # (a 408 to the first request) voids a try, tried again; a timer that cut the handler
+        # fails every try.
+        for _ in range(3):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(GET)
+            head, _body = await response(reader)
+            if not head.startswith(b"HTTP/1.1 408 "):
+                break
+            writer.close()
+        assert head.startswith(b"HTTP/1.1 200 "), head  # the handler ran 4x the header timeout
         writer.write(b"GET /ping HTTP/1.1\r\n")  # the next request stalls in its headers
         assert (await closed(reader)).startswith(b"HTTP/1.1 408 ")
         writer.close()

@@ -11,6 +11,7 @@ import os
 import shutil
 import time
 from collections.abc import Awaitable, Callable
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +119,23 @@ class PrometheusServer(ManagedProcess):
             await self._until(all_up, timeout_s, f"{count} targets up")
         except AssertionError as exc:
             raise AssertionError(f"{await self.targets()}: {exc}") from None
+
+    async def scraped_since(self, since: float, scrapes: int = 1, timeout_s: float = 60.0) -> float:
+        """Until every active target has had ``scrapes`` good scrapes begun at ``since`` (Unix
+        seconds) or later: Prometheus's own scrapes counted, not waited for in seconds (a busy
+        host's come late, or time out). The latest of them (its samples' time)."""
+        seen: dict[str, set[float]] = {}
+
+        async def counted() -> bool:
+            for target in (await self.api("targets", state="active"))["activeTargets"]:
+                at = datetime.fromisoformat(target["lastScrape"]).timestamp()
+                got = seen.setdefault(target["scrapeUrl"], set())
+                if target["health"] == "up" and at >= since:
+                    got.add(at)
+            return bool(seen) and all(len(got) >= scrapes for got in seen.values())
+
+        await self._until(counted, timeout_s, f"{scrapes} good scrape(s) of every target")
+        return max(max(got) for got in seen.values())
 
     async def query_range(self, expr: str, start: float, end: float, step_s: float) -> list[Any]:
         data = await self.api(

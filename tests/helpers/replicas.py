@@ -11,6 +11,7 @@ from typing import Any
 
 import aiohttp
 import yaml
+from redis.asyncio import Redis
 
 from proxy.bench.inproc import KEYS, SECRET, auth, make_config
 from proxy.bench.stack import ProxyProcess
@@ -28,6 +29,14 @@ LIVE_REDIS: dict[str, Any] = {"call_timeout_s": 10.0, "pool_wait_s": 10.0}
 
 
 ADMIN_KEY = "replicas-admin-key"
+
+
+async def day_counter(redis: Redis) -> float:
+    """The tenant's tokens_per_day counter in Redis: what it used, and the reservations of
+    requests still on their way."""
+    keys = [k async for k in redis.scan_iter(match=f"*quota:{{{TENANT}}}:tokens_per_day:*")]
+    values = [await redis.get(k) for k in keys]
+    return sum(float(v or 0) for v in values)
 
 
 def replica_config(upstream: str, redis_url: str | None, **tenant_limits: Any) -> dict[str, Any]:

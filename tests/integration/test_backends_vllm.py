@@ -148,7 +148,9 @@ async def test_hung_backend_is_ejected_by_probe_timeout(engines: EngineFarm) -> 
     async with FakeVLLM(hang=True).serve() as hung_url:
         cfg = make_config(
             [{"url": hung_url, "max_inflight": 4}, {"url": real.spec.url, "max_inflight": 4}],
-            backend_health={"health_interval_s": 0.2, "probe_timeout_s": 0.5},
+            # The probe timeout applies to the real engine too: at 0.5 s, three /health answers
+            # late on a busy host would count it down beside the hung one.
+            backend_health={"health_interval_s": 0.2, "probe_timeout_s": 2.0},
             tiers={"normal": {"request_timeout_s": 3}},
         )
         async with running_proxy(cfg) as (base, state), aiohttp.ClientSession(timeout=TIMEOUT) as s:

@@ -108,6 +108,8 @@ def test_capacity_step(engine: EngineProcess) -> None:
             scenario, engine.spec.url, "tiny", duration_s=5.0, warmup_s=1.0, concurrency=16
         )
     )
-    assert cap.rps > 1.0
+    # Answers counted in the window, and the rate made of them: not "over 1 a second", the
+    # speed of a CPU engine on a host a busy CI can halve.
+    assert cap.completed > 0 and cap.rps == round(cap.completed / cap.window_s, 3), cap
     assert cap.output_tokens_per_s > cap.rps
     assert cap.failed == 0

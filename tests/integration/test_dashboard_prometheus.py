@@ -117,13 +117,15 @@ def errors_counted(states: list[ProxyState]) -> bool:
     )
 
 
-async def mixed_load(bases: list[str], states: list[ProxyState]) -> None:
+async def mixed_load(
+    bases: list[str], states: list[ProxyState], prom: promserver.PrometheusServer
+) -> None:
     async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
         # Two waves a scrape apart: a histogram's series appears with its first observation,
-        # and a rate needs it to grow between two scrapes.
+        # and a rate needs it to grow between two scrapes. The scrape counted, not slept on.
         for wave in range(2):
             if wave:
-                await asyncio.sleep(1.5 * SCRAPE_S)
+                await prom.scraped_since(time.time())
             statuses = await asyncio.gather(
                 *(call(s, bases[i % 2], "high", tokens=8) for i in range(3)),
                 *(call(s, bases[i % 2], "normal", stream=True) for i in range(3)),
@@ -201,9 +203,14 @@ async def test_every_dashboard_expression_draws_one_series_per_legend_on_prometh
                 await prom.ready()
                 await prom.targets_up(3)
                 load_from = time.time()
-                await mixed_load([base_a, base_b], [state_a, state_b])
-                await asyncio.sleep(3 * SCRAPE_S)  # scraped after the load, twice at least
-                drawn = await evaluate_every_panel(prom, load_from - 2 * SCRAPE_S, time.time())
+                await mixed_load([base_a, base_b], [state_a, state_b], prom)
+                scraped_at = await prom.scraped_since(time.time(), scrapes=2)  # after the load
+                # The range ends at the last of those scrapes, in whole steps from its start: its
+                # last step's rate window holds both (a series the load's end made, the tenant
+                # refused, has no rate before them; a step that fell before the second, none).
+                end = scraped_at + 0.01
+                start = end - math.ceil(end - (load_from - 2 * SCRAPE_S))
+                drawn = await evaluate_every_panel(prom, start, end)
     finally:
         redis.kill()
     assert len(drawn) >= 25  # every target of every panel

@@ -4,22 +4,25 @@ wall clock; with Redis, a second replica refuses what the first used."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import orjson
 import pytest
+from redis.asyncio import Redis
 
 from proxy.bench.fake_vllm import FakeVLLM
 from proxy.bench.hostile.kit import Response, exchange, is_openai_error, json_request
 from proxy.bench.hostile.served import NullBackend
 from proxy.bench.inproc import KEYS
+from proxy.bench.redis_server import RedisServer
 from proxy.config.scheduling import Limits, Scheduling
 from proxy.config.tenants import Tier
 from proxy.request.inbound import parse_body
 from proxy.scheduling.quotas import period
+from tests.helpers.replicas import day_counter
+from tests.helpers.timing import polls_until
 
 BODY = {"model": "null", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 # What a quota reserves for BODY: its prompt's upper bound (its bytes) and max_tokens.
@@ -66,15 +69,29 @@ async def test_a_used_up_daily_quota_is_429_until_midnight(start: Any, shared: b
     assert_quota_refusal(refused)
 
 
-async def test_a_second_replica_refuses_what_the_first_used(start: Any) -> None:
+async def test_a_second_replica_refuses_what_the_first_used(
+    start: Any, redis_server: RedisServer
+) -> None:
     a = start(quota=QUOTA)
     b = start(quota=QUOTA)
-    answered, _ = await first_refusal(a)
-    # A refusal may come of the last answer's settle still on its way to Redis (its whole
-    # reservation counted): once it landed, the quota is used up for good.
-    await asyncio.sleep(0.3)
-    while (await chat(a)).status == 200:
-        answered += 1
-        await asyncio.sleep(0.3)
+    redis = Redis.from_url(redis_server.url)
+    try:
+
+        async def settled(answered: int) -> None:  # Redis holds their usage, no reservation
+            async def landed() -> bool:
+                return await day_counter(redis) == answered * 8
+
+            await polls_until(landed, 600, f"the settles of {answered} answers in Redis")
+
+        answered, _ = await first_refusal(a)
+        # A refusal may come of the last answer's settle still on its way to Redis (its whole
+        # reservation counted): once it landed, the quota is used up for good. Waited for in
+        # Redis, not slept on (0.3 s once: a busy host's settle came later).
+        await settled(answered)
+        while (await chat(a)).status == 200:
+            answered += 1
+            await settled(answered)
+    finally:
+        await redis.aclose()
     assert answered in (2, 3)
     assert_quota_refusal(await chat(b))

@@ -19,7 +19,7 @@ from proxy.bench.hostile.served import NullBackend
 from proxy.bench.inproc import KEYS
 from proxy.bench.redis_server import RedisServer
 from tests.helpers.redis_server import stalled, until_stalled
-from tests.helpers.replicas import TENANT
+from tests.helpers.replicas import day_counter
 
 BODY = {"model": "null", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 400}
 USED = 8  # the backend reports 4 + 4 tokens an answer
@@ -31,12 +31,6 @@ REQUESTS = 24
 def backend() -> Iterator[NullBackend]:
     with NullBackend(FakeVLLM(model="null", usage=(4, 4))) as upstream:
         yield upstream
-
-
-async def day_counter(redis: Redis) -> float:
-    keys = [k async for k in redis.scan_iter(match=f"*quota:{{{TENANT}}}:tokens_per_day:*")]
-    values = [await redis.get(k) for k in keys]
-    return sum(float(v or 0) for v in values)
 
 
 async def settles_to(redis: Redis, expected: float, timeout_s: float = 8.0) -> float:

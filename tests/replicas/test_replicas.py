@@ -145,9 +145,11 @@ async def test_a_killed_replicas_slots_come_back_within_the_lease_ttl(
     redis_server: RedisServer, upstream: tuple[str, FakeVLLM], tmp_path: Path
 ) -> None:
     url, null = upstream
-    procs = await start_replicas(
-        2, replica_config(url, redis_server.url, max_concurrent=2), tmp_path
-    )
+    config = replica_config(url, redis_server.url, max_concurrent=2)
+    # Renewed every third of the TTL: at 3 s a stall of the doomed replica must pass 2 s to
+    # free its slots before the test kills it (at 1 s, one of 0.67 s did).
+    config["shared_state"]["lease_ttl_s"] = 3.0
+    procs = await start_replicas(2, config, tmp_path)
     doomed, survivor = procs
     try:
         async with aiohttp.ClientSession() as session:
@@ -164,8 +166,8 @@ async def test_a_killed_replicas_slots_come_back_within_the_lease_ttl(
             async def served() -> bool:
                 return (await post(session, survivor.url)).status == 200
 
-            # The lease TTL (1 s): 20 polls quiet, 50 with lag (a busy machine polls less).
-            await polls_until(served, 50, "the survivor to serve past the dead replica's lease")
+            # The lease TTL (3 s): 60 polls quiet, 150 with lag (a busy machine polls less).
+            await polls_until(served, 150, "the survivor to serve past the dead replica's lease")
             for task in held:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):

@@ -40,7 +40,9 @@ def slow_call(seconds: float) -> Callable[[Any], Any]:
 
 
 async def test_a_burst_past_the_pool_leaves_a_healthy_redis_up(store: Any) -> None:
-    s = await store(max_connections=2, call_timeout_s=0.25, pool_wait_s=0.25)
+    # The calls' own timeout far past their 0.1 s (0.25 s once: a busy host's stall of 0.15 s
+    # timed a healthy call out, a SharedStateDown); only the pool's wait is short.
+    s = await store(max_connections=2, call_timeout_s=5.0, pool_wait_s=0.25)
     # 20 calls of 0.1 s each on 2 connections: the last wait a second for one.
     results = await asyncio.gather(
         *(s.call(slow_call(0.1)) for _ in range(20)), return_exceptions=True

@@ -15,6 +15,7 @@ from proxy.bench.hostile.kit import RawClient
 from proxy.bench.redis_server import RedisServer
 from proxy.ops.process import free_port, http_ok
 from tests.helpers.replicas import owner, post, replica_config
+from tests.helpers.timing import polls_until
 
 
 def children(pid: int) -> set[int]:
@@ -111,8 +112,19 @@ async def test_workers_share_the_connection_cap_so_the_port_admits_the_configure
             await asyncio.sleep(0.5)  # the probe's connection closed
             for _ in range(16):
                 clients.append(await RawClient.connect("127.0.0.1", port))
-            closed = await asyncio.gather(*(c.closed_by_peer(2.0) for c in clients))
-            assert sum(not c for c in closed) <= 10, f"{sum(not c for c in closed)} kept open"
+            # The 6 past the cap closed, however late a busy host's workers get to them: counted
+            # (16 kept open fail the wait), not "closed within 2 s", which a stall could miss.
+            closing = [asyncio.create_task(c.closed_by_peer(60.0)) for c in clients]
+            try:
+                await polls_until(
+                    lambda: sum(t.done() and t.result() for t in closing) >= 6,
+                    600,
+                    "the 6 connections past the cap closed",
+                )
+            finally:
+                for task in closing:
+                    task.cancel()
+                await asyncio.gather(*closing, return_exceptions=True)
             text = log.read_text()
             assert "server.max_connections: 10 in all, 5 per worker" in text
             assert text.count(": max_connections 5,") == 2  # each worker's own line

@@ -9,6 +9,7 @@ tests/unit/test_best_tier_reserve.py."""
 from __future__ import annotations
 
 import asyncio
+import statistics
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +30,7 @@ from proxy.bench.hostile.served import (
     admin_sections,
 )
 from proxy.bench.inproc import KEYS, make_config
+from tests.helpers.timing import polls_until
 
 LOAD = 'vllm:num_requests_running{engine="0"} 0\nvllm:num_requests_waiting{engine="0"} 0\n'
 
@@ -114,7 +116,8 @@ async def test_the_best_tier_is_served_past_a_room_full_of_a_worse_tier(
     engines: list[Engine], served_over: Any
 ) -> None:
     engine = engines[0]
-    tiers = {"high": {"queue_timeout_s": 3}}
+    # A queue timeout no stall of a busy proxy reaches while the reserve serves it (3 s once).
+    tiers = {"high": {"queue_timeout_s": 15}}
     proxy = served_over([{"url": engine.url, "max_inflight": 2}], tiers=tiers)
     holds = [
         asyncio.create_task(exchange(proxy.host, proxy.port, chat("low", "hold"), timeout_s=30))
@@ -124,9 +127,9 @@ async def test_the_best_tier_is_served_past_a_room_full_of_a_worse_tier(
     while engine.chats < 2:  # the room (2) is full of the low tier; its third call queues
         assert time.monotonic() < deadline, "the low tier's calls never reached the engine"
         await asyncio.sleep(0.05)
-    # Without the reserve it would queue behind the held calls until its queue timeout (3 s)
+    # Without the reserve it would queue behind the held calls until its queue timeout (15 s)
     # and get a 503: its status tells, not a wall-clock bound a busy machine can stretch.
-    high = await exchange(proxy.host, proxy.port, chat("high", "hi"), timeout_s=10)
+    high = await exchange(proxy.host, proxy.port, chat("high", "hi"), timeout_s=60)
     assert high.status == 200, (high.status, high.body)
     normal = asyncio.create_task(
         exchange(proxy.host, proxy.port, chat("normal", "hi"), timeout_s=30)
@@ -145,31 +148,36 @@ async def test_one_backends_huge_metrics_is_cut_and_counted(
     backends = [{"url": broken.url, "max_inflight": 4}, {"url": healthy.url, "max_inflight": 4}]
     proxy = served_over(backends)  # the default cap (backend_health.max_metrics_bytes, 4 MiB)
 
-    async def worst_chat_s(chats: int) -> float:
-        worst = 0.0
+    async def chat_times_s(chats: int) -> list[float]:
+        times = []
         for _ in range(chats):
             started = time.monotonic()
             resp = await exchange(proxy.host, proxy.port, chat("high", "hi"), timeout_s=10)
-            worst = max(worst, time.monotonic() - started)
+            times.append(time.monotonic() - started)
             assert resp.status == 200
             await asyncio.sleep(0.25)
-        return worst
+        return times
 
-    quiet = await worst_chat_s(4)  # the same chats, this machine, this load, sane /metrics
+    quiet = statistics.median(await chat_times_s(5))  # this machine, this load, sane /metrics
     broken.null.metrics_padding_bytes = 48 * 1024 * 1024  # a broken exporter: 48 MB every scrape
     rss_before = proxy.rss_bytes()
-    worst = await worst_chat_s(20)  # 5 s: about ten scrapes of the broken backend
-    text = await admin_metrics(proxy)
-    oversize = [
-        line
-        for line in text.splitlines()
-        if line.startswith("tierproxy_backend_probe_failures_total{")
-        and 'reason="oversize"' in line
-        and broken.url in line
-    ]
-    # On the lockstep monitor that read it whole: seconds. Against the quiet figure of the
-    # same test (a busy machine slows both), not a fixed second.
-    assert worst < max(1.0, 10 * quiet), (worst, quiet)
-    assert oversize and float(oversize[0].rsplit(" ", 1)[1]) >= 3, oversize
+    times = await chat_times_s(20)  # 5 s: about ten scrapes of the broken backend
+
+    async def three_oversize() -> bool:  # the broken backend's scrapes refused as oversize
+        return any(
+            line.startswith("tierproxy_backend_probe_failures_total{")
+            and 'reason="oversize"' in line
+            and broken.url in line
+            and float(line.rsplit(" ", 1)[1]) >= 3
+            for line in (await admin_metrics(proxy)).splitlines()
+        )
+
+    # Three counted, however few scrapes a busy machine ran in the chats' 5 s (quiet: ten).
+    await polls_until(three_oversize, 600, "three oversize scrapes counted")
+    # On the lockstep monitor that read it whole: seconds of stall every scrape, most chats
+    # slow. Counted against the quiet figure of the same test (a busy machine slows both), and
+    # a few allowed: one stall of a busy host is one slow chat, not a stalled proxy.
+    slow = [round(t, 2) for t in times if t > max(1.0, 10 * quiet)]
+    assert len(slow) <= 3, (slow, quiet)
     assert proxy.rss_bytes() - rss_before < 32 * 1024 * 1024
     assert proxy.count(r"its /metrics answer passed 4194304 bytes") == 1

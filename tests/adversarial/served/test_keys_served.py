@@ -18,7 +18,7 @@ from proxy.bench.inproc import KEYS
 
 BODY = {"model": "null", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 COMMENT = "# the keys of the high tenant: edited by `tierproxy keys` (this comment stays)\n"
-RELOAD_WAIT_S = 10.0  # the watcher polls every second; this only bounds a failure
+RELOAD_WAIT_S = 30.0  # the watcher polls every second; this only bounds a failure (busy host)
 
 
 def _commented_config(backend_url: str) -> str:

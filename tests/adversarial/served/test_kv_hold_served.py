@@ -432,10 +432,12 @@ async def test_the_best_tier_goes_to_an_idle_backend_not_into_a_hung_ones_reserv
     await until(as_staged, "the proxy sees one engine full and the other idle")
     hung_chats = len(hung.chats())
     for i in range(6):
+        # One put into the hung engine's reserve never answers: its status and the hung
+        # engine's count tell, not "within 1.5 s", which a busy host's stall can break.
         out = await timed_chat(
-            proxy, "high", user(f"{i}: what is the capital of france?"), timeout_s=3.0
+            proxy, "high", user(f"{i}: what is the capital of france?"), timeout_s=30.0
         )
-        assert out.status == 200 and out.waited_s < 1.5, (i, out)
+        assert out.status == 200, (i, out)
     assert len(hung.chats()) == hung_chats  # none into its reserve
     high = [m for m in idle.chats() if m[0]["content"].endswith("capital of france?")]
     assert len(high) == 6

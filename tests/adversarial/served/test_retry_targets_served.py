@@ -44,9 +44,16 @@ import pytest
 from aiohttp import web
 
 from proxy.bench.fake_vllm import FakeVLLM
-from proxy.bench.hostile.kit import exchange, json_request
-from proxy.bench.hostile.served import NullBackend, ServedFleet, ServedProxy, admin_sections
+from proxy.bench.hostile.kit import exchange, json_request, request_bytes
+from proxy.bench.hostile.served import (
+    ADMIN_KEY,
+    NullBackend,
+    ServedFleet,
+    ServedProxy,
+    admin_sections,
+)
 from proxy.bench.inproc import KEYS, make_config
+from tests.helpers.timing import polls_until
 
 
 @pytest.fixture
@@ -190,7 +197,20 @@ async def test_a_request_reaching_an_engine_that_died_idle_is_served_elsewhere(
         warm = await exchange(proxy.host, proxy.port, chat(), timeout_s=20)
         assert warm.status == 200 and len(dies.null.received) == 1  # the first one, all idle
         dies.null.dead = True  # its engine core dies while nothing runs there
-        await asyncio.sleep(1.0)  # several of its /health probes fail meanwhile
+
+        async def probes_failed() -> bool:  # two: the first's mark is set by the second's count
+            metrics = request_bytes("GET", "/metrics", {"Authorization": f"Bearer {ADMIN_KEY}"})
+            resp = await exchange(proxy.host, proxy.admin_port or proxy.port, metrics)
+            return any(
+                line.startswith("tierproxy_backend_probe_failures_total{")
+                and 'probe="health"' in line
+                and dies.url in line
+                and float(line.rsplit(" ", 1)[1]) >= 2
+                for line in resp.body.decode().splitlines()
+            )
+
+        # Counted by the proxy, not slept on: a busy host's proxy probed too few times in 1 s.
+        await polls_until(probes_failed, 600, "the dead engine's /health probes to fail")
         resp = await exchange(proxy.host, proxy.port, chat(), timeout_s=20)
         # Before: 502 engine_dead, the request called a poison pill; the other backend idle.
         assert resp.status == 200, resp.body[:300]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -38,27 +37,37 @@ async def test_a_huge_prompt_being_tokenized_leaves_the_loop_to_others(start_ser
     # Tokenized whatever its length (the default max_prompt_tokens would skip this one).
     kv_cache = {"enabled": True, "tokenizer": str(TINY_MODEL_DIR), "max_prompt_tokens": 10**7}
     proxy = start_served(policies={"backends": "kv_aware"}, kv_cache=kv_cache)
-    # ~0.95 MB of text (the fake's body limit is 1 MiB): about 1 s of encode on one core, all
-    # of it with the GIL held before.
-    huge = " ".join(f"word{i % 97} alpha beta" for i in range(54_000))
-    big_started = time.monotonic()
-    big = asyncio.create_task(exchange(proxy.host, proxy.port, chat("low", huge), timeout_s=120))
-    await asyncio.sleep(0.2)  # sent, parsed, on a tokenizer thread
-    worst = 0.0
-    for _ in range(5):
-        started = time.monotonic()
-        small = await exchange(proxy.host, proxy.port, chat("high", "hi"), timeout_s=30)
-        worst = max(worst, time.monotonic() - started)
-        assert small.status == 200, small.body[:300]
-    assert not big.done(), "the huge prompt was done before the small ones ran: no test"
-    done = await big
-    big_s = time.monotonic() - big_started
-    # Counted past the model's context (the fake's /v1/models says 2048, as vLLM's would): the
-    # proxy refuses it as vLLM would, before it takes a backend's slot.
-    assert done.status == 400 and b"context_length_exceeded" in done.body, done.body[:300]
-    # With the GIL held, a one-liner waited out most of the encode (0.9-1.2 s of ~1.2 s).
-    # Against the huge prompt's own time in this test, which a busy machine stretches alike.
-    assert worst < max(0.5, 0.4 * big_s), (worst, big_s)
+
+    async def answered_during_a_huge_one(n: int) -> int:
+        """Small chats answered while a huge prompt (its own text: no cache) was tokenized."""
+        # ~0.95 MB of text (the fake's body limit is 1 MiB): about 1 s of encode on one core,
+        # all of it with the GIL held before.
+        huge = f"try{n} " + " ".join(f"word{i % 97} alpha beta" for i in range(54_000))
+        big = asyncio.create_task(
+            exchange(proxy.host, proxy.port, chat("low", huge), timeout_s=120)
+        )
+        await asyncio.sleep(0.2)  # sent, parsed, on a tokenizer thread
+        answered = 0
+        while not big.done():
+            small = await exchange(proxy.host, proxy.port, chat("high", "hi"), timeout_s=30)
+            assert small.status == 200, small.body[:300]
+            if not big.done():
+                answered += 1
+        done = await big
+        # Counted past the model's context (the fake's /v1/models says 2048, as vLLM's would):
+        # the proxy refuses it as vLLM would, before it takes a backend's slot.
+        assert done.status == 400 and b"context_length_exceeded" in done.body, done.body[:300]
+        return answered
+
+    # With the GIL held, a one-liner waited out most of the encode (0.9-1.2 s of ~1.2 s) and
+    # the huge prompt's refusal came right after it: one answer at most, in any try. Counted
+    # in answers, not in a worst time that one stall of a busy host stretches; and a few tries,
+    # as the in-process twin's: a busy host can keep the proxy's loop off its core for one
+    # whole encode.
+    tries = [await answered_during_a_huge_one(0)]
+    while tries[-1] < 5 and len(tries) < 3:
+        tries.append(await answered_during_a_huge_one(len(tries)))
+    assert tries[-1] >= 5, tries
 
 
 async def test_a_template_broken_for_every_chat_leaves_the_proxy_serving(
