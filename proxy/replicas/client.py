@@ -67,6 +67,15 @@ class SharedStateBadValue(SharedStateDown):
     decided without Redis, which stays up for every other tenant."""
 
 
+def may_have_run(failure: BaseException) -> bool:
+    """Whether a failed call's script may still have run (or run later) in Redis: a lost
+    connection or a timeout may come after Redis read it; a call that found no connection was
+    never sent, and a bad value was Redis's own answer (nothing written)."""
+    return isinstance(failure, SharedStateDown) and not isinstance(
+        failure, SharedStateBusy | SharedStateBadValue
+    )
+
+
 class Script:
     """A Lua script and its SHA1, as EVALSHA names it."""
 
@@ -199,26 +208,43 @@ class SharedStore:
         return await self.call(evalsha)
 
     async def run_or_undo(
-        self, script: Script, keys: Sequence[str], args: Sequence[Any], undo: Callable[[Any], None]
+        self,
+        script: Script,
+        keys: Sequence[str],
+        args: Sequence[Any],
+        undo: Callable[[Any], None],
+        lost: Callable[[], None] | None = None,
     ) -> Any:
         """``run`` for a script that takes something (a reservation, a slot). A caller cancelled
         while it runs (the client left mid-admission) does not leave it taken: the call goes on
-        (within its timeout) and ``undo`` gets its answer, to give back what it took."""
+        (within its timeout) and ``undo`` gets its answer, to give back what it took. If the
+        call then fails once sent (a stall past the call timeout: Redis may still run it when
+        it wakes), ``lost`` is told, to take it back by its id when Redis answers."""
         call = asyncio.ensure_future(self.run(script, keys, args))
         try:
             return await asyncio.shield(call)
         except asyncio.CancelledError:
             self._orphans.add(call)
-            call.add_done_callback(lambda done: self._undo(done, undo))
+            call.add_done_callback(lambda done: self._undo(done, undo, lost))
             raise
 
-    def _undo(self, call: asyncio.Future[Any], undo: Callable[[Any], None]) -> None:
+    def _undo(
+        self,
+        call: asyncio.Future[Any],
+        undo: Callable[[Any], None],
+        lost: Callable[[], None] | None,
+    ) -> None:
         self._orphans.discard(call)
-        if not call.cancelled() and call.exception() is None:
-            try:
+        if call.cancelled():
+            return
+        failure = call.exception()
+        try:
+            if failure is None:
                 undo(call.result())
-            except Exception:  # a callback: nothing above it would log the failure
-                log.exception("giving back an orphaned shared-state reservation failed")
+            elif lost is not None and may_have_run(failure):
+                lost()
+        except Exception:  # a callback: nothing above it would log the failure
+            log.exception("giving back an orphaned shared-state reservation failed")
 
     async def listen(self, channel: str, heard: Callable[[Any], None], what: str) -> None:
         """Call ``heard`` with each message published on ``channel``, for ever: subscribed

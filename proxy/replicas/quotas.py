@@ -127,19 +127,22 @@ class SharedQuotaBook:
         args: list[object] = self._head(op)
         for (counter, name), amount in zip(periods, amounts, strict=True):
             args += [ask.limits[counter], amount, _expiry_ms(_period_end(counter, name))]
+        # It may have run though its answer was lost (a stall past the call timeout): undone
+        # by its id once Redis answers; if it has not run yet, the undo makes it charge
+        # nothing when it does. So too when its client left and the call then failed.
+        undo = _Write(UNDO, ask.tenant, op, periods, amounts)
         try:
             answer = await self.store.run_or_undo(
                 RESERVE,
                 self._keys(ask.tenant, periods),
                 args,
                 lambda answer: self._give_back(ask, periods, op, answer),
+                lost=lambda: self._unanswer(undo),
             )
         except SharedStateBusy:
             return None  # never sent: nothing to undo
         except SharedStateDown:
-            # It may have run (a stall past the call timeout): undone by its id once Redis
-            # answers; if it has not run yet, the undo makes it charge nothing when it does.
-            self._unanswered[op] = _Write(UNDO, ask.tenant, op, periods, amounts)
+            self._unanswer(undo)
             return None
         status = self._read_status(answer, "quota")
         if self._pending or self._unanswered:
@@ -234,16 +237,21 @@ class SharedQuotaBook:
                 write.script, self._keys(write.tenant, write.periods), args
             )
         except SharedStateDown:
-            self._unanswered[write.op] = write  # sent again, same id, when Redis answers
-            if self.store.up and not self._retry_due:  # one call timed out, not marked
-                self._retry_due = True  # down: no on_up will come (one retry pending at most)
-                self._spawn(self._catch_up_later())
+            self._unanswer(write)
             return
         if self._read_status(answer, "quota") < 0:
             # Nothing written (a bad counter): owed until the key is fixed (the tokens were
             # used all the same).
             for (counter, name), amount in zip(write.periods, write.amounts, strict=True):
                 self._owe(write.tenant, counter, name, amount)
+
+    def _unanswer(self, write: _Write) -> None:
+        """A write whose answer was lost: sent again (same id, applied once) when Redis
+        answers: on its return if it is marked down, else after a probe interval."""
+        self._unanswered[write.op] = write
+        if self.store.up and not self._retry_due:  # a call timed out, not marked down: no
+            self._retry_due = True  # on_up will come (one retry pending at most)
+            self._spawn(self._catch_up_later())
 
     async def _catch_up_later(self) -> None:
         """A write that timed out while Redis still counts as up is sent again after a probe

@@ -31,10 +31,10 @@ LIVE_REDIS: dict[str, Any] = {"call_timeout_s": 10.0, "pool_wait_s": 10.0}
 ADMIN_KEY = "replicas-admin-key"
 
 
-async def day_counter(redis: Redis) -> float:
+async def day_counter(redis: Redis, tenant: str = TENANT) -> float:
     """The tenant's tokens_per_day counter in Redis: what it used, and the reservations of
     requests still on their way."""
-    keys = [k async for k in redis.scan_iter(match=f"*quota:{{{TENANT}}}:tokens_per_day:*")]
+    keys = [k async for k in redis.scan_iter(match=f"*quota:{{{tenant}}}:tokens_per_day:*")]
     values = [await redis.get(k) for k in keys]
     return sum(float(v or 0) for v in values)
 

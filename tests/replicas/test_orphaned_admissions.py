@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 from prometheus_client import CollectorRegistry
+from redis.asyncio import Redis
 
 from proxy.bench.inproc import until
 from proxy.bench.redis_server import RedisServer
@@ -23,7 +24,9 @@ from proxy.replicas.quota_scripts import RESERVE
 from proxy.replicas.quotas import SharedQuotaBook
 from proxy.replicas.scripts import ADMIT
 from proxy.scheduling.quotas import QuotaAsk
+from tests.helpers.replicas import day_counter
 from tests.helpers.shared_store import warm
+from tests.helpers.timing import polls_until
 
 REPLY_DELAY_S = 0.4  # Redis's answers reach the proxy this late (under the call timeout)
 
@@ -35,6 +38,7 @@ class SlowReplies:
 
     def __init__(self, target_port: int) -> None:
         self.target_port = target_port
+        self.delay_s = REPLY_DELAY_S  # read at each answer: a test may change it
         self.server: asyncio.Server | None = None
         self.tasks: set[asyncio.Task[None]] = set()
 
@@ -65,7 +69,7 @@ class SlowReplies:
     ) -> None:
         with contextlib.suppress(OSError):
             while data := await src.read(65536):
-                await asyncio.sleep(REPLY_DELAY_S * late)
+                await asyncio.sleep(self.delay_s * late)
                 dst.write(data)
                 await dst.drain()
         dst.close()
@@ -125,3 +129,42 @@ async def test_a_client_leaving_mid_reservation_gives_back_its_quota(
     verdict = await book.reserve(QuotaAsk("acme", day, 1000, 0.0), wall)
     assert verdict.allowed, verdict
     await book.stop()
+
+
+async def test_a_client_leaving_before_a_reservation_that_then_times_out_is_not_charged(
+    redis_server: RedisServer,
+) -> None:
+    """The client leaves mid-reservation, and the call then times out (Redis slower than the
+    call timeout), though Redis ran the script: the reservation is taken back by its id when
+    Redis answers again. Before, the orphan's failure was dropped and the day's counter kept
+    the whole reservation of a request that never ran (the reconciliation through a Redis
+    stall: counters 214 and 345 tokens over the usage log)."""
+    port = int(redis_server.url.rsplit(":", 1)[1].split("/")[0])
+    direct = Redis.from_url(redis_server.url, socket_timeout=5)
+    async with SlowReplies(port) as link:
+        config = SharedState(
+            url=link.url, call_timeout_s=REPLY_DELAY_S / 2, probe_interval_s=0.1, max_connections=2
+        )
+        store = SharedStore(config, CollectorRegistry())
+        link.delay_s = 0.0
+        await warm(store)
+        await store.redis.script_load(RESERVE.source)
+        book = SharedQuotaBook(store)
+        day = {"tokens_per_day": 1000.0}
+        link.delay_s = REPLY_DELAY_S  # the answer comes past the call timeout
+        reserving = asyncio.create_task(book.reserve(QuotaAsk("acme", day, 800, 0.0), time.time()))
+        await asyncio.sleep(REPLY_DELAY_S / 4)  # sent; the client leaves before the timeout
+        reserving.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reserving
+        await until(lambda: not store._orphans, 5, "the orphaned call's end")
+        assert await day_counter(direct, "acme") == 800  # Redis ran it: its answer was lost
+        link.delay_s = 0.0  # Redis answers in time again
+
+        async def taken_back() -> bool:
+            return await day_counter(direct, "acme") == 0
+
+        await polls_until(taken_back, 100, "the reservation taken back")
+        await book.stop()
+        await store.close()
+    await direct.aclose()
