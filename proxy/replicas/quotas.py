@@ -203,9 +203,17 @@ class SharedQuotaBook:
         return self.local.usage(tenant, limits, wall)
 
     # -- Redis writes ------------------------------------------------------------------------
-    def _owe(self, tenant: str, counter: str, name: str, amount: float) -> None:
+    def _owe(
+        self, tenant: str, counter: str, name: str, amount: float, *, soon: bool = True
+    ) -> None:
+        """Charged without Redis, to add there when it answers. ``soon``: if it counts as up
+        now (the charge was decided while it was away, or it had no connection free), after a
+        probe interval: a quiet replica's last correction otherwise waited for a reservation
+        that might never come, its tenant over-counted on every replica meanwhile."""
         key = (tenant, counter, name)
         self._pending[key] = self._pending.get(key, 0.0) + amount
+        if soon:
+            self._retry_soon()
 
     def _catch_up(self) -> None:
         """Redis answers: the lost answers' writes again (same ids), then what was owed."""
@@ -243,14 +251,19 @@ class SharedQuotaBook:
             # Nothing written (a bad counter): owed until the key is fixed (the tokens were
             # used all the same).
             for (counter, name), amount in zip(write.periods, write.amounts, strict=True):
-                self._owe(write.tenant, counter, name, amount)
+                self._owe(write.tenant, counter, name, amount, soon=False)
 
     def _unanswer(self, write: _Write) -> None:
         """A write whose answer was lost: sent again (same id, applied once) when Redis
         answers: on its return if it is marked down, else after a probe interval."""
         self._unanswered[write.op] = write
-        if self.store.up and not self._retry_due:  # a call timed out, not marked down: no
-            self._retry_due = True  # on_up will come (one retry pending at most)
+        self._retry_soon()
+
+    def _retry_soon(self) -> None:
+        """The unanswered and owed writes sent after a probe interval, if Redis counts as up
+        (down, they go when it answers again: ``on_up``); one retry pending at most."""
+        if self.store.up and not self._retry_due:
+            self._retry_due = True
             self._spawn(self._catch_up_later())
 
     async def _catch_up_later(self) -> None:
@@ -260,7 +273,7 @@ class SharedQuotaBook:
         over the usage log)."""
         await asyncio.sleep(self.store.cfg.probe_interval_s)
         self._retry_due = False
-        if self.store.up and self._unanswered:
+        if self.store.up and (self._unanswered or self._pending):
             self._catch_up()
 
 

@@ -137,6 +137,30 @@ async def test_a_settle_lost_while_redis_still_counts_as_up_lands_with_no_later_
     assert await counter(book) == 100
 
 
+async def test_a_correction_owed_after_redis_came_back_lands_with_no_later_request(
+    redis_server: RedisServer,
+) -> None:
+    """A request reserved while Redis was away (decided locally, charged there once it
+    answers) ends after it came back: the correction of its reservation to its usage is owed,
+    and sent after a probe interval. It waited for the replica's next reservation, and at a
+    quiet replica's last request never landed: the tenant over-counted on every replica."""
+    config = SharedState(url=redis_server.url, on_failure="local", **LIVE_REDIS)
+    store = SharedStore(config, CollectorRegistry())
+    await warm(store)
+    book = SharedQuotaBook(store, clock=FakeClock(NOON))
+    store.mark_down(SharedStateDown("a test's outage"))
+    held = await book.reserve(ask(600), NOON)  # decided locally, owed to Redis
+    assert held.hold is not None and not held.hold.shared
+    await until(lambda: store.up, 10, "Redis marked up again by its probe")
+    await until(lambda: not book._pending and not book._tasks, 5, "the owed charge sent")
+    assert await counter(book) == 600
+    book.settle(held.hold, 100, None)  # Redis is up: owed, no reservation after it
+    await until(lambda: not book._pending and not book._tasks, 10, "the correction sent")
+    assert await counter(book) == 100
+    await book.stop()
+    await store.close()
+
+
 async def test_records_expire_by_the_clock(book: SharedQuotaBook) -> None:
     assert isinstance(book.clock, FakeClock)
     for _ in range(3):
