@@ -49,12 +49,17 @@ local function record(value)
   redis.call('PEXPIRE', ops, ttl)
   redis.call('PEXPIRE', due, ttl)
 end
--- A counter's value: a finite number, 0 when absent; nil for anything else.
+-- A counter's value: a finite number, 0 when absent; nil for anything else, and for what
+-- tonumber reads but INCRBYFLOAT refuses (space around it: a 5 and a newline, as
+-- `redis-cli -x SET` writes), or a write would fail midway, its first counters charged, no
+-- record made.
 local function counter(key)
   local found = kind(key)
   if found == 'none' then return 0 end
   if found ~= 'string' then return nil end
-  local n = tonumber(redis.call('GET', key))
+  local raw = redis.call('GET', key)
+  if string.find(raw, '^%s') or string.find(raw, '%s$') then return nil end
+  local n = tonumber(raw)
   if n == nil or n ~= n or n == math.huge or n == -math.huge then return nil end
   return n
 end

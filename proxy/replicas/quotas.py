@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 import uuid
 from collections.abc import Callable, Coroutine, Mapping
@@ -29,7 +30,13 @@ from typing import Any
 
 from proxy.api.errors import shared_state_unavailable
 from proxy.api.quota_counters import COUNTERS
-from proxy.replicas.client import Script, SharedStateBusy, SharedStateDown, SharedStore
+from proxy.replicas.client import (
+    Script,
+    SharedStateBadValue,
+    SharedStateBusy,
+    SharedStateDown,
+    SharedStore,
+)
 from proxy.replicas.quota_scripts import APPLY, RESERVE, UNDO
 from proxy.scheduling.quotas import (
     QuotaAsk,
@@ -40,10 +47,16 @@ from proxy.scheduling.quotas import (
     period,
 )
 
+log = logging.getLogger("tierproxy.replicas")
+
 GRACE_S = 86400.0  # a key outlives its period by this much
 # A write's record in the tenant's ledger lives this long: a write sent again within it changes
 # nothing (ours are sent again within seconds of Redis answering again).
 RECORD_TTL_S = 3600.0
+# How long a stopping replica waits for Redis to take its last writes: this many call
+# timeouts, at least STOP_GRACE_MIN_S (a shutdown must end even with Redis gone).
+STOP_GRACE_CALLS = 8
+STOP_GRACE_MIN_S = 2.0
 
 Periods = tuple[tuple[str, str], ...]  # (counter, period name)
 
@@ -85,8 +98,41 @@ class SharedQuotaBook:
         store.on_up.append(self._catch_up)
 
     async def stop(self) -> None:
-        if self._tasks:  # let the last corrections reach Redis (each bounded by its timeout)
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        """The last writes sent before the store closes: those in flight, a retry sleeping,
+        and what is owed or unanswered (sent now if Redis counts as up, else when it answers
+        again), for at most ``STOP_GRACE_CALLS`` call timeouts (at least ``STOP_GRACE_MIN_S``).
+        Before, the writes a sleeping retry started were never awaited, and a replica stopped
+        just after a stall lost its undos (red team F6, F8: counters 314 to 2,120 over the bill).
+        What Redis never took is logged: lost to the counters."""
+        cfg = self.store.cfg
+        grace = max(STOP_GRACE_MIN_S, STOP_GRACE_CALLS * cfg.call_timeout_s)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        tried = False
+        while (left := deadline - loop.time()) > 0:
+            if self._tasks:
+                await asyncio.wait(set(self._tasks), timeout=left)
+            elif not self._owed_now() or (self.store.up and tried):
+                break  # all taken, or what stays owed is a bad key's (until it is fixed)
+            elif self.store.up:
+                self._catch_up()
+                tried = True
+            else:  # down: its probe may bring it back (on_up sends them)
+                await asyncio.sleep(min(cfg.probe_interval_s, left))
+        for task in self._tasks:
+            task.cancel()
+        if self._owed_now():
+            log.warning(
+                "shared quotas: stopped with %d writes unanswered and %d corrections owed to"
+                " Redis (it did not answer within %.1f s): those tenants' counters stay off by"
+                " them",
+                len(self._unanswered),
+                len(self._pending),
+                grace,
+            )
+
+    def _owed_now(self) -> bool:
+        return bool(self._unanswered or self._pending)
 
     def _key(self, tenant: str, counter: str, name: str) -> str:
         # One hash tag per tenant: a Redis Cluster keeps a tenant's keys on one slot.
@@ -244,14 +290,25 @@ class SharedQuotaBook:
             answer = await self.store.run(
                 write.script, self._keys(write.tenant, write.periods), args
             )
+        except SharedStateBadValue:
+            # Redis answered: the script stopped at a value it cannot read, before writing
+            # (the counters are checked first). Sent again by its id, it would only stop there
+            # again, every probe interval (red team F1: a counter that went on growing).
+            self._not_written(write)
+            return
         except SharedStateDown:
             self._unanswer(write)
             return
         if self._read_status(answer, "quota") < 0:
-            # Nothing written (a bad counter): owed until the key is fixed (the tokens were
-            # used all the same).
-            for (counter, name), amount in zip(write.periods, write.amounts, strict=True):
-                self._owe(write.tenant, counter, name, amount, soon=False)
+            self._not_written(write)
+
+    def _not_written(self, write: _Write) -> None:
+        """Nothing written (a bad counter): a charge or correction owed until the key is fixed
+        (the tokens were used all the same); an undo has nothing to take back there."""
+        if write.script is UNDO:
+            return
+        for (counter, name), amount in zip(write.periods, write.amounts, strict=True):
+            self._owe(write.tenant, counter, name, amount, soon=False)
 
     def _unanswer(self, write: _Write) -> None:
         """A write whose answer was lost: sent again (same id, applied once) when Redis

@@ -161,6 +161,25 @@ async def test_a_correction_owed_after_redis_came_back_lands_with_no_later_reque
     await store.close()
 
 
+async def test_a_replica_stopped_with_a_retry_sleeping_sends_its_writes_first(
+    book: SharedQuotaBook, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Red team F8 (stop 58): a replica stopped right after a stall. Its lost settle waited in
+    a sleeping retry; stopping awaited the sleep but not the writes it then started, and the
+    store closed under them (counters 314 and 424 over the bill)."""
+    held = await book.reserve(ask(600), NOON)
+    assert held.hold is not None
+    with monkeypatch.context() as patch:
+        lose_answers(book, patch, ran=False)
+        book.settle(held.hold, 100, None)  # times out: sent again after a probe interval
+        await until(lambda: bool(book._unanswered), 5, "the settle's call timed out")
+    assert book._retry_due
+    await book.stop()
+    await book.store.close()  # as the runtime does next
+    assert not book._unanswered and not book._pending
+    assert float(await book.store.redis.get(KEY % "acme") or 0) == 100
+
+
 async def test_records_expire_by_the_clock(book: SharedQuotaBook) -> None:
     assert isinstance(book.clock, FakeClock)
     for _ in range(3):
@@ -187,6 +206,36 @@ async def test_a_bad_counter_refuses_its_tenant_alone(book: SharedQuotaBook, val
     assert book.store.bad_keys.labels("quota")._value.get() == 1
     await redis.delete(KEY % "acme")  # the operator's fix: the tenant is served again
     assert (await book.reserve(ask(10), NOON)).allowed
+
+
+@pytest.mark.parametrize("raw", ["5\n", " 5", "5 "])
+async def test_a_counter_with_space_around_its_number_charges_no_other_counter(
+    book: SharedQuotaBook, monkeypatch: pytest.MonkeyPatch, raw: str
+) -> None:
+    """Red team F1 (stop 58): Lua's tonumber reads "5\n" (what `redis-cli -x SET` writes),
+    INCRBYFLOAT refuses it. The script charged the tenant's first counter, failed at the
+    second, recorded nothing; sent again every probe interval, it charged again each time
+    (6,169 counted for 325 billed, then 8.5 million). Now such a counter is a bad key: nothing
+    charged, and a correction owed for it is not sent again and again."""
+    both = {"tokens_per_day": 1000.0, "budget_per_day": 1000.0}
+    budget = KEY.replace("tokens_per_day", "budget_per_day") % "acme"
+    held = await book.reserve(QuotaAsk("acme", both, 600, 6.0), NOON)
+    assert held.hold is not None
+    await book.store.redis.set(budget, raw)  # an operator's edit while the request runs
+    with pytest.raises(ProxyError) as refused:
+        await book.reserve(QuotaAsk("acme", both, 10, 0.1), NOON)
+    assert refused.value.code == "shared_state_unavailable"
+    assert await counter(book) == 600  # the refused reservation charged no counter
+    book.settle(held.hold, 100, 1.0)  # its correction is not written while the key is bad
+    await settled(book)
+    for _ in range(3):  # nor on later catch-ups: it stays owed, written once the key is fixed
+        book._catch_up()
+        await settled(book)
+    assert await counter(book) == 600
+    await book.store.redis.set(budget, "6")  # the operator's fix
+    assert (await book.reserve(QuotaAsk("acme", both, 10, 0.1), NOON)).allowed
+    await settled(book)
+    assert await counter(book) == 110  # 600 reserved, -500 owed and written, +10
 
 
 async def test_a_ledger_of_the_wrong_type_is_reset(book: SharedQuotaBook) -> None:
