@@ -98,12 +98,9 @@ class SharedQuotaBook:
         store.on_up.append(self._catch_up)
 
     async def stop(self) -> None:
-        """The last writes sent before the store closes: those in flight, a retry sleeping,
-        and what is owed or unanswered (sent now if Redis counts as up, else when it answers
-        again), for at most ``STOP_GRACE_CALLS`` call timeouts (at least ``STOP_GRACE_MIN_S``).
-        Before, the writes a sleeping retry started were never awaited, and a replica stopped
-        just after a stall lost its undos (red team F6, F8: counters 314 to 2,120 over the bill).
-        What Redis never took is logged: lost to the counters."""
+        """The last writes sent before the store closes (in flight, sleeping, owed or
+        unanswered), for a grace (``STOP_GRACE_CALLS``); what Redis never took is logged. The
+        writes a sleeping retry started were not awaited (red team F8: +314 and +424)."""
         cfg = self.store.cfg
         grace = max(STOP_GRACE_MIN_S, STOP_GRACE_CALLS * cfg.call_timeout_s)
         loop = asyncio.get_running_loop()
@@ -131,16 +128,20 @@ class SharedQuotaBook:
                 grace,
             )
 
+    def owed(self, tenant: str, counter: str, name: str) -> float:
+        """What this replica charged on a counter that Redis has not taken yet."""
+        return self._pending.get((tenant, counter, name), 0.0)
+
     def _owed_now(self) -> bool:
         return bool(self._unanswered or self._pending)
 
-    def _key(self, tenant: str, counter: str, name: str) -> str:
+    def key(self, tenant: str, counter: str, name: str) -> str:
         # One hash tag per tenant: a Redis Cluster keeps a tenant's keys on one slot.
         return self.store.key("quota", "{" + tenant + "}", counter, name)
 
     def _keys(self, tenant: str, periods: Periods) -> list[str]:
         ledger = self.store.key("quota", "{" + tenant + "}", "ops")
-        return [ledger, f"{ledger}:due", *(self._key(tenant, c, n) for c, n in periods)]
+        return [ledger, f"{ledger}:due", *(self.key(tenant, c, n) for c, n in periods)]
 
     def _mint(self) -> str:
         return f"{self._replica}:{next(self._ops):x}"

@@ -13,6 +13,7 @@ from proxy.replicas.client import SharedStore
 from proxy.replicas.drain import SharedDrain
 from proxy.replicas.fairness import FairnessSync
 from proxy.replicas.limits import SharedLimitRegistry
+from proxy.replicas.quota_sync import QuotaSync
 from proxy.replicas.quotas import SharedQuotaBook
 from proxy.replicas.room import SharedBackendRoom
 from proxy.scheduling.queue import AdmissionQueue
@@ -32,6 +33,9 @@ class SharedRuntime:
         self.store = SharedStore(cfg, metrics.registry)
         self.limits = SharedLimitRegistry(self.store)
         self.quotas = SharedQuotaBook(self.store)
+        # For on_failure: local, every tenant's counters as Redis last had them (docs/quotas.md).
+        quotas = self.quotas
+        self.quota_copy = QuotaSync(self.store, quotas.local, quotas.key, quotas.owed)
         self.fairness = FairnessSync(self.store, lambda: queue.fairness)
         self.room = SharedBackendRoom(
             self.store,
@@ -62,6 +66,7 @@ class SharedRuntime:
         self.room.start()
         self.adapters.start()
         self.drain.start()
+        self.quota_copy.start()
 
     async def stop(self) -> None:
         await self.drain.stop()
@@ -69,5 +74,6 @@ class SharedRuntime:
         await self.room.stop()
         await self.fairness.stop()
         await self.limits.stop()
+        await self.quota_copy.stop()
         await self.quotas.stop()
         await self.store.close()

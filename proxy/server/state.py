@@ -28,7 +28,7 @@ from proxy.relay.budget import MemoryBudget
 from proxy.replicas.runtime import SharedRuntime
 from proxy.request.pipeline import RequestPipeline
 from proxy.request.prompt_blocks import PromptBlocks
-from proxy.request.quota_gate import QuotaGate
+from proxy.request.quota_gate import QuotaGate, quota_limits
 from proxy.scheduling.build import build_scheduling
 from proxy.scheduling.limits import LimitRegistry, TenantLimits, plan_changes
 from proxy.scheduling.quotas import QuotaBook, QuotaLedger
@@ -61,6 +61,7 @@ class ProxyState:
         self.limits: TenantLimits = self.shared.limits if self.shared else LimitRegistry()
         self.limits.configure(cfg.tenants, clock())
         self.quota_book: QuotaBook = self.shared.quotas if self.shared else QuotaLedger()
+        self._watch_quotas(cfg)
         self.session: aiohttp.ClientSession | None = None
         self.monitor: BackendMonitor | None = None
         self.kv_watcher: KvEventWatcher | None = None  # started by the app (proxy.server.app)
@@ -169,12 +170,18 @@ class ProxyState:
             else:  # another config came into force meanwhile: the plan is stale
                 self.limits.configure(cfg.tenants, self.clock())
             self.budget.limit_bytes = cfg.limits.max_held_bytes
+            self._watch_quotas(cfg)
             self.loaded = loaded
             self.metrics.config_generation.inc()
             self.dispatcher.kick()
             return old
 
         return commit
+
+    def _watch_quotas(self, cfg: Config) -> None:
+        """With shared state: the tenants' quota counters each replica keeps a copy of."""
+        if self.shared is not None:
+            self.shared.quota_copy.watch({t.name: quota_limits(cfg, t) for t in cfg.tenants})
 
 
 STATE = web.AppKey("tierproxy_state", ProxyState)
