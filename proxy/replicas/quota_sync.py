@@ -21,7 +21,10 @@ from proxy.scheduling.quotas import QuotaLedger, period
 
 log = logging.getLogger("tierproxy.replicas")
 
-SYNC_S = 5.0  # how often the copy is read: one pipelined call for every tenant
+SYNC_S = 5.0  # how often the copy is read
+# Keys read in one pipelined call: a call is bounded by call_timeout_s, and timeouts in a row
+# mark Redis down for every tenant, so a large tenants file is read in slices.
+KEYS_A_CALL = 256
 
 
 class QuotaSync:
@@ -80,6 +83,10 @@ class QuotaSync:
         if not wanted:
             return
 
+        for start in range(0, len(wanted), KEYS_A_CALL):
+            await self._read(wanted[start : start + KEYS_A_CALL])
+
+    async def _read(self, wanted: list[tuple[str, str, str]]) -> None:
         async def read(redis: Redis) -> list[object]:
             # One GET a key in a pipeline: a Redis Cluster splits it by slot (an MGET may not).
             pipe = redis.pipeline(transaction=False)

@@ -33,9 +33,9 @@ from proxy.api.quota_counters import COUNTERS
 from proxy.replicas.client import (
     Script,
     SharedStateBadValue,
-    SharedStateBusy,
     SharedStateDown,
     SharedStore,
+    may_have_run,
 )
 from proxy.replicas.quota_scripts import APPLY, RESERVE, UNDO
 from proxy.scheduling.quotas import (
@@ -186,10 +186,9 @@ class SharedQuotaBook:
                 lambda answer: self._give_back(ask, periods, op, answer),
                 lost=lambda: self._unanswer(undo),
             )
-        except SharedStateBusy:
-            return None  # never sent: nothing to undo
-        except SharedStateDown:
-            self._unanswer(undo)
+        except SharedStateDown as failure:
+            if may_have_run(failure):  # not "no connection free": never sent, nothing to undo
+                self._unanswer(undo)
             return None
         status = self._read_status(answer, "quota")
         if self._pending or self._unanswered:
@@ -325,10 +324,9 @@ class SharedQuotaBook:
             self._spawn(self._catch_up_later())
 
     async def _catch_up_later(self) -> None:
-        """A write that timed out while Redis still counts as up is sent again after a probe
-        interval: it waited for this replica's next reservation, and at a quiet replica's last
-        request it never landed (the reconciliation under load, stop 57: a counter 345 tokens
-        over the usage log)."""
+        """Writes unanswered, or charges owed, while Redis still counts as up, sent a probe
+        interval later: they waited for this replica's next reservation, which at a quiet
+        replica's last request never came (the reconciliation: counters 214, 345 over the log)."""
         await asyncio.sleep(self.store.cfg.probe_interval_s)
         self._retry_due = False
         if self.store.up and (self._unanswered or self._pending):

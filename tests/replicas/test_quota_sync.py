@@ -70,3 +70,17 @@ async def test_the_copy_keeps_what_this_replica_charged_that_redis_has_not_taken
     assert b.local.get("acme", "tokens_per_day", day) == 2500.0
     b.store.mark_down(SharedStateDown("a test's outage"))
     assert not (await b.reserve(QuotaAsk("acme", DAY, 600, 0.0), wall)).allowed
+
+
+async def test_a_large_tenants_file_is_read_in_slices_and_whole(
+    replicas: list[SharedQuotaBook],
+) -> None:
+    a, b = replicas
+    wall = time.time()
+    tenants = [f"t{i:03}" for i in range(600)]  # past two slices of KEYS_A_CALL
+    assert (await a.reserve(QuotaAsk(tenants[-1], DAY, 700, 0.0), wall)).allowed
+    sync = QuotaSync(b.store, b.local, b.key, b.owed)
+    sync.watch({t: ["tokens_per_day"] for t in tenants})
+    await sync.sync()
+    assert b.local.get(tenants[-1], "tokens_per_day", period("day", wall)[0]) == 700.0
+    assert b.store.up
