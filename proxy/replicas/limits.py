@@ -16,7 +16,7 @@ from typing import Any
 from proxy.api.errors import shared_state_unavailable
 from proxy.api.reply_headers import BucketWindow
 from proxy.config.tenants import Tenant
-from proxy.replicas.client import SharedStateDown, SharedStore
+from proxy.replicas.client import SharedStateDown, SharedStore, may_have_run
 from proxy.replicas.scripts import ADMIT, RENEW, SETTLE
 from proxy.scheduling.limits import LimitChanges, LimitRegistry, LimitVerdict
 from proxy.tasks import OwnedTask
@@ -102,9 +102,12 @@ class SharedLimitRegistry:
                     ],
                     # Admitted, but its caller left meanwhile: the slot and tokens go back.
                     lambda answer: self._give_back(tenant, tpm, tokens, member, answer),
+                    lost=lambda: self._release_lost(tenant, member, cfg),
                 )
-            except SharedStateDown:
-                pass  # decided below, without Redis
+            except SharedStateDown as failure:
+                if may_have_run(failure):
+                    self._release_lost(tenant, member, cfg)
+                # decided below, without Redis
             else:
                 for key in filter(None, _text(levels[-1]).split("\n")):
                     self.store.bad_key("limit", key, "reset (a full bucket, as after a restart)")
@@ -143,6 +146,32 @@ class SharedLimitRegistry:
     ) -> None:
         if int(answer[0]) == 1:
             self._settle_later(self._keys(tenant), [tpm, tokens, 0, member])
+
+    def _release_lost(self, tenant: str, member: str, cfg: Tenant) -> None:
+        """An admission whose call failed once sent (a stall past the call timeout) may have
+        run in Redis when it woke: its concurrency lease is taken out by its member, which is
+        a no-op if it never ran (without this, the tenant's slot stayed taken until the lease
+        ran out: with ``max_concurrent: 1``, every request of its refused meanwhile). What it
+        took of the minute's tokens cannot be told apart from others' and refills."""
+        if cfg.max_concurrent is not None:
+            task = asyncio.create_task(self._release(self._keys(tenant), member))
+            self._settling.add(task)
+            task.add_done_callback(self._settling.discard)
+
+    async def _release(self, keys: list[str], member: str) -> None:
+        """Take ``member``'s lease out, again each ``probe_interval_s`` while Redis does not
+        answer, until the lease would have run out anyway."""
+        cfg = self.store.cfg
+        loop = asyncio.get_running_loop()
+        ends = loop.time() + cfg.lease_ttl_s
+        while True:
+            try:
+                await self.store.run(SETTLE, [keys[1], keys[2]], [0, 0, -1, member])
+                return
+            except SharedStateDown:
+                if loop.time() + cfg.probe_interval_s >= ends:
+                    return  # its lease has run out by then
+                await asyncio.sleep(cfg.probe_interval_s)
 
     def _settle_later(self, keys: list[str], args: list[object]) -> None:
         task = asyncio.create_task(self._settle(keys, args))

@@ -168,3 +168,52 @@ async def test_a_client_leaving_before_a_reservation_that_then_times_out_is_not_
         await book.stop()
         await store.close()
     await direct.aclose()
+
+
+@pytest.mark.parametrize("client_leaves", [True, False])
+async def test_an_admission_that_times_out_after_redis_ran_it_leaves_no_slot_taken(
+    redis_server: RedisServer, client_leaves: bool
+) -> None:
+    """An admission's call times out (Redis slower than the call timeout) though Redis ran
+    the script: its concurrency lease is taken out by its member, whether the client left
+    meanwhile (the orphan's failure) or waited (decided locally). Before, the lease stayed
+    until ``lease_ttl_s``: with ``max_concurrent: 1`` the tenant was refused on every replica
+    that long for a request that never ran there."""
+    port = int(redis_server.url.rsplit(":", 1)[1].split("/")[0])
+    direct = Redis.from_url(redis_server.url, socket_timeout=5)
+    acme = Tenant(name="acme", tier="normal", keys=[{"sha256": "0" * 64}], max_concurrent=1)
+    async with SlowReplies(port) as link:
+        config = SharedState(
+            url=link.url,
+            call_timeout_s=REPLY_DELAY_S / 2,
+            probe_interval_s=0.1,
+            lease_ttl_s=60.0,  # the lease's own end is not what frees the slot here
+            max_connections=2,
+        )
+        store = SharedStore(config, CollectorRegistry())
+        link.delay_s = 0.0
+        await warm(store)
+        await store.redis.script_load(ADMIT.source)
+        limits = SharedLimitRegistry(store)
+        limits.configure([acme], time.monotonic())
+        leases = limits._keys("acme")[2]
+        link.delay_s = REPLY_DELAY_S  # the answer comes past the call timeout
+        admitting = asyncio.create_task(limits.admit("acme", 10, 0.0))
+        if client_leaves:
+            await asyncio.sleep(REPLY_DELAY_S / 4)  # sent; the client leaves before the timeout
+            admitting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await admitting
+        else:
+            assert (await admitting).allowed  # decided without Redis
+        assert await direct.zcard(leases) == 1  # Redis ran it: the lease is there
+        link.delay_s = 0.0  # Redis answers in time again
+
+        async def released() -> bool:
+            return await direct.zcard(leases) == 0
+
+        await polls_until(released, 100, "the lease taken out")
+        await until(lambda: not store._orphans and not limits._settling, 5, "the release")
+        await limits.stop()
+        await store.close()
+    await direct.aclose()
