@@ -166,11 +166,16 @@ async def test_an_outage_that_kept_redis_data_ends_with_the_days_real_use(
 async def test_refuse_answers_503_while_redis_is_down(
     books: Callable[..., Any], redis_server: RedisServer
 ) -> None:
-    (a,) = await books(1, on_failure="refuse")
+    (a,) = await books(1, on_failure="refuse", call_timeout_s=2.0, probe_interval_s=0.05)
     redis_server.kill()
     with pytest.raises(ProxyError) as refused:
         await a.reserve(ask(1), FakeClock(at("12-01T12:00:00"))())
     assert refused.value.status == 503 and refused.value.code == "shared_state_unavailable"
+    # The refused call's undo (it may have reached Redis) lands once Redis is back: nothing
+    # stays owed (before, the stop waited out its grace for it, 8 call timeouts).
+    redis_server.start()
+    await until(lambda: a.store.up, 5, "the probe to find Redis again")
+    await until(lambda: not a._owed_now() and not a._tasks, 5, "the undo to reach Redis")
 
 
 async def test_a_busy_pool_decides_locally_and_redis_learns_it_later(
