@@ -13,6 +13,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from redis.asyncio import Redis
+
 from proxy.api.errors import shared_state_unavailable
 from proxy.api.reply_headers import BucketWindow
 from proxy.config.tenants import Tenant
@@ -28,10 +30,9 @@ log = logging.getLogger("tierproxy.replicas")
 class _SharedHold:
     tenant: str
     member: str  # this request's lease in the tenant's concurrency set ("" when uncapped)
-
-
-# What ``_held`` keeps for a request admitted by this replica's own registry (Redis down).
-_LOCAL = None
+    # Admitted by this replica's own registry (Redis away): its lease is renewed into Redis
+    # once Redis answers, so that the requests it runs count there too.
+    local: bool = False
 
 
 class SharedLimitRegistry:
@@ -43,11 +44,15 @@ class SharedLimitRegistry:
         self.local = local if local is not None else LimitRegistry()
         self.replica = uuid.uuid4().hex[:12]
         self._tenants: dict[str, Tenant] = {}
-        # Admission key (minted here, LimitVerdict.hold) -> shared hold, or _LOCAL. Never a
+        # Admission key (minted here, LimitVerdict.hold) -> its hold (shared or local). Never a
         # client's X-Request-Id: a reused one would merge admissions (slots and tpm debits lost).
-        self._held: dict[str, _SharedHold | None] = {}
+        self._held: dict[str, _SharedHold] = {}
         self._admissions = itertools.count(1)
         self._settling: set[asyncio.Task[None]] = set()
+        # Concurrency set -> leases to take out (their request ended, or never ran here) that
+        # Redis has not confirmed gone: sent with each renewal until it does.
+        self._releases: dict[str, set[str]] = {}
+        store.on_up.append(self._on_up)
         self._renewer = OwnedTask("tierproxy-shared-renew")
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -58,6 +63,7 @@ class SharedLimitRegistry:
         await self._renewer.stop()
         if self._settling:  # let the last settles reach Redis (each bounded by its timeout)
             await asyncio.gather(*self._settling, return_exceptions=True)
+        await self._flush_releases()  # once more; else they expire by their TTL
 
     def configure(self, tenants: list[Tenant], now: float) -> None:
         self._tenants = {t.name: t for t in tenants}
@@ -85,8 +91,9 @@ class SharedLimitRegistry:
         if cfg is None or not _limited(cfg):
             return LimitVerdict(True)
         hold = self._mint()
+        member = f"{self.replica}:{hold}"
+        capped = cfg.max_concurrent is not None
         if self.store.up:
-            member = f"{self.replica}:{hold}"
             tpm = cfg.tokens_per_minute or 0
             try:
                 allowed, wait, which, *levels = await self.store.run_or_undo(
@@ -102,26 +109,28 @@ class SharedLimitRegistry:
                     ],
                     # Admitted, but its caller left meanwhile: the slot and tokens go back.
                     lambda answer: self._give_back(tenant, tpm, tokens, member, answer),
-                    lost=lambda: self._release_lost(tenant, member, cfg),
+                    # Its call failed once sent (a stall past the call timeout): Redis may
+                    # run it when it wakes, and its lease would hold a slot for nothing.
+                    lost=lambda: self._release_later(tenant, member, capped),
                 )
             except SharedStateDown as failure:
                 if may_have_run(failure):
-                    self._release_lost(tenant, member, cfg)
+                    self._release_later(tenant, member, capped)
                 # decided below, without Redis
             else:
                 for key in filter(None, _text(levels[-1]).split("\n")):
                     self.store.bad_key("limit", key, "reset (a full bucket, as after a restart)")
                 if int(allowed) != 1:
                     return LimitVerdict(False, float(wait), _text(which))
-                capped = cfg.max_concurrent is not None
                 self._held[hold] = _SharedHold(tenant, member if capped else "")
                 return LimitVerdict(True, hold=hold, windows=_windows(cfg, levels[:2]))
         if self.store.cfg.on_failure == "refuse":
             raise shared_state_unavailable(self.store.cfg.probe_interval_s)
-        verdict = self.local.try_admit(tenant, tokens, now)
+        # Its requests Redis admitted that still run here count against its cap too.
+        verdict = self.local.try_admit(tenant, tokens, now, running=self._shared_running(tenant))
         if not verdict.allowed:
             return verdict
-        self._held[hold] = _LOCAL
+        self._held[hold] = _SharedHold(tenant, member if capped else "", local=True)
         return LimitVerdict(True, hold=hold, windows=verdict.windows)
 
     def settle(
@@ -130,8 +139,9 @@ class SharedLimitRegistry:
         if hold not in self._held:
             return  # admitted with no limit at all
         held = self._held.pop(hold)
-        if held is _LOCAL:
+        if held.local:
             self.local.settle(tenant, reserved, used, now)
+            self._release_later(tenant, held.member, bool(held.member))  # renewed into Redis?
             return
         cfg = self._tenants.get(tenant)
         tpm = (cfg.tokens_per_minute or 0) if cfg is not None else 0
@@ -147,31 +157,33 @@ class SharedLimitRegistry:
         if int(answer[0]) == 1:
             self._settle_later(self._keys(tenant), [tpm, tokens, 0, member])
 
-    def _release_lost(self, tenant: str, member: str, cfg: Tenant) -> None:
-        """An admission whose call failed once sent (a stall past the call timeout) may have
-        run in Redis when it woke: its concurrency lease is taken out by its member, which is
-        a no-op if it never ran (without this, the tenant's slot stayed taken until the lease
-        ran out: with ``max_concurrent: 1``, every request of its refused meanwhile). What it
-        took of the minute's tokens cannot be told apart from others' and refills."""
-        if cfg.max_concurrent is not None:
-            task = asyncio.create_task(self._release(self._keys(tenant), member))
-            self._settling.add(task)
-            task.add_done_callback(self._settling.discard)
+    def _release_later(self, tenant: str, member: str, capped: bool) -> None:
+        """Take ``member``'s lease out of Redis at the next renewal, and at each one after
+        until Redis confirms it (a no-op where it never was). For an admission whose call
+        failed once sent, a settle Redis did not answer, a local admission's renewed lease:
+        without it the tenant's slot stayed taken until the lease ran out (with
+        ``max_concurrent: 1``, every request of its refused meanwhile, and longer where a
+        stalled admission ran when Redis woke). What an admission took of the minute's tokens
+        cannot be told apart from others' and refills."""
+        if capped:
+            self._releases.setdefault(self._keys(tenant)[2], set()).add(member)
 
-    async def _release(self, keys: list[str], member: str) -> None:
-        """Take ``member``'s lease out, again each ``probe_interval_s`` while Redis does not
-        answer, until the lease would have run out anyway."""
-        cfg = self.store.cfg
-        loop = asyncio.get_running_loop()
-        ends = loop.time() + cfg.lease_ttl_s
-        while True:
+    async def _flush_releases(self) -> None:
+        if not self._releases or not self.store.up:
+            return
+        for key, members in list(self._releases.items()):
+            sent = tuple(members)
+
+            async def zrem(redis: Redis, key: str = key, sent: tuple[str, ...] = sent) -> int:
+                return int(await redis.zrem(key, *sent))
+
             try:
-                await self.store.run(SETTLE, [keys[1], keys[2]], [0, 0, -1, member])
-                return
+                await self.store.call(zrem)
             except SharedStateDown:
-                if loop.time() + cfg.probe_interval_s >= ends:
-                    return  # its lease has run out by then
-                await asyncio.sleep(cfg.probe_interval_s)
+                return  # the next renewal sends them again
+            members.difference_update(sent)
+            if not members:
+                del self._releases[key]
 
     def _settle_later(self, keys: list[str], args: list[object]) -> None:
         task = asyncio.create_task(self._settle(keys, args))
@@ -179,10 +191,13 @@ class SharedLimitRegistry:
         task.add_done_callback(self._settling.discard)
 
     async def _settle(self, keys: list[str], args: list[object]) -> None:
-        # Lost when Redis is down: the lease then expires within lease_ttl_s and the token
-        # correction is forgone (docs/scale-out.md, failure modes).
-        with contextlib.suppress(SharedStateDown):
+        # Not answered (Redis down, or slow): the lease is taken out at the next renewals, the
+        # token correction is forgone (docs/scale-out.md, failure modes).
+        try:
             await self.store.run(SETTLE, [keys[1], keys[2]], args)
+        except SharedStateDown:
+            if member := str(args[3]):
+                self._releases.setdefault(keys[2], set()).add(member)
 
     def windows(self, tenant: str, now: float) -> dict[str, BucketWindow]:
         """The x-ratelimit-* figures: none while Redis decides (the global levels live there
@@ -192,19 +207,33 @@ class SharedLimitRegistry:
 
     def concurrent(self, tenant: str) -> int:
         """This replica's requests of ``tenant`` holding a limit (shared or local)."""
-        shared = sum(1 for h in self._held.values() if h is not None and h.tenant == tenant)
-        return shared + self.local.concurrent(tenant)
+        return self._shared_running(tenant) + self.local.concurrent(tenant)
+
+    def _shared_running(self, tenant: str) -> int:
+        return sum(1 for h in self._held.values() if h.tenant == tenant and not h.local)
 
     # -- leases --------------------------------------------------------------------------
     async def _renew_forever(self) -> None:
         interval = min(self.store.cfg.sync_interval_s * 10, self.store.cfg.lease_ttl_s / 3)
         while True:
             await asyncio.sleep(interval)
-            await self.renew()
+            await self._renew_and_release()
+
+    def _on_up(self) -> None:
+        """Redis answers again: the leases of what runs here (admitted locally meanwhile too)
+        go in, and those to take out go, now rather than at the next renewal."""
+        task = asyncio.create_task(self._renew_and_release())
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+    async def _renew_and_release(self) -> None:
+        await self.renew()
+        await self._flush_releases()
 
     async def renew(self) -> None:
-        """Push the leases of this replica's running capped requests forward by the TTL."""
-        holds = [h for h in self._held.values() if h is not None and h.member]
+        """Push the leases of this replica's running capped requests forward by the TTL (those
+        admitted locally while Redis was away too: they run, and count there from now)."""
+        holds = [h for h in self._held.values() if h.member]
         if not holds or not self.store.up:
             return
         keys = [self._keys(h.tenant)[2] for h in holds]

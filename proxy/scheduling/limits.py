@@ -97,8 +97,10 @@ class TenantLimiter:
         old._level = min(old._level, per_minute)
         return old
 
-    def check(self, tokens: float, now: float) -> LimitVerdict:
-        if self.max_concurrent is not None and self.concurrent >= self.max_concurrent:
+    def check(self, tokens: float, now: float, running: int = 0) -> LimitVerdict:
+        """``running``: the tenant's requests running here that this limiter did not admit
+        (admitted through Redis, before it went away)."""
+        if self.max_concurrent is not None and self.concurrent + running >= self.max_concurrent:
             # Frees when one of the tenant's requests ends; no clock can say when.
             return LimitVerdict(False, 1.0, "max_concurrent")
         waits = []
@@ -221,11 +223,12 @@ class LimitRegistry:
         else:
             limiter.update(tenant, now)
 
-    def try_admit(self, tenant: str, tokens: float, now: float) -> LimitVerdict:
+    def try_admit(self, tenant: str, tokens: float, now: float, running: int = 0) -> LimitVerdict:
+        """``running``: as ``TenantLimiter.check``'s."""
         limiter = self._by_tenant.get(tenant)
         if limiter is None:
             return LimitVerdict(True)
-        verdict = limiter.check(tokens, now)
+        verdict = limiter.check(tokens, now, running)
         if verdict.allowed:
             limiter.admit(tokens, now)
             return LimitVerdict(True, windows=self.windows(tenant, now))

@@ -179,7 +179,7 @@ async def test_redis_down_falls_back_to_local_limits_and_recovers(
     assert time.monotonic() - started < 3 * call_timeout_s
     assert verdict.allowed  # this replica's own (full) bucket decided
     assert gauge._value.get() == 1
-    assert verdict.hold in a._held and a._held[verdict.hold] is None  # settled locally
+    assert verdict.hold in a._held and a._held[verdict.hold].local  # settled locally
     redis_server.start()
     await until(lambda: a.store.up, 30, "the probe to find Redis again")
     assert gauge._value.get() == 0
@@ -243,3 +243,37 @@ async def test_a_bucket_of_the_wrong_type_is_reset_for_its_tenant(
     finally:
         await registry.stop()
         await store.close()
+
+
+async def test_a_capped_tenant_runs_no_more_than_its_cap_through_a_redis_outage_and_after(
+    replicas: Callable[..., Any], redis_server: RedisServer
+) -> None:
+    """Red team, stop 59: the local fallback did not count the requests Redis had admitted
+    that still ran here (3 at once for a cap of 1 on two replicas, beyond the docs' 2), and
+    once Redis answered again it did not know the requests admitted locally meanwhile (3 at
+    once for 2.2 s after it was healthy)."""
+    (a,) = await replicas(1, tenant(max_concurrent=1), call_timeout_s=2.0, probe_interval_s=0.05)
+    a.start()  # its renewals, as served
+    leases = a._keys("acme")[2]
+    first = await a.admit("acme", 1, 0.0)
+    assert first.allowed and not a._held[first.hold].local
+    redis_server.kill()
+    # Decided here: the one Redis admitted runs here still, and the cap is 1.
+    refused = await a.admit("acme", 1, 0.0)
+    assert not refused.allowed and refused.limit == "max_concurrent", refused
+    a.settle("acme", 1, 1, 0.0, first.hold)  # it ends while Redis is away
+    local = await a.admit("acme", 1, 0.0)
+    assert local.allowed and a._held[local.hold].local
+    redis_server.start()  # empty (no persistence)
+    await until(lambda: a.store.up, 30, "the probe to find Redis again")
+
+    async def leased(n: int) -> bool:
+        return int(await a.store.redis.zcard(leases)) == n
+
+    # The one admitted locally runs: its lease goes into Redis, and Redis refuses a second.
+    await polls_until(lambda: leased(1), 100, "the local admission's lease in Redis")
+    again = await a.admit("acme", 1, 0.0)
+    assert not again.allowed and again.limit == "max_concurrent", again
+    a.settle("acme", 1, 1, 0.0, local.hold)
+    await polls_until(lambda: leased(0), 100, "its lease taken out once it ended")
+    assert (await a.admit("acme", 1, 0.0)).allowed
