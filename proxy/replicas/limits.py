@@ -52,6 +52,7 @@ class SharedLimitRegistry:
         # Concurrency set -> leases to take out (their request ended, or never ran here) that
         # Redis has not confirmed gone: sent with each renewal until it does.
         self._releases: dict[str, set[str]] = {}
+        self._renewing: asyncio.Task[None] | None = None  # a renewal out of turn (_renew_soon)
         store.on_up.append(self._on_up)
         self._renewer = OwnedTask("tierproxy-shared-renew")
 
@@ -130,7 +131,12 @@ class SharedLimitRegistry:
         verdict = self.local.try_admit(tenant, tokens, now, running=self._shared_running(tenant))
         if not verdict.allowed:
             return verdict
-        self._held[hold] = _SharedHold(tenant, member if capped else "", local=True)
+        # A lease of its own: the timed-out admission's member may be queued to be taken out
+        # (red team, stop 59: renewed in, then taken out at once, it ran uncounted).
+        local = f"{member}:local" if capped else ""
+        self._held[hold] = _SharedHold(tenant, local, local=True)
+        if capped and self.store.up:
+            self._renew_soon()  # Redis answers (a call timed out, a busy pool): tell it now
         return LimitVerdict(True, hold=hold, windows=verdict.windows)
 
     def settle(
@@ -222,7 +228,14 @@ class SharedLimitRegistry:
     def _on_up(self) -> None:
         """Redis answers again: the leases of what runs here (admitted locally meanwhile too)
         go in, and those to take out go, now rather than at the next renewal."""
+        self._renew_soon()
+
+    def _renew_soon(self) -> None:
+        """A renewal now, unless one started this way is still running."""
+        if self._renewing is not None and not self._renewing.done():
+            return
         task = asyncio.create_task(self._renew_and_release())
+        self._renewing = task
         self._settling.add(task)
         task.add_done_callback(self._settling.discard)
 
