@@ -53,6 +53,9 @@ class SharedLimitRegistry:
         # Redis has not confirmed gone: sent with each renewal until it does.
         self._releases: dict[str, set[str]] = {}
         self._renewing: asyncio.Task[None] | None = None  # a renewal out of turn (_renew_soon)
+        # Leases of local admissions a renewal was sent for (they may be in Redis): only these
+        # are taken out when they end (a long outage's local requests would queue millions).
+        self._renewed_locals: set[str] = set()
         store.on_up.append(self._on_up)
         self._renewer = OwnedTask("tierproxy-shared-renew")
 
@@ -147,7 +150,9 @@ class SharedLimitRegistry:
         held = self._held.pop(hold)
         if held.local:
             self.local.settle(tenant, reserved, used, now)
-            self._release_later(tenant, held.member, bool(held.member))  # renewed into Redis?
+            if held.member in self._renewed_locals:  # renewed into Redis
+                self._renewed_locals.discard(held.member)
+                self._release_later(tenant, held.member, True)
             return
         cfg = self._tenants.get(tenant)
         tpm = (cfg.tokens_per_minute or 0) if cfg is not None else 0
@@ -251,6 +256,7 @@ class SharedLimitRegistry:
             return
         keys = [self._keys(h.tenant)[2] for h in holds]
         args = [self.store.cfg.lease_ttl_s, *(h.member for h in holds)]
+        self._renewed_locals.update(h.member for h in holds if h.local)
         with contextlib.suppress(SharedStateDown):
             await self.store.run(RENEW, keys, args)
 
