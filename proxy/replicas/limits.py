@@ -10,6 +10,7 @@ import contextlib
 import itertools
 import logging
 import uuid
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -197,9 +198,14 @@ class SharedLimitRegistry:
                 del self._releases[key]
 
     def _settle_later(self, keys: list[str], args: list[object]) -> None:
-        task = asyncio.create_task(self._settle(keys, args))
+        self._spawn(self._settle(keys, args))
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """``work`` in a task of this registry's (``stop`` awaits them)."""
+        task = asyncio.create_task(work)
         self._settling.add(task)
         task.add_done_callback(self._settling.discard)
+        return task
 
     async def _settle(self, keys: list[str], args: list[object]) -> None:
         # Not answered (Redis down, or slow): the lease is taken out at the next renewals, the
@@ -239,10 +245,7 @@ class SharedLimitRegistry:
         """A renewal now, unless one started this way is still running."""
         if self._renewing is not None and not self._renewing.done():
             return
-        task = asyncio.create_task(self._renew_and_release())
-        self._renewing = task
-        self._settling.add(task)
-        task.add_done_callback(self._settling.discard)
+        self._renewing = self._spawn(self._renew_and_release())
 
     async def _renew_and_release(self) -> None:
         await self.renew()
